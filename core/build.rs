@@ -1,0 +1,3 @@
+fn main() {
+    lockstep_linkage::link_libtorch();
+}

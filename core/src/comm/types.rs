@@ -1,0 +1,189 @@
+//! Element types and reduction operators shared by every backend.
+
+use crate::comm::CommError;
+use tch::Kind;
+
+/// Element types a collective accepts. Mirrors the `tch::Kind`s training code uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum DType {
+    F32,
+    F64,
+    BF16,
+    F16,
+    I64,
+    I32,
+    U8,
+    Bool,
+}
+
+impl DType {
+    /// The collective dtype for a tensor kind, or an error naming the unsupported kind.
+    pub fn from_kind(kind: Kind) -> Result<Self, CommError> {
+        Ok(match kind {
+            Kind::Float => DType::F32,
+            Kind::Double => DType::F64,
+            Kind::BFloat16 => DType::BF16,
+            Kind::Half => DType::F16,
+            Kind::Int64 => DType::I64,
+            Kind::Int => DType::I32,
+            Kind::Uint8 => DType::U8,
+            Kind::Bool => DType::Bool,
+            other => {
+                return Err(CommError::InvalidArgument(format!(
+                    "dtype {other:?} is not supported by collectives"
+                )))
+            }
+        })
+    }
+
+    /// The tensor kind holding this dtype.
+    pub fn kind(self) -> Kind {
+        match self {
+            DType::F32 => Kind::Float,
+            DType::F64 => Kind::Double,
+            DType::BF16 => Kind::BFloat16,
+            DType::F16 => Kind::Half,
+            DType::I64 => Kind::Int64,
+            DType::I32 => Kind::Int,
+            DType::U8 => Kind::Uint8,
+            DType::Bool => Kind::Bool,
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F64 | DType::I64 => 8,
+            DType::F32 | DType::I32 => 4,
+            DType::BF16 | DType::F16 => 2,
+            DType::U8 | DType::Bool => 1,
+        }
+    }
+
+    /// Whether the dtype is a floating-point type (the only ones `Avg` accepts).
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+    }
+
+    pub(crate) fn code(self) -> u8 {
+        self as u8
+    }
+
+    pub(crate) fn from_code(code: u8) -> Option<Self> {
+        [
+            DType::F32,
+            DType::F64,
+            DType::BF16,
+            DType::F16,
+            DType::I64,
+            DType::I32,
+            DType::U8,
+            DType::Bool,
+        ]
+        .get(code as usize)
+        .copied()
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            DType::I64 => "i64",
+            DType::I32 => "i32",
+            DType::U8 => "u8",
+            DType::Bool => "bool",
+        };
+        f.write_str(name)
+    }
+}
+
+/// How a reduction combines the ranks' values.
+///
+/// `Avg` is the rank-order sum divided by the group size once at the end (floating dtypes
+/// only). For `Bool`, `Sum` and `Max` are logical or and `Min` is logical and, as in PyTorch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum ReduceOp {
+    Sum,
+    Avg,
+    Max,
+    Min,
+}
+
+impl ReduceOp {
+    pub(crate) fn code(self) -> u8 {
+        self as u8
+    }
+
+    pub(crate) fn from_code(code: u8) -> Option<Self> {
+        [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min]
+            .get(code as usize)
+            .copied()
+    }
+}
+
+impl std::fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Avg => "avg",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+        };
+        f.write_str(name)
+    }
+}
+
+/// The collectives and point-to-point operations, as named in errors and flight records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum OpKind {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    Broadcast,
+    AllToAll,
+    Barrier,
+    Send,
+    Recv,
+}
+
+impl OpKind {
+    pub(crate) fn code(self) -> u8 {
+        self as u8
+    }
+
+    pub(crate) fn from_code(code: u8) -> Option<Self> {
+        use OpKind::*;
+        [
+            AllReduce,
+            AllGather,
+            ReduceScatter,
+            Broadcast,
+            AllToAll,
+            Barrier,
+            Send,
+            Recv,
+        ]
+        .get(code as usize)
+        .copied()
+    }
+}
+
+impl std::fmt::Display for OpKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = match self {
+            OpKind::AllReduce => "all_reduce",
+            OpKind::AllGather => "all_gather",
+            OpKind::ReduceScatter => "reduce_scatter",
+            OpKind::Broadcast => "broadcast",
+            OpKind::AllToAll => "all_to_all",
+            OpKind::Barrier => "barrier",
+            OpKind::Send => "send",
+            OpKind::Recv => "recv",
+        };
+        f.write_str(name)
+    }
+}

@@ -1,0 +1,219 @@
+//! Lockstep's harness: run a test body on N ranks, one process each, like PyTorch's
+//! `MultiProcessTestCase` but fast and explicit about failures.
+//!
+//! ```no_run
+//! # use lockstep_core::comm::ReduceOp;
+//! #[test]
+//! fn sums_across_ranks() {
+//!     lockstep_harness::run(4, |ctx| {
+//!         let t = tch::Tensor::from_slice(&[ctx.rank() as f32]);
+//!         ctx.group().all_reduce(&t, ReduceOp::Sum)?;
+//!         assert_eq!(t.double_value(&[0]), 6.0);
+//!         Ok::<(), lockstep_core::CommError>(())
+//!     });
+//! }
+//! ```
+//!
+//! The test process becomes the launcher: it hosts the store and re-executes its own test
+//! binary once per rank, filtered to this one test. Works under `cargo test` and
+//! `cargo nextest run`. The first failing rank stops the run; the panic names the rank, its
+//! message and its stderr tail; a hang times out (default 300 s) and prints every rank's
+//! flight recorder.
+
+mod error;
+pub mod launch;
+mod rank;
+
+pub use error::{signal_name, FailureReport, LaunchError, RankEnd, RankReport};
+pub use launch::{launch, LaunchOptions, LaunchSummary, RankCommand, RankInfo, RankSpawn};
+pub use rank::{rank_main, RankCtx, RankResult};
+
+use std::time::Duration;
+
+/// Default time a whole multi-rank test may take before it is declared hung.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// How a launched test ended when it did not fail.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Every rank succeeded.
+    Passed(LaunchSummary),
+    /// Not run, for the given reason (too few GPUs, missing backend).
+    Skipped(String),
+}
+
+/// A multi-rank test run, configured builder-style.
+#[derive(Clone, Debug)]
+pub struct Run {
+    world_size: usize,
+    timeout: Duration,
+    gpus: usize,
+    backend: String,
+    name: Option<String>,
+    spawn: Option<SpawnMode>,
+}
+
+/// How the harness starts rank processes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpawnMode {
+    /// Fork the test process per rank: ranks start in milliseconds, sharing the already
+    /// loaded libtorch. CPU backend only.
+    Fork,
+    /// Re-execute the test binary per rank, filtered to this test: a fresh process image.
+    Exec,
+}
+
+/// Runs `body` on `world_size` ranks with the defaults; panics with the failure report.
+pub fn run<F, R>(world_size: usize, body: F)
+where
+    F: Fn(&RankCtx) -> R,
+    R: RankResult,
+{
+    Run::new(world_size).run(body);
+}
+
+impl Run {
+    /// A run of `world_size` ranks on the CPU backend with the default timeout.
+    pub fn new(world_size: usize) -> Self {
+        Run {
+            world_size,
+            timeout: DEFAULT_TIMEOUT,
+            gpus: 0,
+            backend: "cpu".into(),
+            name: None,
+            spawn: None,
+        }
+    }
+
+    /// How long the whole run may take before it is declared hung.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Requires `n` CUDA devices; with fewer the run is skipped with a `SKIP:` line.
+    pub fn gpus(mut self, n: usize) -> Self {
+        self.gpus = n;
+        self
+    }
+
+    /// Selects the backend (`cpu` or `nccl`). NCCL implies one GPU per rank.
+    pub fn backend(mut self, backend: &str) -> Self {
+        self.backend = backend.to_owned();
+        if backend == "nccl" {
+            self.gpus = self.gpus.max(self.world_size);
+        }
+        self
+    }
+
+    /// How ranks are started (default: fork on CPU, exec on NCCL).
+    pub fn spawn(mut self, mode: SpawnMode) -> Self {
+        self.spawn = Some(mode);
+        self
+    }
+
+    /// The libtest name of the test calling this; needed only where the thread name is not
+    /// the test name (a test that spawns its own thread).
+    pub fn test_name(mut self, name: &str) -> Self {
+        self.name = Some(name.to_owned());
+        self
+    }
+
+    /// Runs `body` on every rank and panics with the failure report if a rank fails. Returns
+    /// in the launcher (the test process) once every rank is done or the run was skipped.
+    pub fn run<F, R>(self, body: F) -> Outcome
+    where
+        F: Fn(&RankCtx) -> R,
+        R: RankResult,
+    {
+        match self.try_run(body) {
+            Ok(outcome) => outcome,
+            Err(e) => panic!("multi-rank test failed:\n{e}"),
+        }
+    }
+
+    /// As [`Run::run`], returning the failure instead of panicking (tests of the harness
+    /// itself assert on it).
+    pub fn try_run<F, R>(self, body: F) -> Result<Outcome, LaunchError>
+    where
+        F: Fn(&RankCtx) -> R,
+        R: RankResult,
+    {
+        let name = self
+            .name
+            .clone()
+            .or_else(|| std::thread::current().name().map(str::to_owned))
+            .filter(|n| n != "main")
+            .ok_or_else(|| LaunchError::Invalid("cannot tell which test is running: call Run::test_name".into()))?;
+        if let Some(rank_env) = rank::RankEnv::for_test(&name) {
+            rank::run_rank(rank_env, &body);
+        }
+        if let Some(rank_env) = rank::RankEnv::external() {
+            rank::run_external(rank_env, &body);
+            return Ok(Outcome::Passed(LaunchSummary {
+                elapsed: Duration::ZERO,
+                ranks: vec![],
+            }));
+        }
+        if let Some(reason) = self.skip_reason() {
+            println!("SKIP: {reason}");
+            eprintln!("SKIP: {reason}");
+            return Ok(Outcome::Skipped(reason));
+        }
+        let opts = LaunchOptions {
+            world_size: self.world_size,
+            timeout: self.timeout,
+            backend: self.backend.clone(),
+        };
+        let summary = match self.spawn_mode()? {
+            SpawnMode::Fork => launch(
+                &opts,
+                RankSpawn::Fork(&|info| rank::execute_rank(rank::RankEnv::from_info(&info), &body)),
+            )?,
+            SpawnMode::Exec => {
+                let exe = std::env::current_exe().map_err(|e| LaunchError::Invalid(format!("cannot find the test binary: {e}")))?;
+                let command = |_| RankCommand {
+                    program: exe.clone(),
+                    args: vec![
+                        name.clone(),
+                        "--exact".into(),
+                        "--nocapture".into(),
+                        "--test-threads".into(),
+                        "1".into(),
+                    ],
+                    env: vec![(launch::env::TEST.into(), name.clone())],
+                };
+                launch(&opts, RankSpawn::Exec(&command))?
+            }
+        };
+        Ok(Outcome::Passed(summary))
+    }
+
+    /// Fork for the CPU backend (fast start), exec for NCCL (CUDA is not fork-safe);
+    /// `LOCKSTEP_SPAWN=exec|fork` or [`Run::spawn`] overrides.
+    fn spawn_mode(&self) -> Result<SpawnMode, LaunchError> {
+        if let Some(mode) = self.spawn {
+            return Ok(mode);
+        }
+        match std::env::var("LOCKSTEP_SPAWN").ok().as_deref() {
+            Some("exec") => Ok(SpawnMode::Exec),
+            Some("fork") => Ok(SpawnMode::Fork),
+            Some(other) => Err(LaunchError::Invalid(format!("LOCKSTEP_SPAWN={other:?}: expected exec or fork"))),
+            None if self.backend == "nccl" => Ok(SpawnMode::Exec),
+            None => Ok(SpawnMode::Fork),
+        }
+    }
+
+    fn skip_reason(&self) -> Option<String> {
+        if self.backend == "nccl" && !cfg!(feature = "nccl") {
+            return Some("needs the NCCL backend, but this build has no `nccl` feature".into());
+        }
+        if self.gpus > 0 {
+            let found = tch::Cuda::device_count().max(0) as usize;
+            if found < self.gpus {
+                return Some(format!("needs {} GPUs, found {found}", self.gpus));
+            }
+        }
+        None
+    }
+}
