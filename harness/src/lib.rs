@@ -26,7 +26,7 @@ mod rank;
 
 pub use error::{signal_name, FailureReport, LaunchError, RankEnd, RankReport};
 pub use launch::{launch, LaunchOptions, LaunchSummary, RankCommand, RankInfo, RankSpawn};
-pub use rank::{rank_main, RankCtx, RankResult};
+pub use rank::{execute_forked_rank, rank_main, RankCtx, RankResult};
 
 use std::time::Duration;
 

@@ -180,7 +180,7 @@ fn configure_threads() {
 /// launcher can quote it exactly.
 pub(crate) fn execute_rank<F, R>(rank_env: RankEnv, body: &F) -> i32
 where
-    F: Fn(&RankCtx) -> R,
+    F: Fn(&RankCtx) -> R + ?Sized,
     R: RankResult,
 {
     let rank = rank_env.opts.rank;
@@ -223,7 +223,7 @@ where
 /// Runs `body` as an executed rank process and exits with its outcome.
 pub(crate) fn run_rank<F, R>(rank_env: RankEnv, body: &F) -> !
 where
-    F: Fn(&RankCtx) -> R,
+    F: Fn(&RankCtx) -> R + ?Sized,
     R: RankResult,
 {
     let code = execute_rank(rank_env, body);
@@ -235,7 +235,7 @@ where
 /// Runs `body` in a process an external launcher started; panics on failure.
 pub(crate) fn run_external<F, R>(rank_env: RankEnv, body: &F)
 where
-    F: Fn(&RankCtx) -> R,
+    F: Fn(&RankCtx) -> R + ?Sized,
     R: RankResult,
 {
     let world = match rank_env.join() {
@@ -260,6 +260,16 @@ fn install_dump_handler(dir: PathBuf, rank: usize) {
                 }
             });
     }
+}
+
+/// Runs `body` as the rank a forked launcher child was given, returning the exit code
+/// (for [`crate::RankSpawn::Fork`] users outside tests, such as the CLI's benchmarks).
+pub fn execute_forked_rank<F, R>(info: RankInfo, body: &F) -> i32
+where
+    F: Fn(&RankCtx) -> R + ?Sized,
+    R: RankResult,
+{
+    execute_rank(RankEnv::from_info(&info), body)
 }
 
 /// Entry point for binaries (like the CLI) whose rank processes were started by

@@ -38,3 +38,17 @@ pub fn link_libtorch() {
         println!("cargo:rustc-link-arg=-Wl,--as-needed");
     }
 }
+
+/// Exposes the linked libtorch's version to the crate as `env!("LOCKSTEP_LIBTORCH_VERSION")`
+/// (read from the wheel's `version.py`; `unknown` when it cannot be found).
+pub fn export_libtorch_version() {
+    let version = libtorch_lib_dir()
+        .and_then(|lib| std::fs::read_to_string(lib.join("../version.py")).ok())
+        .and_then(|text| {
+            text.lines()
+                .find_map(|l| l.strip_prefix("__version__ = "))
+                .map(|v| v.trim_matches(|c| c == '\'' || c == '"').to_owned())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    println!("cargo:rustc-env=LOCKSTEP_LIBTORCH_VERSION={version}");
+}

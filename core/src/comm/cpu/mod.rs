@@ -594,7 +594,7 @@ impl CpuGroup {
         let splits = |given: &[usize], t: &Staged, which: &str| -> Result<Vec<usize>, CommError> {
             let rows = t.shape().first().copied().unwrap_or(1).max(0) as usize;
             let splits = if given.is_empty() {
-                if rows % n != 0 {
+                if !rows.is_multiple_of(n) {
                     return Err(CommError::InvalidArgument(format!(
                         "all_to_all: {which} has {rows} rows, not divisible by group size {n}; pass explicit splits"
                     )));

@@ -1,0 +1,63 @@
+//! `lockstep env`: what this build and machine can run, for bug reports and CI logs.
+
+use serde::Serialize;
+
+/// The facts `lockstep env` prints.
+#[derive(Debug, Serialize)]
+pub struct EnvReport {
+    pub lockstep_version: &'static str,
+    pub libtorch_version: &'static str,
+    pub cuda_available: bool,
+    pub gpu_count: i64,
+    pub cudnn_available: bool,
+    /// `available (version)`, or why not.
+    pub nccl: String,
+    pub backends: Vec<&'static str>,
+    pub cpu_threads: usize,
+}
+
+/// Probes libtorch and the optional NCCL backend.
+pub fn collect() -> EnvReport {
+    let mut backends = vec!["cpu"];
+    let nccl = nccl_status(&mut backends);
+    EnvReport {
+        lockstep_version: env!("CARGO_PKG_VERSION"),
+        libtorch_version: env!("LOCKSTEP_LIBTORCH_VERSION"),
+        cuda_available: tch::Cuda::is_available(),
+        gpu_count: tch::Cuda::device_count(),
+        cudnn_available: tch::Cuda::cudnn_is_available(),
+        nccl,
+        backends,
+        cpu_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+    }
+}
+
+#[cfg(feature = "nccl")]
+fn nccl_status(backends: &mut Vec<&'static str>) -> String {
+    match lockstep_core::comm::nccl::nccl_version() {
+        Ok(v) if tch::Cuda::is_available() => {
+            backends.push("nccl");
+            format!("available ({v})")
+        }
+        Ok(v) => format!("library found ({v}) but no CUDA device"),
+        Err(e) => format!("unavailable: {e}"),
+    }
+}
+
+#[cfg(not(feature = "nccl"))]
+fn nccl_status(_: &mut Vec<&'static str>) -> String {
+    "not built (rebuild with --features nccl)".into()
+}
+
+impl std::fmt::Display for EnvReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "lockstep        {}", self.lockstep_version)?;
+        writeln!(f, "libtorch        {}", self.libtorch_version)?;
+        writeln!(f, "cuda available  {}", self.cuda_available)?;
+        writeln!(f, "gpus            {}", self.gpu_count)?;
+        writeln!(f, "cudnn           {}", self.cudnn_available)?;
+        writeln!(f, "nccl            {}", self.nccl)?;
+        writeln!(f, "backends        {}", self.backends.join(", "))?;
+        write!(f, "cpu threads     {}", self.cpu_threads)
+    }
+}

@@ -1,0 +1,13 @@
+//! Lockstep proves distributed training is numerically right: it runs each parallel
+//! configuration on one process per rank and compares it against reference runs.
+//!
+//! This crate is the `lockstep` command line and the one place that re-exports the
+//! workspace: [`comm`] (process groups and backends), [`harness`] (multi-rank launcher) and
+//! [`models`] (the model zoo).
+
+pub mod bench;
+pub mod env_report;
+
+pub use lockstep_core::comm;
+pub use lockstep_harness as harness;
+pub use lockstep_models as models;
