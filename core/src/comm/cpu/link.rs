@@ -183,6 +183,7 @@ impl Link {
     /// return `None`; otherwise the write is queued and the returned latch completes once the
     /// bytes are handed to the kernel.
     pub fn send(&self, header: &Header, payload: Payload) -> Result<Option<Arc<Latch>>, CommError> {
+        super::chaos::maybe_delay();
         let encoded = header.encode();
         let len = payload.bytes().len();
         if len <= INLINE_WRITE_MAX && self.queued.load(Ordering::Acquire) == 0 {

@@ -16,6 +16,7 @@
 //! * **Safety net**: every message carries the sender's operation, dtype, reduction and shape;
 //!   a mismatch fails with [`CommError::Mismatch`] naming both ranks.
 
+pub mod chaos;
 pub mod link;
 mod pool;
 pub mod reduce;
