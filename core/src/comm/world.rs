@@ -364,7 +364,8 @@ fn connect_group(opts: &InitOptions, store: &StoreClient, router: &Router, key: 
             None => None,
         });
     }
-    Ok(Arc::new(CpuGroup::new(name.to_owned(), me, ranks.to_vec(), links, opts.timeout)?))
+    let same_host = opts.listen_host.starts_with("127.") && std::env::var("LOCKSTEP_SHM").map_or(true, |v| v != "0");
+    Ok(Arc::new(CpuGroup::new(name.to_owned(), me, ranks.to_vec(), links, opts.timeout, same_host)?))
 }
 
 #[cfg(feature = "nccl")]

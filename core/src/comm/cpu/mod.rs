@@ -20,6 +20,7 @@ pub mod chaos;
 pub mod link;
 mod pool;
 pub mod reduce;
+mod shm;
 mod tensor;
 pub mod wire;
 
@@ -37,6 +38,8 @@ use wire::{Channel, Header};
 
 /// Messages up to this many bytes take the direct (latency-optimal) algorithms.
 pub const SMALL_MESSAGE: usize = 64 << 10;
+/// Messages from this many bytes go through shared memory when every peer is on this host.
+pub const SHM_MESSAGE: usize = 256 << 10;
 /// Segment size of the pipelined broadcast.
 const BROADCAST_SEGMENT: usize = 1 << 20;
 
@@ -56,6 +59,8 @@ struct Shared {
     size: usize,
     links: Vec<Option<Link>>,
     timeout: Duration,
+    /// The shared-memory data path, when every member runs on this host.
+    shm: Option<Mutex<shm::ShmArea>>,
 }
 
 /// The local side of one collective, compared against every message a peer sends for it.
@@ -97,6 +102,14 @@ impl Shared {
     /// memory is modified or freed.
     fn send_raw(&self, peer: usize, desc: &Desc, seq: u64, tag: u64, ptr: *const u8, elems: usize) -> Result<Option<Arc<Latch>>, CommError> {
         let len = elems * desc.dtype.map_or(1, DType::size);
+        self.send_payload(peer, desc, seq, tag, elems, Payload::Borrowed { ptr, len })
+    }
+
+    fn send_payload(&self, peer: usize, desc: &Desc, seq: u64, tag: u64, elems: usize, payload: Payload) -> Result<Option<Arc<Latch>>, CommError> {
+        let len = match &payload {
+            Payload::Owned(v) => v.len(),
+            Payload::Borrowed { len, .. } => *len,
+        };
         let header = Header {
             channel: Channel::Collective,
             op: desc.op,
@@ -108,7 +121,67 @@ impl Shared {
             elems: elems as u64,
             payload: len as u64,
         };
-        self.link(peer)?.send(&header, Payload::Borrowed { ptr, len })
+        self.link(peer)?.send(&header, payload)
+    }
+
+    /// Exchanges a control message (no elements, `payload` bytes) with every peer: the phase
+    /// boundaries of the shared-memory algorithms.
+    fn control_round(&self, desc: &Desc, seq: u64, tag: u64, payload: &[u8]) -> Result<Vec<Option<Message>>, CommError> {
+        let mut sent = Vec::new();
+        for p in self.peers() {
+            sent.push(self.send_payload(p, desc, seq, tag, 0, Payload::Owned(payload.to_vec()))?);
+        }
+        let msgs = self.collect(desc, seq, tag, |_| 0)?;
+        wait_all(sent)?;
+        std::sync::atomic::fence(Ordering::SeqCst);
+        Ok(msgs)
+    }
+
+    /// The shared-memory area, when this group has one and the message is large enough.
+    fn shm_for(&self, bytes: usize) -> Option<std::sync::MutexGuard<'_, shm::ShmArea>> {
+        (bytes >= SHM_MESSAGE && self.size > 1)
+            .then_some(self.shm.as_ref())
+            .flatten()
+            .map(lock)
+    }
+
+    /// Publishes `bytes` at `src` in this rank's slot and maps every peer's slot (phase 1 of
+    /// every shared-memory algorithm). Returns each rank's slot start, in rank order.
+    fn shm_publish(&self, area: &mut shm::ShmArea, desc: &Desc, seq: u64, src: Option<*const u8>, bytes: usize) -> Result<Vec<*mut u8>, CommError> {
+        let own = area.own(bytes)?.ptr();
+        if let Some(src) = src {
+            // SAFETY: the slot holds at least `bytes`; `src` is a tensor of that size.
+            unsafe { std::ptr::copy_nonoverlapping(src, own, bytes) };
+        }
+        let msgs = self.control_round(desc, seq, 0, &area.announce())?;
+        let mut slots = vec![own; self.size];
+        for (p, msg) in msgs.iter().enumerate() {
+            if let Some(msg) = msg {
+                slots[p] = area.peer(p, &msg.data)?;
+            }
+        }
+        recycle(msgs);
+        Ok(slots)
+    }
+
+    fn shm_all_reduce(&self, area: &mut shm::ShmArea, desc: &Desc, t: &Staged, op: ReduceOp, seq: u64) -> Result<(), CommError> {
+        let (n, me, esize) = (self.size, self.rank, t.dtype.size());
+        let slots = self.shm_publish(area, desc, seq, Some(t.ptr()), t.len())?;
+        let mine = chunk(t.numel(), n, me);
+        // SAFETY: every slot holds the whole tensor; this rank writes only its own chunk of its
+        // own slot, which no peer reads until the next control round.
+        unsafe {
+            let inputs: Vec<*const u8> = slots.iter().map(|s| s.add(mine.start * esize) as *const u8).collect();
+            reduce::reduce(slots[me].add(mine.start * esize), &inputs, mine.len() * esize, t.dtype, op)?;
+        }
+        self.control_round(desc, seq, 1, &[]).map(recycle)?;
+        area.unlink_own();
+        for (q, slot) in slots.iter().enumerate() {
+            let c = chunk(t.numel(), n, q);
+            // SAFETY: chunk q of slot q holds the reduced values; the tensor has room.
+            unsafe { std::ptr::copy_nonoverlapping(slot.add(c.start * esize), t.ptr().add(c.start * esize), c.len() * esize) };
+        }
+        self.control_round(desc, seq, 2, &[]).map(recycle)
     }
 
     /// Receives the message for (`seq`, `tag`) from `peer` and checks it belongs to the same
@@ -149,6 +222,9 @@ impl Shared {
             shape: t.shape(),
             same_shape: true,
         };
+        if let Some(mut area) = self.shm_for(t.len()) {
+            return self.shm_all_reduce(&mut area, &desc, t, op, seq);
+        }
         let (n, me, esize) = (self.size, self.rank, t.dtype.size());
         let base = t.ptr();
         if t.len() <= SMALL_MESSAGE {
@@ -225,6 +301,17 @@ impl Shared {
             same_shape: true,
         };
         let (me, esize, m) = (self.rank, input.dtype.size(), out.numel());
+        if let Some(mut area) = self.shm_for(input.len()) {
+            let slots = self.shm_publish(&mut area, &desc, seq, Some(input.ptr()), input.len())?;
+            // SAFETY: every slot holds a whole input; chunk `me` of each is read, `out` written.
+            unsafe {
+                let inputs: Vec<*const u8> = slots.iter().map(|s| s.add(me * m * esize) as *const u8).collect();
+                reduce::reduce(out.ptr(), &inputs, m * esize, input.dtype, op)?;
+            }
+            self.control_round(&desc, seq, 1, &[]).map(recycle)?;
+            area.unlink_own();
+            return Ok(());
+        }
         let mut sent = Vec::new();
         for p in self.peers() {
             // SAFETY: chunk p of the input lies within it (input holds size * m elements).
@@ -252,6 +339,16 @@ impl Shared {
         let (me, esize, m) = (self.rank, input.dtype.size(), input.numel());
         // SAFETY: `out` holds size * m elements; chunk `me` receives this rank's input.
         unsafe { std::ptr::copy_nonoverlapping(input.ptr(), out.ptr().add(me * m * esize), m * esize) };
+        if let Some(mut area) = self.shm_for(out.len()) {
+            let slots = self.shm_publish(&mut area, &desc, seq, Some(input.ptr()), input.len())?;
+            for (q, slot) in slots.iter().enumerate().filter(|(q, _)| *q != me) {
+                // SAFETY: slot q holds rank q's input (m elements); chunk q of `out` has room.
+                unsafe { std::ptr::copy_nonoverlapping(*slot, out.ptr().add(q * m * esize), m * esize) };
+            }
+            self.control_round(&desc, seq, 1, &[]).map(recycle)?;
+            area.unlink_own();
+            return Ok(());
+        }
         if out.len() > SMALL_MESSAGE {
             return self.ring_all_gather(&desc, seq, 0, out.ptr(), out.numel(), esize);
         }
@@ -280,6 +377,17 @@ impl Shared {
         };
         let (n, me, esize) = (self.size, self.rank, t.dtype.size());
         let base = t.ptr();
+        if let Some(mut area) = self.shm_for(t.len()) {
+            let src = (me == root).then_some(base as *const u8);
+            let slots = self.shm_publish(&mut area, &desc, seq, src, t.len())?;
+            if me != root {
+                // SAFETY: the root's slot holds the tensor's bytes.
+                unsafe { std::ptr::copy_nonoverlapping(slots[root], base, t.len()) };
+            }
+            self.control_round(&desc, seq, 1, &[]).map(recycle)?;
+            area.unlink_own();
+            return Ok(());
+        }
         let mut sent = Vec::new();
         if t.len() <= SMALL_MESSAGE {
             if me == root {
@@ -431,14 +539,21 @@ pub struct CpuGroup {
 
 impl CpuGroup {
     /// Builds a group from established links (`links[rank]` is `None`).
-    pub(crate) fn new(name: String, rank: usize, global_ranks: Vec<usize>, links: Vec<Option<Link>>, timeout: Duration) -> Result<Self, CommError> {
+    /// `same_host`: every member runs on this machine, so large messages may use shared memory.
+    pub(crate) fn new(name: String, rank: usize, global_ranks: Vec<usize>, links: Vec<Option<Link>>, timeout: Duration, same_host: bool) -> Result<Self, CommError> {
         let size = global_ranks.len();
+        let shm = same_host.then(|| {
+            let tag: String = name.chars().filter(char::is_ascii_alphanumeric).collect();
+            let nonce: u32 = rand::random();
+            Mutex::new(shm::ShmArea::new(format!("/lockstep-{}-{tag}-{nonce:08x}", std::process::id()), size))
+        });
         let shared = Arc::new(Shared {
             name,
             rank,
             size,
             links,
             timeout,
+            shm,
         });
         let (tx, rx) = mpsc::channel::<Queued>();
         let pending = Arc::new(AtomicUsize::new(0));

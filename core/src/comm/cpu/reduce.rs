@@ -112,9 +112,29 @@ unsafe fn run<T: Copy, A: Acc>(
     inputs: &[*const u8],
     elems: usize,
     op: ReduceOp,
-    widen: impl Fn(T) -> A,
-    narrow: impl Fn(A) -> T,
+    widen: impl Fn(T) -> A + Copy,
+    narrow: impl Fn(A) -> T + Copy,
     n: usize,
+) {
+    // One monomorphized loop per operator, so the combine inlines and the loop vectorizes.
+    match op {
+        ReduceOp::Sum => combine_all(out, inputs, elems, widen, narrow, A::add, None),
+        ReduceOp::Avg => combine_all(out, inputs, elems, widen, narrow, A::add, Some(n)),
+        ReduceOp::Max => combine_all(out, inputs, elems, widen, narrow, A::max, None),
+        ReduceOp::Min => combine_all(out, inputs, elems, widen, narrow, A::min, None),
+    }
+}
+
+/// `out[i] = combine(…combine(combine(in0[i], in1[i]), in2[i])…)`, block by block so `out`
+/// may alias an input: a block of every input is read before that block of `out` is written.
+unsafe fn combine_all<T: Copy, A: Acc>(
+    out: *mut u8,
+    inputs: &[*const u8],
+    elems: usize,
+    widen: impl Fn(T) -> A + Copy,
+    narrow: impl Fn(A) -> T + Copy,
+    combine: impl Fn(A, A) -> A + Copy,
+    divide_by: Option<usize>,
 ) {
     let out = out as *mut T;
     let inputs: Vec<*const T> = inputs.iter().map(|p| *p as *const T).collect();
@@ -129,17 +149,20 @@ unsafe fn run<T: Copy, A: Acc>(
         for input in &inputs[1..] {
             let src = input.add(start);
             for (i, a) in acc.iter_mut().enumerate() {
-                let x = widen(src.add(i).read_unaligned());
-                *a = match op {
-                    ReduceOp::Sum | ReduceOp::Avg => a.add(x),
-                    ReduceOp::Max => a.max(x),
-                    ReduceOp::Min => a.min(x),
-                };
+                *a = combine(*a, widen(src.add(i).read_unaligned()));
             }
         }
-        for (i, a) in acc.iter().enumerate() {
-            let v = if op == ReduceOp::Avg { a.div_count(n) } else { *a };
-            out.add(start + i).write_unaligned(narrow(v));
+        match divide_by {
+            Some(n) => {
+                for (i, a) in acc.iter().enumerate() {
+                    out.add(start + i).write_unaligned(narrow(a.div_count(n)));
+                }
+            }
+            None => {
+                for (i, a) in acc.iter().enumerate() {
+                    out.add(start + i).write_unaligned(narrow(*a));
+                }
+            }
         }
         start += len;
     }

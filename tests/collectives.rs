@@ -1,0 +1,800 @@
+//! Integration tests of every `ProcessGroup` collective on the CPU backend, run on 1–4 ranks
+//! against hand-computed results: every dtype and reduction, odd and empty sizes, both sides
+//! of the 64 KiB small-message threshold, uneven all-to-all, non-contiguous tensors,
+//! point-to-point ordering, overlapping async operations, and bitwise determinism under
+//! injected delays.
+
+mod common;
+
+use anyhow::{ensure, Result};
+use common::*;
+use lockstep_core::comm::cpu::chaos;
+use lockstep_core::comm::{DType, ProcessGroup, ReduceOp, Work};
+use lockstep_core::CommError;
+use rand::{Rng, SeedableRng};
+use rstest::rstest;
+use std::time::Duration;
+use tch::{Device, Kind, Tensor};
+
+/// Element counts exercised for every dtype: empty, one, odd.
+const SMALL_SIZES: [usize; 3] = [0, 1, 7];
+
+fn all_reduce_case(g: &dyn ProcessGroup, dtype: DType, op: ReduceOp, shape: &[i64]) -> Result<()> {
+    let (n, me) = (g.size(), g.rank());
+    let numel = shape.iter().product::<i64>() as usize;
+    let what = format!("all_reduce {op} {dtype} {shape:?} on {n} ranks");
+    let t = tensor(&inputs(dtype, me, numel), shape, dtype);
+    if !avg_valid(dtype) && op == ReduceOp::Avg {
+        let before = values(&t);
+        match g.all_reduce(&t, op) {
+            Err(CommError::InvalidArgument(_)) => {}
+            other => panic!("{what}: expected InvalidArgument, got {other:?}"),
+        }
+        assert_eq!(values(&t), before, "{what}: a rejected call modified the tensor");
+        return Ok(());
+    }
+    g.all_reduce(&t, op)?;
+    let per_rank: Vec<Vec<f64>> = (0..n).map(|r| inputs(dtype, r, numel)).collect();
+    assert_tensor(&t, dtype, shape, &reduce_expected(dtype, op, &per_rank), &what);
+    Ok(())
+}
+
+/// Every dtype × every op (Avg on integers and bool must be rejected) × empty/1/7 elements
+/// and a 2-D shape.
+#[rstest]
+#[case(1)]
+#[case(2)]
+#[case(3)]
+#[case(4)]
+fn all_reduce_every_dtype_and_op(#[case] n: usize) {
+    run(n, |ctx| -> Result<()> {
+        let g = ctx.group();
+        for dtype in ALL_DTYPES {
+            for op in ALL_OPS {
+                for numel in SMALL_SIZES {
+                    all_reduce_case(g.as_ref(), dtype, op, &[numel as i64])?;
+                }
+                all_reduce_case(g.as_ref(), dtype, op, &[3, 5])?;
+                all_reduce_case(g.as_ref(), dtype, op, &[2, 0, 3])?;
+            }
+        }
+        Ok(())
+    });
+}
+
+/// Both sides of the 64 KiB threshold (exactly 64 KiB takes the direct path, one more
+/// element the pairwise reduce-scatter + ring all-gather) and a large odd size that splits
+/// unevenly over 2, 3 and 4 ranks, for every dtype and op.
+#[rstest]
+#[case(1)]
+#[case(2)]
+#[case(3)]
+#[case(4)]
+fn all_reduce_large_and_threshold(#[case] n: usize) {
+    run(n, |ctx| -> Result<()> {
+        let g = ctx.group();
+        for numel in [AT_THRESHOLD - 1, AT_THRESHOLD, AT_THRESHOLD + 1, LARGE] {
+            for op in ALL_OPS {
+                all_reduce_case(g.as_ref(), DType::F32, op, &[numel as i64])?;
+            }
+        }
+        for dtype in ALL_DTYPES {
+            for op in ALL_OPS {
+                all_reduce_case(g.as_ref(), dtype, op, &[LARGE as i64])?;
+            }
+        }
+        // 2-D, large: rows of 7.
+        all_reduce_case(g.as_ref(), DType::F64, ReduceOp::Sum, &[14_287, 7])?;
+        Ok(())
+    });
+}
+
+fn all_gather_case(g: &dyn ProcessGroup, dtype: DType, shape: &[i64]) -> Result<()> {
+    let (n, me) = (g.size(), g.rank());
+    let numel = shape.iter().product::<i64>() as usize;
+    let input = tensor(&inputs(dtype, me, numel), shape, dtype);
+    let mut out_shape = shape.to_vec();
+    out_shape[0] *= n as i64;
+    let out = garbage(&out_shape, dtype);
+    g.all_gather(&out, &input)?;
+    let expected: Vec<f64> = (0..n).flat_map(|r| values(&tensor1(&inputs(dtype, r, numel), dtype))).collect();
+    assert_tensor(&out, dtype, &out_shape, &expected, &format!("all_gather {dtype} {shape:?} on {n} ranks"));
+    assert_tensor(&input, dtype, shape, &values(&tensor1(&inputs(dtype, me, numel), dtype)), "all_gather input must be untouched");
+    Ok(())
+}
+
+#[rstest]
+#[case(1)]
+#[case(2)]
+#[case(3)]
+#[case(4)]
+fn all_gather_every_dtype_and_size(#[case] n: usize) {
+    run(n, |ctx| -> Result<()> {
+        let g = ctx.group();
+        for dtype in ALL_DTYPES {
+            for numel in SMALL_SIZES {
+                all_gather_case(g.as_ref(), dtype, &[numel as i64])?;
+            }
+            all_gather_case(g.as_ref(), dtype, &[3, 5])?;
+            all_gather_case(g.as_ref(), dtype, &[2, 0])?;
+            all_gather_case(g.as_ref(), dtype, &[LARGE as i64])?;
+        }
+        // The output crosses the threshold at a size that depends on the group size.
+        for per_rank in [AT_THRESHOLD / n, AT_THRESHOLD / n + 1, AT_THRESHOLD] {
+            all_gather_case(g.as_ref(), DType::F32, &[per_rank as i64])?;
+        }
+        Ok(())
+    });
+}
+
+fn reduce_scatter_case(g: &dyn ProcessGroup, dtype: DType, op: ReduceOp, out_shape: &[i64]) -> Result<()> {
+    let (n, me) = (g.size(), g.rank());
+    let m = out_shape.iter().product::<i64>() as usize;
+    let mut in_shape = out_shape.to_vec();
+    in_shape[0] *= n as i64;
+    let what = format!("reduce_scatter {op} {dtype} out {out_shape:?} on {n} ranks");
+    let input = tensor(&inputs(dtype, me, n * m), &in_shape, dtype);
+    let out = garbage(out_shape, dtype);
+    if !avg_valid(dtype) && op == ReduceOp::Avg {
+        match g.reduce_scatter(&out, &input, op) {
+            Err(CommError::InvalidArgument(_)) => {}
+            other => panic!("{what}: expected InvalidArgument, got {other:?}"),
+        }
+        return Ok(());
+    }
+    g.reduce_scatter(&out, &input, op)?;
+    let per_rank: Vec<Vec<f64>> = (0..n).map(|r| inputs(dtype, r, n * m)).collect();
+    let full = reduce_expected(dtype, op, &per_rank);
+    assert_tensor(&out, dtype, out_shape, &full[me * m..(me + 1) * m], &what);
+    assert_tensor(&input, dtype, &in_shape, &values(&tensor1(&inputs(dtype, me, n * m), dtype)), "reduce_scatter input must be untouched");
+    Ok(())
+}
+
+#[rstest]
+#[case(1)]
+#[case(2)]
+#[case(3)]
+#[case(4)]
+fn reduce_scatter_every_dtype_and_op(#[case] n: usize) {
+    run(n, |ctx| -> Result<()> {
+        let g = ctx.group();
+        for dtype in ALL_DTYPES {
+            for op in ALL_OPS {
+                for m in SMALL_SIZES {
+                    reduce_scatter_case(g.as_ref(), dtype, op, &[m as i64])?;
+                }
+                reduce_scatter_case(g.as_ref(), dtype, op, &[2, 3])?;
+                reduce_scatter_case(g.as_ref(), dtype, op, &[LARGE as i64])?;
+            }
+        }
+        Ok(())
+    });
+}
+
+fn broadcast_case(g: &dyn ProcessGroup, dtype: DType, shape: &[i64], root: usize) -> Result<()> {
+    let (n, me) = (g.size(), g.rank());
+    let numel = shape.iter().product::<i64>() as usize;
+    let t = if me == root {
+        tensor(&inputs(dtype, root, numel), shape, dtype)
+    } else {
+        garbage(shape, dtype)
+    };
+    g.broadcast(&t, root)?;
+    let expected = values(&tensor1(&inputs(dtype, root, numel), dtype));
+    assert_tensor(&t, dtype, shape, &expected, &format!("broadcast {dtype} {shape:?} from root {root} on {n} ranks"));
+    Ok(())
+}
+
+/// Every root (including non-zero ones), every dtype, empty/odd/large sizes and a tensor
+/// spanning several 1 MiB pipeline segments.
+#[rstest]
+#[case(1)]
+#[case(2)]
+#[case(3)]
+#[case(4)]
+fn broadcast_every_root_dtype_and_size(#[case] n: usize) {
+    run(n, |ctx| -> Result<()> {
+        let g = ctx.group();
+        for root in (0..n).rev() {
+            for dtype in ALL_DTYPES {
+                for numel in SMALL_SIZES {
+                    broadcast_case(g.as_ref(), dtype, &[numel as i64], root)?;
+                }
+                broadcast_case(g.as_ref(), dtype, &[3, 5], root)?;
+                broadcast_case(g.as_ref(), dtype, &[LARGE as i64], root)?;
+            }
+            broadcast_case(g.as_ref(), DType::F32, &[AT_THRESHOLD as i64], root)?;
+            broadcast_case(g.as_ref(), DType::F32, &[AT_THRESHOLD as i64 + 1], root)?;
+            // 1.2 MB: two pipeline segments, the last one partial.
+            broadcast_case(g.as_ref(), DType::F32, &[300_007], root)?;
+            broadcast_case(g.as_ref(), DType::U8, &[2_100_001], root)?;
+        }
+        Ok(())
+    });
+}
+
+/// Value of row `k`, column `c` of the block rank `src` sends to rank `dst`.
+fn a2a_value(src: usize, dst: usize, k: usize, c: usize) -> f64 {
+    (src * 1_000_000 + dst * 100_000 + k * 2 + c) as f64
+}
+
+/// Runs an all_to_all where rank `src` sends `split(src, dst)` rows of `cols` columns to
+/// `dst`, and checks every received row. `explicit`: pass split lists (else empty lists,
+/// which requires equal splits).
+fn all_to_all_case(g: &dyn ProcessGroup, dtype: DType, cols: usize, split: &dyn Fn(usize, usize) -> usize, explicit: bool) -> Result<()> {
+    let (n, me) = (g.size(), g.rank());
+    let in_splits: Vec<usize> = (0..n).map(|j| split(me, j)).collect();
+    let out_splits: Vec<usize> = (0..n).map(|j| split(j, me)).collect();
+    let block = |src: usize, dst: usize| -> Vec<f64> {
+        (0..split(src, dst))
+            .flat_map(|k| (0..cols).map(move |c| a2a_value(src, dst, k, c)))
+            .collect()
+    };
+    let in_vals: Vec<f64> = (0..n).flat_map(|j| block(me, j)).collect();
+    let expected: Vec<f64> = (0..n).flat_map(|j| block(j, me)).collect();
+    let shape = |rows: usize| {
+        if cols == 1 {
+            vec![rows as i64]
+        } else {
+            vec![rows as i64, cols as i64]
+        }
+    };
+    let in_shape = shape(in_splits.iter().sum());
+    let out_shape = shape(out_splits.iter().sum());
+    let input = tensor(&in_vals, &in_shape, dtype);
+    let out = garbage(&out_shape, dtype);
+    if explicit {
+        g.all_to_all(&out, &input, &out_splits, &in_splits)?;
+    } else {
+        g.all_to_all(&out, &input, &[], &[])?;
+    }
+    let exp = values(&tensor1(&expected, dtype));
+    let what = format!("all_to_all {dtype} in splits {in_splits:?} out splits {out_splits:?} explicit={explicit} on {n} ranks");
+    assert_tensor(&out, dtype, &out_shape, &exp, &what);
+    Ok(())
+}
+
+/// Equal splits from empty split lists, uneven splits including zeros, all-zero splits
+/// (empty tensors), 2-D rows, and blocks larger than 64 KiB.
+#[rstest]
+#[case(1)]
+#[case(2)]
+#[case(3)]
+#[case(4)]
+fn all_to_all_even_uneven_and_empty(#[case] n: usize) {
+    run(n, |ctx| -> Result<()> {
+        let g = ctx.group();
+        let g = g.as_ref();
+        // Equal splits, implicit and explicit.
+        all_to_all_case(g, DType::F64, 2, &|_, _| 3, false)?;
+        all_to_all_case(g, DType::F64, 2, &|_, _| 3, true)?;
+        all_to_all_case(g, DType::I64, 1, &|_, _| 1, false)?;
+        // Uneven with zeros: (src + 2 dst) % 3 rows.
+        let uneven = |s: usize, d: usize| (s + 2 * d) % 3;
+        all_to_all_case(g, DType::F64, 2, &uneven, true)?;
+        all_to_all_case(g, DType::F32, 1, &uneven, true)?;
+        all_to_all_case(g, DType::I64, 3, &uneven, true)?;
+        // Only the diagonal, only off-diagonal.
+        all_to_all_case(g, DType::F64, 2, &|s, d| if s == d { 2 } else { 0 }, true)?;
+        all_to_all_case(g, DType::F64, 2, &|s, d| if s == d { 0 } else { s + 1 }, true)?;
+        // Everything empty, implicit and explicit.
+        all_to_all_case(g, DType::F32, 2, &|_, _| 0, false)?;
+        all_to_all_case(g, DType::F32, 2, &|_, _| 0, true)?;
+        all_to_all_case(g, DType::F32, 1, &|_, _| 0, true)?;
+        // Large uneven blocks (up to ~480 KB), some zero.
+        all_to_all_case(g, DType::F64, 1, &|s, d| 30_001 * ((s + d) % 3), true)?;
+        all_to_all_case(g, DType::F64, 2, &|_, _| 10_007, false)?;
+        // Exact small values for the narrow dtypes.
+        for dtype in [DType::BF16, DType::F16, DType::I32, DType::U8, DType::Bool] {
+            let (n, me) = (g.size(), g.rank());
+            let in_splits: Vec<usize> = (0..n).map(|j| uneven(me, j)).collect();
+            let out_splits: Vec<usize> = (0..n).map(|j| uneven(j, me)).collect();
+            let val = |src: usize, dst: usize, k: usize| -> f64 {
+                match dtype {
+                    DType::Bool => f64::from(u8::from((src + dst + k) % 2 == 1)),
+                    _ => (src * 16 + dst * 4 + k) as f64,
+                }
+            };
+            let block = |src: usize, dst: usize| (0..uneven(src, dst)).map(move |k| val(src, dst, k));
+            let input = tensor1(&(0..n).flat_map(|j| block(me, j)).collect::<Vec<_>>(), dtype);
+            let expected: Vec<f64> = (0..n).flat_map(|j| block(j, me)).collect();
+            let out = garbage(&[expected.len() as i64], dtype);
+            g.all_to_all(&out, &input, &out_splits, &in_splits)?;
+            assert_tensor(&out, dtype, &[expected.len() as i64], &expected, &format!("all_to_all {dtype} uneven"));
+        }
+        Ok(())
+    });
+}
+
+/// Empty (0-element) tensors through every collective, 1-D and with a zero-sized dim.
+#[rstest]
+#[case(1)]
+#[case(2)]
+#[case(3)]
+#[case(4)]
+fn empty_tensors_every_collective(#[case] n: usize) {
+    run(n, |ctx| -> Result<()> {
+        let g = ctx.group();
+        let n = g.size();
+        for dtype in ALL_DTYPES {
+            for shape in [vec![0i64], vec![0, 4], vec![4, 0]] {
+                let what = format!("{dtype} {shape:?}");
+                let t = zeros(&shape, dtype);
+                g.all_reduce(&t, ReduceOp::Sum)?;
+                assert_eq!(t.size(), shape, "all_reduce {what}");
+                let mut big = shape.clone();
+                big[0] *= n as i64;
+                let out = zeros(&big, dtype);
+                g.all_gather(&out, &t)?;
+                assert_eq!(out.size(), big, "all_gather {what}");
+                let inp = zeros(&big, dtype);
+                let rs = zeros(&shape, dtype);
+                g.reduce_scatter(&rs, &inp, ReduceOp::Max)?;
+                assert_eq!(rs.size(), shape, "reduce_scatter {what}");
+                g.broadcast(&t, n - 1)?;
+                assert_eq!(t.size(), shape, "broadcast {what}");
+                let out = zeros(&shape, dtype);
+                let splits = vec![0usize; n];
+                if shape[0] == 0 {
+                    g.all_to_all(&out, &t, &splits, &splits)?;
+                    g.all_to_all(&out, &t, &[], &[])?;
+                }
+                if n > 1 {
+                    let me = g.rank();
+                    let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+                    g.send(&t, next, 3)?;
+                    let r = zeros(&shape, dtype);
+                    g.recv(&r, prev, 3)?;
+                    assert_eq!(r.size(), shape, "recv {what}");
+                }
+            }
+        }
+        // Everyone still agrees on the sequence afterwards.
+        let t = Tensor::from_slice(&[g.rank() as f32]);
+        g.all_reduce(&t, ReduceOp::Sum)?;
+        ensure!(values(&t) == vec![(n * (n - 1) / 2) as f64], "all_reduce after empty collectives");
+        g.barrier()?;
+        Ok(())
+    });
+}
+
+/// Transposed, strided and offset views: inputs are read in logical order and in-place
+/// results are written back through the view.
+#[rstest]
+#[case(1)]
+#[case(2)]
+#[case(3)]
+#[case(4)]
+fn non_contiguous_tensors(#[case] n: usize) {
+    run(n, |ctx| -> Result<()> {
+        let g = ctx.group();
+        let (n, me) = (g.size(), g.rank());
+        let nf = n as f64;
+        let rank_sum = (n * (n - 1) / 2) as f64;
+        let opts = (Kind::Float, Device::Cpu);
+
+        // all_reduce in place on a transposed view: base[i][j] = 10 i + j + rank.
+        let base = Tensor::arange(12, opts).reshape([3, 4]) + me as f64;
+        let t = base.tr();
+        assert!(!t.is_contiguous());
+        g.all_reduce(&t, ReduceOp::Sum)?;
+        let expected_base: Vec<f64> = (0..12).map(|k| nf * k as f64 + rank_sum).collect();
+        assert_tensor(&base, DType::F32, &[3, 4], &expected_base, "all_reduce through a transposed view (storage)");
+        let expected_t: Vec<f64> = (0..4)
+            .flat_map(|j| (0..3).map(move |i| nf * (4 * i + j) as f64 + rank_sum))
+            .collect();
+        assert_tensor(&t, DType::F32, &[4, 3], &expected_t, "all_reduce of a transposed view");
+
+        // all_reduce on a strided slice touches only its elements.
+        let base = Tensor::zeros([15], opts) - 1.0;
+        let strided = base.slice(0, 1, 15, 2);
+        let mut s = strided.shallow_clone();
+        let _ = s.fill_(me as f64 + 1.0);
+        g.all_reduce(&strided, ReduceOp::Max)?;
+        let expected: Vec<f64> = (0..15).map(|i| if i % 2 == 1 { nf } else { -1.0 }).collect();
+        assert_tensor(&base, DType::F32, &[15], &expected, "all_reduce max on a stride-2 slice");
+
+        // Contiguous view with a storage offset, large enough for the ring path.
+        let base = Tensor::ones([LARGE as i64 + 10], opts) * (me as f64 + 1.0);
+        let view = base.narrow(0, 5, LARGE as i64);
+        g.all_reduce(&view, ReduceOp::Sum)?;
+        let total = (n * (n + 1) / 2) as f64;
+        let got = values(&base);
+        ensure!(got[..5].iter().all(|&v| v == me as f64 + 1.0), "elements before the view changed");
+        ensure!(got[LARGE + 5..].iter().all(|&v| v == me as f64 + 1.0), "elements after the view changed");
+        ensure!(got[5..LARGE + 5].iter().all(|&v| v == total), "offset view not reduced");
+
+        // all_gather: transposed input, transposed (non-contiguous) output.
+        let input = (Tensor::arange(12, opts).reshape([3, 4]) + 100.0 * me as f64).tr(); // [4, 3]
+        let out_storage = Tensor::full([3, 4 * n as i64], -7.0, opts);
+        let out = out_storage.tr(); // [4n, 3]
+        assert!(!out.is_contiguous());
+        g.all_gather(&out, &input)?;
+        let expected: Vec<f64> = (0..n)
+            .flat_map(|r| (0..4).flat_map(move |j| (0..3).map(move |i| (4 * i + j) as f64 + 100.0 * r as f64)))
+            .collect();
+        assert_tensor(&out, DType::F32, &[4 * n as i64, 3], &expected, "all_gather into a transposed output");
+
+        // reduce_scatter: transposed input [2n, 3], transposed output [2, 3].
+        let in_storage = Tensor::arange(6 * n as i64, opts).reshape([3, 2 * n as i64]) * (me as f64 + 1.0);
+        let input = in_storage.tr();
+        let out_storage = Tensor::full([3, 2], -7.0, opts);
+        let out = out_storage.tr();
+        g.reduce_scatter(&out, &input, ReduceOp::Sum)?;
+        let two_n = 2 * n;
+        let expected: Vec<f64> = (2 * me..2 * me + 2)
+            .flat_map(|row| (0..3).map(move |col| (col * two_n + row) as f64 * total))
+            .collect();
+        assert_tensor(&out, DType::F32, &[2, 3], &expected, "reduce_scatter with transposed input and output");
+
+        // broadcast from the last rank into transposed views.
+        let root = n - 1;
+        let storage = if me == root {
+            Tensor::arange(20, opts).reshape([4, 5])
+        } else {
+            Tensor::full([4, 5], -3.0, opts)
+        };
+        let view = storage.tr();
+        g.broadcast(&view, root)?;
+        let expected: Vec<f64> = (0..20).map(|k| k as f64).collect();
+        assert_tensor(&storage, DType::F32, &[4, 5], &expected, "broadcast into a transposed view");
+
+        // all_to_all with a transposed 2-D input: rows are logical rows.
+        let input = (Tensor::arange(2 * n as i64 * 3, opts).reshape([3, 2 * n as i64]) + 1000.0 * me as f64).tr(); // [2n, 3]
+        let out = Tensor::full([3, 2 * n as i64], -1.0, opts).tr();
+        g.all_to_all(&out, &input, &[], &[])?;
+        // Logical input row k of rank s, column c = c * 2n + k + 1000 s; rank me gets rows 2me, 2me+1 of each s.
+        let expected: Vec<f64> = (0..n)
+            .flat_map(|s| (2 * me..2 * me + 2).flat_map(move |k| (0..3).map(move |c| (c * two_n + k) as f64 + 1000.0 * s as f64)))
+            .collect();
+        assert_tensor(&out, DType::F32, &[2 * n as i64, 3], &expected, "all_to_all with transposed tensors");
+
+        // send/recv from and into transposed views.
+        if n > 1 {
+            let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+            let msg = (Tensor::arange(6, opts).reshape([2, 3]) + 10.0 * me as f64).tr();
+            g.send(&msg, next, 0)?;
+            let storage = Tensor::zeros([2, 3], opts);
+            g.recv(&storage.tr(), prev, 0)?;
+            let expected: Vec<f64> = (0..6).map(|k| k as f64 + 10.0 * prev as f64).collect();
+            assert_tensor(&storage, DType::F32, &[2, 3], &expected, "recv into a transposed view");
+        }
+        Ok(())
+    });
+}
+
+/// Arguments no rank could run are rejected on every rank, and the group stays usable.
+#[rstest]
+#[case(1)]
+#[case(2)]
+#[case(3)]
+#[case(4)]
+fn invalid_arguments_are_rejected(#[case] n: usize) {
+    run(n, |ctx| -> Result<()> {
+        let g = ctx.group();
+        let (n, me) = (g.size(), g.rank());
+        let f = |len: i64| Tensor::zeros([len], (Kind::Float, Device::Cpu));
+        let invalid = |r: Result<(), CommError>, what: &str| match r {
+            Err(CommError::InvalidArgument(_)) => Ok(()),
+            other => Err(anyhow::anyhow!("{what}: expected InvalidArgument, got {other:?}")),
+        };
+        invalid(g.all_gather(&f(3 * n as i64 + 1), &f(3)), "all_gather wrong output size")?;
+        invalid(g.reduce_scatter(&f(3), &f(3 * n as i64 + 1), ReduceOp::Sum), "reduce_scatter wrong input size")?;
+        invalid(g.all_gather(&zeros(&[3 * n as i64], DType::F64), &f(3)), "all_gather dtype mismatch")?;
+        invalid(g.broadcast(&f(3), n), "broadcast root out of range")?;
+        invalid(g.all_to_all(&f(n as i64), &f(n as i64), &vec![1; n + 1], &vec![1; n + 1]), "all_to_all wrong split count")?;
+        invalid(g.all_to_all(&f(n as i64), &f(n as i64), &vec![2; n], &vec![2; n]), "all_to_all splits not summing to rows")?;
+        if n > 1 {
+            invalid(g.all_to_all(&f(n as i64 + 1), &f(n as i64 + 1), &[], &[]), "all_to_all rows not divisible")?;
+        }
+        invalid(g.send(&f(1), me, 0), "send to self")?;
+        invalid(g.recv(&f(1), n, 0), "recv from outside the group")?;
+        let c = Tensor::from_slice(&[1.0f32]).to_kind(Kind::ComplexFloat);
+        ensure!(g.all_reduce(&c, ReduceOp::Sum).is_err(), "complex all_reduce accepted");
+        let t = Tensor::from_slice(&[me as i64]);
+        g.all_reduce(&t, ReduceOp::Sum)?;
+        ensure!(values(&t) == vec![(n * (n - 1) / 2) as f64], "all_reduce after rejected calls");
+        Ok(())
+    });
+}
+
+/// A tensor of `numel` f32 values identifying (src, dst, idx); exact in f32.
+fn p2p_message(src: usize, dst: usize, idx: usize, numel: usize) -> Tensor {
+    let base = (src * 1_000_000 + dst * 100_000 + idx * 10_000) as f32;
+    let v: Vec<f32> = (0..numel).map(|i| base + (i % 1000) as f32).collect();
+    Tensor::from_slice(&v)
+}
+
+const P2P_SIZES: [usize; 8] = [1, 7, LARGE, 0, 3, 20_000, 250_001, 5];
+
+/// Several messages of different sizes (small and > 64 KiB) sent back to back to every
+/// peer, before anyone receives, arrive in order with their tags; receives posted before the
+/// sends and waited in reverse order still match in send order.
+#[rstest]
+#[case(2)]
+#[case(3)]
+#[case(4)]
+fn send_recv_ordering(#[case] n: usize) {
+    run(n, |ctx| -> Result<()> {
+        let g = ctx.group();
+        let (n, me) = (g.size(), g.rank());
+        // Phase 1: blocking sends to every peer, then blocking receives.
+        for dst in (0..n).filter(|&p| p != me) {
+            for (idx, &numel) in P2P_SIZES.iter().enumerate() {
+                g.send(&p2p_message(me, dst, idx, numel), dst, 100 + idx as u64)?;
+            }
+        }
+        for src in (0..n).filter(|&p| p != me) {
+            for (idx, &numel) in P2P_SIZES.iter().enumerate() {
+                let r = Tensor::full([numel as i64], -1.0, (Kind::Float, Device::Cpu));
+                g.recv(&r, src, 100 + idx as u64)?;
+                ensure!(r.equal(&p2p_message(src, me, idx, numel)), "phase 1: message {idx} from rank {src} wrong");
+            }
+        }
+        // Phase 2: post every receive first, then send, then wait in reverse order.
+        let mut recvs: Vec<(usize, usize, Tensor, Work)> = Vec::new();
+        for src in (0..n).filter(|&p| p != me) {
+            for (idx, &numel) in P2P_SIZES.iter().enumerate() {
+                let r = Tensor::full([numel as i64], -1.0, (Kind::Float, Device::Cpu));
+                let w = g.recv_async(&r, src, idx as u64)?;
+                recvs.push((src, idx, r, w));
+            }
+        }
+        let mut sends = Vec::new();
+        for dst in (0..n).filter(|&p| p != me) {
+            for (idx, &numel) in P2P_SIZES.iter().enumerate() {
+                sends.push(g.send_async(&p2p_message(me, dst, 10 + idx, numel), dst, idx as u64)?);
+            }
+        }
+        for (src, idx, r, w) in recvs.iter().rev() {
+            w.wait()?;
+            ensure!(w.is_completed(), "recv work not completed after wait");
+            ensure!(r.equal(&p2p_message(*src, me, 10 + idx, P2P_SIZES[*idx])), "phase 2: message {idx} from rank {src} wrong");
+        }
+        for s in sends {
+            s.wait()?;
+        }
+        // Collectives still line up after point-to-point traffic.
+        let t = Tensor::from_slice(&[1i32]);
+        g.all_reduce(&t, ReduceOp::Sum)?;
+        ensure!(values(&t) == vec![n as f64], "all_reduce after p2p");
+        Ok(())
+    });
+}
+
+/// Ranks that all send large messages to each other before receiving do not deadlock, and
+/// a sent tensor may be overwritten at once without changing what arrives.
+#[rstest]
+#[case(2)]
+#[case(3)]
+#[case(4)]
+fn send_before_recv_does_not_deadlock(#[case] n: usize) {
+    run(n, |ctx| -> Result<()> {
+        let g = ctx.group();
+        let (n, me) = (g.size(), g.rank());
+        const BIG: usize = 1 << 20; // 4 MiB per message, far beyond socket buffers
+        for dst in (0..n).filter(|&p| p != me) {
+            let mut t = Tensor::full([BIG as i64], (me * 10 + dst) as f64, (Kind::Float, Device::Cpu));
+            g.send(&t, dst, 1)?;
+            let _ = t.fill_(-5.0);
+            g.send(&t, dst, 2)?;
+            let _ = t.fill_(-9.0);
+        }
+        for src in (0..n).filter(|&p| p != me) {
+            let r = Tensor::zeros([BIG as i64], (Kind::Float, Device::Cpu));
+            g.recv(&r, src, 1)?;
+            let want = (src * 10 + me) as f64;
+            ensure!(values(&r.min()) == vec![want] && values(&r.max()) == vec![want], "first message from {src} wrong");
+            g.recv(&r, src, 2)?;
+            ensure!(values(&r.min()) == vec![-5.0] && values(&r.max()) == vec![-5.0], "second message from {src} wrong");
+        }
+        g.barrier()?;
+        Ok(())
+    });
+}
+
+/// A receive whose tag (or size) does not match the message fails instead of delivering it.
+#[rstest]
+#[case(2)]
+#[case(3)]
+#[case(4)]
+fn recv_with_mismatched_tag_errors(#[case] n: usize) {
+    run(n, |ctx| -> Result<()> {
+        let g = ctx.group();
+        let me = g.rank();
+        let f = |v: &[f32]| Tensor::from_slice(v);
+        if me == 0 {
+            g.send(&f(&[1.0, 2.0, 3.0]), 1, 7)?;
+            g.send(&f(&[4.0, 5.0, 6.0, 7.0]), 1, 8)?;
+            g.send(&f(&[8.0, 9.0]), 1, 9)?;
+        } else if me == 1 {
+            let r = f(&[0.0; 3]);
+            match g.recv(&r, 0, 70) {
+                Err(CommError::Mismatch(msg)) => ensure!(msg.contains("tag"), "mismatch message does not mention the tag: {msg}"),
+                other => panic!("recv with tag 70 for a tag-7 message: expected Mismatch, got {other:?}"),
+            }
+            ensure!(r.equal(&f(&[0.0; 3])), "a mismatched recv wrote into the tensor");
+            let r = f(&[0.0; 5]);
+            match g.recv(&r, 0, 8) {
+                Err(CommError::Mismatch(_)) => {}
+                other => panic!("recv of 5 elements for a 4-element message: expected Mismatch, got {other:?}"),
+            }
+            let r = f(&[0.0; 2]);
+            g.recv(&r, 0, 9)?;
+            ensure!(r.equal(&f(&[8.0, 9.0])), "message after mismatches wrong");
+        }
+        g.barrier()?;
+        Ok(())
+    });
+}
+
+/// Several async operations in flight at once (and a blocking one issued behind them)
+/// complete with the right results.
+#[rstest]
+#[case(1)]
+#[case(2)]
+#[case(3)]
+#[case(4)]
+fn async_ops_in_flight(#[case] n: usize) {
+    run(n, |ctx| -> Result<()> {
+        let g = ctx.group();
+        let (n, me) = (g.size(), g.rank());
+        let cases: Vec<(DType, ReduceOp, usize)> = vec![
+            (DType::F32, ReduceOp::Sum, 7),
+            (DType::F32, ReduceOp::Max, LARGE),
+            (DType::I64, ReduceOp::Sum, 13),
+            (DType::BF16, ReduceOp::Avg, 40_000),
+        ];
+        let tensors: Vec<Tensor> = cases.iter().map(|&(d, _, len)| tensor1(&inputs(d, me, len), d)).collect();
+        let mut works = Vec::new();
+        for (t, &(_, op, _)) in tensors.iter().zip(&cases) {
+            works.push(g.all_reduce_async(t, op)?);
+        }
+        let gin = tensor1(&inputs(DType::F64, me, 30_001), DType::F64);
+        let gout = garbage(&[30_001 * n as i64], DType::F64);
+        works.push(g.all_gather_async(&gout, &gin)?);
+        let blocking = Tensor::from_slice(&[me as f32 + 0.5]);
+        g.all_reduce(&blocking, ReduceOp::Min)?;
+        ensure!(values(&blocking) == vec![0.5], "blocking all_reduce issued behind async ones");
+        let bcast = if me == n - 1 {
+            tensor1(&inputs(DType::I32, n - 1, 9), DType::I32)
+        } else {
+            zeros(&[9], DType::I32)
+        };
+        works.push(g.broadcast_async(&bcast, n - 1)?);
+        works.push(g.barrier_async()?);
+        for w in works.iter().rev() {
+            w.wait()?;
+        }
+        for w in &works {
+            ensure!(w.is_completed(), "work not completed after wait");
+            w.wait()?; // waiting again returns the same outcome
+        }
+        for (t, &(d, op, len)) in tensors.iter().zip(&cases) {
+            let per_rank: Vec<Vec<f64>> = (0..n).map(|r| inputs(d, r, len)).collect();
+            assert_tensor(t, d, &[len as i64], &reduce_expected(d, op, &per_rank), &format!("async all_reduce {op} {d} [{len}]"));
+        }
+        let expected: Vec<f64> = (0..n).flat_map(|r| inputs(DType::F64, r, 30_001)).collect();
+        assert_tensor(&gout, DType::F64, &[30_001 * n as i64], &expected, "async all_gather");
+        assert_tensor(&bcast, DType::I32, &[9], &inputs(DType::I32, n - 1, 9), "async broadcast");
+        Ok(())
+    });
+}
+
+/// Random f32 values of wildly different magnitudes and signs, so the rounding of a sum
+/// depends on the order of additions.
+fn order_sensitive(rank: usize, len: usize) -> Vec<f32> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed_0000 + rank as u64);
+    (0..len)
+        .map(|_| {
+            let mantissa: f32 = rng.random_range(1.0..2.0);
+            let exponent: i32 = rng.random_range(-12..=12);
+            let sign = if rng.random_bool(0.5) { 1.0 } else { -1.0 };
+            sign * mantissa * 10f32.powi(exponent)
+        })
+        .collect()
+}
+
+/// Bitwise determinism with random delays: 20 repetitions of large and small all_reduce and
+/// reduce_scatter (sum and avg), each bit-identical to a rank-order f32 sum computed locally
+/// from all-gathered inputs, so every algorithm and path agrees bit for bit.
+#[rstest]
+#[case(1)]
+#[case(2)]
+#[case(3)]
+#[case(4)]
+fn deterministic_under_random_delays(#[case] n: usize) {
+    run(n, |ctx| -> Result<()> {
+        chaos::set_max_delay(Duration::from_micros(200));
+        let g = ctx.group();
+        let (n, me) = (g.size(), g.rank());
+        let len = LARGE;
+        let mine = order_sensitive(me, len);
+        // Everyone's inputs, exactly, via all_gather.
+        let gathered = Tensor::zeros([(n * len) as i64], (Kind::Float, Device::Cpu));
+        g.all_gather(&gathered, &Tensor::from_slice(&mine))?;
+        let all = Vec::<f32>::try_from(&gathered)?;
+        for r in 0..n {
+            ensure!(all[r * len..(r + 1) * len] == order_sensitive(r, len)[..], "all_gather of rank {r}'s inputs");
+        }
+        // Reference: rank order 0..n-1, one element at a time, in f32.
+        let reference: Vec<f32> = (0..len)
+            .map(|i| {
+                let mut acc = all[i];
+                for r in 1..n {
+                    acc += all[r * len + i];
+                }
+                acc
+            })
+            .collect();
+        if n >= 3 {
+            // The inputs must make the order matter, or this test proves nothing.
+            let reversed_differs = (0..len).any(|i| {
+                let mut acc = all[(n - 1) * len + i];
+                for r in (0..n - 1).rev() {
+                    acc += all[r * len + i];
+                }
+                acc.to_bits() != reference[i].to_bits()
+            });
+            ensure!(reversed_differs, "inputs are not order-sensitive");
+        }
+        let ref_bits: Vec<u32> = reference.iter().map(|x| x.to_bits()).collect();
+        let avg_bits: Vec<u32> = reference.iter().map(|x| (x / n as f32).to_bits()).collect();
+        // bf16: accumulate the bf16 values in f32 in rank order, round once.
+        let bf_inputs: Vec<Vec<f64>> = (0..n)
+            .map(|r| values(&Tensor::from_slice(&all[r * len..(r + 1) * len]).to_kind(Kind::BFloat16)))
+            .collect();
+        let bf_expected = reduce_expected(DType::BF16, ReduceOp::Sum, &bf_inputs);
+        let m = len / n;
+        for rep in 0..20 {
+            // Large path.
+            let t = Tensor::from_slice(&mine);
+            g.all_reduce(&t, ReduceOp::Sum)?;
+            let big = bits(&t);
+            ensure!(big == ref_bits, "rep {rep}: large all_reduce differs from the rank-order sum");
+            // Small path and both sides of the threshold.
+            for k in [1000, AT_THRESHOLD, AT_THRESHOLD + 1] {
+                let t = Tensor::from_slice(&mine[..k]);
+                g.all_reduce(&t, ReduceOp::Sum)?;
+                ensure!(bits(&t) == ref_bits[..k], "rep {rep}: all_reduce of {k} elements differs from the rank-order sum");
+            }
+            // reduce_scatter: the same bits as the matching slice of the all_reduce.
+            let out = Tensor::zeros([m as i64], (Kind::Float, Device::Cpu));
+            g.reduce_scatter(&out, &Tensor::from_slice(&mine[..n * m]), ReduceOp::Sum)?;
+            ensure!(bits(&out) == big[me * m..(me + 1) * m], "rep {rep}: reduce_scatter differs from all_reduce");
+            // Avg: the rank-order sum divided once.
+            let t = Tensor::from_slice(&mine);
+            g.all_reduce(&t, ReduceOp::Avg)?;
+            let avg = bits(&t);
+            ensure!(avg == avg_bits, "rep {rep}: large all_reduce avg differs from sum / n");
+            g.reduce_scatter(&out, &Tensor::from_slice(&mine[..n * m]), ReduceOp::Avg)?;
+            ensure!(bits(&out) == avg[me * m..(me + 1) * m], "rep {rep}: reduce_scatter avg differs from all_reduce avg");
+            // bf16, large path.
+            let t = Tensor::from_slice(&mine).to_kind(Kind::BFloat16);
+            g.all_reduce(&t, ReduceOp::Sum)?;
+            ensure!(values(&t) == bf_expected, "rep {rep}: bf16 all_reduce differs from the f32 rank-order sum rounded once");
+        }
+        chaos::set_max_delay(Duration::ZERO);
+        Ok(())
+    });
+}
+
+/// Barriers on their own and between collectives.
+#[rstest]
+#[case(1)]
+#[case(2)]
+#[case(3)]
+#[case(4)]
+fn barrier_orders_around_collectives(#[case] n: usize) {
+    run(n, |ctx| -> Result<()> {
+        let g = ctx.group();
+        for i in 0..5 {
+            g.barrier()?;
+            let t = Tensor::from_slice(&[i as f64 + g.rank() as f64]);
+            g.all_reduce(&t, ReduceOp::Max)?;
+            ensure!(values(&t) == vec![(i + n - 1) as f64], "all_reduce between barriers");
+        }
+        g.barrier_async()?.wait()?;
+        Ok(())
+    });
+}

@@ -1,0 +1,225 @@
+//! Helpers shared by the collective and group integration tests: deterministic per-rank
+//! inputs, locally computed expected reductions, and exact comparisons.
+
+#![allow(dead_code)]
+
+use lockstep_core::comm::{DType, ReduceOp};
+use lockstep_harness::{RankCtx, RankResult};
+use std::time::Duration;
+use tch::{Device, Kind, Tensor};
+
+/// Every dtype collectives accept.
+pub const ALL_DTYPES: [DType; 8] = [
+    DType::F32,
+    DType::F64,
+    DType::BF16,
+    DType::F16,
+    DType::I64,
+    DType::I32,
+    DType::U8,
+    DType::Bool,
+];
+
+/// Every reduction.
+pub const ALL_OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
+
+/// f32 elements on each side of the 64 KiB small-message threshold, and a large odd count.
+pub const AT_THRESHOLD: usize = (64 << 10) / 4;
+pub const LARGE: usize = 100_003;
+
+/// Runs `body` on `world_size` ranks with a timeout short enough that a hang fails the test
+/// quickly instead of eating the suite's time budget.
+pub fn run<F, R>(world_size: usize, body: F)
+where
+    F: Fn(&RankCtx) -> R,
+    R: RankResult,
+{
+    lockstep_harness::Run::new(world_size)
+        .timeout(Duration::from_secs(60))
+        .run(body);
+}
+
+/// Whether `Avg` is accepted for `dtype`.
+pub fn avg_valid(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+}
+
+/// A tensor of `dtype` holding `vals` (which must be representable in it) with `shape`.
+pub fn tensor(vals: &[f64], shape: &[i64], dtype: DType) -> Tensor {
+    Tensor::from_slice(vals).to_kind(dtype.kind()).reshape(shape)
+}
+
+/// A 1-D tensor of `dtype` holding `vals`.
+pub fn tensor1(vals: &[f64], dtype: DType) -> Tensor {
+    tensor(vals, &[vals.len() as i64], dtype)
+}
+
+/// A zero-filled tensor.
+pub fn zeros(shape: &[i64], dtype: DType) -> Tensor {
+    Tensor::zeros(shape, (dtype.kind(), Device::Cpu))
+}
+
+/// A tensor filled with a recognizable garbage value (so untouched outputs are noticed).
+pub fn garbage(shape: &[i64], dtype: DType) -> Tensor {
+    let v = match dtype {
+        DType::Bool => 1.0,
+        DType::U8 => 77.0,
+        _ => -77.0,
+    };
+    Tensor::full(shape, v, (dtype.kind(), Device::Cpu))
+}
+
+/// Every element as f64, in row-major order of the tensor's logical shape.
+pub fn values(t: &Tensor) -> Vec<f64> {
+    let flat = t.to_kind(Kind::Double).contiguous().reshape([-1]);
+    Vec::<f64>::try_from(&flat).expect("tensor to Vec<f64>")
+}
+
+/// Every element of an f32 tensor as raw bits.
+pub fn bits(t: &Tensor) -> Vec<u32> {
+    let flat = t.contiguous().reshape([-1]);
+    Vec::<f32>::try_from(&flat)
+        .expect("tensor to Vec<f32>")
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
+}
+
+/// Per-rank test inputs: small integers (and halves for floats) that vary with rank and
+/// position so that sum, max and min all differ, exactly representable in `dtype`. Includes
+/// negative values for signed types, values near the top of u8 (sums wrap), values beyond
+/// i32 for i64, and, for bf16/f16, one big value on rank 0 whose neighbours only survive if
+/// the sum is accumulated in f32 and rounded once.
+pub fn inputs(dtype: DType, rank: usize, numel: usize) -> Vec<f64> {
+    (0..numel)
+        .map(|i| {
+            let base = ((rank * 7 + i * 3 + 1) % 11) as f64;
+            let half = if (i + rank) % 2 == 1 { 0.5 } else { 0.0 };
+            match dtype {
+                DType::F32 | DType::F64 => base - 5.0 + half,
+                DType::BF16 | DType::F16 if i % 7 == 6 => {
+                    if rank == 0 {
+                        if dtype == DType::BF16 {
+                            256.0
+                        } else {
+                            2048.0
+                        }
+                    } else {
+                        1.0
+                    }
+                }
+                DType::BF16 | DType::F16 => base - 5.0 + half,
+                DType::I64 if i % 5 == 0 => base - 5.0 + (1u64 << 40) as f64,
+                DType::I64 | DType::I32 => base - 5.0,
+                DType::U8 if i % 4 == 3 => 240.0 + base,
+                DType::U8 => base,
+                DType::Bool => f64::from(u8::from((rank * 5 + i) % 3 == 0)),
+            }
+        })
+        .collect()
+}
+
+/// What reducing `per_rank` (rank order) with `op` must give, as the result reads in f64:
+/// floats accumulate in rank order (bf16/f16 in f32, rounded once), `Avg` divides once at
+/// the end, integer sums wrap, bool sum/max is or and min is and.
+pub fn reduce_expected(dtype: DType, op: ReduceOp, per_rank: &[Vec<f64>]) -> Vec<f64> {
+    let n = per_rank.len();
+    let numel = per_rank[0].len();
+    let column = |i: usize| per_rank.iter().map(move |v| v[i]);
+    match dtype {
+        DType::F64 => (0..numel)
+            .map(|i| {
+                let mut xs = column(i);
+                let first = xs.next().unwrap();
+                let acc = xs.fold(first, |a, x| match op {
+                    ReduceOp::Sum | ReduceOp::Avg => a + x,
+                    ReduceOp::Max => a.max(x),
+                    ReduceOp::Min => a.min(x),
+                });
+                if op == ReduceOp::Avg {
+                    acc / n as f64
+                } else {
+                    acc
+                }
+            })
+            .collect(),
+        DType::F32 | DType::BF16 | DType::F16 => {
+            let acc: Vec<f32> = (0..numel)
+                .map(|i| {
+                    let mut xs = column(i).map(|x| x as f32);
+                    let first = xs.next().unwrap();
+                    let acc = xs.fold(first, |a, x| match op {
+                        ReduceOp::Sum | ReduceOp::Avg => a + x,
+                        ReduceOp::Max => a.max(x),
+                        ReduceOp::Min => a.min(x),
+                    });
+                    if op == ReduceOp::Avg {
+                        acc / n as f32
+                    } else {
+                        acc
+                    }
+                })
+                .collect();
+            // Round once to the storage type, exactly as libtorch converts.
+            values(&Tensor::from_slice(&acc).to_kind(dtype.kind()))
+        }
+        DType::I64 | DType::I32 | DType::U8 => (0..numel)
+            .map(|i| {
+                let wrap = |v: i64| match dtype {
+                    DType::I32 => v as i32 as i64,
+                    DType::U8 => v as u8 as i64,
+                    _ => v,
+                };
+                let mut xs = column(i).map(|x| x as i64);
+                let first = xs.next().unwrap();
+                let acc = xs.fold(first, |a, x| match op {
+                    ReduceOp::Sum => wrap(a.wrapping_add(x)),
+                    ReduceOp::Max => a.max(x),
+                    ReduceOp::Min => a.min(x),
+                    ReduceOp::Avg => unreachable!("avg on integers"),
+                });
+                acc as f64
+            })
+            .collect(),
+        DType::Bool => (0..numel)
+            .map(|i| {
+                let mut xs = column(i).map(|x| x != 0.0);
+                let v = match op {
+                    ReduceOp::Min => xs.all(|b| b),
+                    _ => xs.any(|b| b),
+                };
+                f64::from(u8::from(v))
+            })
+            .collect(),
+    }
+}
+
+fn preview(v: &[f64]) -> String {
+    if v.len() <= 16 {
+        format!("{v:?}")
+    } else {
+        format!("{:?}... ({} elements)", &v[..16], v.len())
+    }
+}
+
+/// Asserts `actual` has `dtype`, `shape` and exactly the `expected` values.
+pub fn assert_tensor(actual: &Tensor, dtype: DType, shape: &[i64], expected: &[f64], what: &str) {
+    assert_eq!(actual.kind(), dtype.kind(), "{what}: dtype changed");
+    assert_eq!(actual.size(), shape, "{what}: shape changed");
+    let got = values(actual);
+    assert_eq!(got.len(), expected.len(), "{what}: element count");
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != expected[i]) {
+        panic!(
+            "{what}: element {i} is {} but should be {}\n  got:      {}\n  expected: {}",
+            got[i],
+            expected[i],
+            preview(&got),
+            preview(expected)
+        );
+    }
+}
+
+/// `numel` and `shape` helper: a 1-D shape of `numel` elements.
+pub fn shape1(numel: usize) -> Vec<i64> {
+    vec![numel as i64]
+}
