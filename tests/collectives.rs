@@ -30,12 +30,22 @@ fn all_reduce_case(g: &dyn ProcessGroup, dtype: DType, op: ReduceOp, shape: &[i6
             Err(CommError::InvalidArgument(_)) => {}
             other => panic!("{what}: expected InvalidArgument, got {other:?}"),
         }
-        assert_eq!(values(&t), before, "{what}: a rejected call modified the tensor");
+        assert_eq!(
+            values(&t),
+            before,
+            "{what}: a rejected call modified the tensor"
+        );
         return Ok(());
     }
     g.all_reduce(&t, op)?;
     let per_rank: Vec<Vec<f64>> = (0..n).map(|r| inputs(dtype, r, numel)).collect();
-    assert_tensor(&t, dtype, shape, &reduce_expected(dtype, op, &per_rank), &what);
+    assert_tensor(
+        &t,
+        dtype,
+        shape,
+        &reduce_expected(dtype, op, &per_rank),
+        &what,
+    );
     Ok(())
 }
 
@@ -97,9 +107,23 @@ fn all_gather_case(g: &dyn ProcessGroup, dtype: DType, shape: &[i64]) -> Result<
     out_shape[0] *= n as i64;
     let out = garbage(&out_shape, dtype);
     g.all_gather(&out, &input)?;
-    let expected: Vec<f64> = (0..n).flat_map(|r| values(&tensor1(&inputs(dtype, r, numel), dtype))).collect();
-    assert_tensor(&out, dtype, &out_shape, &expected, &format!("all_gather {dtype} {shape:?} on {n} ranks"));
-    assert_tensor(&input, dtype, shape, &values(&tensor1(&inputs(dtype, me, numel), dtype)), "all_gather input must be untouched");
+    let expected: Vec<f64> = (0..n)
+        .flat_map(|r| values(&tensor1(&inputs(dtype, r, numel), dtype)))
+        .collect();
+    assert_tensor(
+        &out,
+        dtype,
+        &out_shape,
+        &expected,
+        &format!("all_gather {dtype} {shape:?} on {n} ranks"),
+    );
+    assert_tensor(
+        &input,
+        dtype,
+        shape,
+        &values(&tensor1(&inputs(dtype, me, numel), dtype)),
+        "all_gather input must be untouched",
+    );
     Ok(())
 }
 
@@ -127,7 +151,12 @@ fn all_gather_every_dtype_and_size(#[case] n: usize) {
     });
 }
 
-fn reduce_scatter_case(g: &dyn ProcessGroup, dtype: DType, op: ReduceOp, out_shape: &[i64]) -> Result<()> {
+fn reduce_scatter_case(
+    g: &dyn ProcessGroup,
+    dtype: DType,
+    op: ReduceOp,
+    out_shape: &[i64],
+) -> Result<()> {
     let (n, me) = (g.size(), g.rank());
     let m = out_shape.iter().product::<i64>() as usize;
     let mut in_shape = out_shape.to_vec();
@@ -146,7 +175,13 @@ fn reduce_scatter_case(g: &dyn ProcessGroup, dtype: DType, op: ReduceOp, out_sha
     let per_rank: Vec<Vec<f64>> = (0..n).map(|r| inputs(dtype, r, n * m)).collect();
     let full = reduce_expected(dtype, op, &per_rank);
     assert_tensor(&out, dtype, out_shape, &full[me * m..(me + 1) * m], &what);
-    assert_tensor(&input, dtype, &in_shape, &values(&tensor1(&inputs(dtype, me, n * m), dtype)), "reduce_scatter input must be untouched");
+    assert_tensor(
+        &input,
+        dtype,
+        &in_shape,
+        &values(&tensor1(&inputs(dtype, me, n * m), dtype)),
+        "reduce_scatter input must be untouched",
+    );
     Ok(())
 }
 
@@ -181,7 +216,13 @@ fn broadcast_case(g: &dyn ProcessGroup, dtype: DType, shape: &[i64], root: usize
     };
     g.broadcast(&t, root)?;
     let expected = values(&tensor1(&inputs(dtype, root, numel), dtype));
-    assert_tensor(&t, dtype, shape, &expected, &format!("broadcast {dtype} {shape:?} from root {root} on {n} ranks"));
+    assert_tensor(
+        &t,
+        dtype,
+        shape,
+        &expected,
+        &format!("broadcast {dtype} {shape:?} from root {root} on {n} ranks"),
+    );
     Ok(())
 }
 
@@ -221,7 +262,13 @@ fn a2a_value(src: usize, dst: usize, k: usize, c: usize) -> f64 {
 /// Runs an all_to_all where rank `src` sends `split(src, dst)` rows of `cols` columns to
 /// `dst`, and checks every received row. `explicit`: pass split lists (else empty lists,
 /// which requires equal splits).
-fn all_to_all_case(g: &dyn ProcessGroup, dtype: DType, cols: usize, split: &dyn Fn(usize, usize) -> usize, explicit: bool) -> Result<()> {
+fn all_to_all_case(
+    g: &dyn ProcessGroup,
+    dtype: DType,
+    cols: usize,
+    split: &dyn Fn(usize, usize) -> usize,
+    explicit: bool,
+) -> Result<()> {
     let (n, me) = (g.size(), g.rank());
     let in_splits: Vec<usize> = (0..n).map(|j| split(me, j)).collect();
     let out_splits: Vec<usize> = (0..n).map(|j| split(j, me)).collect();
@@ -276,7 +323,13 @@ fn all_to_all_even_uneven_and_empty(#[case] n: usize) {
         all_to_all_case(g, DType::I64, 3, &uneven, true)?;
         // Only the diagonal, only off-diagonal.
         all_to_all_case(g, DType::F64, 2, &|s, d| if s == d { 2 } else { 0 }, true)?;
-        all_to_all_case(g, DType::F64, 2, &|s, d| if s == d { 0 } else { s + 1 }, true)?;
+        all_to_all_case(
+            g,
+            DType::F64,
+            2,
+            &|s, d| if s == d { 0 } else { s + 1 },
+            true,
+        )?;
         // Everything empty, implicit and explicit.
         all_to_all_case(g, DType::F32, 2, &|_, _| 0, false)?;
         all_to_all_case(g, DType::F32, 2, &|_, _| 0, true)?;
@@ -295,12 +348,22 @@ fn all_to_all_even_uneven_and_empty(#[case] n: usize) {
                     _ => (src * 16 + dst * 4 + k) as f64,
                 }
             };
-            let block = |src: usize, dst: usize| (0..uneven(src, dst)).map(move |k| val(src, dst, k));
-            let input = tensor1(&(0..n).flat_map(|j| block(me, j)).collect::<Vec<_>>(), dtype);
+            let block =
+                |src: usize, dst: usize| (0..uneven(src, dst)).map(move |k| val(src, dst, k));
+            let input = tensor1(
+                &(0..n).flat_map(|j| block(me, j)).collect::<Vec<_>>(),
+                dtype,
+            );
             let expected: Vec<f64> = (0..n).flat_map(|j| block(j, me)).collect();
             let out = garbage(&[expected.len() as i64], dtype);
             g.all_to_all(&out, &input, &out_splits, &in_splits)?;
-            assert_tensor(&out, dtype, &[expected.len() as i64], &expected, &format!("all_to_all {dtype} uneven"));
+            assert_tensor(
+                &out,
+                dtype,
+                &[expected.len() as i64],
+                &expected,
+                &format!("all_to_all {dtype} uneven"),
+            );
         }
         Ok(())
     });
@@ -352,7 +415,10 @@ fn empty_tensors_every_collective(#[case] n: usize) {
         // Everyone still agrees on the sequence afterwards.
         let t = Tensor::from_slice(&[g.rank() as f32]);
         g.all_reduce(&t, ReduceOp::Sum)?;
-        ensure!(values(&t) == vec![(n * (n - 1) / 2) as f64], "all_reduce after empty collectives");
+        ensure!(
+            values(&t) == vec![(n * (n - 1) / 2) as f64],
+            "all_reduce after empty collectives"
+        );
         g.barrier()?;
         Ok(())
     });
@@ -379,11 +445,23 @@ fn non_contiguous_tensors(#[case] n: usize) {
         assert!(!t.is_contiguous());
         g.all_reduce(&t, ReduceOp::Sum)?;
         let expected_base: Vec<f64> = (0..12).map(|k| nf * k as f64 + rank_sum).collect();
-        assert_tensor(&base, DType::F32, &[3, 4], &expected_base, "all_reduce through a transposed view (storage)");
+        assert_tensor(
+            &base,
+            DType::F32,
+            &[3, 4],
+            &expected_base,
+            "all_reduce through a transposed view (storage)",
+        );
         let expected_t: Vec<f64> = (0..4)
             .flat_map(|j| (0..3).map(move |i| nf * (4 * i + j) as f64 + rank_sum))
             .collect();
-        assert_tensor(&t, DType::F32, &[4, 3], &expected_t, "all_reduce of a transposed view");
+        assert_tensor(
+            &t,
+            DType::F32,
+            &[4, 3],
+            &expected_t,
+            "all_reduce of a transposed view",
+        );
 
         // all_reduce on a strided slice touches only its elements.
         let base = Tensor::zeros([15], opts) - 1.0;
@@ -391,8 +469,16 @@ fn non_contiguous_tensors(#[case] n: usize) {
         let mut s = strided.shallow_clone();
         let _ = s.fill_(me as f64 + 1.0);
         g.all_reduce(&strided, ReduceOp::Max)?;
-        let expected: Vec<f64> = (0..15).map(|i| if i % 2 == 1 { nf } else { -1.0 }).collect();
-        assert_tensor(&base, DType::F32, &[15], &expected, "all_reduce max on a stride-2 slice");
+        let expected: Vec<f64> = (0..15)
+            .map(|i| if i % 2 == 1 { nf } else { -1.0 })
+            .collect();
+        assert_tensor(
+            &base,
+            DType::F32,
+            &[15],
+            &expected,
+            "all_reduce max on a stride-2 slice",
+        );
 
         // Contiguous view with a storage offset, large enough for the ring path.
         let base = Tensor::ones([LARGE as i64 + 10], opts) * (me as f64 + 1.0);
@@ -400,9 +486,18 @@ fn non_contiguous_tensors(#[case] n: usize) {
         g.all_reduce(&view, ReduceOp::Sum)?;
         let total = (n * (n + 1) / 2) as f64;
         let got = values(&base);
-        ensure!(got[..5].iter().all(|&v| v == me as f64 + 1.0), "elements before the view changed");
-        ensure!(got[LARGE + 5..].iter().all(|&v| v == me as f64 + 1.0), "elements after the view changed");
-        ensure!(got[5..LARGE + 5].iter().all(|&v| v == total), "offset view not reduced");
+        ensure!(
+            got[..5].iter().all(|&v| v == me as f64 + 1.0),
+            "elements before the view changed"
+        );
+        ensure!(
+            got[LARGE + 5..].iter().all(|&v| v == me as f64 + 1.0),
+            "elements after the view changed"
+        );
+        ensure!(
+            got[5..LARGE + 5].iter().all(|&v| v == total),
+            "offset view not reduced"
+        );
 
         // all_gather: transposed input, transposed (non-contiguous) output.
         let input = (Tensor::arange(12, opts).reshape([3, 4]) + 100.0 * me as f64).tr(); // [4, 3]
@@ -411,12 +506,21 @@ fn non_contiguous_tensors(#[case] n: usize) {
         assert!(!out.is_contiguous());
         g.all_gather(&out, &input)?;
         let expected: Vec<f64> = (0..n)
-            .flat_map(|r| (0..4).flat_map(move |j| (0..3).map(move |i| (4 * i + j) as f64 + 100.0 * r as f64)))
+            .flat_map(|r| {
+                (0..4).flat_map(move |j| (0..3).map(move |i| (4 * i + j) as f64 + 100.0 * r as f64))
+            })
             .collect();
-        assert_tensor(&out, DType::F32, &[4 * n as i64, 3], &expected, "all_gather into a transposed output");
+        assert_tensor(
+            &out,
+            DType::F32,
+            &[4 * n as i64, 3],
+            &expected,
+            "all_gather into a transposed output",
+        );
 
         // reduce_scatter: transposed input [2n, 3], transposed output [2, 3].
-        let in_storage = Tensor::arange(6 * n as i64, opts).reshape([3, 2 * n as i64]) * (me as f64 + 1.0);
+        let in_storage =
+            Tensor::arange(6 * n as i64, opts).reshape([3, 2 * n as i64]) * (me as f64 + 1.0);
         let input = in_storage.tr();
         let out_storage = Tensor::full([3, 2], -7.0, opts);
         let out = out_storage.tr();
@@ -425,7 +529,13 @@ fn non_contiguous_tensors(#[case] n: usize) {
         let expected: Vec<f64> = (2 * me..2 * me + 2)
             .flat_map(|row| (0..3).map(move |col| (col * two_n + row) as f64 * total))
             .collect();
-        assert_tensor(&out, DType::F32, &[2, 3], &expected, "reduce_scatter with transposed input and output");
+        assert_tensor(
+            &out,
+            DType::F32,
+            &[2, 3],
+            &expected,
+            "reduce_scatter with transposed input and output",
+        );
 
         // broadcast from the last rank into transposed views.
         let root = n - 1;
@@ -437,17 +547,35 @@ fn non_contiguous_tensors(#[case] n: usize) {
         let view = storage.tr();
         g.broadcast(&view, root)?;
         let expected: Vec<f64> = (0..20).map(|k| k as f64).collect();
-        assert_tensor(&storage, DType::F32, &[4, 5], &expected, "broadcast into a transposed view");
+        assert_tensor(
+            &storage,
+            DType::F32,
+            &[4, 5],
+            &expected,
+            "broadcast into a transposed view",
+        );
 
         // all_to_all with a transposed 2-D input: rows are logical rows.
-        let input = (Tensor::arange(2 * n as i64 * 3, opts).reshape([3, 2 * n as i64]) + 1000.0 * me as f64).tr(); // [2n, 3]
+        let input = (Tensor::arange(2 * n as i64 * 3, opts).reshape([3, 2 * n as i64])
+            + 1000.0 * me as f64)
+            .tr(); // [2n, 3]
         let out = Tensor::full([3, 2 * n as i64], -1.0, opts).tr();
         g.all_to_all(&out, &input, &[], &[])?;
         // Logical input row k of rank s, column c = c * 2n + k + 1000 s; rank me gets rows 2me, 2me+1 of each s.
         let expected: Vec<f64> = (0..n)
-            .flat_map(|s| (2 * me..2 * me + 2).flat_map(move |k| (0..3).map(move |c| (c * two_n + k) as f64 + 1000.0 * s as f64)))
+            .flat_map(|s| {
+                (2 * me..2 * me + 2).flat_map(move |k| {
+                    (0..3).map(move |c| (c * two_n + k) as f64 + 1000.0 * s as f64)
+                })
+            })
             .collect();
-        assert_tensor(&out, DType::F32, &[2 * n as i64, 3], &expected, "all_to_all with transposed tensors");
+        assert_tensor(
+            &out,
+            DType::F32,
+            &[2 * n as i64, 3],
+            &expected,
+            "all_to_all with transposed tensors",
+        );
 
         // send/recv from and into transposed views.
         if n > 1 {
@@ -457,7 +585,13 @@ fn non_contiguous_tensors(#[case] n: usize) {
             let storage = Tensor::zeros([2, 3], opts);
             g.recv(&storage.tr(), prev, 0)?;
             let expected: Vec<f64> = (0..6).map(|k| k as f64 + 10.0 * prev as f64).collect();
-            assert_tensor(&storage, DType::F32, &[2, 3], &expected, "recv into a transposed view");
+            assert_tensor(
+                &storage,
+                DType::F32,
+                &[2, 3],
+                &expected,
+                "recv into a transposed view",
+            );
         }
         Ok(())
     });
@@ -476,24 +610,50 @@ fn invalid_arguments_are_rejected(#[case] n: usize) {
         let f = |len: i64| Tensor::zeros([len], (Kind::Float, Device::Cpu));
         let invalid = |r: Result<(), CommError>, what: &str| match r {
             Err(CommError::InvalidArgument(_)) => Ok(()),
-            other => Err(anyhow::anyhow!("{what}: expected InvalidArgument, got {other:?}")),
+            other => Err(anyhow::anyhow!(
+                "{what}: expected InvalidArgument, got {other:?}"
+            )),
         };
-        invalid(g.all_gather(&f(3 * n as i64 + 1), &f(3)), "all_gather wrong output size")?;
-        invalid(g.reduce_scatter(&f(3), &f(3 * n as i64 + 1), ReduceOp::Sum), "reduce_scatter wrong input size")?;
-        invalid(g.all_gather(&zeros(&[3 * n as i64], DType::F64), &f(3)), "all_gather dtype mismatch")?;
+        invalid(
+            g.all_gather(&f(3 * n as i64 + 1), &f(3)),
+            "all_gather wrong output size",
+        )?;
+        invalid(
+            g.reduce_scatter(&f(3), &f(3 * n as i64 + 1), ReduceOp::Sum),
+            "reduce_scatter wrong input size",
+        )?;
+        invalid(
+            g.all_gather(&zeros(&[3 * n as i64], DType::F64), &f(3)),
+            "all_gather dtype mismatch",
+        )?;
         invalid(g.broadcast(&f(3), n), "broadcast root out of range")?;
-        invalid(g.all_to_all(&f(n as i64), &f(n as i64), &vec![1; n + 1], &vec![1; n + 1]), "all_to_all wrong split count")?;
-        invalid(g.all_to_all(&f(n as i64), &f(n as i64), &vec![2; n], &vec![2; n]), "all_to_all splits not summing to rows")?;
+        invalid(
+            g.all_to_all(&f(n as i64), &f(n as i64), &vec![1; n + 1], &vec![1; n + 1]),
+            "all_to_all wrong split count",
+        )?;
+        invalid(
+            g.all_to_all(&f(n as i64), &f(n as i64), &vec![2; n], &vec![2; n]),
+            "all_to_all splits not summing to rows",
+        )?;
         if n > 1 {
-            invalid(g.all_to_all(&f(n as i64 + 1), &f(n as i64 + 1), &[], &[]), "all_to_all rows not divisible")?;
+            invalid(
+                g.all_to_all(&f(n as i64 + 1), &f(n as i64 + 1), &[], &[]),
+                "all_to_all rows not divisible",
+            )?;
         }
         invalid(g.send(&f(1), me, 0), "send to self")?;
         invalid(g.recv(&f(1), n, 0), "recv from outside the group")?;
         let c = Tensor::from_slice(&[1.0f32]).to_kind(Kind::ComplexFloat);
-        ensure!(g.all_reduce(&c, ReduceOp::Sum).is_err(), "complex all_reduce accepted");
+        ensure!(
+            g.all_reduce(&c, ReduceOp::Sum).is_err(),
+            "complex all_reduce accepted"
+        );
         let t = Tensor::from_slice(&[me as i64]);
         g.all_reduce(&t, ReduceOp::Sum)?;
-        ensure!(values(&t) == vec![(n * (n - 1) / 2) as f64], "all_reduce after rejected calls");
+        ensure!(
+            values(&t) == vec![(n * (n - 1) / 2) as f64],
+            "all_reduce after rejected calls"
+        );
         Ok(())
     });
 }
@@ -528,7 +688,10 @@ fn send_recv_ordering(#[case] n: usize) {
             for (idx, &numel) in P2P_SIZES.iter().enumerate() {
                 let r = Tensor::full([numel as i64], -1.0, (Kind::Float, Device::Cpu));
                 g.recv(&r, src, 100 + idx as u64)?;
-                ensure!(r.equal(&p2p_message(src, me, idx, numel)), "phase 1: message {idx} from rank {src} wrong");
+                ensure!(
+                    r.equal(&p2p_message(src, me, idx, numel)),
+                    "phase 1: message {idx} from rank {src} wrong"
+                );
             }
         }
         // Phase 2: post every receive first, then send, then wait in reverse order.
@@ -543,13 +706,20 @@ fn send_recv_ordering(#[case] n: usize) {
         let mut sends = Vec::new();
         for dst in (0..n).filter(|&p| p != me) {
             for (idx, &numel) in P2P_SIZES.iter().enumerate() {
-                sends.push(g.send_async(&p2p_message(me, dst, 10 + idx, numel), dst, idx as u64)?);
+                sends.push(g.send_async(
+                    &p2p_message(me, dst, 10 + idx, numel),
+                    dst,
+                    idx as u64,
+                )?);
             }
         }
         for (src, idx, r, w) in recvs.iter().rev() {
             w.wait()?;
             ensure!(w.is_completed(), "recv work not completed after wait");
-            ensure!(r.equal(&p2p_message(*src, me, 10 + idx, P2P_SIZES[*idx])), "phase 2: message {idx} from rank {src} wrong");
+            ensure!(
+                r.equal(&p2p_message(*src, me, 10 + idx, P2P_SIZES[*idx])),
+                "phase 2: message {idx} from rank {src} wrong"
+            );
         }
         for s in sends {
             s.wait()?;
@@ -574,7 +744,11 @@ fn send_before_recv_does_not_deadlock(#[case] n: usize) {
         let (n, me) = (g.size(), g.rank());
         const BIG: usize = 1 << 20; // 4 MiB per message, far beyond socket buffers
         for dst in (0..n).filter(|&p| p != me) {
-            let mut t = Tensor::full([BIG as i64], (me * 10 + dst) as f64, (Kind::Float, Device::Cpu));
+            let mut t = Tensor::full(
+                [BIG as i64],
+                (me * 10 + dst) as f64,
+                (Kind::Float, Device::Cpu),
+            );
             g.send(&t, dst, 1)?;
             let _ = t.fill_(-5.0);
             g.send(&t, dst, 2)?;
@@ -584,9 +758,15 @@ fn send_before_recv_does_not_deadlock(#[case] n: usize) {
             let r = Tensor::zeros([BIG as i64], (Kind::Float, Device::Cpu));
             g.recv(&r, src, 1)?;
             let want = (src * 10 + me) as f64;
-            ensure!(values(&r.min()) == vec![want] && values(&r.max()) == vec![want], "first message from {src} wrong");
+            ensure!(
+                values(&r.min()) == vec![want] && values(&r.max()) == vec![want],
+                "first message from {src} wrong"
+            );
             g.recv(&r, src, 2)?;
-            ensure!(values(&r.min()) == vec![-5.0] && values(&r.max()) == vec![-5.0], "second message from {src} wrong");
+            ensure!(
+                values(&r.min()) == vec![-5.0] && values(&r.max()) == vec![-5.0],
+                "second message from {src} wrong"
+            );
         }
         g.barrier()?;
         Ok(())
@@ -610,14 +790,24 @@ fn recv_with_mismatched_tag_errors(#[case] n: usize) {
         } else if me == 1 {
             let r = f(&[0.0; 3]);
             match g.recv(&r, 0, 70) {
-                Err(CommError::Mismatch(msg)) => ensure!(msg.contains("tag"), "mismatch message does not mention the tag: {msg}"),
-                other => panic!("recv with tag 70 for a tag-7 message: expected Mismatch, got {other:?}"),
+                Err(CommError::Mismatch(msg)) => ensure!(
+                    msg.contains("tag"),
+                    "mismatch message does not mention the tag: {msg}"
+                ),
+                other => {
+                    panic!("recv with tag 70 for a tag-7 message: expected Mismatch, got {other:?}")
+                }
             }
-            ensure!(r.equal(&f(&[0.0; 3])), "a mismatched recv wrote into the tensor");
+            ensure!(
+                r.equal(&f(&[0.0; 3])),
+                "a mismatched recv wrote into the tensor"
+            );
             let r = f(&[0.0; 5]);
             match g.recv(&r, 0, 8) {
                 Err(CommError::Mismatch(_)) => {}
-                other => panic!("recv of 5 elements for a 4-element message: expected Mismatch, got {other:?}"),
+                other => panic!(
+                    "recv of 5 elements for a 4-element message: expected Mismatch, got {other:?}"
+                ),
             }
             let r = f(&[0.0; 2]);
             g.recv(&r, 0, 9)?;
@@ -645,7 +835,10 @@ fn async_ops_in_flight(#[case] n: usize) {
             (DType::I64, ReduceOp::Sum, 13),
             (DType::BF16, ReduceOp::Avg, 40_000),
         ];
-        let tensors: Vec<Tensor> = cases.iter().map(|&(d, _, len)| tensor1(&inputs(d, me, len), d)).collect();
+        let tensors: Vec<Tensor> = cases
+            .iter()
+            .map(|&(d, _, len)| tensor1(&inputs(d, me, len), d))
+            .collect();
         let mut works = Vec::new();
         for (t, &(_, op, _)) in tensors.iter().zip(&cases) {
             works.push(g.all_reduce_async(t, op)?);
@@ -655,7 +848,10 @@ fn async_ops_in_flight(#[case] n: usize) {
         works.push(g.all_gather_async(&gout, &gin)?);
         let blocking = Tensor::from_slice(&[me as f32 + 0.5]);
         g.all_reduce(&blocking, ReduceOp::Min)?;
-        ensure!(values(&blocking) == vec![0.5], "blocking all_reduce issued behind async ones");
+        ensure!(
+            values(&blocking) == vec![0.5],
+            "blocking all_reduce issued behind async ones"
+        );
         let bcast = if me == n - 1 {
             tensor1(&inputs(DType::I32, n - 1, 9), DType::I32)
         } else {
@@ -672,11 +868,29 @@ fn async_ops_in_flight(#[case] n: usize) {
         }
         for (t, &(d, op, len)) in tensors.iter().zip(&cases) {
             let per_rank: Vec<Vec<f64>> = (0..n).map(|r| inputs(d, r, len)).collect();
-            assert_tensor(t, d, &[len as i64], &reduce_expected(d, op, &per_rank), &format!("async all_reduce {op} {d} [{len}]"));
+            assert_tensor(
+                t,
+                d,
+                &[len as i64],
+                &reduce_expected(d, op, &per_rank),
+                &format!("async all_reduce {op} {d} [{len}]"),
+            );
         }
         let expected: Vec<f64> = (0..n).flat_map(|r| inputs(DType::F64, r, 30_001)).collect();
-        assert_tensor(&gout, DType::F64, &[30_001 * n as i64], &expected, "async all_gather");
-        assert_tensor(&bcast, DType::I32, &[9], &inputs(DType::I32, n - 1, 9), "async broadcast");
+        assert_tensor(
+            &gout,
+            DType::F64,
+            &[30_001 * n as i64],
+            &expected,
+            "async all_gather",
+        );
+        assert_tensor(
+            &bcast,
+            DType::I32,
+            &[9],
+            &inputs(DType::I32, n - 1, 9),
+            "async broadcast",
+        );
         Ok(())
     });
 }
@@ -715,7 +929,10 @@ fn deterministic_under_random_delays(#[case] n: usize) {
         g.all_gather(&gathered, &Tensor::from_slice(&mine))?;
         let all = Vec::<f32>::try_from(&gathered)?;
         for r in 0..n {
-            ensure!(all[r * len..(r + 1) * len] == order_sensitive(r, len)[..], "all_gather of rank {r}'s inputs");
+            ensure!(
+                all[r * len..(r + 1) * len] == order_sensitive(r, len)[..],
+                "all_gather of rank {r}'s inputs"
+            );
         }
         // Reference: rank order 0..n-1, one element at a time, in f32.
         let reference: Vec<f32> = (0..len)
@@ -742,7 +959,9 @@ fn deterministic_under_random_delays(#[case] n: usize) {
         let avg_bits: Vec<u32> = reference.iter().map(|x| (x / n as f32).to_bits()).collect();
         // bf16: accumulate the bf16 values in f32 in rank order, round once.
         let bf_inputs: Vec<Vec<f64>> = (0..n)
-            .map(|r| values(&Tensor::from_slice(&all[r * len..(r + 1) * len]).to_kind(Kind::BFloat16)))
+            .map(|r| {
+                values(&Tensor::from_slice(&all[r * len..(r + 1) * len]).to_kind(Kind::BFloat16))
+            })
             .collect();
         let bf_expected = reduce_expected(DType::BF16, ReduceOp::Sum, &bf_inputs);
         let m = len / n;
@@ -751,28 +970,46 @@ fn deterministic_under_random_delays(#[case] n: usize) {
             let t = Tensor::from_slice(&mine);
             g.all_reduce(&t, ReduceOp::Sum)?;
             let big = bits(&t);
-            ensure!(big == ref_bits, "rep {rep}: large all_reduce differs from the rank-order sum");
+            ensure!(
+                big == ref_bits,
+                "rep {rep}: large all_reduce differs from the rank-order sum"
+            );
             // Small path and both sides of the threshold.
             for k in [1000, AT_THRESHOLD, AT_THRESHOLD + 1] {
                 let t = Tensor::from_slice(&mine[..k]);
                 g.all_reduce(&t, ReduceOp::Sum)?;
-                ensure!(bits(&t) == ref_bits[..k], "rep {rep}: all_reduce of {k} elements differs from the rank-order sum");
+                ensure!(
+                    bits(&t) == ref_bits[..k],
+                    "rep {rep}: all_reduce of {k} elements differs from the rank-order sum"
+                );
             }
             // reduce_scatter: the same bits as the matching slice of the all_reduce.
             let out = Tensor::zeros([m as i64], (Kind::Float, Device::Cpu));
             g.reduce_scatter(&out, &Tensor::from_slice(&mine[..n * m]), ReduceOp::Sum)?;
-            ensure!(bits(&out) == big[me * m..(me + 1) * m], "rep {rep}: reduce_scatter differs from all_reduce");
+            ensure!(
+                bits(&out) == big[me * m..(me + 1) * m],
+                "rep {rep}: reduce_scatter differs from all_reduce"
+            );
             // Avg: the rank-order sum divided once.
             let t = Tensor::from_slice(&mine);
             g.all_reduce(&t, ReduceOp::Avg)?;
             let avg = bits(&t);
-            ensure!(avg == avg_bits, "rep {rep}: large all_reduce avg differs from sum / n");
+            ensure!(
+                avg == avg_bits,
+                "rep {rep}: large all_reduce avg differs from sum / n"
+            );
             g.reduce_scatter(&out, &Tensor::from_slice(&mine[..n * m]), ReduceOp::Avg)?;
-            ensure!(bits(&out) == avg[me * m..(me + 1) * m], "rep {rep}: reduce_scatter avg differs from all_reduce avg");
+            ensure!(
+                bits(&out) == avg[me * m..(me + 1) * m],
+                "rep {rep}: reduce_scatter avg differs from all_reduce avg"
+            );
             // bf16, large path.
             let t = Tensor::from_slice(&mine).to_kind(Kind::BFloat16);
             g.all_reduce(&t, ReduceOp::Sum)?;
-            ensure!(values(&t) == bf_expected, "rep {rep}: bf16 all_reduce differs from the f32 rank-order sum rounded once");
+            ensure!(
+                values(&t) == bf_expected,
+                "rep {rep}: bf16 all_reduce differs from the f32 rank-order sum rounded once"
+            );
         }
         chaos::set_max_delay(Duration::ZERO);
         Ok(())
@@ -792,7 +1029,10 @@ fn barrier_orders_around_collectives(#[case] n: usize) {
             g.barrier()?;
             let t = Tensor::from_slice(&[i as f64 + g.rank() as f64]);
             g.all_reduce(&t, ReduceOp::Max)?;
-            ensure!(values(&t) == vec![(i + n - 1) as f64], "all_reduce between barriers");
+            ensure!(
+                values(&t) == vec![(i + n - 1) as f64],
+                "all_reduce between barriers"
+            );
         }
         g.barrier_async()?.wait()?;
         Ok(())

@@ -111,33 +111,95 @@ fn panicking_rank_is_named_and_stops_the_run() {
     assert_no_children("after a rank panicked");
 }
 
-/// Same as above, but the other ranks block in a barrier the panicking rank never enters:
-/// they lose their peer and fail too, and the report must still blame the rank that failed
-/// first (rank 2), not a rank that failed because of it.
+/// The other ranks block in an all-reduce the panicking rank never enters: they lose their
+/// peer and fail too (with "lost rank 2"), and the report must still blame the rank that
+/// failed first. Repeated because the victims' exits race the culprit's.
 #[test]
-#[serial]
-fn panicking_rank_is_blamed_when_others_wait_in_barrier() {
-    let started = Instant::now();
-    let result = Run::new(4).try_run(|ctx| {
-        if ctx.rank() == 2 {
-            panic!("rank two refused the barrier");
-        }
+#[parallel]
+fn failure_is_blamed_on_the_culprit_not_the_ranks_that_lost_it() {
+    for attempt in 0..20 {
+        let started = Instant::now();
+        let result = Run::new(4).try_run(|ctx| {
+            if ctx.rank() == 2 {
+                panic!("rank two refused the all_reduce");
+            }
+            let t = Tensor::ones([4], (Kind::Float, Device::Cpu));
+            ctx.group().all_reduce(&t, ReduceOp::Sum)?;
+            sleep_long();
+            Ok::<(), CommError>(())
+        });
+        let elapsed = started.elapsed();
+        let report = rank_failed(result);
+        let text = report.to_string();
+        assert!(
+            elapsed < PROMPT,
+            "attempt {attempt}: the run took {elapsed:?}\n{text}"
+        );
+        let ends: Vec<_> = report.ranks.iter().map(|r| &r.end).collect();
+        assert_eq!(
+            report.failed_rank,
+            Some(2),
+            "attempt {attempt}: the report blames a rank that only lost the panicking rank 2 (ends {ends:?}):\n{text}"
+        );
+        let failed = report.first_failure().expect("first failure");
+        assert_eq!(failed.end, RankEnd::ExitCode(101), "{text}");
+        assert!(
+            failed
+                .message
+                .as_deref()
+                .unwrap_or_default()
+                .contains("rank two refused the all_reduce"),
+            "{text}"
+        );
+    }
+}
+
+#[test]
+#[parallel]
+fn barrier_completes_on_every_rank() {
+    let result = Run::new(2).timeout(Duration::from_secs(20)).try_run(|ctx| {
         ctx.group().barrier()?;
-        sleep_long();
+        ctx.group().barrier()?;
         Ok::<(), CommError>(())
     });
-    let elapsed = started.elapsed();
+    match result {
+        Ok(Outcome::Passed(summary)) => assert!(
+            summary.ranks.iter().all(|r| r.end == RankEnd::Success),
+            "{summary:?}"
+        ),
+        Ok(other) => panic!("expected Passed, got {other:?}"),
+        Err(e) => panic!("a barrier every rank enters failed:\n{e}"),
+    }
+}
+
+/// What a rank prints must reach the report's output tails in the default (fork) mode under
+/// plain `cargo test`, i.e. with libtest capturing the test thread's output.
+#[test]
+#[parallel]
+fn rank_output_reaches_the_report_tails() {
+    let result = Run::new(2).try_run(|ctx| {
+        if ctx.rank() == 1 {
+            println!("stdout line from rank one: 31337");
+            eprintln!("stderr line from rank one: 42424");
+            panic!("rank one stops after printing");
+        }
+        sleep_long();
+    });
     let report = rank_failed(result);
     let text = report.to_string();
-    assert!(elapsed < PROMPT, "the run took {elapsed:?}\n{text}");
-    assert_eq!(report.failed_rank, Some(2), "the report blames the wrong rank:\n{text}");
-    let failed = report.first_failure().expect("first failure");
-    assert_eq!(failed.end, RankEnd::ExitCode(101), "{text}");
+    assert_eq!(report.failed_rank, Some(1), "{text}");
+    let r = &report.ranks[1];
     assert!(
-        failed.message.as_deref().unwrap_or_default().contains("rank two refused the barrier"),
-        "{text}"
+        r.stdout_tail.contains("stdout line from rank one: 31337"),
+        "println! output of rank 1 is missing from its stdout tail {:?}",
+        r.stdout_tail
     );
-    assert_no_children("after a rank panicked before a barrier");
+    assert!(
+        r.stderr_tail.contains("stderr line from rank one: 42424"),
+        "eprintln! output of rank 1 is missing from its stderr tail {:?}",
+        r.stderr_tail
+    );
+    assert!(text.contains("stderr line from rank one: 42424"), "{text}");
 }
 
 #[test]
@@ -405,6 +467,7 @@ fn exec_mode_reports_a_panicking_rank() {
         .spawn(SpawnMode::Exec)
         .try_run(|ctx| {
             if ctx.rank() == 1 {
+                println!("exec rank one prints before failing");
                 panic!("exec rank one gave up: code 0xBAD");
             }
             sleep_long();
@@ -422,6 +485,13 @@ fn exec_mode_reports_a_panicking_rank() {
     );
     assert!(text.contains("rank 1"), "{text}");
     assert!(text.contains("exec rank one gave up: code 0xBAD"), "{text}");
+    assert!(
+        failed
+            .stdout_tail
+            .contains("exec rank one prints before failing"),
+        "stdout tail {:?}",
+        failed.stdout_tail
+    );
     assert_others_stopped(&report, 1);
 }
 
@@ -520,19 +590,4 @@ fn external_launch_runs_body_in_process() {
             "external rank {rank} did not run the body:\nstdout:\n{stdout}\nstderr:\n{stderr}"
         );
     }
-}
-
-#[test]
-#[serial]
-fn zz_debug_abort_tail() {
-    let result = Run::new(2).try_run(|ctx| {
-        if ctx.rank() == 0 {
-            println!("to stdout");
-            eprintln!("to stderr");
-            panic!("x");
-        }
-        sleep_long();
-    });
-    let report = rank_failed(result);
-    assert!(false, "{:#?}", report);
 }

@@ -5,5 +5,6 @@
 //! hangs and desyncs.
 
 pub mod comm;
+pub mod record;
 
 pub use comm::CommError;

@@ -46,7 +46,9 @@ pub fn avg_valid(dtype: DType) -> bool {
 
 /// A tensor of `dtype` holding `vals` (which must be representable in it) with `shape`.
 pub fn tensor(vals: &[f64], shape: &[i64], dtype: DType) -> Tensor {
-    Tensor::from_slice(vals).to_kind(dtype.kind()).reshape(shape)
+    Tensor::from_slice(vals)
+        .to_kind(dtype.kind())
+        .reshape(shape)
 }
 
 /// A 1-D tensor of `dtype` holding `vals`.

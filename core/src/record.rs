@@ -1,0 +1,69 @@
+//! What one training run leaves behind for the parity engine: per-step losses and gradient
+//! norms, and the final full parameters (per-step gradients on request).
+//!
+//! Every parallel configuration and every reference produces the same record, so comparing
+//! any two runs is one function, whatever produced them.
+
+use crate::comm::DType;
+use serde::{Deserialize, Serialize};
+use tch::Tensor;
+
+/// A tensor captured by name, exactly: values widened to `f64` (lossless for every float dtype
+/// we train in) with the original dtype kept so comparisons can count ULPs in it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NamedTensor {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<i64>,
+    pub values: Vec<f64>,
+}
+
+impl NamedTensor {
+    /// Captures `t` (any device, any layout) under `name`.
+    pub fn capture(name: &str, t: &Tensor) -> Result<Self, crate::CommError> {
+        let dtype = DType::from_kind(t.kind())?;
+        let flat = t
+            .f_detach()?
+            .f_to_device(tch::Device::Cpu)?
+            .f_to_kind(tch::Kind::Double)?
+            .f_contiguous()?
+            .f_view([-1])?;
+        let values = Vec::<f64>::try_from(&flat)?;
+        Ok(NamedTensor {
+            name: name.to_owned(),
+            dtype,
+            shape: t.size(),
+            values,
+        })
+    }
+}
+
+/// Identity of a run: what was trained, how, on how many ranks.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunSpec {
+    /// Model zoo name (e.g. `nested`, `transformer`, `moe`).
+    pub model: String,
+    /// Parallel configuration name (e.g. `single`, `ddp`, `fsdp.full_shard`).
+    pub config: String,
+    pub world_size: usize,
+    pub backend: String,
+    /// Precision policy name (e.g. `fp32`, `bf16-mixed`).
+    pub dtype: String,
+    pub steps: usize,
+    pub seed: u64,
+}
+
+/// The outcome of one run, comparable against any other run of the same model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunRecord {
+    pub spec: RunSpec,
+    /// Global loss per step: the mean of every rank's loss.
+    pub losses: Vec<f64>,
+    /// Global gradient norm (L2 over every parameter, shared ones counted once) per step,
+    /// measured after gradient synchronization and before the optimizer step.
+    pub grad_norms: Vec<f64>,
+    /// Every full parameter after the last step, in the model's parameter order.
+    pub params: Vec<NamedTensor>,
+    /// Full gradients per step, when requested.
+    pub grads: Option<Vec<Vec<NamedTensor>>>,
+}
