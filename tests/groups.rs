@@ -119,7 +119,6 @@ fn exercise_group(g: &Arc<dyn ProcessGroup>, members: &[usize], global: usize) -
             g.name()
         );
     }
-    g.barrier()?;
     Ok(())
 }
 
@@ -133,7 +132,7 @@ fn subgroups_even_and_odd_ranks() {
         let even = world.new_group(&[0, 2])?;
         let odd = world.new_group(&[1, 3])?;
         ensure!(
-            even.is_some() == (me % 2 == 0),
+            even.is_some() == me.is_multiple_of(2),
             "rank {me}: membership of [0, 2]"
         );
         ensure!(
@@ -209,8 +208,8 @@ fn subgroup_rank_order_singletons_and_partitions() {
 
 /// Sub-groups in 2- and 3-rank worlds.
 #[rstest::rstest]
-#[case(2)]
-#[case(3)]
+#[case::world2(2)]
+#[case::world3(3)]
 fn subgroups_in_small_worlds(#[case] n: usize) {
     run(n, |ctx| -> Result<()> {
         let world = ctx.world();
@@ -382,9 +381,9 @@ fn expect_mesh_error(
 /// A mesh that does not fit the world errors with a message naming the world size; duplicate
 /// dimension names are rejected; the world stays usable.
 #[rstest::rstest]
-#[case(2)]
-#[case(3)]
-#[case(4)]
+#[case::world2(2)]
+#[case::world3(3)]
+#[case::world4(4)]
 fn invalid_mesh_errors(#[case] n: usize) {
     run(n, |ctx| -> Result<()> {
         let ws = format!("world size {n}");
@@ -404,6 +403,31 @@ fn invalid_mesh_errors(#[case] n: usize) {
         );
         let mesh = ctx.mesh(&[("dp", n)])?;
         exercise_group(&mesh.group("dp")?, &(0..n).collect::<Vec<_>>(), ctx.rank())?;
+        Ok(())
+    });
+}
+
+/// Barriers in sub-groups and mesh groups, between collectives of the world.
+#[test]
+fn barriers_in_subgroups_and_mesh() {
+    run(4, |ctx| -> Result<()> {
+        let me = ctx.rank();
+        let mine = ctx.world().new_group(&[0, 2])?;
+        let theirs = ctx.world().new_group(&[1, 3])?;
+        let g = mine.or(theirs).expect("member of one");
+        let mesh = ctx.mesh(&[("dp", 2), ("tp", 2)])?;
+        for _ in 0..3 {
+            g.barrier()?;
+            mesh.group("tp")?.barrier()?;
+            mesh.group("dp")?.barrier_async()?.wait()?;
+            ctx.group().barrier()?;
+            let t = Tensor::from_slice(&[me as f32]);
+            g.all_reduce(&t, ReduceOp::Sum)?;
+            ensure!(
+                sum_of(&t) == [2.0, 4.0][me % 2],
+                "sub-group all_reduce between barriers"
+            );
+        }
         Ok(())
     });
 }

@@ -50,7 +50,10 @@ fn get_waits_for_a_later_set_from_another_thread() {
     let waited = started.elapsed();
     handle.join().unwrap();
     assert_eq!(value, b"arrived");
-    assert!(waited >= delay, "get returned after {waited:?}, before the value was set");
+    assert!(
+        waited >= delay,
+        "get returned after {waited:?}, before the value was set"
+    );
 }
 
 #[test]
@@ -59,11 +62,16 @@ fn wait_get_times_out_with_a_timeout_error() {
     let c = client(&server);
     let timeout = Duration::from_millis(200);
     let started = Instant::now();
-    let err = c.wait_get("never-set", timeout).expect_err("nobody sets the key");
+    let err = c
+        .wait_get("never-set", timeout)
+        .expect_err("nobody sets the key");
     let waited = started.elapsed();
     match &err {
         CommError::Timeout { what, seconds } => {
-            assert!(what.contains("never-set"), "timeout does not name the key: {err}");
+            assert!(
+                what.contains("never-set"),
+                "timeout does not name the key: {err}"
+            );
             assert!((*seconds - 0.2).abs() < 1e-9, "seconds = {seconds}");
         }
         other => panic!("expected CommError::Timeout, got {other:?}"),
@@ -82,7 +90,9 @@ fn wait_waits_for_every_key_and_times_out_on_a_missing_one() {
     c.set("a", b"1").unwrap();
     c.set("b", b"2").unwrap();
     c.wait(&["a", "b"], Duration::from_millis(200)).unwrap();
-    let err = c.wait(&["a", "missing"], Duration::from_millis(200)).unwrap_err();
+    let err = c
+        .wait(&["a", "missing"], Duration::from_millis(200))
+        .unwrap_err();
     assert!(matches!(err, CommError::Timeout { .. }), "{err:?}");
 }
 
@@ -90,7 +100,11 @@ fn wait_waits_for_every_key_and_times_out_on_a_missing_one() {
 fn add_counts_across_clients() {
     let server = server();
     let first = client(&server);
-    assert_eq!(first.add("counter", 5).unwrap(), 5, "an absent key counts from 0");
+    assert_eq!(
+        first.add("counter", 5).unwrap(),
+        5,
+        "an absent key counts from 0"
+    );
     assert_eq!(first.add("counter", -2).unwrap(), 3);
     let threads: Vec<_> = (0..4)
         .map(|_| {
@@ -122,10 +136,16 @@ fn compare_set_swaps_only_on_the_expected_value() {
     assert_eq!(c.compare_set("leader", None, b"rank1").unwrap(), b"rank0");
     assert_eq!(c.get("leader").unwrap(), b"rank0");
     // Wrong expected value: unchanged.
-    assert_eq!(c.compare_set("leader", Some(b"rank9"), b"rank1").unwrap(), b"rank0");
+    assert_eq!(
+        c.compare_set("leader", Some(b"rank9"), b"rank1").unwrap(),
+        b"rank0"
+    );
     assert_eq!(c.get("leader").unwrap(), b"rank0");
     // Right expected value: swapped.
-    assert_eq!(c.compare_set("leader", Some(b"rank0"), b"rank1").unwrap(), b"rank1");
+    assert_eq!(
+        c.compare_set("leader", Some(b"rank0"), b"rank1").unwrap(),
+        b"rank1"
+    );
     assert_eq!(c.get("leader").unwrap(), b"rank1");
     // Expecting a value on an absent key: nothing is created.
     assert_eq!(c.compare_set("ghost", Some(b"x"), b"y").unwrap(), b"");
@@ -144,7 +164,11 @@ fn compare_set_races_have_one_winner() {
             })
         })
         .collect();
-    let winners = threads.into_iter().map(|t| t.join().unwrap()).filter(|&won| won).count();
+    let winners = threads
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .filter(|&won| won)
+        .count();
     assert_eq!(winners, 1);
 }
 
@@ -170,16 +194,25 @@ fn delete_and_check() {
     let server = server();
     let c = client(&server);
     assert!(!c.check("k").unwrap());
-    assert!(!c.delete("k").unwrap(), "deleting an absent key reports false");
+    assert!(
+        !c.delete("k").unwrap(),
+        "deleting an absent key reports false"
+    );
     c.set("k", b"v").unwrap();
     assert!(c.check("k").unwrap());
-    assert!(client(&server).check("k").unwrap(), "visible to other clients");
+    assert!(
+        client(&server).check("k").unwrap(),
+        "visible to other clients"
+    );
     assert!(c.delete("k").unwrap());
     assert!(!c.check("k").unwrap());
     assert!(!c.delete("k").unwrap());
     assert_eq!(server.peek("k"), None);
     // After a delete, get waits again (and times out).
-    assert!(matches!(c.wait_get("k", Duration::from_millis(100)), Err(CommError::Timeout { .. })));
+    assert!(matches!(
+        c.wait_get("k", Duration::from_millis(100)),
+        Err(CommError::Timeout { .. })
+    ));
 }
 
 #[test]

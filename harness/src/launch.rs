@@ -270,7 +270,10 @@ pub fn launch(opts: &LaunchOptions, spawn: RankSpawn<'_>) -> Result<LaunchSummar
     let run_dir = RunDir::create()?;
     let echo = std::env::var(env::ECHO).is_ok_and(|v| v == "1");
     let started = Instant::now();
+    // Start every rank before any output-draining thread exists, so no forked rank can
+    // inherit a lock one of those threads held at the moment of the fork.
     let mut ranks = Ranks(Vec::with_capacity(opts.world_size));
+    let mut pipes = Vec::with_capacity(opts.world_size);
     for rank in 0..opts.world_size {
         let info = RankInfo {
             rank,
@@ -281,18 +284,20 @@ pub fn launch(opts: &LaunchOptions, spawn: RankSpawn<'_>) -> Result<LaunchSummar
             backend: opts.backend.clone(),
         };
         let (pid, out, err) = spawn_rank(&spawn, info)?;
-        let (stdout, stderr) = (Tail::default(), Tail::default());
-        let drains = vec![
-            drain(std::fs::File::from(out), stdout.clone(), echo.then_some((rank, "out"))),
-            drain(std::fs::File::from(err), stderr.clone(), echo.then_some((rank, "err"))),
-        ];
         ranks.0.push(RankProc {
             pid,
-            stdout,
-            stderr,
-            drains,
+            stdout: Tail::default(),
+            stderr: Tail::default(),
+            drains: Vec::new(),
             end: None,
         });
+        pipes.push((out, err));
+    }
+    for (rank, (r, (out, err))) in ranks.0.iter_mut().zip(pipes).enumerate() {
+        r.drains = vec![
+            drain(std::fs::File::from(out), r.stdout.clone(), echo.then_some((rank, "out"))),
+            drain(std::fs::File::from(err), r.stderr.clone(), echo.then_some((rank, "err"))),
+        ];
     }
 
     let deadline = started + opts.timeout;
@@ -313,9 +318,11 @@ pub fn launch(opts: &LaunchOptions, spawn: RankSpawn<'_>) -> Result<LaunchSummar
                 None => running += 1,
             }
         }
-        if let Some(rank) = first_failure {
+        if first_failure.is_some() {
+            settle(&mut ranks, &store);
+            let culprit = culprit(&ranks, &store);
             stop_all(&mut ranks, RankEnd::KilledByLauncher);
-            return Err(LaunchError::RankFailed(reports(&mut ranks, &store, Some(rank), None)));
+            return Err(LaunchError::RankFailed(reports(&mut ranks, &store, Some(culprit), None)));
         }
         if running == 0 {
             let elapsed = started.elapsed();
@@ -343,6 +350,59 @@ pub struct LaunchSummary {
     /// From the first spawn to the last rank's exit.
     pub elapsed: Duration,
     pub ranks: Vec<RankReport>,
+}
+
+/// How long the launcher lets near-simultaneous rank endings arrive before judging a failure.
+const SETTLE: Duration = Duration::from_millis(50);
+/// How long a rank that already reported its failure gets to finish exiting.
+const SETTLE_REPORTED: Duration = Duration::from_millis(1000);
+
+/// Records every rank that ends within [`SETTLE`] of the first failure, and waits (briefly)
+/// for ranks that reported a failure to the store to exit, so their exit status is known.
+fn settle(ranks: &mut Ranks, store: &StoreServer) {
+    let start = Instant::now();
+    loop {
+        for r in ranks.0.iter_mut().filter(|r| r.end.is_none()) {
+            r.end = r.poll();
+        }
+        let reported_alive = ranks
+            .0
+            .iter()
+            .enumerate()
+            .any(|(rank, r)| r.end.is_none() && store.peek(&format!("lockstep/failed/{rank}")).is_some());
+        let elapsed = start.elapsed();
+        if elapsed >= SETTLE && (!reported_alive || elapsed >= SETTLE_REPORTED) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// The rank that failed first. A rank whose error says it lost a peer ("lost rank N") is a
+/// consequence, not a cause. Among the causes, a rank that died without reporting (a signal,
+/// `exit`) comes first, then the earliest reported failure (a store-side counter orders them).
+fn culprit(ranks: &Ranks, store: &StoreServer) -> usize {
+    let facts: Vec<(usize, bool, Option<i64>, bool)> = ranks
+        .0
+        .iter()
+        .enumerate()
+        .filter_map(|(rank, r)| {
+            let message = store.peek(&format!("lockstep/failed/{rank}"));
+            let ended_badly = r.end.as_ref().is_some_and(|e| *e != RankEnd::Success);
+            if message.is_none() && !ended_badly {
+                return None;
+            }
+            let lost = message.is_some_and(|m| String::from_utf8_lossy(&m).contains("lost rank"));
+            let order = store
+                .peek(&format!("lockstep/failed_order/{rank}"))
+                .and_then(|o| String::from_utf8_lossy(&o).parse().ok());
+            Some((rank, lost, order, ended_badly))
+        })
+        .collect();
+    facts
+        .iter()
+        .min_by_key(|(rank, lost, order, _)| (*lost, order.is_some(), order.unwrap_or(0), *rank))
+        .map_or(0, |f| f.0)
 }
 
 fn stop_all(ranks: &mut Ranks, why: RankEnd) {

@@ -53,6 +53,20 @@ pub struct Run {
     spawn: Option<SpawnMode>,
 }
 
+/// Whether this test process runs one test with uncaptured output (see `Run::spawn_mode`).
+fn fork_is_safe() -> bool {
+    if std::env::var("NEXTEST_EXECUTION_MODE").is_ok_and(|m| m == "process-per-test") {
+        return true;
+    }
+    let args: Vec<String> = std::env::args().collect();
+    let env_flag = |name: &str, value: &str| std::env::var(name).is_ok_and(|v| v == value);
+    let nocapture = args.iter().any(|a| a == "--nocapture") || std::env::var("RUST_TEST_NOCAPTURE").is_ok_and(|v| v != "0");
+    let one_thread = args.windows(2).any(|w| w[0] == "--test-threads" && w[1] == "1")
+        || args.iter().any(|a| a == "--test-threads=1")
+        || env_flag("RUST_TEST_THREADS", "1");
+    nocapture && one_thread
+}
+
 /// How the harness starts rank processes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SpawnMode {
@@ -106,7 +120,7 @@ impl Run {
         self
     }
 
-    /// How ranks are started (default: fork on CPU, exec on NCCL).
+    /// How ranks are started (default: fork under nextest on CPU, else exec).
     pub fn spawn(mut self, mode: SpawnMode) -> Self {
         self.spawn = Some(mode);
         self
@@ -189,7 +203,10 @@ impl Run {
         Ok(Outcome::Passed(summary))
     }
 
-    /// Fork for the CPU backend (fast start), exec for NCCL (CUDA is not fork-safe);
+    /// Fork where it is safe and loses nothing: the CPU backend (CUDA is not fork-safe), one
+    /// test per process (no other test's thread can hold a lock the child inherits) and
+    /// uncaptured output (a forked rank would print into libtest's in-memory capture). That is
+    /// nextest, or `cargo test -- --nocapture --test-threads 1`. Exec otherwise.
     /// `LOCKSTEP_SPAWN=exec|fork` or [`Run::spawn`] overrides.
     fn spawn_mode(&self) -> Result<SpawnMode, LaunchError> {
         if let Some(mode) = self.spawn {
@@ -200,7 +217,8 @@ impl Run {
             Some("fork") => Ok(SpawnMode::Fork),
             Some(other) => Err(LaunchError::Invalid(format!("LOCKSTEP_SPAWN={other:?}: expected exec or fork"))),
             None if self.backend == "nccl" => Ok(SpawnMode::Exec),
-            None => Ok(SpawnMode::Fork),
+            None if fork_is_safe() => Ok(SpawnMode::Fork),
+            None => Ok(SpawnMode::Exec),
         }
     }
 

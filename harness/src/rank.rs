@@ -161,6 +161,9 @@ impl RankEnv {
 
 static PANIC_MESSAGE: Mutex<Option<String>> = Mutex::new(None);
 
+/// Store counter giving every rank failure its place in time.
+const FAILURE_COUNTER: &str = "lockstep/failure_count";
+
 /// Writes to the process's real stderr, bypassing libtest's output capture (which a forked
 /// rank inherits and which nobody would ever print).
 fn report_line(text: &str) {
@@ -216,6 +219,11 @@ where
         }
     };
     report_line(&format!("lockstep rank {rank} failed: {message}"));
+    // Recorded before this rank's connections close (the world drops after), so the launcher
+    // can tell the rank that failed first from the ranks that then lost it.
+    if let Ok(order) = store.add(FAILURE_COUNTER, 1) {
+        let _ = store.set(&format!("lockstep/failed_order/{rank}"), order.to_string().as_bytes());
+    }
     let _ = store.set(&format!("lockstep/failed/{rank}"), message.as_bytes());
     code
 }

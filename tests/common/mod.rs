@@ -3,8 +3,10 @@
 
 #![allow(dead_code)]
 
-use lockstep_core::comm::{DType, ReduceOp};
+use lockstep_core::comm::{DType, ProcessGroup, ReduceOp};
+use lockstep_core::CommError;
 use lockstep_harness::{RankCtx, RankResult};
+use std::sync::Arc;
 use std::time::Duration;
 use tch::{Device, Kind, Tensor};
 
@@ -23,9 +25,34 @@ pub const ALL_DTYPES: [DType; 8] = [
 /// Every reduction.
 pub const ALL_OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
 
-/// f32 elements on each side of the 64 KiB small-message threshold, and a large odd count.
+/// f32 elements in exactly 64 KiB: the largest message of the direct (small) algorithms.
 pub const AT_THRESHOLD: usize = (64 << 10) / 4;
+/// f32 elements in 160 KB: TCP pairwise reduce-scatter / ring / chain algorithms.
+pub const MID: usize = 40_009;
+/// f32 elements in exactly 256 KiB: the smallest message of the shared-memory path.
+pub const SHM_AT: usize = (256 << 10) / 4;
+/// A large odd f32 count (400 KB), splitting unevenly over 2, 3 and 4 ranks.
 pub const LARGE: usize = 100_003;
+
+/// An odd element count of about `bytes` bytes of `dtype`.
+pub fn numel_for(dtype: DType, bytes: usize) -> usize {
+    (bytes / dtype.size()) | 1
+}
+
+/// A group of the whole world whose collectives never use shared memory (the TCP algorithms
+/// at every size). Every rank must call it at the same point.
+pub fn tcp_world(ctx: &RankCtx) -> Result<Arc<dyn ProcessGroup>, CommError> {
+    // `LOCKSTEP_SHM` is read when a group is created; this only affects this rank's process.
+    let previous = std::env::var("LOCKSTEP_SHM").ok();
+    std::env::set_var("LOCKSTEP_SHM", "0");
+    let all: Vec<usize> = (0..ctx.world_size()).collect();
+    let group = ctx.world().new_group(&all);
+    match previous {
+        Some(v) => std::env::set_var("LOCKSTEP_SHM", v),
+        None => std::env::remove_var("LOCKSTEP_SHM"),
+    }
+    Ok(group?.expect("every rank is a member"))
+}
 
 /// Runs `body` on `world_size` ranks with a timeout short enough that a hang fails the test
 /// quickly instead of eating the suite's time budget.
@@ -111,11 +138,11 @@ pub fn inputs(dtype: DType, rank: usize, numel: usize) -> Vec<f64> {
                     }
                 }
                 DType::BF16 | DType::F16 => base - 5.0 + half,
-                DType::I64 if i % 5 == 0 => base - 5.0 + (1u64 << 40) as f64,
+                DType::I64 if i.is_multiple_of(5) => base - 5.0 + (1u64 << 40) as f64,
                 DType::I64 | DType::I32 => base - 5.0,
                 DType::U8 if i % 4 == 3 => 240.0 + base,
                 DType::U8 => base,
-                DType::Bool => f64::from(u8::from((rank * 5 + i) % 3 == 0)),
+                DType::Bool => f64::from(u8::from((rank * 5 + i).is_multiple_of(3))),
             }
         })
         .collect()
@@ -224,4 +251,42 @@ pub fn assert_tensor(actual: &Tensor, dtype: DType, shape: &[i64], expected: &[f
 /// `numel` and `shape` helper: a 1-D shape of `numel` elements.
 pub fn shape1(numel: usize) -> Vec<i64> {
     vec![numel as i64]
+}
+
+/// Every rank's inputs for one dtype (as [`inputs`] makes them) and, computed once per
+/// operator, their reduction. Inputs and reductions are element-wise, so smaller tensors
+/// use prefixes.
+pub struct Reference {
+    pub dtype: DType,
+    per_rank: Vec<Vec<f64>>,
+    reduced: Vec<(ReduceOp, Vec<f64>)>,
+}
+
+impl Reference {
+    /// Inputs of `numel` elements for ranks `0..n`.
+    pub fn new(dtype: DType, n: usize, numel: usize) -> Self {
+        Reference {
+            dtype,
+            per_rank: (0..n).map(|r| inputs(dtype, r, numel)).collect(),
+            reduced: Vec::new(),
+        }
+    }
+
+    /// The first `numel` inputs of `rank`.
+    pub fn input(&self, rank: usize, numel: usize) -> &[f64] {
+        &self.per_rank[rank][..numel]
+    }
+
+    /// The reduction of every rank's inputs with `op`.
+    pub fn expected(&mut self, op: ReduceOp) -> &[f64] {
+        let i = match self.reduced.iter().position(|(o, _)| *o == op) {
+            Some(i) => i,
+            None => {
+                let v = reduce_expected(self.dtype, op, &self.per_rank);
+                self.reduced.push((op, v));
+                self.reduced.len() - 1
+            }
+        };
+        &self.reduced[i].1
+    }
 }

@@ -180,11 +180,13 @@ fn serve_request(reader: &mut impl Read, shared: &Shared) -> std::io::Result<Vec
             ok(&next.to_le_bytes())
         }
         c if c == Cmd::CompareSet as u8 => {
-            // a = expected (empty: key must be absent), b = desired. Returns the value now stored.
+            // a = [0] (key must be absent) or [1] + expected value; b = desired.
+            // Returns the value stored afterwards either way.
             let current = table.values.get(&key).cloned();
-            let matches = match &current {
-                None => a.is_empty(),
-                Some(v) => *v == a,
+            let matches = match (a.split_first(), &current) {
+                (Some((0, _)), None) => true,
+                (Some((1, expected)), Some(v)) => v.as_slice() == expected,
+                _ => false,
             };
             if matches {
                 table.values.insert(key, b.clone());
@@ -347,7 +349,11 @@ impl StoreClient {
     /// Sets `key` to `desired` if it currently holds `expected` (`None`: if absent), and
     /// returns the value stored afterwards either way.
     pub fn compare_set(&self, key: &str, expected: Option<&[u8]>, desired: &[u8]) -> Result<Vec<u8>, CommError> {
-        self.request(Cmd::CompareSet, key, expected.unwrap_or(&[]), desired, Duration::ZERO)
+        let expected = match expected {
+            None => vec![0],
+            Some(v) => [&[1u8][..], v].concat(),
+        };
+        self.request(Cmd::CompareSet, key, &expected, desired, Duration::ZERO)
     }
 
     /// Removes `key`; returns whether it existed.

@@ -107,6 +107,8 @@ impl Payload {
     fn bytes(&self) -> &[u8] {
         match self {
             Payload::Owned(v) => v,
+            // An empty tensor's data pointer may be null, which no slice may hold.
+            Payload::Borrowed { len: 0, .. } => &[],
             // SAFETY: see the `Send` impl; ptr/len describe live memory for the write's duration.
             Payload::Borrowed { ptr, len } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
         }

@@ -151,7 +151,7 @@ impl Shared {
         let own = area.own(bytes)?.ptr();
         if let Some(src) = src {
             // SAFETY: the slot holds at least `bytes`; `src` is a tensor of that size.
-            unsafe { std::ptr::copy_nonoverlapping(src, own, bytes) };
+            unsafe { copy_bytes(src, own, bytes) };
         }
         let msgs = self.control_round(desc, seq, 0, &area.announce())?;
         let mut slots = vec![own; self.size];
@@ -171,15 +171,15 @@ impl Shared {
         // SAFETY: every slot holds the whole tensor; this rank writes only its own chunk of its
         // own slot, which no peer reads until the next control round.
         unsafe {
-            let inputs: Vec<*const u8> = slots.iter().map(|s| s.add(mine.start * esize) as *const u8).collect();
-            reduce::reduce(slots[me].add(mine.start * esize), &inputs, mine.len() * esize, t.dtype, op)?;
+            let inputs: Vec<*const u8> = slots.iter().map(|s| s.wrapping_add(mine.start * esize) as *const u8).collect();
+            reduce::reduce(slots[me].wrapping_add(mine.start * esize), &inputs, mine.len() * esize, t.dtype, op)?;
         }
         self.control_round(desc, seq, 1, &[]).map(recycle)?;
         area.unlink_own();
         for (q, slot) in slots.iter().enumerate() {
             let c = chunk(t.numel(), n, q);
             // SAFETY: chunk q of slot q holds the reduced values; the tensor has room.
-            unsafe { std::ptr::copy_nonoverlapping(slot.add(c.start * esize), t.ptr().add(c.start * esize), c.len() * esize) };
+            unsafe { copy_bytes(slot.wrapping_add(c.start * esize), t.ptr().wrapping_add(c.start * esize), c.len() * esize) };
         }
         self.control_round(desc, seq, 2, &[]).map(recycle)
     }
@@ -245,15 +245,14 @@ impl Shared {
         let mut sent = Vec::new();
         for p in self.peers() {
             let c = chunk(total, n, p);
-            // SAFETY: c lies within the tensor.
-            sent.push(self.send_raw(p, &desc, seq, 0, unsafe { base.add(c.start * esize) }, c.len())?);
+            sent.push(self.send_raw(p, &desc, seq, 0, base.wrapping_add(c.start * esize), c.len())?);
         }
         let mine = chunk(total, n, me);
         let msgs = self.collect(&desc, seq, 0, |_| mine.len())?;
         wait_all(sent)?;
         // SAFETY: `own` is this rank's chunk; inputs hold mine.len() elements each.
         unsafe {
-            let own = base.add(mine.start * esize);
+            let own = base.wrapping_add(mine.start * esize);
             let inputs = rank_order(me, own, &msgs);
             reduce::reduce(own, &inputs, mine.len() * esize, t.dtype, op)?;
         }
@@ -281,12 +280,11 @@ impl Shared {
             let send_idx = (me + n - s) % n;
             let recv_idx = (me + 2 * n - s - 1) % n;
             let c = chunk(total, n, send_idx);
-            // SAFETY: chunk ranges lie within the buffer; the chunk sent is not written below.
-            sent.push(self.send_raw(right, desc, seq, first_tag + s as u64, unsafe { base.add(c.start * esize) }, c.len())?);
+            sent.push(self.send_raw(right, desc, seq, first_tag + s as u64, base.wrapping_add(c.start * esize), c.len())?);
             let r = chunk(total, n, recv_idx);
             let msg = self.expect(left, desc, seq, first_tag + s as u64, r.len())?;
             // SAFETY: the message holds r.len() elements; the destination chunk lies within the buffer.
-            unsafe { std::ptr::copy_nonoverlapping(msg.data.as_ptr(), base.add(r.start * esize), msg.data.len()) };
+            unsafe { copy_bytes(msg.data.as_ptr(), base.wrapping_add(r.start * esize), msg.data.len()) };
             pool::give(msg.data);
         }
         wait_all(sent)
@@ -305,7 +303,7 @@ impl Shared {
             let slots = self.shm_publish(&mut area, &desc, seq, Some(input.ptr()), input.len())?;
             // SAFETY: every slot holds a whole input; chunk `me` of each is read, `out` written.
             unsafe {
-                let inputs: Vec<*const u8> = slots.iter().map(|s| s.add(me * m * esize) as *const u8).collect();
+                let inputs: Vec<*const u8> = slots.iter().map(|s| s.wrapping_add(me * m * esize) as *const u8).collect();
                 reduce::reduce(out.ptr(), &inputs, m * esize, input.dtype, op)?;
             }
             self.control_round(&desc, seq, 1, &[]).map(recycle)?;
@@ -314,14 +312,13 @@ impl Shared {
         }
         let mut sent = Vec::new();
         for p in self.peers() {
-            // SAFETY: chunk p of the input lies within it (input holds size * m elements).
-            sent.push(self.send_raw(p, &desc, seq, 0, unsafe { input.ptr().add(p * m * esize) }, m)?);
+            sent.push(self.send_raw(p, &desc, seq, 0, input.ptr().wrapping_add(p * m * esize), m)?);
         }
         let msgs = self.collect(&desc, seq, 0, |_| m)?;
         wait_all(sent)?;
         // SAFETY: every input holds m elements; `out` does not overlap them.
         unsafe {
-            let inputs = rank_order(me, input.ptr().add(me * m * esize), &msgs);
+            let inputs = rank_order(me, input.ptr().wrapping_add(me * m * esize), &msgs);
             reduce::reduce(out.ptr(), &inputs, m * esize, input.dtype, op)?;
         }
         recycle(msgs);
@@ -338,12 +335,12 @@ impl Shared {
         };
         let (me, esize, m) = (self.rank, input.dtype.size(), input.numel());
         // SAFETY: `out` holds size * m elements; chunk `me` receives this rank's input.
-        unsafe { std::ptr::copy_nonoverlapping(input.ptr(), out.ptr().add(me * m * esize), m * esize) };
+        unsafe { copy_bytes(input.ptr(), out.ptr().wrapping_add(me * m * esize), m * esize) };
         if let Some(mut area) = self.shm_for(out.len()) {
             let slots = self.shm_publish(&mut area, &desc, seq, Some(input.ptr()), input.len())?;
             for (q, slot) in slots.iter().enumerate().filter(|(q, _)| *q != me) {
                 // SAFETY: slot q holds rank q's input (m elements); chunk q of `out` has room.
-                unsafe { std::ptr::copy_nonoverlapping(*slot, out.ptr().add(q * m * esize), m * esize) };
+                unsafe { copy_bytes(*slot, out.ptr().wrapping_add(q * m * esize), m * esize) };
             }
             self.control_round(&desc, seq, 1, &[]).map(recycle)?;
             area.unlink_own();
@@ -360,7 +357,7 @@ impl Shared {
         for (p, msg) in msgs.into_iter().enumerate() {
             if let Some(msg) = msg {
                 // SAFETY: chunk p of `out` holds m elements.
-                unsafe { std::ptr::copy_nonoverlapping(msg.data.as_ptr(), out.ptr().add(p * m * esize), msg.data.len()) };
+                unsafe { copy_bytes(msg.data.as_ptr(), out.ptr().wrapping_add(p * m * esize), msg.data.len()) };
                 pool::give(msg.data);
             }
         }
@@ -382,7 +379,7 @@ impl Shared {
             let slots = self.shm_publish(&mut area, &desc, seq, src, t.len())?;
             if me != root {
                 // SAFETY: the root's slot holds the tensor's bytes.
-                unsafe { std::ptr::copy_nonoverlapping(slots[root], base, t.len()) };
+                unsafe { copy_bytes(slots[root], base, t.len()) };
             }
             self.control_round(&desc, seq, 1, &[]).map(recycle)?;
             area.unlink_own();
@@ -397,7 +394,7 @@ impl Shared {
             } else {
                 let msg = self.expect(root, &desc, seq, 0, t.numel())?;
                 // SAFETY: the message holds the tensor's bytes.
-                unsafe { std::ptr::copy_nonoverlapping(msg.data.as_ptr(), base, msg.data.len()) };
+                unsafe { copy_bytes(msg.data.as_ptr(), base, msg.data.len()) };
                 pool::give(msg.data);
             }
             return wait_all(sent);
@@ -411,12 +408,11 @@ impl Shared {
         for s in 0..segments {
             let start = s * seg_elems;
             let len = seg_elems.min(t.numel() - start);
-            // SAFETY: the segment lies within the tensor.
-            let ptr = unsafe { base.add(start * esize) };
+            let ptr = base.wrapping_add(start * esize);
             if pos != 0 {
                 let msg = self.expect(prev, &desc, seq, s as u64, len)?;
                 // SAFETY: the message holds `len` elements.
-                unsafe { std::ptr::copy_nonoverlapping(msg.data.as_ptr(), ptr, msg.data.len()) };
+                unsafe { copy_bytes(msg.data.as_ptr(), ptr, msg.data.len()) };
                 pool::give(msg.data);
             }
             if let Some(next) = next {
@@ -451,16 +447,15 @@ impl Shared {
         let out_off = offsets(out_splits, out_row);
         let mut sent = Vec::new();
         for p in self.peers() {
-            // SAFETY: split offsets were validated against the input's size.
-            let ptr = unsafe { input.ptr().add(in_off[p] * esize) };
+            let ptr = input.ptr().wrapping_add(in_off[p] * esize);
             sent.push(self.send_raw(p, &desc, seq, 0, ptr, in_splits[p] * in_row)?);
         }
         let me = self.rank;
         // SAFETY: own split lies within both tensors (validated), which do not overlap.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                input.ptr().add(in_off[me] * esize),
-                out.ptr().add(out_off[me] * esize),
+            copy_bytes(
+                input.ptr().wrapping_add(in_off[me] * esize),
+                out.ptr().wrapping_add(out_off[me] * esize),
                 in_splits[me] * in_row * esize,
             )
         };
@@ -468,7 +463,7 @@ impl Shared {
         for (p, msg) in msgs.into_iter().enumerate() {
             if let Some(msg) = msg {
                 // SAFETY: the message holds out_splits[p] rows, validated to fit.
-                unsafe { std::ptr::copy_nonoverlapping(msg.data.as_ptr(), out.ptr().add(out_off[p] * esize), msg.data.len()) };
+                unsafe { copy_bytes(msg.data.as_ptr(), out.ptr().wrapping_add(out_off[p] * esize), msg.data.len()) };
                 pool::give(msg.data);
             }
         }
@@ -490,6 +485,16 @@ impl Shared {
         let msgs = self.collect(&desc, seq, 0, |_| 0)?;
         recycle(msgs);
         wait_all(sent)
+    }
+}
+
+/// Copies `len` bytes; a no-op for empty copies, whose pointers may be null (empty tensors).
+///
+/// # Safety
+/// For `len > 0`, as `std::ptr::copy_nonoverlapping`.
+unsafe fn copy_bytes(src: *const u8, dst: *mut u8, len: usize) {
+    if len > 0 {
+        std::ptr::copy_nonoverlapping(src, dst, len);
     }
 }
 
@@ -813,7 +818,7 @@ impl PendingRecv {
             )));
         }
         // SAFETY: the staged tensor holds exactly msg.data.len() bytes (element count checked).
-        unsafe { std::ptr::copy_nonoverlapping(msg.data.as_ptr(), t.ptr(), msg.data.len()) };
+        unsafe { copy_bytes(msg.data.as_ptr(), t.ptr(), msg.data.len()) };
         pool::give(msg.data);
         Ok(())
     }

@@ -24,6 +24,9 @@ pub unsafe fn reduce(out: *mut u8, inputs: &[*const u8], len: usize, dtype: DTyp
     }
     let n = inputs.len();
     let elems = len / dtype.size();
+    if elems == 0 {
+        return Ok(());
+    }
     match dtype {
         DType::F32 => run::<f32, f32>(out, inputs, elems, op, |x| x, |a| a, n),
         DType::F64 => run::<f64, f64>(out, inputs, elems, op, |x| x, |a| a, n),
