@@ -84,7 +84,9 @@ pub struct CommBenchOptions {
 /// Runs the collectives benchmark on freshly launched ranks and returns every point.
 pub fn run_comm(opts: &CommBenchOptions) -> Result<Vec<CommPoint>, BenchError> {
     if opts.world_size < 2 {
-        return Err(BenchError::Invalid("the communication benchmark needs --world-size 2 or more".into()));
+        return Err(BenchError::Invalid(
+            "the communication benchmark needs --world-size 2 or more".into(),
+        ));
     }
     if opts.backend != "cpu" {
         return Err(BenchError::Invalid(format!(
@@ -105,11 +107,15 @@ pub fn run_comm(opts: &CommBenchOptions) -> Result<Vec<CommPoint>, BenchError> {
                 .iter()
                 .filter_map(|p| serde_json::to_string(p).ok())
                 .collect();
-            std::fs::write(&out, lines.join("\n")).map_err(|e| CommError::io("write results", e))?;
+            std::fs::write(&out, lines.join("\n"))
+                .map_err(|e| CommError::io("write results", e))?;
         }
         Ok(())
     };
-    launch(&launch_opts, RankSpawn::Fork(&|info| rank_exit_code(info, &body)))?;
+    launch(
+        &launch_opts,
+        RankSpawn::Fork(&|info| rank_exit_code(info, &body)),
+    )?;
     let text = std::fs::read_to_string(&out)?;
     let _ = std::fs::remove_file(&out);
     text.lines()
@@ -117,13 +123,19 @@ pub fn run_comm(opts: &CommBenchOptions) -> Result<Vec<CommPoint>, BenchError> {
         .collect()
 }
 
-fn rank_exit_code(info: lockstep_harness::RankInfo, body: &dyn Fn(&RankCtx) -> Result<(), CommError>) -> i32 {
+fn rank_exit_code(
+    info: lockstep_harness::RankInfo,
+    body: &dyn Fn(&RankCtx) -> Result<(), CommError>,
+) -> i32 {
     lockstep_harness::execute_forked_rank(info, body)
 }
 
 fn results_path(what: &str) -> PathBuf {
     let nonce: u64 = rand_nonce();
-    std::env::temp_dir().join(format!("lockstep-bench-{what}-{}-{nonce:x}.jsonl", std::process::id()))
+    std::env::temp_dir().join(format!(
+        "lockstep-bench-{what}-{}-{nonce:x}.jsonl",
+        std::process::id()
+    ))
 }
 
 fn rand_nonce() -> u64 {
@@ -227,9 +239,15 @@ pub fn spawn_probe(ctx: &RankCtx) -> Result<(), CommError> {
 }
 
 /// Measures spawn + rendezvous + first all_reduce, `repeats` times.
-pub fn run_spawn(world_size: usize, repeats: usize, mode: SpawnBenchMode) -> Result<SpawnResult, BenchError> {
+pub fn run_spawn(
+    world_size: usize,
+    repeats: usize,
+    mode: SpawnBenchMode,
+) -> Result<SpawnResult, BenchError> {
     if world_size == 0 || repeats == 0 {
-        return Err(BenchError::Invalid("world size and repeats must be at least 1".into()));
+        return Err(BenchError::Invalid(
+            "world size and repeats must be at least 1".into(),
+        ));
     }
     let opts = LaunchOptions {
         world_size,
@@ -246,7 +264,10 @@ pub fn run_spawn(world_size: usize, repeats: usize, mode: SpawnBenchMode) -> Res
     for _ in 0..repeats {
         let t0 = Instant::now();
         match mode {
-            SpawnBenchMode::Fork => launch(&opts, RankSpawn::Fork(&|info| rank_exit_code(info, &spawn_probe)))?,
+            SpawnBenchMode::Fork => launch(
+                &opts,
+                RankSpawn::Fork(&|info| rank_exit_code(info, &spawn_probe)),
+            )?,
             SpawnBenchMode::Exec => launch(&opts, RankSpawn::Exec(&command))?,
         };
         times.push(t0.elapsed().as_secs_f64());

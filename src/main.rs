@@ -5,7 +5,11 @@ use clap::{Parser, Subcommand};
 use lockstep::bench::{self, BenchOp, CommBenchOptions, SpawnBenchMode};
 
 #[derive(Parser)]
-#[command(name = "lockstep", version, about = "Proves distributed training is numerically right")]
+#[command(
+    name = "lockstep",
+    version,
+    about = "Proves distributed training is numerically right"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -7,7 +7,10 @@ use lockstep_harness::{Outcome, Run};
 use serial_test::file_serial;
 use tch::{Kind, Tensor};
 
-fn on_gpus(world: usize, body: impl Fn(&lockstep_harness::RankCtx) -> Result<(), lockstep_core::CommError>) -> Outcome {
+fn on_gpus(
+    world: usize,
+    body: impl Fn(&lockstep_harness::RankCtx) -> Result<(), lockstep_core::CommError>,
+) -> Outcome {
     Run::new(world).backend("nccl").run(body)
 }
 
@@ -17,11 +20,17 @@ fn nccl_all_reduce_sums_on_every_gpu() {
     let outcome = on_gpus(2, |ctx| {
         let t = Tensor::from_slice(&[ctx.rank() as f32 + 1.0, 2.0]).to_device(ctx.device());
         ctx.group().all_reduce(&t, ReduceOp::Sum)?;
-        assert_eq!(Vec::<f32>::try_from(&t.to_device(tch::Device::Cpu)).unwrap_or_default(), vec![3.0, 4.0]);
+        assert_eq!(
+            Vec::<f32>::try_from(&t.to_device(tch::Device::Cpu)).unwrap_or_default(),
+            vec![3.0, 4.0]
+        );
         Ok(())
     });
     if let Outcome::Skipped(reason) = outcome {
-        assert!(reason.contains("GPU") || reason.contains("nccl"), "{reason}");
+        assert!(
+            reason.contains("GPU") || reason.contains("nccl"),
+            "{reason}"
+        );
     }
 }
 
@@ -37,10 +46,18 @@ fn nccl_gather_scatter_and_uneven_all_to_all() {
         let expect = Tensor::from_slice(&[0f32, 0.0, 1.0, 1.0]).to_device(dev);
         assert!(gathered.equal(&expect));
         let shard = Tensor::zeros([2], (Kind::Float, dev));
-        g.reduce_scatter(&shard, &Tensor::ones([4], (Kind::Float, dev)), ReduceOp::Sum)?;
+        g.reduce_scatter(
+            &shard,
+            &Tensor::ones([4], (Kind::Float, dev)),
+            ReduceOp::Sum,
+        )?;
         assert!(shard.equal(&Tensor::full([2], 2.0, (Kind::Float, dev))));
         // Rank 0 sends 1 row to rank 1; rank 1 sends 2 rows to rank 0.
-        let (send, recv) = if ctx.rank() == 0 { (vec![1, 1], vec![1, 2]) } else { (vec![2, 2], vec![1, 2]) };
+        let (send, recv) = if ctx.rank() == 0 {
+            (vec![1, 1], vec![1, 2])
+        } else {
+            (vec![2, 2], vec![1, 2])
+        };
         let rows: usize = send.iter().sum();
         let out_rows: usize = recv.iter().sum();
         let input = Tensor::full([rows as i64], rank, (Kind::Float, dev));
@@ -51,6 +68,9 @@ fn nccl_gather_scatter_and_uneven_all_to_all() {
         Ok(())
     });
     if let Outcome::Skipped(reason) = outcome {
-        assert!(reason.contains("GPU") || reason.contains("nccl"), "{reason}");
+        assert!(
+            reason.contains("GPU") || reason.contains("nccl"),
+            "{reason}"
+        );
     }
 }

@@ -22,7 +22,9 @@ impl std::fmt::Display for RankEnd {
             RankEnd::Success => write!(f, "exited successfully"),
             RankEnd::ExitCode(c) => write!(f, "exited with code {c}"),
             RankEnd::Signal(s) => write!(f, "was killed by signal {s} ({})", signal_name(*s)),
-            RankEnd::KilledByLauncher => write!(f, "was stopped by the launcher after another rank failed"),
+            RankEnd::KilledByLauncher => {
+                write!(f, "was stopped by the launcher after another rank failed")
+            }
             RankEnd::TimedOut => write!(f, "was still running at the timeout"),
         }
     }

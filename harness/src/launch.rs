@@ -65,7 +65,11 @@ impl Tail {
     }
 }
 
-fn drain(stream: impl Read + Send + 'static, tail: Tail, echo: Option<(usize, &'static str)>) -> std::thread::JoinHandle<()> {
+fn drain(
+    stream: impl Read + Send + 'static,
+    tail: Tail,
+    echo: Option<(usize, &'static str)>,
+) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut reader = BufReader::new(stream);
         let mut line = Vec::new();
@@ -177,13 +181,19 @@ fn pipe() -> Result<(OwnedFd, OwnedFd), LaunchError> {
     let mut fds = [0; 2];
     // SAFETY: pipe2 fills two fresh descriptors we then own.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(LaunchError::Invalid(format!("pipe: {}", std::io::Error::last_os_error())));
+        return Err(LaunchError::Invalid(format!(
+            "pipe: {}",
+            std::io::Error::last_os_error()
+        )));
     }
     // SAFETY: both descriptors were just created and are owned by nobody else.
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
-fn spawn_rank(spawn: &RankSpawn<'_>, info: RankInfo) -> Result<(libc::pid_t, OwnedFd, OwnedFd), LaunchError> {
+fn spawn_rank(
+    spawn: &RankSpawn<'_>,
+    info: RankInfo,
+) -> Result<(libc::pid_t, OwnedFd, OwnedFd), LaunchError> {
     let rank = info.rank;
     match spawn {
         RankSpawn::Exec(command) => {
@@ -219,7 +229,11 @@ fn spawn_rank(spawn: &RankSpawn<'_>, info: RankInfo) -> Result<(libc::pid_t, Own
             let (Some(out), Some(err)) = (child.stdout.take(), child.stderr.take()) else {
                 return Err(LaunchError::Invalid("rank output pipes missing".into()));
             };
-            Ok((child.id() as libc::pid_t, OwnedFd::from(out), OwnedFd::from(err)))
+            Ok((
+                child.id() as libc::pid_t,
+                OwnedFd::from(out),
+                OwnedFd::from(err),
+            ))
         }
         RankSpawn::Fork(body) => {
             let (out_r, out_w) = pipe()?;
@@ -246,7 +260,8 @@ fn spawn_rank(spawn: &RankSpawn<'_>, info: RankInfo) -> Result<(libc::pid_t, Own
                     libc::dup2(err_w.as_raw_fd(), 2);
                 }
                 drop((out_r, out_w, err_r, err_w));
-                let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(info))).unwrap_or(101);
+                let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(info)))
+                    .unwrap_or(101);
                 use std::io::Write;
                 let _ = std::io::stdout().flush();
                 let _ = std::io::stderr().flush();
@@ -266,7 +281,8 @@ pub fn launch(opts: &LaunchOptions, spawn: RankSpawn<'_>) -> Result<LaunchSummar
         return Err(LaunchError::Invalid("world size must be at least 1".into()));
     }
     let secret = new_secret();
-    let store = StoreServer::start("127.0.0.1:0", &secret).map_err(|e| LaunchError::Invalid(format!("cannot start the store: {e}")))?;
+    let store = StoreServer::start("127.0.0.1:0", &secret)
+        .map_err(|e| LaunchError::Invalid(format!("cannot start the store: {e}")))?;
     let run_dir = RunDir::create()?;
     let echo = std::env::var(env::ECHO).is_ok_and(|v| v == "1");
     let started = Instant::now();
@@ -295,8 +311,16 @@ pub fn launch(opts: &LaunchOptions, spawn: RankSpawn<'_>) -> Result<LaunchSummar
     }
     for (rank, (r, (out, err))) in ranks.0.iter_mut().zip(pipes).enumerate() {
         r.drains = vec![
-            drain(std::fs::File::from(out), r.stdout.clone(), echo.then_some((rank, "out"))),
-            drain(std::fs::File::from(err), r.stderr.clone(), echo.then_some((rank, "err"))),
+            drain(
+                std::fs::File::from(out),
+                r.stdout.clone(),
+                echo.then_some((rank, "out")),
+            ),
+            drain(
+                std::fs::File::from(err),
+                r.stderr.clone(),
+                echo.then_some((rank, "err")),
+            ),
         ];
     }
 
@@ -322,7 +346,12 @@ pub fn launch(opts: &LaunchOptions, spawn: RankSpawn<'_>) -> Result<LaunchSummar
             settle(&mut ranks, &store);
             let culprit = culprit(&ranks, &store);
             stop_all(&mut ranks, RankEnd::KilledByLauncher);
-            return Err(LaunchError::RankFailed(reports(&mut ranks, &store, Some(culprit), None)));
+            return Err(LaunchError::RankFailed(reports(
+                &mut ranks,
+                &store,
+                Some(culprit),
+                None,
+            )));
         }
         if running == 0 {
             let elapsed = started.elapsed();
@@ -365,11 +394,9 @@ fn settle(ranks: &mut Ranks, store: &StoreServer) {
         for r in ranks.0.iter_mut().filter(|r| r.end.is_none()) {
             r.end = r.poll();
         }
-        let reported_alive = ranks
-            .0
-            .iter()
-            .enumerate()
-            .any(|(rank, r)| r.end.is_none() && store.peek(&format!("lockstep/failed/{rank}")).is_some());
+        let reported_alive = ranks.0.iter().enumerate().any(|(rank, r)| {
+            r.end.is_none() && store.peek(&format!("lockstep/failed/{rank}")).is_some()
+        });
         let elapsed = start.elapsed();
         if elapsed >= SETTLE && (!reported_alive || elapsed >= SETTLE_REPORTED) {
             return;
@@ -443,7 +470,12 @@ fn wait_for_dumps(ranks: &Ranks, dir: &Path) -> Vec<Option<String>> {
     }
 }
 
-fn reports(ranks: &mut Ranks, store: &StoreServer, failed: Option<usize>, dumps: Option<Vec<Option<String>>>) -> crate::error::FailureReport {
+fn reports(
+    ranks: &mut Ranks,
+    store: &StoreServer,
+    failed: Option<usize>,
+    dumps: Option<Vec<Option<String>>>,
+) -> crate::error::FailureReport {
     let mut out = Vec::new();
     for (rank, r) in ranks.0.iter_mut().enumerate() {
         for d in r.drains.drain(..) {
@@ -473,8 +505,10 @@ struct RunDir(PathBuf);
 impl RunDir {
     fn create() -> Result<Self, LaunchError> {
         let nonce: u64 = rand::random();
-        let dir = std::env::temp_dir().join(format!("lockstep-run-{}-{nonce:016x}", std::process::id()));
-        std::fs::create_dir_all(&dir).map_err(|e| LaunchError::Invalid(format!("cannot create {}: {e}", dir.display())))?;
+        let dir =
+            std::env::temp_dir().join(format!("lockstep-run-{}-{nonce:016x}", std::process::id()));
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| LaunchError::Invalid(format!("cannot create {}: {e}", dir.display())))?;
         Ok(RunDir(dir))
     }
 

@@ -60,8 +60,11 @@ fn fork_is_safe() -> bool {
     }
     let args: Vec<String> = std::env::args().collect();
     let env_flag = |name: &str, value: &str| std::env::var(name).is_ok_and(|v| v == value);
-    let nocapture = args.iter().any(|a| a == "--nocapture") || std::env::var("RUST_TEST_NOCAPTURE").is_ok_and(|v| v != "0");
-    let one_thread = args.windows(2).any(|w| w[0] == "--test-threads" && w[1] == "1")
+    let nocapture = args.iter().any(|a| a == "--nocapture")
+        || std::env::var("RUST_TEST_NOCAPTURE").is_ok_and(|v| v != "0");
+    let one_thread = args
+        .windows(2)
+        .any(|w| w[0] == "--test-threads" && w[1] == "1")
         || args.iter().any(|a| a == "--test-threads=1")
         || env_flag("RUST_TEST_THREADS", "1");
     nocapture && one_thread
@@ -158,7 +161,11 @@ impl Run {
             .clone()
             .or_else(|| std::thread::current().name().map(str::to_owned))
             .filter(|n| n != "main")
-            .ok_or_else(|| LaunchError::Invalid("cannot tell which test is running: call Run::test_name".into()))?;
+            .ok_or_else(|| {
+                LaunchError::Invalid(
+                    "cannot tell which test is running: call Run::test_name".into(),
+                )
+            })?;
         if let Some(rank_env) = rank::RankEnv::for_test(&name) {
             rank::run_rank(rank_env, &body);
         }
@@ -185,7 +192,9 @@ impl Run {
                 RankSpawn::Fork(&|info| rank::execute_rank(rank::RankEnv::from_info(&info), &body)),
             )?,
             SpawnMode::Exec => {
-                let exe = std::env::current_exe().map_err(|e| LaunchError::Invalid(format!("cannot find the test binary: {e}")))?;
+                let exe = std::env::current_exe().map_err(|e| {
+                    LaunchError::Invalid(format!("cannot find the test binary: {e}"))
+                })?;
                 let command = |_| RankCommand {
                     program: exe.clone(),
                     args: vec![
@@ -215,7 +224,9 @@ impl Run {
         match std::env::var("LOCKSTEP_SPAWN").ok().as_deref() {
             Some("exec") => Ok(SpawnMode::Exec),
             Some("fork") => Ok(SpawnMode::Fork),
-            Some(other) => Err(LaunchError::Invalid(format!("LOCKSTEP_SPAWN={other:?}: expected exec or fork"))),
+            Some(other) => Err(LaunchError::Invalid(format!(
+                "LOCKSTEP_SPAWN={other:?}: expected exec or fork"
+            ))),
             None if self.backend == "nccl" => Ok(SpawnMode::Exec),
             None if fork_is_safe() => Ok(SpawnMode::Fork),
             None => Ok(SpawnMode::Exec),

@@ -1,10 +1,10 @@
 //! The rank side: what a re-executed test process (or a torchrun-launched one) does.
 
 use crate::launch::{env, write_dump, RankInfo};
-use std::path::PathBuf;
 use lockstep_core::comm::{Backend, DeviceMesh, InitOptions, ProcessGroup, World};
 use lockstep_core::CommError;
 use std::panic::AssertUnwindSafe;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 /// What a rank body may return: `()` or any `Result` whose error displays.
@@ -117,7 +117,12 @@ impl RankEnv {
 
     /// The rank described by the launcher (a forked child gets it directly).
     pub(crate) fn from_info(info: &RankInfo) -> RankEnv {
-        let mut opts = InitOptions::local(info.rank, info.world_size, info.store.clone(), info.secret.clone());
+        let mut opts = InitOptions::local(
+            info.rank,
+            info.world_size,
+            info.store.clone(),
+            info.secret.clone(),
+        );
         opts.backend = info.backend.parse().unwrap_or(Backend::Cpu);
         opts.device = info.rank;
         RankEnv {
@@ -174,7 +179,9 @@ fn report_line(text: &str) {
 /// Intra-op threads per rank: `LOCKSTEP_THREADS`, default 1 (ranks already share the cores,
 /// and a forked rank must not enter an OpenMP pool inherited from its launcher).
 fn configure_threads() {
-    let threads = var("LOCKSTEP_THREADS").and_then(|v| v.parse().ok()).unwrap_or(1);
+    let threads = var("LOCKSTEP_THREADS")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
     tch::set_num_threads(threads);
 }
 
@@ -222,7 +229,10 @@ where
     // Recorded before this rank's connections close (the world drops after), so the launcher
     // can tell the rank that failed first from the ranks that then lost it.
     if let Ok(order) = store.add(FAILURE_COUNTER, 1) {
-        let _ = store.set(&format!("lockstep/failed_order/{rank}"), order.to_string().as_bytes());
+        let _ = store.set(
+            &format!("lockstep/failed_order/{rank}"),
+            order.to_string().as_bytes(),
+        );
     }
     let _ = store.set(&format!("lockstep/failed/{rank}"), message.as_bytes());
     code

@@ -4,7 +4,9 @@
 /// The seed of rank `rank`'s data in a run seeded with `run_seed`, following PyTorch's FSDP
 /// tests (rank data seeded `1 + rank` for run seed 0).
 pub fn data_seed(run_seed: u64, rank: usize) -> u64 {
-    run_seed.wrapping_mul(1_000_003).wrapping_add(1 + rank as u64)
+    run_seed
+        .wrapping_mul(1_000_003)
+        .wrapping_add(1 + rank as u64)
 }
 
 /// Seeds libtorch's CPU (and CUDA) generators before drawing parameters or inputs.

@@ -63,7 +63,12 @@ pub trait ProcessGroup: Send + Sync {
         self.all_gather_async(output, input)?.wait()
     }
     /// Blocking [`ProcessGroup::reduce_scatter_async`].
-    fn reduce_scatter(&self, output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<(), CommError> {
+    fn reduce_scatter(
+        &self,
+        output: &Tensor,
+        input: &Tensor,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
         self.reduce_scatter_async(output, input, op)?.wait()
     }
     /// Blocking [`ProcessGroup::broadcast_async`].

@@ -36,16 +36,18 @@ impl DeviceMesh {
         }
         for (i, n) in names.iter().enumerate() {
             if names[..i].contains(n) {
-                return Err(CommError::InvalidArgument(format!("mesh dimension {n:?} appears twice in [{shape}]")));
+                return Err(CommError::InvalidArgument(format!(
+                    "mesh dimension {n:?} appears twice in [{shape}]"
+                )));
             }
         }
         let coords = coords_of(world.rank(), &sizes);
         let mut groups = Vec::with_capacity(dims.len());
         for (d, name) in names.iter().enumerate() {
             let partition = partition_along(&sizes, d);
-            let group = world
-                .new_groups(&partition, name)?
-                .ok_or_else(|| CommError::InvalidArgument(format!("rank {} is in no {name} group", world.rank())))?;
+            let group = world.new_groups(&partition, name)?.ok_or_else(|| {
+                CommError::InvalidArgument(format!("rank {} is in no {name} group", world.rank()))
+            })?;
             groups.push(group);
         }
         Ok(DeviceMesh {
@@ -79,7 +81,10 @@ impl DeviceMesh {
 
     fn dim(&self, name: &str) -> Result<usize, CommError> {
         self.names.iter().position(|n| n == name).ok_or_else(|| {
-            CommError::InvalidArgument(format!("mesh has no dimension {name:?} (it has {:?})", self.names))
+            CommError::InvalidArgument(format!(
+                "mesh has no dimension {name:?} (it has {:?})",
+                self.names
+            ))
         })
     }
 }
@@ -121,6 +126,9 @@ mod tests {
     fn two_by_two_partitions() {
         assert_eq!(partition_along(&[2, 2], 0), vec![vec![0, 2], vec![1, 3]]);
         assert_eq!(partition_along(&[2, 2], 1), vec![vec![0, 1], vec![2, 3]]);
-        assert_eq!(partition_along(&[2, 3], 0), vec![vec![0, 3], vec![1, 4], vec![2, 5]]);
+        assert_eq!(
+            partition_along(&[2, 3], 0),
+            vec![vec![0, 3], vec![1, 4], vec![2, 5]]
+        );
     }
 }

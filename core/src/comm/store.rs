@@ -119,7 +119,11 @@ fn serve_client(stream: TcpStream, shared: &Shared, secret: &str) {
         let _ = writer.flush();
         return;
     }
-    if writer.write_all(&[ACCEPTED]).and_then(|_| writer.flush()).is_err() {
+    if writer
+        .write_all(&[ACCEPTED])
+        .and_then(|_| writer.flush())
+        .is_err()
+    {
         return;
     }
     while let Ok(reply) = serve_request(&mut reader, shared) {
@@ -168,7 +172,8 @@ fn serve_request(reader: &mut impl Read, shared: &Shared) -> std::io::Result<Vec
             }
         }
         c if c == Cmd::Add as u8 => {
-            let delta = i64::from_le_bytes(a.get(..8).and_then(|s| s.try_into().ok()).unwrap_or([0; 8]));
+            let delta =
+                i64::from_le_bytes(a.get(..8).and_then(|s| s.try_into().ok()).unwrap_or([0; 8]));
             let current = table
                 .values
                 .get(&key)
@@ -233,7 +238,11 @@ pub struct StoreClient {
 impl StoreClient {
     /// Connects to `addr`, retrying until `timeout` (the server may still be starting), and
     /// presents `secret`. A wrong secret gives [`CommError::Store`] saying it was refused.
-    pub fn connect(addr: impl ToSocketAddrs, secret: &str, timeout: Duration) -> Result<Self, CommError> {
+    pub fn connect(
+        addr: impl ToSocketAddrs,
+        secret: &str,
+        timeout: Duration,
+    ) -> Result<Self, CommError> {
         let addrs: Vec<SocketAddr> = addr
             .to_socket_addrs()
             .map_err(|e| CommError::io("store: resolve address", e))?
@@ -251,7 +260,9 @@ impl StoreClient {
                 Err(_) => std::thread::sleep(Duration::from_millis(10)),
             }
         };
-        stream.set_nodelay(true).map_err(|e| CommError::io("store: nodelay", e))?;
+        stream
+            .set_nodelay(true)
+            .map_err(|e| CommError::io("store: nodelay", e))?;
         let read_half = stream
             .try_clone()
             .map_err(|e| CommError::io("store: clone socket", e))?;
@@ -287,7 +298,14 @@ impl StoreClient {
         self.timeout
     }
 
-    fn request(&self, cmd: Cmd, key: &str, a: &[u8], b: &[u8], timeout: Duration) -> Result<Vec<u8>, CommError> {
+    fn request(
+        &self,
+        cmd: Cmd,
+        key: &str,
+        a: &[u8],
+        b: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<u8>, CommError> {
         let mut conn = lock(&self.conn);
         let (reader, writer) = &mut *conn;
         let io = |e| CommError::io(format!("store request for {key:?}"), e);
@@ -313,7 +331,8 @@ impl StoreClient {
 
     /// Sets `key` to `value`, waking every waiter on it.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<(), CommError> {
-        self.request(Cmd::Set, key, value, &[], Duration::ZERO).map(|_| ())
+        self.request(Cmd::Set, key, value, &[], Duration::ZERO)
+            .map(|_| ())
     }
 
     /// Returns `key`'s value, waiting up to the client's default timeout for it to be set.
@@ -348,7 +367,12 @@ impl StoreClient {
 
     /// Sets `key` to `desired` if it currently holds `expected` (`None`: if absent), and
     /// returns the value stored afterwards either way.
-    pub fn compare_set(&self, key: &str, expected: Option<&[u8]>, desired: &[u8]) -> Result<Vec<u8>, CommError> {
+    pub fn compare_set(
+        &self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: &[u8],
+    ) -> Result<Vec<u8>, CommError> {
         let expected = match expected {
             None => vec![0],
             Some(v) => [&[1u8][..], v].concat(),

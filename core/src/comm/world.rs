@@ -59,7 +59,12 @@ pub struct InitOptions {
 
 impl InitOptions {
     /// Options for `rank` of `world_size` on loopback with the CPU backend.
-    pub fn local(rank: usize, world_size: usize, store_addr: impl Into<String>, secret: impl Into<String>) -> Self {
+    pub fn local(
+        rank: usize,
+        world_size: usize,
+        store_addr: impl Into<String>,
+        secret: impl Into<String>,
+    ) -> Self {
         InitOptions {
             rank,
             world_size,
@@ -116,14 +121,21 @@ impl World {
                 opts.rank, opts.world_size
             )));
         }
-        let store = Arc::new(StoreClient::connect(&opts.store_addr, &opts.secret, opts.timeout)?);
+        let store = Arc::new(StoreClient::connect(
+            &opts.store_addr,
+            &opts.secret,
+            opts.timeout,
+        )?);
         let listener = TcpListener::bind((opts.listen_host.as_str(), 0))
             .map_err(|e| CommError::io(format!("listen on {}", opts.listen_host), e))?;
         let port = listener
             .local_addr()
             .map_err(|e| CommError::io("listener address", e))?
             .port();
-        store.set(&format!("lockstep/addr/{}", opts.rank), format!("{}:{port}", opts.listen_host).as_bytes())?;
+        store.set(
+            &format!("lockstep/addr/{}", opts.rank),
+            format!("{}:{port}", opts.listen_host).as_bytes(),
+        )?;
         let router = Arc::new(Router {
             waiting: Mutex::new(HashMap::new()),
             arrived: Condvar::new(),
@@ -155,12 +167,14 @@ impl World {
     /// (default: `MASTER_ADDR` when it is loopback, else all interfaces' hostname address).
     pub fn from_env(backend: Backend) -> Result<World, CommError> {
         let var = |name: &str| {
-            std::env::var(name).map_err(|_| CommError::InvalidArgument(format!("environment variable {name} is not set")))
+            std::env::var(name).map_err(|_| {
+                CommError::InvalidArgument(format!("environment variable {name} is not set"))
+            })
         };
         let num = |name: &str| -> Result<usize, CommError> {
-            var(name)?
-                .parse()
-                .map_err(|_| CommError::InvalidArgument(format!("{name} is not a non-negative integer")))
+            var(name)?.parse().map_err(|_| {
+                CommError::InvalidArgument(format!("{name} is not a non-negative integer"))
+            })
         };
         let rank = num("RANK")?;
         let world_size = num("WORLD_SIZE")?;
@@ -177,7 +191,11 @@ impl World {
         });
         let store_addr = format!("{master}:{port}");
         let hosted = if rank == 0 {
-            let bind = if listen_host.starts_with("127.") { format!("127.0.0.1:{port}") } else { format!("0.0.0.0:{port}") };
+            let bind = if listen_host.starts_with("127.") {
+                format!("127.0.0.1:{port}")
+            } else {
+                format!("0.0.0.0:{port}")
+            };
             Some(StoreServer::start(bind, &secret)?)
         } else {
             None
@@ -229,12 +247,18 @@ impl World {
 
     /// Creates several disjoint groups at once (e.g. one per mesh row) and returns the one
     /// this rank belongs to, if any. Every rank of the world must call it with the same list.
-    pub fn new_groups(&self, partition: &[Vec<usize>], label: &str) -> Result<Option<Arc<dyn ProcessGroup>>, CommError> {
+    pub fn new_groups(
+        &self,
+        partition: &[Vec<usize>],
+        label: &str,
+    ) -> Result<Option<Arc<dyn ProcessGroup>>, CommError> {
         let id = self.groups_created.fetch_add(1, Ordering::AcqRel);
         let mut seen = vec![false; self.size];
         for ranks in partition {
             if ranks.is_empty() {
-                return Err(CommError::InvalidArgument("a group needs at least one rank".into()));
+                return Err(CommError::InvalidArgument(
+                    "a group needs at least one rank".into(),
+                ));
             }
             for &r in ranks {
                 if r >= self.size {
@@ -244,7 +268,9 @@ impl World {
                     )));
                 }
                 if std::mem::replace(&mut seen[r], true) {
-                    return Err(CommError::InvalidArgument(format!("rank {r} appears twice in groups {partition:?}")));
+                    return Err(CommError::InvalidArgument(format!(
+                        "rank {r} appears twice in groups {partition:?}"
+                    )));
                 }
             }
         }
@@ -298,11 +324,19 @@ fn read_handshake(stream: &mut TcpStream, secret: &str) -> Option<(String, usize
     Some((key, u64::from_le_bytes(rank) as usize))
 }
 
-fn dial(addr: &str, secret: &str, key: &str, my_rank: usize, deadline: Instant) -> Result<TcpStream, CommError> {
+fn dial(
+    addr: &str,
+    secret: &str,
+    key: &str,
+    my_rank: usize,
+    deadline: Instant,
+) -> Result<TcpStream, CommError> {
     let mut stream = loop {
         match TcpStream::connect(addr) {
             Ok(s) => break s,
-            Err(e) if Instant::now() >= deadline => return Err(CommError::io(format!("connect to peer at {addr}"), e)),
+            Err(e) if Instant::now() >= deadline => {
+                return Err(CommError::io(format!("connect to peer at {addr}"), e))
+            }
             Err(_) => std::thread::sleep(Duration::from_millis(5)),
         }
     };
@@ -320,11 +354,17 @@ fn dial(addr: &str, secret: &str, key: &str, my_rank: usize, deadline: Instant) 
     Ok(stream)
 }
 
-fn connect_group(opts: &InitOptions, store: &StoreClient, router: &Router, key: &str, name: &str, ranks: &[usize]) -> Result<Arc<dyn ProcessGroup>, CommError> {
-    let me = ranks
-        .iter()
-        .position(|&r| r == opts.rank)
-        .ok_or_else(|| CommError::InvalidArgument(format!("rank {} is not in group {ranks:?}", opts.rank)))?;
+fn connect_group(
+    opts: &InitOptions,
+    store: &StoreClient,
+    router: &Router,
+    key: &str,
+    name: &str,
+    ranks: &[usize],
+) -> Result<Arc<dyn ProcessGroup>, CommError> {
+    let me = ranks.iter().position(|&r| r == opts.rank).ok_or_else(|| {
+        CommError::InvalidArgument(format!("rank {} is not in group {ranks:?}", opts.rank))
+    })?;
     if opts.backend == Backend::Nccl {
         return connect_nccl(opts, store, key, name, me, ranks);
     }
@@ -364,17 +404,48 @@ fn connect_group(opts: &InitOptions, store: &StoreClient, router: &Router, key: 
             None => None,
         });
     }
-    let same_host = opts.listen_host.starts_with("127.") && std::env::var("LOCKSTEP_SHM").map_or(true, |v| v != "0");
-    Ok(Arc::new(CpuGroup::new(name.to_owned(), me, ranks.to_vec(), links, opts.timeout, same_host)?))
+    let same_host = opts.listen_host.starts_with("127.")
+        && std::env::var("LOCKSTEP_SHM").map_or(true, |v| v != "0");
+    Ok(Arc::new(CpuGroup::new(
+        name.to_owned(),
+        me,
+        ranks.to_vec(),
+        links,
+        opts.timeout,
+        same_host,
+    )?))
 }
 
 #[cfg(feature = "nccl")]
-fn connect_nccl(opts: &InitOptions, store: &StoreClient, key: &str, name: &str, me: usize, ranks: &[usize]) -> Result<Arc<dyn ProcessGroup>, CommError> {
-    let group = crate::comm::nccl::NcclGroup::connect(store, key, name.to_owned(), me, ranks.to_vec(), opts.device)?;
+fn connect_nccl(
+    opts: &InitOptions,
+    store: &StoreClient,
+    key: &str,
+    name: &str,
+    me: usize,
+    ranks: &[usize],
+) -> Result<Arc<dyn ProcessGroup>, CommError> {
+    let group = crate::comm::nccl::NcclGroup::connect(
+        store,
+        key,
+        name.to_owned(),
+        me,
+        ranks.to_vec(),
+        opts.device,
+    )?;
     Ok(Arc::new(group))
 }
 
 #[cfg(not(feature = "nccl"))]
-fn connect_nccl(_: &InitOptions, _: &StoreClient, _: &str, _: &str, _: usize, _: &[usize]) -> Result<Arc<dyn ProcessGroup>, CommError> {
-    Err(CommError::Nccl("this build has no NCCL backend: rebuild with `--features nccl`".into()))
+fn connect_nccl(
+    _: &InitOptions,
+    _: &StoreClient,
+    _: &str,
+    _: &str,
+    _: usize,
+    _: &[usize],
+) -> Result<Arc<dyn ProcessGroup>, CommError> {
+    Err(CommError::Nccl(
+        "this build has no NCCL backend: rebuild with `--features nccl`".into(),
+    ))
 }

@@ -22,6 +22,9 @@ pub const INLINE_WRITE_MAX: usize = 64 << 10;
 pub struct Message {
     pub header: Header,
     pub data: Vec<u8>,
+    /// The connection broke before the whole payload arrived; the header is still worth
+    /// checking (a peer that gave up on a mismatched collective is named by it).
+    pub truncated: bool,
 }
 
 type Key = (Channel, u64, u64);
@@ -77,7 +80,11 @@ impl Inbox {
     fn deliver(&self, message: Message) {
         let h = &message.header;
         // Point-to-point messages match by order; their tag is checked by the receiver.
-        let tag = if h.channel == Channel::PointToPoint { 0 } else { h.tag };
+        let tag = if h.channel == Channel::PointToPoint {
+            0
+        } else {
+            h.tag
+        };
         let key = (h.channel, h.seq, tag);
         lock(&self.state).messages.insert(key, message);
         self.arrived.notify_all();
@@ -135,7 +142,12 @@ pub struct Link {
 
 impl Link {
     /// Starts the reader and writer threads on a connected, handshaken stream.
-    pub fn start(stream: TcpStream, peer: usize, peer_global: usize, group: &str) -> Result<Link, CommError> {
+    pub fn start(
+        stream: TcpStream,
+        peer: usize,
+        peer_global: usize,
+        group: &str,
+    ) -> Result<Link, CommError> {
         let io = |e| CommError::io(format!("link to rank {peer_global}"), e);
         stream.set_nodelay(true).map_err(io)?;
         let read_half = stream.try_clone().map_err(io)?;
@@ -212,13 +224,28 @@ impl Link {
     }
 }
 
+impl Link {
+    /// Waits until the writer thread holds no queued payload, so no borrowed memory is read
+    /// after a failed operation returns. Always ends: the peer's reader thread keeps reading
+    /// whatever its rank does, and a dead peer makes the write fail.
+    pub fn drain(&self) {
+        while self.queued.load(Ordering::Acquire) > 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
 impl Drop for Link {
     fn drop(&mut self) {
         let _ = self.shutdown.shutdown(std::net::Shutdown::Both);
     }
 }
 
-fn write_message(stream: &Mutex<TcpStream>, header: &[u8; HEADER_LEN], payload: &[u8]) -> std::io::Result<()> {
+fn write_message(
+    stream: &Mutex<TcpStream>,
+    header: &[u8; HEADER_LEN],
+    payload: &[u8],
+) -> std::io::Result<()> {
     let mut stream = lock(stream);
     if payload.len() <= INLINE_WRITE_MAX {
         // One syscall for small messages: the header and payload leave in one segment.
@@ -248,9 +275,18 @@ fn read_loop(stream: TcpStream, inbox: &Inbox, peer_global: usize) {
         };
         let mut data = super::pool::take(header.payload as usize);
         if let Err(e) = reader.read_exact(&mut data) {
-            break format!("reading a payload from rank {peer_global}: {e}");
+            inbox.deliver(Message {
+                header,
+                data,
+                truncated: true,
+            });
+            break format!("rank {peer_global}'s connection broke mid-message: {e}");
         }
-        inbox.deliver(Message { header, data });
+        inbox.deliver(Message {
+            header,
+            data,
+            truncated: false,
+        });
     };
     inbox.close(reason);
 }

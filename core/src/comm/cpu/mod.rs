@@ -91,7 +91,12 @@ impl Shared {
         self.links
             .get(peer)
             .and_then(Option::as_ref)
-            .ok_or_else(|| CommError::InvalidArgument(format!("rank {peer} is not a peer in group {}", self.name)))
+            .ok_or_else(|| {
+                CommError::InvalidArgument(format!(
+                    "rank {peer} is not a peer in group {}",
+                    self.name
+                ))
+            })
     }
 
     fn peers(&self) -> impl Iterator<Item = usize> + '_ {
@@ -100,12 +105,28 @@ impl Shared {
 
     /// Sends `elems` elements at `ptr` to `peer`; a returned latch must complete before the
     /// memory is modified or freed.
-    fn send_raw(&self, peer: usize, desc: &Desc, seq: u64, tag: u64, ptr: *const u8, elems: usize) -> Result<Option<Arc<Latch>>, CommError> {
+    fn send_raw(
+        &self,
+        peer: usize,
+        desc: &Desc,
+        seq: u64,
+        tag: u64,
+        ptr: *const u8,
+        elems: usize,
+    ) -> Result<Option<Arc<Latch>>, CommError> {
         let len = elems * desc.dtype.map_or(1, DType::size);
         self.send_payload(peer, desc, seq, tag, elems, Payload::Borrowed { ptr, len })
     }
 
-    fn send_payload(&self, peer: usize, desc: &Desc, seq: u64, tag: u64, elems: usize, payload: Payload) -> Result<Option<Arc<Latch>>, CommError> {
+    fn send_payload(
+        &self,
+        peer: usize,
+        desc: &Desc,
+        seq: u64,
+        tag: u64,
+        elems: usize,
+        payload: Payload,
+    ) -> Result<Option<Arc<Latch>>, CommError> {
         let len = match &payload {
             Payload::Owned(v) => v.len(),
             Payload::Borrowed { len, .. } => *len,
@@ -124,9 +145,27 @@ impl Shared {
         self.link(peer)?.send(&header, payload)
     }
 
+    /// After a failed collective, waits until no writer still reads the operation's buffers
+    /// (the caller is about to free them). Finishing the writes also lets every peer see this
+    /// rank's header, so each of them reports the mismatch rather than a lost connection.
+    fn abort_on_error<R>(&self, result: Result<R, CommError>) -> Result<R, CommError> {
+        if result.is_err() {
+            for link in self.links.iter().flatten() {
+                link.drain();
+            }
+        }
+        result
+    }
+
     /// Exchanges a control message (no elements, `payload` bytes) with every peer: the phase
     /// boundaries of the shared-memory algorithms.
-    fn control_round(&self, desc: &Desc, seq: u64, tag: u64, payload: &[u8]) -> Result<Vec<Option<Message>>, CommError> {
+    fn control_round(
+        &self,
+        desc: &Desc,
+        seq: u64,
+        tag: u64,
+        payload: &[u8],
+    ) -> Result<Vec<Option<Message>>, CommError> {
         let mut sent = Vec::new();
         for p in self.peers() {
             sent.push(self.send_payload(p, desc, seq, tag, 0, Payload::Owned(payload.to_vec()))?);
@@ -147,7 +186,14 @@ impl Shared {
 
     /// Publishes `bytes` at `src` in this rank's slot and maps every peer's slot (phase 1 of
     /// every shared-memory algorithm). Returns each rank's slot start, in rank order.
-    fn shm_publish(&self, area: &mut shm::ShmArea, desc: &Desc, seq: u64, src: Option<*const u8>, bytes: usize) -> Result<Vec<*mut u8>, CommError> {
+    fn shm_publish(
+        &self,
+        area: &mut shm::ShmArea,
+        desc: &Desc,
+        seq: u64,
+        src: Option<*const u8>,
+        bytes: usize,
+    ) -> Result<Vec<*mut u8>, CommError> {
         let own = area.own(bytes)?.ptr();
         if let Some(src) = src {
             // SAFETY: the slot holds at least `bytes`; `src` is a tensor of that size.
@@ -164,33 +210,62 @@ impl Shared {
         Ok(slots)
     }
 
-    fn shm_all_reduce(&self, area: &mut shm::ShmArea, desc: &Desc, t: &Staged, op: ReduceOp, seq: u64) -> Result<(), CommError> {
+    fn shm_all_reduce(
+        &self,
+        area: &mut shm::ShmArea,
+        desc: &Desc,
+        t: &Staged,
+        op: ReduceOp,
+        seq: u64,
+    ) -> Result<(), CommError> {
         let (n, me, esize) = (self.size, self.rank, t.dtype.size());
         let slots = self.shm_publish(area, desc, seq, Some(t.ptr()), t.len())?;
         let mine = chunk(t.numel(), n, me);
         // SAFETY: every slot holds the whole tensor; this rank writes only its own chunk of its
         // own slot, which no peer reads until the next control round.
         unsafe {
-            let inputs: Vec<*const u8> = slots.iter().map(|s| s.wrapping_add(mine.start * esize) as *const u8).collect();
-            reduce::reduce(slots[me].wrapping_add(mine.start * esize), &inputs, mine.len() * esize, t.dtype, op)?;
+            let inputs: Vec<*const u8> = slots
+                .iter()
+                .map(|s| s.wrapping_add(mine.start * esize) as *const u8)
+                .collect();
+            reduce::reduce(
+                slots[me].wrapping_add(mine.start * esize),
+                &inputs,
+                mine.len() * esize,
+                t.dtype,
+                op,
+            )?;
         }
         self.control_round(desc, seq, 1, &[]).map(recycle)?;
         area.unlink_own();
         for (q, slot) in slots.iter().enumerate() {
             let c = chunk(t.numel(), n, q);
             // SAFETY: chunk q of slot q holds the reduced values; the tensor has room.
-            unsafe { copy_bytes(slot.wrapping_add(c.start * esize), t.ptr().wrapping_add(c.start * esize), c.len() * esize) };
+            unsafe {
+                copy_bytes(
+                    slot.wrapping_add(c.start * esize),
+                    t.ptr().wrapping_add(c.start * esize),
+                    c.len() * esize,
+                )
+            };
         }
         self.control_round(desc, seq, 2, &[]).map(recycle)
     }
 
     /// Receives the message for (`seq`, `tag`) from `peer` and checks it belongs to the same
     /// operation and carries `elems` elements.
-    fn expect(&self, peer: usize, desc: &Desc, seq: u64, tag: u64, elems: usize) -> Result<Message, CommError> {
-        let msg = self
-            .link(peer)?
-            .inbox
-            .take((Channel::Collective, seq, tag), peer, self.timeout)?;
+    fn expect(
+        &self,
+        peer: usize,
+        desc: &Desc,
+        seq: u64,
+        tag: u64,
+        elems: usize,
+    ) -> Result<Message, CommError> {
+        let msg =
+            self.link(peer)?
+                .inbox
+                .take((Channel::Collective, seq, tag), peer, self.timeout)?;
         let h = &msg.header;
         let same_op = h.op == desc.op && h.dtype == desc.dtype && h.reduce == desc.reduce;
         if !same_op || (desc.same_shape && h.shape != desc.shape) {
@@ -201,6 +276,14 @@ impl Shared {
                 desc.describe(),
                 h.describe()
             )));
+        }
+        if msg.truncated {
+            return Err(CommError::PeerLost {
+                rank: peer,
+                reason: format!(
+                    "rank {peer}'s connection broke in the middle of collective #{seq}"
+                ),
+            });
         }
         if h.elems as usize != elems {
             return Err(CommError::Mismatch(format!(
@@ -245,7 +328,14 @@ impl Shared {
         let mut sent = Vec::new();
         for p in self.peers() {
             let c = chunk(total, n, p);
-            sent.push(self.send_raw(p, &desc, seq, 0, base.wrapping_add(c.start * esize), c.len())?);
+            sent.push(self.send_raw(
+                p,
+                &desc,
+                seq,
+                0,
+                base.wrapping_add(c.start * esize),
+                c.len(),
+            )?);
         }
         let mine = chunk(total, n, me);
         let msgs = self.collect(&desc, seq, 0, |_| mine.len())?;
@@ -261,7 +351,13 @@ impl Shared {
     }
 
     /// Receives one message from every peer (tag `tag`); element counts from `elems(peer)`.
-    fn collect(&self, desc: &Desc, seq: u64, tag: u64, elems: impl Fn(usize) -> usize) -> Result<Vec<Option<Message>>, CommError> {
+    fn collect(
+        &self,
+        desc: &Desc,
+        seq: u64,
+        tag: u64,
+        elems: impl Fn(usize) -> usize,
+    ) -> Result<Vec<Option<Message>>, CommError> {
         let mut msgs: Vec<Option<Message>> = (0..self.size).map(|_| None).collect();
         for p in self.peers() {
             msgs[p] = Some(self.expect(p, desc, seq, tag, elems(p))?);
@@ -271,7 +367,15 @@ impl Shared {
 
     /// Ring all-gather over `base` (`total` elements in `size` chunks, this rank's chunk
     /// already in place). Tags start at `first_tag`.
-    fn ring_all_gather(&self, desc: &Desc, seq: u64, first_tag: u64, base: *mut u8, total: usize, esize: usize) -> Result<(), CommError> {
+    fn ring_all_gather(
+        &self,
+        desc: &Desc,
+        seq: u64,
+        first_tag: u64,
+        base: *mut u8,
+        total: usize,
+        esize: usize,
+    ) -> Result<(), CommError> {
         let (n, me) = (self.size, self.rank);
         let right = (me + 1) % n;
         let left = (me + n - 1) % n;
@@ -280,17 +384,36 @@ impl Shared {
             let send_idx = (me + n - s) % n;
             let recv_idx = (me + 2 * n - s - 1) % n;
             let c = chunk(total, n, send_idx);
-            sent.push(self.send_raw(right, desc, seq, first_tag + s as u64, base.wrapping_add(c.start * esize), c.len())?);
+            sent.push(self.send_raw(
+                right,
+                desc,
+                seq,
+                first_tag + s as u64,
+                base.wrapping_add(c.start * esize),
+                c.len(),
+            )?);
             let r = chunk(total, n, recv_idx);
             let msg = self.expect(left, desc, seq, first_tag + s as u64, r.len())?;
             // SAFETY: the message holds r.len() elements; the destination chunk lies within the buffer.
-            unsafe { copy_bytes(msg.data.as_ptr(), base.wrapping_add(r.start * esize), msg.data.len()) };
+            unsafe {
+                copy_bytes(
+                    msg.data.as_ptr(),
+                    base.wrapping_add(r.start * esize),
+                    msg.data.len(),
+                )
+            };
             pool::give(msg.data);
         }
         wait_all(sent)
     }
 
-    fn reduce_scatter(&self, out: &Staged, input: &Staged, op: ReduceOp, seq: u64) -> Result<(), CommError> {
+    fn reduce_scatter(
+        &self,
+        out: &Staged,
+        input: &Staged,
+        op: ReduceOp,
+        seq: u64,
+    ) -> Result<(), CommError> {
         let desc = Desc {
             op: OpKind::ReduceScatter,
             dtype: Some(input.dtype),
@@ -303,7 +426,10 @@ impl Shared {
             let slots = self.shm_publish(&mut area, &desc, seq, Some(input.ptr()), input.len())?;
             // SAFETY: every slot holds a whole input; chunk `me` of each is read, `out` written.
             unsafe {
-                let inputs: Vec<*const u8> = slots.iter().map(|s| s.wrapping_add(me * m * esize) as *const u8).collect();
+                let inputs: Vec<*const u8> = slots
+                    .iter()
+                    .map(|s| s.wrapping_add(me * m * esize) as *const u8)
+                    .collect();
                 reduce::reduce(out.ptr(), &inputs, m * esize, input.dtype, op)?;
             }
             self.control_round(&desc, seq, 1, &[]).map(recycle)?;
@@ -312,7 +438,14 @@ impl Shared {
         }
         let mut sent = Vec::new();
         for p in self.peers() {
-            sent.push(self.send_raw(p, &desc, seq, 0, input.ptr().wrapping_add(p * m * esize), m)?);
+            sent.push(self.send_raw(
+                p,
+                &desc,
+                seq,
+                0,
+                input.ptr().wrapping_add(p * m * esize),
+                m,
+            )?);
         }
         let msgs = self.collect(&desc, seq, 0, |_| m)?;
         wait_all(sent)?;
@@ -335,7 +468,13 @@ impl Shared {
         };
         let (me, esize, m) = (self.rank, input.dtype.size(), input.numel());
         // SAFETY: `out` holds size * m elements; chunk `me` receives this rank's input.
-        unsafe { copy_bytes(input.ptr(), out.ptr().wrapping_add(me * m * esize), m * esize) };
+        unsafe {
+            copy_bytes(
+                input.ptr(),
+                out.ptr().wrapping_add(me * m * esize),
+                m * esize,
+            )
+        };
         if let Some(mut area) = self.shm_for(out.len()) {
             let slots = self.shm_publish(&mut area, &desc, seq, Some(input.ptr()), input.len())?;
             for (q, slot) in slots.iter().enumerate().filter(|(q, _)| *q != me) {
@@ -347,7 +486,9 @@ impl Shared {
             return Ok(());
         }
         if out.len() > SMALL_MESSAGE {
-            return self.ring_all_gather(&desc, seq, 0, out.ptr(), out.numel(), esize);
+            // A ring only talks to neighbours: first let every rank check every other's call.
+            self.control_round(&desc, seq, 0, &[]).map(recycle)?;
+            return self.ring_all_gather(&desc, seq, 1, out.ptr(), out.numel(), esize);
         }
         let mut sent = Vec::new();
         for p in self.peers() {
@@ -357,7 +498,13 @@ impl Shared {
         for (p, msg) in msgs.into_iter().enumerate() {
             if let Some(msg) = msg {
                 // SAFETY: chunk p of `out` holds m elements.
-                unsafe { copy_bytes(msg.data.as_ptr(), out.ptr().wrapping_add(p * m * esize), msg.data.len()) };
+                unsafe {
+                    copy_bytes(
+                        msg.data.as_ptr(),
+                        out.ptr().wrapping_add(p * m * esize),
+                        msg.data.len(),
+                    )
+                };
                 pool::give(msg.data);
             }
         }
@@ -400,6 +547,8 @@ impl Shared {
             return wait_all(sent);
         }
         // Pipelined chain root -> root+1 -> ...: segments flow while later ones are in transit.
+        // A chain only talks to neighbours: first let every rank check every other's call.
+        self.control_round(&desc, seq, 0, &[]).map(recycle)?;
         let pos = (me + n - root) % n;
         let prev = (me + n - 1) % n;
         let next = (pos + 1 < n).then_some((me + 1) % n);
@@ -410,19 +559,26 @@ impl Shared {
             let len = seg_elems.min(t.numel() - start);
             let ptr = base.wrapping_add(start * esize);
             if pos != 0 {
-                let msg = self.expect(prev, &desc, seq, s as u64, len)?;
+                let msg = self.expect(prev, &desc, seq, 1 + s as u64, len)?;
                 // SAFETY: the message holds `len` elements.
                 unsafe { copy_bytes(msg.data.as_ptr(), ptr, msg.data.len()) };
                 pool::give(msg.data);
             }
             if let Some(next) = next {
-                sent.push(self.send_raw(next, &desc, seq, s as u64, ptr, len)?);
+                sent.push(self.send_raw(next, &desc, seq, 1 + s as u64, ptr, len)?);
             }
         }
         wait_all(sent)
     }
 
-    fn all_to_all(&self, out: &Staged, input: &Staged, out_splits: &[usize], in_splits: &[usize], seq: u64) -> Result<(), CommError> {
+    fn all_to_all(
+        &self,
+        out: &Staged,
+        input: &Staged,
+        out_splits: &[usize],
+        in_splits: &[usize],
+        seq: u64,
+    ) -> Result<(), CommError> {
         let desc = Desc {
             op: OpKind::AllToAll,
             dtype: Some(input.dtype),
@@ -463,7 +619,13 @@ impl Shared {
         for (p, msg) in msgs.into_iter().enumerate() {
             if let Some(msg) = msg {
                 // SAFETY: the message holds out_splits[p] rows, validated to fit.
-                unsafe { copy_bytes(msg.data.as_ptr(), out.ptr().wrapping_add(out_off[p] * esize), msg.data.len()) };
+                unsafe {
+                    copy_bytes(
+                        msg.data.as_ptr(),
+                        out.ptr().wrapping_add(out_off[p] * esize),
+                        msg.data.len(),
+                    )
+                };
                 pool::give(msg.data);
             }
         }
@@ -506,7 +668,13 @@ fn row_elems(shape: &[i64]) -> usize {
 fn rank_order(me: usize, own: *const u8, msgs: &[Option<Message>]) -> Vec<*const u8> {
     msgs.iter()
         .enumerate()
-        .map(|(r, m)| if r == me { own } else { m.as_ref().map_or(own, |m| m.data.as_ptr()) })
+        .map(|(r, m)| {
+            if r == me {
+                own
+            } else {
+                m.as_ref().map_or(own, |m| m.data.as_ptr())
+            }
+        })
         .collect()
 }
 
@@ -545,12 +713,22 @@ pub struct CpuGroup {
 impl CpuGroup {
     /// Builds a group from established links (`links[rank]` is `None`).
     /// `same_host`: every member runs on this machine, so large messages may use shared memory.
-    pub(crate) fn new(name: String, rank: usize, global_ranks: Vec<usize>, links: Vec<Option<Link>>, timeout: Duration, same_host: bool) -> Result<Self, CommError> {
+    pub(crate) fn new(
+        name: String,
+        rank: usize,
+        global_ranks: Vec<usize>,
+        links: Vec<Option<Link>>,
+        timeout: Duration,
+        same_host: bool,
+    ) -> Result<Self, CommError> {
         let size = global_ranks.len();
         let shm = same_host.then(|| {
             let tag: String = name.chars().filter(char::is_ascii_alphanumeric).collect();
             let nonce: u32 = rand::random();
-            Mutex::new(shm::ShmArea::new(format!("/lockstep-{}-{tag}-{nonce:08x}", std::process::id()), size))
+            Mutex::new(shm::ShmArea::new(
+                format!("/lockstep-{}-{tag}-{nonce:08x}", std::process::id()),
+                size,
+            ))
         });
         let shared = Arc::new(Shared {
             name,
@@ -593,7 +771,14 @@ impl CpuGroup {
 
     /// Issues a collective. `inline`: run on this thread when nothing is queued (blocking
     /// callers); otherwise queue it on the worker.
-    fn issue(&self, op: OpKind, shapes: Vec<Vec<i64>>, dtype: Option<DType>, job: Job, inline: bool) -> Result<Work, CommError> {
+    fn issue(
+        &self,
+        op: OpKind,
+        shapes: Vec<Vec<i64>>,
+        dtype: Option<DType>,
+        job: Job,
+        inline: bool,
+    ) -> Result<Work, CommError> {
         let mut submit = lock(&self.exec.submit);
         let seq = submit.0;
         submit.0 += 1;
@@ -635,50 +820,82 @@ impl CpuGroup {
         Ok(())
     }
 
-    fn all_reduce_job(&self, tensor: &Tensor, op: ReduceOp, inline: bool) -> Result<Work, CommError> {
+    fn all_reduce_job(
+        &self,
+        tensor: &Tensor,
+        op: ReduceOp,
+        inline: bool,
+    ) -> Result<Work, CommError> {
         let t = Staged::new(tensor, true)?;
         if op == ReduceOp::Avg && !t.dtype.is_float() {
-            return Err(CommError::InvalidArgument(format!("all_reduce avg needs a floating-point tensor, got {}", t.dtype)));
+            return Err(CommError::InvalidArgument(format!(
+                "all_reduce avg needs a floating-point tensor, got {}",
+                t.dtype
+            )));
         }
         let (shape, dtype) = (t.shape(), t.dtype);
         let job: Job = Box::new(move |sh, seq| {
             if sh.size > 1 {
-                sh.all_reduce(&t, op, seq)?;
+                sh.abort_on_error(sh.all_reduce(&t, op, seq))?;
             }
             t.finish()
         });
         self.issue(OpKind::AllReduce, vec![shape], Some(dtype), job, inline)
     }
 
-    fn all_gather_job(&self, output: &Tensor, input: &Tensor, inline: bool) -> Result<Work, CommError> {
+    fn all_gather_job(
+        &self,
+        output: &Tensor,
+        input: &Tensor,
+        inline: bool,
+    ) -> Result<Work, CommError> {
         let (out, inp) = (Staged::new(output, true)?, Staged::new(input, false)?);
         self.check_pair(&out, &inp, OpKind::AllGather, out.numel(), inp.numel())?;
         let (shapes, dtype) = (vec![inp.shape(), out.shape()], inp.dtype);
         let job: Job = Box::new(move |sh, seq| {
-            sh.all_gather(&out, &inp, seq)?;
+            sh.abort_on_error(sh.all_gather(&out, &inp, seq))?;
             out.finish()
         });
         self.issue(OpKind::AllGather, shapes, Some(dtype), job, inline)
     }
 
-    fn reduce_scatter_job(&self, output: &Tensor, input: &Tensor, op: ReduceOp, inline: bool) -> Result<Work, CommError> {
+    fn reduce_scatter_job(
+        &self,
+        output: &Tensor,
+        input: &Tensor,
+        op: ReduceOp,
+        inline: bool,
+    ) -> Result<Work, CommError> {
         let (out, inp) = (Staged::new(output, true)?, Staged::new(input, false)?);
         self.check_pair(&out, &inp, OpKind::ReduceScatter, inp.numel(), out.numel())?;
         if op == ReduceOp::Avg && !inp.dtype.is_float() {
-            return Err(CommError::InvalidArgument(format!("reduce_scatter avg needs a floating-point tensor, got {}", inp.dtype)));
+            return Err(CommError::InvalidArgument(format!(
+                "reduce_scatter avg needs a floating-point tensor, got {}",
+                inp.dtype
+            )));
         }
         let (shapes, dtype) = (vec![inp.shape(), out.shape()], inp.dtype);
         let job: Job = Box::new(move |sh, seq| {
-            sh.reduce_scatter(&out, &inp, op, seq)?;
+            sh.abort_on_error(sh.reduce_scatter(&out, &inp, op, seq))?;
             out.finish()
         });
         self.issue(OpKind::ReduceScatter, shapes, Some(dtype), job, inline)
     }
 
     /// Checks dtypes match and `big` holds exactly `size` times `small` elements.
-    fn check_pair(&self, out: &Staged, inp: &Staged, op: OpKind, big: usize, small: usize) -> Result<(), CommError> {
+    fn check_pair(
+        &self,
+        out: &Staged,
+        inp: &Staged,
+        op: OpKind,
+        big: usize,
+        small: usize,
+    ) -> Result<(), CommError> {
         if out.dtype != inp.dtype {
-            return Err(CommError::InvalidArgument(format!("{op}: output is {} but input is {}", out.dtype, inp.dtype)));
+            return Err(CommError::InvalidArgument(format!(
+                "{op}: output is {} but input is {}",
+                out.dtype, inp.dtype
+            )));
         }
         if big != small * self.shared.size {
             return Err(CommError::InvalidArgument(format!(
@@ -699,17 +916,27 @@ impl CpuGroup {
         let (shape, dtype) = (t.shape(), t.dtype);
         let job: Job = Box::new(move |sh, seq| {
             if sh.size > 1 {
-                sh.broadcast(&t, root, seq)?;
+                sh.abort_on_error(sh.broadcast(&t, root, seq))?;
             }
             t.finish()
         });
         self.issue(OpKind::Broadcast, vec![shape], Some(dtype), job, inline)
     }
 
-    fn all_to_all_job(&self, output: &Tensor, input: &Tensor, output_splits: &[usize], input_splits: &[usize], inline: bool) -> Result<Work, CommError> {
+    fn all_to_all_job(
+        &self,
+        output: &Tensor,
+        input: &Tensor,
+        output_splits: &[usize],
+        input_splits: &[usize],
+        inline: bool,
+    ) -> Result<Work, CommError> {
         let (out, inp) = (Staged::new(output, true)?, Staged::new(input, false)?);
         if out.dtype != inp.dtype {
-            return Err(CommError::InvalidArgument(format!("all_to_all: output is {} but input is {}", out.dtype, inp.dtype)));
+            return Err(CommError::InvalidArgument(format!(
+                "all_to_all: output is {} but input is {}",
+                out.dtype, inp.dtype
+            )));
         }
         let n = self.shared.size;
         let splits = |given: &[usize], t: &Staged, which: &str| -> Result<Vec<usize>, CommError> {
@@ -752,14 +979,20 @@ impl CpuGroup {
         }
         let (shapes, dtype) = (vec![inp.shape(), out.shape()], inp.dtype);
         let job: Job = Box::new(move |sh, seq| {
-            sh.all_to_all(&out, &inp, &out_splits, &in_splits, seq)?;
+            sh.abort_on_error(sh.all_to_all(&out, &inp, &out_splits, &in_splits, seq))?;
             out.finish()
         });
         self.issue(OpKind::AllToAll, shapes, Some(dtype), job, inline)
     }
 
     fn barrier_job(&self, inline: bool) -> Result<Work, CommError> {
-        let job: Job = Box::new(move |sh, seq| if sh.size > 1 { sh.barrier(seq) } else { Ok(()) });
+        let job: Job = Box::new(move |sh, seq| {
+            if sh.size > 1 {
+                sh.abort_on_error(sh.barrier(seq))
+            } else {
+                Ok(())
+            }
+        });
         self.issue(OpKind::Barrier, vec![], None, job, inline)
     }
 }
@@ -796,11 +1029,21 @@ struct PendingRecv {
 impl PendingRecv {
     fn receive(&self, t: &Staged) -> Result<(), CommError> {
         let sh = &self.shared;
-        let msg = sh
-            .link(self.src)?
-            .inbox
-            .take((Channel::PointToPoint, self.seq, 0), self.src, sh.timeout)?;
+        let msg = sh.link(self.src)?.inbox.take(
+            (Channel::PointToPoint, self.seq, 0),
+            self.src,
+            sh.timeout,
+        )?;
         let h = &msg.header;
+        if msg.truncated {
+            return Err(CommError::PeerLost {
+                rank: self.src,
+                reason: format!(
+                    "rank {}'s connection broke in the middle of message #{}",
+                    self.src, self.seq
+                ),
+            });
+        }
         if h.tag != self.tag || h.dtype != Some(t.dtype) || h.elems as usize != t.numel() {
             return Err(CommError::Mismatch(format!(
                 "group {} message #{} from rank {} to rank {} (this rank): expected tag {} with {}[{}] ({} elements), got tag {} with {} ({} elements)",
@@ -869,13 +1112,24 @@ impl ProcessGroup for CpuGroup {
     fn all_gather_async(&self, output: &Tensor, input: &Tensor) -> Result<Work, CommError> {
         self.all_gather_job(output, input, false)
     }
-    fn reduce_scatter_async(&self, output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<Work, CommError> {
+    fn reduce_scatter_async(
+        &self,
+        output: &Tensor,
+        input: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Work, CommError> {
         self.reduce_scatter_job(output, input, op, false)
     }
     fn broadcast_async(&self, tensor: &Tensor, root: usize) -> Result<Work, CommError> {
         self.broadcast_job(tensor, root, false)
     }
-    fn all_to_all_async(&self, output: &Tensor, input: &Tensor, output_splits: &[usize], input_splits: &[usize]) -> Result<Work, CommError> {
+    fn all_to_all_async(
+        &self,
+        output: &Tensor,
+        input: &Tensor,
+        output_splits: &[usize],
+        input_splits: &[usize],
+    ) -> Result<Work, CommError> {
         self.all_to_all_job(output, input, output_splits, input_splits, false)
     }
     fn barrier_async(&self) -> Result<Work, CommError> {
@@ -889,7 +1143,14 @@ impl ProcessGroup for CpuGroup {
         }
         let t = Staged::new(tensor, false)?;
         let seq = self.send_seq[dst].fetch_add(1, Ordering::AcqRel);
-        let flight_id = flight::record(&self.shared.name, seq, OpKind::Send, vec![t.shape()], Some(t.dtype), Some(dst));
+        let flight_id = flight::record(
+            &self.shared.name,
+            seq,
+            OpKind::Send,
+            vec![t.shape()],
+            Some(t.dtype),
+            Some(dst),
+        );
         // The payload is copied, so the caller may reuse the tensor at once and two ranks that
         // send to each other before receiving cannot deadlock.
         let header = Header {
@@ -919,7 +1180,14 @@ impl ProcessGroup for CpuGroup {
         }
         let t = Staged::new(tensor, true)?;
         let seq = self.recv_seq[src].fetch_add(1, Ordering::AcqRel);
-        let flight_id = flight::record(&self.shared.name, seq, OpKind::Recv, vec![t.shape()], Some(t.dtype), Some(src));
+        let flight_id = flight::record(
+            &self.shared.name,
+            seq,
+            OpKind::Recv,
+            vec![t.shape()],
+            Some(t.dtype),
+            Some(src),
+        );
         Ok(Work::new(Arc::new(PendingRecv {
             shared: self.shared.clone(),
             src,
@@ -937,14 +1205,26 @@ impl ProcessGroup for CpuGroup {
     fn all_gather(&self, output: &Tensor, input: &Tensor) -> Result<(), CommError> {
         self.all_gather_job(output, input, true)?.wait()
     }
-    fn reduce_scatter(&self, output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<(), CommError> {
+    fn reduce_scatter(
+        &self,
+        output: &Tensor,
+        input: &Tensor,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
         self.reduce_scatter_job(output, input, op, true)?.wait()
     }
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<(), CommError> {
         self.broadcast_job(tensor, root, true)?.wait()
     }
-    fn all_to_all(&self, output: &Tensor, input: &Tensor, output_splits: &[usize], input_splits: &[usize]) -> Result<(), CommError> {
-        self.all_to_all_job(output, input, output_splits, input_splits, true)?.wait()
+    fn all_to_all(
+        &self,
+        output: &Tensor,
+        input: &Tensor,
+        output_splits: &[usize],
+        input_splits: &[usize],
+    ) -> Result<(), CommError> {
+        self.all_to_all_job(output, input, output_splits, input_splits, true)?
+            .wait()
     }
     fn barrier(&self) -> Result<(), CommError> {
         self.barrier_job(true)?.wait()

@@ -12,7 +12,10 @@ static POOL: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
 pub fn take(len: usize) -> Vec<u8> {
     if len >= 4096 {
         let mut pool = lock(&POOL);
-        if let Some(i) = pool.iter().position(|b| b.capacity() >= len && b.capacity() <= 2 * len) {
+        if let Some(i) = pool
+            .iter()
+            .position(|b| b.capacity() >= len && b.capacity() <= 2 * len)
+        {
             let mut buf = pool.swap_remove(i);
             // SAFETY-free resize: shrinking or growing within capacity; new bytes are zeroed.
             buf.resize(len, 0);

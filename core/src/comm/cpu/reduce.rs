@@ -16,7 +16,13 @@ const BLOCK: usize = 1024;
 /// # Safety
 /// `out` must be valid for writes and every input valid for reads of `len` bytes. `out` may
 /// alias one input exactly (same start); it must not partially overlap any input.
-pub unsafe fn reduce(out: *mut u8, inputs: &[*const u8], len: usize, dtype: DType, op: ReduceOp) -> Result<(), CommError> {
+pub unsafe fn reduce(
+    out: *mut u8,
+    inputs: &[*const u8],
+    len: usize,
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<(), CommError> {
     if op == ReduceOp::Avg && !dtype.is_float() {
         return Err(CommError::InvalidArgument(format!(
             "avg needs a floating-point dtype, got {dtype}"
@@ -37,7 +43,11 @@ pub unsafe fn reduce(out: *mut u8, inputs: &[*const u8], len: usize, dtype: DTyp
         DType::U8 => run::<u8, u8>(out, inputs, elems, op, |x| x, |a| a, n),
         DType::Bool => {
             // Bytes are 0/1: or for sum/max, and for min.
-            let op = if op == ReduceOp::Min { ReduceOp::Min } else { ReduceOp::Max };
+            let op = if op == ReduceOp::Min {
+                ReduceOp::Min
+            } else {
+                ReduceOp::Max
+            };
             run::<u8, u8>(out, inputs, elems, op, |x| x, |a| a, n)
         }
     }

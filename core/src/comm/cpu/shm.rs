@@ -29,9 +29,19 @@ impl Mapping {
     }
 
     fn map(name: &str, len: usize, create: bool) -> Result<Mapping, CommError> {
-        let cname = CString::new(name).map_err(|_| CommError::InvalidArgument(format!("bad shm name {name:?}")))?;
-        let err = |what: &str| CommError::io(format!("shared memory {what} {name}"), std::io::Error::last_os_error());
-        let flags = if create { libc::O_CREAT | libc::O_EXCL | libc::O_RDWR } else { libc::O_RDWR };
+        let cname = CString::new(name)
+            .map_err(|_| CommError::InvalidArgument(format!("bad shm name {name:?}")))?;
+        let err = |what: &str| {
+            CommError::io(
+                format!("shared memory {what} {name}"),
+                std::io::Error::last_os_error(),
+            )
+        };
+        let flags = if create {
+            libc::O_CREAT | libc::O_EXCL | libc::O_RDWR
+        } else {
+            libc::O_RDWR
+        };
         // SAFETY: plain POSIX calls on a name we own; every result is checked.
         unsafe {
             let fd = libc::shm_open(cname.as_ptr(), flags, 0o600);
@@ -44,7 +54,14 @@ impl Mapping {
                 libc::shm_unlink(cname.as_ptr());
                 return Err(e);
             }
-            let ptr = libc::mmap(std::ptr::null_mut(), len.max(1), libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
+            let ptr = libc::mmap(
+                std::ptr::null_mut(),
+                len.max(1),
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            );
             libc::close(fd);
             if ptr == libc::MAP_FAILED {
                 return Err(err("map"));
@@ -96,7 +113,9 @@ impl ShmArea {
             self.unlink_own();
             self.generation += 1;
             // Grow geometrically so a series of slightly larger messages maps once.
-            let len = len.max(self.own.as_ref().map_or(0, |m| m.len * 2)).max(1 << 20);
+            let len = len
+                .max(self.own.as_ref().map_or(0, |m| m.len * 2))
+                .max(1 << 20);
             let name = format!("{}-{}", self.prefix, self.generation);
             self.own = Some(Mapping::map(&name, len, true)?);
             self.own_linked = true;
@@ -120,7 +139,9 @@ impl ShmArea {
         let (name, len) = text
             .split_once('\n')
             .and_then(|(n, l)| Some((n.to_owned(), l.parse::<usize>().ok()?)))
-            .ok_or_else(|| CommError::Mismatch(format!("rank {p} announced no shared-memory slot")))?;
+            .ok_or_else(|| {
+                CommError::Mismatch(format!("rank {p} announced no shared-memory slot"))
+            })?;
         let slot = self
             .peers
             .get_mut(p)

@@ -67,7 +67,9 @@ impl Header {
             _ => return None,
         };
         let ndim = b[40] as usize;
-        let shape = (0..ndim.min(MAX_DIMS)).map(|i| u64_at(48 + 8 * i) as i64).collect();
+        let shape = (0..ndim.min(MAX_DIMS))
+            .map(|i| u64_at(48 + 8 * i) as i64)
+            .collect();
         Some(Header {
             channel,
             op: OpKind::from_code(b[5])?,
@@ -88,7 +90,12 @@ impl Header {
 }
 
 /// Formats an operation the way mismatch errors name it.
-pub fn describe(op: OpKind, reduce: Option<ReduceOp>, dtype: Option<DType>, shape: &[i64]) -> String {
+pub fn describe(
+    op: OpKind,
+    reduce: Option<ReduceOp>,
+    dtype: Option<DType>,
+    shape: &[i64],
+) -> String {
     let reduce = reduce.map(|r| format!("({r})")).unwrap_or_default();
     let dtype = dtype.map(|d| d.to_string()).unwrap_or_default();
     format!("{op}{reduce} on {dtype}{shape:?}")
