@@ -17,10 +17,13 @@ use tch::{Kind, TchError, Tensor};
 /// Everything a training run can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
+    /// The model refused a batch, a reference, or failed in forward.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// A collective (gradient sync, loss averaging) failed.
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// A tensor operation (backward, optimizer arithmetic) failed.
     #[error("libtorch: {0}")]
     Torch(#[from] TchError),
     /// A parameter got no gradient: synchronizing a partial set would desynchronize ranks.
@@ -96,6 +99,7 @@ pub struct Sgd {
 }
 
 impl Sgd {
+    /// `momentum = 0` is plain SGD (no buffer kept).
     pub fn new(lr: f64, momentum: f64) -> Self {
         Sgd {
             lr,
@@ -153,6 +157,8 @@ struct AdamState {
 }
 
 impl Adam {
+    /// Torch's defaults are `beta1 = 0.9`, `beta2 = 0.999`, `eps = 1e-8`
+    /// ([`OptimizerConfig::adam`]).
     pub fn new(lr: f64, beta1: f64, beta2: f64, eps: f64) -> Self {
         Adam {
             lr,

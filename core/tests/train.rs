@@ -163,8 +163,7 @@ fn per_rank_models_refuse_the_single_device_reference_but_train_per_rank() {
     for name in ["moe", "transformer_bn"] {
         let model = zoo::build(name, 0, 0).expect("build");
         let err = single_device_reference(model.as_ref(), 2, 1, OptimizerConfig::default(), false)
-            .err()
-            .expect("refused");
+            .expect_err("refused");
         assert!(
             matches!(
                 err,
@@ -327,8 +326,6 @@ fn empty_data_ranks_is_a_config_error() {
         data_ranks: vec![],
         record_grads: false,
     };
-    let err = train(model.as_ref(), &cfg, &mut no_sync, None)
-        .err()
-        .expect("refused");
+    let err = train(model.as_ref(), &cfg, &mut no_sync, None).expect_err("refused");
     assert!(matches!(err, TrainError::InvalidConfig(_)));
 }

@@ -3,8 +3,11 @@
 /// A tensor whose shape or dtype in a file differs from the model's.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Misshaped {
+    /// The key in the file.
     pub name: String,
+    /// The model's dtype and shape, e.g. `Float [4, 16]`.
     pub expected: String,
+    /// The file's dtype and shape.
     pub found: String,
 }
 

@@ -19,11 +19,15 @@ pub struct Batch {
 /// What a layer computes; a pipeline partitioner balances and groups layers by kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum LayerKind {
+    /// `nn.Embedding` (token or position table).
     Embedding,
+    /// `nn.Linear`.
     Linear,
     /// A parameter-free nonlinearity (ReLU...).
     Activation,
+    /// `nn.LayerNorm`.
     LayerNorm,
+    /// `nn.BatchNorm1d` (carries running-statistics buffers).
     BatchNorm,
     /// `nn.TransformerEncoderLayer` (self-attention + feed-forward, post-norm).
     EncoderLayer,
@@ -42,6 +46,7 @@ pub enum LayerKind {
 pub struct LayerSpec {
     /// The module path (`module.1.0`, `transformer.encoder.layers.0`...).
     pub name: String,
+    /// What the layer computes.
     pub kind: LayerKind,
     /// The parameters this layer uses, by their module path. A tied parameter appears under
     /// its alias in the layer that uses it that way; [`ParamTags::shared`] maps it back.
@@ -61,6 +66,7 @@ pub struct SharedGroup {
 /// A parameter that belongs to one expert, which expert parallelism may place on one rank.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExpertParam {
+    /// The parameter's module path.
     pub name: String,
     /// The expert's index within its layer.
     pub expert: usize,
@@ -69,7 +75,9 @@ pub struct ExpertParam {
 /// Groups of parameters that parallelisms must treat specially.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ParamTags {
+    /// Tied parameters: one tensor under several module paths.
     pub shared: Vec<SharedGroup>,
+    /// Parameters owned by one expert, which expert parallelism may place on one rank.
     pub experts: Vec<ExpertParam>,
     /// Parameters that differ on every rank by construction and must never be averaged
     /// across ranks (`MixtureOfExperts`' expert in PyTorch's tests).

@@ -137,6 +137,7 @@ impl ParamStore {
             .map(|(_, t)| t.shallow_clone())
     }
 
+    /// Shared, expert and rank-local groups, as registered by the model.
     pub fn tags(&self) -> &ParamTags {
         &self.tags
     }

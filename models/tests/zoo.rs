@@ -365,7 +365,7 @@ fn load_names_missing_misshaped_and_unexpected_keys() {
     Tensor::write_safetensors(&state, &path).expect("write");
     let mut target = build("nested", 5, 0);
     let before = target.named_parameters()[0].1.detach_copy();
-    let err = target.load(&path).err().expect("broken state fails");
+    let err = target.load(&path).expect_err("broken state fails");
     let msg = err.to_string();
     match &err {
         ModelError::StateMismatch {

@@ -166,6 +166,9 @@ pub struct Gpt {
 }
 
 impl Gpt {
+    /// Builds the dense (`moe = false`) or mixture-of-experts decoder; every parameter is
+    /// drawn from the run's parameter seed, so experts are the same on every rank (expert
+    /// parallelism shards them, it does not re-seed them).
     pub fn new(run_seed: u64, rank: usize, moe: bool) -> Result<Self, ModelError> {
         let mut store = ParamStore::default();
         let guard = seed::lock_seeded(seed::param_seed(run_seed));

@@ -23,6 +23,7 @@ pub struct MlpStack {
 }
 
 impl MlpStack {
+    /// Draws every linear, in forward order, from the run's parameter seed.
     pub fn new(run_seed: u64, rank: usize) -> Result<Self, ModelError> {
         let mut store = ParamStore::default();
         let guard = seed::lock_seeded(seed::param_seed(run_seed));

@@ -36,6 +36,8 @@ pub struct TransformerWithSharedParams {
 }
 
 impl TransformerWithSharedParams {
+    /// `batch_norm` adds PyTorch's optional `BatchNorm1d(2)` (zoo name `transformer_bn`).
+    ///
     /// Draws in PyTorch's order: embedding, the encoder layer template (copied to every
     /// layer), the decoder template, Xavier over every matrix of the transformer, then the
     /// output projection (whose own weight draw is discarded by the tie).
