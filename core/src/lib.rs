@@ -6,5 +6,6 @@
 
 pub mod comm;
 pub mod record;
+pub mod train;
 
 pub use comm::CommError;

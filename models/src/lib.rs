@@ -2,6 +2,17 @@
 //! which plans parallelize without the models knowing.
 //!
 //! Determinism starts here: every rank derives its seeds from one run seed, so a reference
-//! run and a parallel run see the same weights and the same per-rank data.
+//! run and a parallel run see the same weights and the same per-rank data. Parameter names
+//! are the module paths PyTorch would give the equivalent `nn.Module`, so state files and
+//! reports read the same on both sides.
 
+mod error;
+mod layers;
+pub mod model;
 pub mod seed;
+pub mod store;
+pub mod zoo;
+
+pub use error::{Misshaped, ModelError};
+pub use model::{Batch, ExpertParam, LayerKind, LayerSpec, Model, ParamTags, SharedGroup};
+pub use store::ParamStore;

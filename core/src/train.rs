@@ -1,0 +1,372 @@
+//! The training loop every run shares: references and parallel configurations differ only
+//! in which ranks' batches a process consumes and in the gradient-synchronization closure
+//! called between backward and the optimizer step.
+//!
+//! A DDP run builds the model with the same seed on every rank, broadcasts parameters,
+//! trains on `data_ranks = [rank]` with an all-reduce-average closure and reports losses
+//! averaged over its group. The single-device reference trains one process on every rank's
+//! batch with the mean of the per-rank losses as objective, which equals the DDP objective.
+
+use crate::comm::{CommError, ProcessGroup, ReduceOp};
+use crate::record::{NamedTensor, RunRecord, RunSpec};
+use lockstep_models::{Model, ModelError};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use tch::{Kind, TchError, Tensor};
+
+/// Everything a training run can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// The model refused a batch, a reference, or failed in forward.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// A collective (gradient sync, loss averaging) failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// A tensor operation (backward, optimizer arithmetic) failed.
+    #[error("libtorch: {0}")]
+    Torch(#[from] TchError),
+    /// A parameter got no gradient: synchronizing a partial set would desynchronize ranks.
+    #[error("parameter `{name}` has no gradient after backward at step {step}")]
+    MissingGrad { name: String, step: usize },
+    /// The run was configured in a way no loop can execute.
+    #[error("invalid training config: {0}")]
+    InvalidConfig(String),
+}
+
+/// Which optimizer to train with. SGD with momentum is the default because Adam normalizes
+/// gradient scale away and would hide divisor bugs.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub enum OptimizerConfig {
+    /// `torch.optim.SGD(lr, momentum)` (no dampening, weight decay or Nesterov).
+    Sgd { lr: f64, momentum: f64 },
+    /// `torch.optim.Adam(lr, betas, eps)` (no weight decay, no amsgrad).
+    Adam {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+    },
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        OptimizerConfig::Sgd {
+            lr: 0.01,
+            momentum: 0.9,
+        }
+    }
+}
+
+impl OptimizerConfig {
+    /// PyTorch's Adam defaults with learning rate `lr`.
+    pub fn adam(lr: f64) -> Self {
+        OptimizerConfig::Adam {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        }
+    }
+
+    /// A fresh optimizer (no state yet).
+    pub fn build(&self) -> Box<dyn Optimizer> {
+        match *self {
+            OptimizerConfig::Sgd { lr, momentum } => Box::new(Sgd::new(lr, momentum)),
+            OptimizerConfig::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+            } => Box::new(Adam::new(lr, beta1, beta2, eps)),
+        }
+    }
+}
+
+/// Updates parameters in place from their `.grad`, keeping per-parameter state by name.
+pub trait Optimizer: Send {
+    /// One update. Parameters without a gradient are skipped, as in PyTorch.
+    fn step(&mut self, params: &[(String, Tensor)]) -> Result<(), TrainError>;
+}
+
+/// `torch.optim.SGD` with momentum: `buf = grad` on the first step, then
+/// `buf = momentum·buf + grad`; `p -= lr·buf`.
+#[derive(Debug)]
+pub struct Sgd {
+    lr: f64,
+    momentum: f64,
+    buffers: HashMap<String, Tensor>,
+}
+
+impl Sgd {
+    /// `momentum = 0` is plain SGD (no buffer kept).
+    pub fn new(lr: f64, momentum: f64) -> Self {
+        Sgd {
+            lr,
+            momentum,
+            buffers: HashMap::new(),
+        }
+    }
+}
+
+impl Optimizer for Sgd {
+    fn step(&mut self, params: &[(String, Tensor)]) -> Result<(), TrainError> {
+        tch::no_grad(|| {
+            for (name, p) in params {
+                let grad = p.grad();
+                if !grad.defined() {
+                    continue;
+                }
+                let update = if self.momentum == 0.0 {
+                    grad
+                } else {
+                    let buf = match self.buffers.remove(name) {
+                        None => grad.f_detach_copy()?,
+                        Some(mut buf) => {
+                            let _ = buf.f_mul_scalar_(self.momentum)?.f_add_(&grad)?;
+                            buf
+                        }
+                    };
+                    let update = buf.shallow_clone();
+                    self.buffers.insert(name.clone(), buf);
+                    update
+                };
+                let _ = p.shallow_clone().f_sub_(&update.f_mul_scalar(self.lr)?)?;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// `torch.optim.Adam`: `m = β1·m + (1-β1)·g`, `v = β2·v + (1-β2)·g²`,
+/// `p -= lr/(1-β1^t) · m / (sqrt(v)/sqrt(1-β2^t) + eps)`.
+#[derive(Debug)]
+pub struct Adam {
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    state: HashMap<String, AdamState>,
+}
+
+#[derive(Debug)]
+struct AdamState {
+    step: i32,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+}
+
+impl Adam {
+    /// Torch's defaults are `beta1 = 0.9`, `beta2 = 0.999`, `eps = 1e-8`
+    /// ([`OptimizerConfig::adam`]).
+    pub fn new(lr: f64, beta1: f64, beta2: f64, eps: f64) -> Self {
+        Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            state: HashMap::new(),
+        }
+    }
+}
+
+impl Optimizer for Adam {
+    fn step(&mut self, params: &[(String, Tensor)]) -> Result<(), TrainError> {
+        tch::no_grad(|| {
+            for (name, p) in params {
+                let grad = p.grad();
+                if !grad.defined() {
+                    continue;
+                }
+                let st = match self.state.remove(name) {
+                    Some(st) => st,
+                    None => AdamState {
+                        step: 0,
+                        exp_avg: grad.f_zeros_like()?,
+                        exp_avg_sq: grad.f_zeros_like()?,
+                    },
+                };
+                let AdamState {
+                    mut step,
+                    mut exp_avg,
+                    mut exp_avg_sq,
+                } = st;
+                step += 1;
+                let _ = exp_avg
+                    .f_mul_scalar_(self.beta1)?
+                    .f_add_(&grad.f_mul_scalar(1.0 - self.beta1)?)?;
+                let _ = exp_avg_sq
+                    .f_mul_scalar_(self.beta2)?
+                    .f_add_(&grad.f_mul(&grad)?.f_mul_scalar(1.0 - self.beta2)?)?;
+                let bias1 = 1.0 - self.beta1.powi(step);
+                let bias2 = 1.0 - self.beta2.powi(step);
+                let denom = exp_avg_sq
+                    .f_sqrt()?
+                    .f_div_scalar(bias2.sqrt())?
+                    .f_add_scalar(self.eps)?;
+                let update = exp_avg.f_div(&denom)?.f_mul_scalar(self.lr / bias1)?;
+                let _ = p.shallow_clone().f_sub_(&update)?;
+                self.state.insert(
+                    name.clone(),
+                    AdamState {
+                        step,
+                        exp_avg,
+                        exp_avg_sq,
+                    },
+                );
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Gradient synchronization between backward and the optimizer step. It receives every
+/// parameter's gradient by name (the tensors `.grad` holds, so in-place collectives update
+/// them) and must leave them as the optimizer should see them.
+pub type GradSync<'a> = dyn FnMut(&[(String, Tensor)]) -> Result<(), TrainError> + 'a;
+
+/// The closure for runs that synchronize nothing (one process, or rank-local training).
+pub fn no_sync(_grads: &[(String, Tensor)]) -> Result<(), TrainError> {
+    Ok(())
+}
+
+/// How one process trains.
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    /// What the record says was run; `spec.steps` is the number of steps.
+    pub spec: RunSpec,
+    pub optimizer: OptimizerConfig,
+    /// The ranks whose batches this process consumes each step; its objective is the mean
+    /// of their losses. `[rank]` for a parallel rank, `0..world_size` for the reference.
+    pub data_ranks: Vec<usize>,
+    /// Capture every gradient at every step (after synchronization) into the record.
+    pub record_grads: bool,
+}
+
+/// Trains `model` in place for `cfg.spec.steps` steps and records the run.
+///
+/// Each step: zero gradients, mean loss over `cfg.data_ranks`' batches, backward, `sync`,
+/// record the loss (averaged over `metrics` when given) and the gradient norm (tied
+/// parameters once), optimizer step. The record ends with every parameter.
+pub fn train(
+    model: &dyn Model,
+    cfg: &TrainConfig,
+    sync: &mut GradSync<'_>,
+    metrics: Option<&dyn ProcessGroup>,
+) -> Result<RunRecord, TrainError> {
+    if cfg.data_ranks.is_empty() {
+        return Err(TrainError::InvalidConfig(
+            "data_ranks is empty: a process must train on at least one rank's batch".into(),
+        ));
+    }
+    let params = model.named_parameters();
+    let mut optimizer = cfg.optimizer.build();
+    let mut record = RunRecord {
+        spec: cfg.spec.clone(),
+        losses: Vec::with_capacity(cfg.spec.steps),
+        grad_norms: Vec::with_capacity(cfg.spec.steps),
+        params: Vec::new(),
+        grads: cfg.record_grads.then(Vec::new),
+    };
+    for step in 0..cfg.spec.steps {
+        for (_, p) in &params {
+            p.shallow_clone().zero_grad();
+        }
+        let objective = mean_loss(model, &cfg.data_ranks, step)?;
+        objective.f_backward()?;
+        let mut grads = Vec::with_capacity(params.len());
+        for (name, p) in &params {
+            let g = p.grad();
+            if !g.defined() {
+                return Err(TrainError::MissingGrad {
+                    name: name.clone(),
+                    step,
+                });
+            }
+            grads.push((name.clone(), g));
+        }
+        sync(&grads)?;
+        record
+            .losses
+            .push(global_mean(objective.f_double_value(&[])?, metrics)?);
+        record.grad_norms.push(grad_norm(&grads)?);
+        if let Some(all) = record.grads.as_mut() {
+            all.push(capture(&grads)?);
+        }
+        optimizer.step(&params)?;
+    }
+    record.params = capture(&params)?;
+    Ok(record)
+}
+
+/// The mean of `ranks`' losses at `step`, one differentiable scalar.
+fn mean_loss(model: &dyn Model, ranks: &[usize], step: usize) -> Result<Tensor, TrainError> {
+    let Some((&first, rest)) = ranks.split_first() else {
+        return Err(TrainError::InvalidConfig("data_ranks is empty".into()));
+    };
+    let mut total = model.loss(&model.input(first, step)?)?;
+    for &rank in rest {
+        total = total.f_add(&model.loss(&model.input(rank, step)?)?)?;
+    }
+    Ok(total.f_div_scalar(ranks.len() as f64)?)
+}
+
+/// The single-device reference for `world_size` ranks: one process, every rank's batch
+/// each step, objective = mean of the per-rank losses, no synchronization. Errors for
+/// models whose ranks differ (per-rank experts, BatchNorm statistics).
+pub fn single_device_reference(
+    model: &dyn Model,
+    world_size: usize,
+    steps: usize,
+    optimizer: OptimizerConfig,
+    record_grads: bool,
+) -> Result<RunRecord, TrainError> {
+    model.check_single_device_reference()?;
+    if world_size == 0 {
+        return Err(TrainError::InvalidConfig("world size 0".into()));
+    }
+    let cfg = TrainConfig {
+        spec: RunSpec {
+            model: model.name().to_owned(),
+            config: "single".into(),
+            world_size,
+            backend: "none".into(),
+            dtype: "fp32".into(),
+            steps,
+            seed: model.seed(),
+        },
+        optimizer,
+        data_ranks: (0..world_size).collect(),
+        record_grads,
+    };
+    train(model, &cfg, &mut no_sync, None)
+}
+
+fn global_mean(local: f64, group: Option<&dyn ProcessGroup>) -> Result<f64, TrainError> {
+    let Some(group) = group else {
+        return Ok(local);
+    };
+    let t = Tensor::from_slice(&[local]);
+    group.all_reduce(&t, ReduceOp::Avg)?;
+    Ok(t.f_double_value(&[0])?)
+}
+
+/// L2 norm over every gradient, in f64 (the list holds each tied parameter once).
+fn grad_norm(grads: &[(String, Tensor)]) -> Result<f64, TrainError> {
+    let mut sum = 0.0;
+    for (_, g) in grads {
+        sum += g
+            .f_to_kind(Kind::Double)?
+            .f_square()?
+            .f_sum(Kind::Double)?
+            .f_double_value(&[])?;
+    }
+    Ok(sum.sqrt())
+}
+
+fn capture(tensors: &[(String, Tensor)]) -> Result<Vec<NamedTensor>, TrainError> {
+    tensors
+        .iter()
+        .map(|(n, t)| NamedTensor::capture(n, t).map_err(TrainError::from))
+        .collect()
+}

@@ -1,0 +1,52 @@
+//! The model zoo's error type.
+
+/// A tensor whose shape or dtype in a file differs from the model's.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Misshaped {
+    /// The key in the file.
+    pub name: String,
+    /// The model's dtype and shape, e.g. `Float [4, 16]`.
+    pub expected: String,
+    /// The file's dtype and shape.
+    pub found: String,
+}
+
+/// Everything building, feeding, saving or loading a model can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// `zoo::build` was asked for a name it does not know.
+    #[error("unknown model `{name}`; known models: {}", known.join(", "))]
+    UnknownModel { name: String, known: Vec<String> },
+    /// A state file does not fit the model: every offending key is named so a user can fix
+    /// the file (or notice they loaded the wrong model) in one go.
+    #[error(
+        "{path}: state does not match model `{model}`: missing [{}]; misshaped [{}]; unexpected [{}]",
+        missing.join(", "),
+        misshaped.iter().map(|m| format!("{}: expected {}, found {}", m.name, m.expected, m.found)).collect::<Vec<_>>().join("; "),
+        unexpected.join(", ")
+    )]
+    StateMismatch {
+        path: String,
+        model: String,
+        missing: Vec<String>,
+        misshaped: Vec<Misshaped>,
+        unexpected: Vec<String>,
+    },
+    /// A state file stores a tied weight under two names with different values.
+    #[error("{path}: tied weight `{alias}` differs from `{canonical}`, but they are one tensor")]
+    TiedMismatch {
+        path: String,
+        canonical: String,
+        alias: String,
+    },
+    /// The model cannot be compared against a single-device reference (per-rank parameters
+    /// or per-rank statistics make "one process, global batch" a different computation).
+    #[error("model `{model}` has no single-device reference: {reason}")]
+    ReferenceUnsupported { model: String, reason: String },
+    /// A batch does not have the tensors this model consumes.
+    #[error("model `{model}`: invalid batch: {reason}")]
+    InvalidBatch { model: String, reason: String },
+    /// A libtorch call failed (including safetensors I/O through tch).
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+}

@@ -1,0 +1,330 @@
+//! Building blocks written with tch ops, registering their parameters under PyTorch's
+//! module paths and drawing their initial values in PyTorch's order.
+
+use crate::store::{linear_bias, linear_weight, ones, xavier_uniform_, zeros, ParamStore, F32};
+use tch::{TchError, Tensor};
+
+/// Joins module paths the way PyTorch names submodules.
+pub(crate) fn path(prefix: &str, name: &str) -> String {
+    if prefix.is_empty() {
+        name.to_owned()
+    } else {
+        format!("{prefix}.{name}")
+    }
+}
+
+/// `nn.Linear`.
+#[derive(Debug)]
+pub(crate) struct Linear {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn new(
+        store: &mut ParamStore,
+        prefix: &str,
+        in_features: i64,
+        out_features: i64,
+        bias: bool,
+    ) -> Result<Self, TchError> {
+        let weight = store.param(&path(prefix, "weight"), || {
+            linear_weight(out_features, in_features)
+        })?;
+        let bias = if bias {
+            Some(store.param(&path(prefix, "bias"), || {
+                linear_bias(out_features, in_features)
+            })?)
+        } else {
+            None
+        };
+        Ok(Linear { weight, bias })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        x.f_linear(&self.weight, self.bias.as_ref())
+    }
+
+    pub fn names(prefix: &str, bias: bool) -> Vec<String> {
+        let mut v = vec![path(prefix, "weight")];
+        if bias {
+            v.push(path(prefix, "bias"));
+        }
+        v
+    }
+}
+
+/// `nn.LayerNorm(dim)` (eps 1e-5, affine).
+#[derive(Debug)]
+pub(crate) struct LayerNorm {
+    pub weight: Tensor,
+    pub bias: Tensor,
+    dim: i64,
+}
+
+impl LayerNorm {
+    pub fn new(store: &mut ParamStore, prefix: &str, dim: i64) -> Result<Self, TchError> {
+        let weight = store.param(&path(prefix, "weight"), || ones(&[dim]))?;
+        let bias = store.param(&path(prefix, "bias"), || zeros(&[dim]))?;
+        Ok(LayerNorm { weight, bias, dim })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        x.f_layer_norm(
+            [self.dim],
+            Some(&self.weight),
+            Some(&self.bias),
+            1e-5,
+            false,
+        )
+    }
+
+    pub fn names(prefix: &str) -> Vec<String> {
+        vec![path(prefix, "weight"), path(prefix, "bias")]
+    }
+}
+
+/// `nn.BatchNorm1d(channels)` in training mode: batch statistics, running statistics
+/// updated in place (momentum 0.1), `num_batches_tracked` counted.
+#[derive(Debug)]
+pub(crate) struct BatchNorm1d {
+    pub weight: Tensor,
+    pub bias: Tensor,
+    running_mean: Tensor,
+    running_var: Tensor,
+    num_batches_tracked: Tensor,
+}
+
+impl BatchNorm1d {
+    pub fn new(store: &mut ParamStore, prefix: &str, channels: i64) -> Result<Self, TchError> {
+        let weight = store.param(&path(prefix, "weight"), || ones(&[channels]))?;
+        let bias = store.param(&path(prefix, "bias"), || zeros(&[channels]))?;
+        let running_mean = store.buffer(&path(prefix, "running_mean"), zeros(&[channels])?);
+        let running_var = store.buffer(&path(prefix, "running_var"), ones(&[channels])?);
+        let num_batches_tracked = store.buffer(
+            &path(prefix, "num_batches_tracked"),
+            Tensor::f_zeros([], (tch::Kind::Int64, tch::Device::Cpu))?,
+        );
+        Ok(BatchNorm1d {
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            num_batches_tracked,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        tch::no_grad(|| {
+            self.num_batches_tracked
+                .shallow_clone()
+                .f_add_scalar_(1)
+                .map(|_| ())
+        })?;
+        x.f_batch_norm(
+            Some(&self.weight),
+            Some(&self.bias),
+            Some(&self.running_mean),
+            Some(&self.running_var),
+            true,
+            0.1,
+            1e-5,
+            false,
+        )
+    }
+}
+
+/// `nn.MultiheadAttention` (packed `in_proj_weight`, sequence-first layout `(T, B, E)`).
+#[derive(Debug)]
+pub(crate) struct MultiheadAttention {
+    in_proj_weight: Tensor,
+    in_proj_bias: Tensor,
+    out_proj: Linear,
+    heads: i64,
+}
+
+impl MultiheadAttention {
+    pub fn new(
+        store: &mut ParamStore,
+        prefix: &str,
+        dim: i64,
+        heads: i64,
+    ) -> Result<Self, TchError> {
+        // PyTorch allocates the packed projection, builds out_proj (drawing its Linear
+        // init), then re-draws the packed weight (Xavier) and zeroes both biases.
+        let in_proj_weight = store.param(&path(prefix, "in_proj_weight"), || {
+            Tensor::f_empty([3 * dim, dim], F32)
+        })?;
+        let in_proj_bias = store.param(&path(prefix, "in_proj_bias"), || zeros(&[3 * dim]))?;
+        let out_proj = Linear::new(store, &path(prefix, "out_proj"), dim, dim, true)?;
+        let fresh = store.is_fresh(&path(prefix, "in_proj_weight"));
+        if fresh {
+            xavier_uniform_(&in_proj_weight)?;
+            if let Some(b) = &out_proj.bias {
+                tch::no_grad(|| b.shallow_clone().f_zero_().map(|_| ()))?;
+            }
+        }
+        Ok(MultiheadAttention {
+            in_proj_weight,
+            in_proj_bias,
+            out_proj,
+            heads,
+        })
+    }
+
+    pub fn names(prefix: &str) -> Vec<String> {
+        let mut v = vec![path(prefix, "in_proj_weight"), path(prefix, "in_proj_bias")];
+        v.extend(Linear::names(&path(prefix, "out_proj"), true));
+        v
+    }
+
+    /// Attention of `query` (T, B, E) over `memory` (S, B, E), no mask.
+    pub fn forward(&self, query: &Tensor, memory: &Tensor) -> Result<Tensor, TchError> {
+        let w = self.in_proj_weight.f_chunk(3, 0)?;
+        let b = self.in_proj_bias.f_chunk(3, 0)?;
+        let (t, batch, e) = size3(query)?;
+        let s = memory.size()[0];
+        let hd = e / self.heads;
+        let split = |x: Tensor, len: i64| -> Result<Tensor, TchError> {
+            x.f_contiguous()?
+                .f_view([len, batch * self.heads, hd])?
+                .f_transpose(0, 1)
+        };
+        let q = split(query.f_linear(&w[0], Some(&b[0]))?, t)?;
+        let k = split(memory.f_linear(&w[1], Some(&b[1]))?, s)?;
+        let v = split(memory.f_linear(&w[2], Some(&b[2]))?, s)?;
+        let q = q.f_mul_scalar(1.0 / (hd as f64).sqrt())?;
+        let attn = q.f_bmm(&k.f_transpose(1, 2)?)?.f_softmax(-1, None)?;
+        let out = attn
+            .f_bmm(&v)?
+            .f_transpose(0, 1)?
+            .f_contiguous()?
+            .f_view([t, batch, e])?;
+        self.out_proj.forward(&out)
+    }
+}
+
+fn size3(x: &Tensor) -> Result<(i64, i64, i64), TchError> {
+    match x.size()[..] {
+        [a, b, c] => Ok((a, b, c)),
+        ref s => Err(TchError::Shape(format!("expected a 3-d tensor, got {s:?}"))),
+    }
+}
+
+/// The feed-forward of PyTorch's transformer layers: `linear2(relu(linear1(x)))`.
+#[derive(Debug)]
+pub(crate) struct FeedForward {
+    linear1: Linear,
+    linear2: Linear,
+}
+
+impl FeedForward {
+    fn new(store: &mut ParamStore, prefix: &str, dim: i64, ff: i64) -> Result<Self, TchError> {
+        Ok(FeedForward {
+            linear1: Linear::new(store, &path(prefix, "linear1"), dim, ff, true)?,
+            linear2: Linear::new(store, &path(prefix, "linear2"), ff, dim, true)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        self.linear2.forward(&self.linear1.forward(x)?.f_relu()?)
+    }
+}
+
+/// `nn.TransformerEncoderLayer` (post-norm, ReLU, dropout 0).
+#[derive(Debug)]
+pub(crate) struct EncoderLayer {
+    self_attn: MultiheadAttention,
+    ff: FeedForward,
+    norm1: LayerNorm,
+    norm2: LayerNorm,
+}
+
+impl EncoderLayer {
+    pub fn new(
+        store: &mut ParamStore,
+        prefix: &str,
+        dim: i64,
+        heads: i64,
+        ff: i64,
+    ) -> Result<Self, TchError> {
+        Ok(EncoderLayer {
+            self_attn: MultiheadAttention::new(store, &path(prefix, "self_attn"), dim, heads)?,
+            ff: FeedForward::new(store, prefix, dim, ff)?,
+            norm1: LayerNorm::new(store, &path(prefix, "norm1"), dim)?,
+            norm2: LayerNorm::new(store, &path(prefix, "norm2"), dim)?,
+        })
+    }
+
+    pub fn names(prefix: &str) -> Vec<String> {
+        let mut v = MultiheadAttention::names(&path(prefix, "self_attn"));
+        for sub in ["linear1", "linear2"] {
+            v.extend(Linear::names(&path(prefix, sub), true));
+        }
+        for sub in ["norm1", "norm2"] {
+            v.extend(LayerNorm::names(&path(prefix, sub)));
+        }
+        v
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        let x = self.norm1.forward(&(x + self.self_attn.forward(x, x)?))?;
+        self.norm2.forward(&(&x + self.ff.forward(&x)?))
+    }
+}
+
+/// `nn.TransformerDecoderLayer` (post-norm, ReLU, dropout 0, no masks: PyTorch's test
+/// calls `nn.Transformer(src, tgt)` without any).
+#[derive(Debug)]
+pub(crate) struct DecoderLayer {
+    self_attn: MultiheadAttention,
+    multihead_attn: MultiheadAttention,
+    ff: FeedForward,
+    norm1: LayerNorm,
+    norm2: LayerNorm,
+    norm3: LayerNorm,
+}
+
+impl DecoderLayer {
+    pub fn new(
+        store: &mut ParamStore,
+        prefix: &str,
+        dim: i64,
+        heads: i64,
+        ff: i64,
+    ) -> Result<Self, TchError> {
+        Ok(DecoderLayer {
+            self_attn: MultiheadAttention::new(store, &path(prefix, "self_attn"), dim, heads)?,
+            multihead_attn: MultiheadAttention::new(
+                store,
+                &path(prefix, "multihead_attn"),
+                dim,
+                heads,
+            )?,
+            ff: FeedForward::new(store, prefix, dim, ff)?,
+            norm1: LayerNorm::new(store, &path(prefix, "norm1"), dim)?,
+            norm2: LayerNorm::new(store, &path(prefix, "norm2"), dim)?,
+            norm3: LayerNorm::new(store, &path(prefix, "norm3"), dim)?,
+        })
+    }
+
+    pub fn names(prefix: &str) -> Vec<String> {
+        let mut v = MultiheadAttention::names(&path(prefix, "self_attn"));
+        v.extend(MultiheadAttention::names(&path(prefix, "multihead_attn")));
+        for sub in ["linear1", "linear2"] {
+            v.extend(Linear::names(&path(prefix, sub), true));
+        }
+        for sub in ["norm1", "norm2", "norm3"] {
+            v.extend(LayerNorm::names(&path(prefix, sub)));
+        }
+        v
+    }
+
+    pub fn forward(&self, x: &Tensor, memory: &Tensor) -> Result<Tensor, TchError> {
+        let x = self.norm1.forward(&(x + self.self_attn.forward(x, x)?))?;
+        let x = self
+            .norm2
+            .forward(&(&x + self.multihead_attn.forward(&x, memory)?))?;
+        self.norm3.forward(&(&x + self.ff.forward(&x)?))
+    }
+}

@@ -1,0 +1,190 @@
+//! The interface every zoo model offers, so one definition serves the references and every
+//! parallel configuration: a plan reads names, layers and tags from here and never needs to
+//! know which model it is wrapping.
+
+use crate::store::ParamStore;
+use crate::ModelError;
+use std::path::Path;
+use tch::Tensor;
+
+/// One rank's batch at one step: what `forward` consumes and what `loss` scores against.
+#[derive(Debug)]
+pub struct Batch {
+    /// Forward inputs, in the order the model's `forward` takes them.
+    pub inputs: Vec<Tensor>,
+    /// Targets for the loss, when the loss has any (`output.sum()` losses have none).
+    pub target: Option<Tensor>,
+}
+
+/// What a layer computes; a pipeline partitioner balances and groups layers by kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LayerKind {
+    /// `nn.Embedding` (token or position table).
+    Embedding,
+    /// `nn.Linear`.
+    Linear,
+    /// A parameter-free nonlinearity (ReLU...).
+    Activation,
+    /// `nn.LayerNorm`.
+    LayerNorm,
+    /// `nn.BatchNorm1d` (carries running-statistics buffers).
+    BatchNorm,
+    /// `nn.TransformerEncoderLayer` (self-attention + feed-forward, post-norm).
+    EncoderLayer,
+    /// `nn.TransformerDecoderLayer` (self-, cross-attention + feed-forward, post-norm).
+    DecoderLayer,
+    /// A pre-norm decoder-only block with a dense feed-forward.
+    DecoderBlock,
+    /// A pre-norm decoder-only block whose feed-forward is a mixture of experts.
+    MoeDecoderBlock,
+    /// The projection from hidden states to vocabulary logits.
+    OutputProjection,
+}
+
+/// One entry of a model's ordered layer list (forward order).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerSpec {
+    /// The module path (`module.1.0`, `transformer.encoder.layers.0`...).
+    pub name: String,
+    /// What the layer computes.
+    pub kind: LayerKind,
+    /// The parameters this layer uses, by their module path. A tied parameter appears under
+    /// its alias in the layer that uses it that way; [`ParamTags::shared`] maps it back.
+    pub params: Vec<String>,
+}
+
+/// Parameters used under several names (the tied embedding / output projection): one
+/// tensor, one gradient (the sum of both uses), counted once in norms.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SharedGroup {
+    /// The name `named_parameters` and state files use (PyTorch keeps the first).
+    pub canonical: String,
+    /// The other module paths that refer to the same tensor.
+    pub aliases: Vec<String>,
+}
+
+/// A parameter that belongs to one expert, which expert parallelism may place on one rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertParam {
+    /// The parameter's module path.
+    pub name: String,
+    /// The expert's index within its layer.
+    pub expert: usize,
+}
+
+/// Groups of parameters that parallelisms must treat specially.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ParamTags {
+    /// Tied parameters: one tensor under several module paths.
+    pub shared: Vec<SharedGroup>,
+    /// Parameters owned by one expert, which expert parallelism may place on one rank.
+    pub experts: Vec<ExpertParam>,
+    /// Parameters that differ on every rank by construction and must never be averaged
+    /// across ranks (`MixtureOfExperts`' expert in PyTorch's tests).
+    pub rank_local: Vec<String>,
+}
+
+impl ParamTags {
+    /// Whether `name` is an expert parameter.
+    pub fn is_expert(&self, name: &str) -> bool {
+        self.experts.iter().any(|e| e.name == name)
+    }
+
+    /// Whether `name` differs per rank and must not be reduced.
+    pub fn is_rank_local(&self, name: &str) -> bool {
+        self.rank_local.iter().any(|n| n == name)
+    }
+
+    /// The canonical name of `name` (itself unless it is an alias of a tied parameter).
+    pub fn canonical<'a>(&'a self, name: &'a str) -> &'a str {
+        self.shared
+            .iter()
+            .find(|g| g.aliases.iter().any(|a| a == name))
+            .map_or(name, |g| g.canonical.as_str())
+    }
+}
+
+/// A zoo model: parameters and buffers under PyTorch's names, deterministic inputs, a loss,
+/// and the structure plans need. Models never apply parallelism themselves.
+pub trait Model: Send {
+    /// The zoo name this model was built from (`nested`, `transformer`...).
+    fn name(&self) -> &str;
+
+    /// The rank this instance was built for (only per-rank parameters depend on it).
+    fn rank(&self) -> usize;
+
+    /// The run seed this instance was built from (parameters and batches derive from it).
+    fn seed(&self) -> u64;
+
+    /// Parameters and buffers, in PyTorch's registration order.
+    fn store(&self) -> &ParamStore;
+
+    /// The layers in forward order, for pipeline partitioning.
+    fn layers(&self) -> Vec<LayerSpec>;
+
+    /// Rank `rank`'s batch at step `step`, the same in every configuration and process.
+    fn input(&self, rank: usize, step: usize) -> Result<Batch, ModelError>;
+
+    /// The model's output on `batch`.
+    fn forward(&self, batch: &Batch) -> Result<Tensor, ModelError>;
+
+    /// The scalar loss of `output` on `batch` (PyTorch's `get_loss`).
+    fn loss_of(&self, batch: &Batch, output: &Tensor) -> Result<Tensor, ModelError>;
+
+    /// Why a single-device reference (one process, every rank's batch) would compute
+    /// something else than the parallel run, if it would: per-rank parameters or per-rank
+    /// statistics. `None` means the reference is valid.
+    fn single_device_reference_blocker(&self) -> Option<String> {
+        None
+    }
+
+    /// Forward and loss on `batch`: the scalar a training step differentiates.
+    fn loss(&self, batch: &Batch) -> Result<Tensor, ModelError> {
+        let output = self.forward(batch)?;
+        self.loss_of(batch, &output)
+    }
+
+    /// Errors (naming the reason) when this model allows only a DDP reference.
+    fn check_single_device_reference(&self) -> Result<(), ModelError> {
+        match self.single_device_reference_blocker() {
+            None => Ok(()),
+            Some(reason) => Err(ModelError::ReferenceUnsupported {
+                model: self.name().to_owned(),
+                reason,
+            }),
+        }
+    }
+
+    /// Trainable parameters, tied ones once under their canonical name (as PyTorch's
+    /// `named_parameters`). The tensors are the model's own (shallow handles).
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        self.store().named_parameters()
+    }
+
+    /// Buffers (running statistics, constants), as PyTorch's `named_buffers`.
+    fn named_buffers(&self) -> Vec<(String, Tensor)> {
+        self.store().named_buffers()
+    }
+
+    /// Shared, expert and per-rank parameter groups.
+    fn tags(&self) -> ParamTags {
+        self.store().tags().clone()
+    }
+
+    /// Number of trainable scalars, tied ones counted once.
+    fn num_parameters(&self) -> i64 {
+        self.store().num_parameters()
+    }
+
+    /// Writes parameters and buffers to a safetensors file under PyTorch's names.
+    fn save(&self, path: &Path) -> Result<(), ModelError> {
+        self.store().save(path)
+    }
+
+    /// Loads parameters and buffers from a safetensors file, in place (tied parameters stay
+    /// tied). Errors name every missing, misshaped or unexpected key and change nothing.
+    fn load(&mut self, path: &Path) -> Result<(), ModelError> {
+        let name = self.name().to_owned();
+        self.store().load(path, &name)
+    }
+}

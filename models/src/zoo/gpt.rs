@@ -1,0 +1,362 @@
+//! A small GPT-style decoder for tensor, pipeline and expert parallelism: pre-norm blocks
+//! with causal attention, a dense or mixture-of-experts feed-forward, and an output
+//! projection tied to the token embedding.
+
+use crate::layers::{path, LayerNorm, Linear};
+use crate::model::{Batch, LayerKind, LayerSpec, Model};
+use crate::seed;
+use crate::store::{normal, ParamStore};
+use crate::ModelError;
+use tch::{Kind, TchError, Tensor};
+
+const VOCAB: i64 = 8;
+const DIM: i64 = 16;
+const HEADS: i64 = 4;
+const LAYERS: usize = 2;
+const SEQ: i64 = 8;
+const BATCH: i64 = 2;
+const FF_HIDDEN: i64 = 4 * DIM;
+const EXPERTS: usize = 8;
+const TOP_K: i64 = 2;
+const EXPERT_HIDDEN: i64 = 2 * DIM;
+
+/// Causal self-attention with separate q/k/v/o projections (so tensor parallelism can split
+/// heads column-wise and the output row-wise).
+#[derive(Debug)]
+struct Attention {
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
+}
+
+impl Attention {
+    const PROJ: [&'static str; 4] = ["wq", "wk", "wv", "wo"];
+
+    fn new(store: &mut ParamStore, prefix: &str) -> Result<Self, TchError> {
+        Ok(Attention {
+            wq: Linear::new(store, &path(prefix, "wq"), DIM, DIM, true)?,
+            wk: Linear::new(store, &path(prefix, "wk"), DIM, DIM, true)?,
+            wv: Linear::new(store, &path(prefix, "wv"), DIM, DIM, true)?,
+            wo: Linear::new(store, &path(prefix, "wo"), DIM, DIM, true)?,
+        })
+    }
+
+    /// `x`: (B, T, D).
+    fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        let (b, t) = (x.size()[0], x.size()[1]);
+        let hd = DIM / HEADS;
+        let heads = |y: Tensor| y.f_view([b, t, HEADS, hd])?.f_transpose(1, 2);
+        let q = heads(self.wq.forward(x)?)?;
+        let k = heads(self.wk.forward(x)?)?;
+        let v = heads(self.wv.forward(x)?)?;
+        let future = Tensor::f_ones([t, t], (Kind::Bool, x.device()))?.f_triu(1)?;
+        let scores = q
+            .f_matmul(&k.f_transpose(-2, -1)?)?
+            .f_mul_scalar(1.0 / (hd as f64).sqrt())?
+            .f_masked_fill(&future, f64::NEG_INFINITY)?;
+        let out = scores
+            .f_softmax(-1, None)?
+            .f_matmul(&v)?
+            .f_transpose(1, 2)?
+            .f_contiguous()?
+            .f_view([b, t, DIM])?;
+        self.wo.forward(&out)
+    }
+}
+
+/// `w2(gelu(w1(x)))`: the dense feed-forward and each expert.
+#[derive(Debug)]
+struct Mlp {
+    w1: Linear,
+    w2: Linear,
+}
+
+impl Mlp {
+    fn new(store: &mut ParamStore, prefix: &str, hidden: i64) -> Result<Self, TchError> {
+        Ok(Mlp {
+            w1: Linear::new(store, &path(prefix, "w1"), DIM, hidden, true)?,
+            w2: Linear::new(store, &path(prefix, "w2"), hidden, DIM, true)?,
+        })
+    }
+
+    fn names(prefix: &str) -> Vec<String> {
+        let mut v = Linear::names(&path(prefix, "w1"), true);
+        v.extend(Linear::names(&path(prefix, "w2"), true));
+        v
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        self.w2.forward(&self.w1.forward(x)?.f_gelu("none")?)
+    }
+}
+
+/// Top-2 of 8 experts, gates renormalized over the chosen two. Computed densely (every
+/// expert sees every token, weighted by a gate that is zero unless chosen): the reference
+/// is exact and every expert always has a gradient, so collectives never depend on routing.
+#[derive(Debug)]
+struct Moe {
+    router: Linear,
+    experts: Vec<Mlp>,
+}
+
+impl Moe {
+    fn new(store: &mut ParamStore, prefix: &str) -> Result<Self, TchError> {
+        let router = Linear::new(store, &path(prefix, "router"), DIM, EXPERTS as i64, false)?;
+        let mut experts = Vec::new();
+        for e in 0..EXPERTS {
+            let p = path(prefix, &format!("experts.{e}"));
+            experts.push(Mlp::new(store, &p, EXPERT_HIDDEN)?);
+            for name in Mlp::names(&p) {
+                store.tag_expert(&name, e);
+            }
+        }
+        Ok(Moe { router, experts })
+    }
+
+    fn names(prefix: &str) -> Vec<String> {
+        let mut v = Linear::names(&path(prefix, "router"), false);
+        for e in 0..EXPERTS {
+            v.extend(Mlp::names(&path(prefix, &format!("experts.{e}"))));
+        }
+        v
+    }
+
+    /// `x`: (B, T, D).
+    fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        let probs = self.router.forward(x)?.f_softmax(-1, None)?;
+        let (top, idx) = probs.f_topk(TOP_K, -1, true, true)?;
+        let top = top.f_div(&top.f_sum_dim_intlist(-1, true, None)?)?;
+        let gates = probs.f_zeros_like()?.f_scatter(-1, &idx, &top)?;
+        let mut out = x.f_zeros_like()?;
+        for (e, expert) in self.experts.iter().enumerate() {
+            let g = gates.f_narrow(-1, e as i64, 1)?;
+            out = out.f_add(&expert.forward(x)?.f_mul(&g)?)?;
+        }
+        Ok(out)
+    }
+}
+
+#[derive(Debug)]
+enum Ffn {
+    Dense(Mlp),
+    Moe(Moe),
+}
+
+#[derive(Debug)]
+struct Block {
+    attention_norm: LayerNorm,
+    attention: Attention,
+    ffn_norm: LayerNorm,
+    ffn: Ffn,
+}
+
+/// A decoder-only transformer: vocab 8, dim 16, 4 heads, 2 pre-norm layers, learned
+/// positions, LayerNorm, tied output projection; dense GELU MLP or a top-2 MoE of 8 experts.
+#[derive(Debug)]
+pub struct Gpt {
+    rank: usize,
+    seed: u64,
+    moe: bool,
+    tok_embeddings: Tensor,
+    pos_embeddings: Tensor,
+    blocks: Vec<Block>,
+    norm: LayerNorm,
+    store: ParamStore,
+}
+
+impl Gpt {
+    /// Builds the dense (`moe = false`) or mixture-of-experts decoder; every parameter is
+    /// drawn from the run's parameter seed, so experts are the same on every rank (expert
+    /// parallelism shards them, it does not re-seed them).
+    pub fn new(run_seed: u64, rank: usize, moe: bool) -> Result<Self, ModelError> {
+        let mut store = ParamStore::default();
+        let guard = seed::lock_seeded(seed::param_seed(run_seed));
+        let tok_embeddings = store.param("tok_embeddings.weight", || normal(&[VOCAB, DIM]))?;
+        let pos_embeddings = store.param("pos_embeddings.weight", || normal(&[SEQ, DIM]))?;
+        let mut blocks = Vec::new();
+        for i in 0..LAYERS {
+            let p = format!("layers.{i}");
+            let attention_norm = LayerNorm::new(&mut store, &path(&p, "attention_norm"), DIM)?;
+            let attention = Attention::new(&mut store, &path(&p, "attention"))?;
+            let ffn_norm = LayerNorm::new(&mut store, &path(&p, "ffn_norm"), DIM)?;
+            let ffn = if moe {
+                Ffn::Moe(Moe::new(&mut store, &path(&p, "moe"))?)
+            } else {
+                Ffn::Dense(Mlp::new(&mut store, &path(&p, "feed_forward"), FF_HIDDEN)?)
+            };
+            blocks.push(Block {
+                attention_norm,
+                attention,
+                ffn_norm,
+                ffn,
+            });
+        }
+        let norm = LayerNorm::new(&mut store, "norm", DIM)?;
+        drop(guard);
+        store.alias("tok_embeddings.weight", "output.weight");
+        Ok(Gpt {
+            rank,
+            seed: run_seed,
+            moe,
+            tok_embeddings,
+            pos_embeddings,
+            blocks,
+            norm,
+            store,
+        })
+    }
+
+    fn block_names(&self, i: usize) -> Vec<String> {
+        let p = format!("layers.{i}");
+        let mut v = LayerNorm::names(&path(&p, "attention_norm"));
+        for proj in Attention::PROJ {
+            v.extend(Linear::names(&path(&p, &format!("attention.{proj}")), true));
+        }
+        v.extend(LayerNorm::names(&path(&p, "ffn_norm")));
+        if self.moe {
+            v.extend(Moe::names(&path(&p, "moe")));
+        } else {
+            v.extend(Mlp::names(&path(&p, "feed_forward")));
+        }
+        v
+    }
+}
+
+impl Model for Gpt {
+    fn name(&self) -> &str {
+        if self.moe {
+            "gpt_moe"
+        } else {
+            "gpt"
+        }
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    fn store(&self) -> &ParamStore {
+        &self.store
+    }
+
+    fn layers(&self) -> Vec<LayerSpec> {
+        let mut layers = vec![
+            LayerSpec {
+                name: "tok_embeddings".into(),
+                kind: LayerKind::Embedding,
+                params: vec!["tok_embeddings.weight".into()],
+            },
+            LayerSpec {
+                name: "pos_embeddings".into(),
+                kind: LayerKind::Embedding,
+                params: vec!["pos_embeddings.weight".into()],
+            },
+        ];
+        for i in 0..self.blocks.len() {
+            layers.push(LayerSpec {
+                name: format!("layers.{i}"),
+                kind: if self.moe {
+                    LayerKind::MoeDecoderBlock
+                } else {
+                    LayerKind::DecoderBlock
+                },
+                params: self.block_names(i),
+            });
+        }
+        layers.push(LayerSpec {
+            name: "norm".into(),
+            kind: LayerKind::LayerNorm,
+            params: LayerNorm::names("norm"),
+        });
+        layers.push(LayerSpec {
+            name: "output".into(),
+            kind: LayerKind::OutputProjection,
+            params: vec!["output.weight".into()],
+        });
+        layers
+    }
+
+    /// Two sequences of 9 tokens `(start + stride·i) mod 8`, start and stride ∈ {1, 3} drawn
+    /// from the batch seed: predicting the next token is learnable from context. Inputs are
+    /// the first 8 tokens, targets the last 8.
+    fn input(&self, rank: usize, step: usize) -> Result<Batch, ModelError> {
+        let opts = (Kind::Int64, tch::Device::Cpu);
+        let (start, stride) = seed::seeded(seed::batch_seed(self.seed, rank, step), || {
+            let start = Tensor::f_randint(VOCAB, [BATCH, 1], opts)?;
+            let stride = Tensor::f_randint(2, [BATCH, 1], opts)?
+                .f_mul_scalar(2)?
+                .f_add_scalar(1)?;
+            Ok::<_, TchError>((start, stride))
+        })?;
+        let seq = Tensor::f_arange(SEQ + 1, opts)?
+            .f_unsqueeze(0)?
+            .f_mul(&stride)?
+            .f_add(&start)?
+            .f_remainder(VOCAB)?;
+        Ok(Batch {
+            inputs: vec![seq.f_narrow(1, 0, SEQ)?],
+            target: Some(seq.f_narrow(1, 1, SEQ)?),
+        })
+    }
+
+    fn forward(&self, batch: &Batch) -> Result<Tensor, ModelError> {
+        let tokens = batch
+            .inputs
+            .first()
+            .ok_or_else(|| ModelError::InvalidBatch {
+                model: self.name().to_owned(),
+                reason: "expected one token tensor".into(),
+            })?;
+        let t = tokens.size().get(1).copied().unwrap_or(0);
+        if t == 0 || t > SEQ {
+            return Err(ModelError::InvalidBatch {
+                model: self.name().to_owned(),
+                reason: format!("sequence length {t} outside 1..={SEQ}"),
+            });
+        }
+        let pos = Tensor::f_arange(t, (Kind::Int64, tokens.device()))?;
+        let mut h = Tensor::f_embedding(&self.tok_embeddings, tokens, -1, false, false)?.f_add(
+            &Tensor::f_embedding(&self.pos_embeddings, &pos, -1, false, false)?,
+        )?;
+        for block in &self.blocks {
+            h = h.f_add(
+                &block
+                    .attention
+                    .forward(&block.attention_norm.forward(&h)?)?,
+            )?;
+            let normed = block.ffn_norm.forward(&h)?;
+            let ff = match &block.ffn {
+                Ffn::Dense(mlp) => mlp.forward(&normed)?,
+                Ffn::Moe(moe) => moe.forward(&normed)?,
+            };
+            h = h.f_add(&ff)?;
+        }
+        Ok(self
+            .norm
+            .forward(&h)?
+            .f_linear::<Tensor>(&self.tok_embeddings, None)?)
+    }
+
+    /// Next-token cross-entropy, mean over every token.
+    fn loss_of(&self, batch: &Batch, output: &Tensor) -> Result<Tensor, ModelError> {
+        let target = batch
+            .target
+            .as_ref()
+            .ok_or_else(|| ModelError::InvalidBatch {
+                model: self.name().to_owned(),
+                reason: "missing target tokens".into(),
+            })?;
+        Ok(output.f_view([-1, VOCAB])?.f_cross_entropy_loss::<Tensor>(
+            &target.f_reshape([-1])?,
+            None,
+            tch::Reduction::Mean,
+            -100,
+            0.0,
+        )?)
+    }
+}

@@ -1,0 +1,128 @@
+//! A stack of linears with deliberately uneven sizes, so sharding on dim 0 leaves ragged
+//! shards at every world size.
+
+use crate::layers::Linear;
+use crate::model::{Batch, LayerKind, LayerSpec, Model};
+use crate::seed;
+use crate::store::{ParamStore, F32};
+use crate::ModelError;
+use tch::Tensor;
+
+/// Feature sizes: 7 → 15 → 16 → 17 → 3 (odd, prime and one-off-power-of-two widths).
+const SIZES: [i64; 5] = [7, 15, 16, 17, 3];
+const BATCH: i64 = 5;
+
+/// `nn.Sequential(Linear(7,15), ReLU, Linear(15,16), ReLU, Linear(16,17), ReLU,
+/// Linear(17,3))` regressing a fixed function of its input with a summed squared error.
+#[derive(Debug)]
+pub struct MlpStack {
+    rank: usize,
+    seed: u64,
+    linears: Vec<Linear>,
+    store: ParamStore,
+}
+
+impl MlpStack {
+    /// Draws every linear, in forward order, from the run's parameter seed.
+    pub fn new(run_seed: u64, rank: usize) -> Result<Self, ModelError> {
+        let mut store = ParamStore::default();
+        let guard = seed::lock_seeded(seed::param_seed(run_seed));
+        let mut linears = Vec::new();
+        for (i, w) in SIZES.windows(2).enumerate() {
+            linears.push(Linear::new(
+                &mut store,
+                &format!("layers.{}", 2 * i),
+                w[0],
+                w[1],
+                true,
+            )?);
+        }
+        drop(guard);
+        Ok(MlpStack {
+            rank,
+            seed: run_seed,
+            linears,
+            store,
+        })
+    }
+}
+
+impl Model for MlpStack {
+    fn name(&self) -> &str {
+        "mlp"
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    fn store(&self) -> &ParamStore {
+        &self.store
+    }
+
+    fn layers(&self) -> Vec<LayerSpec> {
+        let mut layers = Vec::new();
+        for i in 0..self.linears.len() {
+            let name = format!("layers.{}", 2 * i);
+            layers.push(LayerSpec {
+                params: Linear::names(&name, true),
+                name,
+                kind: LayerKind::Linear,
+            });
+            if i + 1 < self.linears.len() {
+                layers.push(LayerSpec {
+                    name: format!("layers.{}", 2 * i + 1),
+                    kind: LayerKind::Activation,
+                    params: Vec::new(),
+                });
+            }
+        }
+        layers
+    }
+
+    /// `x = rand(5, 7)` from the batch seed; the target is `sin` of the first three
+    /// features, a smooth function the stack can fit.
+    fn input(&self, rank: usize, step: usize) -> Result<Batch, ModelError> {
+        let x = seed::seeded(seed::batch_seed(self.seed, rank, step), || {
+            Tensor::f_rand([BATCH, SIZES[0]], F32)
+        })?;
+        let target = x.f_narrow(1, 0, SIZES[4])?.f_mul_scalar(3.0)?.f_sin()?;
+        Ok(Batch {
+            inputs: vec![x],
+            target: Some(target),
+        })
+    }
+
+    fn forward(&self, batch: &Batch) -> Result<Tensor, ModelError> {
+        let mut x = batch
+            .inputs
+            .first()
+            .ok_or_else(|| ModelError::InvalidBatch {
+                model: "mlp".into(),
+                reason: "expected one input tensor".into(),
+            })?
+            .shallow_clone();
+        for (i, l) in self.linears.iter().enumerate() {
+            x = l.forward(&x)?;
+            if i + 1 < self.linears.len() {
+                x = x.f_relu()?;
+            }
+        }
+        Ok(x)
+    }
+
+    fn loss_of(&self, batch: &Batch, output: &Tensor) -> Result<Tensor, ModelError> {
+        let target = batch
+            .target
+            .as_ref()
+            .ok_or_else(|| ModelError::InvalidBatch {
+                model: "mlp".into(),
+                reason: "missing target".into(),
+            })?;
+        Ok(output.f_mse_loss(target, tch::Reduction::Sum)?)
+    }
+}

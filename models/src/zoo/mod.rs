@@ -1,0 +1,48 @@
+//! The model zoo by name: what a run spec's `model` field refers to.
+
+mod gpt;
+mod mlp;
+mod nested;
+mod transformer;
+
+pub use gpt::Gpt;
+pub use mlp::MlpStack;
+pub use nested::LinearChain;
+pub use transformer::TransformerWithSharedParams;
+
+use crate::{Model, ModelError};
+
+type Builder = fn(u64, usize) -> Result<Box<dyn Model>, ModelError>;
+
+const ZOO: &[(&str, Builder)] = &[
+    ("nested", |s, r| Ok(Box::new(LinearChain::nested(s, r)?))),
+    ("transformer", |s, r| {
+        Ok(Box::new(TransformerWithSharedParams::new(s, r, false)?))
+    }),
+    ("transformer_bn", |s, r| {
+        Ok(Box::new(TransformerWithSharedParams::new(s, r, true)?))
+    }),
+    ("moe", |s, r| {
+        Ok(Box::new(LinearChain::mixture_of_experts(s, r)?))
+    }),
+    ("mlp", |s, r| Ok(Box::new(MlpStack::new(s, r)?))),
+    ("gpt", |s, r| Ok(Box::new(Gpt::new(s, r, false)?))),
+    ("gpt_moe", |s, r| Ok(Box::new(Gpt::new(s, r, true)?))),
+];
+
+/// Every model name [`build`] accepts.
+pub fn names() -> Vec<&'static str> {
+    ZOO.iter().map(|(n, _)| *n).collect()
+}
+
+/// Builds model `name` for `rank` of a run seeded `seed`: every rank gets the same
+/// parameters except those tagged rank-local.
+pub fn build(name: &str, seed: u64, rank: usize) -> Result<Box<dyn Model>, ModelError> {
+    match ZOO.iter().find(|(n, _)| *n == name) {
+        Some((_, builder)) => builder(seed, rank),
+        None => Err(ModelError::UnknownModel {
+            name: name.to_owned(),
+            known: names().into_iter().map(str::to_owned).collect(),
+        }),
+    }
+}
