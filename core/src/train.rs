@@ -225,6 +225,27 @@ impl Optimizer for Adam {
 /// them) and must leave them as the optimizer should see them.
 pub type GradSync<'a> = dyn FnMut(&[(String, Tensor)]) -> Result<(), TrainError> + 'a;
 
+/// What a parallel wrapper (DDP, FSDP…) does around each training step. A plain gradient
+/// synchronization closure is one (its `before_forward` does nothing).
+pub trait StepHooks {
+    /// Runs before the step's forward pass (DDP broadcasts buffers here).
+    fn before_forward(&mut self, _step: usize) -> Result<(), TrainError> {
+        Ok(())
+    }
+
+    /// Makes the gradients of this rank the synchronized ones, after backward.
+    fn sync_gradients(&mut self, grads: &[(String, Tensor)]) -> Result<(), TrainError>;
+}
+
+impl<F> StepHooks for F
+where
+    F: FnMut(&[(String, Tensor)]) -> Result<(), TrainError>,
+{
+    fn sync_gradients(&mut self, grads: &[(String, Tensor)]) -> Result<(), TrainError> {
+        self(grads)
+    }
+}
+
 /// The closure for runs that synchronize nothing (one process, or rank-local training).
 pub fn no_sync(_grads: &[(String, Tensor)]) -> Result<(), TrainError> {
     Ok(())
@@ -251,7 +272,7 @@ pub struct TrainConfig {
 pub fn train(
     model: &dyn Model,
     cfg: &TrainConfig,
-    sync: &mut GradSync<'_>,
+    sync: &mut dyn StepHooks,
     metrics: Option<&dyn ProcessGroup>,
 ) -> Result<RunRecord, TrainError> {
     if cfg.data_ranks.is_empty() {
@@ -272,6 +293,7 @@ pub fn train(
         for (_, p) in &params {
             p.shallow_clone().zero_grad();
         }
+        sync.before_forward(step)?;
         let objective = mean_loss(model, &cfg.data_ranks, step)?;
         objective.f_backward()?;
         let mut grads = Vec::with_capacity(params.len());
@@ -285,7 +307,7 @@ pub fn train(
             }
             grads.push((name.clone(), g));
         }
-        sync(&grads)?;
+        sync.sync_gradients(&grads)?;
         record
             .losses
             .push(global_mean(objective.f_double_value(&[])?, metrics)?);
