@@ -19,7 +19,10 @@ fn leaf(seed: i64, shape: &[i64]) -> Tensor {
 
 fn assert_close(got: &Tensor, want: &Tensor) {
     let err = (got - want).abs().max().double_value(&[]);
-    assert!(err <= 1e-12, "max abs error {err:e}\n got {got}\nwant {want}");
+    assert!(
+        err <= 1e-12,
+        "max abs error {err:e}\n got {got}\nwant {want}"
+    );
 }
 
 fn sum(t: &Tensor) -> Tensor {
@@ -39,7 +42,10 @@ fn counter() -> (Arc<AtomicUsize>, DropCounter) {
     (n.clone(), DropCounter(n))
 }
 
-fn identity(x: &Tensor, backward: impl FnOnce(Option<Tensor>) -> Option<Tensor> + Send + 'static) -> Tensor {
+fn identity(
+    x: &Tensor,
+    backward: impl FnOnce(Option<Tensor>) -> Option<Tensor> + Send + 'static,
+) -> Tensor {
     let mut out = apply(
         &[x],
         |_ctx, xs| Ok(vec![xs[0].shallow_clone()]),
@@ -56,12 +62,18 @@ fn identity_forward_three_backwards() {
     let y = identity(&x, |g| g);
     assert_close(&y, &x);
     engine::backward(&[&sum(&(&y * 2.0))], &[None], false).unwrap();
-    assert_close(&x.grad(), &Tensor::full([4], 2.0, (Kind::Double, Device::Cpu)));
+    assert_close(
+        &x.grad(),
+        &Tensor::full([4], 2.0, (Kind::Double, Device::Cpu)),
+    );
 
     let x = leaf(0, &[4]);
     let y = identity(&x, |g| g.map(|g| g * 3.0));
     engine::backward(&[&sum(&y)], &[None], false).unwrap();
-    assert_close(&x.grad(), &Tensor::full([4], 3.0, (Kind::Double, Device::Cpu)));
+    assert_close(
+        &x.grad(),
+        &Tensor::full([4], 3.0, (Kind::Double, Device::Cpu)),
+    );
 
     let x = leaf(0, &[4]);
     let w = leaf(1, &[4]);
@@ -85,7 +97,12 @@ fn custom_square_and_argmax(t: &Tensor) -> (Tensor, Tensor) {
         },
         |ctx, grads| {
             let t = &ctx.saved()[0];
-            assert!(grads[1].is_none() || grads[1].as_ref().is_some_and(|g| g.sum(Kind::Double).double_value(&[]) == 0.0));
+            assert!(
+                grads[1].is_none()
+                    || grads[1]
+                        .as_ref()
+                        .is_some_and(|g| g.sum(Kind::Double).double_value(&[]) == 0.0)
+            );
             Ok(vec![grads[0].as_ref().map(|g| g * t * 2.0)])
         },
     )
@@ -125,7 +142,10 @@ fn several_inputs_outputs_and_none_gradients() {
             Ok(vec![xs[0] * xs[1], xs[0] + xs[1]])
         },
         move |ctx, grads| {
-            seen2.lock().unwrap().extend(grads.iter().map(Option::is_some));
+            seen2
+                .lock()
+                .unwrap()
+                .extend(grads.iter().map(Option::is_some));
             assert!(ctx.needs_input_grad(0) && ctx.needs_input_grad(1));
             let (a, b) = (&ctx.saved()[0], &ctx.saved()[1]);
             let g = grads[0].as_ref().unwrap();
@@ -143,9 +163,24 @@ fn several_inputs_outputs_and_none_gradients() {
 #[test]
 fn wrong_gradient_count_is_an_error() {
     let x = leaf(6, &[2]);
-    let y = apply(&[&x], |_c, xs| Ok(vec![xs[0] * 2.0]), |_c, _g| Ok(vec![None, None])).unwrap();
+    let y = apply(
+        &[&x],
+        |_c, xs| Ok(vec![xs[0] * 2.0]),
+        |_c, _g| Ok(vec![None, None]),
+    )
+    .unwrap();
     let err = engine::backward(&[&sum(&y[0])], &[None], false).unwrap_err();
-    assert!(matches!(err, AutogradError::Arity { expected: 1, got: 2, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            AutogradError::Arity {
+                expected: 1,
+                got: 2,
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[test]
@@ -204,7 +239,10 @@ fn post_accumulate_grad_hook_sees_the_complete_gradient() {
     // x is used twice: the hook must fire once, after both contributions (2 + 3).
     engine::backward(&[&sum(&(&x * 2.0 + &x * 3.0))], &[None], false).unwrap();
     assert_eq!(seen.lock().unwrap().len(), 1);
-    assert_close(&seen.lock().unwrap()[0], &Tensor::full([3], 5.0, (Kind::Double, Device::Cpu)));
+    assert_close(
+        &seen.lock().unwrap()[0],
+        &Tensor::full([3], 5.0, (Kind::Double, Device::Cpu)),
+    );
     assert!(!x.grad().defined(), "the hook cleared .grad");
     // Non-leaves are refused.
     let err = hooks::register_post_accumulate_grad_hook(&(&x * 1.0), |_| Ok(())).unwrap_err();
@@ -242,7 +280,10 @@ fn explicit_gradient_backward_equals_the_dot_product_trick() {
     let y3 = x2.matmul(&w.detach()).tanh();
     assert!(engine::grad(&[&y3], &[&unused], &[Some(&g)], GradOptions::default()).is_err());
     // Mismatched counts are caught before libtorch.
-    assert!(matches!(engine::backward(&[&y3], &[], false), Err(AutogradError::Arity { .. })));
+    assert!(matches!(
+        engine::backward(&[&y3], &[], false),
+        Err(AutogradError::Arity { .. })
+    ));
 }
 
 #[test]
@@ -272,7 +313,11 @@ fn drop_exactly_once_on_every_path() {
     engine::backward(&[&sum(&y[0])], &[None], false).unwrap();
     assert_eq!(n.load(Ordering::SeqCst), 1, "after backward");
     drop(y);
-    assert_eq!(n.load(Ordering::SeqCst), 1, "after backward, then node gone");
+    assert_eq!(
+        n.load(Ordering::SeqCst),
+        1,
+        "after backward, then node gone"
+    );
 
     // Under no_grad: no node survives the call.
     let (n, guard) = counter();
@@ -328,7 +373,16 @@ fn drop_exactly_once_on_every_path() {
         },
     )
     .unwrap_err();
-    assert!(matches!(err, AutogradError::Panic { stage: Stage::Forward, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            AutogradError::Panic {
+                stage: Stage::Forward,
+                ..
+            }
+        ),
+        "{err}"
+    );
     assert_eq!(n.load(Ordering::SeqCst), 1, "forward panic");
 
     // Invalid forward bookkeeping, caught by the bridge after the hand-over.
@@ -359,13 +413,25 @@ fn backward_errors_come_back_typed() {
     )
     .unwrap();
     let err = engine::backward(&[&sum(&y[0])], &[None], false).unwrap_err();
-    assert!(matches!(&err, AutogradError::Message(m) if m == "no gradient today"), "{err}");
+    assert!(
+        matches!(&err, AutogradError::Message(m) if m == "no gradient today"),
+        "{err}"
+    );
 
     // A panicking hook.
     let x = leaf(0, &[2]);
     let _h = hooks::register_hook(&x, |_| panic!("hook boom")).unwrap();
     let err = engine::backward(&[&sum(&(&x * 2.0))], &[None], false).unwrap_err();
-    assert!(matches!(err, AutogradError::Panic { stage: Stage::Hook, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            AutogradError::Panic {
+                stage: Stage::Hook,
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[test]
@@ -389,7 +455,10 @@ fn reentrant_backward_with_retain_graph() {
         engine::backward(&[&loss], &[None], true).unwrap();
     }
     assert_eq!(calls.load(Ordering::SeqCst), 3);
-    assert_close(&x.grad(), &Tensor::full([3], 9.0, (Kind::Double, Device::Cpu)));
+    assert_close(
+        &x.grad(),
+        &Tensor::full([3], 9.0, (Kind::Double, Device::Cpu)),
+    );
     drop((y, loss));
     assert_eq!(n.load(Ordering::SeqCst), 1);
 
@@ -418,14 +487,22 @@ fn storage_free_and_refill_keep_saved_tensors_valid() {
     assert_eq!(unsafe { storage::free_storage(&w) }.unwrap(), nbytes);
     assert!(storage::is_storage_freed(&w).unwrap());
     // SAFETY: as above.
-    assert_eq!(unsafe { storage::free_storage(&w) }.unwrap(), 0, "second free releases nothing");
+    assert_eq!(
+        unsafe { storage::free_storage(&w) }.unwrap(),
+        0,
+        "second free releases nothing"
+    );
     // Metadata stays usable.
     assert_eq!(w.size(), vec![4, 3]);
     assert!(w.requires_grad());
 
     storage::refill_storage(&w, Some(&keep)).unwrap();
     assert!(!storage::is_storage_freed(&w).unwrap());
-    assert_eq!(storage::version(&w).unwrap(), version, "refill keeps the version");
+    assert_eq!(
+        storage::version(&w).unwrap(),
+        version,
+        "refill keeps the version"
+    );
     engine::backward(&[&sum(&y)], &[None], false).unwrap();
 
     let (wr, xr) = (leaf(16, &[4, 3]), leaf(17, &[2, 4]));
@@ -475,7 +552,7 @@ fn one_iteration(i: usize) {
     storage::refill_storage(&w, Some(&keep)).unwrap();
     let g = randn(2, &[16, 16]);
     engine::backward(&[&y[0]], &[Some(&g)], false).unwrap();
-    if i % 2 == 0 {
+    if i.is_multiple_of(2) {
         h.remove().unwrap();
     }
     p.remove().unwrap();
@@ -497,5 +574,8 @@ fn ten_thousand_iterations_without_memory_growth() {
     eprintln!("RSS before {before} after {after} growth {growth} bytes");
     // Each iteration allocates well over 4 KiB of tensors and closures: a leak of anything per
     // iteration would exceed this bound.
-    assert!(growth < 4 << 20, "RSS grew by {growth} bytes over 10,000 iterations");
+    assert!(
+        growth < 4 << 20,
+        "RSS grew by {growth} bytes over 10,000 iterations"
+    );
 }

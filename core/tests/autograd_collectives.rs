@@ -93,7 +93,12 @@ fn check(case: &Case, group: &Group) -> Result<(), AutogradError> {
 
 /// Central differences of the parallel objective (sum of per-rank losses, or the replicated
 /// loss once) at three elements of each owner's input.
-fn finite_difference(case: &Case, group: &Group, x: &Tensor, grad: &Tensor) -> Result<(), AutogradError> {
+fn finite_difference(
+    case: &Case,
+    group: &Group,
+    x: &Tensor,
+    grad: &Tensor,
+) -> Result<(), AutogradError> {
     let (r, w) = (group.rank(), group.size());
     let h = 1e-6;
     let objective = |xp: &Tensor| -> Result<f64, AutogradError> {
@@ -275,7 +280,12 @@ fn all_to_all(#[values(1, 2, 3, 4)] world: usize) {
         Case {
             replicated_input: false,
             replicated_loss: false,
-            input: |r, w| data(50 + r as i64, &[(0..w).map(|j| rows(r, j)).sum::<usize>() as i64, 2]),
+            input: |r, w| {
+                data(
+                    50 + r as i64,
+                    &[(0..w).map(|j| rows(r, j)).sum::<usize>() as i64, 2],
+                )
+            },
             parallel: |x, g| {
                 let (r, w) = (g.rank(), g.size());
                 let input: Vec<usize> = (0..w).map(|j| rows(r, j)).collect();

@@ -48,7 +48,9 @@ fn gather_dim0(group: &Group, t: &Tensor) -> Result<Tensor, AutogradError> {
     let input = contiguous(t)?;
     let mut shape = input.size();
     if shape.is_empty() {
-        return Err(AutogradError::Invalid("cannot gather a 0-dim tensor".into()));
+        return Err(AutogradError::Invalid(
+            "cannot gather a 0-dim tensor".into(),
+        ));
     }
     shape[0] *= group.size() as i64;
     let out = Tensor::f_empty(&shape, (t.kind(), t.device()))?;
@@ -61,7 +63,11 @@ fn chunk_len(t: &Tensor, dim: i64, world: usize) -> Result<i64, AutogradError> {
     if size.is_empty() {
         return Err(AutogradError::Invalid("cannot split a 0-dim tensor".into()));
     }
-    let d = if dim < 0 { size.len() as i64 + dim } else { dim } as usize;
+    let d = if dim < 0 {
+        size.len() as i64 + dim
+    } else {
+        dim
+    } as usize;
     let n = size[d];
     if n % world as i64 != 0 {
         return Err(AutogradError::Invalid(format!(
@@ -79,7 +85,9 @@ fn split_own(group: &Group, t: &Tensor, dim: i64) -> Result<Tensor, AutogradErro
 
 fn gather_last(group: &Group, t: &Tensor) -> Result<Tensor, AutogradError> {
     if t.dim() == 0 {
-        return Err(AutogradError::Invalid("cannot gather a 0-dim tensor".into()));
+        return Err(AutogradError::Invalid(
+            "cannot gather a 0-dim tensor".into(),
+        ));
     }
     // Gather on dim 0 of the transposed tensor, then transpose back: rank r's block lands at
     // last-dim offsets r*d .. (r+1)*d.
@@ -99,7 +107,12 @@ fn reduce_scatter_dim0(group: &Group, t: &Tensor) -> Result<Tensor, AutogradErro
     Ok(out)
 }
 
-fn exchange(group: &Group, t: &Tensor, send: &[usize], recv: &[usize]) -> Result<Tensor, AutogradError> {
+fn exchange(
+    group: &Group,
+    t: &Tensor,
+    send: &[usize],
+    recv: &[usize],
+) -> Result<Tensor, AutogradError> {
     let world = group.size();
     if send.len() != world || recv.len() != world {
         return Err(AutogradError::Invalid(format!(
@@ -158,42 +171,62 @@ pub fn copy_to_parallel(x: &Tensor, group: &Group) -> Result<Tensor, AutogradErr
 /// Leaves a tensor-parallel region by summing partial results (Megatron's `g`, after a
 /// row-parallel linear); the gradient of a replicated output passes through unchanged.
 pub fn reduce_from_parallel(x: &Tensor, group: &Group) -> Result<Tensor, AutogradError> {
-    unary(x, |x| sum_all(group, x), |grad| fresh_copy(grad))
+    unary(x, |x| sum_all(group, x), fresh_copy)
 }
 
 /// Keeps this rank's chunk of the last dimension of a replicated input; backward all-gathers
 /// the chunks' gradients back into the full last dimension.
 pub fn scatter_to_parallel(x: &Tensor, group: &Group) -> Result<Tensor, AutogradError> {
     let g = group.clone();
-    unary(x, |x| split_own(group, x, -1), move |grad| gather_last(&g, grad))
+    unary(
+        x,
+        |x| split_own(group, x, -1),
+        move |grad| gather_last(&g, grad),
+    )
 }
 
 /// Concatenates every rank's chunk along the last dimension (after a column-parallel linear
 /// with `gather_output`); backward keeps this rank's chunk of the gradient.
 pub fn gather_from_parallel(x: &Tensor, group: &Group) -> Result<Tensor, AutogradError> {
     let g = group.clone();
-    unary(x, |x| gather_last(group, x), move |grad| split_own(&g, grad, -1))
+    unary(
+        x,
+        |x| gather_last(group, x),
+        move |grad| split_own(&g, grad, -1),
+    )
 }
 
 /// Keeps this rank's chunk of dim 0 (the sequence) of a replicated input; backward
 /// all-gathers the gradient along dim 0.
 pub fn scatter_to_sequence_parallel(x: &Tensor, group: &Group) -> Result<Tensor, AutogradError> {
     let g = group.clone();
-    unary(x, |x| split_own(group, x, 0), move |grad| gather_dim0(&g, grad))
+    unary(
+        x,
+        |x| split_own(group, x, 0),
+        move |grad| gather_dim0(&g, grad),
+    )
 }
 
 /// Gathers the sequence (dim 0) from every rank before a tensor-parallel block; backward
 /// reduce-scatters, since each rank's block contributes a partial gradient for every position.
 pub fn all_gather_sequence(x: &Tensor, group: &Group) -> Result<Tensor, AutogradError> {
     let g = group.clone();
-    unary(x, |x| gather_dim0(group, x), move |grad| reduce_scatter_dim0(&g, grad))
+    unary(
+        x,
+        |x| gather_dim0(group, x),
+        move |grad| reduce_scatter_dim0(&g, grad),
+    )
 }
 
 /// Sums partial results and keeps this rank's chunk of the sequence (dim 0) after a
 /// tensor-parallel block; backward all-gathers the gradient along dim 0.
 pub fn reduce_scatter_sequence(x: &Tensor, group: &Group) -> Result<Tensor, AutogradError> {
     let g = group.clone();
-    unary(x, |x| reduce_scatter_dim0(group, x), move |grad| gather_dim0(&g, grad))
+    unary(
+        x,
+        |x| reduce_scatter_dim0(group, x),
+        move |grad| gather_dim0(&g, grad),
+    )
 }
 
 /// Sends `input_splits[j]` rows (dim 0) of `x` to rank `j` and receives `output_splits[j]`

@@ -33,13 +33,24 @@ fn check_grads(outputs: usize, grads: usize) -> Result<(), AutogradError> {
 /// Backpropagates from `outputs`, seeding each with its gradient (`None`: ones, scalars only),
 /// accumulating into the leaves' `.grad`. Errors of custom functions and hooks, panics
 /// included, come back as `Err`.
-pub fn backward(outputs: &[&Tensor], grad_outputs: &[Option<&Tensor>], retain_graph: bool) -> Result<(), AutogradError> {
+pub fn backward(
+    outputs: &[&Tensor],
+    grad_outputs: &[Option<&Tensor>],
+    retain_graph: bool,
+) -> Result<(), AutogradError> {
     check_grads(outputs.len(), grad_outputs.len())?;
     let outs = ffi::ptrs(outputs);
     let grads = ffi::opt_ptrs(grad_outputs);
     // SAFETY: both arrays hold `outs.len()` borrowed (or null) tensors, alive across the call.
     ffi::call(|st| unsafe {
-        ffi::lk_backward(outs.as_ptr(), outs.len(), grads.as_ptr(), c_int::from(retain_graph), 0, st)
+        ffi::lk_backward(
+            outs.as_ptr(),
+            outs.len(),
+            grads.as_ptr(),
+            c_int::from(retain_graph),
+            0,
+            st,
+        )
     })
 }
 
@@ -73,7 +84,10 @@ pub fn grad(
         )
     });
     // SAFETY: each entry is null or an owned tensor from the bridge.
-    let results: Vec<Option<Tensor>> = results.into_iter().map(|p| unsafe { ffi::take_tensor(p) }).collect();
+    let results: Vec<Option<Tensor>> = results
+        .into_iter()
+        .map(|p| unsafe { ffi::take_tensor(p) })
+        .collect();
     status?;
     Ok(results)
 }

@@ -49,8 +49,11 @@ pub(crate) type HookFn = unsafe extern "C" fn(
     err: *mut CallbackError,
 ) -> c_int;
 
-pub(crate) type PostAccFn =
-    unsafe extern "C" fn(state: *mut c_void, tensor: *mut C_tensor, err: *mut CallbackError) -> c_int;
+pub(crate) type PostAccFn = unsafe extern "C" fn(
+    state: *mut c_void,
+    tensor: *mut C_tensor,
+    err: *mut CallbackError,
+) -> c_int;
 
 extern "C" {
     pub(crate) fn lk_free_string(s: *mut c_char);
@@ -110,19 +113,39 @@ extern "C" {
         handle_out: *mut *mut c_void,
         st: *mut Status,
     ) -> c_int;
-    pub(crate) fn lk_hook_remove(handle: *mut c_void, removed: *mut c_int, st: *mut Status) -> c_int;
+    pub(crate) fn lk_hook_remove(
+        handle: *mut c_void,
+        removed: *mut c_int,
+        st: *mut Status,
+    ) -> c_int;
     pub(crate) fn lk_hook_handle_free(handle: *mut c_void);
-    pub(crate) fn lk_storage_free(t: *const C_tensor, released: *mut usize, st: *mut Status) -> c_int;
+    pub(crate) fn lk_storage_free(
+        t: *const C_tensor,
+        released: *mut usize,
+        st: *mut Status,
+    ) -> c_int;
     pub(crate) fn lk_storage_info(
         t: *const C_tensor,
         nbytes: *mut usize,
         freed: *mut c_int,
         st: *mut Status,
     ) -> c_int;
-    pub(crate) fn lk_storage_refill(t: *const C_tensor, src: *const C_tensor, st: *mut Status) -> c_int;
-    pub(crate) fn lk_tensor_version(t: *const C_tensor, version: *mut i64, st: *mut Status) -> c_int;
+    pub(crate) fn lk_storage_refill(
+        t: *const C_tensor,
+        src: *const C_tensor,
+        st: *mut Status,
+    ) -> c_int;
+    pub(crate) fn lk_tensor_version(
+        t: *const C_tensor,
+        version: *mut i64,
+        st: *mut Status,
+    ) -> c_int;
     #[cfg(feature = "nccl")]
-    pub(crate) fn lk_current_cuda_stream(device: i64, stream: *mut *mut c_void, st: *mut Status) -> c_int;
+    pub(crate) fn lk_current_cuda_stream(
+        device: i64,
+        stream: *mut *mut c_void,
+        st: *mut Status,
+    ) -> c_int;
 }
 
 impl Status {
@@ -141,7 +164,9 @@ impl Status {
             (0, None) => Ok(()),
             (0, Some(e)) => Err(e),
             (_, Some(e)) => Err(e),
-            (_, None) => Err(AutogradError::Torch("bridge reported a failure without a message".into())),
+            (_, None) => Err(AutogradError::Torch(
+                "bridge reported a failure without a message".into(),
+            )),
         }
     }
 
@@ -155,7 +180,9 @@ impl Status {
         }
         if !self.message.is_null() {
             // SAFETY: a NUL-terminated string malloc'd by the bridge, freed once below.
-            let msg = unsafe { CStr::from_ptr(self.message) }.to_string_lossy().into_owned();
+            let msg = unsafe { CStr::from_ptr(self.message) }
+                .to_string_lossy()
+                .into_owned();
             // SAFETY: as above; nulled so Drop does not free it again.
             unsafe { lk_free_string(self.message) };
             self.message = std::ptr::null_mut();
@@ -270,5 +297,7 @@ pub(crate) fn ptrs(ts: &[&Tensor]) -> Vec<*const C_tensor> {
 
 /// Borrowed pointers of optional tensors (null for `None`).
 pub(crate) fn opt_ptrs(ts: &[Option<&Tensor>]) -> Vec<*const C_tensor> {
-    ts.iter().map(|t| t.map_or(std::ptr::null(), |t| t.as_ptr())).collect()
+    ts.iter()
+        .map(|t| t.map_or(std::ptr::null(), |t| t.as_ptr()))
+        .collect()
 }

@@ -27,11 +27,15 @@ use tch::Tensor;
 use torch_sys::C_tensor;
 
 /// What a one-shot backward closure looks like once boxed.
-type OnceBackward =
-    Box<dyn FnOnce(&BackwardCtx, Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>, AutogradError> + Send>;
+type OnceBackward = Box<
+    dyn FnOnce(&BackwardCtx, Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>, AutogradError>
+        + Send,
+>;
 /// What a re-entrant backward closure looks like once boxed.
-type ManyBackward =
-    Box<dyn FnMut(&BackwardCtx, Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>, AutogradError> + Send>;
+type ManyBackward = Box<
+    dyn FnMut(&BackwardCtx, Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>, AutogradError>
+        + Send,
+>;
 
 enum Backward {
     Once(Option<OnceBackward>),
@@ -107,25 +111,41 @@ impl BackwardCtx {
 /// retained graph fails with [`AutogradError::BackwardReused`]; use [`apply_reentrant`] then.
 /// Errors and panics of either closure come back as `Err` (from here, or from the backward
 /// call).
-pub fn apply<F, B>(inputs: &[&Tensor], forward: F, backward: B) -> Result<Vec<Tensor>, AutogradError>
+pub fn apply<F, B>(
+    inputs: &[&Tensor],
+    forward: F,
+    backward: B,
+) -> Result<Vec<Tensor>, AutogradError>
 where
     F: FnOnce(&mut ForwardCtx, &[&Tensor]) -> Result<Vec<Tensor>, AutogradError>,
-    B: FnOnce(&BackwardCtx, Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>, AutogradError> + Send + 'static,
+    B: FnOnce(&BackwardCtx, Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>, AutogradError>
+        + Send
+        + 'static,
 {
     apply_with(inputs, forward, Backward::Once(Some(Box::new(backward))))
 }
 
 /// Applies a custom function whose backward may run many times (graphs backpropagated with
 /// `retain_graph`). Calls are serialized; otherwise as [`apply`].
-pub fn apply_reentrant<F, B>(inputs: &[&Tensor], forward: F, backward: B) -> Result<Vec<Tensor>, AutogradError>
+pub fn apply_reentrant<F, B>(
+    inputs: &[&Tensor],
+    forward: F,
+    backward: B,
+) -> Result<Vec<Tensor>, AutogradError>
 where
     F: FnOnce(&mut ForwardCtx, &[&Tensor]) -> Result<Vec<Tensor>, AutogradError>,
-    B: FnMut(&BackwardCtx, Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>, AutogradError> + Send + 'static,
+    B: FnMut(&BackwardCtx, Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>, AutogradError>
+        + Send
+        + 'static,
 {
     apply_with(inputs, forward, Backward::Many(Box::new(backward)))
 }
 
-fn apply_with<F>(inputs: &[&Tensor], forward: F, backward: Backward) -> Result<Vec<Tensor>, AutogradError>
+fn apply_with<F>(
+    inputs: &[&Tensor],
+    forward: F,
+    backward: Backward,
+) -> Result<Vec<Tensor>, AutogradError>
 where
     F: FnOnce(&mut ForwardCtx, &[&Tensor]) -> Result<Vec<Tensor>, AutogradError>,
 {
@@ -158,7 +178,9 @@ where
     }
     if outputs.iter().any(|t| !t.defined()) {
         ffi::drop_guarded(Stage::Backward, state);
-        return Err(AutogradError::Invalid("forward returned an undefined tensor".into()));
+        return Err(AutogradError::Invalid(
+            "forward returned an undefined tensor".into(),
+        ));
     }
 
     let in_ptrs = ffi::ptrs(inputs);
@@ -191,7 +213,10 @@ where
         )
     });
     // SAFETY: each entry is null or an owned tensor the bridge allocated for us.
-    let wrapped: Vec<Option<Tensor>> = results.into_iter().map(|p| unsafe { ffi::take_tensor(p) }).collect();
+    let wrapped: Vec<Option<Tensor>> = results
+        .into_iter()
+        .map(|p| unsafe { ffi::take_tensor(p) })
+        .collect();
     status?;
     wrapped
         .into_iter()
@@ -217,9 +242,13 @@ unsafe extern "C" fn backward_trampoline(
         .filter_map(|i| unsafe { ffi::take_tensor(*saved.add(i)) })
         .collect();
     // SAFETY: as above; null entries are undefined gradients.
-    let grads: Vec<Option<Tensor>> = (0..n_grads).map(|i| unsafe { ffi::take_tensor(*grads.add(i)) }).collect();
+    let grads: Vec<Option<Tensor>> = (0..n_grads)
+        .map(|i| unsafe { ffi::take_tensor(*grads.add(i)) })
+        .collect();
     // SAFETY: `n_inputs` flags.
-    let needs: Vec<bool> = (0..n_inputs).map(|i| unsafe { *needs_input_grad.add(i) } != 0).collect();
+    let needs: Vec<bool> = (0..n_inputs)
+        .map(|i| unsafe { *needs_input_grad.add(i) } != 0)
+        .collect();
     // SAFETY: `state` is the `State` this node owns; the node outlives this call.
     let state = unsafe { &*state.cast::<State>() };
     // SAFETY: `err` is the bridge's error slot.
@@ -255,5 +284,7 @@ unsafe extern "C" fn backward_trampoline(
 /// Called by the bridge when the node (or a failed apply) drops the state.
 unsafe extern "C" fn drop_state(state: *mut c_void) {
     // SAFETY: `state` came from `Box::into_raw` in `apply_with`, and is dropped once.
-    ffi::drop_guarded(Stage::Backward, unsafe { Box::from_raw(state.cast::<State>()) });
+    ffi::drop_guarded(Stage::Backward, unsafe {
+        Box::from_raw(state.cast::<State>())
+    });
 }

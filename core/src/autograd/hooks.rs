@@ -37,7 +37,9 @@ impl HookHandle {
 
 impl std::fmt::Debug for HookHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HookHandle").field("raw", &self.raw).finish()
+        f.debug_struct("HookHandle")
+            .field("raw", &self.raw)
+            .finish()
     }
 }
 
@@ -81,7 +83,10 @@ where
 /// Registers `hook` to run after `tensor`'s gradient was accumulated into `.grad` in a
 /// backward; `tensor` must be a leaf that requires grad. The hook gets the tensor itself (read
 /// or reset its `.grad`, e.g. with [`set_grad`](super::set_grad)).
-pub fn register_post_accumulate_grad_hook<F>(tensor: &Tensor, hook: F) -> Result<HookHandle, AutogradError>
+pub fn register_post_accumulate_grad_hook<F>(
+    tensor: &Tensor,
+    hook: F,
+) -> Result<HookHandle, AutogradError>
 where
     F: FnMut(&Tensor) -> Result<(), AutogradError> + Send + 'static,
 {
@@ -128,10 +133,16 @@ unsafe extern "C" fn grad_hook_trampoline(
 
 unsafe extern "C" fn drop_grad_hook(state: *mut c_void) {
     // SAFETY: from `Box::into_raw` in `register_hook`, dropped once.
-    ffi::drop_guarded(Stage::Hook, unsafe { Box::from_raw(state.cast::<Mutex<GradHook>>()) });
+    ffi::drop_guarded(Stage::Hook, unsafe {
+        Box::from_raw(state.cast::<Mutex<GradHook>>())
+    });
 }
 
-unsafe extern "C" fn post_acc_trampoline(state: *mut c_void, tensor: *mut C_tensor, err: *mut CallbackError) -> c_int {
+unsafe extern "C" fn post_acc_trampoline(
+    state: *mut c_void,
+    tensor: *mut C_tensor,
+    err: *mut CallbackError,
+) -> c_int {
     // SAFETY: a fresh owned tensor from the bridge.
     let tensor = unsafe { ffi::take_tensor(tensor) };
     // SAFETY: the hook table owns `state` and keeps it alive during the call.
