@@ -60,6 +60,12 @@ fn cuda_include_dirs(torch_root: &std::path::Path) -> Vec<PathBuf> {
             dirs.push(dir);
         }
     }
+    // The runtime wheel lacks `crt/host_defines.h` (it ships with nvcc); triton's wheel, a torch
+    // dependency, carries the CUDA headers including it. Searched last, only to fill that gap.
+    let triton = torch_root.join("../triton/backends/nvidia/include");
+    if triton.join("crt/host_defines.h").exists() {
+        dirs.push(triton);
+    }
     if dirs.is_empty() {
         println!("cargo:warning=CUDA runtime headers not found; the bridge's CUDA stream accessor will not compile");
     }

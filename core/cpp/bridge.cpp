@@ -19,7 +19,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
-#include <torch/torch.h>
+#include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/CPUAllocator.h>
 

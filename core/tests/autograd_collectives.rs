@@ -142,7 +142,9 @@ fn finite_difference(
 }
 
 fn run(world: usize, case: Case) {
-    lockstep_harness::run(world, move |ctx| check(&case, &ctx.group()));
+    lockstep_harness::Run::new(world)
+        .timeout(std::time::Duration::from_secs(60))
+        .run(move |ctx| check(&case, &ctx.group()));
 }
 
 fn chunk(t: &Tensor, dim: i64, k: usize, w: usize) -> Tensor {
