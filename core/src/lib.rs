@@ -2,10 +2,14 @@
 //!
 //! `comm` holds process groups (a deterministic CPU backend over TCP and, behind the `nccl`
 //! feature, NCCL), the rendezvous store, device meshes and the flight recorder that explains
-//! hangs and desyncs.
+//! hangs and desyncs. `autograd` bridges what tch lacks from libtorch's autograd (custom
+//! functions, hooks, explicit-gradient backward, storage freeing) and builds the
+//! differentiable collectives on it.
 
+pub mod autograd;
 pub mod comm;
 pub mod record;
 pub mod train;
 
+pub use autograd::AutogradError;
 pub use comm::CommError;
