@@ -115,7 +115,7 @@ pub fn inputs(dtype: DType, rank: usize, numel: usize) -> Vec<f64> {
                 DType::I64 | DType::I32 => base - 5.0,
                 DType::U8 if i % 4 == 3 => 240.0 + base,
                 DType::U8 => base,
-                DType::Bool => f64::from(u8::from((rank * 5 + i) % 3 == 0)),
+                DType::Bool => f64::from(u8::from((rank * 5 + i).is_multiple_of(3))),
             }
         })
         .collect()
