@@ -3,7 +3,7 @@
 //! first went wrong).
 
 use super::tolerance::{looser_dtype, ulp_distance, Check, Mode, Quantity, TolerancePolicy};
-use crate::report::num;
+use crate::report::{fmt_num, num};
 use lockstep_core::comm::DType;
 use lockstep_core::record::{NamedTensor, RunRecord, RunSpec};
 use serde::{Deserialize, Serialize};
@@ -55,11 +55,13 @@ impl fmt::Display for FailurePoint {
         }
         write!(
             f,
-            ": {:e} vs reference {:e} (|Δ| {:e}",
-            self.actual, self.expected, self.abs_err
+            ": {} vs reference {} (|Δ| {}",
+            self.actual,
+            self.expected,
+            fmt_num(self.abs_err)
         )?;
         match self.allowed {
-            Some(a) => write!(f, " > allowed {a:e}")?,
+            Some(a) => write!(f, " > allowed {}", fmt_num(a))?,
             None => write!(f, ", bitwise mode")?,
         }
         if self.ulp == u64::MAX {

@@ -5,10 +5,10 @@ use super::junit::xml_escape;
 use super::{fmt_num, fmt_ulp, Report, StepRow};
 use std::fmt::Write as _;
 
-const WIDTH: f64 = 560.0;
+const WIDTH: f64 = 600.0;
 const HEIGHT: f64 = 260.0;
 const LEFT: f64 = 70.0;
-const RIGHT: f64 = 150.0;
+const RIGHT: f64 = 170.0;
 const TOP: f64 = 30.0;
 const BOTTOM: f64 = 40.0;
 
@@ -171,8 +171,19 @@ fn svg_plot(title: &str, y_label: &str, series: &[Series], log: bool) -> String 
                 if let Some(seg) = segments.last_mut() {
                     seg.push((px(x), py(v)));
                 }
-            } else if segments.last().is_some_and(|seg| !seg.is_empty()) {
-                segments.push(Vec::new());
+            } else {
+                // Mark NaN / infinite values on the top edge so a diverged run is visible.
+                let _ = writeln!(
+                    out,
+                    "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\" fill=\"{}\">{}</text>",
+                    px(x),
+                    TOP - 2.0,
+                    s.color,
+                    if v.is_nan() { "NaN" } else { "inf" }
+                );
+                if segments.last().is_some_and(|seg| !seg.is_empty()) {
+                    segments.push(Vec::new());
+                }
             }
         }
         let dash = if s.dashed {
