@@ -31,7 +31,7 @@ enum Command {
         #[command(subcommand)]
         what: BenchCommand,
     },
-    /// Compare two parity reports (JSON); exit 1 if a configuration regressed.
+    /// Compare two parity reports (JSON); exit 1 if a configuration regressed, 2 on bad input.
     ///
     /// A configuration regresses when it vanished from NEW, passed in BASE but fails in NEW,
     /// or its max abs error grew more than FACTOR times. Errors at or below FLOOR count as
@@ -101,8 +101,14 @@ fn main() -> Result<ExitCode> {
                 factor,
                 zero_floor: floor,
             };
-            let result =
-                compare_report_files(&base, &new, &options).context("comparing parity reports")?;
+            // Exit 2 on an unusable input, so CI can tell "regressed" (1) from "could not judge".
+            let result = match compare_report_files(&base, &new, &options) {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("error: comparing parity reports: {e}");
+                    return Ok(ExitCode::from(2));
+                }
+            };
             print!("{}", result.render_table());
             if result.has_regression() {
                 return Ok(ExitCode::FAILURE);

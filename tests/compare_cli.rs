@@ -92,5 +92,9 @@ fn compare_exit_code_follows_regressions() {
     assert_eq!(code, Some(0), "{stdout}");
 
     let (code, _) = run(&base, &dir.0.join("missing.json"), &[]);
-    assert_ne!(code, Some(0), "an unreadable report is an error");
+    assert_eq!(
+        code,
+        Some(2),
+        "an unreadable report is an error, not a regression"
+    );
 }

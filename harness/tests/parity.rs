@@ -648,6 +648,12 @@ fn compare_identical_reports_passes() {
     let result = compare_reports(&report, &report, &CompareOptions::default()).unwrap();
     assert!(!result.has_regression(), "{}", result.render_table());
     assert!(result.render_table().contains("no regression"));
+    let nan = result
+        .rows
+        .iter()
+        .find(|r| r.config.contains("weird"))
+        .unwrap();
+    assert_eq!(nan.growth, Some(1.0), "inf to inf is no growth");
 }
 
 #[test]

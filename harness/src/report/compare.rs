@@ -281,7 +281,19 @@ pub fn compare_reports(
                 continue;
             };
             let (be, ne) = (nan_as_inf(bs.max_abs_err), nan_as_inf(ns.max_abs_err));
-            let growth = if ne <= floor { 0.0 } else { ne / be.max(floor) };
+            let growth = if ne <= floor {
+                0.0
+            } else if be.is_infinite() {
+                // Already infinitely wrong (NaN or a non-finite mismatch): staying so is no
+                // growth, and anything finite is an improvement.
+                if ne.is_infinite() {
+                    1.0
+                } else {
+                    0.0
+                }
+            } else {
+                ne / be.max(floor)
+            };
             if worst.is_none_or(|w| growth > w.3) {
                 worst = Some((q, be, ne, growth));
             }
