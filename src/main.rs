@@ -3,6 +3,9 @@
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use lockstep::bench::{self, BenchOp, CommBenchOptions, SpawnBenchMode};
+use lockstep::harness::report::{compare_report_files, CompareOptions};
+use std::path::PathBuf;
+use std::process::ExitCode;
 
 #[derive(Parser)]
 #[command(
@@ -27,6 +30,23 @@ enum Command {
     Bench {
         #[command(subcommand)]
         what: BenchCommand,
+    },
+    /// Compare two parity reports (JSON); exit 1 if a configuration regressed, 2 on bad input.
+    ///
+    /// A configuration regresses when it vanished from NEW, passed in BASE but fails in NEW,
+    /// or its max abs error grew more than FACTOR times. Errors at or below FLOOR count as
+    /// noise, so growth from exactly 0 is flagged only above it.
+    Compare {
+        /// The earlier report (e.g. from main).
+        base: PathBuf,
+        /// The report to check.
+        new: PathBuf,
+        /// Flag errors that grew more than this many times.
+        #[arg(long, default_value_t = 10.0)]
+        factor: f64,
+        /// Errors at or below this are treated as noise.
+        #[arg(long, default_value_t = 1e-12)]
+        floor: f64,
     },
     /// A rank of `bench spawn --mode exec` (started by the launcher, not by hand).
     #[command(name = "__spawn-probe", hide = true)]
@@ -68,9 +88,32 @@ enum BenchCommand {
     },
 }
 
-fn main() -> Result<()> {
+fn main() -> Result<ExitCode> {
     let cli = Cli::parse();
     match cli.command {
+        Command::Compare {
+            base,
+            new,
+            factor,
+            floor,
+        } => {
+            let options = CompareOptions {
+                factor,
+                zero_floor: floor,
+            };
+            // Exit 2 on an unusable input, so CI can tell "regressed" (1) from "could not judge".
+            let result = match compare_report_files(&base, &new, &options) {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("error: comparing parity reports: {e}");
+                    return Ok(ExitCode::from(2));
+                }
+            };
+            print!("{}", result.render_table());
+            if result.has_regression() {
+                return Ok(ExitCode::FAILURE);
+            }
+        }
         Command::Env { json } => {
             let report = lockstep::env_report::collect();
             if json {
@@ -82,7 +125,7 @@ fn main() -> Result<()> {
         Command::SpawnProbe => lockstep::harness::rank_main(bench::spawn_probe),
         Command::Bench { what } => run_bench(what)?,
     }
-    Ok(())
+    Ok(ExitCode::SUCCESS)
 }
 
 fn run_bench(what: BenchCommand) -> Result<()> {

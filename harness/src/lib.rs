@@ -22,7 +22,9 @@
 
 mod error;
 pub mod launch;
+pub mod parity;
 mod rank;
+pub mod report;
 
 pub use error::{signal_name, FailureReport, LaunchError, RankEnd, RankReport};
 pub use launch::{launch, LaunchOptions, LaunchSummary, RankCommand, RankInfo, RankSpawn};

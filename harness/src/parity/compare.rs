@@ -1,0 +1,648 @@
+//! The parity engine: one run against one reference, value by value, with the numbers a
+//! person needs to judge the verdict (how far off, relative to what was allowed, and where it
+//! first went wrong).
+
+use super::tolerance::{looser_dtype, ulp_distance, Check, Mode, Quantity, TolerancePolicy};
+use crate::report::{fmt_num, num};
+use lockstep_core::comm::DType;
+use lockstep_core::record::{NamedTensor, RunRecord, RunSpec};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::fmt;
+
+/// Where a value first failed its check, with the values themselves so the report needs no
+/// second look at the records.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FailurePoint {
+    /// Which series failed.
+    pub quantity: Quantity,
+    /// Training step (0-based); `None` for the final parameters.
+    pub step: Option<usize>,
+    /// Tensor name, for parameters and gradients.
+    pub tensor: Option<String>,
+    /// Flat element index inside the tensor.
+    pub index: Option<usize>,
+    /// The run's value.
+    #[serde(with = "num")]
+    pub actual: f64,
+    /// The reference's value.
+    #[serde(with = "num")]
+    pub expected: f64,
+    /// `|actual − expected|` (infinite when either is NaN).
+    #[serde(with = "num")]
+    pub abs_err: f64,
+    /// The error the tolerance allowed here; `None` in bitwise mode.
+    #[serde(with = "num::opt")]
+    pub allowed: Option<f64>,
+    /// Distance in ULPs in `dtype`.
+    pub ulp: u64,
+    /// The dtype the pair was judged in.
+    pub dtype: DType,
+}
+
+impl fmt::Display for FailurePoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.quantity)?;
+        if let Some(t) = &self.tensor {
+            write!(f, " `{t}`")?;
+        }
+        if let Some(i) = self.index {
+            write!(f, "[{i}]")?;
+        }
+        match self.step {
+            Some(s) => write!(f, " at step {s}")?,
+            None => write!(f, " after the last step")?,
+        }
+        write!(
+            f,
+            ": {} vs reference {} (|Δ| {}",
+            self.actual,
+            self.expected,
+            fmt_num(self.abs_err)
+        )?;
+        match self.allowed {
+            Some(a) => write!(f, " > allowed {}", fmt_num(a))?,
+            None => write!(f, ", bitwise mode")?,
+        }
+        if self.ulp == u64::MAX {
+            write!(f, ", NaN involved)")
+        } else {
+            write!(f, ", {} ULP in {})", self.ulp, self.dtype)
+        }
+    }
+}
+
+/// Error statistics of one series (or one tensor): the worst value of each measure, which
+/// need not all come from the same element.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Stats {
+    /// Values compared.
+    pub compared: usize,
+    /// Largest `|a − b|`.
+    #[serde(with = "num")]
+    pub max_abs_err: f64,
+    /// Largest `|a − b| / |b|` (infinite where `b` is 0 and `a` is not).
+    #[serde(with = "num")]
+    pub max_rel_err: f64,
+    /// Largest ULP distance in the judged dtype (`u64::MAX` for NaN).
+    pub max_ulp: u64,
+    /// Largest error / allowed error: at most 1 passes. In bitwise mode 0 or infinite.
+    #[serde(with = "num")]
+    pub margin: f64,
+    /// Every value passed.
+    pub passed: bool,
+    /// The first value that failed, in checking order.
+    pub first_failure: Option<FailurePoint>,
+}
+
+impl Default for Stats {
+    fn default() -> Self {
+        Stats {
+            compared: 0,
+            max_abs_err: 0.0,
+            max_rel_err: 0.0,
+            max_ulp: 0,
+            margin: 0.0,
+            passed: true,
+            first_failure: None,
+        }
+    }
+}
+
+/// The judgement of one value pair.
+struct Element {
+    abs_err: f64,
+    rel_err: f64,
+    ulp: u64,
+    margin: f64,
+    allowed: Option<f64>,
+    passed: bool,
+}
+
+fn judge(actual: f64, expected: f64, dtype: DType, check: &Check) -> Element {
+    let ulp = ulp_distance(actual, expected, dtype);
+    let identical = actual.to_bits() == expected.to_bits();
+    // Equal values (including equal infinities and ±0) have no error; NaN or a non-finite
+    // mismatch is an infinite one, which no tolerance accepts.
+    let abs_err = if actual == expected || identical {
+        0.0
+    } else if actual.is_finite() && expected.is_finite() {
+        (actual - expected).abs()
+    } else {
+        f64::INFINITY
+    };
+    let rel_err = if abs_err == 0.0 {
+        0.0
+    } else if expected == 0.0 || !expected.is_finite() {
+        f64::INFINITY
+    } else {
+        abs_err / expected.abs()
+    };
+    match check {
+        Check::Bitwise => Element {
+            abs_err,
+            rel_err,
+            ulp,
+            margin: if identical { 0.0 } else { f64::INFINITY },
+            allowed: None,
+            passed: identical,
+        },
+        Check::Close(tol) => {
+            let allowed = if expected.is_finite() {
+                tol.allowed(expected)
+            } else {
+                0.0
+            };
+            let margin = if abs_err == 0.0 {
+                0.0
+            } else if allowed == 0.0 {
+                f64::INFINITY
+            } else {
+                abs_err / allowed
+            };
+            Element {
+                abs_err,
+                rel_err,
+                ulp,
+                margin,
+                allowed: Some(allowed),
+                passed: abs_err <= allowed,
+            }
+        }
+    }
+}
+
+/// Where a value sits, for failure reports.
+#[derive(Clone)]
+struct At<'a> {
+    quantity: Quantity,
+    step: Option<usize>,
+    tensor: Option<&'a str>,
+}
+
+impl Stats {
+    fn observe(
+        &mut self,
+        actual: f64,
+        expected: f64,
+        dtype: DType,
+        check: &Check,
+        at: &At<'_>,
+        index: Option<usize>,
+    ) -> Element {
+        let e = judge(actual, expected, dtype, check);
+        self.compared += 1;
+        self.max_abs_err = self.max_abs_err.max(e.abs_err);
+        self.max_rel_err = self.max_rel_err.max(e.rel_err);
+        self.max_ulp = self.max_ulp.max(e.ulp);
+        self.margin = self.margin.max(e.margin);
+        if !e.passed {
+            self.passed = false;
+            if self.first_failure.is_none() {
+                self.first_failure = Some(FailurePoint {
+                    quantity: at.quantity,
+                    step: at.step,
+                    tensor: at.tensor.map(str::to_owned),
+                    index,
+                    actual,
+                    expected,
+                    abs_err: e.abs_err,
+                    allowed: e.allowed,
+                    ulp: e.ulp,
+                    dtype,
+                });
+            }
+        }
+        e
+    }
+
+    /// Folds `other` into `self`: worst of each measure; the earlier first failure is kept.
+    pub fn merge(&mut self, other: &Stats) {
+        self.compared += other.compared;
+        self.max_abs_err = self.max_abs_err.max(other.max_abs_err);
+        self.max_rel_err = self.max_rel_err.max(other.max_rel_err);
+        self.max_ulp = self.max_ulp.max(other.max_ulp);
+        self.margin = self.margin.max(other.margin);
+        self.passed &= other.passed;
+        if self.first_failure.is_none() {
+            self.first_failure.clone_from(&other.first_failure);
+        }
+    }
+}
+
+/// One scalar (a loss or a gradient norm) against its reference.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScalarDiff {
+    /// The run's value.
+    #[serde(with = "num")]
+    pub run: f64,
+    /// The reference's value.
+    #[serde(with = "num")]
+    pub reference: f64,
+    /// `|run − reference|`.
+    #[serde(with = "num")]
+    pub abs_err: f64,
+    /// `|run − reference| / |reference|`.
+    #[serde(with = "num")]
+    pub rel_err: f64,
+    /// ULP distance in the policy's scalar dtype.
+    pub ulp: u64,
+    /// Error / allowed error.
+    #[serde(with = "num")]
+    pub margin: f64,
+    /// Within tolerance.
+    pub passed: bool,
+}
+
+/// Everything compared at one training step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepComparison {
+    /// 0-based step.
+    pub step: usize,
+    /// The loss pair; `None` when one side has no value for this step.
+    pub loss: Option<ScalarDiff>,
+    /// The gradient-norm pair; `None` when one side has no value for this step.
+    pub grad_norm: Option<ScalarDiff>,
+    /// All gradients of this step, when both runs recorded them.
+    pub grads: Option<Stats>,
+    /// Every value of this step passed and both sides have it.
+    pub passed: bool,
+}
+
+/// The verdict for one final parameter.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ParamSummary {
+    /// Parameter name.
+    pub name: String,
+    /// Dtype it was judged in (the looser of the two sides).
+    pub dtype: DType,
+    /// Its shape.
+    pub shape: Vec<i64>,
+    /// Its error statistics.
+    pub stats: Stats,
+}
+
+/// One run against one reference: the unit a parity report is made of.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Comparison {
+    /// Model zoo name.
+    pub model: String,
+    /// The run's parallel configuration.
+    pub config: String,
+    /// The reference's configuration name (e.g. `ddp`, `single`).
+    pub reference: String,
+    /// The run's identity.
+    pub run_spec: RunSpec,
+    /// The reference's identity.
+    pub reference_spec: RunSpec,
+    /// Mode of the policy.
+    pub mode: Mode,
+    /// The reason of the override that applied to this configuration, if one did.
+    pub override_reason: Option<String>,
+    /// The whole comparison passed (values and structure).
+    pub passed: bool,
+    /// Why it failed, in one paragraph; `None` when it passed.
+    pub diagnosis: Option<String>,
+    /// Structural mismatches (missing parameters, shapes, step counts).
+    pub structural: Vec<String>,
+    /// The first failing value in checking order (step by step: loss, gradient norm,
+    /// gradients; then the final parameters).
+    pub first_failure: Option<FailurePoint>,
+    /// Loss series.
+    pub losses: Stats,
+    /// Gradient-norm series.
+    pub grad_norms: Stats,
+    /// All final parameters together.
+    pub params: Stats,
+    /// All per-step gradients together, when both sides recorded them.
+    pub grads: Option<Stats>,
+    /// Per-parameter verdicts.
+    pub param_summaries: Vec<ParamSummary>,
+    /// Per-step verdicts.
+    pub steps: Vec<StepComparison>,
+}
+
+impl Comparison {
+    /// The statistics of `q`, if it was compared.
+    pub fn stats(&self, q: Quantity) -> Option<&Stats> {
+        match q {
+            Quantity::Loss => Some(&self.losses),
+            Quantity::GradNorm => Some(&self.grad_norms),
+            Quantity::Params => Some(&self.params),
+            Quantity::Grads => self.grads.as_ref(),
+        }
+    }
+
+    /// All compared quantities folded into one: the headline numbers of the comparison.
+    pub fn overall(&self) -> Stats {
+        let mut all = Stats::default();
+        for q in Quantity::ALL {
+            if let Some(s) = self.stats(q) {
+                all.merge(s);
+            }
+        }
+        all.first_failure.clone_from(&self.first_failure);
+        all.passed = self.passed;
+        all
+    }
+}
+
+fn diff_scalar(
+    stats: &mut Stats,
+    run: f64,
+    reference: f64,
+    dtype: DType,
+    check: &Check,
+    at: &At<'_>,
+) -> ScalarDiff {
+    let e = stats.observe(run, reference, dtype, check, at, None);
+    ScalarDiff {
+        run,
+        reference,
+        abs_err: e.abs_err,
+        rel_err: e.rel_err,
+        ulp: e.ulp,
+        margin: e.margin,
+        passed: e.passed,
+    }
+}
+
+fn numel(shape: &[i64]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |acc, &d| {
+        usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
+    })
+}
+
+/// What a list of tensors being compared is and how it is judged.
+#[derive(Clone, Copy)]
+struct TensorSet<'a> {
+    /// Human name for diagnoses ("final parameters", "gradients at step 3").
+    what: &'a str,
+    step: Option<usize>,
+    quantity: Quantity,
+    policy: &'a TolerancePolicy,
+    config: &'a str,
+}
+
+/// Compares two tensor lists by name. Structural problems go to `structural` (prefixed with
+/// `set.what`); matching tensors are judged element by element.
+fn diff_tensors(
+    run: &[NamedTensor],
+    reference: &[NamedTensor],
+    set: &TensorSet<'_>,
+    structural: &mut Vec<String>,
+) -> (Stats, Vec<ParamSummary>) {
+    let TensorSet {
+        what,
+        step,
+        quantity,
+        policy,
+        config,
+    } = *set;
+    let by_name: HashMap<&str, &NamedTensor> = run.iter().map(|t| (t.name.as_str(), t)).collect();
+    let ref_names: std::collections::HashSet<&str> =
+        reference.iter().map(|t| t.name.as_str()).collect();
+    let mut total = Stats::default();
+    let mut summaries = Vec::new();
+    for want in reference {
+        let Some(have) = by_name.get(want.name.as_str()) else {
+            structural.push(format!(
+                "{what}: `{}` is in the reference but missing from the run",
+                want.name
+            ));
+            total.passed = false;
+            continue;
+        };
+        if have.shape != want.shape {
+            structural.push(format!(
+                "{what}: `{}` has shape {:?} in the run but {:?} in the reference",
+                want.name, have.shape, want.shape
+            ));
+            total.passed = false;
+            continue;
+        }
+        let expected_len = numel(&want.shape);
+        if expected_len != Some(want.values.len()) || expected_len != Some(have.values.len()) {
+            structural.push(format!(
+                "{what}: `{}` of shape {:?} holds {} values in the run and {} in the reference",
+                want.name,
+                want.shape,
+                have.values.len(),
+                want.values.len()
+            ));
+            total.passed = false;
+            continue;
+        }
+        let dtype = looser_dtype(have.dtype, want.dtype);
+        let check = policy.check(config, quantity, dtype);
+        let at = At {
+            quantity,
+            step,
+            tensor: Some(&want.name),
+        };
+        let mut stats = Stats::default();
+        for (i, (&a, &b)) in have.values.iter().zip(&want.values).enumerate() {
+            stats.observe(a, b, dtype, &check, &at, Some(i));
+        }
+        total.merge(&stats);
+        summaries.push(ParamSummary {
+            name: want.name.clone(),
+            dtype,
+            shape: want.shape.clone(),
+            stats,
+        });
+    }
+    for have in run {
+        if !ref_names.contains(have.name.as_str()) {
+            structural.push(format!(
+                "{what}: `{}` is in the run but not in the reference",
+                have.name
+            ));
+            total.passed = false;
+        }
+    }
+    (total, summaries)
+}
+
+/// Compares `run` against `reference` under `policy`. Never panics on mismatched records:
+/// structural differences become failures with a diagnosis, and whatever still lines up is
+/// compared so the numbers stay informative.
+pub fn compare(run: &RunRecord, reference: &RunRecord, policy: &TolerancePolicy) -> Comparison {
+    let config = run.spec.config.as_str();
+    let mut structural = Vec::new();
+    if run.spec.model != reference.spec.model {
+        structural.push(format!(
+            "the run trained model `{}` but the reference trained `{}`",
+            run.spec.model, reference.spec.model
+        ));
+    }
+    for (what, a, b) in [
+        ("loss", run.losses.len(), reference.losses.len()),
+        (
+            "gradient norm",
+            run.grad_norms.len(),
+            reference.grad_norms.len(),
+        ),
+    ] {
+        if a != b {
+            structural.push(format!(
+                "the run recorded {a} {what} steps but the reference {b}"
+            ));
+        }
+    }
+    let grads_pair = match (&run.grads, &reference.grads) {
+        (Some(a), Some(b)) => {
+            if a.len() != b.len() {
+                structural.push(format!(
+                    "the run recorded gradients for {} steps but the reference for {}",
+                    a.len(),
+                    b.len()
+                ));
+            }
+            Some((a, b))
+        }
+        _ => None,
+    };
+
+    let scalar = policy.scalar_dtype();
+    let loss_check = policy.check(config, Quantity::Loss, scalar);
+    let norm_check = policy.check(config, Quantity::GradNorm, scalar);
+    let mut losses = Stats::default();
+    let mut grad_norms = Stats::default();
+    let mut grads_total = grads_pair.map(|_| Stats::default());
+    let mut first_failure: Option<FailurePoint> = None;
+    let mut note_failure = |f: &Option<FailurePoint>| {
+        if first_failure.is_none() {
+            first_failure.clone_from(f);
+        }
+    };
+
+    let n_steps = [
+        run.losses.len(),
+        reference.losses.len(),
+        run.grad_norms.len(),
+        reference.grad_norms.len(),
+        grads_pair.map_or(0, |(a, b)| a.len().max(b.len())),
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0);
+    let mut steps = Vec::with_capacity(n_steps);
+    for step in 0..n_steps {
+        let mut passed = true;
+        let loss = match (run.losses.get(step), reference.losses.get(step)) {
+            (Some(&a), Some(&b)) => {
+                let at = At {
+                    quantity: Quantity::Loss,
+                    step: Some(step),
+                    tensor: None,
+                };
+                let d = diff_scalar(&mut losses, a, b, scalar, &loss_check, &at);
+                passed &= d.passed;
+                Some(d)
+            }
+            _ => {
+                passed = false;
+                None
+            }
+        };
+        note_failure(&losses.first_failure);
+        let grad_norm = match (run.grad_norms.get(step), reference.grad_norms.get(step)) {
+            (Some(&a), Some(&b)) => {
+                let at = At {
+                    quantity: Quantity::GradNorm,
+                    step: Some(step),
+                    tensor: None,
+                };
+                let d = diff_scalar(&mut grad_norms, a, b, scalar, &norm_check, &at);
+                passed &= d.passed;
+                Some(d)
+            }
+            _ => {
+                passed = false;
+                None
+            }
+        };
+        note_failure(&grad_norms.first_failure);
+        let grads = match grads_pair {
+            Some((a, b)) => match (a.get(step), b.get(step)) {
+                (Some(a), Some(b)) => {
+                    let what = format!("gradients at step {step}");
+                    let set = TensorSet {
+                        what: &what,
+                        step: Some(step),
+                        quantity: Quantity::Grads,
+                        policy,
+                        config,
+                    };
+                    let (stats, _) = diff_tensors(a, b, &set, &mut structural);
+                    note_failure(&stats.first_failure);
+                    if let Some(total) = grads_total.as_mut() {
+                        total.merge(&stats);
+                    }
+                    passed &= stats.passed;
+                    Some(stats)
+                }
+                _ => {
+                    passed = false;
+                    None
+                }
+            },
+            None => None,
+        };
+        steps.push(StepComparison {
+            step,
+            loss,
+            grad_norm,
+            grads,
+            passed,
+        });
+    }
+
+    let set = TensorSet {
+        what: "final parameters",
+        step: None,
+        quantity: Quantity::Params,
+        policy,
+        config,
+    };
+    let (params, param_summaries) =
+        diff_tensors(&run.params, &reference.params, &set, &mut structural);
+    note_failure(&params.first_failure);
+
+    let values_passed = losses.passed
+        && grad_norms.passed
+        && params.passed
+        && grads_total.as_ref().is_none_or(|g| g.passed);
+    let passed = values_passed && structural.is_empty();
+    let diagnosis = (!passed).then(|| {
+        let mut parts = Vec::new();
+        if !structural.is_empty() {
+            parts.push(format!("structural mismatch: {}", structural.join("; ")));
+        }
+        if let Some(f) = &first_failure {
+            parts.push(format!("first failure: {f}"));
+        }
+        parts.join(". ")
+    });
+    let override_reason = policy.override_for(config).map(|o| o.reason().to_owned());
+    Comparison {
+        model: run.spec.model.clone(),
+        config: run.spec.config.clone(),
+        reference: reference.spec.config.clone(),
+        run_spec: run.spec.clone(),
+        reference_spec: reference.spec.clone(),
+        mode: policy.mode(),
+        override_reason,
+        passed,
+        diagnosis,
+        structural,
+        first_failure,
+        losses,
+        grad_norms,
+        params,
+        grads: grads_total,
+        param_summaries,
+        steps,
+    }
+}

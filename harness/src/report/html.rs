@@ -1,0 +1,387 @@
+//! The HTML page: one self-contained file (inline CSS and SVG, no scripts, no external
+//! resources) so it opens offline, as a CI artifact or an e-mail attachment.
+
+use super::junit::xml_escape;
+use super::{fmt_num, fmt_ulp, Report, StepRow};
+use std::fmt::Write as _;
+
+const WIDTH: f64 = 600.0;
+const HEIGHT: f64 = 260.0;
+const LEFT: f64 = 70.0;
+const RIGHT: f64 = 170.0;
+const TOP: f64 = 30.0;
+const BOTTOM: f64 = 40.0;
+
+/// One line of a plot.
+struct Series {
+    label: String,
+    color: &'static str,
+    dashed: bool,
+    points: Vec<(f64, f64)>,
+}
+
+/// Maps data to pixels; on a log axis values are log10'd (zeros are drawn at `floor`).
+struct Axis {
+    lo: f64,
+    hi: f64,
+    log: bool,
+    floor: f64,
+}
+
+impl Axis {
+    fn new(values: impl Iterator<Item = f64>, log: bool) -> Self {
+        let finite: Vec<f64> = values.filter(|v| v.is_finite()).collect();
+        let floor = if log {
+            let min_pos = finite
+                .iter()
+                .copied()
+                .filter(|&v| v > 0.0)
+                .fold(f64::INFINITY, f64::min);
+            if min_pos.is_finite() {
+                min_pos / 10.0
+            } else {
+                1e-17
+            }
+        } else {
+            0.0
+        };
+        let t = |v: f64| if log { v.max(floor).log10() } else { v };
+        let (mut lo, mut hi) = finite
+            .iter()
+            .map(|&v| t(v))
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+                (lo.min(v), hi.max(v))
+            });
+        if !lo.is_finite() {
+            (lo, hi) = (0.0, 1.0);
+        }
+        if log {
+            lo = lo.floor();
+            hi = hi.ceil();
+        }
+        if hi - lo < 1e-300 || hi - lo < lo.abs() * 1e-12 {
+            let pad = if lo == 0.0 { 1.0 } else { lo.abs() * 0.05 };
+            lo -= pad;
+            hi += pad;
+        }
+        Axis { lo, hi, log, floor }
+    }
+
+    fn transform(&self, v: f64) -> f64 {
+        if self.log {
+            v.max(self.floor).log10()
+        } else {
+            v
+        }
+    }
+
+    /// 0 at `lo`, 1 at `hi`.
+    fn unit(&self, v: f64) -> f64 {
+        (self.transform(v) - self.lo) / (self.hi - self.lo)
+    }
+
+    fn ticks(&self) -> Vec<(f64, String)> {
+        if self.log {
+            let (lo, hi) = (self.lo.floor() as i32, self.hi.ceil() as i32);
+            let stride = ((hi - lo) / 6).max(1);
+            (lo..=hi)
+                .step_by(stride as usize)
+                .map(|e| ((e as f64 - self.lo) / (self.hi - self.lo), format!("1e{e}")))
+                .collect()
+        } else {
+            (0..=4)
+                .map(|i| {
+                    let f = i as f64 / 4.0;
+                    (f, format!("{:.4}", self.lo + f * (self.hi - self.lo)))
+                })
+                .collect()
+        }
+    }
+}
+
+fn svg_plot(title: &str, y_label: &str, series: &[Series], log: bool) -> String {
+    let plot_w = WIDTH - LEFT - RIGHT;
+    let plot_h = HEIGHT - TOP - BOTTOM;
+    let x_max = series
+        .iter()
+        .flat_map(|s| s.points.iter().map(|p| p.0))
+        .fold(0.0f64, f64::max)
+        .max(1.0);
+    let y = Axis::new(
+        series.iter().flat_map(|s| s.points.iter().map(|p| p.1)),
+        log,
+    );
+    let px = |x: f64| LEFT + x / x_max * plot_w;
+    let py = |v: f64| TOP + (1.0 - y.unit(v)) * plot_h;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "<svg class=\"plot\" role=\"img\" viewBox=\"0 0 {WIDTH} {HEIGHT}\" width=\"{WIDTH}\" height=\"{HEIGHT}\">"
+    );
+    let _ = writeln!(out, "<title>{}</title>", xml_escape(title));
+    let _ = writeln!(
+        out,
+        "<text x=\"{}\" y=\"18\" text-anchor=\"middle\" class=\"t\">{}</text>",
+        LEFT + plot_w / 2.0,
+        xml_escape(title)
+    );
+    let _ = writeln!(
+        out,
+        "<rect x=\"{LEFT}\" y=\"{TOP}\" width=\"{plot_w}\" height=\"{plot_h}\" fill=\"none\" stroke=\"#999\"/>"
+    );
+    for (f, label) in y.ticks() {
+        let yy = TOP + (1.0 - f) * plot_h;
+        let _ = writeln!(
+            out,
+            "<line x1=\"{LEFT}\" x2=\"{}\" y1=\"{yy:.1}\" y2=\"{yy:.1}\" stroke=\"#eee\"/><text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>",
+            LEFT + plot_w,
+            LEFT - 4.0,
+            yy + 4.0,
+            xml_escape(&label)
+        );
+    }
+    let x_ticks = (x_max as usize).clamp(1, 10);
+    for i in 0..=x_ticks {
+        let x = x_max * i as f64 / x_ticks as f64;
+        let _ = writeln!(
+            out,
+            "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>",
+            px(x),
+            TOP + plot_h + 14.0,
+            x.round()
+        );
+    }
+    let _ = writeln!(
+        out,
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">step</text>",
+        LEFT + plot_w / 2.0,
+        HEIGHT - 6.0
+    );
+    let _ = writeln!(
+        out,
+        "<text transform=\"translate(14 {}) rotate(-90)\" text-anchor=\"middle\">{}</text>",
+        TOP + plot_h / 2.0,
+        xml_escape(y_label)
+    );
+    for (i, s) in series.iter().enumerate() {
+        // Break the line at non-finite values instead of drawing through them.
+        let mut segments: Vec<Vec<(f64, f64)>> = vec![Vec::new()];
+        for &(x, v) in &s.points {
+            if v.is_finite() {
+                if let Some(seg) = segments.last_mut() {
+                    seg.push((px(x), py(v)));
+                }
+            } else {
+                // Mark NaN / infinite values on the top edge so a diverged run is visible.
+                let _ = writeln!(
+                    out,
+                    "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\" fill=\"{}\">{}</text>",
+                    px(x),
+                    TOP - 2.0,
+                    s.color,
+                    if v.is_nan() { "NaN" } else { "inf" }
+                );
+                if segments.last().is_some_and(|seg| !seg.is_empty()) {
+                    segments.push(Vec::new());
+                }
+            }
+        }
+        let dash = if s.dashed {
+            " stroke-dasharray=\"5 3\""
+        } else {
+            ""
+        };
+        for seg in segments.iter().filter(|seg| !seg.is_empty()) {
+            let pts: Vec<String> = seg.iter().map(|(x, y)| format!("{x:.1},{y:.1}")).collect();
+            let _ = writeln!(
+                out,
+                "<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"1.8\"{dash} points=\"{}\"/>",
+                s.color,
+                pts.join(" ")
+            );
+            if seg.len() == 1 {
+                let (x, y) = seg[0];
+                let _ = writeln!(
+                    out,
+                    "<circle cx=\"{x:.1}\" cy=\"{y:.1}\" r=\"2.5\" fill=\"{}\"/>",
+                    s.color
+                );
+            }
+        }
+        let ly = TOP + 12.0 + i as f64 * 16.0;
+        let lx = LEFT + plot_w + 10.0;
+        let _ = writeln!(
+            out,
+            "<line x1=\"{lx}\" x2=\"{}\" y1=\"{ly}\" y2=\"{ly}\" stroke=\"{}\" stroke-width=\"2\"{dash}/><text x=\"{}\" y=\"{}\">{}</text>",
+            lx + 18.0,
+            s.color,
+            lx + 22.0,
+            ly + 4.0,
+            xml_escape(&s.label)
+        );
+    }
+    if log {
+        let _ = writeln!(
+            out,
+            "<text x=\"{}\" y=\"{}\" class=\"n\">zero drawn at {}</text>",
+            LEFT + plot_w + 10.0,
+            TOP + plot_h,
+            fmt_num(y.floor)
+        );
+    }
+    out.push_str("</svg>\n");
+    out
+}
+
+fn loss_plot(title: &str, steps: &[&StepRow]) -> String {
+    let series = vec![
+        Series {
+            label: "run".into(),
+            color: "#1f77b4",
+            dashed: false,
+            points: steps
+                .iter()
+                .filter_map(|s| s.step.loss.as_ref().map(|l| (s.step.step as f64, l.run)))
+                .collect(),
+        },
+        Series {
+            label: "reference".into(),
+            color: "#ff7f0e",
+            dashed: true,
+            points: steps
+                .iter()
+                .filter_map(|s| {
+                    s.step
+                        .loss
+                        .as_ref()
+                        .map(|l| (s.step.step as f64, l.reference))
+                })
+                .collect(),
+        },
+    ];
+    svg_plot(title, "loss", &series, false)
+}
+
+fn error_plot(title: &str, steps: &[&StepRow]) -> String {
+    let mut series = vec![
+        Series {
+            label: "loss |Δ|".into(),
+            color: "#1f77b4",
+            dashed: false,
+            points: steps
+                .iter()
+                .filter_map(|s| {
+                    s.step
+                        .loss
+                        .as_ref()
+                        .map(|d| (s.step.step as f64, d.abs_err))
+                })
+                .collect(),
+        },
+        Series {
+            label: "grad norm |Δ|".into(),
+            color: "#2ca02c",
+            dashed: false,
+            points: steps
+                .iter()
+                .filter_map(|s| {
+                    s.step
+                        .grad_norm
+                        .as_ref()
+                        .map(|d| (s.step.step as f64, d.abs_err))
+                })
+                .collect(),
+        },
+    ];
+    let grads: Vec<(f64, f64)> = steps
+        .iter()
+        .filter_map(|s| {
+            s.step
+                .grads
+                .as_ref()
+                .map(|g| (s.step.step as f64, g.max_abs_err))
+        })
+        .collect();
+    if !grads.is_empty() {
+        series.push(Series {
+            label: "grads max |Δ|".into(),
+            color: "#d62728",
+            dashed: true,
+            points: grads,
+        });
+    }
+    svg_plot(title, "abs error (log)", &series, true)
+}
+
+const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:2em;color:#222}\
+table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}\
+td.num{text-align:right;font-family:monospace}.pass{color:#176317}.fail{color:#b00020;font-weight:bold}\
+section{margin:2em 0;border-top:1px solid #ddd}svg.plot{margin-right:1em}svg text{font-size:11px}\
+svg text.t{font-size:13px;font-weight:bold}svg text.n{font-size:9px;fill:#777}.diag{font-family:monospace;white-space:pre-wrap}";
+
+/// The page: a summary table, then per comparison its verdict, loss curves and errors per
+/// step on a log scale.
+pub fn render_html(report: &Report) -> String {
+    let s = &report.summary;
+    let mut out =
+        String::from("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\"/>\n");
+    let _ = writeln!(
+        out,
+        "<title>Lockstep parity report</title>\n<style>{STYLE}</style>\n</head>\n<body>"
+    );
+    let _ = writeln!(out, "<h1>Lockstep parity report</h1>");
+    let _ = write!(
+        out,
+        "<p>{} comparisons: {} passed, {} failed",
+        s.comparisons, s.passed, s.failed
+    );
+    if let Some(t) = report.wall_time_seconds {
+        let _ = write!(out, "; wall time {t:.2} s");
+    }
+    let _ = writeln!(
+        out,
+        " ({}, schema {}).</p>",
+        xml_escape(&report.tool),
+        report.schema_version
+    );
+    out.push_str("<table>\n<tr><th>model</th><th>config</th><th>reference</th><th>result</th><th>max abs err</th><th>max rel err</th><th>max ULP</th><th>margin</th></tr>\n");
+    for c in &report.comparisons {
+        let all = c.overall();
+        let _ = writeln!(
+            out,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td class=\"{}\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td></tr>",
+            xml_escape(&c.model),
+            xml_escape(&c.config),
+            xml_escape(&c.reference),
+            if c.passed { "pass" } else { "fail" },
+            if c.passed { "pass" } else { "FAIL" },
+            fmt_num(all.max_abs_err),
+            fmt_num(all.max_rel_err),
+            fmt_ulp(all.max_ulp),
+            fmt_num(all.margin)
+        );
+    }
+    out.push_str("</table>\n");
+    for c in &report.comparisons {
+        let name = format!("{} / {} vs {}", c.model, c.config, c.reference);
+        let _ = writeln!(out, "<section>\n<h2>{}</h2>", xml_escape(&name));
+        let _ = writeln!(
+            out,
+            "<p class=\"{}\">{}</p>",
+            if c.passed { "pass" } else { "fail" },
+            if c.passed { "passed" } else { "FAILED" }
+        );
+        if let Some(d) = &c.diagnosis {
+            let _ = writeln!(out, "<p class=\"diag\">{}</p>", xml_escape(d));
+        }
+        if let Some(r) = &c.override_reason {
+            let _ = writeln!(out, "<p>Tolerance override: {}</p>", xml_escape(r));
+        }
+        let steps: Vec<&StepRow> = report.steps_of(c).collect();
+        out.push_str(&loss_plot(&format!("loss: {name}"), &steps));
+        out.push_str(&error_plot(&format!("error per step: {name}"), &steps));
+        out.push_str("</section>\n");
+    }
+    out.push_str("</body>\n</html>\n");
+    out
+}

@@ -1,0 +1,71 @@
+//! The Markdown summary: one table a person reads in a pull request or a CI log.
+
+use super::{fmt_num, fmt_ulp, Report};
+use std::fmt::Write as _;
+
+fn cell(text: &str) -> String {
+    text.replace('|', "\\|").replace(['\n', '\r'], " ")
+}
+
+/// The summary table, with the overrides and their reasons listed under it.
+pub fn render_markdown(report: &Report) -> String {
+    let mut out = String::new();
+    let s = &report.summary;
+    let _ = writeln!(out, "# Lockstep parity report\n");
+    let _ = write!(
+        out,
+        "{} comparisons: {} passed, {} failed",
+        s.comparisons, s.passed, s.failed
+    );
+    if let Some(t) = report.wall_time_seconds {
+        let _ = write!(out, "; wall time {t:.2} s");
+    }
+    let _ = writeln!(
+        out,
+        " ({}, schema {}).\n",
+        report.tool, report.schema_version
+    );
+    let _ = writeln!(
+        out,
+        "| model | config | reference | result | max abs err | max rel err | max ULP | margin | first failure |"
+    );
+    let _ = writeln!(
+        out,
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- |"
+    );
+    for c in &report.comparisons {
+        let all = c.overall();
+        let failure = c.diagnosis.as_deref().unwrap_or("");
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            cell(&c.model),
+            cell(&c.config),
+            cell(&c.reference),
+            if c.passed { "pass" } else { "**FAIL**" },
+            fmt_num(all.max_abs_err),
+            fmt_num(all.max_rel_err),
+            fmt_ulp(all.max_ulp),
+            fmt_num(all.margin),
+            cell(failure)
+        );
+    }
+    let overrides: Vec<_> = report
+        .comparisons
+        .iter()
+        .filter_map(|c| c.override_reason.as_ref().map(|r| (c, r)))
+        .collect();
+    if !overrides.is_empty() {
+        let _ = writeln!(out, "\nTolerance overrides:\n");
+        for (c, r) in overrides {
+            let _ = writeln!(
+                out,
+                "- {} / {}: {}",
+                cell(&c.model),
+                cell(&c.config),
+                cell(r)
+            );
+        }
+    }
+    out
+}

@@ -1,0 +1,250 @@
+//! Parity reports: what a matrix of comparisons leaves behind for people and machines.
+//!
+//! One [`Report`] renders to a versioned JSON (the machine-readable record, and the input of
+//! [`compare_reports`]), a Markdown summary, JUnit XML (for CI dashboards) and a
+//! self-contained HTML page with plots. Every file is written atomically, so a crashed or
+//! failed write never leaves a file that looks complete.
+
+mod atomic;
+mod compare;
+mod html;
+mod json;
+mod junit;
+mod markdown;
+pub mod num;
+
+pub use atomic::write_atomic;
+pub use compare::{
+    compare_report_files, compare_reports, CompareOptions, CompareRow, ReportComparison, RowStatus,
+};
+pub use html::render_html;
+pub use json::{read_json, render_json};
+pub use junit::render_junit;
+pub use markdown::render_markdown;
+
+use crate::parity::{Comparison, StepComparison};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Version of the JSON layout. Bump it on any change a reader could trip over; readers
+/// refuse versions they do not know instead of misreading them.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Totals over a report.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Summary {
+    /// Comparisons (model × config × reference) in the report.
+    pub comparisons: usize,
+    /// How many passed.
+    pub passed: usize,
+    /// How many failed.
+    pub failed: usize,
+}
+
+/// One step of one comparison: the per-step record of the JSON.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepRow {
+    /// Model zoo name.
+    pub model: String,
+    /// The run's configuration.
+    pub config: String,
+    /// The reference's configuration.
+    pub reference: String,
+    /// The step's values and verdict.
+    #[serde(flatten)]
+    pub step: StepComparison,
+}
+
+/// A whole parity matrix's results, as written to and read from disk.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    /// Always [`SCHEMA_VERSION`] when written by this build.
+    pub schema_version: u32,
+    /// The program and version that wrote it.
+    pub tool: String,
+    /// Measured wall time of the whole matrix, set by the caller that ran it.
+    #[serde(with = "num::opt", default)]
+    pub wall_time_seconds: Option<f64>,
+    /// Totals.
+    pub summary: Summary,
+    /// One record per model × config × reference × step.
+    pub steps: Vec<StepRow>,
+    /// One summary per model × config × reference (their `steps` are moved to
+    /// [`Report::steps`] and left empty here), with final-parameter summaries.
+    pub comparisons: Vec<Comparison>,
+}
+
+impl Report {
+    /// A report over `comparisons`, in the given order.
+    pub fn new(comparisons: Vec<Comparison>) -> Self {
+        let mut steps = Vec::new();
+        let mut summaries = Vec::with_capacity(comparisons.len());
+        for mut c in comparisons {
+            for step in std::mem::take(&mut c.steps) {
+                steps.push(StepRow {
+                    model: c.model.clone(),
+                    config: c.config.clone(),
+                    reference: c.reference.clone(),
+                    step,
+                });
+            }
+            summaries.push(c);
+        }
+        let passed = summaries.iter().filter(|c| c.passed).count();
+        Report {
+            schema_version: SCHEMA_VERSION,
+            tool: format!("lockstep {}", env!("CARGO_PKG_VERSION")),
+            wall_time_seconds: None,
+            summary: Summary {
+                comparisons: summaries.len(),
+                passed,
+                failed: summaries.len() - passed,
+            },
+            steps,
+            comparisons: summaries,
+        }
+    }
+
+    /// Records the measured wall time of the matrix.
+    pub fn with_wall_time(mut self, elapsed: Duration) -> Self {
+        self.wall_time_seconds = Some(elapsed.as_secs_f64());
+        self
+    }
+
+    /// The per-step records of `c` (matched by model, config and reference).
+    pub fn steps_of<'a>(&'a self, c: &'a Comparison) -> impl Iterator<Item = &'a StepRow> + 'a {
+        self.steps.iter().filter(move |s| {
+            s.model == c.model && s.config == c.config && s.reference == c.reference
+        })
+    }
+
+    /// Whether every comparison passed.
+    pub fn passed(&self) -> bool {
+        self.summary.failed == 0
+    }
+}
+
+/// Why a report could not be written, read or compared.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    /// A file could not be written or read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file concerned.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A report file is not valid report JSON.
+    #[error("{path}: not a parity report: {source}")]
+    Json {
+        /// The file concerned.
+        path: PathBuf,
+        /// The parse error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A report of a layout this build does not know.
+    #[error(
+        "{path}: schema_version {found:?} is not supported (this build reads {SCHEMA_VERSION})"
+    )]
+    UnsupportedSchema {
+        /// The file concerned.
+        path: PathBuf,
+        /// The version found, if any.
+        found: Option<u64>,
+    },
+    /// Rendering a report to JSON failed (a bug, not a user error).
+    #[error("cannot serialize the report: {0}")]
+    Serialize(#[source] serde_json::Error),
+    /// The growth factor of a report comparison is not a finite number ≥ 1.
+    #[error("growth factor {0} must be a finite number of at least 1")]
+    InvalidFactor(f64),
+    /// A report lists the same model × config × reference twice, so it is ambiguous which
+    /// one to compare.
+    #[error("{which} report lists {model} / {config} vs {reference} more than once")]
+    DuplicateComparison {
+        /// `base` or `new`.
+        which: &'static str,
+        /// Model of the duplicate.
+        model: String,
+        /// Config of the duplicate.
+        config: String,
+        /// Reference of the duplicate.
+        reference: String,
+    },
+}
+
+/// The files [`write_all`] produced.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReportFiles {
+    /// `report.json`.
+    pub json: PathBuf,
+    /// `report.md`.
+    pub markdown: PathBuf,
+    /// `junit.xml`.
+    pub junit: PathBuf,
+    /// `report.html`.
+    pub html: PathBuf,
+}
+
+/// Writes the JSON to `path` atomically.
+pub fn write_json(report: &Report, path: &Path) -> Result<(), ReportError> {
+    write_atomic(path, render_json(report)?.as_bytes())
+}
+
+/// Writes the Markdown summary to `path` atomically.
+pub fn write_markdown(report: &Report, path: &Path) -> Result<(), ReportError> {
+    write_atomic(path, render_markdown(report).as_bytes())
+}
+
+/// Writes the JUnit XML to `path` atomically.
+pub fn write_junit(report: &Report, path: &Path) -> Result<(), ReportError> {
+    write_atomic(path, render_junit(report).as_bytes())
+}
+
+/// Writes the HTML page to `path` atomically.
+pub fn write_html(report: &Report, path: &Path) -> Result<(), ReportError> {
+    write_atomic(path, render_html(report).as_bytes())
+}
+
+/// Writes all four formats into the existing directory `dir` (`report.json`, `report.md`,
+/// `junit.xml`, `report.html`). Each file is atomic on its own; the JSON is written last so
+/// its presence means the set is complete.
+pub fn write_all(report: &Report, dir: &Path) -> Result<ReportFiles, ReportError> {
+    let files = ReportFiles {
+        json: dir.join("report.json"),
+        markdown: dir.join("report.md"),
+        junit: dir.join("junit.xml"),
+        html: dir.join("report.html"),
+    };
+    write_markdown(report, &files.markdown)?;
+    write_junit(report, &files.junit)?;
+    write_html(report, &files.html)?;
+    write_json(report, &files.json)?;
+    Ok(files)
+}
+
+/// Formats a number for people: `0`, `NaN`, `inf`, or three significant digits.
+pub(crate) fn fmt_num(x: f64) -> String {
+    if x == 0.0 {
+        "0".into()
+    } else if x.is_nan() {
+        "NaN".into()
+    } else if x.is_infinite() {
+        if x > 0.0 { "inf" } else { "-inf" }.into()
+    } else {
+        format!("{x:.3e}")
+    }
+}
+
+/// Formats a ULP distance, where `u64::MAX` stands for "NaN involved".
+pub(crate) fn fmt_ulp(u: u64) -> String {
+    if u == u64::MAX {
+        "NaN".into()
+    } else {
+        u.to_string()
+    }
+}

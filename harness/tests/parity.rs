@@ -1,0 +1,682 @@
+//! The parity engine, its reports and report comparison, on hand-made records.
+
+use lockstep_core::comm::DType;
+use lockstep_core::record::{NamedTensor, RunRecord, RunSpec};
+use lockstep_harness::parity::{
+    compare, looser_dtype, ulp_distance, Override, ParityError, Quantity, Reason, Tolerance,
+    TolerancePolicy,
+};
+use lockstep_harness::report::{
+    compare_reports, read_json, render_html, render_junit, write_all, write_atomic, write_json,
+    CompareOptions, Report, ReportError, RowStatus, SCHEMA_VERSION,
+};
+use std::time::Duration;
+
+fn spec(config: &str) -> RunSpec {
+    RunSpec {
+        model: "nested".into(),
+        config: config.into(),
+        world_size: 2,
+        backend: "cpu".into(),
+        dtype: "fp32".into(),
+        steps: 3,
+        seed: 0,
+    }
+}
+
+fn tensor(name: &str, dtype: DType, shape: &[i64], values: &[f64]) -> NamedTensor {
+    NamedTensor {
+        name: name.into(),
+        dtype,
+        shape: shape.to_vec(),
+        values: values.to_vec(),
+    }
+}
+
+fn record(config: &str, losses: &[f64], params: Vec<NamedTensor>) -> RunRecord {
+    RunRecord {
+        spec: spec(config),
+        losses: losses.to_vec(),
+        grad_norms: vec![1.0; losses.len()],
+        params,
+        grads: None,
+    }
+}
+
+fn f32_policy() -> TolerancePolicy {
+    TolerancePolicy::dtype_table(DType::F32)
+}
+
+/// The f64 value of the next f32 above `x`.
+fn next_f32(x: f32) -> f64 {
+    f64::from(f32::from_bits(x.to_bits() + 1))
+}
+
+// ---------------------------------------------------------------- tolerance math
+
+#[test]
+fn boundary_passes_exactly_and_fails_just_beyond() {
+    // Reference 0: allowed is exactly atol (1e-5 for f32).
+    let reference = record("ddp", &[0.0], vec![]);
+    let at = compare(&record("fsdp", &[1e-5], vec![]), &reference, &f32_policy());
+    assert!(at.passed, "{:?}", at.diagnosis);
+    assert_eq!(at.losses.margin, 1.0);
+    let beyond = compare(
+        &record("fsdp", &[f64::next_up(1e-5)], vec![]),
+        &reference,
+        &f32_policy(),
+    );
+    assert!(!beyond.passed);
+    assert!(beyond.losses.margin > 1.0);
+
+    // The relative part, with values exactly representable: atol 0.5 + rtol 0.25 · |2| = 1.
+    let ov = Override::new(Tolerance::new(0.25, 0.5), "exercise the rtol term").unwrap();
+    let policy = f32_policy().with_override("fsdp", ov);
+    let reference = record("ddp", &[2.0], vec![tensor("w", DType::F32, &[1], &[-2.0])]);
+    let at = compare(
+        &record("fsdp", &[3.0], vec![tensor("w", DType::F32, &[1], &[-3.0])]),
+        &reference,
+        &policy,
+    );
+    assert!(at.passed, "{:?}", at.diagnosis);
+    assert_eq!(at.overall().margin, 1.0);
+    let beyond = compare(
+        &record(
+            "fsdp",
+            &[3.0],
+            vec![tensor("w", DType::F32, &[1], &[f64::next_down(-3.0)])],
+        ),
+        &reference,
+        &policy,
+    );
+    assert!(!beyond.passed);
+    assert!(beyond.losses.passed && !beyond.params.passed);
+    assert_eq!(
+        beyond.override_reason.as_deref(),
+        Some("exercise the rtol term")
+    );
+}
+
+#[test]
+fn looser_dtype_of_the_two_wins() {
+    assert_eq!(looser_dtype(DType::F32, DType::BF16), DType::BF16);
+    assert_eq!(looser_dtype(DType::F16, DType::F32), DType::F16);
+    assert_eq!(looser_dtype(DType::F64, DType::I64), DType::F64);
+    // A 1e-3 relative error fails in f32 but passes once either side is bf16.
+    let reference = record(
+        "ddp",
+        &[1.0],
+        vec![tensor("w", DType::F32, &[2], &[1.0, 2.0])],
+    );
+    let f32_run = record(
+        "tp",
+        &[1.0],
+        vec![tensor("w", DType::F32, &[2], &[1.001, 2.0])],
+    );
+    assert!(!compare(&f32_run, &reference, &f32_policy()).passed);
+    let bf16_run = record(
+        "tp",
+        &[1.0],
+        vec![tensor("w", DType::BF16, &[2], &[1.001, 2.0])],
+    );
+    let c = compare(&bf16_run, &reference, &f32_policy());
+    assert!(c.passed, "{:?}", c.diagnosis);
+    assert_eq!(c.param_summaries[0].dtype, DType::BF16);
+}
+
+#[test]
+fn bitwise_mode_catches_one_ulp_and_signed_zero() {
+    let reference = record(
+        "ddp",
+        &[1.0],
+        vec![tensor("w", DType::F32, &[2], &[1.0, 0.0])],
+    );
+    let run = record(
+        "ddp2",
+        &[1.0],
+        vec![tensor("w", DType::F32, &[2], &[next_f32(1.0), 0.0])],
+    );
+    assert!(
+        compare(&run, &reference, &f32_policy()).passed,
+        "1 ULP is within the f32 tolerance"
+    );
+    let c = compare(&run, &reference, &TolerancePolicy::bitwise(DType::F32));
+    assert!(!c.passed);
+    let f = c.first_failure.expect("a failure point");
+    assert_eq!(
+        (f.quantity, f.tensor.as_deref(), f.index, f.ulp),
+        (Quantity::Params, Some("w"), Some(0), 1)
+    );
+    assert_eq!(f.allowed, None);
+    assert_eq!(c.params.max_ulp, 1);
+
+    let signed = record(
+        "ddp2",
+        &[1.0],
+        vec![tensor("w", DType::F32, &[2], &[1.0, -0.0])],
+    );
+    let c = compare(&signed, &reference, &TolerancePolicy::bitwise(DType::F32));
+    assert!(!c.passed, "-0 and +0 differ bit for bit");
+    assert_eq!(c.params.max_ulp, 0, "but are 0 ULP apart");
+    assert!(
+        compare(
+            &record("ddp2", &[1.0], reference.params.clone()),
+            &reference,
+            &TolerancePolicy::bitwise(DType::F32)
+        )
+        .passed
+    );
+}
+
+#[test]
+fn ulp_distances() {
+    assert_eq!(ulp_distance(1.0, next_f32(1.0), DType::F32), 1);
+    assert_eq!(
+        ulp_distance(1.0, 1.0 + 2f64.powi(-7), DType::BF16),
+        1,
+        "next bf16 after 1.0"
+    );
+    assert_eq!(
+        ulp_distance(1.0, 1.001, DType::BF16),
+        0,
+        "1.001 rounds to 1.0 in bf16"
+    );
+    assert_eq!(
+        ulp_distance(1.0, 1.0 + 2f64.powi(-10), DType::F16),
+        1,
+        "next f16 after 1.0"
+    );
+    assert_eq!(ulp_distance(1.0, f64::next_up(1.0), DType::F64), 1);
+    assert_eq!(
+        ulp_distance(1.0, f64::next_up(1.0), DType::F32),
+        0,
+        "invisible in f32"
+    );
+    assert_eq!(ulp_distance(-1.0, -next_f32(1.0), DType::F32), 1);
+    assert_eq!(ulp_distance(-1.0, 1.0, DType::F32), 2 * 0x3f80_0000);
+    assert_eq!(ulp_distance(-1.0, 1.0, DType::BF16), 2 * 0x3f80);
+    assert_eq!(ulp_distance(0.0, -0.0, DType::F32), 0);
+    assert_eq!(ulp_distance(0.0, -0.0, DType::BF16), 0);
+    assert_eq!(ulp_distance(0.0, -0.0, DType::F64), 0);
+    let tiny = f64::from(f32::from_bits(1));
+    assert_eq!(ulp_distance(tiny, -tiny, DType::F32), 2, "across zero");
+    assert_eq!(ulp_distance(0.0, tiny, DType::F32), 1);
+    assert_eq!(ulp_distance(f64::NAN, f64::NAN, DType::F32), u64::MAX);
+    assert_eq!(ulp_distance(3.0, 7.0, DType::I64), 4);
+}
+
+#[test]
+fn overrides_need_a_reason() {
+    let tol = Tolerance::new(1e-5, 4e-5);
+    assert_eq!(Override::new(tol, ""), Err(ParityError::MissingReason));
+    assert_eq!(Override::new(tol, "  \n"), Err(ParityError::MissingReason));
+    assert_eq!(Reason::new(""), Err(ParityError::MissingReason));
+    assert!(matches!(
+        Override::new(Tolerance::new(-1.0, 0.0), "why"),
+        Err(ParityError::InvalidTolerance { .. })
+    ));
+    assert!(matches!(
+        Override::new(Tolerance::new(f64::NAN, 0.0), "why"),
+        Err(ParityError::InvalidTolerance { .. })
+    ));
+    // Nor can a file smuggle one in.
+    let blank = r#"{"tolerance": {"rtol": 1e-5, "atol": 4e-5}, "reason": ""}"#;
+    assert!(serde_json::from_str::<Override>(blank).is_err());
+    let missing = r#"{"tolerance": {"rtol": 1e-5, "atol": 4e-5}}"#;
+    assert!(serde_json::from_str::<Override>(missing).is_err());
+    let good = r#"{"tolerance": {"rtol": 1e-5, "atol": 4e-5}, "reason": "pipeline grads", "only": ["grads"]}"#;
+    let ov: Override = serde_json::from_str(good).unwrap();
+    assert_eq!(ov.reason(), "pipeline grads");
+    assert!(ov.applies_to(Quantity::Grads) && !ov.applies_to(Quantity::Loss));
+}
+
+#[test]
+fn override_scoped_to_grads_leaves_losses_strict() {
+    let ov = Override::new(Tolerance::new(0.0, 1.0), "pipeline tests loosen gradients")
+        .unwrap()
+        .only(&[Quantity::Grads]);
+    let policy = f32_policy().with_override("pp", ov);
+    let mut reference = record("ddp", &[1.0], vec![]);
+    reference.grads = Some(vec![vec![tensor("g", DType::F32, &[1], &[0.0])]]);
+    let mut run = record("pp", &[1.5], vec![]);
+    run.grads = Some(vec![vec![tensor("g", DType::F32, &[1], &[0.5])]]);
+    let c = compare(&run, &reference, &policy);
+    assert!(c.grads.as_ref().is_some_and(|g| g.passed));
+    assert!(!c.losses.passed);
+}
+
+#[test]
+fn first_failing_step_and_tensor() {
+    let params = |w3: f64| {
+        vec![
+            tensor("a.weight", DType::F32, &[2], &[1.0, 2.0]),
+            tensor("b.weight", DType::F32, &[2, 2], &[1.0, 2.0, 3.0, w3]),
+        ]
+    };
+    let grads = |bad: f64| {
+        (0..4)
+            .map(|s| {
+                vec![tensor(
+                    "a.bias",
+                    DType::F32,
+                    &[2],
+                    &[if s == 1 { bad } else { 0.0 }, 0.0],
+                )]
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut reference = record("ddp", &[4.0, 3.0, 2.0, 1.0], params(4.0));
+    reference.grads = Some(grads(0.0));
+    let mut run = record("fsdp", &[4.0, 3.0, 2.5, 1.0], params(4.5));
+    run.grads = Some(grads(0.25));
+    let c = compare(&run, &reference, &f32_policy());
+    assert!(!c.passed);
+    let first = c.first_failure.clone().unwrap();
+    assert_eq!(
+        (
+            first.quantity,
+            first.step,
+            first.tensor.as_deref(),
+            first.index
+        ),
+        (Quantity::Grads, Some(1), Some("a.bias"), Some(0))
+    );
+    let loss = c.losses.first_failure.clone().unwrap();
+    assert_eq!((loss.step, loss.actual, loss.expected), (Some(2), 2.5, 2.0));
+    let param = c.params.first_failure.clone().unwrap();
+    assert_eq!(
+        (param.step, param.tensor.as_deref(), param.index),
+        (None, Some("b.weight"), Some(3))
+    );
+    assert_eq!(c.losses.max_abs_err, 0.5);
+    assert_eq!(c.losses.max_rel_err, 0.25);
+    let steps_passed: Vec<bool> = c.steps.iter().map(|s| s.passed).collect();
+    assert_eq!(steps_passed, [true, false, false, true]);
+    let diagnosis = c.diagnosis.unwrap();
+    assert!(
+        diagnosis.contains("grads `a.bias`[0] at step 1"),
+        "{diagnosis}"
+    );
+    assert!(c.param_summaries[0].stats.passed && !c.param_summaries[1].stats.passed);
+}
+
+#[test]
+fn structural_mismatch_is_diagnosed() {
+    let reference = record(
+        "ddp",
+        &[1.0, 1.0, 1.0],
+        vec![
+            tensor("a", DType::F32, &[2], &[1.0, 2.0]),
+            tensor("b", DType::F32, &[2, 2], &[0.0; 4]),
+            tensor("c", DType::F32, &[1], &[0.0]),
+        ],
+    );
+    let mut run = record(
+        "fsdp",
+        &[1.0, 1.0],
+        vec![
+            tensor("a", DType::F32, &[2], &[1.0, 2.0]),
+            tensor("b", DType::F32, &[4], &[0.0; 4]),
+            tensor("extra", DType::F32, &[1], &[0.0]),
+        ],
+    );
+    run.spec.model = "moe".into();
+    let c = compare(&run, &reference, &f32_policy());
+    assert!(!c.passed);
+    let all = c.structural.join("\n");
+    for needle in [
+        "model `moe`",
+        "2 loss steps but the reference 3",
+        "`b` has shape [4]",
+        "`c` is in the reference but missing",
+        "`extra` is in the run but not",
+    ] {
+        assert!(all.contains(needle), "missing {needle:?} in:\n{all}");
+    }
+    assert!(
+        c.first_failure.is_none(),
+        "the values that line up all match"
+    );
+    assert!(c.diagnosis.unwrap().starts_with("structural mismatch"));
+    assert_eq!(c.steps.len(), 3);
+    assert!(c.steps[2].loss.is_none() && !c.steps[2].passed);
+
+    // Corrupt records: shape and value count disagree.
+    let bad = record(
+        "fsdp",
+        &[1.0, 1.0, 1.0],
+        vec![tensor("a", DType::F32, &[2], &[1.0, 2.0, 3.0])],
+    );
+    let c = compare(&bad, &reference, &f32_policy());
+    assert!(
+        c.structural.iter().any(|s| s.contains("holds 3 values")),
+        "{:?}",
+        c.structural
+    );
+}
+
+#[test]
+fn nan_and_integers() {
+    let reference = record(
+        "ddp",
+        &[1.0],
+        vec![tensor("steps", DType::I64, &[1], &[7.0])],
+    );
+    let c = compare(
+        &record(
+            "x",
+            &[f64::NAN],
+            vec![tensor("steps", DType::I64, &[1], &[8.0])],
+        ),
+        &reference,
+        &f32_policy(),
+    );
+    assert!(!c.losses.passed && c.losses.max_abs_err.is_infinite());
+    assert!(!c.params.passed, "integers compare exactly");
+    assert_eq!(c.params.max_ulp, 1);
+}
+
+// ---------------------------------------------------------------- reports
+
+fn sample_comparisons() -> Vec<lockstep_harness::parity::Comparison> {
+    let losses = [2.0, 1.5, 1.2, 1.0];
+    let reference = record(
+        "ddp",
+        &losses,
+        vec![tensor("w", DType::F32, &[2], &[0.5, -0.5])],
+    );
+    let good = record(
+        "fsdp.full_shard",
+        &[2.0, 1.5 + 1e-7, 1.2, 1.0 + 2e-7],
+        vec![tensor("w", DType::F32, &[2], &[0.5, -0.5])],
+    );
+    let mut bad = record(
+        "fsdp<&\"weird\">",
+        &[2.0, 1.6, 1.4, f64::NAN],
+        vec![tensor("w", DType::F32, &[2], &[0.5, -0.25])],
+    );
+    bad.grad_norms[2] = 0.0;
+    let policy = f32_policy();
+    vec![
+        compare(&good, &reference, &policy),
+        compare(&bad, &reference, &policy),
+    ]
+}
+
+fn scratch(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(name).tempdir().unwrap()
+}
+
+#[test]
+fn json_report_round_trips_with_schema_version() {
+    let report = Report::new(sample_comparisons()).with_wall_time(Duration::from_millis(1500));
+    let dir = scratch("json");
+    let files = write_all(&report, dir.path()).unwrap();
+    let value: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&files.json).unwrap()).unwrap();
+    assert_eq!(value["schema_version"], SCHEMA_VERSION);
+    assert_eq!(value["wall_time_seconds"], 1.5);
+    assert_eq!(value["summary"]["failed"], 1);
+    assert_eq!(
+        value["steps"].as_array().unwrap().len(),
+        8,
+        "2 comparisons x 4 steps"
+    );
+    assert_eq!(value["steps"][7]["loss"]["run"], "NaN");
+    assert_eq!(value["steps"][7]["config"], "fsdp<&\"weird\">");
+    assert_eq!(value["comparisons"][0]["param_summaries"][0]["name"], "w");
+    let back = read_json(&files.json).unwrap();
+    assert_eq!(back.comparisons, report.comparisons);
+    assert!(back.steps[7].step.loss.as_ref().unwrap().run.is_nan());
+
+    // A future layout is refused by name.
+    let future = dir.path().join("future.json");
+    std::fs::write(&future, r#"{"schema_version": 99}"#).unwrap();
+    assert!(matches!(
+        read_json(&future),
+        Err(ReportError::UnsupportedSchema {
+            found: Some(99),
+            ..
+        })
+    ));
+    // No temporary files left behind.
+    let mut names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "future.json",
+            "junit.xml",
+            "report.html",
+            "report.json",
+            "report.md"
+        ]
+    );
+    let md = std::fs::read_to_string(files.markdown).unwrap();
+    assert!(
+        md.contains("| nested | fsdp.full_shard | ddp | pass |"),
+        "{md}"
+    );
+    assert!(md.contains("fsdp<&\"weird\">") && md.contains("**FAIL**"));
+}
+
+#[test]
+fn junit_parses_with_one_case_per_comparison() {
+    let report = Report::new(sample_comparisons());
+    let xml = render_junit(&report);
+    let doc = roxmltree::Document::parse(&xml).expect("well-formed JUnit");
+    assert_eq!(doc.root_element().tag_name().name(), "testsuites");
+    let cases: Vec<_> = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("testcase"))
+        .collect();
+    assert_eq!(cases.len(), 2);
+    assert_eq!(cases[0].attribute("name"), Some("fsdp.full_shard vs ddp"));
+    assert_eq!(cases[1].attribute("name"), Some("fsdp<&\"weird\"> vs ddp"));
+    let failures: Vec<_> = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("failure"))
+        .collect();
+    assert_eq!(failures.len(), 1);
+    let message = failures[0].attribute("message").unwrap();
+    assert!(
+        message.contains("first failure: loss at step 1"),
+        "{message}"
+    );
+}
+
+#[test]
+fn html_is_self_contained_with_plots() {
+    let report = Report::new(sample_comparisons()).with_wall_time(Duration::from_secs(2));
+    let html = render_html(&report);
+    let doc = roxmltree::Document::parse_with_options(
+        &html,
+        roxmltree::ParsingOptions {
+            allow_dtd: true,
+            ..Default::default()
+        },
+    )
+    .expect("the page is well-formed");
+    let svgs: Vec<_> = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("svg"))
+        .collect();
+    assert_eq!(
+        svgs.len(),
+        4,
+        "loss curves and error per step for each config"
+    );
+    for svg in &svgs {
+        assert!(svg.descendants().any(|n| n.has_tag_name("polyline")));
+        assert!(svg.descendants().any(|n| n.has_tag_name("title")));
+    }
+    let titles: Vec<String> = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("h2"))
+        .map(|n| n.text().unwrap_or("").to_owned())
+        .collect();
+    assert_eq!(
+        titles,
+        [
+            "nested / fsdp.full_shard vs ddp",
+            "nested / fsdp<&\"weird\"> vs ddp"
+        ]
+    );
+    assert!(
+        html.contains("error per step") && html.contains("1e-"),
+        "log-scale ticks"
+    );
+    for external in [
+        "http:", "https:", "src=", "href=", "url(", "<script", "<link", "@import",
+    ] {
+        assert!(!html.contains(external), "external reference {external:?}");
+    }
+}
+
+#[test]
+fn failed_write_leaves_no_file() {
+    let dir = scratch("atomic");
+    let missing = dir.path().join("no/such/dir/report.json");
+    let report = Report::new(sample_comparisons());
+    let err = write_json(&report, &missing).unwrap_err();
+    assert!(matches!(err, ReportError::Io { .. }), "{err}");
+    assert!(!missing.exists());
+    assert!(write_all(&report, &dir.path().join("absent")).is_err());
+
+    // The target is a directory: the rename fails and the temporary file is cleaned up.
+    let blocked = dir.path().join("report.json");
+    std::fs::create_dir(&blocked).unwrap();
+    std::fs::write(blocked.join("keep"), "x").unwrap();
+    assert!(write_atomic(&blocked, b"{}").is_err());
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        names,
+        ["report.json"],
+        "only the pre-existing directory remains"
+    );
+
+    // A successful write replaces the old content whole.
+    let target = dir.path().join("out.md");
+    std::fs::write(&target, "old").unwrap();
+    write_atomic(&target, b"new").unwrap();
+    assert_eq!(std::fs::read_to_string(&target).unwrap(), "new");
+}
+
+// ---------------------------------------------------------------- report comparison
+
+/// A comparison of `config` whose only error is `err` in the final parameter.
+fn with_error(config: &str, err: f64) -> lockstep_harness::parity::Comparison {
+    let reference = record(
+        "ddp",
+        &[1.0, 1.0],
+        vec![tensor("w", DType::F32, &[1], &[0.0])],
+    );
+    let run = record(
+        config,
+        &[1.0, 1.0],
+        vec![tensor("w", DType::F32, &[1], &[err])],
+    );
+    compare(&run, &reference, &f32_policy())
+}
+
+fn status_of(result: &lockstep_harness::report::ReportComparison, config: &str) -> RowStatus {
+    result
+        .rows
+        .iter()
+        .find(|r| r.config == config)
+        .map(|r| r.status)
+        .unwrap()
+}
+
+#[test]
+fn compare_flags_growth_crossing_and_vanishing() {
+    let base = Report::new(vec![
+        with_error("grows", 1e-8),
+        with_error("crosses", 5e-6),
+        with_error("vanishes", 0.0),
+        with_error("steady", 1e-7),
+        with_error("fixed", 1.0),
+    ]);
+    let new = Report::new(vec![
+        with_error("grows", 1e-6),
+        with_error("crosses", 2e-5),
+        with_error("steady", 3e-7),
+        with_error("fixed", 0.0),
+        with_error("added", 0.0),
+    ]);
+    let result = compare_reports(&base, &new, &CompareOptions::default()).unwrap();
+    assert!(result.has_regression());
+    assert_eq!(status_of(&result, "grows"), RowStatus::Grew);
+    assert_eq!(status_of(&result, "crosses"), RowStatus::CrossedTolerance);
+    assert_eq!(status_of(&result, "vanishes"), RowStatus::Vanished);
+    assert_eq!(status_of(&result, "steady"), RowStatus::Ok);
+    assert_eq!(status_of(&result, "fixed"), RowStatus::Fixed);
+    assert_eq!(status_of(&result, "added"), RowStatus::Added);
+    let grows = result.rows.iter().find(|r| r.config == "grows").unwrap();
+    assert_eq!(grows.quantity, Some(Quantity::Params));
+    assert!((grows.growth.unwrap() - 100.0).abs() < 1e-6);
+    assert_eq!(result.regressions().count(), 3);
+    let table = result.render_table();
+    assert!(
+        table.contains("GREW") && table.contains("VANISHED") && table.contains("CROSSED TOLERANCE"),
+        "{table}"
+    );
+    assert!(table.contains("3 regression(s)"));
+    // A looser factor lets the 100x growth through; crossing and vanishing stay.
+    let loose = compare_reports(
+        &base,
+        &new,
+        &CompareOptions {
+            factor: 1000.0,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(status_of(&loose, "grows"), RowStatus::Ok);
+    assert_eq!(loose.regressions().count(), 2);
+}
+
+#[test]
+fn compare_identical_reports_passes() {
+    let report = Report::new(sample_comparisons());
+    let result = compare_reports(&report, &report, &CompareOptions::default()).unwrap();
+    assert!(!result.has_regression(), "{}", result.render_table());
+    assert!(result.render_table().contains("no regression"));
+    let nan = result
+        .rows
+        .iter()
+        .find(|r| r.config.contains("weird"))
+        .unwrap();
+    assert_eq!(nan.growth, Some(1.0), "inf to inf is no growth");
+}
+
+#[test]
+fn compare_growth_from_zero_uses_the_floor() {
+    let base = Report::new(vec![with_error("noise", 0.0), with_error("real", 0.0)]);
+    let new = Report::new(vec![with_error("noise", 1e-15), with_error("real", 1e-9)]);
+    let result = compare_reports(&base, &new, &CompareOptions::default()).unwrap();
+    assert_eq!(status_of(&result, "noise"), RowStatus::Ok);
+    assert_eq!(status_of(&result, "real"), RowStatus::Grew);
+    assert!(matches!(
+        compare_reports(
+            &base,
+            &new,
+            &CompareOptions {
+                factor: f64::NAN,
+                ..Default::default()
+            }
+        ),
+        Err(ReportError::InvalidFactor(_))
+    ));
+    let dup = Report::new(vec![with_error("x", 0.0), with_error("x", 0.0)]);
+    assert!(matches!(
+        compare_reports(&dup, &new, &CompareOptions::default()),
+        Err(ReportError::DuplicateComparison { which: "base", .. })
+    ));
+}
