@@ -26,6 +26,7 @@ fn report_with_error(err: f64) -> Report {
             shape: vec![1],
             values: vec![w],
         }],
+        buffers: vec![],
         grads: None,
     };
     let policy = TolerancePolicy::dtype_table(DType::F32);

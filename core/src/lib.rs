@@ -8,6 +8,7 @@
 
 pub mod autograd;
 pub mod comm;
+pub mod ddp;
 pub mod record;
 pub mod train;
 

@@ -64,6 +64,10 @@ pub struct RunRecord {
     pub grad_norms: Vec<f64>,
     /// Every full parameter after the last step, in the model's parameter order.
     pub params: Vec<NamedTensor>,
+    /// Every buffer after the last step (BatchNorm statistics, constants): ranks must agree on
+    /// them too, and a missing buffer broadcast shows only here.
+    #[serde(default)]
+    pub buffers: Vec<NamedTensor>,
     /// Full gradients per step, when requested.
     pub grads: Option<Vec<Vec<NamedTensor>>>,
 }

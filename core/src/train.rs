@@ -287,6 +287,7 @@ pub fn train(
         losses: Vec::with_capacity(cfg.spec.steps),
         grad_norms: Vec::with_capacity(cfg.spec.steps),
         params: Vec::new(),
+        buffers: Vec::new(),
         grads: cfg.record_grads.then(Vec::new),
     };
     for step in 0..cfg.spec.steps {
@@ -318,6 +319,7 @@ pub fn train(
         optimizer.step(&params)?;
     }
     record.params = capture(&params)?;
+    record.buffers = capture(&model.named_buffers())?;
     Ok(record)
 }
 

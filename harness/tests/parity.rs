@@ -39,6 +39,7 @@ fn record(config: &str, losses: &[f64], params: Vec<NamedTensor>) -> RunRecord {
         losses: losses.to_vec(),
         grad_norms: vec![1.0; losses.len()],
         params,
+        buffers: vec![],
         grads: None,
     }
 }

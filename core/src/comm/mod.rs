@@ -13,7 +13,7 @@ mod mesh;
 pub mod nccl;
 mod store;
 mod types;
-mod work;
+pub(crate) mod work;
 mod world;
 
 pub use error::CommError;

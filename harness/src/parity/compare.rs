@@ -599,15 +599,23 @@ pub fn compare(run: &RunRecord, reference: &RunRecord, policy: &TolerancePolicy)
         });
     }
 
+    // Buffers are final state too: ranks that disagree on them diverge later (eval, BatchNorm).
+    let run_state: Vec<NamedTensor> = run.params.iter().chain(&run.buffers).cloned().collect();
+    let reference_state: Vec<NamedTensor> = reference
+        .params
+        .iter()
+        .chain(&reference.buffers)
+        .cloned()
+        .collect();
     let set = TensorSet {
-        what: "final parameters",
+        what: "final parameters and buffers",
         step: None,
         quantity: Quantity::Params,
         policy,
         config,
     };
     let (params, param_summaries) =
-        diff_tensors(&run.params, &reference.params, &set, &mut structural);
+        diff_tensors(&run_state, &reference_state, &set, &mut structural);
     note_failure(&params.first_failure);
 
     let values_passed = losses.passed
