@@ -7,6 +7,7 @@
 
 pub mod bench;
 pub mod env_report;
+pub mod matrix;
 
 pub use lockstep_core::comm;
 pub use lockstep_harness as harness;

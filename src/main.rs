@@ -48,9 +48,52 @@ enum Command {
         #[arg(long, default_value_t = 1e-12)]
         floor: f64,
     },
+    /// Run every model x config at each world size on the CPU backend and check parity.
+    ///
+    /// DDP is compared with the single-device reference (fp32 dtype table) and with a fresh
+    /// repeat of itself (bitwise); the single-device reference with a repeat of itself
+    /// (bitwise). Writes report.json, report.md, junit.xml and report.html into --out. Exit 1
+    /// if a parity check or a run failed (no report is written when a run failed), 2 on bad
+    /// input.
+    Matrix(MatrixArgs),
     /// A rank of `bench spawn --mode exec` (started by the launcher, not by hand).
     #[command(name = "__spawn-probe", hide = true)]
     SpawnProbe,
+}
+
+#[derive(clap::Args)]
+struct MatrixArgs {
+    /// Models to run: names or patterns with `*` (e.g. `nested,gpt*`); default all.
+    #[arg(long, value_delimiter = ',')]
+    models: Vec<String>,
+    /// Configs to check: names or patterns (e.g. `ddp*`); default all.
+    #[arg(long, value_delimiter = ',')]
+    configs: Vec<String>,
+    /// World sizes (repeatable or comma-separated, e.g. `2,4`); default 4.
+    #[arg(long = "world-size", value_delimiter = ',')]
+    world_sizes: Vec<usize>,
+    /// Training steps per run.
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// Run seed for parameters and batches.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Directory for the report set (created if missing).
+    #[arg(long, default_value = lockstep::matrix::DEFAULT_OUT_DIR)]
+    out: PathBuf,
+    /// Seconds one launch may take before it is declared hung.
+    #[arg(long, default_value_t = 300.0)]
+    timeout: f64,
+    /// Plant a bug in every DDP run to see the matrix catch it: sum (gradients summed, not
+    /// averaged), no-buffer-broadcast, reduce-experts, or skip=PARAM.
+    #[arg(long, hide = true, value_parser = parse_fault)]
+    fault: Option<lockstep_core::ddp::Fault>,
+    /// List the configs (with the models each applies to) and the models, then exit.
+    #[arg(long)]
+    list: bool,
+    /// Print the summary rows as JSON lines instead of the table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Subcommand)]
@@ -122,10 +165,91 @@ fn main() -> Result<ExitCode> {
                 println!("{report}");
             }
         }
+        Command::Matrix(args) => return run_matrix(args),
         Command::SpawnProbe => lockstep::harness::rank_main(bench::spawn_probe),
         Command::Bench { what } => run_bench(what)?,
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `lockstep matrix`: exit 0 when everything passed, 1 when a parity check or a run failed,
+/// 2 when the input was unusable (nothing ran).
+fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
+    use lockstep::matrix;
+    if args.list {
+        match matrix::render_list(args.seed) {
+            Ok(text) => print!("{text}"),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return Ok(ExitCode::from(2));
+            }
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let opts = matrix::MatrixOptions {
+        models: args.models,
+        configs: args.configs,
+        world_sizes: args.world_sizes,
+        steps: args.steps,
+        seed: args.seed,
+        timeout: match std::time::Duration::try_from_secs_f64(args.timeout) {
+            Ok(t) if !t.is_zero() => t,
+            _ => {
+                eprintln!(
+                    "error: invalid option: --timeout {}: must be a positive number of seconds",
+                    args.timeout
+                );
+                return Ok(ExitCode::from(2));
+            }
+        },
+        fault: args.fault,
+        ..matrix::MatrixOptions::default()
+    };
+    let plan = match matrix::plan(&opts).and_then(|plan| {
+        matrix::prepare_out_dir(&args.out)?;
+        Ok(plan)
+    }) {
+        Ok(plan) => plan,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Ok(ExitCode::from(2));
+        }
+    };
+    let bar = matrix::progress_bar(plan.run_count());
+    let result = matrix::run(&plan, &bar);
+    if args.json {
+        for row in &result.rows {
+            println!("{}", serde_json::to_string(row)?);
+        }
+        eprint!("{}", result.render_table());
+    } else {
+        print!("{}", result.render_table());
+    }
+    match result.write_report(&args.out) {
+        Ok(files) => eprintln!("report: {}", files.json.display()),
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Ok(ExitCode::FAILURE);
+        }
+    }
+    Ok(if result.passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn parse_fault(text: &str) -> Result<lockstep_core::ddp::Fault, String> {
+    use lockstep_core::ddp::Fault;
+    match text {
+        "sum" => Ok(Fault::SumInsteadOfAverage),
+        "no-buffer-broadcast" => Ok(Fault::NoBufferBroadcast),
+        "reduce-experts" => Ok(Fault::ReduceExperts),
+        _ => match text.strip_prefix("skip=") {
+            Some(param) if !param.is_empty() => Ok(Fault::SkipParameter(param.to_owned())),
+            _ => Err("expected sum, no-buffer-broadcast, reduce-experts or skip=PARAM".into()),
+        },
+    }
 }
 
 fn run_bench(what: BenchCommand) -> Result<()> {
