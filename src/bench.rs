@@ -157,7 +157,11 @@ fn measure_comm(ctx: &RankCtx, opts: &CommBenchOptions) -> Result<Vec<CommPoint>
     let mut points = Vec::new();
     for &op in &opts.ops {
         for &bytes in &opts.sizes {
-            let elems = (bytes / 4).max(1).div_ceil(n) * n;
+            // Gathers, scatters and all-to-all split the tensor evenly over the ranks.
+            let elems = match op {
+                BenchOp::AllReduce | BenchOp::Broadcast => (bytes / 4).max(1),
+                _ => (bytes / 4).max(1).div_ceil(n) * n,
+            };
             let run = prepare(op, elems, n, ctx.rank())?;
             for _ in 0..2 {
                 run(group.as_ref())?;
