@@ -520,6 +520,32 @@ impl RunDir {
 impl Drop for RunDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
+        remove_shm_slots(&shm_tag(&self.0));
+    }
+}
+
+/// The tag of a run's shared-memory slot names, derived from its run directory.
+pub(crate) fn shm_tag(run_dir: &Path) -> String {
+    let name = run_dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    name.rsplit('-').next().unwrap_or_default().to_owned()
+}
+
+/// Removes slots a run's ranks left in /dev/shm (a rank killed in the middle of a
+/// shared-memory collective never unlinks its slot).
+fn remove_shm_slots(tag: &str) {
+    if tag.is_empty() {
+        return;
+    }
+    let prefix = format!("lockstep-{tag}-");
+    if let Ok(entries) = std::fs::read_dir("/dev/shm") {
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
     }
 }
 

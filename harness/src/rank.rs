@@ -125,6 +125,7 @@ impl RankEnv {
         );
         opts.backend = info.backend.parse().unwrap_or(Backend::Cpu);
         opts.device = info.rank;
+        opts.shm_tag = crate::launch::shm_tag(&info.run_dir);
         RankEnv {
             opts,
             local_rank: info.rank,

@@ -55,6 +55,9 @@ pub struct InitOptions {
     pub device: usize,
     /// How long rendezvous and any single wait inside a collective may take.
     pub timeout: Duration,
+    /// Names this run's shared-memory slots (`/dev/shm/lockstep-{shm_tag}-…`); a launcher
+    /// that sets it removes what ranks that died mid-operation left behind.
+    pub shm_tag: String,
 }
 
 impl InitOptions {
@@ -74,6 +77,7 @@ impl InitOptions {
             backend: Backend::Cpu,
             device: 0,
             timeout: default_timeout(),
+            shm_tag: format!("p{}", std::process::id()),
         }
     }
 }
@@ -209,6 +213,7 @@ impl World {
             backend,
             device: local_rank,
             timeout: default_timeout(),
+            shm_tag: format!("p{}", std::process::id()),
         };
         Self::init_hosting(opts, hosted)
     }
@@ -412,7 +417,7 @@ fn connect_group(
         ranks.to_vec(),
         links,
         opts.timeout,
-        same_host,
+        same_host.then_some(opts.shm_tag.as_str()),
     )?))
 }
 

@@ -712,21 +712,23 @@ pub struct CpuGroup {
 
 impl CpuGroup {
     /// Builds a group from established links (`links[rank]` is `None`).
-    /// `same_host`: every member runs on this machine, so large messages may use shared memory.
+    /// `shm_run_tag`: set when every member runs on this machine, so large messages may use
+    /// shared memory; slot names start with `/lockstep-{tag}-`, which lets a launcher remove
+    /// the slots of ranks that died in the middle of an operation.
     pub(crate) fn new(
         name: String,
         rank: usize,
         global_ranks: Vec<usize>,
         links: Vec<Option<Link>>,
         timeout: Duration,
-        same_host: bool,
+        shm_run_tag: Option<&str>,
     ) -> Result<Self, CommError> {
         let size = global_ranks.len();
-        let shm = same_host.then(|| {
+        let shm = shm_run_tag.map(|run| {
             let tag: String = name.chars().filter(char::is_ascii_alphanumeric).collect();
             let nonce: u32 = rand::random();
             Mutex::new(shm::ShmArea::new(
-                format!("/lockstep-{}-{tag}-{nonce:08x}", std::process::id()),
+                format!("/lockstep-{run}-{}-{tag}-{nonce:08x}", std::process::id()),
                 size,
             ))
         });
