@@ -15,6 +15,8 @@ pub struct NamedTensor {
     pub name: String,
     pub dtype: DType,
     pub shape: Vec<i64>,
+    /// NaN and infinities survive JSON as strings (a diverged run must stay readable).
+    #[serde(with = "crate::num::vec")]
     pub values: Vec<f64>,
 }
 
@@ -58,9 +60,11 @@ pub struct RunSpec {
 pub struct RunRecord {
     pub spec: RunSpec,
     /// Global loss per step: the mean of every rank's loss.
+    #[serde(with = "crate::num::vec")]
     pub losses: Vec<f64>,
     /// Global gradient norm (L2 over every parameter, shared ones counted once) per step,
     /// measured after gradient synchronization and before the optimizer step.
+    #[serde(with = "crate::num::vec")]
     pub grad_norms: Vec<f64>,
     /// Every full parameter after the last step, in the model's parameter order.
     pub params: Vec<NamedTensor>,
@@ -70,4 +74,40 @@ pub struct RunRecord {
     pub buffers: Vec<NamedTensor>,
     /// Full gradients per step, when requested.
     pub grads: Option<Vec<Vec<NamedTensor>>>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_diverged_run_survives_json() {
+        let record = RunRecord {
+            spec: RunSpec {
+                model: "m".into(),
+                config: "ddp".into(),
+                world_size: 2,
+                backend: "cpu".into(),
+                dtype: "fp32".into(),
+                steps: 2,
+                seed: 0,
+            },
+            losses: vec![1.5, f64::NAN],
+            grad_norms: vec![f64::INFINITY, f64::NEG_INFINITY],
+            params: vec![NamedTensor {
+                name: "w".into(),
+                dtype: DType::F32,
+                shape: vec![2],
+                values: vec![f64::NAN, -0.0],
+            }],
+            buffers: vec![],
+            grads: None,
+        };
+        let text = serde_json::to_string(&record).expect("serialize");
+        let back: RunRecord = serde_json::from_str(&text).expect("parse");
+        assert!(back.losses[1].is_nan());
+        assert_eq!(back.grad_norms, vec![f64::INFINITY, f64::NEG_INFINITY]);
+        assert!(back.params[0].values[0].is_nan());
+        assert!(back.params[0].values[1].is_sign_negative());
+    }
 }

@@ -11,7 +11,7 @@ mod html;
 mod json;
 mod junit;
 mod markdown;
-pub mod num;
+pub use lockstep_core::num;
 
 pub use atomic::write_atomic;
 pub use compare::{

@@ -62,3 +62,34 @@ pub mod opt {
         }
     }
 }
+
+/// The same for `Vec<f64>` (a loss curve, a tensor's values).
+pub mod vec {
+    use super::*;
+    use serde::ser::SerializeSeq;
+
+    /// Writes every element as [`super::serialize`] does.
+    pub fn serialize<S: Serializer>(xs: &[f64], s: S) -> Result<S::Ok, S::Error> {
+        let mut seq = s.serialize_seq(Some(xs.len()))?;
+        for x in xs {
+            seq.serialize_element(&Wrapped(*x))?;
+        }
+        seq.end()
+    }
+
+    /// Reads what [`serialize`] wrote.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<f64>, D::Error> {
+        Vec::<Repr>::deserialize(d)?
+            .into_iter()
+            .map(from_repr)
+            .collect()
+    }
+
+    struct Wrapped(f64);
+
+    impl serde::Serialize for Wrapped {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            super::serialize(&self.0, s)
+        }
+    }
+}
