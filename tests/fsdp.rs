@@ -4,7 +4,7 @@
 use lockstep_core::comm::{DType, ReduceOp};
 use lockstep_core::ddp::{train_ddp, DdpOptions};
 use lockstep_core::fsdp::{
-    train_fsdp, CollectiveCounts, Fsdp, FsdpFault, FsdpOptions, ShardingStrategy,
+    train_fsdp, CollectiveCounts, Fsdp, FsdpFault, FsdpOptions, ShardingStrategy, WrapPolicy,
 };
 use lockstep_core::record::{RunRecord, RunSpec};
 use lockstep_core::train::{
@@ -73,7 +73,7 @@ fn assert_passes(c: &Comparison, what: &str) {
     );
 }
 
-/// Every strategy against DDP on every rank, bitwise: the reduce-scatter (Avg) of an element
+/// Every strategy and wrap policy against DDP on every rank, bitwise: the reduce-scatter (Avg) of an element
 /// is the same rank-order sum and single division as DDP's all-reduce, and SGD's update of an
 /// element is the same elementwise arithmetic whether it runs on a shard or a full tensor.
 #[rstest]
@@ -85,8 +85,15 @@ fn fsdp_matches_ddp_bitwise(
         let ddp = ddp_run(ctx, model);
         let bitwise = TolerancePolicy::bitwise(DType::F32);
         for s in STRATEGIES {
-            let run = fsdp_run(ctx, model, strategy(s));
-            assert_passes(&compare(&run, &ddp, &bitwise), &format!("{model} {s:?}"));
+            for wrap in [WrapPolicy::Root, WrapPolicy::PerLayer] {
+                let opts = FsdpOptions {
+                    wrap,
+                    ..strategy(s)
+                };
+                let run = fsdp_run(ctx, model, opts);
+                let what = format!("{model} {s:?} {wrap:?}");
+                assert_passes(&compare(&run, &ddp, &bitwise), &what);
+            }
         }
     });
 }
@@ -181,7 +188,9 @@ fn full_parameters_live_only_between_unshard_and_reshard() {
                 .iter()
                 .map(|(_, t)| t.numel() * 4)
                 .sum();
-            let (numel, padded) = fsdp.flat_numel();
+            let numels = fsdp.flat_numels();
+            assert_eq!(numels.len(), 1, "one root unit");
+            let (numel, padded) = numels[0];
             assert_eq!(numel * 4, full);
             let shards = if s == ShardingStrategy::NoShard { 1 } else { 4 };
             assert_eq!(padded % shards, 0);
@@ -261,5 +270,43 @@ fn dropping_a_resharded_wrapper_leaves_readable_nan_parameters() {
                 "{name} refilled with NaN"
             );
         }
+    });
+}
+
+#[test]
+fn per_layer_units_keep_tied_parameters_in_the_root() {
+    lockstep_harness::run(2, |ctx| {
+        let m = zoo::build("transformer", 0, ctx.rank()).expect("model");
+        let opts = FsdpOptions {
+            wrap: WrapPolicy::PerLayer,
+            ..FsdpOptions::default()
+        };
+        let mut fsdp = Fsdp::new(m.as_ref(), ctx.group(), opts).expect("fsdp");
+        let units = fsdp.units();
+        assert_eq!(units[0].0, "root");
+        assert!(
+            units[0].1.contains(&"embed_tokens.weight".to_string()),
+            "the tied embedding / output projection is used by two layers: {units:?}"
+        );
+        assert!(units.len() > 4, "{units:?}");
+        // Every parameter in exactly one unit.
+        let mut names = fsdp.flat_param_names();
+        let total = names.len();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), total);
+        assert_eq!(total, m.named_parameters().len());
+        for (numel, padded) in fsdp.flat_numels() {
+            assert_eq!(padded % 2, 0);
+            assert!(padded - numel < 2);
+        }
+        // One all-gather per unit to unshard, one reduce-scatter and record gather per unit.
+        let cfg = config(ctx, "transformer", "fsdp.full_shard");
+        train(m.as_ref(), &cfg, &mut fsdp, Some(ctx.group().as_ref())).expect("run");
+        let n = units.len();
+        let c = fsdp.collective_counts();
+        assert_eq!(c.param_all_gathers, n * (STEPS + 1));
+        assert_eq!(c.grad_reduce_scatters, n * STEPS);
+        assert_eq!(c.record_grad_all_gathers, n * STEPS);
     });
 }

@@ -1,7 +1,12 @@
-//! Fully sharded data parallel (FSDP1-style flat parameters), first slice: the whole model is
-//! **one root unit** with one flat parameter.
+//! Fully sharded data parallel (FSDP1-style flat parameters), first slice: the model is one
+//! root unit ([`WrapPolicy::Root`]) or one unit per layer ([`WrapPolicy::PerLayer`]), each
+//! unit with one flat parameter.
 //!
-//! * **Flat parameter**: the unit's parameters (tied ones once, rank-local ones left out)
+//! Per-layer units are gathered together before forward (this slice has no per-layer forward
+//! hook yet, so no forward prefetch or reshard between layers): they shard, reduce and step
+//! per unit but do not lower the peak of full parameters below the root unit's.
+//!
+//! * **Flat parameter**: a unit's parameters (tied ones once, rank-local ones left out)
 //!   flattened and concatenated in `named_parameters` order, zero-padded to a multiple of the
 //!   sharding world size. Rank `r` keeps elements `[r·s, (r+1)·s)` (`s = padded / world`) as
 //!   its **master copy**; the optimizer (and its momentum state) lives on that shard only.
@@ -43,7 +48,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use tch::{Kind, Tensor};
 
-/// The optimizer-state name of the root unit's flat parameter shard.
+/// The optimizer-state name prefix of the flat parameter shards (`_fsdp_flat_param.<unit>`).
 pub const FLAT_PARAM_NAME: &str = "_fsdp_flat_param";
 
 /// What FSDP can fail with.
@@ -102,8 +107,20 @@ pub struct FsdpOptions {
     /// Broadcast rank 0's (non-ignored) parameters and buffers at construction, so ranks that
     /// built the model differently start equal (PyTorch's `sync_module_states`).
     pub sync_module_states: bool,
+    /// Which modules become units.
+    pub wrap: WrapPolicy,
     /// A planted bug, for checker tests only.
     pub fault: Option<FsdpFault>,
+}
+
+/// Which modules get their own FSDP unit (flat parameter).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WrapPolicy {
+    /// The whole model is one root unit.
+    Root,
+    /// Every layer of [`Model::layers`] with parameters is a unit ("wrap everything"); tied
+    /// parameters (used by several layers) and parameters of no layer stay in the root unit.
+    PerLayer,
 }
 
 impl Default for FsdpOptions {
@@ -112,6 +129,7 @@ impl Default for FsdpOptions {
             strategy: ShardingStrategy::FullShard,
             reshard_after_forward: true,
             sync_module_states: true,
+            wrap: WrapPolicy::Root,
             fault: None,
         }
     }
@@ -137,7 +155,7 @@ enum Gather {
     RecordGrads,
 }
 
-/// One managed parameter's place in the flat parameter.
+/// One managed parameter's place in its unit's flat parameter.
 struct Slot {
     name: String,
     /// The model's own tensor (the "view" the flat parameter is copied into).
@@ -146,26 +164,59 @@ struct Slot {
     numel: i64,
 }
 
-/// FSDP over one data-parallel group, the whole model as one unit. Plug it into [`train`]
-/// as its [`StepHooks`], or use [`train_fsdp`].
+/// One FSDP unit: one flat parameter, sharded over the group.
+struct Unit {
+    /// The layer it wraps (`root` for the root unit).
+    name: String,
+    slots: Vec<Slot>,
+    kind: Kind,
+    /// Elements after padding (a multiple of the sharding world size).
+    padded: i64,
+    /// This rank's master copy of its part of the flat parameter.
+    shard: Tensor,
+    /// Whether the model's full parameters of this unit hold memory and current values.
+    unsharded: bool,
+    full_bytes: usize,
+}
+
+impl Unit {
+    /// The unit's parameters (chosen by `pick`) flattened, concatenated and zero-padded.
+    fn flatten(
+        &self,
+        pick: impl Fn(&Slot) -> Result<Tensor, FsdpError>,
+    ) -> Result<Tensor, FsdpError> {
+        let mut parts = Vec::with_capacity(self.slots.len() + 1);
+        let mut numel = 0;
+        for slot in &self.slots {
+            numel += slot.numel;
+            parts.push(pick(slot)?.f_reshape([-1])?);
+        }
+        if self.padded > numel {
+            let device = self
+                .slots
+                .first()
+                .map_or(tch::Device::Cpu, |s| s.param.device());
+            parts.push(Tensor::f_zeros([self.padded - numel], (self.kind, device))?);
+        }
+        Ok(Tensor::f_cat(&parts, 0)?)
+    }
+
+    fn numel(&self) -> i64 {
+        self.slots.iter().map(|s| s.numel).sum()
+    }
+}
+
+/// FSDP over one data-parallel group. Plug it into [`train`] as its [`StepHooks`], or use
+/// [`train_fsdp`].
 pub struct Fsdp {
     group: Arc<dyn ProcessGroup>,
     opts: FsdpOptions,
-    slots: Vec<Slot>,
+    /// The root unit first (unless empty), then one unit per wrapped layer in forward order.
+    units: Vec<Unit>,
     /// Parameters never sharded nor reduced (rank-local experts).
     ignored: Vec<(String, Tensor)>,
-    kind: Kind,
-    /// Elements of the flat parameter before padding.
-    numel: i64,
-    /// Elements after padding (a multiple of `shard_world`).
-    padded: i64,
-    /// Ranks the flat parameter is split over (1 for `NoShard`).
+    /// Ranks a flat parameter is split over (1 for `NoShard`).
     shard_world: usize,
-    /// This rank's master copy of its part of the flat parameter.
-    shard: Tensor,
-    /// Whether the model's full parameters currently hold memory and current values.
-    unsharded: bool,
-    full_bytes: usize,
     full_bytes_alive: usize,
     full_bytes_peak: usize,
     counts: CollectiveCounts,
@@ -173,8 +224,9 @@ pub struct Fsdp {
 
 impl Fsdp {
     /// Wraps `model` (built identically on every rank except its rank-local parameters):
-    /// optionally broadcasts rank 0's state, builds the flat parameter, keeps this rank's
-    /// shard and (unless `NoShard`) frees the model's full parameters until the next unshard.
+    /// optionally broadcasts rank 0's state, builds the units' flat parameters, keeps this
+    /// rank's shards and (unless `NoShard`) frees the model's full parameters until the next
+    /// unshard.
     pub fn new(
         model: &dyn Model,
         group: Arc<dyn ProcessGroup>,
@@ -195,73 +247,121 @@ impl Fsdp {
                 managed.push((name, t));
             }
         }
-        let Some(kind) = managed.first().map(|(_, t)| t.kind()) else {
+        if managed.is_empty() {
             return Err(FsdpError::Invalid(
                 "no parameter to shard (every parameter is ignored)".into(),
             ));
-        };
-        let mut slots = Vec::with_capacity(managed.len());
-        let mut offset = 0i64;
-        let mut full_bytes = 0usize;
-        for (name, param) in managed {
-            if param.kind() != kind {
-                return Err(FsdpError::Invalid(format!(
-                    "parameter `{name}` is {:?} but the flat parameter is {kind:?}",
-                    param.kind()
-                )));
+        }
+        // Which unit each managed parameter joins: the root (0) unless per-layer wrapping
+        // gives it to the one layer that uses it. A parameter used by several layers (tied)
+        // stays in the root, the smallest unit enclosing every use.
+        let mut unit_names = vec!["root".to_owned()];
+        let mut unit_of: std::collections::HashMap<String, usize> = Default::default();
+        if opts.wrap == WrapPolicy::PerLayer {
+            let mut users: std::collections::HashMap<String, HashSet<usize>> = Default::default();
+            let layers = model.layers();
+            for (l, layer) in layers.iter().enumerate() {
+                for p in &layer.params {
+                    users
+                        .entry(tags.canonical(p).to_owned())
+                        .or_default()
+                        .insert(l);
+                }
             }
-            let numel = param.numel() as i64;
-            let bytes = param.numel() * kind.elt_size_in_bytes();
-            // Freeing a storage frees every alias: each parameter must own its storage alone.
-            if !param.is_contiguous() || storage_nbytes(&param)? != bytes {
-                return Err(FsdpError::Invalid(format!(
-                    "parameter `{name}` does not own its storage (a view or a shared buffer)"
-                )));
+            let mut layer_unit: std::collections::HashMap<usize, usize> = Default::default();
+            for (name, _) in &managed {
+                let Some(ls) = users.get(name) else { continue };
+                if ls.len() != 1 {
+                    continue;
+                }
+                let Some(&l) = ls.iter().next() else { continue };
+                let u = *layer_unit.entry(l).or_insert_with(|| {
+                    unit_names.push(layers[l].name.clone());
+                    unit_names.len() - 1
+                });
+                unit_of.insert(name.clone(), u);
             }
-            full_bytes += bytes;
-            slots.push(Slot {
-                name,
-                param,
-                offset,
-                numel,
-            });
-            offset += numel;
         }
         let (shard_world, shard_rank) = match opts.strategy {
             ShardingStrategy::NoShard => (1, 0),
             _ => (group.size(), group.rank()),
         };
         let world = shard_world as i64;
-        let padded = (offset + world - 1) / world * world;
         let _guard = tch::no_grad_guard();
         if opts.sync_module_states {
-            for slot in &slots {
-                group.broadcast(&slot.param, 0)?;
+            for (_, p) in &managed {
+                group.broadcast(p, 0)?;
             }
             for (_, b) in model.named_buffers() {
                 group.broadcast(&b, 0)?;
             }
         }
-        let flat = Self::flatten(&slots, padded, |s| Ok(s.param.shallow_clone()))?;
-        let shard_size = padded / world;
-        let shard = flat
-            .f_narrow(0, shard_rank as i64 * shard_size, shard_size)?
-            .f_detach_copy()?
-            .set_requires_grad(true);
+        let mut members: Vec<Vec<(String, Tensor)>> =
+            (0..unit_names.len()).map(|_| Vec::new()).collect();
+        for (name, param) in managed {
+            let u = unit_of.get(&name).copied().unwrap_or(0);
+            members[u].push((name, param));
+        }
+        let mut units = Vec::new();
+        let mut full_bytes_alive = 0;
+        for (name, params) in unit_names.into_iter().zip(members) {
+            let Some(kind) = params.first().map(|(_, t)| t.kind()) else {
+                continue;
+            };
+            let mut slots = Vec::with_capacity(params.len());
+            let mut offset = 0i64;
+            let mut full_bytes = 0usize;
+            for (pname, param) in params {
+                if param.kind() != kind {
+                    return Err(FsdpError::Invalid(format!(
+                        "parameter `{pname}` is {:?} but unit `{name}`'s flat parameter is {kind:?}",
+                        param.kind()
+                    )));
+                }
+                let numel = param.numel() as i64;
+                let bytes = param.numel() * kind.elt_size_in_bytes();
+                // Freeing a storage frees every alias: each parameter must own its storage.
+                if !param.is_contiguous() || storage_nbytes(&param)? != bytes {
+                    return Err(FsdpError::Invalid(format!(
+                        "parameter `{pname}` does not own its storage (a view or a shared buffer)"
+                    )));
+                }
+                full_bytes += bytes;
+                slots.push(Slot {
+                    name: pname,
+                    param,
+                    offset,
+                    numel,
+                });
+                offset += numel;
+            }
+            let padded = (offset + world - 1) / world * world;
+            let mut unit = Unit {
+                name,
+                slots,
+                kind,
+                padded,
+                shard: Tensor::new(),
+                unsharded: true,
+                full_bytes,
+            };
+            let shard_size = padded / world;
+            unit.shard = unit
+                .flatten(|s| Ok(s.param.shallow_clone()))?
+                .f_narrow(0, shard_rank as i64 * shard_size, shard_size)?
+                .f_detach_copy()?
+                .set_requires_grad(true);
+            full_bytes_alive += full_bytes;
+            units.push(unit);
+        }
         let mut fsdp = Fsdp {
             group,
             opts,
-            slots,
+            units,
             ignored,
-            kind,
-            numel: offset,
-            padded,
             shard_world,
-            shard,
-            unsharded: true,
-            full_bytes,
-            full_bytes_alive: full_bytes,
-            full_bytes_peak: full_bytes,
+            full_bytes_alive,
+            full_bytes_peak: full_bytes_alive,
             counts: CollectiveCounts::default(),
         };
         fsdp.reshard()?;
@@ -273,9 +373,25 @@ impl Fsdp {
         self.opts.strategy
     }
 
-    /// Names of the parameters in the flat parameter, in flat order.
+    /// Every unit's name and the parameters in its flat parameter, in flat order.
+    pub fn units(&self) -> Vec<(String, Vec<String>)> {
+        self.units
+            .iter()
+            .map(|u| {
+                (
+                    u.name.clone(),
+                    u.slots.iter().map(|s| s.name.clone()).collect(),
+                )
+            })
+            .collect()
+    }
+
+    /// Names of the parameters in the flat parameters, unit by unit.
     pub fn flat_param_names(&self) -> Vec<String> {
-        self.slots.iter().map(|s| s.name.clone()).collect()
+        self.units
+            .iter()
+            .flat_map(|u| u.slots.iter().map(|s| s.name.clone()))
+            .collect()
     }
 
     /// Names of the ignored (rank-local) parameters, never sharded nor reduced.
@@ -283,19 +399,26 @@ impl Fsdp {
         self.ignored.iter().map(|(n, _)| n.clone()).collect()
     }
 
-    /// Elements of the flat parameter: (unpadded, padded).
-    pub fn flat_numel(&self) -> (usize, usize) {
-        (self.numel as usize, self.padded as usize)
+    /// Elements of each unit's flat parameter: (unpadded, padded).
+    pub fn flat_numels(&self) -> Vec<(usize, usize)> {
+        self.units
+            .iter()
+            .map(|u| (u.numel() as usize, u.padded as usize))
+            .collect()
     }
 
-    /// This rank's master shard of the flat parameter (a copy: the optimizer owns it).
-    pub fn local_shard(&self) -> Result<Tensor, FsdpError> {
-        Ok(self.shard.f_detach_copy()?)
+    /// This rank's master shard of each unit's flat parameter (copies: the optimizer owns
+    /// them).
+    pub fn local_shards(&self) -> Result<Vec<Tensor>, FsdpError> {
+        self.units
+            .iter()
+            .map(|u| Ok(u.shard.f_detach_copy()?))
+            .collect()
     }
 
     /// Whether the model's full parameters currently hold memory and current values.
     pub fn is_unsharded(&self) -> bool {
-        self.unsharded
+        self.units.iter().all(|u| u.unsharded)
     }
 
     /// Bytes of full (unsharded) managed parameters alive on this rank right now. Counts the
@@ -309,47 +432,27 @@ impl Fsdp {
         self.full_bytes_peak
     }
 
-    /// Bytes of this rank's master shard (what stays alive between steps).
+    /// Bytes of this rank's master shards (what stays alive between steps).
     pub fn shard_bytes(&self) -> usize {
-        self.shard.numel() * self.kind.elt_size_in_bytes()
+        self.units
+            .iter()
+            .map(|u| u.shard.numel() * u.kind.elt_size_in_bytes())
+            .sum()
     }
 
-    /// Collectives issued since construction, by purpose (one unit: per `FullShard` step one
+    /// Collectives issued since construction, by purpose (per `FullShard` step and unit: one
     /// parameter all-gather, one gradient reduce-scatter and one record all-gather).
     pub fn collective_counts(&self) -> CollectiveCounts {
         self.counts
     }
 
-    /// `slots`' tensors (chosen by `pick`) flattened, concatenated and zero-padded to
-    /// `padded` elements.
-    fn flatten(
-        slots: &[Slot],
-        padded: i64,
-        pick: impl Fn(&Slot) -> Result<Tensor, FsdpError>,
-    ) -> Result<Tensor, FsdpError> {
-        let mut parts = Vec::with_capacity(slots.len() + 1);
-        let mut numel = 0;
-        let mut kind = None;
-        for slot in slots {
-            let t = pick(slot)?;
-            kind = Some(t.kind());
-            numel += slot.numel;
-            parts.push(t.f_reshape([-1])?);
-        }
-        if padded > numel {
-            let k = kind.unwrap_or(Kind::Float);
-            let device = slots.first().map_or(tch::Device::Cpu, |s| s.param.device());
-            parts.push(Tensor::f_zeros([padded - numel], (k, device))?);
-        }
-        Ok(Tensor::f_cat(&parts, 0)?)
-    }
-
-    /// The full flat tensor from every rank's `local` part (rank order).
-    fn gather(&mut self, local: &Tensor, purpose: Gather) -> Result<Tensor, FsdpError> {
+    /// Unit `u`'s full flat tensor from every rank's `local` part (rank order).
+    fn gather(&mut self, u: usize, local: &Tensor, purpose: Gather) -> Result<Tensor, FsdpError> {
         if self.shard_world == 1 {
             return Ok(local.shallow_clone());
         }
-        let full = Tensor::f_empty([self.padded], (self.kind, local.device()))?;
+        let unit = &self.units[u];
+        let full = Tensor::f_empty([unit.padded], (unit.kind, local.device()))?;
         self.group.all_gather(&full, local)?;
         match purpose {
             Gather::Params => self.counts.param_all_gathers += 1,
@@ -358,120 +461,140 @@ impl Fsdp {
         Ok(full)
     }
 
-    /// Makes the model's full parameters current: all-gathers the shards and copies each
-    /// slice into its parameter (refilling freed storage). A no-op when already unsharded.
+    /// Makes the model's full parameters current: all-gathers every resharded unit, in unit
+    /// order, and copies each slice into its parameter (refilling freed storage).
     pub fn unshard(&mut self) -> Result<(), FsdpError> {
-        if self.unsharded {
-            return Ok(());
-        }
         let _guard = tch::no_grad_guard();
-        let local = self.shard.f_detach()?;
-        let full = self.gather(&local, Gather::Params)?;
-        for slot in &self.slots {
-            let src = full
-                .f_narrow(0, slot.offset, slot.numel)?
-                .f_view(slot.param.size().as_slice())?;
-            if is_storage_freed(&slot.param)? {
-                refill_storage(&slot.param, Some(&src))?;
-            } else {
-                slot.param.shallow_clone().f_copy_(&src)?;
+        for u in 0..self.units.len() {
+            if self.units[u].unsharded {
+                continue;
             }
+            let local = self.units[u].shard.f_detach()?;
+            let full = self.gather(u, &local, Gather::Params)?;
+            let unit = &mut self.units[u];
+            for slot in &unit.slots {
+                let src = full
+                    .f_narrow(0, slot.offset, slot.numel)?
+                    .f_view(slot.param.size().as_slice())?;
+                if is_storage_freed(&slot.param)? {
+                    refill_storage(&slot.param, Some(&src))?;
+                } else {
+                    slot.param.shallow_clone().f_copy_(&src)?;
+                }
+            }
+            unit.unsharded = true;
+            self.full_bytes_alive += unit.full_bytes;
+            self.full_bytes_peak = self.full_bytes_peak.max(self.full_bytes_alive);
         }
-        self.unsharded = true;
-        self.full_bytes_alive = self.full_bytes;
-        self.full_bytes_peak = self.full_bytes_peak.max(self.full_bytes_alive);
         Ok(())
     }
 
     /// Frees the model's full parameters (not for `NoShard`, whose parameters stay). Until
     /// the next [`Fsdp::unshard`] nothing may read them.
     pub fn reshard(&mut self) -> Result<(), FsdpError> {
-        if !self.unsharded || self.opts.strategy == ShardingStrategy::NoShard {
+        if self.opts.strategy == ShardingStrategy::NoShard {
             return Ok(());
         }
-        for slot in &self.slots {
-            // SAFETY: every parameter owns its storage alone (checked in `new`), so only the
-            // parameter and autograd's saved tensors alias it. Reshard runs after backward (no
-            // graph left) or at construction; `self.unsharded = false` makes every path that
-            // reads parameters through this wrapper (`before_forward`, `before_record`) refill
-            // them first, and `Drop` refills them if no unshard comes.
-            unsafe { free_storage(&slot.param)? };
+        for unit in &mut self.units {
+            if !unit.unsharded {
+                continue;
+            }
+            for slot in &unit.slots {
+                // SAFETY: every parameter owns its storage alone (checked in `new`), so only
+                // the parameter and autograd's saved tensors alias it. Reshard runs after
+                // backward (no graph left) or at construction; `unsharded = false` makes every
+                // path that reads parameters through this wrapper (`before_forward`,
+                // `before_record`) refill them first, and `Drop` refills them if no unshard
+                // comes.
+                unsafe { free_storage(&slot.param)? };
+            }
+            unit.unsharded = false;
+            self.full_bytes_alive -= unit.full_bytes;
         }
-        self.unsharded = false;
-        self.full_bytes_alive = 0;
         Ok(())
     }
 
-    /// Reduces the full gradients into this rank's gradient shard (the shard's `.grad`), then
-    /// writes the averaged full gradients back into the model's `.grad`s for the record.
+    /// Reduces every unit's full gradients (last unit first, the order backward finishes
+    /// them) into this rank's gradient shards (the shards' `.grad`), then writes the averaged
+    /// full gradients back into the model's `.grad`s for the record.
     pub fn reduce_gradients(&mut self) -> Result<(), FsdpError> {
         let _guard = tch::no_grad_guard();
         let op = match self.opts.fault {
             Some(FsdpFault::SumInsteadOfAverage) => ReduceOp::Sum,
             None => ReduceOp::Avg,
         };
-        let flat = Self::flatten(&self.slots, self.padded, |s| {
-            let g = s.param.grad();
-            if g.defined() {
-                Ok(g)
+        for u in (0..self.units.len()).rev() {
+            let unit = &self.units[u];
+            let flat = unit.flatten(|s| {
+                let g = s.param.grad();
+                if g.defined() {
+                    Ok(g)
+                } else {
+                    Err(FsdpError::MissingGrad(s.name.clone()))
+                }
+            })?;
+            let grad_shard = if self.shard_world == 1 {
+                self.group.all_reduce(&flat, op)?;
+                self.counts.grad_all_reduces += 1;
+                flat
             } else {
-                Err(FsdpError::MissingGrad(s.name.clone()))
+                let shard = Tensor::f_empty(
+                    [unit.padded / self.shard_world as i64],
+                    (unit.kind, flat.device()),
+                )?;
+                self.group.reduce_scatter(&shard, &flat, op)?;
+                self.counts.grad_reduce_scatters += 1;
+                shard
+            };
+            // Record view only: the optimizer reads the shard's gradient, never these.
+            let full = self.gather(u, &grad_shard, Gather::RecordGrads)?;
+            let unit = &self.units[u];
+            for slot in &unit.slots {
+                let mut g = slot.param.grad();
+                g.f_copy_(&full.f_narrow(0, slot.offset, slot.numel)?.f_view_as(&g)?)?;
             }
-        })?;
-        let grad_shard = if self.shard_world == 1 {
-            self.group.all_reduce(&flat, op)?;
-            self.counts.grad_all_reduces += 1;
-            flat
-        } else {
-            let shard = Tensor::f_empty(
-                [self.padded / self.shard_world as i64],
-                (self.kind, flat.device()),
-            )?;
-            self.group.reduce_scatter(&shard, &flat, op)?;
-            self.counts.grad_reduce_scatters += 1;
-            shard
-        };
-        // Record view only: the optimizer reads the shard's gradient, never these.
-        let full = self.gather(&grad_shard, Gather::RecordGrads)?;
-        for slot in &self.slots {
-            let mut g = slot.param.grad();
-            g.f_copy_(&full.f_narrow(0, slot.offset, slot.numel)?.f_view_as(&g)?)?;
+            set_grad(&unit.shard, Some(&grad_shard))?;
         }
-        set_grad(&self.shard, Some(&grad_shard))?;
         Ok(())
     }
 
-    /// Steps the shard and the ignored parameters with `optimizer`; for `NoShard` copies the
-    /// updated flat parameter straight into the model.
+    /// Steps the shards and the ignored parameters with `optimizer`; for `NoShard` copies the
+    /// updated flat parameters straight into the model.
     pub fn step(&mut self, optimizer: &mut dyn Optimizer) -> Result<(), FsdpError> {
-        let mut params = vec![(FLAT_PARAM_NAME.to_owned(), self.shard.shallow_clone())];
+        let mut params: Vec<(String, Tensor)> = self
+            .units
+            .iter()
+            .enumerate()
+            .map(|(u, unit)| (format!("{FLAT_PARAM_NAME}.{u}"), unit.shard.shallow_clone()))
+            .collect();
         params.extend(
             self.ignored
                 .iter()
                 .map(|(n, t)| (n.clone(), t.shallow_clone())),
         );
         optimizer.step(&params)?;
-        set_grad(&self.shard, None)?;
-        if self.opts.strategy == ShardingStrategy::NoShard {
-            // Nothing is gathered; the parameters must follow the master copy now.
-            self.unsharded = false;
-            self.unshard()?;
+        for unit in &mut self.units {
+            set_grad(&unit.shard, None)?;
+            if self.opts.strategy == ShardingStrategy::NoShard {
+                // Nothing is gathered; the parameters must follow the master copy now.
+                unit.unsharded = false;
+                self.full_bytes_alive -= unit.full_bytes;
+            }
         }
-        Ok(())
+        self.unshard()
     }
 }
 
 impl Drop for Fsdp {
     fn drop(&mut self) {
-        if self.unsharded {
-            return;
-        }
-        for slot in &self.slots {
-            if matches!(is_storage_freed(&slot.param), Ok(true))
-                && refill_storage(&slot.param, None).is_ok()
-            {
-                let _guard = tch::no_grad_guard();
-                let _ = slot.param.shallow_clone().f_fill_(f64::NAN);
+        for unit in self.units.iter().filter(|u| !u.unsharded) {
+            for slot in &unit.slots {
+                if matches!(is_storage_freed(&slot.param), Ok(true))
+                    && refill_storage(&slot.param, None).is_ok()
+                {
+                    let _guard = tch::no_grad_guard();
+                    let _ = slot.param.shallow_clone().f_fill_(f64::NAN);
+                }
             }
         }
     }
