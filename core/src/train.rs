@@ -235,6 +235,23 @@ pub trait StepHooks {
 
     /// Makes the gradients of this rank the synchronized ones, after backward.
     fn sync_gradients(&mut self, grads: &[(String, Tensor)]) -> Result<(), TrainError>;
+
+    /// Runs the optimizer step itself, if the wrapper owns the parameters the optimizer must
+    /// update (FSDP steps its shard). Returns `false` (the default) to let [`train`] step the
+    /// model's parameters as usual.
+    fn optimizer_step(
+        &mut self,
+        _optimizer: &mut dyn Optimizer,
+        _params: &[(String, Tensor)],
+    ) -> Result<bool, TrainError> {
+        Ok(false)
+    }
+
+    /// Runs after the last step, before the record captures parameters and buffers: a wrapper
+    /// that keeps parameters sharded makes the model's full parameters current here.
+    fn before_record(&mut self) -> Result<(), TrainError> {
+        Ok(())
+    }
 }
 
 impl<F> StepHooks for F
@@ -268,7 +285,8 @@ pub struct TrainConfig {
 ///
 /// Each step: zero gradients, mean loss over `cfg.data_ranks`' batches, backward, `sync`,
 /// record the loss (averaged over `metrics` when given) and the gradient norm (tied
-/// parameters once), optimizer step. The record ends with every parameter.
+/// parameters once), optimizer step (the hooks' [`StepHooks::optimizer_step`] when it takes
+/// it). After [`StepHooks::before_record`], the record ends with every parameter.
 pub fn train(
     model: &dyn Model,
     cfg: &TrainConfig,
@@ -316,8 +334,11 @@ pub fn train(
         if let Some(all) = record.grads.as_mut() {
             all.push(capture(&grads)?);
         }
-        optimizer.step(&params)?;
+        if !sync.optimizer_step(optimizer.as_mut(), &params)? {
+            optimizer.step(&params)?;
+        }
     }
+    sync.before_record()?;
     record.params = capture(&params)?;
     record.buffers = capture(&model.named_buffers())?;
     Ok(record)
