@@ -32,6 +32,11 @@
 //! * [`ShardingStrategy::NoShard`]: the "shard" is the whole flat parameter, gradients are
 //!   all-reduced (Avg), and no storage is ever freed.
 //!
+//! * **State dicts, clipping, accumulation** (`fsdp/state.rs`): full and sharded state dicts
+//!   saved as safetensors and loaded back bitwise ([`Fsdp::save_full`], [`Fsdp::load_full`],
+//!   [`Fsdp::save_sharded`], [`Fsdp::load_sharded`]); [`Fsdp::clip_grad_norm`] over the
+//!   global norm; [`Fsdp::no_sync`] gradient accumulation without collectives.
+//!
 //! Between a reshard and the next unshard the model's parameters have no memory: nothing may
 //! read them (forward, or `Model::save`) until [`Fsdp::unshard`] (or `before_forward` /
 //! `before_record`) ran. [`train`] keeps that order. Dropping an [`Fsdp`] while resharded
@@ -44,9 +49,14 @@ use crate::comm::{CommError, ProcessGroup, ReduceOp};
 use crate::record::RunRecord;
 use crate::train::{train, Optimizer, StepHooks, TrainConfig, TrainError};
 use lockstep_models::Model;
+use lockstep_models::{Misshaped, ParamTags};
 use std::collections::HashSet;
 use std::sync::Arc;
 use tch::{Kind, Tensor};
+
+mod state;
+
+pub use state::{ShardedLayout, ShardedParamMeta, ShardedStateDict, ShardedUnitMeta};
 
 /// The optimizer-state name prefix of the flat parameter shards (`_fsdp_flat_param.<unit>`).
 pub const FLAT_PARAM_NAME: &str = "_fsdp_flat_param";
@@ -72,6 +82,31 @@ pub enum FsdpError {
     /// A parameter had no gradient when gradients were reduced.
     #[error("fsdp: parameter `{0}` has no gradient")]
     MissingGrad(String),
+    /// A checkpoint does not fit this wrapper: every missing, misshaped (wrong shape or dtype)
+    /// and unexpected key is named. Nothing was loaded.
+    #[error(
+        "fsdp: {path}: state does not match: missing [{}]; misshaped [{}]; unexpected [{}]",
+        missing.join(", "),
+        misshaped.iter().map(|m| format!("{}: expected {}, found {}", m.name, m.expected, m.found)).collect::<Vec<_>>().join("; "),
+        unexpected.join(", ")
+    )]
+    StateMismatch {
+        path: String,
+        missing: Vec<String>,
+        misshaped: Vec<Misshaped>,
+        unexpected: Vec<String>,
+    },
+    /// A sharded checkpoint was written for another sharding layout (world size, strategy,
+    /// wrap policy or model). Nothing was loaded.
+    #[error("fsdp: {path}: sharded checkpoint layout differs: {reason}")]
+    ShardLayout { path: String, reason: String },
+    /// Reading or writing a checkpoint file failed.
+    #[error("fsdp: {path}: {reason}")]
+    Checkpoint { path: String, reason: String },
+    /// Another rank failed the same collective checkpoint operation (its own error is
+    /// reported there); this rank changed nothing.
+    #[error("fsdp: {0} failed on another rank")]
+    PeerFailed(String),
 }
 
 /// How parameters, gradients and optimizer state are split across ranks.
@@ -153,6 +188,8 @@ pub struct CollectiveCounts {
 enum Gather {
     Params,
     RecordGrads,
+    /// State dicts and checkpoint loads: not a training collective, not counted.
+    Checkpoint,
 }
 
 /// One managed parameter's place in its unit's flat parameter.
@@ -220,6 +257,17 @@ pub struct Fsdp {
     full_bytes_alive: usize,
     full_bytes_peak: usize,
     counts: CollectiveCounts,
+    /// The model's buffers (not sharded; part of the state dicts).
+    buffers: Vec<(String, Tensor)>,
+    /// Every distinct parameter's name in `named_parameters` order (state dict order).
+    order: Vec<String>,
+    tags: ParamTags,
+    /// `false` inside [`Fsdp::no_sync`]: gradients accumulate locally, unreduced.
+    sync_grads: bool,
+    /// Clip the gradient norm to this before every hooked optimizer step.
+    max_grad_norm: Option<f64>,
+    /// The total gradient norm the last [`Fsdp::clip_grad_norm`] computed.
+    last_total_norm: Option<f64>,
 }
 
 impl Fsdp {
@@ -237,10 +285,12 @@ impl Fsdp {
         let mut seen = HashSet::new();
         let mut managed = Vec::new();
         let mut ignored = Vec::new();
+        let mut order = Vec::new();
         for (name, t) in model.named_parameters() {
             if !seen.insert(t.data_ptr() as usize) {
                 continue;
             }
+            order.push(name.clone());
             if tags.is_rank_local(&name) {
                 ignored.push((name, t));
             } else {
@@ -363,6 +413,12 @@ impl Fsdp {
             full_bytes_alive,
             full_bytes_peak: full_bytes_alive,
             counts: CollectiveCounts::default(),
+            buffers: model.named_buffers(),
+            order,
+            tags,
+            sync_grads: true,
+            max_grad_norm: None,
+            last_total_norm: None,
         };
         fsdp.reshard()?;
         Ok(fsdp)
@@ -457,6 +513,7 @@ impl Fsdp {
         match purpose {
             Gather::Params => self.counts.param_all_gathers += 1,
             Gather::RecordGrads => self.counts.record_grad_all_gathers += 1,
+            Gather::Checkpoint => {}
         }
         Ok(full)
     }
@@ -464,13 +521,17 @@ impl Fsdp {
     /// Makes the model's full parameters current: all-gathers every resharded unit, in unit
     /// order, and copies each slice into its parameter (refilling freed storage).
     pub fn unshard(&mut self) -> Result<(), FsdpError> {
+        self.unshard_for(Gather::Params)
+    }
+
+    fn unshard_for(&mut self, purpose: Gather) -> Result<(), FsdpError> {
         let _guard = tch::no_grad_guard();
         for u in 0..self.units.len() {
             if self.units[u].unsharded {
                 continue;
             }
             let local = self.units[u].shard.f_detach()?;
-            let full = self.gather(u, &local, Gather::Params)?;
+            let full = self.gather(u, &local, purpose)?;
             let unit = &mut self.units[u];
             for slot in &unit.slots {
                 let src = full
@@ -606,6 +667,11 @@ impl StepHooks for Fsdp {
     }
 
     fn sync_gradients(&mut self, _grads: &[(String, Tensor)]) -> Result<(), TrainError> {
+        if !self.sync_grads {
+            // `no_sync`: the full gradients accumulate in the model's `.grad`s and the full
+            // parameters stay, so the next micro-step needs no collective.
+            return Ok(());
+        }
         self.reduce_gradients().map_err(into_train)?;
         self.reshard().map_err(into_train)
     }
@@ -615,6 +681,14 @@ impl StepHooks for Fsdp {
         optimizer: &mut dyn Optimizer,
         _params: &[(String, Tensor)],
     ) -> Result<bool, TrainError> {
+        if !self.sync_grads {
+            return Err(TrainError::InvalidConfig(
+                "fsdp: optimizer step inside no_sync (gradients not reduced yet)".into(),
+            ));
+        }
+        if let Some(max_norm) = self.max_grad_norm {
+            self.clip_grad_norm(max_norm).map_err(into_train)?;
+        }
         self.step(optimizer).map_err(into_train)?;
         Ok(true)
     }
