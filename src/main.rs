@@ -137,7 +137,7 @@ enum BenchCommand {
         #[arg(long, default_value_t = 2)]
         world_size: usize,
         /// `gpt`: a GPT-style decoder sized for the benchmark (vocab 512, dim 256, 8 heads,
-        /// 4 layers, 4 x 32 tokens per rank); any other zoo model runs at its zoo size.
+        /// 4 layers, 8 x 32 tokens per rank); any other zoo model runs at its zoo size.
         #[arg(long, default_value = "gpt")]
         model: String,
         /// Timed steps per run (after one warm-up step).
