@@ -2,7 +2,7 @@
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use lockstep::bench::{self, BenchOp, CommBenchOptions, SpawnBenchMode};
+use lockstep::bench::{self, BenchOp, CommBenchOptions, SpawnBenchMode, StepBenchOptions};
 use lockstep::harness::report::{compare_report_files, CompareOptions};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -26,7 +26,7 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Measure communication and start-up speed.
+    /// Measure communication, start-up and training-step speed.
     Bench {
         #[command(subcommand)]
         what: BenchCommand,
@@ -126,6 +126,24 @@ enum BenchCommand {
         /// How ranks start: fork (the harness default on CPU) or exec.
         #[arg(long, value_enum, default_value = "fork")]
         mode: SpawnBenchMode,
+        #[arg(long)]
+        json: bool,
+    },
+    /// One training step (forward, backward, sync, optimizer) under DDP and FSDP full shard.
+    ///
+    /// Both run on the CPU backend at the same world size, one libtorch thread per rank; each
+    /// time is the median over --steps steps after one warm-up step.
+    Step {
+        #[arg(long, default_value_t = 2)]
+        world_size: usize,
+        /// `gpt`: a GPT-style decoder sized for the benchmark (vocab 512, dim 256, 8 heads,
+        /// 4 layers, 8 x 32 tokens per rank); any other zoo model runs at its zoo size.
+        #[arg(long, default_value = "gpt")]
+        model: String,
+        /// Timed steps per run (after one warm-up step).
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+        /// Print one JSON object (model, world_size, ddp_seconds, fsdp_seconds, ratio, ...).
         #[arg(long)]
         json: bool,
     },
@@ -333,6 +351,34 @@ fn run_bench(what: BenchCommand) -> Result<()> {
                     format_seconds(r.min_seconds),
                     format_seconds(r.max_seconds),
                     r.repeats
+                );
+            }
+        }
+        BenchCommand::Step {
+            world_size,
+            model,
+            steps,
+            json,
+        } => {
+            let opts = StepBenchOptions {
+                world_size,
+                model,
+                steps,
+                ..StepBenchOptions::default()
+            };
+            let r = bench::run_step(&opts).context("step benchmark")?;
+            if json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!(
+                    "one training step, {} ({} parameters), {} ranks, median of {}: ddp {}, fsdp full_shard {}, fsdp/ddp {:.2}x",
+                    r.model,
+                    r.parameters,
+                    r.world_size,
+                    r.steps,
+                    format_seconds(r.ddp_seconds),
+                    format_seconds(r.fsdp_seconds),
+                    r.ratio
                 );
             }
         }

@@ -7,7 +7,11 @@
 //!   under the fp32 dtype table, and against a second, freshly launched `ddp@N` in bitwise
 //!   mode: the CPU backend reduces in rank order, so a repeat must be bit-identical;
 //! - `single@N` against a repeat of itself in bitwise mode: a reference that is not
-//!   deterministic would make every verdict against it meaningless.
+//!   deterministic would make every verdict against it meaningless;
+//! - every FSDP configuration (`fsdp.full_shard`, `fsdp.shard_grad_op`, `fsdp.no_shard` as one
+//!   root unit, `fsdp.full_shard.per_layer` with one unit per layer) against `ddp@N` in
+//!   bitwise mode (FSDP's reduce-scatter yields exactly DDP's averaged gradients on the CPU
+//!   backend) and against `single@N` under the fp32 dtype table.
 //!
 //! References are run whenever a selected configuration needs them, whether or not their own
 //! configuration was selected. Models whose ranks differ by construction (per-rank experts,
@@ -24,6 +28,7 @@
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use lockstep_core::comm::DType;
 use lockstep_core::ddp::{train_ddp, DdpOptions, Fault};
+use lockstep_core::fsdp::{train_fsdp, FsdpOptions, ShardingStrategy, WrapPolicy};
 use lockstep_core::record::{RunRecord, RunSpec};
 use lockstep_core::train::{single_device_reference, OptimizerConfig, TrainConfig};
 use lockstep_harness::parity::{compare, Comparison, FailurePoint, TolerancePolicy};
@@ -93,18 +98,66 @@ pub enum Config {
     Single,
     /// DistributedDataParallel over the CPU backend.
     Ddp,
+    /// FSDP, one root unit, parameters, gradients and optimizer state sharded (ZeRO-3).
+    FsdpFullShard,
+    /// FSDP, one root unit, full parameters kept from forward to backward (ZeRO-2-like).
+    FsdpShardGradOp,
+    /// FSDP, one root unit, nothing sharded (gradients all-reduced through FSDP's path).
+    FsdpNoShard,
+    /// FSDP full shard with one unit per layer (tied parameters stay in the root unit).
+    FsdpFullShardPerLayer,
 }
 
 impl Config {
     /// Every configuration, in the order rows are listed.
-    pub const ALL: [Config; 2] = [Config::Single, Config::Ddp];
+    pub const ALL: [Config; 6] = [
+        Config::Single,
+        Config::Ddp,
+        Config::FsdpFullShard,
+        Config::FsdpShardGradOp,
+        Config::FsdpNoShard,
+        Config::FsdpFullShardPerLayer,
+    ];
+
+    /// The FSDP configurations, in row order.
+    pub const FSDP: [Config; 4] = [
+        Config::FsdpFullShard,
+        Config::FsdpShardGradOp,
+        Config::FsdpNoShard,
+        Config::FsdpFullShardPerLayer,
+    ];
 
     /// The name patterns and reports use.
     pub fn name(self) -> &'static str {
         match self {
             Config::Single => "single",
             Config::Ddp => "ddp",
+            Config::FsdpFullShard => "fsdp.full_shard",
+            Config::FsdpShardGradOp => "fsdp.shard_grad_op",
+            Config::FsdpNoShard => "fsdp.no_shard",
+            Config::FsdpFullShardPerLayer => "fsdp.full_shard.per_layer",
         }
+    }
+
+    /// Whether this is one of the FSDP configurations.
+    pub fn is_fsdp(self) -> bool {
+        Config::FSDP.contains(&self)
+    }
+
+    /// The FSDP options this configuration runs with (`None` for single and DDP).
+    pub fn fsdp_options(self) -> Option<FsdpOptions> {
+        let (strategy, wrap) = match self {
+            Config::Single | Config::Ddp => return None,
+            Config::FsdpFullShard => (ShardingStrategy::FullShard, WrapPolicy::Root),
+            Config::FsdpShardGradOp => (ShardingStrategy::ShardGradOp, WrapPolicy::Root),
+            Config::FsdpNoShard => (ShardingStrategy::NoShard, WrapPolicy::Root),
+            Config::FsdpFullShardPerLayer => (ShardingStrategy::FullShard, WrapPolicy::PerLayer),
+        };
+        Some(FsdpOptions {
+            strategy,
+            wrap,
+            ..FsdpOptions::default()
+        })
     }
 
     /// One line for `--list`.
@@ -118,6 +171,22 @@ impl Config {
                 "DDP on the CPU backend, one forked process per rank; checked against single \
                  (fp32 dtype table) and a fresh repeat of itself (bitwise)"
             }
+            Config::FsdpFullShard => {
+                "FSDP FULL_SHARD, the model as one root unit; checked against ddp (bitwise) \
+                 and single (fp32 dtype table)"
+            }
+            Config::FsdpShardGradOp => {
+                "FSDP SHARD_GRAD_OP, one root unit; checked against ddp (bitwise) and single \
+                 (fp32 dtype table)"
+            }
+            Config::FsdpNoShard => {
+                "FSDP NO_SHARD, one root unit; checked against ddp (bitwise) and single (fp32 \
+                 dtype table)"
+            }
+            Config::FsdpFullShardPerLayer => {
+                "FSDP FULL_SHARD, one unit per layer (tied parameters in the root); checked \
+                 against ddp (bitwise) and single (fp32 dtype table)"
+            }
         }
     }
 
@@ -130,7 +199,7 @@ impl Config {
     fn blocker(self, model: &dyn Model) -> Option<String> {
         match self {
             Config::Single => model.single_device_reference_blocker(),
-            Config::Ddp => None,
+            _ => None,
         }
     }
 }
@@ -202,23 +271,36 @@ impl Plan {
         for blocker in &self.blockers {
             for _ in &self.world_sizes {
                 let (singles, ddps) = self.runs_per_cell(blocker.is_none());
-                n += singles + ddps;
+                n += singles + ddps + self.fsdp_runs_per_cell();
             }
         }
         n
     }
 
-    /// (single-device runs, DDP launches) for one model at one world size.
+    /// (single-device runs, DDP launches) for one model at one world size. FSDP launches
+    /// come on top, one per selected FSDP configuration.
     fn runs_per_cell(&self, has_single: bool) -> (usize, usize) {
         let single = self.configs.contains(&Config::Single);
         let ddp = self.configs.contains(&Config::Ddp);
-        let singles = match (has_single, single, ddp) {
+        let fsdp = self.configs.iter().any(|c| c.is_fsdp());
+        let singles = match (has_single, single, ddp || fsdp) {
             (false, _, _) => 0,
             (true, true, _) => 2,
             (true, false, true) => 1,
             (true, false, false) => 0,
         };
-        (singles, if ddp { 2 } else { 0 })
+        // DDP checks itself against a repeat; FSDP needs one DDP run as its reference.
+        let ddps = match (ddp, fsdp) {
+            (true, _) => 2,
+            (false, true) => 1,
+            (false, false) => 0,
+        };
+        (singles, ddps)
+    }
+
+    /// FSDP launches per model and world size.
+    fn fsdp_runs_per_cell(&self) -> usize {
+        self.configs.iter().filter(|c| c.is_fsdp()).count()
     }
 }
 
@@ -684,7 +766,7 @@ pub fn run(plan: &Plan, bar: &ProgressBar) -> MatrixResult {
                 let t0 = Instant::now();
                 let outcome = match config {
                     Config::Single => run_single(model, world, plan),
-                    Config::Ddp => run_ddp(model, world, plan),
+                    _ => run_parallel(model, config, world, plan),
                 };
                 result.runs += 1;
                 let err = outcome.as_ref().err().map(String::as_str);
@@ -699,6 +781,12 @@ pub fn run(plan: &Plan, bar: &ProgressBar) -> MatrixResult {
                 .collect();
             let ddp: Vec<Result<RunRecord, String>> =
                 (1..=ddps).map(|i| run_one(Config::Ddp, i, ddps)).collect();
+            let fsdp: Vec<(Config, Result<RunRecord, String>)> = plan
+                .configs
+                .iter()
+                .filter(|c| c.is_fsdp())
+                .map(|&c| (c, run_one(c, 1, 1)))
+                .collect();
             let mut row = |config: Config,
                            reference: Config,
                            policy: &TolerancePolicy,
@@ -770,6 +858,16 @@ pub fn run(plan: &Plan, bar: &ProgressBar) -> MatrixResult {
                 );
                 row(Config::Ddp, Config::Ddp, &bitwise, ddp.first(), ddp.get(1));
             }
+            for (config, run) in &fsdp {
+                row(*config, Config::Ddp, &bitwise, Some(run), ddp.first());
+                row(
+                    *config,
+                    Config::Single,
+                    &tolerance,
+                    Some(run),
+                    single.first(),
+                );
+            }
         }
     }
     bar.finish_and_clear();
@@ -784,7 +882,7 @@ fn spec(model: &str, config: Config, world_size: usize, plan: &Plan) -> RunSpec 
         world_size,
         backend: match config {
             Config::Single => "none".into(),
-            Config::Ddp => "cpu".into(),
+            _ => "cpu".into(),
         },
         dtype: "fp32".into(),
         steps: plan.steps,
@@ -807,10 +905,16 @@ fn run_single(model: &str, world_size: usize, plan: &Plan) -> Result<RunRecord, 
     Ok(record)
 }
 
-/// One fresh DDP launch; rank 0's record comes back through a temporary JSON file.
-fn run_ddp(model: &str, world_size: usize, plan: &Plan) -> Result<RunRecord, String> {
+/// One fresh DDP or FSDP launch; rank 0's record comes back through a temporary JSON file.
+/// The planted fault (if any) goes into DDP runs only: FSDP runs are checked against DDP.
+fn run_parallel(
+    model: &str,
+    config: Config,
+    world_size: usize,
+    plan: &Plan,
+) -> Result<RunRecord, String> {
     let out = scratch_path(model, world_size);
-    let cfg_spec = spec(model, Config::Ddp, world_size, plan);
+    let cfg_spec = spec(model, config, world_size, plan);
     let body = |ctx: &RankCtx| -> Result<(), String> {
         let rank = ctx.rank();
         let built = zoo::build(model, plan.seed, rank).map_err(|e| e.to_string())?;
@@ -820,12 +924,18 @@ fn run_ddp(model: &str, world_size: usize, plan: &Plan) -> Result<RunRecord, Str
             data_ranks: vec![rank],
             record_grads: plan.record_grads,
         };
-        let opts = DdpOptions {
-            fault: plan.fault.clone(),
-            ..DdpOptions::default()
+        let record = match config.fsdp_options() {
+            Some(opts) => train_fsdp(built.as_ref(), ctx.group(), &cfg, opts)
+                .map_err(|e| format!("{}: {e}", config.name()))?,
+            None => {
+                let opts = DdpOptions {
+                    fault: plan.fault.clone(),
+                    ..DdpOptions::default()
+                };
+                train_ddp(built.as_ref(), ctx.group(), &cfg, opts)
+                    .map_err(|e| format!("ddp: {e}"))?
+            }
         };
-        let record =
-            train_ddp(built.as_ref(), ctx.group(), &cfg, opts).map_err(|e| format!("ddp: {e}"))?;
         if rank == 0 {
             let json = serde_json::to_vec(&record).map_err(|e| format!("encoding record: {e}"))?;
             std::fs::write(&out, json)
@@ -890,14 +1000,14 @@ pub fn render_list(seed: u64) -> Result<String, MatrixError> {
             .filter(|(_, _, blocker)| c != Config::Single || blocker.is_none())
             .map(|(n, _, _)| *n)
             .collect();
-        let _ = writeln!(out, "  {:<8}{}", c.name(), c.description());
-        let _ = writeln!(out, "  {:<8}models: {}", "", applies.join(", "));
+        let _ = writeln!(out, "  {:<27}{}", c.name(), c.description());
+        let _ = writeln!(out, "  {:<27}models: {}", "", applies.join(", "));
     }
     out.push_str("models:\n");
     for (name, params, blocker) in &models {
         let note = match blocker {
-            None => "single + ddp".to_owned(),
-            Some(reason) => format!("ddp only (no single-device reference: {reason})"),
+            None => "single + ddp + fsdp".to_owned(),
+            Some(reason) => format!("ddp + fsdp only (no single-device reference: {reason})"),
         };
         let _ = writeln!(out, "  {name:<16}{params:>8} params  {note}");
     }

@@ -58,6 +58,8 @@ fn small_matrix_passes_and_writes_every_report() {
         &[
             "--models",
             "nested,mlp",
+            "--configs",
+            "single,ddp",
             "--world-size",
             "2",
             "--steps",
@@ -156,6 +158,14 @@ fn list_prints_configs_and_models() {
             run.stdout
         );
     }
+    for fsdp in [
+        "fsdp.full_shard ",
+        "fsdp.shard_grad_op ",
+        "fsdp.no_shard ",
+        "fsdp.full_shard.per_layer ",
+    ] {
+        assert!(run.stdout.contains(fsdp), "{fsdp} missing:\n{}", run.stdout);
+    }
     assert!(run.stdout.contains("models:"), "{}", run.stdout);
     for model in lockstep::models::zoo::names() {
         assert!(
@@ -165,7 +175,8 @@ fn list_prints_configs_and_models() {
         );
     }
     assert!(
-        run.stdout.contains("ddp only (no single-device reference"),
+        run.stdout
+            .contains("ddp + fsdp only (no single-device reference"),
         "{}",
         run.stdout
     );
@@ -279,8 +290,19 @@ fn plan_selects_expands_and_counts_runs() {
     assert_eq!(plan.models, ["moe", "gpt", "gpt_moe"]);
     assert_eq!(plan.world_sizes, [2, 4]);
     assert_eq!(plan.configs, Config::ALL);
-    // gpt and gpt_moe: 2 single + 2 ddp per world size; moe: 2 ddp.
-    assert_eq!(plan.run_count(), 2 * (4 + 4 + 2));
+    // gpt and gpt_moe: 2 single + 2 ddp + 4 fsdp per world size; moe: 2 ddp + 4 fsdp.
+    assert_eq!(plan.run_count(), 2 * (8 + 8 + 6));
+
+    let fsdp_only = matrix::plan(&MatrixOptions {
+        models: vec!["nested".into(), "moe".into()],
+        configs: vec!["fsdp.*".into()],
+        world_sizes: vec![2],
+        ..MatrixOptions::default()
+    })
+    .unwrap();
+    assert_eq!(fsdp_only.configs, Config::FSDP);
+    // nested: 1 single + 1 ddp reference + 4 fsdp; moe: 1 ddp + 4 fsdp.
+    assert_eq!(fsdp_only.run_count(), 6 + 5);
 
     let ddp_only = matrix::plan(&MatrixOptions {
         models: vec!["nested".into()],
@@ -298,6 +320,85 @@ fn plan_selects_expands_and_counts_runs() {
     })
     .unwrap_err();
     assert!(matches!(err, MatrixError::InvalidOption(_)), "{err}");
+}
+
+#[test]
+fn fsdp_configs_match_ddp_bitwise_and_single_within_tolerance() {
+    let scratch = Scratch::new("fsdp");
+    let run = matrix_into(
+        &scratch.0,
+        &[
+            "--models",
+            "nested,mlp",
+            "--configs",
+            "fsdp.*",
+            "--world-size",
+            "2",
+            "--steps",
+            "2",
+        ],
+    );
+    assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
+    // Per model: one single-device and one DDP reference run, four FSDP launches.
+    assert!(run.stdout.contains("matrix: 12 runs in "), "{}", run.stdout);
+    assert!(!run.stdout.contains("FAIL"), "{}", run.stdout);
+    let report = read_json(&scratch.0.join("report.json")).unwrap();
+    assert!(report.passed());
+    let keys: Vec<(&str, &str, &str)> = report
+        .comparisons
+        .iter()
+        .map(|c| (c.model.as_str(), c.config.as_str(), c.reference.as_str()))
+        .collect();
+    assert_eq!(keys.len(), 2 * 4 * 2, "{keys:?}");
+    for model in ["nested", "mlp"] {
+        for config in [
+            "fsdp.full_shard@2",
+            "fsdp.shard_grad_op@2",
+            "fsdp.no_shard@2",
+            "fsdp.full_shard.per_layer@2",
+        ] {
+            assert!(keys.contains(&(model, config, "ddp@2")), "{keys:?}");
+            assert!(keys.contains(&(model, config, "single@2")), "{keys:?}");
+            assert!(
+                run.stdout.contains(&format!("{config} ")),
+                "no {config} row:\n{}",
+                run.stdout
+            );
+        }
+    }
+    // Against DDP the rows are bitwise: zero error everywhere.
+    for c in report.comparisons.iter().filter(|c| c.reference == "ddp@2") {
+        assert_eq!(c.overall().max_abs_err, 0.0, "{} {}", c.model, c.config);
+    }
+}
+
+#[test]
+fn fsdp_on_moe_is_checked_against_ddp_only() {
+    let scratch = Scratch::new("fsdp-moe");
+    let run = matrix_into(
+        &scratch.0,
+        &[
+            "--models",
+            "moe",
+            "--configs",
+            "fsdp.full_shard,fsdp.no_shard",
+            "--world-size",
+            "2",
+            "--steps",
+            "2",
+        ],
+    );
+    assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
+    let report = read_json(&scratch.0.join("report.json")).unwrap();
+    let keys: Vec<(&str, &str)> = report
+        .comparisons
+        .iter()
+        .map(|c| (c.config.as_str(), c.reference.as_str()))
+        .collect();
+    assert_eq!(
+        keys,
+        [("fsdp.full_shard@2", "ddp@2"), ("fsdp.no_shard@2", "ddp@2")]
+    );
 }
 
 #[test]
