@@ -62,7 +62,7 @@ where
     R: RankResult,
 {
     lockstep_harness::Run::new(world_size)
-        .timeout(Duration::from_secs(60))
+        .timeout(Duration::from_secs(120))
         .run(body);
 }
 
