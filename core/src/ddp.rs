@@ -21,6 +21,7 @@ use crate::autograd::{register_post_accumulate_grad_hook, AutogradError, HookHan
 use crate::comm::work::lock;
 use crate::comm::{CommError, ProcessGroup, ReduceOp, Work};
 use crate::record::RunRecord;
+use crate::replica::{broadcast_from_rank0, distinct_parameters};
 use crate::train::{train, StepHooks, TrainConfig, TrainError};
 use lockstep_models::Model;
 use std::collections::HashSet;
@@ -275,24 +276,16 @@ impl Ddp {
             Some(Fault::ReduceExperts) => false,
             _ => rank_local.contains(name),
         };
-        // One entry per distinct tensor: tied parameters are one tensor with one gradient.
-        let mut seen = HashSet::new();
-        let params: Vec<(String, Tensor)> = params
-            .into_iter()
-            .filter(|(_, t)| seen.insert(t.data_ptr() as usize))
-            .collect();
-        {
-            let _guard = tch::no_grad_guard();
-            for (name, p) in &params {
-                if !rank_local.contains(name) {
-                    group.broadcast(p, 0)?;
-                }
-            }
-            if fault != Some(Fault::NoBufferBroadcast) {
-                for (_, b) in &buffers {
-                    group.broadcast(b, 0)?;
-                }
-            }
+        let params = distinct_parameters(params);
+        broadcast_from_rank0(
+            group.as_ref(),
+            params
+                .iter()
+                .filter(|(name, _)| !rank_local.contains(name))
+                .map(|(_, p)| p),
+        )?;
+        if fault != Some(Fault::NoBufferBroadcast) {
+            broadcast_from_rank0(group.as_ref(), buffers.iter().map(|(_, b)| b))?;
         }
         let buckets = plan_buckets(&params, &excluded, opts.bucket_cap_bytes)?;
         let mut bucket_of = vec![None; params.len()];
@@ -398,10 +391,7 @@ impl Ddp {
     /// Copies rank 0's buffers to every rank.
     pub fn broadcast_buffers(&self) -> Result<(), DdpError> {
         let state = lock(&self.state);
-        let _guard = tch::no_grad_guard();
-        for (_, b) in &self.buffers {
-            state.group.broadcast(b, 0)?;
-        }
+        broadcast_from_rank0(state.group.as_ref(), self.buffers.iter().map(|(_, b)| b))?;
         Ok(())
     }
 }

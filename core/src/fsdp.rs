@@ -47,6 +47,7 @@ use crate::autograd::{
 };
 use crate::comm::{CommError, ProcessGroup, ReduceOp};
 use crate::record::RunRecord;
+use crate::replica::{broadcast_from_rank0, distinct_parameters};
 use crate::train::{train, Optimizer, StepHooks, TrainConfig, TrainError};
 use lockstep_models::Model;
 use lockstep_models::{Misshaped, ParamTags};
@@ -281,15 +282,10 @@ impl Fsdp {
         opts: FsdpOptions,
     ) -> Result<Fsdp, FsdpError> {
         let tags = model.tags();
-        // One entry per distinct tensor: tied parameters are one tensor with one gradient.
-        let mut seen = HashSet::new();
         let mut managed = Vec::new();
         let mut ignored = Vec::new();
         let mut order = Vec::new();
-        for (name, t) in model.named_parameters() {
-            if !seen.insert(t.data_ptr() as usize) {
-                continue;
-            }
+        for (name, t) in distinct_parameters(model.named_parameters()) {
             order.push(name.clone());
             if tags.is_rank_local(&name) {
                 ignored.push((name, t));
@@ -339,12 +335,8 @@ impl Fsdp {
         let world = shard_world as i64;
         let _guard = tch::no_grad_guard();
         if opts.sync_module_states {
-            for (_, p) in &managed {
-                group.broadcast(p, 0)?;
-            }
-            for (_, b) in model.named_buffers() {
-                group.broadcast(&b, 0)?;
-            }
+            broadcast_from_rank0(group.as_ref(), managed.iter().map(|(_, p)| p))?;
+            broadcast_from_rank0(group.as_ref(), model.named_buffers().iter().map(|(_, b)| b))?;
         }
         let mut members: Vec<Vec<(String, Tensor)>> =
             (0..unit_names.len()).map(|_| Vec::new()).collect();

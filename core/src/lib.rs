@@ -12,6 +12,7 @@ pub mod ddp;
 pub mod fsdp;
 pub mod num;
 pub mod record;
+pub mod replica;
 pub mod train;
 
 pub use autograd::AutogradError;
