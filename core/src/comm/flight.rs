@@ -137,8 +137,3 @@ pub fn render(records: &[OpRecord]) -> String {
     }
     out
 }
-
-/// The ring as JSON (one array), for dump files.
-pub fn to_json() -> String {
-    serde_json::to_string_pretty(&snapshot()).unwrap_or_else(|_| "[]".into())
-}
