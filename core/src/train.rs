@@ -9,7 +9,7 @@
 
 use crate::comm::{CommError, ProcessGroup, ReduceOp};
 use crate::record::{NamedTensor, RunRecord, RunSpec};
-use lockstep_models::{Model, ModelError};
+use lockstep_models::{LayerHooks, Model, ModelError, NoHooks};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use tch::{Kind, TchError, Tensor};
@@ -233,6 +233,12 @@ pub trait StepHooks {
         Ok(())
     }
 
+    /// Hooks to run around every layer during forward (FSDP's per-unit gather and free,
+    /// mixed precision's casts), if the wrapper has any.
+    fn layer_hooks(&mut self) -> Option<&mut dyn LayerHooks> {
+        None
+    }
+
     /// Makes the gradients of this rank the synchronized ones, after backward.
     fn sync_gradients(&mut self, grads: &[(String, Tensor)]) -> Result<(), TrainError>;
 
@@ -313,7 +319,10 @@ pub fn train(
             p.shallow_clone().zero_grad();
         }
         sync.before_forward(step)?;
-        let objective = mean_loss(model, &cfg.data_ranks, step)?;
+        let objective = match sync.layer_hooks() {
+            Some(hooks) => mean_loss(model, &cfg.data_ranks, step, hooks)?,
+            None => mean_loss(model, &cfg.data_ranks, step, &mut NoHooks)?,
+        };
         objective.f_backward()?;
         let mut grads = Vec::with_capacity(params.len());
         for (name, p) in &params {
@@ -345,13 +354,18 @@ pub fn train(
 }
 
 /// The mean of `ranks`' losses at `step`, one differentiable scalar.
-fn mean_loss(model: &dyn Model, ranks: &[usize], step: usize) -> Result<Tensor, TrainError> {
+fn mean_loss(
+    model: &dyn Model,
+    ranks: &[usize],
+    step: usize,
+    hooks: &mut dyn LayerHooks,
+) -> Result<Tensor, TrainError> {
     let Some((&first, rest)) = ranks.split_first() else {
         return Err(TrainError::InvalidConfig("data_ranks is empty".into()));
     };
-    let mut total = model.loss(&model.input(first, step)?)?;
+    let mut total = model.loss_hooked(&model.input(first, step)?, hooks)?;
     for &rank in rest {
-        total = total.f_add(&model.loss(&model.input(rank, step)?)?)?;
+        total = total.f_add(&model.loss_hooked(&model.input(rank, step)?, hooks)?)?;
     }
     Ok(total.f_div_scalar(ranks.len() as f64)?)
 }

@@ -46,6 +46,9 @@ pub enum ModelError {
     /// A batch does not have the tensors this model consumes.
     #[error("model `{model}`: invalid batch: {reason}")]
     InvalidBatch { model: String, reason: String },
+    /// A layer hook (a parallel wrapper acting between layers) failed; its error is kept.
+    #[error("layer hook: {0}")]
+    Hook(Box<dyn std::error::Error + Send + Sync>),
     /// A libtorch call failed (including safetensors I/O through tch).
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),

@@ -14,5 +14,7 @@ pub mod store;
 pub mod zoo;
 
 pub use error::{Misshaped, ModelError};
-pub use model::{Batch, ExpertParam, LayerKind, LayerSpec, Model, ParamTags, SharedGroup};
+pub use model::{
+    Batch, ExpertParam, LayerHooks, LayerKind, LayerSpec, Model, NoHooks, ParamTags, SharedGroup,
+};
 pub use store::ParamStore;

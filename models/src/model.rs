@@ -104,6 +104,43 @@ impl ParamTags {
     }
 }
 
+/// What a parallel wrapper runs around every layer of [`Model::layers`] during forward, so
+/// it can act per layer without the model knowing it: FSDP gathers a unit's parameters
+/// before its first layer and frees them after its last one (and registers its pre-backward
+/// re-gather on the outputs); mixed precision casts each layer's inputs to the dtype that
+/// layer computes in.
+///
+/// A model that supports hooks ([`Model::supports_layer_hooks`]) calls `pre_forward` and
+/// `post_forward` exactly once per layer, in `layers()` order, with that layer's index, and
+/// reads the layer's parameters only between the two calls.
+pub trait LayerHooks {
+    /// Before layer `index` runs: returns its inputs (the tensors it consumes from outside
+    /// the layer, in a fixed order), possibly replaced (cast to another dtype).
+    fn pre_forward(&mut self, index: usize, inputs: Vec<Tensor>)
+        -> Result<Vec<Tensor>, ModelError>;
+
+    /// After layer `index` ran: returns its output, possibly replaced.
+    fn post_forward(&mut self, index: usize, output: Tensor) -> Result<Tensor, ModelError>;
+}
+
+/// Hooks that change nothing: what plain [`Model::forward`] runs with.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoHooks;
+
+impl LayerHooks for NoHooks {
+    fn pre_forward(
+        &mut self,
+        _index: usize,
+        inputs: Vec<Tensor>,
+    ) -> Result<Vec<Tensor>, ModelError> {
+        Ok(inputs)
+    }
+
+    fn post_forward(&mut self, _index: usize, output: Tensor) -> Result<Tensor, ModelError> {
+        Ok(output)
+    }
+}
+
 /// A zoo model: parameters and buffers under PyTorch's names, deterministic inputs, a loss,
 /// and the structure plans need. Models never apply parallelism themselves.
 pub trait Model: Send {
@@ -127,6 +164,30 @@ pub trait Model: Send {
 
     /// The model's output on `batch`.
     fn forward(&self, batch: &Batch) -> Result<Tensor, ModelError>;
+
+    /// Whether [`Model::forward_hooked`] calls its hooks around every layer of `layers()`.
+    /// Wrappers that free parameters between layers (FSDP) rely on it and fall back to
+    /// gathering everything before forward when it is `false`.
+    fn supports_layer_hooks(&self) -> bool {
+        false
+    }
+
+    /// The model's output on `batch`, calling `hooks` around every layer when
+    /// [`Model::supports_layer_hooks`] (the default ignores them).
+    fn forward_hooked(
+        &self,
+        batch: &Batch,
+        hooks: &mut dyn LayerHooks,
+    ) -> Result<Tensor, ModelError> {
+        let _ = hooks;
+        self.forward(batch)
+    }
+
+    /// Forward through `hooks` and loss on `batch`.
+    fn loss_hooked(&self, batch: &Batch, hooks: &mut dyn LayerHooks) -> Result<Tensor, ModelError> {
+        let output = self.forward_hooked(batch, hooks)?;
+        self.loss_of(batch, &output)
+    }
 
     /// The scalar loss of `output` on `batch` (PyTorch's `get_loss`).
     fn loss_of(&self, batch: &Batch, output: &Tensor) -> Result<Tensor, ModelError>;
