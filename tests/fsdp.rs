@@ -53,6 +53,7 @@ fn fsdp_run(ctx: &RankCtx, model: &str, opts: FsdpOptions) -> RunRecord {
         ShardingStrategy::FullShard => "fsdp.full_shard",
         ShardingStrategy::ShardGradOp => "fsdp.shard_grad_op",
         ShardingStrategy::NoShard => "fsdp.no_shard",
+        ShardingStrategy::HybridShard => "fsdp.hybrid_shard",
     };
     let cfg = config(ctx, model, name);
     train_fsdp(m.as_ref(), ctx.group(), &cfg, opts).expect("fsdp run")
@@ -87,7 +88,7 @@ fn fsdp_matches_ddp_bitwise(
         for s in STRATEGIES {
             for wrap in [WrapPolicy::Root, WrapPolicy::PerLayer] {
                 let opts = FsdpOptions {
-                    wrap,
+                    wrap: wrap.clone(),
                     ..strategy(s)
                 };
                 let run = fsdp_run(ctx, model, opts);
@@ -233,6 +234,7 @@ fn collectives_per_step_are_counted() {
                 grad_reduce_scatters: per_step * STEPS,
                 grad_all_reduces: usize::from(!sharded) * STEPS,
                 record_grad_all_gathers: per_step * STEPS,
+                replica_grad_all_reduces: 0,
             };
             assert_eq!(fsdp.collective_counts(), expected, "{s:?}");
         }

@@ -1,63 +1,75 @@
-//! Fully sharded data parallel (FSDP1-style flat parameters), first slice: the model is one
-//! root unit ([`WrapPolicy::Root`]) or one unit per layer ([`WrapPolicy::PerLayer`]), each
-//! unit with one flat parameter.
+//! Fully sharded data parallel (FSDP1-style flat parameters): each unit's parameters are
+//! one flat parameter sharded over the group, gathered only while a layer of the unit runs.
 //!
-//! Per-layer units are gathered together before forward (this slice has no per-layer forward
-//! hook yet, so no forward prefetch or reshard between layers): they shard, reduce and step
-//! per unit but do not lower the peak of full parameters below the root unit's.
-//!
-//! * **Flat parameter**: a unit's parameters (tied ones once, rank-local ones left out)
-//!   flattened and concatenated in `named_parameters` order, zero-padded to a multiple of the
-//!   sharding world size. Rank `r` keeps elements `[r·s, (r+1)·s)` (`s = padded / world`) as
-//!   its **master copy**; the optimizer (and its momentum state) lives on that shard only.
-//! * **Unshard** (before forward, and before the record is captured): all-gather the shards
-//!   into a full flat buffer and copy each slice into the model's own parameter tensor, whose
-//!   storage was freed at the last reshard and is refilled here.
-//! * **Gradients** (after backward): flatten and pad the full `.grad`s, `reduce_scatter(Avg)`
-//!   into this rank's gradient shard (bit-identical to the same elements of DDP's all-reduce),
-//!   which becomes the shard's `.grad`.
-//! * **Reshard** (after the gradients are reduced): the model's full parameter storages are
-//!   freed. As PyTorch does for the root unit, the root is not resharded between forward and
-//!   backward, so in this one-unit slice `reshard_after_forward` and
-//!   [`ShardingStrategy::ShardGradOp`] change nothing yet (see [`FsdpOptions`]).
-//! * **Optimizer step**: through [`StepHooks::optimizer_step`], the run's optimizer steps the
-//!   shard (under one name for the whole flat parameter) and the ignored parameters; the next
-//!   unshard rebuilds the full parameters from the updated shards.
+//! * **Units** ([`WrapPolicy`]): the root unit (parameters no wrapped layer owns alone, such
+//!   as tied embeddings) and one unit per wrapped layer group, planned by `fsdp/wrap.rs`.
+//! * **Flat parameter** (`fsdp/unit.rs`): a unit's parameters (tied ones once, rank-local
+//!   ones left out) flattened and concatenated in `named_parameters` order, zero-padded to a
+//!   multiple of the sharding world size. Rank `r` keeps elements `[r·s, (r+1)·s)`
+//!   (`s = padded / world`) as its **master copy**; the optimizer (and its state) lives on
+//!   that shard only.
+//! * **Forward** (models with layer hooks, [`Model::supports_layer_hooks`]): the root is
+//!   gathered before forward; each unit is all-gathered in the pre-forward hook of its first
+//!   layer (or prefetched one unit ahead with `forward_prefetch`) by copying the gathered
+//!   slices into the model's own parameter storages, refilled in place; with
+//!   [`ShardingStrategy::FullShard`] and `reshard_after_forward` its storages are freed again
+//!   after its last layer, while autograd still holds them. Models without layer hooks get
+//!   every unit gathered before forward.
+//! * **Backward**: a hook on every output of a unit's layers re-gathers the unit (refilling
+//!   the same storages autograd saved, so the saved tensors read the gathered values) before
+//!   its backward runs, and prefetches the next unit backward needs ([`BackwardPrefetch`]).
+//!   A post-accumulate-grad hook on each parameter launches the unit's asynchronous
+//!   reduce-scatter (`Avg`) as soon as its last gradient is complete, and frees the unit.
+//! * **Gradients**: the reduce-scatter of the flat gradient gives this rank's shard of the
+//!   average, bit-identical to the same elements of DDP's all-reduce; it becomes the shard's
+//!   `.grad`. Hybrid shard all-reduces it across replicas too.
 //! * **Record view** (not part of FSDP's math): so the run's record holds the same full
 //!   averaged gradients (and gradient norm) as DDP's, the reduced gradient shards are
-//!   all-gathered back into the model's `.grad`s. The optimizer never reads them. This is one
-//!   extra all-gather per step that real FSDP does not pay.
+//!   all-gathered back into the model's `.grad`s — one extra all-gather per unit and step
+//!   that real FSDP does not pay, counted apart in [`CollectiveCounts`].
+//! * **Optimizer step**: through [`StepHooks::optimizer_step`], the run's optimizer steps the
+//!   shards (each under `_fsdp_flat_param.<unit>`) and the ignored parameters.
 //! * **Ignored parameters**: rank-local ones (the experts of `MixtureOfExperts`) are never
 //!   broadcast, sharded nor reduced; the optimizer steps them in place.
 //! * [`ShardingStrategy::NoShard`]: the "shard" is the whole flat parameter, gradients are
 //!   all-reduced (Avg), and no storage is ever freed.
-//!
+//! * **Memory accounting**: [`Fsdp::full_param_bytes`] and [`Fsdp::full_param_bytes_peak`]
+//!   count the bytes of full parameters alive (gathered or being gathered) on this rank.
 //! * **State dicts, clipping, accumulation** (`fsdp/state.rs`): full and sharded state dicts
 //!   saved as safetensors and loaded back bitwise ([`Fsdp::save_full`], [`Fsdp::load_full`],
 //!   [`Fsdp::save_sharded`], [`Fsdp::load_sharded`]); [`Fsdp::clip_grad_norm`] over the
-//!   global norm; [`Fsdp::no_sync`] gradient accumulation without collectives.
+//!   global norm; [`Fsdp::no_sync`] gradient accumulation without collectives;
+//!   [`Fsdp::summon_full_params`].
 //!
 //! Between a reshard and the next unshard the model's parameters have no memory: nothing may
 //! read them (forward, or `Model::save`) until [`Fsdp::unshard`] (or `before_forward` /
 //! `before_record`) ran. [`train`] keeps that order. Dropping an [`Fsdp`] while resharded
 //! refills the parameters with NaN so they stay safe to touch, and visibly invalid.
 
-use crate::autograd::{
-    free_storage, is_storage_freed, refill_storage, set_grad, storage_nbytes, AutogradError,
-};
-use crate::comm::{CommError, ProcessGroup, ReduceOp};
-use crate::record::RunRecord;
-use crate::replica::{broadcast_from_rank0, distinct_parameters};
-use crate::train::{train, Optimizer, StepHooks, TrainConfig, TrainError};
-use lockstep_models::Model;
-use lockstep_models::{Misshaped, ParamTags};
-use std::collections::HashSet;
-use std::sync::Arc;
-use tch::{Kind, Tensor};
 
+use crate::autograd::{
+    is_storage_freed, refill_storage, register_hook, register_post_accumulate_grad_hook,
+    set_grad, storage_nbytes, AutogradError, HookHandle,
+};
+use crate::comm::work::lock;
+use crate::comm::{CommError, DeviceMesh, ProcessGroup};
+use crate::record::RunRecord;
+use crate::replica::distinct_parameters;
+use crate::train::{train, Optimizer, StepHooks, TrainConfig, TrainError};
+use lockstep_models::{LayerHooks, Misshaped, Model, ModelError};
+use std::sync::{Arc, Mutex, MutexGuard};
+use tch::{Device, Tensor};
+
+mod core;
 mod state;
+mod unit;
+mod wrap;
+
+use self::core::{Core, Gather};
+use unit::{Residency, Slot, Unit};
 
 pub use state::{ShardedLayout, ShardedParamMeta, ShardedStateDict, ShardedUnitMeta};
+pub use wrap::WrapPolicy;
 
 /// The optimizer-state name prefix of the flat parameter shards (`_fsdp_flat_param.<unit>`).
 pub const FLAT_PARAM_NAME: &str = "_fsdp_flat_param";
@@ -80,6 +92,27 @@ pub enum FsdpError {
     /// The model cannot be wrapped as asked (mixed dtypes, parameters sharing storage...).
     #[error("fsdp: {0}")]
     Invalid(String),
+    /// An explicit wrap names a layer the model does not have.
+    #[error("fsdp: no layer `{layer}` to wrap; the model's layers: {}", known.join(", "))]
+    UnknownLayer { layer: String, known: Vec<String> },
+    /// An explicit wrap puts one layer into two units.
+    #[error("fsdp: layer `{layer}` wrapped twice: in unit `{first}` and in unit `{second}`")]
+    WrappedTwice {
+        layer: String,
+        first: String,
+        second: String,
+    },
+    /// A parameter is used by modules of two different units (one flat parameter cannot live
+    /// in two units): wrap both modules in one unit, or leave one unwrapped.
+    #[error(
+        "fsdp: parameter `{param}` is shared by `{first}` and `{second}`, which are wrapped in \
+         different units; wrap them in one unit"
+    )]
+    SharedAcrossUnits {
+        param: String,
+        first: String,
+        second: String,
+    },
     /// A parameter had no gradient when gradients were reduced.
     #[error("fsdp: parameter `{0}` has no gradient")]
     MissingGrad(String),
@@ -114,14 +147,30 @@ pub enum FsdpError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ShardingStrategy {
     /// Parameters, gradients and optimizer state sharded; full parameters gathered for
-    /// forward and backward only (ZeRO-3).
+    /// forward and again for backward (ZeRO-3).
     FullShard,
-    /// As `FullShard`, but full parameters stay alive from forward to backward (ZeRO-2-like).
-    /// Identical to `FullShard` for a root unit, the only unit this slice has.
+    /// As `FullShard`, but a unit's full parameters stay alive from its forward to its
+    /// backward (ZeRO-2-like): one all-gather per unit and step.
     ShardGradOp,
     /// Nothing sharded: every rank keeps the full flat parameter and optimizer state, and
     /// gradients are all-reduced (DDP's math through FSDP's code path).
     NoShard,
+    /// `FullShard` within each group of the mesh's `shard` dimension, replicated across its
+    /// `replicate` dimension (gradients reduce-scattered, then all-reduced across replicas).
+    /// Needs [`Fsdp::new_hybrid`].
+    HybridShard,
+}
+
+/// When backward gathers the next unit it needs, before that unit's own pre-backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackwardPrefetch {
+    /// No prefetch: each unit is gathered when its backward starts.
+    None,
+    /// In a unit's pre-backward, after gathering it (PyTorch's `BACKWARD_PRE`, the default):
+    /// the next unit's gather overlaps this unit's backward compute.
+    Pre,
+    /// In a unit's post-backward, after launching its reduce-scatter (`BACKWARD_POST`).
+    Post,
 }
 
 /// A bug planted on purpose, to prove the parity checker catches it.
@@ -129,6 +178,13 @@ pub enum ShardingStrategy {
 pub enum FsdpFault {
     /// Gradients summed across ranks instead of averaged (a divisor bug).
     SumInsteadOfAverage,
+    /// A resharded unit's storage is refilled with zeros instead of re-gathered before its
+    /// backward (what reading a freed, reused buffer looks like).
+    NoRegatherBeforeBackward,
+    /// Every rank keeps its neighbour's chunk of the reduced gradient.
+    ReduceScatterWrongShard,
+    /// Ignored (rank-local expert) parameters are averaged across ranks anyway.
+    ReduceIgnored,
 }
 
 /// How FSDP runs.
@@ -136,27 +192,24 @@ pub enum FsdpFault {
 pub struct FsdpOptions {
     /// What is sharded.
     pub strategy: ShardingStrategy,
-    /// Free full parameters after forward (re-gathering them for backward). Applies to
-    /// non-root units; the root unit — the only one in this slice — keeps them, as PyTorch's
-    /// root does, so this changes nothing yet.
+    /// Free a unit's full parameters after its forward and re-gather them for its backward
+    /// (`FullShard` and `HybridShard` only; the root unit always keeps them, as PyTorch's
+    /// root does, since backward starts with it).
     pub reshard_after_forward: bool,
     /// Broadcast rank 0's (non-ignored) parameters and buffers at construction, so ranks that
     /// built the model differently start equal (PyTorch's `sync_module_states`).
     pub sync_module_states: bool,
     /// Which modules become units.
     pub wrap: WrapPolicy,
+    /// When backward prefetches the next unit's gather.
+    pub backward_prefetch: BackwardPrefetch,
+    /// Gather the next unit (asynchronously) when a unit's forward starts.
+    pub forward_prefetch: bool,
+    /// Keep the master shards (and their gradients and optimizer state) on the CPU; the
+    /// gathers copy the shard to the compute device first.
+    pub offload_params: bool,
     /// A planted bug, for checker tests only.
     pub fault: Option<FsdpFault>,
-}
-
-/// Which modules get their own FSDP unit (flat parameter).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WrapPolicy {
-    /// The whole model is one root unit.
-    Root,
-    /// Every layer of [`Model::layers`] with parameters is a unit ("wrap everything"); tied
-    /// parameters (used by several layers) and parameters of no layer stay in the root unit.
-    PerLayer,
 }
 
 impl Default for FsdpOptions {
@@ -166,119 +219,85 @@ impl Default for FsdpOptions {
             reshard_after_forward: true,
             sync_module_states: true,
             wrap: WrapPolicy::Root,
+            backward_prefetch: BackwardPrefetch::Pre,
+            forward_prefetch: false,
+            offload_params: false,
             fault: None,
         }
     }
 }
 
-/// Collectives FSDP issued since construction (the initial broadcasts aside), by purpose.
+/// Collectives FSDP issued since construction (the initial broadcasts and checkpoint
+/// collectives aside), by purpose.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CollectiveCounts {
-    /// All-gathers of the flat parameter (unshard before forward and before the record).
+    /// All-gathers of a flat parameter (forward, re-gather for backward, record).
     pub param_all_gathers: usize,
-    /// Reduce-scatters of the flat gradient (sharded strategies).
+    /// Reduce-scatters of a flat gradient (sharded strategies).
     pub grad_reduce_scatters: usize,
-    /// All-reduces of the flat gradient (`NoShard`).
+    /// All-reduces of a flat gradient (`NoShard`).
     pub grad_all_reduces: usize,
+    /// All-reduces of a reduced gradient shard across replicas (`HybridShard`).
+    pub replica_grad_all_reduces: usize,
     /// All-gathers of reduced gradient shards for the record view only.
     pub record_grad_all_gathers: usize,
 }
 
-/// What a gather is for (which counter it bumps).
-#[derive(Clone, Copy)]
-enum Gather {
-    Params,
-    RecordGrads,
-    /// State dicts and checkpoint loads: not a training collective, not counted.
-    Checkpoint,
-}
-
-/// One managed parameter's place in its unit's flat parameter.
-struct Slot {
-    name: String,
-    /// The model's own tensor (the "view" the flat parameter is copied into).
-    param: Tensor,
-    offset: i64,
-    numel: i64,
-}
-
-/// One FSDP unit: one flat parameter, sharded over the group.
-struct Unit {
-    /// The layer it wraps (`root` for the root unit).
-    name: String,
-    slots: Vec<Slot>,
-    kind: Kind,
-    /// Elements after padding (a multiple of the sharding world size).
-    padded: i64,
-    /// This rank's master copy of its part of the flat parameter.
-    shard: Tensor,
-    /// Whether the model's full parameters of this unit hold memory and current values.
-    unsharded: bool,
-    full_bytes: usize,
-}
-
-impl Unit {
-    /// The unit's parameters (chosen by `pick`) flattened, concatenated and zero-padded.
-    fn flatten(
-        &self,
-        pick: impl Fn(&Slot) -> Result<Tensor, FsdpError>,
-    ) -> Result<Tensor, FsdpError> {
-        let mut parts = Vec::with_capacity(self.slots.len() + 1);
-        let mut numel = 0;
-        for slot in &self.slots {
-            numel += slot.numel;
-            parts.push(pick(slot)?.f_reshape([-1])?);
-        }
-        if self.padded > numel {
-            let device = self
-                .slots
-                .first()
-                .map_or(tch::Device::Cpu, |s| s.param.device());
-            parts.push(Tensor::f_zeros([self.padded - numel], (self.kind, device))?);
-        }
-        Ok(Tensor::f_cat(&parts, 0)?)
-    }
-
-    fn numel(&self) -> i64 {
-        self.slots.iter().map(|s| s.numel).sum()
-    }
-}
-
-/// FSDP over one data-parallel group. Plug it into [`train`] as its [`StepHooks`], or use
+/// FSDP over one data-parallel group (or a hybrid mesh). Plug it into [`train`] as its
+/// [`StepHooks`] (it is also the [`LayerHooks`] `train` runs forward through), or use
 /// [`train_fsdp`].
 pub struct Fsdp {
-    group: Arc<dyn ProcessGroup>,
-    opts: FsdpOptions,
-    /// The root unit first (unless empty), then one unit per wrapped layer in forward order.
-    units: Vec<Unit>,
-    /// Parameters never sharded nor reduced (rank-local experts).
-    ignored: Vec<(String, Tensor)>,
-    /// Ranks a flat parameter is split over (1 for `NoShard`).
-    shard_world: usize,
-    full_bytes_alive: usize,
-    full_bytes_peak: usize,
-    counts: CollectiveCounts,
-    /// The model's buffers (not sharded; part of the state dicts).
-    buffers: Vec<(String, Tensor)>,
-    /// Every distinct parameter's name in `named_parameters` order (state dict order).
-    order: Vec<String>,
-    tags: ParamTags,
-    /// `false` inside [`Fsdp::no_sync`]: gradients accumulate locally, unreduced.
-    sync_grads: bool,
-    /// Clip the gradient norm to this before every hooked optimizer step.
-    max_grad_norm: Option<f64>,
-    /// The total gradient norm the last [`Fsdp::clip_grad_norm`] computed.
-    last_total_norm: Option<f64>,
+    core: Arc<Mutex<Core>>,
+    /// Post-accumulate-grad hooks (post-backward), removed on drop.
+    post_backward: Vec<HookHandle>,
 }
 
 impl Fsdp {
-    /// Wraps `model` (built identically on every rank except its rank-local parameters):
-    /// optionally broadcasts rank 0's state, builds the units' flat parameters, keeps this
-    /// rank's shards and (unless `NoShard`) frees the model's full parameters until the next
-    /// unshard.
+    /// Wraps `model` (built identically on every rank except its rank-local parameters) over
+    /// `group`: optionally broadcasts rank 0's state, builds the units' flat parameters, keeps
+    /// this rank's shards and (unless `NoShard`) frees the model's full parameters until they
+    /// are gathered.
     pub fn new(
         model: &dyn Model,
         group: Arc<dyn ProcessGroup>,
+        opts: FsdpOptions,
+    ) -> Result<Fsdp, FsdpError> {
+        if opts.strategy == ShardingStrategy::HybridShard {
+            return Err(FsdpError::Invalid(
+                "hybrid shard needs a 2-D mesh (replicate × shard): use Fsdp::new_hybrid".into(),
+            ));
+        }
+        Self::build(model, group, None, opts)
+    }
+
+    /// Wraps `model` for [`ShardingStrategy::HybridShard`] on `mesh`, whose dimensions must be
+    /// `replicate` and `shard` (see [`hybrid_mesh`]).
+    pub fn new_hybrid(
+        model: &dyn Model,
+        mesh: &DeviceMesh,
+        opts: FsdpOptions,
+    ) -> Result<Fsdp, FsdpError> {
+        if opts.strategy != ShardingStrategy::HybridShard {
+            return Err(FsdpError::Invalid(format!(
+                "Fsdp::new_hybrid needs ShardingStrategy::HybridShard, not {:?}",
+                opts.strategy
+            )));
+        }
+        if mesh.names() != ["replicate", "shard"] {
+            return Err(FsdpError::Invalid(format!(
+                "hybrid shard needs a mesh with dimensions [replicate, shard], not [{}]",
+                mesh.names().join(", ")
+            )));
+        }
+        let shard = mesh.group("shard")?;
+        let replicate = mesh.group("replicate")?;
+        Self::build(model, shard, Some(replicate), opts)
+    }
+
+    fn build(
+        model: &dyn Model,
+        group: Arc<dyn ProcessGroup>,
+        replicate: Option<Arc<dyn ProcessGroup>>,
         opts: FsdpOptions,
     ) -> Result<Fsdp, FsdpError> {
         let tags = model.tags();
@@ -298,77 +317,50 @@ impl Fsdp {
                 "no parameter to shard (every parameter is ignored)".into(),
             ));
         }
-        // Which unit each managed parameter joins: the root (0) unless per-layer wrapping
-        // gives it to the one layer that uses it. A parameter used by several layers (tied)
-        // stays in the root, the smallest unit enclosing every use.
-        let mut unit_names = vec!["root".to_owned()];
-        let mut unit_of: std::collections::HashMap<String, usize> = Default::default();
-        if opts.wrap == WrapPolicy::PerLayer {
-            let mut users: std::collections::HashMap<String, HashSet<usize>> = Default::default();
-            let layers = model.layers();
-            for (l, layer) in layers.iter().enumerate() {
-                for p in &layer.params {
-                    users
-                        .entry(tags.canonical(p).to_owned())
-                        .or_default()
-                        .insert(l);
-                }
-            }
-            let mut layer_unit: std::collections::HashMap<usize, usize> = Default::default();
-            for (name, _) in &managed {
-                let Some(ls) = users.get(name) else { continue };
-                if ls.len() != 1 {
-                    continue;
-                }
-                let Some(&l) = ls.iter().next() else { continue };
-                let u = *layer_unit.entry(l).or_insert_with(|| {
-                    unit_names.push(layers[l].name.clone());
-                    unit_names.len() - 1
-                });
-                unit_of.insert(name.clone(), u);
-            }
-        }
+        let layers = model.layers();
+        let sizes: Vec<(String, i64)> = managed
+            .iter()
+            .map(|(n, t)| (n.clone(), t.numel() as i64))
+            .collect();
+        let plan = wrap::plan_units(&opts.wrap, &layers, &tags, &sizes)?;
         let (shard_world, shard_rank) = match opts.strategy {
             ShardingStrategy::NoShard => (1, 0),
             _ => (group.size(), group.rank()),
         };
         let world = shard_world as i64;
-        let _guard = tch::no_grad_guard();
-        if opts.sync_module_states {
-            broadcast_from_rank0(group.as_ref(), managed.iter().map(|(_, p)| p))?;
-            broadcast_from_rank0(group.as_ref(), model.named_buffers().iter().map(|(_, b)| b))?;
-        }
-        let mut members: Vec<Vec<(String, Tensor)>> =
-            (0..unit_names.len()).map(|_| Vec::new()).collect();
-        for (name, param) in managed {
-            let u = unit_of.get(&name).copied().unwrap_or(0);
-            members[u].push((name, param));
-        }
+        let compute_device = managed.first().map_or(Device::Cpu, |(_, t)| t.device());
+        let master_device = if opts.offload_params {
+            Device::Cpu
+        } else {
+            compute_device
+        };
+        let mut by_name: std::collections::HashMap<String, Tensor> = managed.into_iter().collect();
         let mut units = Vec::new();
-        let mut full_bytes_alive = 0;
-        for (name, params) in unit_names.into_iter().zip(members) {
-            let Some(kind) = params.first().map(|(_, t)| t.kind()) else {
-                continue;
-            };
-            let mut slots = Vec::with_capacity(params.len());
+        let mut unit_of_layer = vec![None; layers.len()];
+        for planned in plan {
+            let mut slots = Vec::with_capacity(planned.params.len());
             let mut offset = 0i64;
-            let mut full_bytes = 0usize;
-            for (pname, param) in params {
-                if param.kind() != kind {
+            let mut kind = None;
+            for pname in planned.params {
+                let Some(param) = by_name.remove(&pname) else {
+                    continue;
+                };
+                let k = *kind.get_or_insert(param.kind());
+                if param.kind() != k {
                     return Err(FsdpError::Invalid(format!(
-                        "parameter `{pname}` is {:?} but unit `{name}`'s flat parameter is {kind:?}",
-                        param.kind()
+                        "parameter `{pname}` is {:?} but unit `{}`'s flat parameter is {k:?}",
+                        param.kind(),
+                        planned.name
                     )));
                 }
-                let numel = param.numel() as i64;
-                let bytes = param.numel() * kind.elt_size_in_bytes();
+                let bytes = param.numel() * k.elt_size_in_bytes();
                 // Freeing a storage frees every alias: each parameter must own its storage.
                 if !param.is_contiguous() || storage_nbytes(&param)? != bytes {
                     return Err(FsdpError::Invalid(format!(
                         "parameter `{pname}` does not own its storage (a view or a shared buffer)"
                     )));
                 }
-                full_bytes += bytes;
+                let numel = param.numel() as i64;
                 slots.push(Slot {
                     name: pname,
                     param,
@@ -377,33 +369,38 @@ impl Fsdp {
                 });
                 offset += numel;
             }
-            let padded = (offset + world - 1) / world * world;
-            let mut unit = Unit {
-                name,
+            let Some(kind) = kind else { continue };
+            for &l in &planned.layers {
+                unit_of_layer[l] = Some(units.len());
+            }
+            units.push(Unit {
+                name: planned.name,
+                layers: planned.layers,
                 slots,
                 kind,
-                padded,
+                compute_kind: kind,
+                reduce_kind: kind,
+                padded: (offset + world - 1) / world * world,
                 shard: Tensor::new(),
-                unsharded: true,
-                full_bytes,
-            };
-            let shard_size = padded / world;
-            unit.shard = unit
-                .flatten(|s| Ok(s.param.shallow_clone()))?
-                .f_narrow(0, shard_rank as i64 * shard_size, shard_size)?
-                .f_detach_copy()?
-                .set_requires_grad(true);
-            full_bytes_alive += full_bytes;
-            units.push(unit);
+                residency: Residency::Unsharded,
+                pending_gather: None,
+                alive_bytes: 0,
+                ready: 0,
+                pending_reduce: None,
+                reduced: false,
+            });
         }
-        let mut fsdp = Fsdp {
+        let mut core = Core {
             group,
+            replicate,
             opts,
             units,
             ignored,
             shard_world,
-            full_bytes_alive,
-            full_bytes_peak: full_bytes_alive,
+            shard_rank,
+            compute_device,
+            full_bytes_alive: 0,
+            full_bytes_peak: 0,
             counts: CollectiveCounts::default(),
             buffers: model.named_buffers(),
             order,
@@ -411,19 +408,55 @@ impl Fsdp {
             sync_grads: true,
             max_grad_norm: None,
             last_total_norm: None,
+            unit_of_layer,
+            per_layer: model.supports_layer_hooks(),
         };
-        fsdp.reshard()?;
-        Ok(fsdp)
+        {
+            let _guard = tch::no_grad_guard();
+            if core.opts.sync_module_states {
+                let params: Vec<Tensor> = core
+                    .units
+                    .iter()
+                    .flat_map(|u| u.slots.iter().map(|s| s.param.shallow_clone()))
+                    .collect();
+                core.broadcast_world(params.iter())?;
+                core.broadcast_world(core.buffers.iter().map(|(_, b)| b))?;
+            }
+            for unit in &mut core.units {
+                let size = unit.padded / world;
+                unit.shard = unit
+                    .flatten(|s| Ok(s.param.shallow_clone()))?
+                    .f_narrow(0, shard_rank as i64 * size, size)?
+                    .f_to_device(master_device)?
+                    .f_detach_copy()?
+                    .set_requires_grad(true);
+                unit.alive_bytes = unit.full_bytes(unit.kind);
+                core.full_bytes_alive += unit.alive_bytes;
+            }
+            core.full_bytes_peak = core.full_bytes_alive;
+        }
+        core.reshard_all()?;
+        let core = Arc::new(Mutex::new(core));
+        let post_backward = register_post_backward(&core)?;
+        Ok(Fsdp {
+            core,
+            post_backward,
+        })
+    }
+
+    fn core(&self) -> MutexGuard<'_, Core> {
+        lock(&self.core)
     }
 
     /// The strategy this wrapper runs.
     pub fn strategy(&self) -> ShardingStrategy {
-        self.opts.strategy
+        self.core().opts.strategy
     }
 
     /// Every unit's name and the parameters in its flat parameter, in flat order.
     pub fn units(&self) -> Vec<(String, Vec<String>)> {
-        self.units
+        self.core()
+            .units
             .iter()
             .map(|u| {
                 (
@@ -436,7 +469,8 @@ impl Fsdp {
 
     /// Names of the parameters in the flat parameters, unit by unit.
     pub fn flat_param_names(&self) -> Vec<String> {
-        self.units
+        self.core()
+            .units
             .iter()
             .flat_map(|u| u.slots.iter().map(|s| s.name.clone()))
             .collect()
@@ -444,21 +478,32 @@ impl Fsdp {
 
     /// Names of the ignored (rank-local) parameters, never sharded nor reduced.
     pub fn ignored_param_names(&self) -> Vec<String> {
-        self.ignored.iter().map(|(n, _)| n.clone()).collect()
+        self.core().ignored_param_names()
     }
 
     /// Elements of each unit's flat parameter: (unpadded, padded).
     pub fn flat_numels(&self) -> Vec<(usize, usize)> {
-        self.units
+        self.core()
+            .units
             .iter()
             .map(|u| (u.numel() as usize, u.padded as usize))
+            .collect()
+    }
+
+    /// Bytes of each unit's full parameters in their master dtype, in unit order.
+    pub fn unit_full_bytes(&self) -> Vec<usize> {
+        self.core()
+            .units
+            .iter()
+            .map(|u| u.full_bytes(u.kind))
             .collect()
     }
 
     /// This rank's master shard of each unit's flat parameter (copies: the optimizer owns
     /// them).
     pub fn local_shards(&self) -> Result<Vec<Tensor>, FsdpError> {
-        self.units
+        self.core()
+            .units
             .iter()
             .map(|u| Ok(u.shard.f_detach_copy()?))
             .collect()
@@ -466,181 +511,416 @@ impl Fsdp {
 
     /// Whether the model's full parameters currently hold memory and current values.
     pub fn is_unsharded(&self) -> bool {
-        self.units.iter().all(|u| u.unsharded)
+        self.core()
+            .units
+            .iter()
+            .all(|u| u.residency == Residency::Unsharded)
     }
 
-    /// Bytes of full (unsharded) managed parameters alive on this rank right now. Counts the
-    /// model's parameter storages, not the transient all-gather buffer nor ignored parameters.
+    /// Bytes of full (unsharded) managed parameters alive on this rank right now: the
+    /// model's parameter storages of gathered units and the buffers of gathers in flight,
+    /// not the ignored parameters nor the shards.
     pub fn full_param_bytes(&self) -> usize {
-        self.full_bytes_alive
+        self.core().full_bytes_alive
     }
 
     /// The most bytes of full managed parameters ever alive at once on this rank.
     pub fn full_param_bytes_peak(&self) -> usize {
-        self.full_bytes_peak
+        self.core().full_bytes_peak
+    }
+
+    /// Starts a new peak measurement from what is alive now.
+    pub fn reset_full_param_bytes_peak(&self) {
+        let mut core = self.core();
+        core.full_bytes_peak = core.full_bytes_alive;
     }
 
     /// Bytes of this rank's master shards (what stays alive between steps).
     pub fn shard_bytes(&self) -> usize {
-        self.units
+        self.core()
+            .units
             .iter()
             .map(|u| u.shard.numel() * u.kind.elt_size_in_bytes())
             .sum()
     }
 
-    /// Collectives issued since construction, by purpose (per `FullShard` step and unit: one
-    /// parameter all-gather, one gradient reduce-scatter and one record all-gather).
+    /// Collectives issued since construction, by purpose.
     pub fn collective_counts(&self) -> CollectiveCounts {
-        self.counts
+        self.core().counts
     }
 
-    /// Unit `u`'s full flat tensor from every rank's `local` part (rank order).
-    fn gather(&mut self, u: usize, local: &Tensor, purpose: Gather) -> Result<Tensor, FsdpError> {
-        if self.shard_world == 1 {
-            return Ok(local.shallow_clone());
-        }
-        let unit = &self.units[u];
-        let full = Tensor::f_empty([unit.padded], (unit.kind, local.device()))?;
-        self.group.all_gather(&full, local)?;
-        match purpose {
-            Gather::Params => self.counts.param_all_gathers += 1,
-            Gather::RecordGrads => self.counts.record_grad_all_gathers += 1,
-            Gather::Checkpoint => {}
-        }
-        Ok(full)
-    }
-
-    /// Makes the model's full parameters current: all-gathers every resharded unit, in unit
-    /// order, and copies each slice into its parameter (refilling freed storage).
+    /// Makes every unit's full parameters current (all-gathers every resharded unit, in unit
+    /// order), as the record and checkpoints need them.
     pub fn unshard(&mut self) -> Result<(), FsdpError> {
-        self.unshard_for(Gather::Params)
-    }
-
-    fn unshard_for(&mut self, purpose: Gather) -> Result<(), FsdpError> {
-        let _guard = tch::no_grad_guard();
-        for u in 0..self.units.len() {
-            if self.units[u].unsharded {
-                continue;
-            }
-            let local = self.units[u].shard.f_detach()?;
-            let full = self.gather(u, &local, purpose)?;
-            let unit = &mut self.units[u];
-            for slot in &unit.slots {
-                let src = full
-                    .f_narrow(0, slot.offset, slot.numel)?
-                    .f_view(slot.param.size().as_slice())?;
-                if is_storage_freed(&slot.param)? {
-                    refill_storage(&slot.param, Some(&src))?;
-                } else {
-                    slot.param.shallow_clone().f_copy_(&src)?;
-                }
-            }
-            unit.unsharded = true;
-            self.full_bytes_alive += unit.full_bytes;
-            self.full_bytes_peak = self.full_bytes_peak.max(self.full_bytes_alive);
-        }
-        Ok(())
+        self.core().unshard_all(Gather::Params)
     }
 
     /// Frees the model's full parameters (not for `NoShard`, whose parameters stay). Until
     /// the next [`Fsdp::unshard`] nothing may read them.
     pub fn reshard(&mut self) -> Result<(), FsdpError> {
-        if self.opts.strategy == ShardingStrategy::NoShard {
-            return Ok(());
-        }
-        for unit in &mut self.units {
-            if !unit.unsharded {
-                continue;
-            }
-            for slot in &unit.slots {
-                // SAFETY: every parameter owns its storage alone (checked in `new`), so only
-                // the parameter and autograd's saved tensors alias it. Reshard runs after
-                // backward (no graph left) or at construction; `unsharded = false` makes every
-                // path that reads parameters through this wrapper (`before_forward`,
-                // `before_record`) refill them first, and `Drop` refills them if no unshard
-                // comes.
-                unsafe { free_storage(&slot.param)? };
-            }
-            unit.unsharded = false;
-            self.full_bytes_alive -= unit.full_bytes;
-        }
-        Ok(())
+        self.core().reshard_all()
     }
 
-    /// Reduces every unit's full gradients (last unit first, the order backward finishes
-    /// them) into this rank's gradient shards (the shards' `.grad`), then writes the averaged
+    /// Reduces every unit's full gradients into this rank's gradient shards (the shards'
+    /// `.grad`), finishing what the post-backward hooks launched, then writes the averaged
     /// full gradients back into the model's `.grad`s for the record.
     pub fn reduce_gradients(&mut self) -> Result<(), FsdpError> {
-        let _guard = tch::no_grad_guard();
-        let op = match self.opts.fault {
-            Some(FsdpFault::SumInsteadOfAverage) => ReduceOp::Sum,
-            None => ReduceOp::Avg,
-        };
-        for u in (0..self.units.len()).rev() {
-            let unit = &self.units[u];
-            let flat = unit.flatten(|s| {
-                let g = s.param.grad();
-                if g.defined() {
-                    Ok(g)
-                } else {
-                    Err(FsdpError::MissingGrad(s.name.clone()))
-                }
-            })?;
-            let grad_shard = if self.shard_world == 1 {
-                self.group.all_reduce(&flat, op)?;
-                self.counts.grad_all_reduces += 1;
-                flat
-            } else {
-                let shard = Tensor::f_empty(
-                    [unit.padded / self.shard_world as i64],
-                    (unit.kind, flat.device()),
-                )?;
-                self.group.reduce_scatter(&shard, &flat, op)?;
-                self.counts.grad_reduce_scatters += 1;
-                shard
-            };
-            // Record view only: the optimizer reads the shard's gradient, never these.
-            let full = self.gather(u, &grad_shard, Gather::RecordGrads)?;
-            let unit = &self.units[u];
-            for slot in &unit.slots {
-                let mut g = slot.param.grad();
-                g.f_copy_(&full.f_narrow(0, slot.offset, slot.numel)?.f_view_as(&g)?)?;
-            }
-            set_grad(&unit.shard, Some(&grad_shard))?;
-        }
-        Ok(())
+        self.core().finish_gradients()
     }
 
     /// Steps the shards and the ignored parameters with `optimizer`; for `NoShard` copies the
     /// updated flat parameters straight into the model.
     pub fn step(&mut self, optimizer: &mut dyn Optimizer) -> Result<(), FsdpError> {
-        let mut params: Vec<(String, Tensor)> = self
+        let mut core = self.core();
+        let mut params: Vec<(String, Tensor)> = core
             .units
             .iter()
             .enumerate()
             .map(|(u, unit)| (format!("{FLAT_PARAM_NAME}.{u}"), unit.shard.shallow_clone()))
             .collect();
         params.extend(
-            self.ignored
+            core.ignored
                 .iter()
                 .map(|(n, t)| (n.clone(), t.shallow_clone())),
         );
         optimizer.step(&params)?;
-        for unit in &mut self.units {
+        for unit in &mut core.units {
             set_grad(&unit.shard, None)?;
-            if self.opts.strategy == ShardingStrategy::NoShard {
-                // Nothing is gathered; the parameters must follow the master copy now.
-                unit.unsharded = false;
-                self.full_bytes_alive -= unit.full_bytes;
+        }
+        if core.opts.strategy == ShardingStrategy::NoShard {
+            // Nothing is gathered; the parameters must follow the master copy now.
+            for u in 0..core.units.len() {
+                core.units[u].residency = Residency::Sharded;
+                let alive = core.units[u].alive_bytes;
+                core.full_bytes_alive -= alive;
+                core.units[u].alive_bytes = 0;
+                let kind = core.units[u].compute_kind;
+                core.unshard_unit(u, Gather::Params, kind)?;
             }
         }
-        self.unshard()
+        Ok(())
+    }
+
+    /// Runs `f` with every unit's full parameters gathered in their master dtype (PyTorch's
+    /// `summon_full_params`). With `writeback`, changes `f` made to the parameters are copied
+    /// back into this rank's shards afterwards. Units that were sharded before are freed
+    /// again. Collective: every rank must call it.
+    pub fn summon_full_params<R>(
+        &mut self,
+        writeback: bool,
+        f: impl FnOnce() -> R,
+    ) -> Result<R, FsdpError> {
+        let was_sharded: Vec<bool> = {
+            let mut core = self.core();
+            let sharded = core
+                .units
+                .iter()
+                .map(|u| u.residency != Residency::Unsharded)
+                .collect();
+            core.unshard_all(Gather::Checkpoint)?;
+            sharded
+        };
+        let out = f();
+        let mut core = self.core();
+        if writeback {
+            core.write_back()?;
+        }
+        for (u, sharded) in was_sharded.into_iter().enumerate() {
+            if sharded {
+                core.reshard_unit(u)?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Saves the full state dict; see `fsdp/state.rs`.
+    pub fn full_state_dict(&mut self) -> Result<Vec<(String, Tensor)>, FsdpError> {
+        self.core().full_state_dict()
+    }
+
+    /// Gathers the full state dict (collective) and writes it on rank 0 to `path`
+    /// (safetensors, PyTorch names, the format `Model::save` writes).
+    pub fn save_full(&mut self, path: &std::path::Path) -> Result<(), FsdpError> {
+        self.core().save_full(path)
+    }
+
+    /// Loads a full state dict file into this rank's shards, ignored parameters and buffers.
+    /// Collective; on any error nothing changes on any rank.
+    pub fn load_full(&mut self, path: &std::path::Path) -> Result<(), FsdpError> {
+        self.core().load_full(path)
+    }
+
+    /// This rank's layout: units, their shards and which parameter ranges each holds.
+    pub fn sharded_layout(&self) -> ShardedLayout {
+        self.core().sharded_layout()
+    }
+
+    /// This rank's shards (copies), ignored parameters and buffers, with their layout.
+    pub fn sharded_state_dict(&self) -> Result<ShardedStateDict, FsdpError> {
+        self.core().sharded_state_dict()
+    }
+
+    /// Writes this rank's sharded state dict into `dir`. Collective.
+    pub fn save_sharded(&self, dir: &std::path::Path) -> Result<(), FsdpError> {
+        self.core().save_sharded(dir)
+    }
+
+    /// Loads this rank's files from a [`Fsdp::save_sharded`] directory. Collective; on any
+    /// error nothing changes on any rank.
+    pub fn load_sharded(&mut self, dir: &std::path::Path) -> Result<(), FsdpError> {
+        self.core().load_sharded(dir)
+    }
+
+    /// Clips gradients to `max_norm` over the global norm (see `fsdp/state.rs`); returns the
+    /// total norm before clipping. Collective.
+    pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64, FsdpError> {
+        self.core().clip_grad_norm(max_norm)
+    }
+
+    /// Clip to `max_norm` with [`Fsdp::clip_grad_norm`] before every optimizer step the
+    /// training hooks run (`None`: no clipping, the default).
+    pub fn set_max_grad_norm(&mut self, max_norm: Option<f64>) {
+        self.core().max_grad_norm = max_norm;
+    }
+
+    /// The total norm the last [`Fsdp::clip_grad_norm`] computed (before clipping).
+    pub fn last_total_norm(&self) -> Option<f64> {
+        self.core().last_total_norm
+    }
+
+    /// Turns gradient synchronization off (`false`) or back on. While off, gradients are
+    /// neither reduced nor resharded: each rank's full gradients accumulate in the model's
+    /// `.grad`s across backward passes (the caller does not zero them) and the full
+    /// parameters stay gathered, so micro-steps after the first issue no collective at all
+    /// (PyTorch's `no_sync`, with `SHARD_GRAD_OP`'s memory). The first synchronized step
+    /// then reduces the accumulated sums: its gradient is the mean over ranks of each rank's
+    /// summed micro-step gradients. The `optimizer_step` hook refuses to run while off.
+    pub fn set_requires_gradient_sync(&mut self, sync: bool) {
+        self.core().sync_grads = sync;
+    }
+
+    /// Whether gradients are synchronized (see [`Fsdp::set_requires_gradient_sync`]).
+    pub fn requires_gradient_sync(&self) -> bool {
+        self.core().sync_grads
+    }
+
+    /// Runs `f` with gradient synchronization off, restoring the previous setting after.
+    pub fn no_sync<R>(&mut self, f: impl FnOnce(&mut Fsdp) -> R) -> R {
+        let before = self.requires_gradient_sync();
+        self.set_requires_gradient_sync(false);
+        let out = f(self);
+        self.set_requires_gradient_sync(before);
+        out
+    }
+}
+
+impl Core {
+    /// Names of the ignored (rank-local) parameters.
+    pub(super) fn ignored_param_names(&self) -> Vec<String> {
+        self.ignored.iter().map(|(n, _)| n.clone()).collect()
+    }
+
+    /// Gathers every unit not gathered yet, in its master dtype.
+    pub(super) fn unshard_all(&mut self, purpose: Gather) -> Result<(), FsdpError> {
+        for u in 0..self.units.len() {
+            let kind = self.units[u].kind;
+            self.unshard_unit(u, purpose, kind)?;
+        }
+        Ok(())
+    }
+
+    /// Gathers every unit in its compute dtype (before a forward that does not call the
+    /// layer hooks, or the root before one that does).
+    fn unshard_for_forward(&mut self) -> Result<(), FsdpError> {
+        for u in 0..self.units.len() {
+            if self.per_layer && !self.units[u].is_root() {
+                continue;
+            }
+            let kind = self.units[u].compute_kind;
+            self.unshard_unit(u, Gather::Params, kind)?;
+        }
+        Ok(())
+    }
+
+    /// Copies this rank's slice of the full parameters back into its shards.
+    fn write_back(&mut self) -> Result<(), FsdpError> {
+        let _guard = tch::no_grad_guard();
+        let world = self.shard_world as i64;
+        let rank = self.shard_rank as i64;
+        for unit in &self.units {
+            let flat = unit.flatten(|s| Ok(s.param.f_detach()?.f_to_kind(unit.kind)?))?;
+            let size = unit.padded / world;
+            unit.shard
+                .f_detach()?
+                .f_copy_(&flat.f_narrow(0, rank * size, size)?)?;
+        }
+        Ok(())
+    }
+
+    /// The unit forward needs after unit `u` (`+1`) or backward needs after it (`-1`): the
+    /// neighbour in forward order, the root excluded.
+    fn neighbour(&self, u: usize, forward: bool) -> Option<usize> {
+        let v = if forward { u.checked_add(1)? } else { u.checked_sub(1)? };
+        (v < self.units.len() && !self.units[v].is_root()).then_some(v)
+    }
+
+    /// A unit's layer is about to run.
+    fn pre_forward(&mut self, layer: usize) -> Result<(), FsdpError> {
+        let Some(u) = self.unit_of_layer.get(layer).copied().flatten() else {
+            return Ok(());
+        };
+        let kind = self.units[u].compute_kind;
+        self.unshard_unit(u, Gather::Params, kind)?;
+        if self.opts.forward_prefetch {
+            if let Some(next) = self.neighbour(u, true) {
+                self.prefetch(next)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether unit `u` is freed between its forward and its backward.
+    fn reshards_after_forward(&self, u: usize) -> bool {
+        matches!(
+            self.opts.strategy,
+            ShardingStrategy::FullShard | ShardingStrategy::HybridShard
+        ) && self.opts.reshard_after_forward
+            && self.sync_grads
+            && !self.units[u].is_root()
+    }
+
+    /// A unit's layer ran; frees the unit after its last layer. Returns the unit whose
+    /// pre-backward must run before this output's backward.
+    fn post_forward(&mut self, layer: usize) -> Result<Option<usize>, FsdpError> {
+        let Some(u) = self.unit_of_layer.get(layer).copied().flatten() else {
+            return Ok(None);
+        };
+        if self.units[u].layers.last() == Some(&layer) && self.reshards_after_forward(u) {
+            self.reshard_unit(u)?;
+        }
+        Ok(Some(u))
+    }
+
+    /// Unit `u`'s backward is about to run: its parameters must hold the gathered values.
+    fn pre_backward(&mut self, u: usize) -> Result<(), FsdpError> {
+        let kind = self.units[u].compute_kind;
+        if self.opts.fault == Some(FsdpFault::NoRegatherBeforeBackward)
+            && self.units[u].residency == Residency::Sharded
+        {
+            let _guard = tch::no_grad_guard();
+            for slot in &self.units[u].slots {
+                if is_storage_freed(&slot.param)? {
+                    let zeros = Tensor::f_zeros(slot.param.size(), (kind, self.compute_device))?;
+                    refill_storage(&slot.param, Some(&zeros))?;
+                }
+            }
+            self.units[u].residency = Residency::Unsharded;
+            return Ok(());
+        }
+        self.unshard_unit(u, Gather::Params, kind)?;
+        if self.opts.backward_prefetch == BackwardPrefetch::Pre {
+            if let Some(next) = self.neighbour(u, false) {
+                self.prefetch(next)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One of unit `u`'s parameters has its complete gradient; after the last one, the unit's
+    /// reduction is launched and its parameters freed.
+    fn param_grad_ready(&mut self, u: usize) -> Result<(), FsdpError> {
+        let unit = &mut self.units[u];
+        unit.ready += 1;
+        if unit.ready < unit.slots.len() {
+            return Ok(());
+        }
+        unit.ready = 0;
+        if !self.sync_grads {
+            return Ok(());
+        }
+        self.launch_reduce(u)?;
+        if self.opts.backward_prefetch == BackwardPrefetch::Post {
+            if let Some(next) = self.neighbour(u, false) {
+                self.prefetch(next)?;
+            }
+        }
+        self.reshard_unit(u)
+    }
+}
+
+/// Registers the post-backward hook on every managed parameter.
+fn register_post_backward(core: &Arc<Mutex<Core>>) -> Result<Vec<HookHandle>, FsdpError> {
+    let params: Vec<(usize, Tensor)> = lock(core)
+        .units
+        .iter()
+        .enumerate()
+        .flat_map(|(u, unit)| unit.slots.iter().map(move |s| (u, s.param.shallow_clone())))
+        .collect();
+    let mut handles = Vec::with_capacity(params.len());
+    for (u, p) in params {
+        let core = core.clone();
+        handles.push(register_post_accumulate_grad_hook(&p, move |_| {
+            let mut core = lock(&core);
+            core.param_grad_ready(u).map_err(|e| {
+                AutogradError::msg(format!(
+                    "fsdp post-backward of unit `{}`: {e}",
+                    core.units[u].name
+                ))
+            })
+        })?);
+    }
+    Ok(handles)
+}
+
+fn hook_error(e: FsdpError) -> ModelError {
+    ModelError::Hook(Box::new(e))
+}
+
+impl LayerHooks for Fsdp {
+    fn pre_forward(&mut self, index: usize, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, ModelError> {
+        self.core().pre_forward(index).map_err(hook_error)?;
+        Ok(inputs)
+    }
+
+    fn post_forward(&mut self, index: usize, output: Tensor) -> Result<Tensor, ModelError> {
+        let unit = self.core().post_forward(index).map_err(hook_error)?;
+        if let Some(u) = unit {
+            if output.requires_grad() {
+                let core = self.core.clone();
+                // The handle is dropped: the hook lives as long as this output's graph.
+                register_hook(&output, move |_| {
+                    let mut core = lock(&core);
+                    core.pre_backward(u).map_err(|e| {
+                        AutogradError::msg(format!(
+                            "fsdp pre-backward of unit `{}`: {e}",
+                            core.units[u].name
+                        ))
+                    })?;
+                    Ok(None)
+                })
+                .map_err(|e| hook_error(e.into()))?;
+            }
+        }
+        Ok(output)
     }
 }
 
 impl Drop for Fsdp {
     fn drop(&mut self) {
-        for unit in self.units.iter().filter(|u| !u.unsharded) {
+        for handle in self.post_backward.drain(..) {
+            let _ = handle.remove();
+        }
+        let mut core = lock(&self.core);
+        for unit in &mut core.units {
+            if let Some(p) = unit.pending_gather.take() {
+                let _ = p.work.wait();
+            }
+            if let Some(p) = unit.pending_reduce.take() {
+                let _ = p.work.wait();
+            }
+            if unit.residency == Residency::Unsharded {
+                continue;
+            }
             for slot in &unit.slots {
                 if matches!(is_storage_freed(&slot.param), Ok(true))
                     && refill_storage(&slot.param, None).is_ok()
@@ -655,17 +935,22 @@ impl Drop for Fsdp {
 
 impl StepHooks for Fsdp {
     fn before_forward(&mut self, _step: usize) -> Result<(), TrainError> {
-        self.unshard().map_err(into_train)
+        self.core().unshard_for_forward().map_err(into_train)
+    }
+
+    fn layer_hooks(&mut self) -> Option<&mut dyn LayerHooks> {
+        Some(self)
     }
 
     fn sync_gradients(&mut self, _grads: &[(String, Tensor)]) -> Result<(), TrainError> {
-        if !self.sync_grads {
+        let mut core = self.core();
+        if !core.sync_grads {
             // `no_sync`: the full gradients accumulate in the model's `.grad`s and the full
             // parameters stay, so the next micro-step needs no collective.
             return Ok(());
         }
-        self.reduce_gradients().map_err(into_train)?;
-        self.reshard().map_err(into_train)
+        core.finish_gradients().map_err(into_train)?;
+        core.reshard_all().map_err(into_train)
     }
 
     fn optimizer_step(
@@ -673,12 +958,13 @@ impl StepHooks for Fsdp {
         optimizer: &mut dyn Optimizer,
         _params: &[(String, Tensor)],
     ) -> Result<bool, TrainError> {
-        if !self.sync_grads {
+        if !self.requires_gradient_sync() {
             return Err(TrainError::InvalidConfig(
                 "fsdp: optimizer step inside no_sync (gradients not reduced yet)".into(),
             ));
         }
-        if let Some(max_norm) = self.max_grad_norm {
+        let max_norm = self.core().max_grad_norm;
+        if let Some(max_norm) = max_norm {
             self.clip_grad_norm(max_norm).map_err(into_train)?;
         }
         self.step(optimizer).map_err(into_train)?;
@@ -699,6 +985,23 @@ fn into_train(e: FsdpError) -> TrainError {
     }
 }
 
+/// The `replicate × shard` mesh hybrid shard runs on: `world_size / shard_size` replicas of
+/// `shard_size` ranks each (replica-major: ranks `0..shard_size` are replica 0). Errors,
+/// naming both numbers, when the world does not split into whole shard groups.
+pub fn hybrid_mesh(world: &crate::comm::World, shard_size: usize) -> Result<DeviceMesh, FsdpError> {
+    let size = world.size();
+    if shard_size == 0 || size % shard_size != 0 {
+        return Err(FsdpError::Invalid(format!(
+            "world size {size} does not fit a hybrid mesh with shard groups of {shard_size} \
+             ranks ({size} is not a multiple of {shard_size})"
+        )));
+    }
+    Ok(DeviceMesh::new(
+        world,
+        &[("replicate", size / shard_size), ("shard", shard_size)],
+    )?)
+}
+
 /// Trains `model` (built identically on every rank, rank-local parameters aside) with FSDP
 /// over `group` and returns this rank's record (losses averaged over the group; full
 /// parameters gathered at the end; ignored parameters as this rank holds them).
@@ -710,4 +1013,19 @@ pub fn train_fsdp(
 ) -> Result<RunRecord, FsdpError> {
     let mut fsdp = Fsdp::new(model, group.clone(), opts)?;
     Ok(train(model, cfg, &mut fsdp, Some(group.as_ref()))?)
+}
+
+/// [`train_fsdp`] with [`ShardingStrategy::HybridShard`] on a [`hybrid_mesh`] of
+/// `shard_size`-rank groups; losses are averaged over `world_group`.
+pub fn train_fsdp_hybrid(
+    model: &dyn Model,
+    world: &crate::comm::World,
+    world_group: Arc<dyn ProcessGroup>,
+    shard_size: usize,
+    cfg: &TrainConfig,
+    opts: FsdpOptions,
+) -> Result<RunRecord, FsdpError> {
+    let mesh = hybrid_mesh(world, shard_size)?;
+    let mut fsdp = Fsdp::new_hybrid(model, &mesh, opts)?;
+    Ok(train(model, cfg, &mut fsdp, Some(world_group.as_ref()))?)
 }

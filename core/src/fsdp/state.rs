@@ -24,7 +24,9 @@
 //! * Checkpoint collectives are not training collectives: [`Fsdp::collective_counts`] does
 //!   not count them, nor the one all-reduce of [`Fsdp::clip_grad_norm`].
 
-use super::{Fsdp, FsdpError, Gather, ShardingStrategy, FLAT_PARAM_NAME};
+use super::core::{Core, Gather};
+use super::unit::Residency;
+use super::{FsdpError, ShardingStrategy, FLAT_PARAM_NAME};
 use crate::comm::ReduceOp;
 use lockstep_models::Misshaped;
 use serde::{Deserialize, Serialize};
@@ -181,14 +183,14 @@ fn check_keys(
     })
 }
 
-impl Fsdp {
+impl Core {
     /// Every rank learns whether `local` failed anywhere (one all-reduce); a rank whose own
     /// part succeeded returns [`FsdpError::PeerFailed`] when another's failed.
     fn agree<T>(&self, what: &str, local: Result<T, FsdpError>) -> Result<T, FsdpError> {
         let device = self.units.first().map_or(Device::Cpu, |u| u.shard.device());
         let flag =
             Tensor::from_slice(&[f32::from(u8::from(local.is_err()))]).f_to_device(device)?;
-        self.group.all_reduce(&flag, ReduceOp::Max)?;
+        self.all_reduce_world(&flag, ReduceOp::Max)?;
         let failed = flag.f_double_value(&[0])? > 0.0;
         match local {
             Ok(_) if failed => Err(FsdpError::PeerFailed(what.to_owned())),
@@ -205,7 +207,7 @@ impl Fsdp {
     /// Every parameter (PyTorch names, `named_parameters` order, tied ones once; ignored ones
     /// as this rank holds them) then every buffer, as fresh full tensors. Collective: every
     /// rank must call it, and every rank gets the full state (one all-gather per unit).
-    pub fn full_state_dict(&mut self) -> Result<Vec<(String, Tensor)>, FsdpError> {
+    pub(super) fn full_state_dict(&mut self) -> Result<Vec<(String, Tensor)>, FsdpError> {
         let _guard = tch::no_grad_guard();
         let mut params: HashMap<String, Tensor> = HashMap::new();
         for u in 0..self.units.len() {
@@ -236,9 +238,9 @@ impl Fsdp {
     /// Gathers the full state dict (collective) and writes it on rank 0 to `path`
     /// (safetensors, PyTorch names, the format `Model::save` writes). Every rank returns
     /// once the file is complete, or with an error if writing failed.
-    pub fn save_full(&mut self, path: &Path) -> Result<(), FsdpError> {
+    pub(super) fn save_full(&mut self, path: &Path) -> Result<(), FsdpError> {
         let state = self.full_state_dict()?;
-        let local = if self.group.rank() == 0 {
+        let local = if self.global_rank() == 0 {
             write_atomic(path, &state)
         } else {
             Ok(())
@@ -263,7 +265,7 @@ impl Fsdp {
     /// rank's shards, its ignored parameters and the buffers; full parameters currently
     /// gathered are updated too. Collective (one all-reduce to agree): every rank reads the
     /// same file. On any error nothing changes on any rank.
-    pub fn load_full(&mut self, path: &Path) -> Result<(), FsdpError> {
+    pub(super) fn load_full(&mut self, path: &Path) -> Result<(), FsdpError> {
         let local = read(path).and_then(|file| {
             let tags = &self.tags;
             check_keys(path, &file, &self.full_keys(), |k| {
@@ -274,11 +276,7 @@ impl Fsdp {
         let file = self.agree("load_full", local)?;
         let _guard = tch::no_grad_guard();
         let world = self.shard_world as i64;
-        let rank = if self.shard_world == 1 {
-            0
-        } else {
-            self.group.rank() as i64
-        };
+        let rank = self.shard_rank as i64;
         for unit in &self.units {
             let device = unit.shard.device();
             let flat = unit.flatten(|s| Ok(file[&s.name].f_to_device(device)?))?;
@@ -286,9 +284,9 @@ impl Fsdp {
             unit.shard
                 .f_detach()?
                 .f_copy_(&flat.f_narrow(0, rank * size, size)?)?;
-            if unit.unsharded {
+            if unit.residency == Residency::Unsharded {
                 for slot in &unit.slots {
-                    slot.param.f_detach()?.f_copy_(&file[&slot.name])?;
+                    slot.param.f_detach()?.f_copy_(&file[&slot.name].f_to_kind(slot.param.kind())?)?;
                 }
             }
         }
@@ -299,12 +297,8 @@ impl Fsdp {
     }
 
     /// This rank's layout: units, their shards and which parameter ranges each holds.
-    pub fn sharded_layout(&self) -> ShardedLayout {
-        let rank = if self.shard_world == 1 {
-            0
-        } else {
-            self.group.rank() as i64
-        };
+    pub(super) fn sharded_layout(&self) -> ShardedLayout {
+        let rank = self.shard_rank as i64;
         let units = self
             .units
             .iter()
@@ -340,8 +334,8 @@ impl Fsdp {
             })
             .collect();
         ShardedLayout {
-            rank: self.group.rank(),
-            world_size: self.group.size(),
+            rank: self.global_rank(),
+            world_size: self.global_size(),
             strategy: format!("{:?}", self.opts.strategy),
             units,
             ignored: self.ignored_param_names(),
@@ -351,7 +345,7 @@ impl Fsdp {
 
     /// This rank's shards (copies), ignored parameters and buffers, with their layout. Local:
     /// no collective.
-    pub fn sharded_state_dict(&self) -> Result<ShardedStateDict, FsdpError> {
+    pub(super) fn sharded_state_dict(&self) -> Result<ShardedStateDict, FsdpError> {
         let _guard = tch::no_grad_guard();
         let mut tensors = Vec::new();
         for (u, unit) in self.units.iter().enumerate() {
@@ -370,7 +364,7 @@ impl Fsdp {
     }
 
     fn shard_files(&self, dir: &Path) -> (PathBuf, PathBuf) {
-        let r = self.group.rank();
+        let r = self.global_rank();
         (
             dir.join(format!("rank{r}.safetensors")),
             dir.join(format!("rank{r}.json")),
@@ -380,7 +374,7 @@ impl Fsdp {
     /// Writes this rank's sharded state dict into `dir` (created if needed) as
     /// `rank<r>.safetensors` and `rank<r>.json`. Collective (one all-reduce): every rank
     /// returns once every rank's files are complete, or with an error if any rank failed.
-    pub fn save_sharded(&self, dir: &Path) -> Result<(), FsdpError> {
+    pub(super) fn save_sharded(&self, dir: &Path) -> Result<(), FsdpError> {
         let local = (|| {
             std::fs::create_dir_all(dir).map_err(|e| checkpoint_err(dir, e))?;
             let state = self.sharded_state_dict()?;
@@ -399,7 +393,7 @@ impl Fsdp {
     /// ignored parameters and the buffers, then re-gathers full parameters that are currently
     /// unsharded. The layout must be the one this wrapper has. Collective; on any error
     /// nothing changes on any rank.
-    pub fn load_sharded(&mut self, dir: &Path) -> Result<(), FsdpError> {
+    pub(super) fn load_sharded(&mut self, dir: &Path) -> Result<(), FsdpError> {
         let (tensors, meta) = self.shard_files(dir);
         let local = (|| {
             let json = std::fs::read_to_string(&meta).map_err(|e| checkpoint_err(&meta, e))?;
@@ -444,16 +438,15 @@ impl Fsdp {
             }
         }
         // Full parameters gathered before the load are stale: gather them again.
-        let mut stale = false;
-        for unit in &mut self.units {
-            if unit.unsharded {
-                unit.unsharded = false;
-                self.full_bytes_alive -= unit.full_bytes;
-                stale = true;
+        for u in 0..self.units.len() {
+            if self.units[u].residency == Residency::Unsharded {
+                let kind = self.units[u].slots.first().map_or(self.units[u].kind, |s| s.param.kind());
+                // Refill from the new shards: drop the stale values' accounting and gather.
+                self.full_bytes_alive -= self.units[u].alive_bytes;
+                self.units[u].alive_bytes = 0;
+                self.units[u].residency = Residency::Sharded;
+                self.unshard_unit(u, Gather::Checkpoint, kind)?;
             }
-        }
-        if stale {
-            self.unshard_for(Gather::Checkpoint)?;
         }
         Ok(())
     }
@@ -468,7 +461,7 @@ impl Fsdp {
     /// multiplied by `max_norm / (total + 1e-6)` when that is below 1. Call after
     /// [`Fsdp::reduce_gradients`] (or the `sync_gradients` hook), before the step. Sums in
     /// f64. Returns the total norm (before clipping). Collective (one all-reduce).
-    pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64, FsdpError> {
+    pub(super) fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64, FsdpError> {
         let _guard = tch::no_grad_guard();
         let sq = |g: &Tensor| -> Result<f64, FsdpError> {
             Ok(g.f_to_kind(Kind::Double)?
@@ -516,43 +509,6 @@ impl Fsdp {
         }
         self.last_total_norm = Some(total);
         Ok(total)
-    }
-
-    /// Clip to `max_norm` with [`Fsdp::clip_grad_norm`] before every optimizer step the
-    /// training hooks run (`None`: no clipping, the default).
-    pub fn set_max_grad_norm(&mut self, max_norm: Option<f64>) {
-        self.max_grad_norm = max_norm;
-    }
-
-    /// The total norm the last [`Fsdp::clip_grad_norm`] computed (before clipping).
-    pub fn last_total_norm(&self) -> Option<f64> {
-        self.last_total_norm
-    }
-
-    /// Turns gradient synchronization off (`false`) or back on. While off, the
-    /// `sync_gradients` hook neither reduces nor reshards: each rank's full gradients
-    /// accumulate in the model's `.grad`s across backward passes (the caller does not zero
-    /// them) and the full parameters stay gathered, so micro-steps after the first issue no
-    /// collective at all (PyTorch's `no_sync`, with `SHARD_GRAD_OP`'s memory: full parameters
-    /// and full gradients alive). The first synchronized step then reduces the accumulated
-    /// sums: its gradient is the mean over ranks of each rank's summed micro-step gradients.
-    /// The `optimizer_step` hook refuses to run while off.
-    pub fn set_requires_gradient_sync(&mut self, sync: bool) {
-        self.sync_grads = sync;
-    }
-
-    /// Whether gradients are synchronized (see [`Fsdp::set_requires_gradient_sync`]).
-    pub fn requires_gradient_sync(&self) -> bool {
-        self.sync_grads
-    }
-
-    /// Runs `f` with gradient synchronization off, restoring the previous setting after.
-    pub fn no_sync<R>(&mut self, f: impl FnOnce(&mut Fsdp) -> R) -> R {
-        let before = self.sync_grads;
-        self.sync_grads = false;
-        let out = f(self);
-        self.sync_grads = before;
-        out
     }
 }
 

@@ -1,0 +1,165 @@
+//! Which parameters go into which FSDP unit: the wrap policy picks groups of layers, each
+//! group becomes a unit owning the parameters only it uses; everything else (tied parameters
+//! used by several units, parameters of no wrapped layer) stays in the root unit, the
+//! smallest unit enclosing every use — as PyTorch's nested wrapping leaves it in the parent.
+
+use super::FsdpError;
+use lockstep_models::{LayerKind, LayerSpec, ParamTags};
+use std::collections::{BTreeSet, HashMap};
+
+/// Which modules get their own FSDP unit (flat parameter).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WrapPolicy {
+    /// The whole model is one root unit.
+    Root,
+    /// Every layer of `Model::layers` with parameters is a unit ("wrap everything").
+    PerLayer,
+    /// Every layer of these kinds is a unit (PyTorch's `ModuleWrapPolicy`, e.g. the
+    /// transformer blocks).
+    ByKind(Vec<LayerKind>),
+    /// Consecutive layers are grouped into a unit until it holds at least this many
+    /// parameters (PyTorch's `size_based_auto_wrap_policy`); a smaller remainder stays in the
+    /// root.
+    MinParams(i64),
+    /// Units named explicitly, each a list of layer names (`Model::layers` names). A layer
+    /// may be wrapped once; a parameter used by layers of two units is rejected.
+    Explicit(Vec<Vec<String>>),
+}
+
+/// A unit as the policy chose it, before its flat parameter exists.
+pub(super) struct PlannedUnit {
+    pub name: String,
+    pub layers: Vec<usize>,
+    pub params: Vec<String>,
+}
+
+/// Plans the units for `managed` parameters (canonical names, `named_parameters` order):
+/// the root first (possibly without parameters), then one per layer group in forward order.
+pub(super) fn plan_units(
+    policy: &WrapPolicy,
+    layers: &[LayerSpec],
+    tags: &ParamTags,
+    managed: &[(String, i64)],
+) -> Result<Vec<PlannedUnit>, FsdpError> {
+    let numel: HashMap<&str, i64> = managed.iter().map(|(n, k)| (n.as_str(), *k)).collect();
+    let layer_params = |l: &LayerSpec| -> BTreeSet<String> {
+        l.params
+            .iter()
+            .map(|p| tags.canonical(p).to_owned())
+            .filter(|p| numel.contains_key(p.as_str()))
+            .collect()
+    };
+    let groups: Vec<Vec<usize>> = match policy {
+        WrapPolicy::Root => Vec::new(),
+        WrapPolicy::PerLayer => (0..layers.len())
+            .filter(|&l| !layer_params(&layers[l]).is_empty())
+            .map(|l| vec![l])
+            .collect(),
+        WrapPolicy::ByKind(kinds) => (0..layers.len())
+            .filter(|&l| kinds.contains(&layers[l].kind) && !layer_params(&layers[l]).is_empty())
+            .map(|l| vec![l])
+            .collect(),
+        WrapPolicy::MinParams(min) => {
+            let mut groups = Vec::new();
+            let mut current = Vec::new();
+            let mut count = 0;
+            for (l, layer) in layers.iter().enumerate() {
+                let own: i64 = layer_params(layer).iter().map(|p| numel[p.as_str()]).sum();
+                if own == 0 {
+                    continue;
+                }
+                current.push(l);
+                count += own;
+                if count >= *min {
+                    groups.push(std::mem::take(&mut current));
+                    count = 0;
+                }
+            }
+            groups
+        }
+        WrapPolicy::Explicit(units) => {
+            let index: HashMap<&str, usize> = layers
+                .iter()
+                .enumerate()
+                .map(|(i, l)| (l.name.as_str(), i))
+                .collect();
+            let mut owner: HashMap<usize, usize> = HashMap::new();
+            let mut groups = Vec::new();
+            for (u, names) in units.iter().enumerate() {
+                let mut group = Vec::new();
+                for name in names {
+                    let Some(&l) = index.get(name.as_str()) else {
+                        return Err(FsdpError::UnknownLayer {
+                            layer: name.clone(),
+                            known: layers.iter().map(|l| l.name.clone()).collect(),
+                        });
+                    };
+                    if let Some(&first) = owner.get(&l) {
+                        return Err(FsdpError::WrappedTwice {
+                            layer: name.clone(),
+                            first: unit_name(&units[first]),
+                            second: unit_name(names),
+                        });
+                    }
+                    owner.insert(l, u);
+                    group.push(l);
+                }
+                group.sort_unstable();
+                groups.push(group);
+            }
+            groups
+        }
+    };
+    // Which groups use each parameter.
+    let mut users: HashMap<String, BTreeSet<usize>> = HashMap::new();
+    for (g, group) in groups.iter().enumerate() {
+        for &l in group {
+            for p in layer_params(&layers[l]) {
+                users.entry(p).or_default().insert(g);
+            }
+        }
+    }
+    let mut units: Vec<PlannedUnit> = std::iter::once(PlannedUnit {
+        name: "root".into(),
+        layers: Vec::new(),
+        params: Vec::new(),
+    })
+    .chain(groups.iter().map(|group| PlannedUnit {
+        name: unit_name(
+            &group
+                .iter()
+                .map(|&l| layers[l].name.clone())
+                .collect::<Vec<_>>(),
+        ),
+        layers: group.clone(),
+        params: Vec::new(),
+    }))
+    .collect();
+    for (name, _) in managed {
+        let target = match users.get(name).map(|s| s.iter().copied().collect::<Vec<_>>()) {
+            Some(gs) if gs.len() == 1 => gs[0] + 1,
+            Some(gs) if gs.len() > 1 && matches!(policy, WrapPolicy::Explicit(_)) => {
+                let module = |g: usize| {
+                    groups[g]
+                        .iter()
+                        .map(|&l| &layers[l])
+                        .find(|l| l.params.iter().any(|p| tags.canonical(p) == name))
+                        .map_or_else(String::new, |l| l.name.clone())
+                };
+                return Err(FsdpError::SharedAcrossUnits {
+                    param: name.clone(),
+                    first: module(gs[0]),
+                    second: module(gs[1]),
+                });
+            }
+            _ => 0,
+        };
+        units[target].params.push(name.clone());
+    }
+    Ok(units)
+}
+
+/// A unit's name from the layers it wraps.
+fn unit_name(layers: &[String]) -> String {
+    layers.join("+")
+}
