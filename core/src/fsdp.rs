@@ -990,7 +990,7 @@ fn into_train(e: FsdpError) -> TrainError {
 /// naming both numbers, when the world does not split into whole shard groups.
 pub fn hybrid_mesh(world: &crate::comm::World, shard_size: usize) -> Result<DeviceMesh, FsdpError> {
     let size = world.size();
-    if shard_size == 0 || size % shard_size != 0 {
+    if shard_size == 0 || !size.is_multiple_of(shard_size) {
         return Err(FsdpError::Invalid(format!(
             "world size {size} does not fit a hybrid mesh with shard groups of {shard_size} \
              ranks ({size} is not a multiple of {shard_size})"
