@@ -28,6 +28,7 @@ fn report_with_error(err: f64) -> Report {
         }],
         buffers: vec![],
         grads: None,
+        memory: None,
     };
     let policy = TolerancePolicy::dtype_table(DType::F32);
     Report::new(vec![compare(

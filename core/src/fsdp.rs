@@ -53,7 +53,7 @@ use crate::autograd::{
 };
 use crate::comm::work::lock;
 use crate::comm::{CommError, DeviceMesh, ProcessGroup};
-use crate::record::RunRecord;
+use crate::record::{MemoryStats, RunRecord};
 use crate::replica::distinct_parameters;
 use crate::train::{train, Optimizer, StepHooks, TrainConfig, TrainError};
 use lockstep_models::{LayerHooks, Misshaped, Model, ModelError};
@@ -535,6 +535,26 @@ impl Fsdp {
         core.full_bytes_peak = core.full_bytes_alive;
     }
 
+    /// This rank's memory figures, for the record.
+    pub fn memory_stats(&self) -> MemoryStats {
+        let core = self.core();
+        MemoryStats {
+            full_param_bytes_peak: core.full_bytes_peak as u64,
+            shard_bytes: core
+                .units
+                .iter()
+                .map(|u| (u.shard.numel() * u.kind.elt_size_in_bytes()) as u64)
+                .sum(),
+            model_param_bytes: core.units.iter().map(|u| u.full_bytes(u.kind) as u64).sum(),
+        }
+    }
+
+    /// `record` with this rank's memory figures attached.
+    fn with_memory(&self, mut record: RunRecord) -> RunRecord {
+        record.memory = Some(self.memory_stats());
+        record
+    }
+
     /// Bytes of this rank's master shards (what stays alive between steps).
     pub fn shard_bytes(&self) -> usize {
         self.core()
@@ -1012,7 +1032,8 @@ pub fn train_fsdp(
     opts: FsdpOptions,
 ) -> Result<RunRecord, FsdpError> {
     let mut fsdp = Fsdp::new(model, group.clone(), opts)?;
-    Ok(train(model, cfg, &mut fsdp, Some(group.as_ref()))?)
+    let record = train(model, cfg, &mut fsdp, Some(group.as_ref()))?;
+    Ok(fsdp.with_memory(record))
 }
 
 /// [`train_fsdp`] with [`ShardingStrategy::HybridShard`] on a [`hybrid_mesh`] of
@@ -1027,5 +1048,6 @@ pub fn train_fsdp_hybrid(
 ) -> Result<RunRecord, FsdpError> {
     let mesh = hybrid_mesh(world, shard_size)?;
     let mut fsdp = Fsdp::new_hybrid(model, &mesh, opts)?;
-    Ok(train(model, cfg, &mut fsdp, Some(world_group.as_ref()))?)
+    let record = train(model, cfg, &mut fsdp, Some(world_group.as_ref()))?;
+    Ok(fsdp.with_memory(record))
 }

@@ -74,6 +74,21 @@ pub struct RunRecord {
     pub buffers: Vec<NamedTensor>,
     /// Full gradients per step, when requested.
     pub grads: Option<Vec<Vec<NamedTensor>>>,
+    /// Memory the parallel wrapper measured on rank 0 (FSDP: full-parameter bytes), when it
+    /// measures any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<MemoryStats>,
+}
+
+/// What a sharding wrapper knows about its memory on one rank, in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryStats {
+    /// The most bytes of full (unsharded) parameters alive at once.
+    pub full_param_bytes_peak: u64,
+    /// Bytes of this rank's parameter shards (alive between steps).
+    pub shard_bytes: u64,
+    /// Bytes of the model's parameters unsharded (what DDP keeps on every rank).
+    pub model_param_bytes: u64,
 }
 
 #[cfg(test)]
@@ -102,6 +117,7 @@ mod tests {
             }],
             buffers: vec![],
             grads: None,
+            memory: None,
         };
         let text = serde_json::to_string(&record).expect("serialize");
         let back: RunRecord = serde_json::from_str(&text).expect("parse");

@@ -313,6 +313,7 @@ pub fn train(
         params: Vec::new(),
         buffers: Vec::new(),
         grads: cfg.record_grads.then(Vec::new),
+        memory: None,
     };
     for step in 0..cfg.spec.steps {
         for (_, p) in &params {

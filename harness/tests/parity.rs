@@ -41,6 +41,7 @@ fn record(config: &str, losses: &[f64], params: Vec<NamedTensor>) -> RunRecord {
         params,
         buffers: vec![],
         grads: None,
+        memory: None,
     }
 }
 
