@@ -203,7 +203,7 @@ fn full_parameters_live_only_between_unshard_and_reshard() {
             fsdp.before_forward(0).expect("unshard");
             assert_eq!(fsdp.full_param_bytes(), full);
             let batch = m.input(ctx.rank(), 0).expect("batch");
-            m.loss(&batch).expect("loss").backward();
+            m.loss_hooked(&batch, &mut fsdp).expect("loss").backward();
             let grads: Vec<(String, Tensor)> = m
                 .named_parameters()
                 .into_iter()

@@ -63,7 +63,7 @@ fn step(ctx: &RankCtx, m: &dyn Model, fsdp: &mut Fsdp, opt: &mut dyn Optimizer, 
     zero_grads(m);
     fsdp.before_forward(step).expect("unshard");
     let batch = m.input(ctx.rank(), step).expect("batch");
-    m.loss(&batch).expect("loss").backward();
+    m.loss_hooked(&batch, fsdp).expect("loss").backward();
     fsdp.sync_gradients(&[]).expect("reduce");
     assert!(fsdp.optimizer_step(opt, &[]).expect("step"));
 }
@@ -454,7 +454,7 @@ fn clip_grad_norm_matches_the_full_model(
                 let mut fsdp = Fsdp::new(m.as_ref(), ctx.group(), o.clone()).expect("fsdp");
                 zero_grads(m.as_ref());
                 fsdp.before_forward(0).expect("unshard");
-                m.loss(&m.input(ctx.rank(), 0).expect("batch"))
+                m.loss_hooked(&m.input(ctx.rank(), 0).expect("batch"), &mut fsdp)
                     .expect("loss")
                     .backward();
                 fsdp.sync_gradients(&[]).expect("reduce");
@@ -579,7 +579,7 @@ fn no_sync_accumulates_like_ddp(
                 assert!(!f.requires_gradient_sync());
                 for k in 0..MICRO - 1 {
                     f.before_forward(k).expect("forward");
-                    m.loss(&m.input(ctx.rank(), k).expect("batch"))
+                    m.loss_hooked(&m.input(ctx.rank(), k).expect("batch"), f)
                         .expect("loss")
                         .backward();
                     f.sync_gradients(&[]).expect("no sync");
@@ -596,7 +596,7 @@ fn no_sync_accumulates_like_ddp(
                 "{what}: no collective in no_sync"
             );
             fsdp.before_forward(MICRO - 1).expect("forward");
-            m.loss(&m.input(ctx.rank(), MICRO - 1).expect("batch"))
+            m.loss_hooked(&m.input(ctx.rank(), MICRO - 1).expect("batch"), &mut fsdp)
                 .expect("loss")
                 .backward();
             fsdp.sync_gradients(&[]).expect("reduce");
