@@ -302,12 +302,14 @@ fn per_layer_units_keep_tied_parameters_in_the_root() {
             assert_eq!(padded % 2, 0);
             assert!(padded - numel < 2);
         }
-        // One all-gather per unit to unshard, one reduce-scatter and record gather per unit.
+        // Per step: one all-gather per unit in forward and one per non-root unit to re-gather
+        // it for backward; one more per unit for the record. One reduce-scatter and record
+        // gather per unit and step.
         let cfg = config(ctx, "transformer", "fsdp.full_shard");
         train(m.as_ref(), &cfg, &mut fsdp, Some(ctx.group().as_ref())).expect("run");
         let n = units.len();
         let c = fsdp.collective_counts();
-        assert_eq!(c.param_all_gathers, n * (STEPS + 1));
+        assert_eq!(c.param_all_gathers, (2 * n - 1) * STEPS + n);
         assert_eq!(c.grad_reduce_scatters, n * STEPS);
         assert_eq!(c.record_grad_all_gathers, n * STEPS);
     });

@@ -433,9 +433,10 @@ impl Fsdp {
                 unit.alive_bytes = unit.full_bytes(unit.kind);
                 core.full_bytes_alive += unit.alive_bytes;
             }
-            core.full_bytes_peak = core.full_bytes_alive;
         }
         core.reshard_all()?;
+        // Construction held the model's own full parameters; training peaks start here.
+        core.full_bytes_peak = core.full_bytes_alive;
         let core = Arc::new(Mutex::new(core));
         let post_backward = register_post_backward(&core)?;
         Ok(Fsdp {
@@ -524,7 +525,8 @@ impl Fsdp {
         self.core().full_bytes_alive
     }
 
-    /// The most bytes of full managed parameters ever alive at once on this rank.
+    /// The most bytes of full managed parameters alive at once on this rank during training
+    /// (from construction on; the gather for the run's record is not counted).
     pub fn full_param_bytes_peak(&self) -> usize {
         self.core().full_bytes_peak
     }
@@ -992,7 +994,13 @@ impl StepHooks for Fsdp {
     }
 
     fn before_record(&mut self) -> Result<(), TrainError> {
-        self.unshard().map_err(into_train)
+        // The record needs every full parameter at once; that is lockstep's view, not
+        // training's memory, so it does not count towards the peak.
+        let mut core = self.core();
+        let peak = core.full_bytes_peak;
+        core.unshard_all(Gather::Params).map_err(into_train)?;
+        core.full_bytes_peak = peak;
+        Ok(())
     }
 }
 
