@@ -540,6 +540,11 @@ impl lockstep_models::Model for BenchGpt {
             kind: LayerKind::LayerNorm,
             params: vec!["norm.weight".into(), "norm.bias".into()],
         });
+        layers.push(LayerSpec {
+            name: "output".into(),
+            kind: LayerKind::OutputProjection,
+            params: vec!["tok_embeddings.weight".into()],
+        });
         layers
     }
 
@@ -564,23 +569,55 @@ impl lockstep_models::Model for BenchGpt {
         &self,
         batch: &lockstep_models::Batch,
     ) -> Result<Tensor, lockstep_models::ModelError> {
+        self.forward_hooked(batch, &mut lockstep_models::NoHooks)
+    }
+
+    fn supports_layer_hooks(&self) -> bool {
+        true
+    }
+
+    fn forward_hooked(
+        &self,
+        batch: &lockstep_models::Batch,
+        hooks: &mut dyn lockstep_models::LayerHooks,
+    ) -> Result<Tensor, lockstep_models::ModelError> {
+        use lockstep_models::ModelError;
         let tokens =
             batch
                 .inputs
                 .first()
-                .ok_or_else(|| lockstep_models::ModelError::InvalidBatch {
+                .ok_or_else(|| ModelError::InvalidBatch {
                     model: "gpt".into(),
                     reason: "expected one token tensor".into(),
                 })?;
+        // Runs layer `index` of `layers()` on one input through the hooks.
+        let mut layer = |index: usize,
+                         input: Tensor,
+                         f: &dyn Fn(&Tensor) -> Result<Tensor, tch::TchError>|
+         -> Result<Tensor, ModelError> {
+            let inputs = hooks.pre_forward(index, vec![input])?;
+            let x = inputs.first().ok_or_else(|| {
+                ModelError::Hook(format!("layer {index}: a hook returned no input").into())
+            })?;
+            let out = f(x)?;
+            hooks.post_forward(index, out)
+        };
         let emb = self.p("tok_embeddings.weight");
-        let pos = Tensor::f_arange(tokens.size()[1], (Kind::Int64, Device::Cpu))?;
-        let mut h = Tensor::f_embedding(emb, tokens, -1, false, false)?.f_add(
-            &Tensor::f_embedding(self.p("pos_embeddings.weight"), &pos, -1, false, false)?,
-        )?;
+        let tok = layer(0, tokens.shallow_clone(), &|x| {
+            Tensor::f_embedding(emb, x, -1, false, false)
+        })?;
+        let positions = Tensor::f_arange(tokens.size()[1], (Kind::Int64, Device::Cpu))?;
+        let pos = layer(1, positions, &|x| {
+            Tensor::f_embedding(self.p("pos_embeddings.weight"), x, -1, false, false)
+        })?;
+        let mut h = tok.f_add(&pos)?;
         for i in 0..self.dims.layers {
-            h = self.block(&h, i)?;
+            h = layer(2 + i, h, &|x| self.block(x, i))?;
         }
-        Ok(self.norm(&h, "norm")?.f_linear::<Tensor>(emb, None)?)
+        let n = 2 + self.dims.layers;
+        let h = layer(n, h, &|x| self.norm(x, "norm"))?;
+        // The output projection is tied to the token embedding.
+        layer(n + 1, h, &|x| x.f_linear::<Tensor>(emb, None))
     }
 
     fn loss_of(
@@ -648,6 +685,16 @@ impl lockstep_models::Model for Clocked {
     ) -> Result<Tensor, lockstep_models::ModelError> {
         self.inner.forward(batch)
     }
+    fn supports_layer_hooks(&self) -> bool {
+        self.inner.supports_layer_hooks()
+    }
+    fn forward_hooked(
+        &self,
+        batch: &lockstep_models::Batch,
+        hooks: &mut dyn lockstep_models::LayerHooks,
+    ) -> Result<Tensor, lockstep_models::ModelError> {
+        self.inner.forward_hooked(batch, hooks)
+    }
     fn loss_of(
         &self,
         batch: &lockstep_models::Batch,
@@ -707,6 +754,11 @@ pub struct StepResult {
     pub fsdp_seconds: f64,
     /// `fsdp_seconds / ddp_seconds`.
     pub ratio: f64,
+    /// Median seconds per FSDP full-shard step with one unit per layer, freed after its
+    /// forward and re-gathered (prefetched) for backward: the configuration that saves memory.
+    pub fsdp_per_layer_seconds: f64,
+    /// `fsdp_per_layer_seconds / ddp_seconds`.
+    pub per_layer_ratio: f64,
     /// Trainable parameters of the model.
     pub parameters: i64,
     /// Timed steps per run (the medians are over these).
@@ -718,6 +770,7 @@ pub struct StepResult {
 enum StepWrapper {
     Ddp,
     FsdpFullShard,
+    FsdpPerLayer,
 }
 
 /// Times training steps under DDP and FSDP full shard on the CPU backend, each in a fresh
@@ -750,12 +803,15 @@ pub fn run_step(opts: &StepBenchOptions) -> Result<StepResult, BenchError> {
     tch::set_num_threads(1);
     let (ddp, parameters) = time_steps(opts, StepWrapper::Ddp)?;
     let (fsdp, _) = time_steps(opts, StepWrapper::FsdpFullShard)?;
+    let (per_layer, _) = time_steps(opts, StepWrapper::FsdpPerLayer)?;
     Ok(StepResult {
         model: opts.model.clone(),
         world_size: opts.world_size,
         ddp_seconds: ddp,
         fsdp_seconds: fsdp,
         ratio: fsdp / ddp,
+        fsdp_per_layer_seconds: per_layer,
+        per_layer_ratio: per_layer / ddp,
         parameters,
         steps: opts.steps,
     })
@@ -770,7 +826,7 @@ struct StepTimes {
 /// One launch; returns the median step time and the parameter count.
 fn time_steps(opts: &StepBenchOptions, wrapper: StepWrapper) -> Result<(f64, i64), BenchError> {
     use lockstep_core::ddp::{train_ddp, DdpOptions};
-    use lockstep_core::fsdp::{train_fsdp, FsdpOptions, ShardingStrategy};
+    use lockstep_core::fsdp::{train_fsdp, FsdpOptions, ShardingStrategy, WrapPolicy};
     use lockstep_core::record::RunSpec;
     use lockstep_core::train::{OptimizerConfig, TrainConfig};
     use lockstep_models::Model;
@@ -808,9 +864,14 @@ fn time_steps(opts: &StepBenchOptions, wrapper: StepWrapper) -> Result<(f64, i64
             StepWrapper::Ddp => train_ddp(model, ctx.group(), &cfg, DdpOptions::default())
                 .map(drop)
                 .map_err(|e| format!("ddp: {e}"))?,
-            StepWrapper::FsdpFullShard => {
+            StepWrapper::FsdpFullShard | StepWrapper::FsdpPerLayer => {
                 let fsdp = FsdpOptions {
                     strategy: ShardingStrategy::FullShard,
+                    wrap: if wrapper == StepWrapper::FsdpPerLayer {
+                        WrapPolicy::PerLayer
+                    } else {
+                        WrapPolicy::Root
+                    },
                     ..FsdpOptions::default()
                 };
                 train_fsdp(model, ctx.group(), &cfg, fsdp)

@@ -371,14 +371,16 @@ fn run_bench(what: BenchCommand) -> Result<()> {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
                 println!(
-                    "one training step, {} ({} parameters), {} ranks, median of {}: ddp {}, fsdp full_shard {}, fsdp/ddp {:.2}x",
+                    "one training step, {} ({} parameters), {} ranks, median of {}: ddp {}, fsdp full_shard (root unit) {} ({:.2}x ddp), fsdp full_shard per layer {} ({:.2}x ddp)",
                     r.model,
                     r.parameters,
                     r.world_size,
                     r.steps,
                     format_seconds(r.ddp_seconds),
                     format_seconds(r.fsdp_seconds),
-                    r.ratio
+                    r.ratio,
+                    format_seconds(r.fsdp_per_layer_seconds),
+                    r.per_layer_ratio
                 );
             }
         }

@@ -18,6 +18,8 @@ fn step_bench_reports_both_wrappers_and_the_ratio() {
         "ddp_seconds",
         "fsdp_seconds",
         "ratio",
+        "fsdp_per_layer_seconds",
+        "per_layer_ratio",
     ] {
         assert!(json.get(field).is_some(), "{field} missing: {json}");
     }
