@@ -322,7 +322,7 @@ impl Fsdp {
             .iter()
             .map(|(n, t)| (n.clone(), t.numel() as i64))
             .collect();
-        let plan = wrap::plan_units(&opts.wrap, &layers, &tags, &sizes)?;
+        let plan = wrap::plan_units(&opts.wrap, &layers, &tags, &sizes, &[])?;
         let (shard_world, shard_rank) = match opts.strategy {
             ShardingStrategy::NoShard => (1, 0),
             _ => (group.size(), group.rank()),

@@ -35,11 +35,14 @@ pub(super) struct PlannedUnit {
 
 /// Plans the units for `managed` parameters (canonical names, `named_parameters` order):
 /// the root first (possibly without parameters), then one per layer group in forward order.
+/// Layers in `isolate` (BatchNorm under mixed precision, which must compute in fp32) always
+/// get a unit of their own, whatever the policy.
 pub(super) fn plan_units(
     policy: &WrapPolicy,
     layers: &[LayerSpec],
     tags: &ParamTags,
     managed: &[(String, i64)],
+    isolate: &[usize],
 ) -> Result<Vec<PlannedUnit>, FsdpError> {
     let numel: HashMap<&str, i64> = managed.iter().map(|(n, k)| (n.as_str(), *k)).collect();
     let layer_params = |l: &LayerSpec| -> BTreeSet<String> {
@@ -109,6 +112,23 @@ pub(super) fn plan_units(
             }
             groups
         }
+    };
+    let groups: Vec<Vec<usize>> = if isolate.is_empty() {
+        groups
+    } else {
+        let mut rest: Vec<Vec<usize>> = groups
+            .into_iter()
+            .map(|g| g.into_iter().filter(|l| !isolate.contains(l)).collect::<Vec<_>>())
+            .filter(|g| !g.is_empty())
+            .collect();
+        rest.extend(
+            isolate
+                .iter()
+                .filter(|&&l| !layer_params(&layers[l]).is_empty())
+                .map(|&l| vec![l]),
+        );
+        rest.sort_by_key(|g| g.first().copied());
+        rest
     };
     // Which groups use each parameter.
     let mut users: HashMap<String, BTreeSet<usize>> = HashMap::new();
