@@ -1,7 +1,7 @@
 //! The zoo's contract: deterministic parameters and batches, PyTorch's names, tied weights
 //! that are one tensor, lossless safetensors round trips and load errors that name keys.
 
-use lockstep_models::{zoo, Model, ModelError};
+use lockstep_models::{zoo, LayerHooks, LayerKind, Model, ModelError, NoHooks};
 use std::path::PathBuf;
 use tch::{Kind, Tensor};
 
@@ -432,5 +432,289 @@ fn only_per_rank_models_refuse_the_single_device_reference() {
         let m = build(name, 0, 0);
         let refused = m.check_single_device_reference().is_err();
         assert_eq!(refused, matches!(name, "moe" | "transformer_bn"), "{name}");
+    }
+}
+
+/// One hook call, as a recording hook saw it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HookCall {
+    Pre(usize),
+    Post(usize),
+}
+
+/// Records every hook call and the kinds of the inputs each layer was given.
+#[derive(Default)]
+struct Recorder {
+    calls: Vec<HookCall>,
+    input_kinds: Vec<Vec<Kind>>,
+}
+
+impl LayerHooks for Recorder {
+    fn pre_forward(
+        &mut self,
+        index: usize,
+        inputs: Vec<Tensor>,
+    ) -> Result<Vec<Tensor>, ModelError> {
+        self.calls.push(HookCall::Pre(index));
+        self.input_kinds
+            .push(inputs.iter().map(|t| t.kind()).collect::<Vec<_>>());
+        Ok(inputs)
+    }
+
+    fn post_forward(&mut self, index: usize, output: Tensor) -> Result<Tensor, ModelError> {
+        self.calls.push(HookCall::Post(index));
+        Ok(output)
+    }
+}
+
+#[test]
+fn every_zoo_model_calls_its_hooks_once_per_layer_in_order() {
+    for name in zoo::names() {
+        let m = build(name, 0, 0);
+        assert!(m.supports_layer_hooks(), "{name}: no layer hooks");
+        let layers = m.layers();
+        let batch = m.input(0, 0).expect("input");
+        let mut rec = Recorder::default();
+        let _ = m.forward_hooked(&batch, &mut rec).expect("hooked forward");
+        // Exactly `Pre(i), Post(i)` for every layer in order: once each, pre before post,
+        // never nested or interleaved.
+        let expected: Vec<HookCall> = (0..layers.len())
+            .flat_map(|i| [HookCall::Pre(i), HookCall::Post(i)])
+            .collect();
+        assert_eq!(rec.calls, expected, "{name}: hook calls");
+        for (layer, kinds) in layers.iter().zip(&rec.input_kinds) {
+            assert!(!kinds.is_empty(), "{name}: {} got no inputs", layer.name);
+            let ids = layer.kind == LayerKind::Embedding;
+            for k in kinds {
+                assert_eq!(
+                    *k == Kind::Int64,
+                    ids,
+                    "{name}: {} got a {k:?} input",
+                    layer.name
+                );
+            }
+        }
+        let decoder_inputs: Vec<usize> = layers
+            .iter()
+            .zip(&rec.input_kinds)
+            .filter(|(l, _)| l.kind == LayerKind::DecoderLayer)
+            .map(|(_, k)| k.len())
+            .collect();
+        assert!(
+            decoder_inputs.iter().all(|&n| n == 2),
+            "{name}: decoder layers take (tgt, memory): {decoder_inputs:?}"
+        );
+
+        // The loss runs the same hooks.
+        let mut rec = Recorder::default();
+        let hooked = m.loss_hooked(&batch, &mut rec).expect("hooked loss");
+        assert_eq!(rec.calls, expected, "{name}: loss_hooked hook calls");
+        assert!(
+            bitwise_eq(&hooked, &m.loss(&batch).expect("loss")),
+            "{name}"
+        );
+    }
+}
+
+/// Hooks that replace every input and output by an equal tensor.
+struct Replacing;
+
+impl LayerHooks for Replacing {
+    fn pre_forward(
+        &mut self,
+        _index: usize,
+        inputs: Vec<Tensor>,
+    ) -> Result<Vec<Tensor>, ModelError> {
+        Ok(inputs.iter().map(Tensor::copy).collect())
+    }
+
+    fn post_forward(&mut self, _index: usize, output: Tensor) -> Result<Tensor, ModelError> {
+        Ok(output.f_mul_scalar(1.0)?)
+    }
+}
+
+/// Hooks whose post-forward hands back a copy of the output.
+struct Cloning;
+
+impl LayerHooks for Cloning {
+    fn pre_forward(
+        &mut self,
+        _index: usize,
+        inputs: Vec<Tensor>,
+    ) -> Result<Vec<Tensor>, ModelError> {
+        Ok(inputs)
+    }
+
+    fn post_forward(&mut self, _index: usize, output: Tensor) -> Result<Tensor, ModelError> {
+        Ok(output.copy())
+    }
+}
+
+#[test]
+fn hooked_forward_is_bitwise_the_plain_forward() {
+    for name in zoo::names() {
+        for rank in 0..2 {
+            let m = build(name, 3, rank);
+            let batch = m.input(rank, 1).expect("input");
+            let plain = m.forward(&batch).expect("forward");
+            let none = m.forward_hooked(&batch, &mut NoHooks).expect("NoHooks");
+            assert!(bitwise_eq(&plain, &none), "{name}: NoHooks changes forward");
+            let replaced = m.forward_hooked(&batch, &mut Replacing).expect("Replacing");
+            assert!(
+                bitwise_eq(&plain, &replaced),
+                "{name}: replacing inputs and outputs by equal tensors changes forward"
+            );
+            let cloned = m.forward_hooked(&batch, &mut Cloning).expect("Cloning");
+            assert!(
+                bitwise_eq(&plain, &cloned),
+                "{name}: cloned outputs change forward"
+            );
+        }
+    }
+}
+
+/// A hook that behaves as FSDP freeing parameters: outside layer `i`'s window every
+/// parameter not in layer `i` is NaN, so a read outside its layer's window poisons the
+/// output. `Drop` is not relied on: [`ParamWindow::restore_all`] puts values back.
+struct ParamWindow {
+    /// Canonical parameter names of every layer, in `layers()` order.
+    layers: Vec<Vec<String>>,
+    /// (canonical name, saved value, the model's own tensor).
+    params: Vec<(String, Tensor, Tensor)>,
+}
+
+impl ParamWindow {
+    fn new(m: &dyn Model) -> Self {
+        let tags = m.tags();
+        let layers = m
+            .layers()
+            .iter()
+            .map(|l| {
+                l.params
+                    .iter()
+                    .map(|p| tags.canonical(p).to_owned())
+                    .collect()
+            })
+            .collect();
+        let params = m
+            .named_parameters()
+            .into_iter()
+            .map(|(n, t)| (n, t.detach_copy(), t))
+            .collect();
+        ParamWindow { layers, params }
+    }
+
+    fn set(&self, index: Option<usize>, restore: bool) -> Result<(), ModelError> {
+        tch::no_grad(|| {
+            for (name, saved, live) in &self.params {
+                let in_layer = match index {
+                    Some(i) => self.layers[i].contains(name),
+                    None => true,
+                };
+                if in_layer {
+                    let mut live = live.shallow_clone();
+                    if restore {
+                        live.f_copy_(saved)?;
+                    } else {
+                        let _ = live.f_fill_(f64::NAN)?;
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn poison_all(&self) {
+        self.set(None, false).expect("poison");
+    }
+
+    fn restore_all(&self) {
+        self.set(None, true).expect("restore");
+    }
+}
+
+impl LayerHooks for ParamWindow {
+    fn pre_forward(
+        &mut self,
+        index: usize,
+        inputs: Vec<Tensor>,
+    ) -> Result<Vec<Tensor>, ModelError> {
+        self.set(Some(index), true)?;
+        Ok(inputs)
+    }
+
+    fn post_forward(&mut self, index: usize, output: Tensor) -> Result<Tensor, ModelError> {
+        self.set(Some(index), false)?;
+        Ok(output)
+    }
+}
+
+#[test]
+fn parameters_are_read_only_inside_their_layers_window() {
+    for name in zoo::names() {
+        let m = build(name, 0, 1);
+        let batch = m.input(1, 0).expect("input");
+        let plain = m.forward(&batch).expect("forward");
+        let before: Vec<Tensor> = m
+            .named_parameters()
+            .iter()
+            .map(|(_, t)| t.detach_copy())
+            .collect();
+        let mut window = ParamWindow::new(m.as_ref());
+        window.poison_all();
+        let windowed = m.forward_hooked(&batch, &mut window);
+        window.restore_all();
+        for ((n, t), b) in m.named_parameters().iter().zip(&before) {
+            assert!(bitwise_eq(t, b), "{name}: {n} not restored");
+        }
+        let windowed = windowed.expect("windowed forward");
+        assert!(
+            windowed.isfinite().all().int64_value(&[]) == 1,
+            "{name}: a parameter is read outside its layer's window"
+        );
+        assert!(
+            bitwise_eq(&plain, &windowed),
+            "{name}: output differs under the parameter window"
+        );
+        // The poison itself is seen: with every parameter NaN, the output is NaN.
+        window.poison_all();
+        let poisoned = m.forward_hooked(&batch, &mut NoHooks);
+        window.restore_all();
+        let poisoned = poisoned.expect("poisoned forward");
+        assert!(
+            poisoned.isnan().any().int64_value(&[]) == 1,
+            "{name}: NaN parameters do not reach the output"
+        );
+    }
+}
+
+/// Hands back one input fewer than it was given.
+struct DroppingInput;
+
+impl LayerHooks for DroppingInput {
+    fn pre_forward(
+        &mut self,
+        _index: usize,
+        mut inputs: Vec<Tensor>,
+    ) -> Result<Vec<Tensor>, ModelError> {
+        let _ = inputs.pop();
+        Ok(inputs)
+    }
+
+    fn post_forward(&mut self, _index: usize, output: Tensor) -> Result<Tensor, ModelError> {
+        Ok(output)
+    }
+}
+
+#[test]
+fn a_hook_returning_the_wrong_inputs_is_an_error_not_a_panic() {
+    for name in zoo::names() {
+        let m = build(name, 0, 0);
+        let batch = m.input(0, 0).expect("input");
+        let err = m
+            .forward_hooked(&batch, &mut DroppingInput)
+            .expect_err("missing input fails");
+        assert!(matches!(err, ModelError::Hook(_)), "{name}: {err}");
+        assert!(err.to_string().contains("layer 0"), "{name}: {err}");
     }
 }

@@ -3,9 +3,10 @@
 //! projection tied to the token embedding.
 
 use crate::layers::{path, LayerNorm, Linear};
-use crate::model::{Batch, LayerKind, LayerSpec, Model};
+use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, Model, NoHooks};
 use crate::seed;
 use crate::store::{normal, ParamStore};
+use crate::zoo::LayerRun;
 use crate::ModelError;
 use tch::{Kind, TchError, Tensor};
 
@@ -149,6 +150,19 @@ struct Block {
     attention: Attention,
     ffn_norm: LayerNorm,
     ffn: Ffn,
+}
+
+impl Block {
+    /// Pre-norm attention then feed-forward, each with its residual add.
+    fn forward(&self, h: &Tensor) -> Result<Tensor, TchError> {
+        let h = h.f_add(&self.attention.forward(&self.attention_norm.forward(h)?)?)?;
+        let normed = self.ffn_norm.forward(&h)?;
+        let ff = match &self.ffn {
+            Ffn::Dense(mlp) => mlp.forward(&normed)?,
+            Ffn::Moe(moe) => moe.forward(&normed)?,
+        };
+        h.f_add(&ff)
+    }
 }
 
 /// A decoder-only transformer: vocab 8, dim 16, 4 heads, 2 pre-norm layers, learned
@@ -305,6 +319,20 @@ impl Model for Gpt {
     }
 
     fn forward(&self, batch: &Batch) -> Result<Tensor, ModelError> {
+        self.forward_hooked(batch, &mut NoHooks)
+    }
+
+    fn supports_layer_hooks(&self) -> bool {
+        true
+    }
+
+    /// Layer inputs: the token ids, the position ids, then the hidden state (residual adds
+    /// are inside each block; the sum of the two embeddings is between layers).
+    fn forward_hooked(
+        &self,
+        batch: &Batch,
+        hooks: &mut dyn LayerHooks,
+    ) -> Result<Tensor, ModelError> {
         let tokens = batch
             .inputs
             .first()
@@ -319,27 +347,34 @@ impl Model for Gpt {
                 reason: format!("sequence length {t} outside 1..={SEQ}"),
             });
         }
+        let mut run = LayerRun::new(hooks);
+        let tok = run.layer([tokens.shallow_clone()], |[tokens]| {
+            Ok(Tensor::f_embedding(
+                &self.tok_embeddings,
+                &tokens,
+                -1,
+                false,
+                false,
+            )?)
+        })?;
         let pos = Tensor::f_arange(t, (Kind::Int64, tokens.device()))?;
-        let mut h = Tensor::f_embedding(&self.tok_embeddings, tokens, -1, false, false)?.f_add(
-            &Tensor::f_embedding(&self.pos_embeddings, &pos, -1, false, false)?,
-        )?;
+        let pos = run.layer([pos], |[pos]| {
+            Ok(Tensor::f_embedding(
+                &self.pos_embeddings,
+                &pos,
+                -1,
+                false,
+                false,
+            )?)
+        })?;
+        let mut h = tok.f_add(&pos)?;
         for block in &self.blocks {
-            h = h.f_add(
-                &block
-                    .attention
-                    .forward(&block.attention_norm.forward(&h)?)?,
-            )?;
-            let normed = block.ffn_norm.forward(&h)?;
-            let ff = match &block.ffn {
-                Ffn::Dense(mlp) => mlp.forward(&normed)?,
-                Ffn::Moe(moe) => moe.forward(&normed)?,
-            };
-            h = h.f_add(&ff)?;
+            h = run.layer([h], |[h]| Ok(block.forward(&h)?))?;
         }
-        Ok(self
-            .norm
-            .forward(&h)?
-            .f_linear::<Tensor>(&self.tok_embeddings, None)?)
+        let h = run.layer([h], |[h]| Ok(self.norm.forward(&h)?))?;
+        run.layer([h], |[h]| {
+            Ok(h.f_linear::<Tensor>(&self.tok_embeddings, None)?)
+        })
     }
 
     /// Next-token cross-entropy, mean over every token.

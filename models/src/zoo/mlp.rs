@@ -2,9 +2,10 @@
 //! shards at every world size.
 
 use crate::layers::Linear;
-use crate::model::{Batch, LayerKind, LayerSpec, Model};
+use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, Model, NoHooks};
 use crate::seed;
 use crate::store::{ParamStore, F32};
+use crate::zoo::LayerRun;
 use crate::ModelError;
 use tch::Tensor;
 
@@ -98,6 +99,20 @@ impl Model for MlpStack {
     }
 
     fn forward(&self, batch: &Batch) -> Result<Tensor, ModelError> {
+        self.forward_hooked(batch, &mut NoHooks)
+    }
+
+    fn supports_layer_hooks(&self) -> bool {
+        true
+    }
+
+    /// One layer per linear and per ReLU, input the hidden state.
+    fn forward_hooked(
+        &self,
+        batch: &Batch,
+        hooks: &mut dyn LayerHooks,
+    ) -> Result<Tensor, ModelError> {
+        let mut run = LayerRun::new(hooks);
         let mut x = batch
             .inputs
             .first()
@@ -107,9 +122,9 @@ impl Model for MlpStack {
             })?
             .shallow_clone();
         for (i, l) in self.linears.iter().enumerate() {
-            x = l.forward(&x)?;
+            x = run.layer([x], |[x]| Ok(l.forward(&x)?))?;
             if i + 1 < self.linears.len() {
-                x = x.f_relu()?;
+                x = run.layer([x], |[x]| Ok(x.f_relu()?))?;
             }
         }
         Ok(x)

@@ -2,9 +2,10 @@
 //! whose loss is `output.sum()`.
 
 use crate::layers::{path, Linear};
-use crate::model::{Batch, LayerKind, LayerSpec, Model};
+use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, Model, NoHooks};
 use crate::seed;
 use crate::store::{ParamStore, F32};
+use crate::zoo::LayerRun;
 use crate::ModelError;
 use tch::Tensor;
 
@@ -137,6 +138,20 @@ impl Model for LinearChain {
     }
 
     fn forward(&self, batch: &Batch) -> Result<Tensor, ModelError> {
+        self.forward_hooked(batch, &mut NoHooks)
+    }
+
+    fn supports_layer_hooks(&self) -> bool {
+        true
+    }
+
+    /// One layer per linear, input the hidden state.
+    fn forward_hooked(
+        &self,
+        batch: &Batch,
+        hooks: &mut dyn LayerHooks,
+    ) -> Result<Tensor, ModelError> {
+        let mut run = LayerRun::new(hooks);
         let mut x = batch
             .inputs
             .first()
@@ -146,7 +161,7 @@ impl Model for LinearChain {
             })?
             .shallow_clone();
         for l in &self.linears {
-            x = l.forward(&x)?;
+            x = run.layer([x], |[x]| Ok(l.forward(&x)?))?;
         }
         Ok(x)
     }

@@ -2,9 +2,10 @@
 //! embedding and an output projection that share one weight.
 
 use crate::layers::{BatchNorm1d, DecoderLayer, EncoderLayer, LayerNorm, Linear};
-use crate::model::{Batch, LayerKind, LayerSpec, Model};
+use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, Model, NoHooks};
 use crate::seed;
 use crate::store::{linear_weight, normal, ParamStore, F32};
+use crate::zoo::LayerRun;
 use crate::ModelError;
 use tch::{Kind, Tensor};
 
@@ -192,29 +193,68 @@ impl Model for TransformerWithSharedParams {
     }
 
     fn forward(&self, batch: &Batch) -> Result<Tensor, ModelError> {
+        self.forward_hooked(batch, &mut NoHooks)
+    }
+
+    fn supports_layer_hooks(&self) -> bool {
+        true
+    }
+
+    /// Layer inputs: the embedding takes `[src_ids, tgt_ids]` (PyTorch calls `embed_tokens`
+    /// on both; here it is one layer, run once) and outputs both embeddings concatenated
+    /// along the sequence (dim 0), split again outside the layer; decoder layers take
+    /// `[tgt, memory]`; every other layer its hidden state.
+    fn forward_hooked(
+        &self,
+        batch: &Batch,
+        hooks: &mut dyn LayerHooks,
+    ) -> Result<Tensor, ModelError> {
         let [src_ids, tgt_ids] = &batch.inputs[..] else {
             return Err(ModelError::InvalidBatch {
                 model: self.name.to_owned(),
                 reason: format!("expected (src, tgt), got {} inputs", batch.inputs.len()),
             });
         };
-        let src = self.embed_ids(src_ids)?;
+        let mut run = LayerRun::new(hooks);
+        let mut src_len = None;
+        let embedded = run.layer(
+            [src_ids.shallow_clone(), tgt_ids.shallow_clone()],
+            |[src_ids, tgt_ids]| {
+                let src = self.embed_ids(&src_ids)?;
+                let tgt = self.embed_ids(&tgt_ids)?;
+                src_len = src.size().first().copied();
+                Ok(Tensor::f_cat(&[src, tgt], 0)?)
+            },
+        )?;
+        let (Some(src_len), Some(&total)) = (src_len, embedded.size().first()) else {
+            return Err(ModelError::InvalidBatch {
+                model: self.name.to_owned(),
+                reason: "token ids must have a sequence dimension".into(),
+            });
+        };
+        let src = embedded.f_narrow(0, 0, src_len)?;
         let src = (src + &self.vocab_bias).f_add(&self.long_buffer.f_to_kind(Kind::Float)?)?;
-        let mut tgt = self.embed_ids(tgt_ids)?;
+        let mut tgt = embedded.f_narrow(0, src_len, total - src_len)?;
         if let Some(bn) = &self.bn {
-            tgt = bn.forward(&tgt)?;
+            tgt = run.layer([tgt], |[tgt]| Ok(bn.forward(&tgt)?))?;
         }
         let mut memory = src;
         for layer in &self.encoder {
-            memory = layer.forward(&memory)?;
+            memory = run.layer([memory], |[memory]| Ok(layer.forward(&memory)?))?;
         }
-        let memory = self.encoder_norm.forward(&memory)?;
+        let memory = run.layer([memory], |[memory]| {
+            Ok(self.encoder_norm.forward(&memory)?)
+        })?;
         let mut x = tgt;
         for layer in &self.decoder {
-            x = layer.forward(&x, &memory)?;
+            x = run.layer([x, memory.shallow_clone()], |[x, memory]| {
+                Ok(layer.forward(&x, &memory)?)
+            })?;
         }
-        let x = self.decoder_norm.forward(&x)?;
-        Ok(x.f_linear(&self.embed, Some(&self.output_bias))?)
+        let x = run.layer([x], |[x]| Ok(self.decoder_norm.forward(&x)?))?;
+        run.layer([x], |[x]| {
+            Ok(x.f_linear(&self.embed, Some(&self.output_bias))?)
+        })
     }
 
     /// Cross-entropy against the target tokens, summed (PyTorch's `get_loss`).
