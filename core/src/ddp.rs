@@ -14,19 +14,31 @@
 //! * **Buffers** are broadcast from rank 0 before every forward (PyTorch's default).
 //! * **Communication hooks** replace the per-bucket reduction; [`MarkedReduction`] also
 //!   reduces parameters marked for other groups (tensor or context parallel) there.
+//! * **Mixed precision** ([`DdpOptions::mixed_precision`], PyTorch DDP's semantics): the fp32
+//!   parameters stay the optimizer's master copy. Before each forward every low-precision
+//!   parameter's data is swapped (`set_data`, same autograd leaf) for a `param_dtype` copy of
+//!   its master, and [`CastInputs`] casts each layer's inputs to the layer's compute dtype;
+//!   forward and backward run in low precision, so gradients arrive in `param_dtype`. A
+//!   bucket holds its gradients in `reduce_dtype` (packing casts them), is all-reduced
+//!   (`Avg`) in it, and the reduced gradients are cast to fp32. After backward every parameter
+//!   gets its fp32 master data back and an fp32 `.grad`, so the optimizer and the record see
+//!   fp32 only. Floating buffers are cast to `buffer_dtype` once, at construction.
 //! * **Faults** plant the classic bugs on purpose, so tests prove the parity checker catches
 //!   them.
 
-use crate::autograd::{register_post_accumulate_grad_hook, AutogradError, HookHandle};
+use crate::autograd::{register_post_accumulate_grad_hook, set_grad, AutogradError, HookHandle};
 use crate::comm::work::lock;
 use crate::comm::{CommError, ProcessGroup, ReduceOp, Work};
+use crate::precision::{
+    cast_buffers, low_precision_params, CastInputs, MixedPrecision, PrecisionError,
+};
 use crate::record::RunRecord;
 use crate::replica::{broadcast_from_rank0, distinct_parameters};
 use crate::train::{train, StepHooks, TrainConfig, TrainError};
-use lockstep_models::Model;
-use std::collections::HashSet;
+use lockstep_models::{LayerHooks, Model};
+use std::collections::{BTreeSet, HashSet};
 use std::sync::{Arc, Mutex};
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 /// What DDP can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +51,9 @@ pub enum DdpError {
     Train(#[from] TrainError),
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
+    /// The mixed-precision policy is invalid or cannot be applied to this model.
+    #[error(transparent)]
+    Precision(#[from] PrecisionError),
     #[error("ddp: {0}")]
     Invalid(String),
 }
@@ -69,6 +84,9 @@ pub struct DdpOptions {
     pub comm_hook: Option<Arc<dyn CommHook>>,
     /// A planted bug, for checker tests only.
     pub fault: Option<Fault>,
+    /// Train under this mixed-precision policy (see the module documentation); `None` is
+    /// plain fp32 DDP. Needs a model that supports layer hooks.
+    pub mixed_precision: Option<MixedPrecision>,
 }
 
 impl Default for DdpOptions {
@@ -79,6 +97,7 @@ impl Default for DdpOptions {
             overlap: true,
             comm_hook: None,
             fault: None,
+            mixed_precision: None,
         }
     }
 }
@@ -91,6 +110,7 @@ impl std::fmt::Debug for DdpOptions {
             .field("overlap", &self.overlap)
             .field("comm_hook", &self.comm_hook.is_some())
             .field("fault", &self.fault)
+            .field("mixed_precision", &self.mixed_precision)
             .finish()
     }
 }
@@ -229,17 +249,40 @@ impl State {
     }
 }
 
+/// A parameter that computes in low precision under a mixed-precision policy.
+struct LowParam {
+    /// Index into `State::params`.
+    index: usize,
+    /// The parameter itself (a handle on the model's leaf).
+    param: Tensor,
+    /// Its fp32 data: the master copy the optimizer updates, which the parameter holds
+    /// again after every backward.
+    master: Tensor,
+}
+
+/// DDP's mixed-precision state: the policy, its input casts and the swapped parameters.
+struct Precision {
+    policy: MixedPrecision,
+    cast: CastInputs,
+    low: Vec<LowParam>,
+    /// `low` index of each entry of `State::params` (`None`: computes in its own dtype).
+    low_of: Vec<Option<usize>>,
+}
+
 /// DDP over one data-parallel group. Plug it into [`train`] as its [`StepHooks`].
 pub struct Ddp {
     state: Arc<Mutex<State>>,
     buffers: Vec<(String, Tensor)>,
     opts: DdpOptions,
+    precision: Option<Precision>,
     _hooks: Vec<HookHandle>,
 }
 
 impl Ddp {
     /// Wraps `model` (built identically on every rank): broadcasts its parameters and buffers
-    /// from rank 0 and prepares the buckets.
+    /// from rank 0 and prepares the buckets. Under a mixed-precision policy it first checks
+    /// the policy and that the model runs layer hooks (before any collective, so every rank
+    /// fails alike), then casts the model's floating buffers to `buffer_dtype`.
     pub fn new(
         model: &dyn Model,
         group: Arc<dyn ProcessGroup>,
@@ -252,23 +295,51 @@ impl Ddp {
             .map(|(n, _)| n)
             .filter(|n| tags.is_rank_local(n))
             .collect();
-        Self::from_parts(
+        let precision = match &opts.mixed_precision {
+            None => None,
+            Some(policy) => {
+                let cast = CastInputs::for_model(model, policy)?;
+                cast_buffers(model, policy)?;
+                Some((cast, low_precision_params(model, policy)))
+            }
+        };
+        Self::build(
             model.named_parameters(),
             model.named_buffers(),
             &rank_local,
             group,
             opts,
+            precision,
         )
     }
 
     /// As [`Ddp::new`] for parameters that are not a zoo model (`rank_local` are never
-    /// broadcast nor reduced).
+    /// broadcast nor reduced). Mixed precision is refused here: without a layer list nothing
+    /// says which dtype each layer's inputs need.
     pub fn from_parts(
         params: Vec<(String, Tensor)>,
         buffers: Vec<(String, Tensor)>,
         rank_local: &HashSet<String>,
         group: Arc<dyn ProcessGroup>,
         opts: DdpOptions,
+    ) -> Result<Ddp, DdpError> {
+        if let Some(policy) = &opts.mixed_precision {
+            policy.validate()?;
+            return Err(PrecisionError::NoModel(
+                "Ddp::from_parts has parameters only; wrap a model with Ddp::new".into(),
+            )
+            .into());
+        }
+        Self::build(params, buffers, rank_local, group, opts, None)
+    }
+
+    fn build(
+        params: Vec<(String, Tensor)>,
+        buffers: Vec<(String, Tensor)>,
+        rank_local: &HashSet<String>,
+        group: Arc<dyn ProcessGroup>,
+        opts: DdpOptions,
+        precision: Option<(CastInputs, BTreeSet<String>)>,
     ) -> Result<Ddp, DdpError> {
         let fault = opts.fault.clone();
         let excluded = |name: &str| match &fault {
@@ -287,7 +358,36 @@ impl Ddp {
         if fault != Some(Fault::NoBufferBroadcast) {
             broadcast_from_rank0(group.as_ref(), buffers.iter().map(|(_, b)| b))?;
         }
-        let buckets = plan_buckets(&params, &excluded, opts.bucket_cap_bytes)?;
+        let precision = match (precision, opts.mixed_precision) {
+            (Some((cast, names)), Some(policy)) => {
+                let mut low = Vec::new();
+                let mut low_of = vec![None; params.len()];
+                for (index, (name, param)) in params.iter().enumerate() {
+                    if names.contains(name) {
+                        low_of[index] = Some(low.len());
+                        low.push(LowParam {
+                            index,
+                            param: param.shallow_clone(),
+                            master: param.data(),
+                        });
+                    }
+                }
+                Some(Precision {
+                    policy,
+                    cast,
+                    low,
+                    low_of,
+                })
+            }
+            _ => None,
+        };
+        // Low-precision gradients are reduced in `reduce_dtype`; the others (BatchNorm kept
+        // in fp32) in their own dtype, as FSDP leaves those modules out of its policy.
+        let reduce_kind = |i: usize| match &precision {
+            Some(mp) if mp.low_of[i].is_some() => mp.policy.reduce_dtype,
+            _ => params[i].1.kind(),
+        };
+        let buckets = plan_buckets(&params, &excluded, &reduce_kind, opts.bucket_cap_bytes)?;
         let mut bucket_of = vec![None; params.len()];
         for (b, bucket) in buckets.iter().enumerate() {
             for &i in &bucket.members {
@@ -327,6 +427,7 @@ impl Ddp {
             state,
             buffers,
             opts,
+            precision,
             _hooks: hooks,
         })
     }
@@ -340,14 +441,64 @@ impl Ddp {
             .collect()
     }
 
+    /// The dtype each bucket is reduced in, in bucket order: `reduce_dtype` for buckets of
+    /// low-precision parameters under a policy, the parameters' dtype otherwise.
+    pub fn bucket_dtypes(&self) -> Vec<Kind> {
+        lock(&self.state)
+            .buckets
+            .iter()
+            .map(|b| b.flat.kind())
+            .collect()
+    }
+
     /// How many buckets' all-reduces are already in flight: right after backward with
     /// `overlap`, all of them (they launched from the backward hooks).
     pub fn launched_buckets(&self) -> usize {
         lock(&self.state).next_launch
     }
 
+    /// The mixed-precision policy this DDP trains under, if any.
+    pub fn mixed_precision(&self) -> Option<&MixedPrecision> {
+        self.precision.as_ref().map(|p| &p.policy)
+    }
+
+    /// The input casts run around every layer under a policy (what
+    /// [`StepHooks::layer_hooks`] returns), so an observer can be chained behind them.
+    pub fn cast_inputs(&self) -> Option<&CastInputs> {
+        self.precision.as_ref().map(|p| &p.cast)
+    }
+
+    /// The parameters computing in `param_dtype` under the policy (none without one).
+    pub fn low_precision_params(&self) -> Vec<String> {
+        let state = lock(&self.state);
+        self.precision.as_ref().map_or_else(Vec::new, |mp| {
+            mp.low
+                .iter()
+                .map(|lp| state.params[lp.index].0.clone())
+                .collect()
+        })
+    }
+
+    /// Before forward under a policy: clears every low-precision parameter's `.grad` (so
+    /// backward produces it in `param_dtype`) and swaps the parameter's data for a
+    /// `param_dtype` copy of its fp32 master. Without a policy it does nothing.
+    pub fn swap_in_low_precision(&self) -> Result<(), DdpError> {
+        let Some(mp) = &self.precision else {
+            return Ok(());
+        };
+        let _guard = tch::no_grad_guard();
+        for lp in &mp.low {
+            set_grad(&lp.param, None)?;
+            let low = lp.master.f_to_kind(mp.policy.param_dtype)?;
+            lp.param.shallow_clone().f_set_data(&low)?;
+        }
+        Ok(())
+    }
+
     /// Finishes gradient averaging after backward: launches what the hooks did not, waits,
-    /// and writes the averaged values back into every parameter's `.grad`.
+    /// and writes the averaged values back into every parameter's `.grad`. Under a policy it
+    /// also gives every low-precision parameter its fp32 master data back, with the reduced
+    /// gradient cast to fp32 as its `.grad`.
     pub fn finish_gradients(&mut self) -> Result<(), DdpError> {
         let mut state = lock(&self.state);
         if let Some(hook) = self.opts.comm_hook.clone() {
@@ -376,15 +527,57 @@ impl Ddp {
         let State {
             params, buckets, ..
         } = &mut *state;
+        // Reduced gradients of low-precision parameters, already in the master's dtype,
+        // indexed like `Precision::low`.
+        let mut reduced_low: Vec<Option<Tensor>> = self
+            .precision
+            .as_ref()
+            .map_or_else(Vec::new, |mp| mp.low.iter().map(|_| None).collect());
         for bucket in buckets.iter_mut() {
             for (&i, (_, offset, numel)) in bucket.members.iter().zip(&bucket.entries) {
-                let mut grad = params[i].1.grad();
                 let reduced = bucket.flat.narrow(0, *offset as i64, *numel as i64);
-                grad.f_copy_(&reduced.f_view_as(&grad)?)?;
+                let low = self
+                    .precision
+                    .as_ref()
+                    .and_then(|mp| mp.low_of[i].map(|l| (l, &mp.low[l])));
+                match low {
+                    Some((l, lp)) => {
+                        // A fresh tensor: `flat` is overwritten at the next step.
+                        let fp32 = reduced
+                            .f_to_dtype(lp.master.kind(), false, true)?
+                            .f_view_as(&lp.master)?;
+                        reduced_low[l] = Some(fp32);
+                    }
+                    None => {
+                        let mut grad = params[i].1.grad();
+                        grad.f_copy_(&reduced.f_view_as(&grad)?)?;
+                    }
+                }
             }
             bucket.ready = 0;
         }
         state.next_launch = 0;
+        drop(state);
+        if let Some(mp) = &self.precision {
+            for (lp, reduced) in mp.low.iter().zip(reduced_low) {
+                // Parameters in no bucket (rank-local) keep their own gradient, in fp32.
+                let grad = match reduced {
+                    Some(g) => Some(g),
+                    None => {
+                        let g = lp.param.grad();
+                        if g.defined() {
+                            Some(g.f_to_kind(lp.master.kind())?)
+                        } else {
+                            None
+                        }
+                    }
+                };
+                lp.param.shallow_clone().f_set_data(&lp.master)?;
+                if let Some(g) = grad {
+                    set_grad(&lp.param, Some(&g))?;
+                }
+            }
+        }
         Ok(())
     }
 
@@ -396,6 +589,21 @@ impl Ddp {
     }
 }
 
+impl Drop for Ddp {
+    /// Leaves the model with its fp32 parameters even when a step failed between the swap
+    /// to low precision and the end of backward.
+    fn drop(&mut self) {
+        if let Some(mp) = &self.precision {
+            for lp in &mp.low {
+                if lp.param.kind() != lp.master.kind() {
+                    let _ = set_grad(&lp.param, None);
+                    let _ = lp.param.shallow_clone().f_set_data(&lp.master);
+                }
+            }
+        }
+    }
+}
+
 impl StepHooks for Ddp {
     fn before_forward(&mut self, _step: usize) -> Result<(), TrainError> {
         let broadcast =
@@ -403,7 +611,13 @@ impl StepHooks for Ddp {
         if broadcast {
             self.broadcast_buffers().map_err(into_train)?;
         }
-        Ok(())
+        self.swap_in_low_precision().map_err(into_train)
+    }
+
+    fn layer_hooks(&mut self) -> Option<&mut dyn LayerHooks> {
+        self.precision
+            .as_mut()
+            .map(|mp| &mut mp.cast as &mut dyn LayerHooks)
     }
 
     fn sync_gradients(&mut self, _grads: &[(String, Tensor)]) -> Result<(), TrainError> {
@@ -420,11 +634,13 @@ fn into_train(e: DdpError) -> TrainError {
     }
 }
 
-/// Packs parameters, last first, into buckets of one dtype and at most `cap` bytes (a single
-/// larger parameter gets a bucket of its own).
+/// Packs parameters, last first, into buckets of one reduction dtype (`reduce_kind` of each
+/// parameter index) and at most `cap` bytes of it (a single larger parameter gets a bucket
+/// of its own).
 fn plan_buckets(
     params: &[(String, Tensor)],
     excluded: &dyn Fn(&str) -> bool,
+    reduce_kind: &dyn Fn(usize) -> Kind,
     cap: usize,
 ) -> Result<Vec<Bucket>, DdpError> {
     let mut buckets: Vec<Bucket> = Vec::new();
@@ -442,7 +658,7 @@ fn plan_buckets(
             entries.push((params[i].0.clone(), offset, numel));
             offset += numel;
         }
-        let k = params[members[0]].1.kind();
+        let k = reduce_kind(members[0]);
         buckets.push(Bucket {
             members: std::mem::take(members),
             entries,
@@ -457,12 +673,13 @@ fn plan_buckets(
         if excluded(name) {
             continue;
         }
-        let size = p.numel() * p.kind().elt_size_in_bytes();
-        if !current.is_empty() && (kind != Some(p.kind()) || bytes + size > cap) {
+        let k = reduce_kind(i);
+        let size = p.numel() * k.elt_size_in_bytes();
+        if !current.is_empty() && (kind != Some(k) || bytes + size > cap) {
             close(&mut current, &mut buckets)?;
             bytes = 0;
         }
-        kind = Some(p.kind());
+        kind = Some(k);
         bytes += size;
         current.push(i);
     }

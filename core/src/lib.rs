@@ -11,9 +11,11 @@ pub mod comm;
 pub mod ddp;
 pub mod fsdp;
 pub mod num;
+pub mod precision;
 pub mod record;
 pub mod replica;
 pub mod train;
 
 pub use autograd::AutogradError;
 pub use comm::CommError;
+pub use precision::{MixedPrecision, PrecisionError};

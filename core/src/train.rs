@@ -325,18 +325,12 @@ pub fn train(
             None => mean_loss(model, &cfg.data_ranks, step, &mut NoHooks)?,
         };
         objective.f_backward()?;
-        let mut grads = Vec::with_capacity(params.len());
-        for (name, p) in &params {
-            let g = p.grad();
-            if !g.defined() {
-                return Err(TrainError::MissingGrad {
-                    name: name.clone(),
-                    step,
-                });
-            }
-            grads.push((name.clone(), g));
-        }
+        let grads = gradients(&params, step)?;
         sync.sync_gradients(&grads)?;
+        // A wrapper may have replaced a `.grad` rather than written into it (mixed precision
+        // hands back the reduced fp32 gradient in place of the low-precision one backward
+        // produced): record what the optimizer will see.
+        let grads = gradients(&params, step)?;
         record
             .losses
             .push(global_mean(objective.f_double_value(&[])?, metrics)?);
@@ -352,6 +346,28 @@ pub fn train(
     record.params = capture(&params)?;
     record.buffers = capture(&model.named_buffers())?;
     Ok(record)
+}
+
+/// Every parameter's current `.grad`, by name; a missing one is an error (synchronizing a
+/// partial set would desynchronize ranks).
+fn gradients(
+    params: &[(String, Tensor)],
+    step: usize,
+) -> Result<Vec<(String, Tensor)>, TrainError> {
+    params
+        .iter()
+        .map(|(name, p)| {
+            let g = p.grad();
+            if g.defined() {
+                Ok((name.clone(), g))
+            } else {
+                Err(TrainError::MissingGrad {
+                    name: name.clone(),
+                    step,
+                })
+            }
+        })
+        .collect()
 }
 
 /// The mean of `ranks`' losses at `step`, one differentiable scalar.
