@@ -53,6 +53,7 @@ use crate::autograd::{
 };
 use crate::comm::work::lock;
 use crate::comm::{CommError, DeviceMesh, ProcessGroup};
+use crate::precision::{cast_buffers, CastInputs, MixedPrecision, PrecisionError};
 use crate::record::{MemoryStats, RunRecord};
 use crate::replica::distinct_parameters;
 use crate::train::{train, Optimizer, StepHooks, TrainConfig, TrainError};
@@ -89,6 +90,9 @@ pub enum FsdpError {
     /// A tensor operation failed.
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
+    /// The mixed-precision policy is invalid or the model cannot run under it.
+    #[error(transparent)]
+    Precision(#[from] PrecisionError),
     /// The model cannot be wrapped as asked (mixed dtypes, parameters sharing storage...).
     #[error("fsdp: {0}")]
     Invalid(String),
@@ -208,6 +212,12 @@ pub struct FsdpOptions {
     /// Keep the master shards (and their gradients and optimizer state) on the CPU; the
     /// gathers copy the shard to the compute device first.
     pub offload_params: bool,
+    /// Compute in low precision (PyTorch's `MixedPrecision`): units are gathered in
+    /// `param_dtype`, gradients reduced in `reduce_dtype`, float buffers kept in
+    /// `buffer_dtype`; the shards (and the optimizer) stay in fp32. BatchNorm layers get fp32
+    /// units of their own when `keep_batchnorm_fp32`. Needs a model with layer hooks (each
+    /// layer's inputs are cast to the dtype it computes in).
+    pub mixed_precision: Option<MixedPrecision>,
     /// A planted bug, for checker tests only.
     pub fault: Option<FsdpFault>,
 }
@@ -222,6 +232,7 @@ impl Default for FsdpOptions {
             backward_prefetch: BackwardPrefetch::Pre,
             forward_prefetch: false,
             offload_params: false,
+            mixed_precision: None,
             fault: None,
         }
     }
@@ -248,6 +259,8 @@ pub struct CollectiveCounts {
 /// [`train_fsdp`].
 pub struct Fsdp {
     core: Arc<Mutex<Core>>,
+    /// Mixed precision: casts each layer's inputs to the dtype it computes in.
+    cast: Option<CastInputs>,
     /// Post-accumulate-grad hooks (post-backward), removed on drop.
     post_backward: Vec<HookHandle>,
 }
@@ -322,7 +335,20 @@ impl Fsdp {
             .iter()
             .map(|(n, t)| (n.clone(), t.numel() as i64))
             .collect();
-        let plan = wrap::plan_units(&opts.wrap, &layers, &tags, &sizes, &[])?;
+        let (cast, isolate) = match &opts.mixed_precision {
+            None => (None, Vec::new()),
+            Some(mp) => {
+                let cast = CastInputs::for_model(model, mp)?;
+                cast_buffers(model, mp)?;
+                // Layers computing in another dtype than `param_dtype` (BatchNorm kept in
+                // fp32) need units of their own: a unit is gathered in one dtype.
+                let isolate = (0..layers.len())
+                    .filter(|&l| mp.compute_dtype(layers[l].kind) != mp.param_dtype)
+                    .collect();
+                (Some(cast), isolate)
+            }
+        };
+        let plan = wrap::plan_units(&opts.wrap, &layers, &tags, &sizes, &isolate)?;
         let (shard_world, shard_rank) = match opts.strategy {
             ShardingStrategy::NoShard => (1, 0),
             _ => (group.size(), group.rank()),
@@ -373,13 +399,19 @@ impl Fsdp {
             for &l in &planned.layers {
                 unit_of_layer[l] = Some(units.len());
             }
+            let full_precision =
+                !planned.layers.is_empty() && planned.layers.iter().all(|l| isolate.contains(l));
+            let (compute_kind, reduce_kind) = match &opts.mixed_precision {
+                Some(mp) if !full_precision => (mp.param_dtype, mp.reduce_dtype),
+                _ => (kind, kind),
+            };
             units.push(Unit {
                 name: planned.name,
                 layers: planned.layers,
                 slots,
                 kind,
-                compute_kind: kind,
-                reduce_kind: kind,
+                compute_kind,
+                reduce_kind,
                 padded: (offset + world - 1) / world * world,
                 shard: Tensor::new(),
                 residency: Residency::Unsharded,
@@ -441,6 +473,7 @@ impl Fsdp {
         let post_backward = register_post_backward(&core)?;
         Ok(Fsdp {
             core,
+            cast,
             post_backward,
         })
     }
@@ -752,8 +785,21 @@ impl Core {
     }
 
     /// Gathers every unit in its compute dtype (before a forward that does not call the
-    /// layer hooks, or the root before one that does).
+    /// layer hooks, or the root before one that does). Under mixed precision, the fp32
+    /// gradients the last record view left in `.grad` are dropped first, so backward
+    /// produces fresh low-precision ones (accumulated ones from `no_sync` are kept).
     fn unshard_for_forward(&mut self) -> Result<(), FsdpError> {
+        for unit in &self.units {
+            if unit.compute_kind == unit.kind {
+                continue;
+            }
+            for slot in &unit.slots {
+                let g = slot.param.grad();
+                if g.defined() && g.kind() != unit.compute_kind {
+                    set_grad(&slot.param, None)?;
+                }
+            }
+        }
         for u in 0..self.units.len() {
             if self.per_layer && !self.units[u].is_root() {
                 continue;
@@ -901,7 +947,10 @@ fn hook_error(e: FsdpError) -> ModelError {
 impl LayerHooks for Fsdp {
     fn pre_forward(&mut self, index: usize, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, ModelError> {
         self.core().pre_forward(index).map_err(hook_error)?;
-        Ok(inputs)
+        match &mut self.cast {
+            Some(cast) => cast.pre_forward(index, inputs),
+            None => Ok(inputs),
+        }
     }
 
     fn post_forward(&mut self, index: usize, output: Tensor) -> Result<Tensor, ModelError> {

@@ -351,8 +351,9 @@ impl Core {
                 if g.defined() && g.kind() == unit.kind {
                     g.shallow_clone().f_copy_(&src)?;
                 } else {
-                    // Mixed precision: the model's `.grad` was the low-precision one.
-                    set_grad(&slot.param, Some(&src))?;
+                    // Mixed precision: the model's `.grad` was the low-precision one. A copy,
+                    // not a view of the gathered buffer (`zero_grad` detaches in place).
+                    set_grad(&slot.param, Some(&src.f_detach_copy()?))?;
                 }
             }
             set_grad(&unit.shard, Some(&master))?;
