@@ -39,7 +39,7 @@ fn config(ctx: &RankCtx, model: &str, config: &str) -> TrainConfig {
 fn ddp_run(ctx: &RankCtx, model: &str, mp: &MixedPrecision) -> RunRecord {
     let m = zoo::build(model, 0, ctx.rank()).expect("model");
     let opts = DdpOptions {
-        mixed_precision: Some(mp.clone()),
+        mixed_precision: Some(*mp),
         ..DdpOptions::default()
     };
     train_ddp(m.as_ref(), ctx.group(), &config(ctx, model, "ddp"), opts).expect("ddp run")
@@ -69,7 +69,7 @@ fn fsdp_mixed_precision_matches_ddp_under_the_same_policy_bitwise(
                     wrap: wrap.clone(),
                     backward_prefetch: BackwardPrefetch::Pre,
                     forward_prefetch: true,
-                    mixed_precision: Some(mp.clone()),
+                    mixed_precision: Some(mp),
                     ..FsdpOptions::default()
                 };
                 let run = fsdp_run(ctx, model, opts);
