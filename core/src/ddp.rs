@@ -542,10 +542,13 @@ impl Ddp {
                     .and_then(|mp| mp.low_of[i].map(|l| (l, &mp.low[l])));
                 match low {
                     Some((l, lp)) => {
-                        // A fresh tensor: `flat` is overwritten at the next step.
-                        let fp32 = reduced
-                            .f_to_dtype(lp.master.kind(), false, true)?
-                            .f_view_as(&lp.master)?;
+                        // A fresh tensor of its own (not a view: `flat` is overwritten at the
+                        // next step, and the next `zero_grad` detaches `.grad` in place).
+                        let fp32 = reduced.f_view_as(&lp.master)?.f_to_dtype(
+                            lp.master.kind(),
+                            false,
+                            true,
+                        )?;
                         reduced_low[l] = Some(fp32);
                     }
                     None => {
