@@ -582,14 +582,13 @@ impl lockstep_models::Model for BenchGpt {
         hooks: &mut dyn lockstep_models::LayerHooks,
     ) -> Result<Tensor, lockstep_models::ModelError> {
         use lockstep_models::ModelError;
-        let tokens =
-            batch
-                .inputs
-                .first()
-                .ok_or_else(|| ModelError::InvalidBatch {
-                    model: "gpt".into(),
-                    reason: "expected one token tensor".into(),
-                })?;
+        let tokens = batch
+            .inputs
+            .first()
+            .ok_or_else(|| ModelError::InvalidBatch {
+                model: "gpt".into(),
+                reason: "expected one token tensor".into(),
+            })?;
         // Runs layer `index` of `layers()` on one input through the hooks.
         let mut layer = |index: usize,
                          input: Tensor,

@@ -1,12 +1,14 @@
 //! FSDP (one root unit, flat parameter) against DDP and the single-device reference, and the
 //! checker catching a planted FSDP bug.
 
+mod common;
+
 use lockstep_core::comm::{DType, ReduceOp};
 use lockstep_core::ddp::{train_ddp, DdpOptions};
 use lockstep_core::fsdp::{
     train_fsdp, CollectiveCounts, Fsdp, FsdpFault, FsdpOptions, ShardingStrategy, WrapPolicy,
 };
-use lockstep_core::record::{RunRecord, RunSpec};
+use lockstep_core::record::RunRecord;
 use lockstep_core::train::{
     single_device_reference, train, OptimizerConfig, StepHooks, TrainConfig,
 };
@@ -25,20 +27,7 @@ const STRATEGIES: [ShardingStrategy; 3] = [
 ];
 
 fn config(ctx: &RankCtx, model: &str, config: &str) -> TrainConfig {
-    TrainConfig {
-        spec: RunSpec {
-            model: model.into(),
-            config: config.into(),
-            world_size: ctx.world_size(),
-            backend: "cpu".into(),
-            dtype: "fp32".into(),
-            steps: STEPS,
-            seed: 0,
-        },
-        optimizer: OptimizerConfig::default(),
-        data_ranks: vec![ctx.rank()],
-        record_grads: true,
-    }
+    common::train_config(ctx, model, config, "fp32", STEPS)
 }
 
 fn ddp_run(ctx: &RankCtx, model: &str) -> RunRecord {

@@ -3,14 +3,16 @@
 //! fp32 units of its own. The same casts of the same fp32 masters and the same rank-order
 //! reduction make it bitwise equal to DDP's mixed precision, as in fp32.
 
+mod common;
+
 use lockstep_core::comm::DType;
 use lockstep_core::ddp::{train_ddp, DdpOptions};
 use lockstep_core::fsdp::{
     train_fsdp, BackwardPrefetch, Fsdp, FsdpError, FsdpOptions, ShardingStrategy, WrapPolicy,
 };
 use lockstep_core::precision::{MixedPrecision, PrecisionError};
-use lockstep_core::record::{RunRecord, RunSpec};
-use lockstep_core::train::{OptimizerConfig, TrainConfig};
+use lockstep_core::record::RunRecord;
+use lockstep_core::train::TrainConfig;
 use lockstep_harness::parity::{compare, TolerancePolicy};
 use lockstep_harness::RankCtx;
 use lockstep_models::zoo;
@@ -20,20 +22,7 @@ use tch::Kind;
 const STEPS: usize = 3;
 
 fn config(ctx: &RankCtx, model: &str, config: &str) -> TrainConfig {
-    TrainConfig {
-        spec: RunSpec {
-            model: model.into(),
-            config: config.into(),
-            world_size: ctx.world_size(),
-            backend: "cpu".into(),
-            dtype: "bf16".into(),
-            steps: STEPS,
-            seed: 0,
-        },
-        optimizer: OptimizerConfig::default(),
-        data_ranks: vec![ctx.rank()],
-        record_grads: true,
-    }
+    common::train_config(ctx, model, config, "bf16", STEPS)
 }
 
 fn ddp_run(ctx: &RankCtx, model: &str, mp: &MixedPrecision) -> RunRecord {

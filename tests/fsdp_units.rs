@@ -3,13 +3,15 @@
 //! full-parameter peak that per-layer resharding buys, hybrid shard on a 2-D mesh, CPU
 //! offload, `summon_full_params`, and the planted FSDP bugs the checker must catch.
 
+mod common;
+
 use lockstep_core::comm::DType;
 use lockstep_core::ddp::{train_ddp, DdpOptions};
 use lockstep_core::fsdp::{
     hybrid_mesh, train_fsdp, train_fsdp_hybrid, BackwardPrefetch, Fsdp, FsdpError, FsdpFault,
     FsdpOptions, ShardingStrategy, WrapPolicy,
 };
-use lockstep_core::record::{RunRecord, RunSpec};
+use lockstep_core::record::RunRecord;
 use lockstep_core::train::{single_device_reference, train, OptimizerConfig, TrainConfig};
 use lockstep_harness::parity::{compare, Comparison, TolerancePolicy};
 use lockstep_harness::RankCtx;
@@ -20,20 +22,7 @@ use tch::Tensor;
 const STEPS: usize = 3;
 
 fn config(ctx: &RankCtx, model: &str, config: &str) -> TrainConfig {
-    TrainConfig {
-        spec: RunSpec {
-            model: model.into(),
-            config: config.into(),
-            world_size: ctx.world_size(),
-            backend: "cpu".into(),
-            dtype: "fp32".into(),
-            steps: STEPS,
-            seed: 0,
-        },
-        optimizer: OptimizerConfig::default(),
-        data_ranks: vec![ctx.rank()],
-        record_grads: true,
-    }
+    common::train_config(ctx, model, config, "fp32", STEPS)
 }
 
 fn ddp_run(ctx: &RankCtx, model: &str) -> RunRecord {
@@ -80,7 +69,10 @@ fn assert_caught(c: &Comparison, what: &str) {
 fn zoo_models_call_the_layer_hooks() {
     for name in zoo::names() {
         let m = zoo::build(name, 0, 0).expect("model");
-        assert!(m.supports_layer_hooks(), "{name}: FSDP per-layer units need them");
+        assert!(
+            m.supports_layer_hooks(),
+            "{name}: FSDP per-layer units need them"
+        );
     }
 }
 
@@ -107,8 +99,9 @@ fn per_layer_units_match_ddp_bitwise_in_every_mode(
                         ..per_layer(strategy)
                     };
                     let (run, _) = fsdp_run(ctx, model, opts);
-                    let what =
-                        format!("{model} {strategy:?} {backward_prefetch:?} fwd={forward_prefetch}");
+                    let what = format!(
+                        "{model} {strategy:?} {backward_prefetch:?} fwd={forward_prefetch}"
+                    );
                     assert_passes(&compare(&run, &ddp, &bitwise), &what);
                 }
             }
@@ -269,7 +262,10 @@ fn wraps_that_cannot_work_are_rejected_by_name() {
                 second,
             } => {
                 assert_eq!(param, "tok_embeddings.weight");
-                assert_eq!((first.as_str(), second.as_str()), ("tok_embeddings", "output"));
+                assert_eq!(
+                    (first.as_str(), second.as_str()),
+                    ("tok_embeddings", "output")
+                );
             }
             other => panic!("expected SharedAcrossUnits, got {other}"),
         }
@@ -296,9 +292,14 @@ fn wraps_that_cannot_work_are_rejected_by_name() {
 #[test]
 fn a_world_that_does_not_fit_the_hybrid_mesh_is_named() {
     lockstep_harness::run(2, |ctx| {
-        let e = hybrid_mesh(ctx.world(), 3).err().expect("2 ranks do not split into groups of 3");
+        let e = hybrid_mesh(ctx.world(), 3)
+            .err()
+            .expect("2 ranks do not split into groups of 3");
         let text = e.to_string();
-        assert!(text.contains("world size 2") && text.contains("3"), "{text}");
+        assert!(
+            text.contains("world size 2") && text.contains("3"),
+            "{text}"
+        );
     });
 }
 
@@ -325,9 +326,14 @@ fn hybrid_shard_matches_ddp(#[values("nested", "gpt", "mlp")] model: &str) {
         );
         if ctx.rank() == 0 {
             let single = zoo::build(model, 0, 0).expect("model");
-            let reference =
-                single_device_reference(single.as_ref(), 4, STEPS, OptimizerConfig::default(), true)
-                    .expect("reference");
+            let reference = single_device_reference(
+                single.as_ref(),
+                4,
+                STEPS,
+                OptimizerConfig::default(),
+                true,
+            )
+            .expect("reference");
             assert_passes(
                 &compare(&run, &reference, &TolerancePolicy::dtype_table(DType::F32)),
                 "hybrid vs single",
@@ -387,8 +393,12 @@ fn cpu_offload_is_identical_to_no_offload() {
 fn summon_full_params_shows_and_writes_back() {
     lockstep_harness::run(2, |ctx| {
         let m = zoo::build("gpt", 0, ctx.rank()).expect("model");
-        let mut fsdp = Fsdp::new(m.as_ref(), ctx.group(), per_layer(ShardingStrategy::FullShard))
-            .expect("fsdp");
+        let mut fsdp = Fsdp::new(
+            m.as_ref(),
+            ctx.group(),
+            per_layer(ShardingStrategy::FullShard),
+        )
+        .expect("fsdp");
         let cfg = config(ctx, "gpt", "fsdp");
         train(m.as_ref(), &cfg, &mut fsdp, Some(ctx.group().as_ref())).expect("run");
         fsdp.reshard().expect("reshard");
@@ -411,7 +421,10 @@ fn summon_full_params_shows_and_writes_back() {
         assert!(!fsdp.is_unsharded(), "summoned units are freed again");
         for (name, t) in &seen {
             let (_, b) = before.iter().find(|(n, _)| n == name).expect(name);
-            assert!(t.equal(b), "{name}: summoned values are the full parameters");
+            assert!(
+                t.equal(b),
+                "{name}: summoned values are the full parameters"
+            );
         }
         let unchanged = fsdp.full_state_dict().expect("state");
         for ((name, a), (_, b)) in before.iter().zip(&unchanged) {
@@ -443,8 +456,13 @@ fn planted_wrong_shard_is_caught() {
             ..FsdpOptions::default()
         };
         let m = zoo::build("nested", 0, ctx.rank()).expect("model");
-        let run = train_fsdp(m.as_ref(), ctx.group(), &config(ctx, "nested", "fsdp"), opts)
-            .expect("run");
+        let run = train_fsdp(
+            m.as_ref(),
+            ctx.group(),
+            &config(ctx, "nested", "fsdp"),
+            opts,
+        )
+        .expect("run");
         assert_caught(
             &compare(&run, &ddp, &TolerancePolicy::bitwise(DType::F32)),
             "wrong shard",
@@ -545,13 +563,21 @@ fn an_unhooked_forward_gathers_every_unit_first() {
         assert!(!m.supports_layer_hooks());
         let mut fsdp =
             Fsdp::new(&m, ctx.group(), per_layer(ShardingStrategy::FullShard)).expect("fsdp");
-        let run = train(&m, &config(ctx, "gpt", "fsdp"), &mut fsdp, Some(ctx.group().as_ref()))
-            .expect("run");
+        let run = train(
+            &m,
+            &config(ctx, "gpt", "fsdp"),
+            &mut fsdp,
+            Some(ctx.group().as_ref()),
+        )
+        .expect("run");
         assert_passes(
             &compare(&run, &ddp, &TolerancePolicy::bitwise(DType::F32)),
             "unhooked per layer",
         );
         let units = fsdp.units().len();
-        assert_eq!(fsdp.collective_counts().param_all_gathers, units * (STEPS + 1));
+        assert_eq!(
+            fsdp.collective_counts().param_all_gathers,
+            units * (STEPS + 1)
+        );
     });
 }

@@ -46,10 +46,9 @@
 //! `before_record`) ran. [`train`] keeps that order. Dropping an [`Fsdp`] while resharded
 //! refills the parameters with NaN so they stay safe to touch, and visibly invalid.
 
-
 use crate::autograd::{
-    is_storage_freed, refill_storage, register_hook, register_post_accumulate_grad_hook,
-    set_grad, storage_nbytes, AutogradError, HookHandle,
+    is_storage_freed, refill_storage, register_hook, register_post_accumulate_grad_hook, set_grad,
+    storage_nbytes, AutogradError, HookHandle,
 };
 use crate::comm::work::lock;
 use crate::comm::{CommError, DeviceMesh, ProcessGroup};
@@ -828,7 +827,11 @@ impl Core {
     /// The unit forward needs after unit `u` (`+1`) or backward needs after it (`-1`): the
     /// neighbour in forward order, the root excluded.
     fn neighbour(&self, u: usize, forward: bool) -> Option<usize> {
-        let v = if forward { u.checked_add(1)? } else { u.checked_sub(1)? };
+        let v = if forward {
+            u.checked_add(1)?
+        } else {
+            u.checked_sub(1)?
+        };
         (v < self.units.len() && !self.units[v].is_root()).then_some(v)
     }
 
@@ -945,7 +948,11 @@ fn hook_error(e: FsdpError) -> ModelError {
 }
 
 impl LayerHooks for Fsdp {
-    fn pre_forward(&mut self, index: usize, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, ModelError> {
+    fn pre_forward(
+        &mut self,
+        index: usize,
+        inputs: Vec<Tensor>,
+    ) -> Result<Vec<Tensor>, ModelError> {
         self.core().pre_forward(index).map_err(hook_error)?;
         match &mut self.cast {
             Some(cast) => cast.pre_forward(index, inputs),

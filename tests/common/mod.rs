@@ -290,3 +290,28 @@ impl Reference {
         &self.reduced[i].1
     }
 }
+
+/// The training configuration a parallel test rank runs: `steps` steps of the default SGD on
+/// this rank's batch of seed 0, every gradient recorded.
+pub fn train_config(
+    ctx: &RankCtx,
+    model: &str,
+    config: &str,
+    dtype: &str,
+    steps: usize,
+) -> lockstep_core::train::TrainConfig {
+    lockstep_core::train::TrainConfig {
+        spec: lockstep_core::record::RunSpec {
+            model: model.into(),
+            config: config.into(),
+            world_size: ctx.world_size(),
+            backend: "cpu".into(),
+            dtype: dtype.into(),
+            steps,
+            seed: 0,
+        },
+        optimizer: lockstep_core::train::OptimizerConfig::default(),
+        data_ranks: vec![ctx.rank()],
+        record_grads: true,
+    }
+}

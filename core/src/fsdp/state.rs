@@ -286,7 +286,9 @@ impl Core {
                 .f_copy_(&flat.f_narrow(0, rank * size, size)?)?;
             if unit.residency == Residency::Unsharded {
                 for slot in &unit.slots {
-                    slot.param.f_detach()?.f_copy_(&file[&slot.name].f_to_kind(slot.param.kind())?)?;
+                    slot.param
+                        .f_detach()?
+                        .f_copy_(&file[&slot.name].f_to_kind(slot.param.kind())?)?;
                 }
             }
         }
@@ -440,7 +442,10 @@ impl Core {
         // Full parameters gathered before the load are stale: gather them again.
         for u in 0..self.units.len() {
             if self.units[u].residency == Residency::Unsharded {
-                let kind = self.units[u].slots.first().map_or(self.units[u].kind, |s| s.param.kind());
+                let kind = self.units[u]
+                    .slots
+                    .first()
+                    .map_or(self.units[u].kind, |s| s.param.kind());
                 // Refill from the new shards: drop the stale values' accounting and gather.
                 self.full_bytes_alive -= self.units[u].alive_bytes;
                 self.units[u].alive_bytes = 0;

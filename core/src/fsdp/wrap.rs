@@ -118,7 +118,11 @@ pub(super) fn plan_units(
     } else {
         let mut rest: Vec<Vec<usize>> = groups
             .into_iter()
-            .map(|g| g.into_iter().filter(|l| !isolate.contains(l)).collect::<Vec<_>>())
+            .map(|g| {
+                g.into_iter()
+                    .filter(|l| !isolate.contains(l))
+                    .collect::<Vec<_>>()
+            })
             .filter(|g| !g.is_empty())
             .collect();
         rest.extend(
@@ -144,19 +148,24 @@ pub(super) fn plan_units(
         layers: Vec::new(),
         params: Vec::new(),
     })
-    .chain(groups.iter().map(|group| PlannedUnit {
-        name: unit_name(
-            &group
-                .iter()
-                .map(|&l| layers[l].name.clone())
-                .collect::<Vec<_>>(),
-        ),
-        layers: group.clone(),
-        params: Vec::new(),
+    .chain(groups.iter().map(|group| {
+        PlannedUnit {
+            name: unit_name(
+                &group
+                    .iter()
+                    .map(|&l| layers[l].name.clone())
+                    .collect::<Vec<_>>(),
+            ),
+            layers: group.clone(),
+            params: Vec::new(),
+        }
     }))
     .collect();
     for (name, _) in managed {
-        let target = match users.get(name).map(|s| s.iter().copied().collect::<Vec<_>>()) {
+        let target = match users
+            .get(name)
+            .map(|s| s.iter().copied().collect::<Vec<_>>())
+        {
             Some(gs) if gs.len() == 1 => gs[0] + 1,
             Some(gs) if gs.len() > 1 && matches!(policy, WrapPolicy::Explicit(_)) => {
                 let module = |g: usize| {
