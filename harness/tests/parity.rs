@@ -522,6 +522,39 @@ fn memory_figures_reach_every_report_and_old_reports_still_read() {
 }
 
 #[test]
+fn markdown_lists_each_override_reason_once_with_its_rows() {
+    let reference = record("ddp", &[1.0], vec![tensor("w", DType::F32, &[1], &[0.5])]);
+    let run = |config: &str| {
+        let mut r = reference.clone();
+        r.spec.config = config.into();
+        r
+    };
+    let why = "two-stage reduction order";
+    let policy = TolerancePolicy::bitwise(DType::F32)
+        .with_override(
+            "hybrid@2",
+            Override::new(Tolerance::new(1e-6, 1e-5), why).unwrap(),
+        )
+        .with_override(
+            "hybrid@4",
+            Override::new(Tolerance::new(1e-6, 1e-5), why).unwrap(),
+        );
+    let report = Report::new(vec![
+        compare(&run("hybrid@2"), &reference, &policy),
+        compare(&run("hybrid@4"), &reference, &policy),
+        compare(&run("plain@2"), &reference, &policy),
+    ]);
+    let md = render_markdown(&report);
+    assert_eq!(md.matches(why).count(), 1, "{md}");
+    assert!(
+        md.contains(&format!(
+            "- {why} (for nested / hybrid@2 vs ddp, nested / hybrid@4 vs ddp)"
+        )),
+        "{md}"
+    );
+}
+
+#[test]
 fn junit_parses_with_one_case_per_comparison() {
     let report = Report::new(sample_comparisons());
     let xml = render_junit(&report);

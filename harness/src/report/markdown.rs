@@ -64,22 +64,23 @@ pub fn render_markdown(report: &Report) -> String {
             cell(failure)
         );
     }
-    let overrides: Vec<_> = report
-        .comparisons
-        .iter()
-        .filter_map(|c| c.override_reason.as_ref().map(|r| (c, r)))
-        .collect();
+    // Each reason once (a matrix applies one override to many rows), with the rows it
+    // governed.
+    let mut overrides: Vec<(&str, Vec<String>)> = Vec::new();
+    for c in &report.comparisons {
+        let Some(reason) = c.override_reason.as_deref() else {
+            continue;
+        };
+        let row = format!("{} / {} vs {}", c.model, c.config, c.reference);
+        match overrides.iter_mut().find(|(r, _)| *r == reason) {
+            Some((_, rows)) => rows.push(row),
+            None => overrides.push((reason, vec![row])),
+        }
+    }
     if !overrides.is_empty() {
         let _ = writeln!(out, "\nTolerance overrides:\n");
-        for (c, r) in overrides {
-            let _ = writeln!(
-                out,
-                "- {} / {} vs {}: {}",
-                cell(&c.model),
-                cell(&c.config),
-                cell(&c.reference),
-                cell(r)
-            );
+        for (reason, rows) in overrides {
+            let _ = writeln!(out, "- {} (for {})", cell(reason), cell(&rows.join(", ")));
         }
     }
     out
