@@ -544,6 +544,17 @@ fn markdown_lists_each_override_reason_once_with_its_rows() {
         compare(&run("hybrid@4"), &reference, &policy),
         compare(&run("plain@2"), &reference, &policy),
     ]);
+    let junit = render_junit(&report);
+    assert_eq!(
+        junit
+            .matches(&format!(
+                "<system-out>tolerance override in force: {why}</system-out>"
+            ))
+            .count(),
+        2,
+        "{junit}"
+    );
+    roxmltree::Document::parse(&junit).unwrap();
     let md = render_markdown(&report);
     assert_eq!(md.matches(why).count(), 1, "{md}");
     assert!(
