@@ -640,6 +640,14 @@ fn hybrid_shard_runs_on_even_worlds_with_its_reason_and_skips_odd_ones() {
     assert!(md.contains(matrix::HYBRID_VS_DDP_REASON), "{md}");
     let html = std::fs::read_to_string(scratch.0.join("report.html")).unwrap();
     assert!(html.contains("Tolerance override: hybrid shard averages"));
+    let junit = std::fs::read_to_string(scratch.0.join("junit.xml")).unwrap();
+    assert_eq!(
+        junit
+            .matches("tolerance override in force: hybrid shard averages")
+            .count(),
+        2,
+        "{junit}"
+    );
 }
 
 #[test]
