@@ -8,10 +8,19 @@
 //!   mode: the CPU backend reduces in rank order, so a repeat must be bit-identical;
 //! - `single@N` against a repeat of itself in bitwise mode: a reference that is not
 //!   deterministic would make every verdict against it meaningless;
-//! - every FSDP configuration (`fsdp.full_shard`, `fsdp.shard_grad_op`, `fsdp.no_shard` as one
-//!   root unit, `fsdp.full_shard.per_layer` with one unit per layer) against `ddp@N` in
-//!   bitwise mode (FSDP's reduce-scatter yields exactly DDP's averaged gradients on the CPU
-//!   backend) and against `single@N` under the fp32 dtype table.
+//! - every FSDP configuration against `ddp@N` in bitwise mode (FSDP's reduce-scatter yields
+//!   exactly DDP's averaged gradients on the CPU backend) and against `single@N` under the
+//!   fp32 dtype table. The exception is hybrid shard (`fsdp.hybrid_shard*`), whose two-stage
+//!   average sums in a different order than DDP's all-reduce: it is held to the fp32 dtype
+//!   table against DDP through a tolerance override whose reason
+//!   ([`HYBRID_VS_DDP_REASON`]) is in its row notes and in every report.
+//!
+//! The FSDP configurations are a table ([`fsdp_configs`]): name, description, options,
+//! layout (flat or hybrid) and how it is judged against DDP; `--configs 'fsdp.*'` selects
+//! them all. Hybrid shard runs 2 replicas of `N/2` ranks; at world sizes that do not split
+//! so (1, odd) its rows are skipped with that reason and nothing is launched. Rows carry the
+//! run's memory figures (FSDP's full-parameter peak and shard bytes on rank 0; DDP's whole
+//! model), shown in the table and the reports.
 //!
 //! References are run whenever a selected configuration needs them, whether or not their own
 //! configuration was selected. Models whose ranks differ by construction (per-rank experts,
@@ -28,16 +37,22 @@
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use lockstep_core::comm::DType;
 use lockstep_core::ddp::{train_ddp, DdpOptions, Fault};
-use lockstep_core::fsdp::{train_fsdp, FsdpOptions, ShardingStrategy, WrapPolicy};
-use lockstep_core::record::{RunRecord, RunSpec};
+use lockstep_core::fsdp::{
+    train_fsdp, train_fsdp_hybrid, BackwardPrefetch, FsdpOptions, ShardingStrategy, WrapPolicy,
+};
+use lockstep_core::record::{MemoryStats, RunRecord, RunSpec};
+use lockstep_core::replica::distinct_parameters;
 use lockstep_core::train::{single_device_reference, OptimizerConfig, TrainConfig};
-use lockstep_harness::parity::{compare, Comparison, FailurePoint, TolerancePolicy};
+use lockstep_harness::parity::{
+    compare, Comparison, FailurePoint, Mode, Override, Tolerance, TolerancePolicy,
+};
 use lockstep_harness::report::{self, Report, ReportError, ReportFiles};
 use lockstep_harness::{launch, LaunchError, LaunchOptions, RankCtx, RankSpawn};
-use lockstep_models::{zoo, Model, ModelError};
+use lockstep_models::{zoo, LayerKind, Model, ModelError};
 use serde::Serialize;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
 /// World size when none is given: four ranks exercise uneven reduction trees while still
@@ -50,6 +65,9 @@ pub const MAX_WORLD_SIZE: usize = 64;
 
 /// How a row skipped for want of a single-device reference begins its note.
 const NO_SINGLE: &str = "no single-device reference";
+
+/// How a row note names the tolerance override in force (followed by `: reason`).
+const OVERRIDE: &str = "tolerance override";
 
 /// Where reports go unless `--out` says otherwise.
 pub const DEFAULT_OUT_DIR: &str = "target/lockstep/matrix";
@@ -90,102 +108,331 @@ pub enum MatrixError {
     RunsFailed { failed: usize, total: usize },
 }
 
+/// Replicas `fsdp.hybrid_shard*` runs: shard groups of `world / 2` ranks. Two is the fewest
+/// that exercise the cross-replica all-reduce, and it fits every even world size.
+pub const HYBRID_REPLICAS: usize = 2;
+
+/// The layer kinds `fsdp.full_shard.blocks` wraps: the zoo's transformer blocks, as
+/// PyTorch's `ModuleWrapPolicy({TransformerEncoderLayer, ...})` is used. Models without such
+/// layers keep everything in the root unit.
+pub const BLOCK_KINDS: [LayerKind; 4] = [
+    LayerKind::EncoderLayer,
+    LayerKind::DecoderLayer,
+    LayerKind::DecoderBlock,
+    LayerKind::MoeDecoderBlock,
+];
+
+/// The threshold of `fsdp.full_shard.min_params` (PyTorch's `size_based_auto_wrap_policy`).
+/// PyTorch's default (1e8) would leave every zoo model one root unit; 100 parameters gives 3
+/// to 6 units on each zoo model, small neighbouring layers grouped into one unit (`nested`:
+/// `module.0+module.1.0`; `transformer`: `encoder.norm+decoder.layers.0`).
+pub const MIN_PARAMS: i64 = 100;
+
+/// Why hybrid shard is held to the fp32 dtype table against DDP instead of bitwise: the
+/// override reason recorded in every hybrid row and report.
+pub const HYBRID_VS_DDP_REASON: &str = "hybrid shard averages in two stages (reduce-scatter \
+     within each shard group, then all-reduce across the 2 replicas), so at world 4 a gradient \
+     element is ((g0+g1)/2 + (g2+g3)/2)/2, the sum (g0+g1)+(g2+g3), while the CPU backend's \
+     all-reduce in DDP sums in rank order, ((g0+g1)+g2)+g3, then divides by 4; float addition \
+     is not associative, so the bits may differ: judged under the fp32 dtype table instead of \
+     bitwise";
+
+/// How an FSDP configuration places its ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FsdpLayout {
+    /// One sharding group over the whole world ([`train_fsdp`]).
+    Flat,
+    /// Hybrid shard ([`train_fsdp_hybrid`]): `replicas` replicas of `world / replicas` ranks
+    /// each; world sizes that do not split that way are skipped with the reason.
+    Hybrid { replicas: usize },
+}
+
+impl FsdpLayout {
+    /// The shard-group size of a hybrid layout at `world_size` (`None` when flat), or why it
+    /// cannot run there.
+    pub fn shard_size(self, world_size: usize) -> Result<Option<usize>, String> {
+        match self {
+            FsdpLayout::Flat => Ok(None),
+            FsdpLayout::Hybrid { replicas } => {
+                if replicas > 0 && world_size >= replicas && world_size.is_multiple_of(replicas) {
+                    Ok(Some(world_size / replicas))
+                } else {
+                    Err(format!(
+                        "hybrid shard needs {replicas} replicas of equal shard groups; world \
+                         size {world_size} does not split into {replicas}"
+                    ))
+                }
+            }
+        }
+    }
+}
+
+/// How an FSDP configuration is judged against `ddp@N`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DdpCheck {
+    /// Bit for bit: the reduce-scatter yields exactly the elements of DDP's all-reduce on the
+    /// CPU backend (both reduce in rank order with one kernel), so any difference is a bug.
+    Bitwise,
+    /// Under the fp32 dtype table, as an override of the bitwise DDP policy whose reason is
+    /// recorded in the row note and in every report: for configurations whose reduction
+    /// order differs from DDP's by design.
+    DtypeTable { reason: &'static str },
+}
+
+/// One FSDP configuration of the matrix: a row of [`fsdp_configs`]. Kept as data (not one
+/// enum variant each) so that adding an FSDP option to the matrix is one table entry, and
+/// `--list`, `--configs` and the reference policy all follow from it.
+#[derive(Clone, Debug)]
+pub struct FsdpConfig {
+    /// The name users select with `--configs` (`fsdp.full_shard.per_layer`).
+    pub name: &'static str,
+    /// What runs, for `--list`.
+    pub description: &'static str,
+    /// The FSDP options of every rank.
+    pub options: FsdpOptions,
+    /// Flat or hybrid.
+    pub layout: FsdpLayout,
+    /// How it is judged against `ddp@N` (against `single@N` it is always the fp32 table).
+    pub vs_ddp: DdpCheck,
+}
+
+/// Every FSDP configuration, in row order. The first four are the original names, kept
+/// stable because users and CI jobs select them by name.
+pub fn fsdp_configs() -> &'static [FsdpConfig] {
+    static TABLE: LazyLock<Vec<FsdpConfig>> = LazyLock::new(|| {
+        let full = FsdpOptions::default();
+        let with = |strategy, wrap| FsdpOptions {
+            strategy,
+            wrap,
+            ..FsdpOptions::default()
+        };
+        let per_layer = with(ShardingStrategy::FullShard, WrapPolicy::PerLayer);
+        let flat = |name, description, options| FsdpConfig {
+            name,
+            description,
+            options,
+            layout: FsdpLayout::Flat,
+            vs_ddp: DdpCheck::Bitwise,
+        };
+        let hybrid = |name, description, wrap| FsdpConfig {
+            name,
+            description,
+            options: with(ShardingStrategy::HybridShard, wrap),
+            layout: FsdpLayout::Hybrid {
+                replicas: HYBRID_REPLICAS,
+            },
+            vs_ddp: DdpCheck::DtypeTable {
+                reason: HYBRID_VS_DDP_REASON,
+            },
+        };
+        vec![
+            flat(
+                "fsdp.full_shard",
+                "FSDP FULL_SHARD, the model as one root unit (ZeRO-3)",
+                full.clone(),
+            ),
+            flat(
+                "fsdp.shard_grad_op",
+                "FSDP SHARD_GRAD_OP, one root unit (full parameters kept from forward to \
+                 backward)",
+                with(ShardingStrategy::ShardGradOp, WrapPolicy::Root),
+            ),
+            flat(
+                "fsdp.no_shard",
+                "FSDP NO_SHARD, one root unit (gradients all-reduced through FSDP's path)",
+                with(ShardingStrategy::NoShard, WrapPolicy::Root),
+            ),
+            flat(
+                "fsdp.full_shard.per_layer",
+                "FSDP FULL_SHARD, one unit per layer (tied parameters in the root)",
+                per_layer.clone(),
+            ),
+            flat(
+                "fsdp.shard_grad_op.per_layer",
+                "FSDP SHARD_GRAD_OP, one unit per layer",
+                with(ShardingStrategy::ShardGradOp, WrapPolicy::PerLayer),
+            ),
+            flat(
+                "fsdp.full_shard.per_layer.no_reshard",
+                "FULL_SHARD per layer with reshard_after_forward off (units stay gathered \
+                 from forward to backward)",
+                FsdpOptions {
+                    reshard_after_forward: false,
+                    ..per_layer.clone()
+                },
+            ),
+            flat(
+                "fsdp.full_shard.per_layer.prefetch_post",
+                "FULL_SHARD per layer, backward prefetch in post-backward (BACKWARD_POST)",
+                FsdpOptions {
+                    backward_prefetch: BackwardPrefetch::Post,
+                    ..per_layer.clone()
+                },
+            ),
+            flat(
+                "fsdp.full_shard.per_layer.no_prefetch",
+                "FULL_SHARD per layer, no backward prefetch",
+                FsdpOptions {
+                    backward_prefetch: BackwardPrefetch::None,
+                    ..per_layer.clone()
+                },
+            ),
+            flat(
+                "fsdp.full_shard.per_layer.forward_prefetch",
+                "FULL_SHARD per layer, forward prefetch on (next unit gathered when a unit's \
+                 forward starts)",
+                FsdpOptions {
+                    forward_prefetch: true,
+                    ..per_layer.clone()
+                },
+            ),
+            flat(
+                "fsdp.full_shard.blocks",
+                "FULL_SHARD, one unit per transformer block (encoder/decoder layers, \
+                 decoder blocks, MoE decoder blocks); the rest, and models without blocks, \
+                 in the root",
+                with(
+                    ShardingStrategy::FullShard,
+                    WrapPolicy::ByKind(BLOCK_KINDS.to_vec()),
+                ),
+            ),
+            flat(
+                "fsdp.full_shard.min_params",
+                "FULL_SHARD, consecutive layers grouped into units of at least 100 parameters \
+                 (size-based wrap); a smaller remainder in the root",
+                with(
+                    ShardingStrategy::FullShard,
+                    WrapPolicy::MinParams(MIN_PARAMS),
+                ),
+            ),
+            flat(
+                "fsdp.full_shard.offload",
+                "FULL_SHARD, one root unit, master shards (gradients, optimizer state) \
+                 offloaded to the CPU",
+                FsdpOptions {
+                    offload_params: true,
+                    ..full.clone()
+                },
+            ),
+            flat(
+                "fsdp.full_shard.no_sync_module_states",
+                "FULL_SHARD, one root unit, without broadcasting rank 0's parameters and \
+                 buffers at construction (every rank builds the same model)",
+                FsdpOptions {
+                    sync_module_states: false,
+                    ..full
+                },
+            ),
+            hybrid(
+                "fsdp.hybrid_shard",
+                "FSDP HYBRID_SHARD, one root unit: sharded within groups of N/2 ranks, \
+                 replicated across 2",
+                WrapPolicy::Root,
+            ),
+            hybrid(
+                "fsdp.hybrid_shard.per_layer",
+                "HYBRID_SHARD with one unit per layer",
+                WrapPolicy::PerLayer,
+            ),
+        ]
+    });
+    &TABLE
+}
+
+/// Which FSDP configuration: an index into [`fsdp_configs`], obtainable only from the table
+/// (so it always names a row).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FsdpId(usize);
+
+impl FsdpId {
+    /// The configuration's table row.
+    pub fn get(self) -> &'static FsdpConfig {
+        &fsdp_configs()[self.0]
+    }
+}
+
 /// A parallel configuration the matrix knows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Config {
     /// One process, every rank's batch, mean of the per-rank losses.
     Single,
     /// DistributedDataParallel over the CPU backend.
     Ddp,
-    /// FSDP, one root unit, parameters, gradients and optimizer state sharded (ZeRO-3).
-    FsdpFullShard,
-    /// FSDP, one root unit, full parameters kept from forward to backward (ZeRO-2-like).
-    FsdpShardGradOp,
-    /// FSDP, one root unit, nothing sharded (gradients all-reduced through FSDP's path).
-    FsdpNoShard,
-    /// FSDP full shard with one unit per layer (tied parameters stay in the root unit).
-    FsdpFullShardPerLayer,
+    /// One row of the FSDP table.
+    Fsdp(FsdpId),
 }
 
 impl Config {
     /// Every configuration, in the order rows are listed.
-    pub const ALL: [Config; 6] = [
-        Config::Single,
-        Config::Ddp,
-        Config::FsdpFullShard,
-        Config::FsdpShardGradOp,
-        Config::FsdpNoShard,
-        Config::FsdpFullShardPerLayer,
-    ];
+    pub fn all() -> Vec<Config> {
+        let mut all = vec![Config::Single, Config::Ddp];
+        all.extend(Config::fsdp());
+        all
+    }
 
     /// The FSDP configurations, in row order.
-    pub const FSDP: [Config; 4] = [
-        Config::FsdpFullShard,
-        Config::FsdpShardGradOp,
-        Config::FsdpNoShard,
-        Config::FsdpFullShardPerLayer,
-    ];
+    pub fn fsdp() -> Vec<Config> {
+        (0..fsdp_configs().len())
+            .map(|i| Config::Fsdp(FsdpId(i)))
+            .collect()
+    }
+
+    /// The configuration called `name` exactly, if any.
+    pub fn by_name(name: &str) -> Option<Config> {
+        Config::all().into_iter().find(|c| c.name() == name)
+    }
 
     /// The name patterns and reports use.
     pub fn name(self) -> &'static str {
         match self {
             Config::Single => "single",
             Config::Ddp => "ddp",
-            Config::FsdpFullShard => "fsdp.full_shard",
-            Config::FsdpShardGradOp => "fsdp.shard_grad_op",
-            Config::FsdpNoShard => "fsdp.no_shard",
-            Config::FsdpFullShardPerLayer => "fsdp.full_shard.per_layer",
+            Config::Fsdp(id) => id.get().name,
         }
     }
 
     /// Whether this is one of the FSDP configurations.
     pub fn is_fsdp(self) -> bool {
-        Config::FSDP.contains(&self)
+        matches!(self, Config::Fsdp(_))
+    }
+
+    /// The FSDP table row (`None` for single and DDP).
+    pub fn fsdp_config(self) -> Option<&'static FsdpConfig> {
+        match self {
+            Config::Fsdp(id) => Some(id.get()),
+            Config::Single | Config::Ddp => None,
+        }
     }
 
     /// The FSDP options this configuration runs with (`None` for single and DDP).
     pub fn fsdp_options(self) -> Option<FsdpOptions> {
-        let (strategy, wrap) = match self {
-            Config::Single | Config::Ddp => return None,
-            Config::FsdpFullShard => (ShardingStrategy::FullShard, WrapPolicy::Root),
-            Config::FsdpShardGradOp => (ShardingStrategy::ShardGradOp, WrapPolicy::Root),
-            Config::FsdpNoShard => (ShardingStrategy::NoShard, WrapPolicy::Root),
-            Config::FsdpFullShardPerLayer => (ShardingStrategy::FullShard, WrapPolicy::PerLayer),
-        };
-        Some(FsdpOptions {
-            strategy,
-            wrap,
-            ..FsdpOptions::default()
-        })
+        self.fsdp_config().map(|f| f.options.clone())
     }
 
-    /// One line for `--list`.
-    pub fn description(self) -> &'static str {
+    /// One line for `--list`: what runs, and what it is checked against (derived from the
+    /// reference policy, so the two cannot disagree).
+    pub fn description(self) -> String {
         match self {
-            Config::Single => {
-                "single-device reference: one process trains on every rank's batch (the global \
-                 batch); checked against a repeat of itself, bitwise"
-            }
-            Config::Ddp => {
-                "DDP on the CPU backend, one forked process per rank; checked against single \
-                 (fp32 dtype table) and a fresh repeat of itself (bitwise)"
-            }
-            Config::FsdpFullShard => {
-                "FSDP FULL_SHARD, the model as one root unit; checked against ddp (bitwise) \
-                 and single (fp32 dtype table)"
-            }
-            Config::FsdpShardGradOp => {
-                "FSDP SHARD_GRAD_OP, one root unit; checked against ddp (bitwise) and single \
-                 (fp32 dtype table)"
-            }
-            Config::FsdpNoShard => {
-                "FSDP NO_SHARD, one root unit; checked against ddp (bitwise) and single (fp32 \
-                 dtype table)"
-            }
-            Config::FsdpFullShardPerLayer => {
-                "FSDP FULL_SHARD, one unit per layer (tied parameters in the root); checked \
-                 against ddp (bitwise) and single (fp32 dtype table)"
+            Config::Single => "single-device reference: one process trains on every rank's \
+                               batch (the global batch); checked against a repeat of itself, \
+                               bitwise"
+                .into(),
+            Config::Ddp => "DDP on the CPU backend, one forked process per rank; checked \
+                            against single (fp32 dtype table) and a fresh repeat of itself \
+                            (bitwise)"
+                .into(),
+            Config::Fsdp(id) => {
+                let f = id.get();
+                let vs_ddp = match f.vs_ddp {
+                    DdpCheck::Bitwise => "ddp (bitwise)".to_owned(),
+                    DdpCheck::DtypeTable { .. } => {
+                        "ddp (fp32 dtype table, a recorded tolerance override)".to_owned()
+                    }
+                };
+                format!(
+                    "{}; checked against {vs_ddp} and single (fp32 dtype table)",
+                    f.description
+                )
             }
         }
     }
@@ -200,6 +447,38 @@ impl Config {
         match self {
             Config::Single => model.single_device_reference_blocker(),
             _ => None,
+        }
+    }
+
+    /// Why this configuration cannot run at `world_size` (hybrid shard at an odd size), if
+    /// it cannot: its rows are skipped with this reason and nothing is launched.
+    pub fn world_blocker(self, world_size: usize) -> Option<String> {
+        self.fsdp_config()
+            .and_then(|f| f.layout.shard_size(world_size).err())
+    }
+
+    /// The policy against `reference` at `world_size`: bitwise against a repeat of itself
+    /// or against DDP (unless the FSDP row overrides it, with its reason), the fp32 dtype
+    /// table against the single-device reference.
+    fn policy(self, reference: Config, world_size: usize) -> Result<TolerancePolicy, String> {
+        match (self, reference) {
+            (_, Config::Single) if self != Config::Single => {
+                Ok(TolerancePolicy::dtype_table(DType::F32))
+            }
+            (Config::Fsdp(id), Config::Ddp) => {
+                let bitwise = TolerancePolicy::bitwise(DType::F32);
+                match id.get().vs_ddp {
+                    DdpCheck::Bitwise => Ok(bitwise),
+                    // Every run of the matrix is fp32, so the fp32 row of the table is the
+                    // tolerance for every quantity.
+                    DdpCheck::DtypeTable { reason } => {
+                        let ov = Override::new(Tolerance::for_dtype(DType::F32), reason)
+                            .map_err(|e| format!("{}: {e}", self.name()))?;
+                        Ok(bitwise.with_override(&self.at(world_size), ov))
+                    }
+                }
+            }
+            _ => Ok(TolerancePolicy::bitwise(DType::F32)),
         }
     }
 }
@@ -246,7 +525,7 @@ impl Default for MatrixOptions {
 pub struct Plan {
     /// Selected zoo models, in zoo order.
     pub models: Vec<String>,
-    /// Selected configurations under test, in [`Config::ALL`] order.
+    /// Selected configurations under test, in [`Config::all`] order.
     pub configs: Vec<Config>,
     /// World sizes, in the order given (duplicates dropped).
     pub world_sizes: Vec<usize>,
@@ -269,20 +548,31 @@ impl Plan {
     pub fn run_count(&self) -> usize {
         let mut n = 0;
         for blocker in &self.blockers {
-            for _ in &self.world_sizes {
-                let (singles, ddps) = self.runs_per_cell(blocker.is_none());
-                n += singles + ddps + self.fsdp_runs_per_cell();
+            for &world in &self.world_sizes {
+                let (singles, ddps) = self.runs_per_cell(blocker.is_none(), world);
+                n += singles + ddps + self.fsdp_launches(world).len();
             }
         }
         n
     }
 
+    /// The selected FSDP configurations that run at `world_size` (hybrid shard skips odd
+    /// sizes), in row order.
+    fn fsdp_launches(&self, world_size: usize) -> Vec<Config> {
+        self.configs
+            .iter()
+            .copied()
+            .filter(|c| c.is_fsdp() && c.world_blocker(world_size).is_none())
+            .collect()
+    }
+
     /// (single-device runs, DDP launches) for one model at one world size. FSDP launches
-    /// come on top, one per selected FSDP configuration.
-    fn runs_per_cell(&self, has_single: bool) -> (usize, usize) {
+    /// come on top, one per selected FSDP configuration that runs at this size; references
+    /// are run only for configurations that launch.
+    fn runs_per_cell(&self, has_single: bool, world_size: usize) -> (usize, usize) {
         let single = self.configs.contains(&Config::Single);
         let ddp = self.configs.contains(&Config::Ddp);
-        let fsdp = self.configs.iter().any(|c| c.is_fsdp());
+        let fsdp = !self.fsdp_launches(world_size).is_empty();
         let singles = match (has_single, single, ddp || fsdp) {
             (false, _, _) => 0,
             (true, true, _) => 2,
@@ -296,11 +586,6 @@ impl Plan {
             (false, false) => 0,
         };
         (singles, ddps)
-    }
-
-    /// FSDP launches per model and world size.
-    fn fsdp_runs_per_cell(&self) -> usize {
-        self.configs.iter().filter(|c| c.is_fsdp()).count()
     }
 }
 
@@ -359,13 +644,14 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         pattern,
         known: zoo_names.iter().map(|s| (*s).to_owned()).collect(),
     })?;
-    let config_names: Vec<&str> = Config::ALL.iter().map(|c| c.name()).collect();
+    let all_configs = Config::all();
+    let config_names: Vec<&str> = all_configs.iter().map(|c| c.name()).collect();
     let selected =
         select(&opts.configs, &config_names).map_err(|pattern| MatrixError::UnknownConfig {
             pattern,
             known: config_names.iter().map(|s| (*s).to_owned()).collect(),
         })?;
-    let configs: Vec<Config> = Config::ALL
+    let configs: Vec<Config> = all_configs
         .into_iter()
         .filter(|c| selected.contains(&c.name()))
         .collect();
@@ -501,7 +787,12 @@ pub struct Row {
     /// Largest error / allowed error (at most 1 passes).
     #[serde(with = "report::num::opt")]
     pub margin: Option<f64>,
-    /// Where it first failed, why it was skipped, or why a run failed.
+    /// The run's memory figures (rank 0's): FSDP's measured full-parameter peak and shard
+    /// bytes; for DDP the whole model's parameter bytes, which every rank keeps. `None` for
+    /// the single-device reference and for runs that did not finish.
+    pub memory: Option<MemoryStats>,
+    /// Where it first failed, why it was skipped, or why a run failed; a tolerance override
+    /// in force is named here with its reason.
     pub note: Option<String>,
 }
 
@@ -543,8 +834,12 @@ impl MatrixResult {
         Ok(report::write_all(&self.report()?, dir)?)
     }
 
-    /// The summary table, followed by the diagnosis of every failed row and the total time.
+    /// The summary table, followed by the reasons it refers to (models without a
+    /// single-device reference, tolerance overrides), the diagnosis of every failed row and
+    /// the total time. Memory columns are KiB of rank 0's full parameters at their peak and
+    /// of its shards (DDP: the whole model, kept on every rank).
     pub fn render_table(&self) -> String {
+        const NOTE: usize = 10;
         let headers = [
             "model",
             "config",
@@ -554,9 +849,13 @@ impl MatrixResult {
             "max abs err",
             "max ULP",
             "margin",
+            "peak params KiB",
+            "shard KiB",
             "first failure / note",
         ];
-        let cells: Vec<[String; 9]> = self
+        let kib =
+            |bytes: Option<u64>| bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / 1024.0));
+        let cells: Vec<[String; 11]> = self
             .rows
             .iter()
             .map(|r| {
@@ -569,10 +868,17 @@ impl MatrixResult {
                     r.max_abs_err.map_or("-".into(), fmt_num),
                     r.max_ulp.map_or("-".into(), fmt_ulp),
                     r.margin.map_or("-".into(), fmt_num),
+                    kib(r.memory.map(|m| m.full_param_bytes_peak)),
+                    kib(r.memory.map(|m| m.shard_bytes)),
                     match (&r.status, &r.note) {
                         // The model's reason is a sentence: printed once below the table.
                         (RowStatus::Skip, Some(n)) if n.starts_with(NO_SINGLE) => {
                             format!("{NO_SINGLE} (see below)")
+                        }
+                        // So is an override's reason.
+                        (_, Some(n)) if n.contains(OVERRIDE) => {
+                            let at = n.find(OVERRIDE).unwrap_or(0);
+                            format!("{}{OVERRIDE} (see below)", &n[..at])
                         }
                         (_, note) => note.clone().unwrap_or_default(),
                     },
@@ -581,7 +887,7 @@ impl MatrixResult {
             .collect();
         let mut widths = headers.map(str::len);
         for row in &cells {
-            for (w, c) in widths.iter_mut().zip(row.iter()).take(8) {
+            for (w, c) in widths.iter_mut().zip(row.iter()).take(NOTE) {
                 *w = (*w).max(c.chars().count());
             }
         }
@@ -589,9 +895,9 @@ impl MatrixResult {
         let line = |out: &mut String, row: &[&str]| {
             let mut text = String::new();
             for (i, cell) in row.iter().enumerate() {
-                if i == 8 {
+                if i == NOTE {
                     text.push_str(cell);
-                } else if (3..8).contains(&i) && i != 4 {
+                } else if (3..NOTE).contains(&i) && i != 4 {
                     let _ = write!(text, "{cell:>w$}  ", w = widths[i]);
                 } else {
                     let _ = write!(text, "{cell:<w$}  ", w = widths[i]);
@@ -613,6 +919,23 @@ impl MatrixResult {
                     let _ = writeln!(out, "\nskipped: model `{}` has {note}", r.model);
                 }
             }
+        }
+        // Each override reason once, with the configurations (without `@N`) it governs.
+        let mut overrides: Vec<(&str, Vec<String>)> = Vec::new();
+        for c in &self.comparisons {
+            let Some(reason) = c.override_reason.as_deref() else {
+                continue;
+            };
+            let base = |name: &str| name.rsplit_once('@').map_or(name, |(b, _)| b).to_owned();
+            let pair = format!("{} vs {}", base(&c.config), base(&c.reference));
+            match overrides.iter_mut().find(|(r, _)| *r == reason) {
+                Some((_, pairs)) if !pairs.contains(&pair) => pairs.push(pair),
+                Some(_) => {}
+                None => overrides.push((reason, vec![pair])),
+            }
+        }
+        for (reason, pairs) in overrides {
+            let _ = writeln!(out, "\n{OVERRIDE} ({}): {reason}", pairs.join(", "));
         }
         for c in self.comparisons.iter().filter(|c| !c.passed) {
             let _ = writeln!(
@@ -751,11 +1074,9 @@ pub fn run(plan: &Plan, bar: &ProgressBar) -> MatrixResult {
         failed_runs: 0,
         elapsed: Duration::ZERO,
     };
-    let tolerance = TolerancePolicy::dtype_table(DType::F32);
-    let bitwise = TolerancePolicy::bitwise(DType::F32);
     for (model, blocker) in plan.models.iter().zip(&plan.blockers) {
         for &world in &plan.world_sizes {
-            let (singles, ddps) = plan.runs_per_cell(blocker.is_none());
+            let (singles, ddps) = plan.runs_per_cell(blocker.is_none(), world);
             let mut run_one = |config: Config, attempt: usize, of: usize| {
                 let label = if of > 1 {
                     format!("{model} {} (run {attempt}/{of})", config.at(world))
@@ -782,34 +1103,41 @@ pub fn run(plan: &Plan, bar: &ProgressBar) -> MatrixResult {
             let ddp: Vec<Result<RunRecord, String>> =
                 (1..=ddps).map(|i| run_one(Config::Ddp, i, ddps)).collect();
             let fsdp: Vec<(Config, Result<RunRecord, String>)> = plan
-                .configs
-                .iter()
-                .filter(|c| c.is_fsdp())
-                .map(|&c| (c, run_one(c, 1, 1)))
+                .fsdp_launches(world)
+                .into_iter()
+                .map(|c| (c, run_one(c, 1, 1)))
                 .collect();
             let mut row = |config: Config,
                            reference: Config,
-                           policy: &TolerancePolicy,
                            run: Option<&Result<RunRecord, String>>,
                            against: Option<&Result<RunRecord, String>>| {
+                let policy = config.policy(reference, world);
+                let overridden = policy
+                    .as_ref()
+                    .ok()
+                    .and_then(|p| p.override_for(&config.at(world)))
+                    .map(|o| o.reason().to_owned());
                 let mut r = Row {
                     model: model.clone(),
                     config: config.at(world),
                     reference: reference.at(world),
                     world_size: world,
                     status: RowStatus::Skip,
-                    mode: match policy.mode() {
-                        lockstep_harness::parity::Mode::Tolerance => "tolerance",
-                        lockstep_harness::parity::Mode::Bitwise => "bitwise",
+                    mode: match (&policy, &overridden) {
+                        (Ok(p), None) if p.mode() == Mode::Bitwise => "bitwise",
+                        _ => "tolerance",
                     },
                     max_abs_err: None,
                     max_ulp: None,
                     margin: None,
+                    memory: run.and_then(|r| r.as_ref().ok()).and_then(|r| r.memory),
                     note: None,
                 };
-                match (run, against) {
-                    (Some(Ok(a)), Some(Ok(b))) => {
-                        let c = compare(a, b, policy);
+                let world_blocker = config.world_blocker(world);
+                match (world_blocker, run, against, policy) {
+                    (Some(reason), _, _, _) => r.note = Some(reason),
+                    (None, Some(Ok(a)), Some(Ok(b)), Ok(policy)) => {
+                        let c = compare(a, b, &policy);
                         let overall = c.overall();
                         r.status = if c.passed {
                             RowStatus::Pass
@@ -819,18 +1147,27 @@ pub fn run(plan: &Plan, bar: &ProgressBar) -> MatrixResult {
                         r.max_abs_err = Some(overall.max_abs_err);
                         r.max_ulp = Some(overall.max_ulp);
                         r.margin = Some(overall.margin);
-                        r.note = match (&c.first_failure, c.structural.first()) {
+                        let found = match (&c.first_failure, c.structural.first()) {
                             (Some(f), _) => Some(short_failure(f)),
                             (None, Some(s)) => Some(s.clone()),
                             (None, None) => None,
                         };
+                        r.note = match (found, &c.override_reason) {
+                            (Some(f), Some(o)) => Some(format!("{f}; {OVERRIDE}: {o}")),
+                            (None, Some(o)) => Some(format!("{OVERRIDE}: {o}")),
+                            (found, None) => found,
+                        };
                         result.comparisons.push(c);
                     }
-                    (Some(Err(e)), _) | (_, Some(Err(e))) => {
+                    (None, Some(Err(e)), _, _) | (None, _, Some(Err(e)), _) => {
                         r.status = RowStatus::Error;
                         r.note = Some(e.clone());
                     }
-                    _ => {
+                    (None, Some(Ok(_)), Some(Ok(_)), Err(e)) => {
+                        r.status = RowStatus::Error;
+                        r.note = Some(e);
+                    }
+                    (None, _, _, _) => {
                         r.note = Some(match blocker {
                             Some(reason) => format!("{NO_SINGLE}: {reason}"),
                             None => "not run".into(),
@@ -843,30 +1180,18 @@ pub fn run(plan: &Plan, bar: &ProgressBar) -> MatrixResult {
                 row(
                     Config::Single,
                     Config::Single,
-                    &bitwise,
                     single.first(),
                     single.get(1),
                 );
             }
             if plan.configs.contains(&Config::Ddp) {
-                row(
-                    Config::Ddp,
-                    Config::Single,
-                    &tolerance,
-                    ddp.first(),
-                    single.first(),
-                );
-                row(Config::Ddp, Config::Ddp, &bitwise, ddp.first(), ddp.get(1));
+                row(Config::Ddp, Config::Single, ddp.first(), single.first());
+                row(Config::Ddp, Config::Ddp, ddp.first(), ddp.get(1));
             }
-            for (config, run) in &fsdp {
-                row(*config, Config::Ddp, &bitwise, Some(run), ddp.first());
-                row(
-                    *config,
-                    Config::Single,
-                    &tolerance,
-                    Some(run),
-                    single.first(),
-                );
+            for &config in plan.configs.iter().filter(|c| c.is_fsdp()) {
+                let run = fsdp.iter().find(|(c, _)| *c == config).map(|(_, r)| r);
+                row(config, Config::Ddp, run, ddp.first());
+                row(config, Config::Single, run, single.first());
             }
         }
     }
@@ -924,16 +1249,31 @@ fn run_parallel(
             data_ranks: vec![rank],
             record_grads: plan.record_grads,
         };
-        let record = match config.fsdp_options() {
-            Some(opts) => train_fsdp(built.as_ref(), ctx.group(), &cfg, opts)
-                .map_err(|e| format!("{}: {e}", config.name()))?,
+        let record = match config.fsdp_config() {
+            Some(f) => {
+                let opts = f.options.clone();
+                let fsdp = match f.layout.shard_size(world_size)? {
+                    None => train_fsdp(built.as_ref(), ctx.group(), &cfg, opts),
+                    Some(shard) => train_fsdp_hybrid(
+                        built.as_ref(),
+                        ctx.world(),
+                        ctx.group(),
+                        shard,
+                        &cfg,
+                        opts,
+                    ),
+                };
+                fsdp.map_err(|e| format!("{}: {e}", config.name()))?
+            }
             None => {
                 let opts = DdpOptions {
                     fault: plan.fault.clone(),
                     ..DdpOptions::default()
                 };
-                train_ddp(built.as_ref(), ctx.group(), &cfg, opts)
-                    .map_err(|e| format!("ddp: {e}"))?
+                let mut record = train_ddp(built.as_ref(), ctx.group(), &cfg, opts)
+                    .map_err(|e| format!("ddp: {e}"))?;
+                record.memory = Some(replica_memory(built.as_ref()));
+                record
             }
         };
         if rank == 0 {
@@ -959,6 +1299,21 @@ fn run_parallel(
     serde_json::from_slice(&bytes).map_err(|e| {
         format!("rank 0's record is unreadable ({e}); a non-finite value (a diverged run) cannot be carried in RunRecord JSON")
     })
+}
+
+/// DDP's memory figures, for scale next to FSDP's: every rank keeps the whole model's
+/// parameters all the time, so peak and "shard" are both the model's parameter bytes (tied
+/// parameters once; rank-local experts included, which FSDP ignores and does not count).
+fn replica_memory(model: &dyn Model) -> MemoryStats {
+    let bytes: u64 = distinct_parameters(model.named_parameters())
+        .iter()
+        .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+        .sum();
+    MemoryStats {
+        full_param_bytes_peak: bytes,
+        shard_bytes: bytes,
+        model_param_bytes: bytes,
+    }
 }
 
 /// The launcher's failure report runs over many lines; the table gets its first one and the
@@ -993,15 +1348,28 @@ pub fn render_list(seed: u64) -> Result<String, MatrixError> {
             m.single_device_reference_blocker(),
         ));
     }
+    let configs = Config::all();
+    let width = configs.iter().map(|c| c.name().len()).max().unwrap_or(0) + 2;
     let mut out = String::from("configs:\n");
-    for c in Config::ALL {
+    for c in configs {
         let applies: Vec<&str> = models
             .iter()
             .filter(|(_, _, blocker)| c != Config::Single || blocker.is_none())
             .map(|(n, _, _)| *n)
             .collect();
-        let _ = writeln!(out, "  {:<27}{}", c.name(), c.description());
-        let _ = writeln!(out, "  {:<27}models: {}", "", applies.join(", "));
+        let _ = writeln!(out, "  {:<width$}{}", c.name(), c.description());
+        let _ = writeln!(out, "  {:<width$}models: {}", "", applies.join(", "));
+        if let Some(FsdpLayout::Hybrid { replicas }) = c.fsdp_config().map(|f| f.layout) {
+            let _ = writeln!(
+                out,
+                "  {:<width$}world sizes: multiples of {replicas} ({replicas} replicas of N/{replicas} \
+                 ranks; other sizes are skipped)",
+                ""
+            );
+        }
+        if let Some(DdpCheck::DtypeTable { reason }) = c.fsdp_config().map(|f| f.vs_ddp) {
+            let _ = writeln!(out, "  {:<width$}override vs ddp: {reason}", "");
+        }
     }
     out.push_str("models:\n");
     for (name, params, blocker) in &models {

@@ -2,7 +2,8 @@
 //! set on disk), plus the library's name matching and planning.
 
 use lockstep::harness::report::{read_json, SCHEMA_VERSION};
-use lockstep::matrix::{self, Config, MatrixError, MatrixOptions};
+use lockstep::matrix::{self, Config, DdpCheck, MatrixError, MatrixOptions};
+use lockstep_core::fsdp::{BackwardPrefetch, ShardingStrategy, WrapPolicy};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -151,21 +152,32 @@ fn list_prints_configs_and_models() {
     let run = lockstep(&["matrix", "--list"]);
     assert_eq!(run.code, Some(0), "{}", run.stderr);
     assert!(run.stdout.contains("configs:"), "{}", run.stdout);
-    for config in Config::ALL {
-        assert!(
-            run.stdout.contains(&format!("  {:<8}", config.name())),
-            "{}",
-            run.stdout
-        );
+    for config in Config::all() {
+        // Every config on its own line, with its description.
+        let line = run
+            .stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{} ", config.name())))
+            .unwrap_or_else(|| panic!("{} missing:\n{}", config.name(), run.stdout));
+        assert!(line.contains(&config.description()), "{line}");
     }
     for fsdp in [
         "fsdp.full_shard ",
         "fsdp.shard_grad_op ",
         "fsdp.no_shard ",
         "fsdp.full_shard.per_layer ",
+        "fsdp.hybrid_shard ",
     ] {
         assert!(run.stdout.contains(fsdp), "{fsdp} missing:\n{}", run.stdout);
     }
+    assert!(
+        run.stdout.contains(&format!(
+            "override vs ddp: {}",
+            matrix::HYBRID_VS_DDP_REASON
+        )),
+        "{}",
+        run.stdout
+    );
     assert!(run.stdout.contains("models:"), "{}", run.stdout);
     for model in lockstep::models::zoo::names() {
         assert!(
@@ -289,9 +301,11 @@ fn plan_selects_expands_and_counts_runs() {
     .unwrap();
     assert_eq!(plan.models, ["moe", "gpt", "gpt_moe"]);
     assert_eq!(plan.world_sizes, [2, 4]);
-    assert_eq!(plan.configs, Config::ALL);
-    // gpt and gpt_moe: 2 single + 2 ddp + 4 fsdp per world size; moe: 2 ddp + 4 fsdp.
-    assert_eq!(plan.run_count(), 2 * (8 + 8 + 6));
+    assert_eq!(plan.configs, Config::all());
+    let fsdp = Config::fsdp().len();
+    // gpt and gpt_moe: 2 single + 2 ddp + every fsdp config per world size (hybrid runs at
+    // 2 and 4); moe: 2 ddp + every fsdp config.
+    assert_eq!(plan.run_count(), 2 * (2 * (4 + fsdp) + (2 + fsdp)));
 
     let fsdp_only = matrix::plan(&MatrixOptions {
         models: vec!["nested".into(), "moe".into()],
@@ -300,9 +314,23 @@ fn plan_selects_expands_and_counts_runs() {
         ..MatrixOptions::default()
     })
     .unwrap();
-    assert_eq!(fsdp_only.configs, Config::FSDP);
-    // nested: 1 single + 1 ddp reference + 4 fsdp; moe: 1 ddp + 4 fsdp.
-    assert_eq!(fsdp_only.run_count(), 6 + 5);
+    assert_eq!(fsdp_only.configs, Config::fsdp());
+    // nested: 1 single + 1 ddp reference + every fsdp config; moe: 1 ddp + every fsdp config.
+    assert_eq!(fsdp_only.run_count(), (2 + fsdp) + (1 + fsdp));
+
+    // At an odd world size hybrid shard launches nothing, and alone needs no references.
+    let odd = |configs: &str| {
+        matrix::plan(&MatrixOptions {
+            models: vec!["nested".into()],
+            configs: vec![configs.into()],
+            world_sizes: vec![3],
+            ..MatrixOptions::default()
+        })
+        .unwrap()
+        .run_count()
+    };
+    assert_eq!(odd("fsdp.hybrid_shard"), 0);
+    assert_eq!(odd("fsdp.*"), 2 + fsdp - 2);
 
     let ddp_only = matrix::plan(&MatrixOptions {
         models: vec!["nested".into()],
@@ -322,6 +350,103 @@ fn plan_selects_expands_and_counts_runs() {
     assert!(matches!(err, MatrixError::InvalidOption(_)), "{err}");
 }
 
+/// The FSDP names the matrix must offer: the original four (kept stable for users and CI)
+/// and one per FSDP option.
+const FSDP_NAMES: [&str; 15] = [
+    "fsdp.full_shard",
+    "fsdp.shard_grad_op",
+    "fsdp.no_shard",
+    "fsdp.full_shard.per_layer",
+    "fsdp.shard_grad_op.per_layer",
+    "fsdp.full_shard.per_layer.no_reshard",
+    "fsdp.full_shard.per_layer.prefetch_post",
+    "fsdp.full_shard.per_layer.no_prefetch",
+    "fsdp.full_shard.per_layer.forward_prefetch",
+    "fsdp.full_shard.blocks",
+    "fsdp.full_shard.min_params",
+    "fsdp.full_shard.offload",
+    "fsdp.full_shard.no_sync_module_states",
+    "fsdp.hybrid_shard",
+    "fsdp.hybrid_shard.per_layer",
+];
+
+#[test]
+fn every_fsdp_config_resolves_by_name_and_fsdp_star_selects_them_all() {
+    let names: Vec<&str> = Config::fsdp().iter().map(|c| c.name()).collect();
+    assert_eq!(names, FSDP_NAMES);
+    for name in FSDP_NAMES {
+        let plan = matrix::plan(&MatrixOptions {
+            models: vec!["nested".into()],
+            configs: vec![name.into()],
+            world_sizes: vec![2],
+            ..MatrixOptions::default()
+        })
+        .unwrap();
+        let config = Config::by_name(name).unwrap();
+        assert_eq!(plan.configs, [config], "{name}");
+        assert!(
+            config.is_fsdp() && config.fsdp_options().is_some(),
+            "{name}"
+        );
+        assert!(!config.description().is_empty(), "{name}");
+    }
+    let all = matrix::plan(&MatrixOptions {
+        configs: vec!["fsdp.*".into()],
+        ..MatrixOptions::default()
+    })
+    .unwrap();
+    assert_eq!(all.configs, Config::fsdp());
+    // Each table row's options are what its name says.
+    let opts = |name: &str| Config::by_name(name).unwrap().fsdp_options().unwrap();
+    assert!(!opts("fsdp.full_shard.per_layer.no_reshard").reshard_after_forward);
+    assert!(opts("fsdp.full_shard.per_layer.forward_prefetch").forward_prefetch);
+    assert!(opts("fsdp.full_shard.offload").offload_params);
+    assert!(!opts("fsdp.full_shard.no_sync_module_states").sync_module_states);
+    assert_eq!(
+        opts("fsdp.full_shard.per_layer.prefetch_post").backward_prefetch,
+        BackwardPrefetch::Post
+    );
+    assert_eq!(
+        opts("fsdp.full_shard.per_layer.no_prefetch").backward_prefetch,
+        BackwardPrefetch::None
+    );
+    assert_eq!(
+        opts("fsdp.full_shard.blocks").wrap,
+        WrapPolicy::ByKind(matrix::BLOCK_KINDS.to_vec())
+    );
+    assert_eq!(
+        opts("fsdp.full_shard.min_params").wrap,
+        WrapPolicy::MinParams(matrix::MIN_PARAMS)
+    );
+    assert_eq!(
+        opts("fsdp.hybrid_shard").strategy,
+        ShardingStrategy::HybridShard
+    );
+    // Only hybrid shard is judged against DDP by the dtype table, and says why.
+    for c in Config::fsdp() {
+        let f = c.fsdp_config().unwrap();
+        let hybrid = f.options.strategy == ShardingStrategy::HybridShard;
+        assert_eq!(
+            f.vs_ddp,
+            if hybrid {
+                DdpCheck::DtypeTable {
+                    reason: matrix::HYBRID_VS_DDP_REASON,
+                }
+            } else {
+                DdpCheck::Bitwise
+            },
+            "{}",
+            c.name()
+        );
+        assert_eq!(
+            f.layout.shard_size(4),
+            Ok(hybrid.then_some(2)),
+            "{}",
+            c.name()
+        );
+    }
+}
+
 #[test]
 fn fsdp_configs_match_ddp_bitwise_and_single_within_tolerance() {
     let scratch = Scratch::new("fsdp");
@@ -336,12 +461,19 @@ fn fsdp_configs_match_ddp_bitwise_and_single_within_tolerance() {
             "2",
             "--steps",
             "2",
+            "--json",
         ],
     );
     assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
-    // Per model: one single-device and one DDP reference run, four FSDP launches.
-    assert!(run.stdout.contains("matrix: 12 runs in "), "{}", run.stdout);
-    assert!(!run.stdout.contains("FAIL"), "{}", run.stdout);
+    let n = FSDP_NAMES.len();
+    // Per model: one single-device and one DDP reference run, one launch per FSDP config.
+    assert!(
+        run.stderr
+            .contains(&format!("matrix: {} runs in ", 2 * (2 + n))),
+        "{}",
+        run.stderr
+    );
+    assert!(!run.stderr.contains("FAIL"), "{}", run.stderr);
     let report = read_json(&scratch.0.join("report.json")).unwrap();
     assert!(report.passed());
     let keys: Vec<(&str, &str, &str)> = report
@@ -349,27 +481,173 @@ fn fsdp_configs_match_ddp_bitwise_and_single_within_tolerance() {
         .iter()
         .map(|c| (c.model.as_str(), c.config.as_str(), c.reference.as_str()))
         .collect();
-    assert_eq!(keys.len(), 2 * 4 * 2, "{keys:?}");
+    assert_eq!(keys.len(), 2 * n * 2, "{keys:?}");
     for model in ["nested", "mlp"] {
-        for config in [
-            "fsdp.full_shard@2",
-            "fsdp.shard_grad_op@2",
-            "fsdp.no_shard@2",
-            "fsdp.full_shard.per_layer@2",
-        ] {
-            assert!(keys.contains(&(model, config, "ddp@2")), "{keys:?}");
-            assert!(keys.contains(&(model, config, "single@2")), "{keys:?}");
+        for name in FSDP_NAMES {
+            let config = format!("{name}@2");
+            assert!(keys.contains(&(model, &config, "ddp@2")), "{keys:?}");
+            assert!(keys.contains(&(model, &config, "single@2")), "{keys:?}");
             assert!(
-                run.stdout.contains(&format!("{config} ")),
+                run.stderr.contains(&format!("{config} ")),
                 "no {config} row:\n{}",
-                run.stdout
+                run.stderr
             );
         }
     }
-    // Against DDP the rows are bitwise: zero error everywhere.
+    // Against DDP the rows are bitwise (hybrid: the dtype table by a recorded override; at
+    // world 2 its shard groups are single ranks, so it is exact too).
     for c in report.comparisons.iter().filter(|c| c.reference == "ddp@2") {
         assert_eq!(c.overall().max_abs_err, 0.0, "{} {}", c.model, c.config);
+        assert_eq!(
+            c.override_reason.is_some(),
+            c.config.starts_with("fsdp.hybrid_shard"),
+            "{} {}",
+            c.model,
+            c.config
+        );
     }
+    // Memory: every FSDP comparison carries rank 0's figures; full shard at world 2 keeps
+    // half the (padded) flat parameter, and gathers the whole model at its peak.
+    let raw: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(scratch.0.join("report.json")).unwrap())
+            .unwrap();
+    for c in raw["comparisons"].as_array().unwrap() {
+        let m = &c["memory"];
+        assert!(
+            m["full_param_bytes_peak"].as_u64().is_some_and(|b| b > 0),
+            "{c}"
+        );
+        assert!(m["shard_bytes"].as_u64().is_some_and(|b| b > 0), "{c}");
+        assert!(
+            m["model_param_bytes"].as_u64().is_some_and(|b| b > 0),
+            "{c}"
+        );
+    }
+    let full = report
+        .comparisons
+        .iter()
+        .find(|c| c.model == "nested" && c.config == "fsdp.full_shard@2")
+        .and_then(|c| c.memory)
+        .unwrap();
+    assert_eq!(full.model_param_bytes, 496 * 4);
+    assert_eq!(full.full_param_bytes_peak, 496 * 4);
+    assert_eq!(full.shard_bytes, 496 * 4 / 2);
+    // The JSON rows and the human reports carry them too.
+    let rows: Vec<serde_json::Value> = run
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 2 * n * 2);
+    for row in &rows {
+        assert!(row["memory"]["full_param_bytes_peak"].is_u64(), "{row}");
+    }
+    assert!(run.stderr.contains("peak params KiB"), "{}", run.stderr);
+    let md = std::fs::read_to_string(scratch.0.join("report.md")).unwrap();
+    assert!(md.contains("peak full params (KiB) | shard (KiB)"), "{md}");
+    assert!(md.contains("| 1.9 | 1.0 |"), "{md}");
+    let html = std::fs::read_to_string(scratch.0.join("report.html")).unwrap();
+    assert!(html.contains("<th>peak full params (KiB)</th>"));
+}
+
+#[test]
+fn hybrid_shard_runs_on_even_worlds_with_its_reason_and_skips_odd_ones() {
+    let scratch = Scratch::new("hybrid");
+    let run = matrix_into(
+        &scratch.0,
+        &[
+            "--models",
+            "nested",
+            "--configs",
+            "fsdp.hybrid_shard",
+            "--world-size",
+            "2,3,4",
+            "--steps",
+            "2",
+            "--json",
+        ],
+    );
+    assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
+    // World 2 and 4: single + ddp + hybrid each; world 3: nothing runs.
+    assert!(run.stderr.contains("matrix: 6 runs in "), "{}", run.stderr);
+    let rows: Vec<serde_json::Value> = run
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let row = |world: usize, reference: &str| {
+        rows.iter()
+            .find(|r| {
+                r["config"] == format!("fsdp.hybrid_shard@{world}")
+                    && r["reference"] == format!("{reference}@{world}")
+            })
+            .unwrap_or_else(|| panic!("no @{world} vs {reference} row: {rows:?}"))
+    };
+    let reason_note = format!("tolerance override: {}", matrix::HYBRID_VS_DDP_REASON);
+    for world in [2, 4] {
+        let vs_ddp = row(world, "ddp");
+        assert_eq!(vs_ddp["status"], "pass", "{vs_ddp}");
+        assert_eq!(vs_ddp["mode"], "tolerance", "{vs_ddp}");
+        assert_eq!(vs_ddp["note"], reason_note.as_str(), "{vs_ddp}");
+        let vs_single = row(world, "single");
+        assert_eq!(vs_single["status"], "pass", "{vs_single}");
+        assert!(vs_single["note"].is_null(), "{vs_single}");
+        // Shard groups of world/2 ranks: each rank keeps a 1/(world/2) shard.
+        let m = &vs_ddp["memory"];
+        assert_eq!(
+            m["shard_bytes"].as_u64().unwrap(),
+            496 * 4 / (world as u64 / 2),
+            "{m}"
+        );
+    }
+    for reference in ["ddp", "single"] {
+        let skipped = row(3, reference);
+        assert_eq!(skipped["status"], "skip", "{skipped}");
+        assert!(
+            skipped["note"]
+                .as_str()
+                .is_some_and(|n| n.contains("world size 3 does not split into 2")),
+            "{skipped}"
+        );
+    }
+    // The table names the override once, with its reason, below the rows.
+    assert!(
+        run.stderr.contains("tolerance override (see below)")
+            && run.stderr.contains(&format!(
+                "tolerance override (fsdp.hybrid_shard vs ddp): {}",
+                matrix::HYBRID_VS_DDP_REASON
+            )),
+        "{}",
+        run.stderr
+    );
+    // So do the reports: the comparison records the reason; Markdown and HTML print it.
+    let report = read_json(&scratch.0.join("report.json")).unwrap();
+    let vs_ddp: Vec<&str> = report
+        .comparisons
+        .iter()
+        .filter(|c| c.reference.starts_with("ddp"))
+        .map(|c| c.config.as_str())
+        .collect();
+    assert_eq!(vs_ddp, ["fsdp.hybrid_shard@2", "fsdp.hybrid_shard@4"]);
+    for c in report.comparisons.iter() {
+        let expected = c
+            .reference
+            .starts_with("ddp")
+            .then_some(matrix::HYBRID_VS_DDP_REASON);
+        assert_eq!(c.override_reason.as_deref(), expected, "{}", c.reference);
+    }
+    let md = std::fs::read_to_string(scratch.0.join("report.md")).unwrap();
+    assert!(md.contains(matrix::HYBRID_VS_DDP_REASON), "{md}");
+    let html = std::fs::read_to_string(scratch.0.join("report.html")).unwrap();
+    assert!(html.contains("Tolerance override: hybrid shard averages"));
+    let junit = std::fs::read_to_string(scratch.0.join("junit.xml")).unwrap();
+    assert_eq!(
+        junit
+            .matches("tolerance override in force: hybrid shard averages")
+            .count(),
+        2,
+        "{junit}"
+    );
 }
 
 #[test]
@@ -441,12 +719,15 @@ fn a_planted_divisor_bug_fails_the_matrix_with_a_report() {
 fn failed_runs_leave_no_report_behind() {
     let scratch = Scratch::new("timeout");
     std::fs::write(scratch.0.join("report.json"), b"{}").unwrap();
-    // No launch finishes in a microsecond: every DDP run times out.
+    // No launch finishes in a microsecond: every DDP and FSDP run times out. (One FSDP
+    // config suffices; each timed-out launch costs most of a second.)
     let run = matrix_into(
         &scratch.0,
         &[
             "--models",
             "nested",
+            "--configs",
+            "single,ddp,fsdp.full_shard",
             "--world-size",
             "2",
             "--steps",

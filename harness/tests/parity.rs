@@ -1,14 +1,14 @@
 //! The parity engine, its reports and report comparison, on hand-made records.
 
 use lockstep_core::comm::DType;
-use lockstep_core::record::{NamedTensor, RunRecord, RunSpec};
+use lockstep_core::record::{MemoryStats, NamedTensor, RunRecord, RunSpec};
 use lockstep_harness::parity::{
     compare, looser_dtype, ulp_distance, Override, ParityError, Quantity, Reason, Tolerance,
     TolerancePolicy,
 };
 use lockstep_harness::report::{
-    compare_reports, read_json, render_html, render_junit, write_all, write_atomic, write_json,
-    CompareOptions, Report, ReportError, RowStatus, SCHEMA_VERSION,
+    compare_reports, read_json, render_html, render_junit, render_markdown, write_all,
+    write_atomic, write_json, CompareOptions, Report, ReportError, RowStatus, SCHEMA_VERSION,
 };
 use std::time::Duration;
 
@@ -463,6 +463,106 @@ fn json_report_round_trips_with_schema_version() {
         "{md}"
     );
     assert!(md.contains("fsdp<&\"weird\">") && md.contains("**FAIL**"));
+}
+
+#[test]
+fn memory_figures_reach_every_report_and_old_reports_still_read() {
+    let reference = record(
+        "ddp",
+        &[1.0],
+        vec![tensor("w", DType::F32, &[2], &[0.5, -0.5])],
+    );
+    let mut sharded = reference.clone();
+    sharded.spec.config = "fsdp.full_shard".into();
+    sharded.memory = Some(MemoryStats {
+        full_param_bytes_peak: 2048,
+        shard_bytes: 512,
+        model_param_bytes: 2048,
+    });
+    let with = compare(&sharded, &reference, &f32_policy());
+    let without = compare(&reference, &reference, &f32_policy());
+    assert_eq!(with.memory, sharded.memory);
+    assert_eq!(without.memory, None);
+    let report = Report::new(vec![with, without]);
+    assert!(report.has_memory());
+    let dir = scratch("memory");
+    let files = write_all(&report, dir.path()).unwrap();
+    let value: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&files.json).unwrap()).unwrap();
+    assert_eq!(
+        value["comparisons"][0]["memory"]["full_param_bytes_peak"],
+        2048
+    );
+    assert_eq!(value["comparisons"][0]["memory"]["shard_bytes"], 512);
+    assert!(value["comparisons"][1].get("memory").is_none());
+    assert_eq!(
+        read_json(&files.json).unwrap().comparisons,
+        report.comparisons
+    );
+    let md = std::fs::read_to_string(&files.markdown).unwrap();
+    assert!(md.contains("peak full params (KiB) | shard (KiB)"), "{md}");
+    assert!(md.contains("| 2.0 | 0.5 |"), "{md}");
+    assert!(md.contains("| - | - |"), "{md}");
+    let html = std::fs::read_to_string(&files.html).unwrap();
+    assert!(html.contains("<th>peak full params (KiB)</th>"));
+    assert!(html.contains("<td class=\"num\">2.0</td><td class=\"num\">0.5</td>"));
+
+    // A report written before memory existed has no such field: it reads, and renders
+    // without memory columns.
+    let mut old = value.clone();
+    old["comparisons"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("memory");
+    std::fs::write(&files.json, serde_json::to_string(&old).unwrap()).unwrap();
+    let back = read_json(&files.json).unwrap();
+    assert!(!back.has_memory());
+    assert!(!render_markdown(&back).contains("KiB"));
+    assert!(!render_html(&back).contains("KiB"));
+}
+
+#[test]
+fn markdown_lists_each_override_reason_once_with_its_rows() {
+    let reference = record("ddp", &[1.0], vec![tensor("w", DType::F32, &[1], &[0.5])]);
+    let run = |config: &str| {
+        let mut r = reference.clone();
+        r.spec.config = config.into();
+        r
+    };
+    let why = "two-stage reduction order";
+    let policy = TolerancePolicy::bitwise(DType::F32)
+        .with_override(
+            "hybrid@2",
+            Override::new(Tolerance::new(1e-6, 1e-5), why).unwrap(),
+        )
+        .with_override(
+            "hybrid@4",
+            Override::new(Tolerance::new(1e-6, 1e-5), why).unwrap(),
+        );
+    let report = Report::new(vec![
+        compare(&run("hybrid@2"), &reference, &policy),
+        compare(&run("hybrid@4"), &reference, &policy),
+        compare(&run("plain@2"), &reference, &policy),
+    ]);
+    let junit = render_junit(&report);
+    assert_eq!(
+        junit
+            .matches(&format!(
+                "<system-out>tolerance override in force: {why}</system-out>"
+            ))
+            .count(),
+        2,
+        "{junit}"
+    );
+    roxmltree::Document::parse(&junit).unwrap();
+    let md = render_markdown(&report);
+    assert_eq!(md.matches(why).count(), 1, "{md}");
+    assert!(
+        md.contains(&format!(
+            "- {why} (for nested / hybrid@2 vs ddp, nested / hybrid@4 vs ddp)"
+        )),
+        "{md}"
+    );
 }
 
 #[test]

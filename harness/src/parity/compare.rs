@@ -5,7 +5,7 @@
 use super::tolerance::{looser_dtype, ulp_distance, Check, Mode, Quantity, TolerancePolicy};
 use crate::report::{fmt_num, num};
 use lockstep_core::comm::DType;
-use lockstep_core::record::{NamedTensor, RunRecord, RunSpec};
+use lockstep_core::record::{MemoryStats, NamedTensor, RunRecord, RunSpec};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fmt;
@@ -320,6 +320,11 @@ pub struct Comparison {
     pub param_summaries: Vec<ParamSummary>,
     /// Per-step verdicts.
     pub steps: Vec<StepComparison>,
+    /// The run's memory figures (rank 0's), when its wrapper measures any: carried so a
+    /// report shows what a sharding configuration saved next to whether it was right.
+    /// Absent in reports written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<MemoryStats>,
 }
 
 impl Comparison {
@@ -652,5 +657,6 @@ pub fn compare(run: &RunRecord, reference: &RunRecord, policy: &TolerancePolicy)
         grads: grads_total,
         param_summaries,
         steps,
+        memory: run.memory,
     }
 }

@@ -2,7 +2,7 @@
 //! resources) so it opens offline, as a CI artifact or an e-mail attachment.
 
 use super::junit::xml_escape;
-use super::{fmt_num, fmt_ulp, Report, StepRow};
+use super::{fmt_kib, fmt_num, fmt_ulp, Report, StepRow};
 use std::fmt::Write as _;
 
 const WIDTH: f64 = 600.0;
@@ -344,12 +344,17 @@ pub fn render_html(report: &Report) -> String {
         xml_escape(&report.tool),
         report.schema_version
     );
-    out.push_str("<table>\n<tr><th>model</th><th>config</th><th>reference</th><th>result</th><th>max abs err</th><th>max rel err</th><th>max ULP</th><th>margin</th></tr>\n");
+    let memory = report.has_memory();
+    out.push_str("<table>\n<tr><th>model</th><th>config</th><th>reference</th><th>result</th><th>max abs err</th><th>max rel err</th><th>max ULP</th><th>margin</th>");
+    if memory {
+        out.push_str("<th>peak full params (KiB)</th><th>shard (KiB)</th>");
+    }
+    out.push_str("</tr>\n");
     for c in &report.comparisons {
         let all = c.overall();
-        let _ = writeln!(
+        let _ = write!(
             out,
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td class=\"{}\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td></tr>",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td class=\"{}\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>",
             xml_escape(&c.model),
             xml_escape(&c.config),
             xml_escape(&c.reference),
@@ -360,6 +365,15 @@ pub fn render_html(report: &Report) -> String {
             fmt_ulp(all.max_ulp),
             fmt_num(all.margin)
         );
+        if memory {
+            let _ = write!(
+                out,
+                "<td class=\"num\">{}</td><td class=\"num\">{}</td>",
+                fmt_kib(c.memory.map(|m| m.full_param_bytes_peak)),
+                fmt_kib(c.memory.map(|m| m.shard_bytes))
+            );
+        }
+        out.push_str("</tr>\n");
     }
     out.push_str("</table>\n");
     for c in &report.comparisons {

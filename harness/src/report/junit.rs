@@ -37,7 +37,17 @@ pub fn render_junit(report: &Report) -> String {
             xml_escape(&format!("{} vs {}", c.config, c.reference))
         );
         if c.passed {
-            out.push_str("/>\n");
+            // A pass under a loosened tolerance says so, so CI dashboards show the reason too.
+            match &c.override_reason {
+                Some(r) => {
+                    let _ = writeln!(
+                        out,
+                        ">\n      <system-out>{}</system-out>\n    </testcase>",
+                        xml_escape(&format!("tolerance override in force: {r}"))
+                    );
+                }
+                None => out.push_str("/>\n"),
+            }
             continue;
         }
         out.push_str(">\n");

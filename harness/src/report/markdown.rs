@@ -1,13 +1,14 @@
 //! The Markdown summary: one table a person reads in a pull request or a CI log.
 
-use super::{fmt_num, fmt_ulp, Report};
+use super::{fmt_kib, fmt_num, fmt_ulp, Report};
 use std::fmt::Write as _;
 
 fn cell(text: &str) -> String {
     text.replace('|', "\\|").replace(['\n', '\r'], " ")
 }
 
-/// The summary table, with the overrides and their reasons listed under it.
+/// The summary table (with memory columns when runs measured memory), with the overrides
+/// and their reasons listed under it.
 pub fn render_markdown(report: &Report) -> String {
     let mut out = String::new();
     let s = &report.summary;
@@ -25,20 +26,33 @@ pub fn render_markdown(report: &Report) -> String {
         " ({}, schema {}).\n",
         report.tool, report.schema_version
     );
+    // Memory columns only when some run measured memory (FSDP, and DDP in the matrix).
+    let memory = report.has_memory();
     let _ = writeln!(
         out,
-        "| model | config | reference | result | max abs err | max rel err | max ULP | margin | first failure |"
+        "| model | config | reference | result | max abs err | max rel err | max ULP | margin | {}first failure |",
+        if memory { "peak full params (KiB) | shard (KiB) | " } else { "" }
     );
     let _ = writeln!(
         out,
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- |"
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | {}--- |",
+        if memory { "---: | ---: | " } else { "" }
     );
     for c in &report.comparisons {
         let all = c.overall();
         let failure = c.diagnosis.as_deref().unwrap_or("");
+        let memory_cells = if memory {
+            format!(
+                "{} | {} | ",
+                fmt_kib(c.memory.map(|m| m.full_param_bytes_peak)),
+                fmt_kib(c.memory.map(|m| m.shard_bytes))
+            )
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {memory_cells}{} |",
             cell(&c.model),
             cell(&c.config),
             cell(&c.reference),
@@ -50,21 +64,23 @@ pub fn render_markdown(report: &Report) -> String {
             cell(failure)
         );
     }
-    let overrides: Vec<_> = report
-        .comparisons
-        .iter()
-        .filter_map(|c| c.override_reason.as_ref().map(|r| (c, r)))
-        .collect();
+    // Each reason once (a matrix applies one override to many rows), with the rows it
+    // governed.
+    let mut overrides: Vec<(&str, Vec<String>)> = Vec::new();
+    for c in &report.comparisons {
+        let Some(reason) = c.override_reason.as_deref() else {
+            continue;
+        };
+        let row = format!("{} / {} vs {}", c.model, c.config, c.reference);
+        match overrides.iter_mut().find(|(r, _)| *r == reason) {
+            Some((_, rows)) => rows.push(row),
+            None => overrides.push((reason, vec![row])),
+        }
+    }
     if !overrides.is_empty() {
         let _ = writeln!(out, "\nTolerance overrides:\n");
-        for (c, r) in overrides {
-            let _ = writeln!(
-                out,
-                "- {} / {}: {}",
-                cell(&c.model),
-                cell(&c.config),
-                cell(r)
-            );
+        for (reason, rows) in overrides {
+            let _ = writeln!(out, "- {} (for {})", cell(reason), cell(&rows.join(", ")));
         }
     }
     out

@@ -123,6 +123,12 @@ impl Report {
     pub fn passed(&self) -> bool {
         self.summary.failed == 0
     }
+
+    /// Whether any comparison carries memory figures: the human formats add their memory
+    /// columns only then, so reports of configurations that measure none look as before.
+    pub fn has_memory(&self) -> bool {
+        self.comparisons.iter().any(|c| c.memory.is_some())
+    }
 }
 
 /// Why a report could not be written, read or compared.
@@ -237,6 +243,15 @@ pub(crate) fn fmt_num(x: f64) -> String {
         if x > 0.0 { "inf" } else { "-inf" }.into()
     } else {
         format!("{x:.3e}")
+    }
+}
+
+/// Formats a byte count in KiB with one decimal (the zoo's models are a few KiB), or `-`
+/// when there is none.
+pub(crate) fn fmt_kib(bytes: Option<u64>) -> String {
+    match bytes {
+        Some(b) => format!("{:.1}", b as f64 / 1024.0),
+        None => "-".into(),
     }
 }
 
