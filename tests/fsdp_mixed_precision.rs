@@ -41,7 +41,16 @@ fn fsdp_run(ctx: &RankCtx, model: &str, opts: FsdpOptions) -> RunRecord {
 
 #[rstest]
 fn fsdp_mixed_precision_matches_ddp_under_the_same_policy_bitwise(
-    #[values("nested", "transformer", "mlp", "gpt", "transformer_bn")] model: &str,
+    #[values(
+        "nested",
+        "transformer",
+        "mlp",
+        "gpt",
+        "transformer_bn",
+        "moe",
+        "gpt_moe"
+    )]
+    model: &str,
     #[values(2, 4)] world: usize,
 ) {
     lockstep_harness::run(world, |ctx| {

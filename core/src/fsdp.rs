@@ -52,7 +52,9 @@ use crate::autograd::{
 };
 use crate::comm::work::lock;
 use crate::comm::{CommError, DeviceMesh, ProcessGroup};
-use crate::precision::{cast_buffers, CastInputs, MixedPrecision, PrecisionError};
+use crate::precision::{
+    cast_buffers, low_precision_params, CastInputs, MixedPrecision, PrecisionError,
+};
 use crate::record::{MemoryStats, RunRecord};
 use crate::replica::distinct_parameters;
 use crate::train::{train, Optimizer, StepHooks, TrainConfig, TrainError};
@@ -421,12 +423,25 @@ impl Fsdp {
                 reduced: false,
             });
         }
+        let ignored_compute = match &opts.mixed_precision {
+            Some(mp) => {
+                let low = low_precision_params(model, mp);
+                ignored
+                    .iter()
+                    .map(|(n, _)| low.contains(n).then_some(mp.param_dtype))
+                    .collect()
+            }
+            None => vec![None; ignored.len()],
+        };
+        let ignored_masters = ignored.iter().map(|_| None).collect();
         let mut core = Core {
             group,
             replicate,
             opts,
             units,
             ignored,
+            ignored_compute,
+            ignored_masters,
             shard_world,
             shard_rank,
             compute_device,
@@ -788,6 +803,7 @@ impl Core {
     /// gradients the last record view left in `.grad` are dropped first, so backward
     /// produces fresh low-precision ones (accumulated ones from `no_sync` are kept).
     fn unshard_for_forward(&mut self) -> Result<(), FsdpError> {
+        self.swap_in_ignored()?;
         for unit in &self.units {
             if unit.compute_kind == unit.kind {
                 continue;
@@ -989,6 +1005,7 @@ impl Drop for Fsdp {
             let _ = handle.remove();
         }
         let mut core = lock(&self.core);
+        let _ = core.swap_out_ignored();
         for unit in &mut core.units {
             if let Some(p) = unit.pending_gather.take() {
                 let _ = p.work.wait();

@@ -32,6 +32,11 @@ pub(crate) struct Core {
     pub(super) units: Vec<Unit>,
     /// Parameters never sharded nor reduced (rank-local experts).
     pub(super) ignored: Vec<(String, Tensor)>,
+    /// Mixed precision: the dtype ignored parameters compute in (by index into `ignored`;
+    /// `None` keeps them as they are), and their fp32 masters while swapped out for a
+    /// forward and backward.
+    pub(super) ignored_compute: Vec<Option<Kind>>,
+    pub(super) ignored_masters: Vec<Option<Tensor>>,
     /// Ranks a flat parameter is split over (1 for `NoShard`).
     pub(super) shard_world: usize,
     pub(super) shard_rank: usize,
@@ -308,6 +313,48 @@ impl Core {
         Ok(())
     }
 
+    /// Mixed precision: swaps each low-precision ignored parameter's data for a copy in its
+    /// compute dtype (as DDP does for every parameter), keeping the fp32 master. Their
+    /// layers' inputs are cast like every other layer's, so they must compute in that dtype.
+    pub(super) fn swap_in_ignored(&mut self) -> Result<(), FsdpError> {
+        let _guard = tch::no_grad_guard();
+        for (i, (_, t)) in self.ignored.iter().enumerate() {
+            let Some(kind) = self.ignored_compute[i] else {
+                continue;
+            };
+            if self.ignored_masters[i].is_some() {
+                continue; // Still swapped (gradient accumulation without sync).
+            }
+            let g = t.grad();
+            if g.defined() && g.kind() != kind {
+                set_grad(t, None)?;
+            }
+            let master = t.f_detach()?;
+            let mut p = t.shallow_clone();
+            p.set_data(&master.f_to_kind(kind)?);
+            self.ignored_masters[i] = Some(master);
+        }
+        Ok(())
+    }
+
+    /// Gives swapped ignored parameters their fp32 masters back, with their low-precision
+    /// gradients cast to fp32 (what the optimizer steps).
+    pub(super) fn swap_out_ignored(&mut self) -> Result<(), FsdpError> {
+        let _guard = tch::no_grad_guard();
+        for (i, (_, t)) in self.ignored.iter().enumerate() {
+            let Some(master) = self.ignored_masters[i].take() else {
+                continue;
+            };
+            let g = t.grad();
+            let mut p = t.shallow_clone();
+            p.set_data(&master);
+            if g.defined() {
+                set_grad(t, Some(&g.f_to_kind(master.kind())?))?;
+            }
+        }
+        Ok(())
+    }
+
     /// Finishes the step's gradient reduction: launches what the post-backward hooks did
     /// not (last unit first, the order backward completes them), waits, all-reduces across
     /// replicas (hybrid), sets each shard's `.grad` (in the master dtype, on the master's
@@ -360,6 +407,7 @@ impl Core {
             unit.reduced = false;
             unit.ready = 0;
         }
+        self.swap_out_ignored()?;
         if self.opts.fault == Some(FsdpFault::ReduceIgnored) {
             for (_, t) in &self.ignored {
                 let g = t.grad();
