@@ -13,19 +13,31 @@
 //!   fp32 dtype table. The exception is hybrid shard (`fsdp.hybrid_shard*`), whose two-stage
 //!   average sums in a different order than DDP's all-reduce: it is held to the fp32 dtype
 //!   table against DDP through a tolerance override whose reason
-//!   ([`HYBRID_VS_DDP_REASON`]) is in its row notes and in every report.
+//!   ([`HYBRID_VS_DDP_REASON`]) is in its row notes and in every report;
+//! - every mixed-precision FSDP configuration (`fsdp.*.bf16`, `fsdp.*.fp16`) against DDP
+//!   under the same policy (`ddp.bf16@N`, `ddp.fp16@N`) in bitwise mode: the same casts of
+//!   the same fp32 masters and the same rank-order reduction. These configurations have **no
+//!   row** against `single@N` (the row is omitted, not skipped): the fp32 single-device
+//!   reference differs from a bf16 or fp16 run by low-precision rounding by design, and no
+//!   per-element tolerance bounds that ([`MIXED_VS_SINGLE_REASON`], printed by `--list`);
+//! - `ddp.bf16@N` and `ddp.fp16@N` (DDP under [`Precision`]'s policy), when selected
+//!   themselves, against a fresh repeat of themselves in bitwise mode, and likewise not
+//!   against `single@N`. FSDP mixed precision on a model with rank-local parameters
+//!   (`moe`) is skipped with the reason ([`fsdp_mixed_blocker`]) and nothing is launched.
 //!
 //! The FSDP configurations are a table ([`fsdp_configs`]): name, description, options,
-//! layout (flat or hybrid) and how it is judged against DDP; `--configs 'fsdp.*'` selects
-//! them all. Hybrid shard runs 2 replicas of `N/2` ranks; at world sizes that do not split
+//! layout (flat or hybrid), how it is judged against DDP and its mixed-precision policy;
+//! `--configs 'fsdp.*'` selects them all (`'fsdp.*.bf16'` the bf16 ones). Hybrid shard runs 2 replicas of `N/2` ranks; at world sizes that do not split
 //! so (1, odd) its rows are skipped with that reason and nothing is launched. Rows carry the
 //! run's memory figures (FSDP's full-parameter peak and shard bytes on rank 0; DDP's whole
 //! model), shown in the table and the reports.
 //!
 //! References are run whenever a selected configuration needs them, whether or not their own
-//! configuration was selected. Models whose ranks differ by construction (per-rank experts,
-//! BatchNorm statistics) have no single-device reference; their rows against it are skipped
-//! with the model's own reason.
+//! configuration was selected: `single` once for `ddp` or an fp32 FSDP launch, `ddp` once for
+//! an fp32 FSDP launch, `ddp.bf16` once for a bf16 FSDP launch (and so on per policy); a
+//! selected reference runs twice, the second launch being its repeat. Models whose ranks
+//! differ by construction (per-rank experts, BatchNorm statistics) have no single-device
+//! reference; their rows against it are skipped with the model's own reason.
 //!
 //! Parallel runs are launched with [`RankSpawn::Fork`] (the process never touches CUDA), rank
 //! 0 hands its [`RunRecord`] back through a temporary JSON file, and the single-device runs
@@ -40,6 +52,7 @@ use lockstep_core::ddp::{train_ddp, DdpOptions, Fault};
 use lockstep_core::fsdp::{
     train_fsdp, train_fsdp_hybrid, BackwardPrefetch, FsdpOptions, ShardingStrategy, WrapPolicy,
 };
+use lockstep_core::precision::MixedPrecision;
 use lockstep_core::record::{MemoryStats, RunRecord, RunSpec};
 use lockstep_core::replica::distinct_parameters;
 use lockstep_core::train::{single_device_reference, OptimizerConfig, TrainConfig};
@@ -65,6 +78,9 @@ pub const MAX_WORLD_SIZE: usize = 64;
 
 /// How a row skipped for want of a single-device reference begins its note.
 const NO_SINGLE: &str = "no single-device reference";
+
+/// How a row skipped because FSDP mixed precision cannot run the model begins its note.
+const NO_MIXED: &str = "no FSDP mixed precision";
 
 /// How a row note names the tolerance override in force (followed by `: reason`).
 const OVERRIDE: &str = "tolerance override";
@@ -137,6 +153,54 @@ pub const HYBRID_VS_DDP_REASON: &str = "hybrid shard averages in two stages (red
      is not associative, so the bits may differ: judged under the fp32 dtype table instead of \
      bitwise";
 
+/// Why mixed-precision configurations (`ddp.bf16`, `fsdp.*.bf16`, ...) have no row against
+/// `single@N`: they are judged against DDP under the same policy instead.
+pub const MIXED_VS_SINGLE_REASON: &str = "mixed precision is checked against DDP under the \
+     same policy, bitwise; the fp32 single-device reference differs from a bf16 or fp16 run \
+     by low-precision rounding by design, and no per-element tolerance bounds that (a \
+     low-precision backward has no per-element relative bound), so there is no row against \
+     single";
+
+/// A mixed-precision policy the matrix runs: the presets of [`MixedPrecision`] (low-precision
+/// compute; fp32 gradient reduction and buffers; BatchNorm in fp32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Precision {
+    /// [`MixedPrecision::bf16`].
+    Bf16,
+    /// [`MixedPrecision::fp16`].
+    Fp16,
+}
+
+impl Precision {
+    /// Every policy, in row order.
+    pub const ALL: [Precision; 2] = [Precision::Bf16, Precision::Fp16];
+
+    /// The policy every rank trains under.
+    pub fn policy(self) -> MixedPrecision {
+        match self {
+            Precision::Bf16 => MixedPrecision::bf16(),
+            Precision::Fp16 => MixedPrecision::fp16(),
+        }
+    }
+
+    /// The policy's label ([`MixedPrecision::label`]): the suffix of configuration names and
+    /// the `dtype` of run specs.
+    pub fn label(self) -> &'static str {
+        match self {
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+    }
+
+    /// The DDP reference configuration under this policy: `ddp.bf16`, `ddp.fp16`.
+    pub fn ddp_name(self) -> &'static str {
+        match self {
+            Precision::Bf16 => "ddp.bf16",
+            Precision::Fp16 => "ddp.fp16",
+        }
+    }
+}
+
 /// How an FSDP configuration places its ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FsdpLayout {
@@ -192,12 +256,28 @@ pub struct FsdpConfig {
     pub options: FsdpOptions,
     /// Flat or hybrid.
     pub layout: FsdpLayout,
-    /// How it is judged against `ddp@N` (against `single@N` it is always the fp32 table).
+    /// How it is judged against its DDP reference (against `single@N` it is always the fp32
+    /// table).
     pub vs_ddp: DdpCheck,
+    /// The mixed-precision policy, if any (`options.mixed_precision` is its
+    /// [`Precision::policy`]): its DDP reference is then `ddp.<label>`, and it has no row
+    /// against `single@N` ([`MIXED_VS_SINGLE_REASON`]).
+    pub precision: Option<Precision>,
+}
+
+impl FsdpConfig {
+    /// The DDP configuration it is compared against: `ddp`, or DDP under the same
+    /// mixed-precision policy.
+    pub fn ddp_reference(&self) -> Config {
+        match self.precision {
+            None => Config::Ddp,
+            Some(p) => Config::DdpMixed(p),
+        }
+    }
 }
 
 /// Every FSDP configuration, in row order. The first four are the original names, kept
-/// stable because users and CI jobs select them by name.
+/// stable because users and CI jobs select them by name; the mixed-precision ones come last.
 pub fn fsdp_configs() -> &'static [FsdpConfig] {
     static TABLE: LazyLock<Vec<FsdpConfig>> = LazyLock::new(|| {
         let full = FsdpOptions::default();
@@ -213,6 +293,18 @@ pub fn fsdp_configs() -> &'static [FsdpConfig] {
             options,
             layout: FsdpLayout::Flat,
             vs_ddp: DdpCheck::Bitwise,
+            precision: None,
+        };
+        let mixed = |name, description, options: FsdpOptions, precision: Precision| FsdpConfig {
+            name,
+            description,
+            options: FsdpOptions {
+                mixed_precision: Some(precision.policy()),
+                ..options
+            },
+            layout: FsdpLayout::Flat,
+            vs_ddp: DdpCheck::Bitwise,
+            precision: Some(precision),
         };
         let hybrid = |name, description, wrap| FsdpConfig {
             name,
@@ -224,6 +316,7 @@ pub fn fsdp_configs() -> &'static [FsdpConfig] {
             vs_ddp: DdpCheck::DtypeTable {
                 reason: HYBRID_VS_DDP_REASON,
             },
+            precision: None,
         };
         vec![
             flat(
@@ -320,7 +413,7 @@ pub fn fsdp_configs() -> &'static [FsdpConfig] {
                  buffers at construction (every rank builds the same model)",
                 FsdpOptions {
                     sync_module_states: false,
-                    ..full
+                    ..full.clone()
                 },
             ),
             hybrid(
@@ -333,6 +426,32 @@ pub fn fsdp_configs() -> &'static [FsdpConfig] {
                 "fsdp.hybrid_shard.per_layer",
                 "HYBRID_SHARD with one unit per layer",
                 WrapPolicy::PerLayer,
+            ),
+            mixed(
+                "fsdp.full_shard.bf16",
+                "FULL_SHARD, one root unit, bf16 mixed precision (bf16 compute, fp32 \
+                 reduction and buffers, BatchNorm in fp32 units)",
+                full,
+                Precision::Bf16,
+            ),
+            mixed(
+                "fsdp.full_shard.per_layer.bf16",
+                "FULL_SHARD per layer, bf16 mixed precision",
+                per_layer.clone(),
+                Precision::Bf16,
+            ),
+            mixed(
+                "fsdp.shard_grad_op.per_layer.bf16",
+                "SHARD_GRAD_OP per layer, bf16 mixed precision",
+                with(ShardingStrategy::ShardGradOp, WrapPolicy::PerLayer),
+                Precision::Bf16,
+            ),
+            mixed(
+                "fsdp.full_shard.per_layer.fp16",
+                "FULL_SHARD per layer, fp16 mixed precision (fp16 compute, fp32 reduction and \
+                 buffers, BatchNorm in fp32 units)",
+                per_layer,
+                Precision::Fp16,
             ),
         ]
     });
@@ -358,6 +477,9 @@ pub enum Config {
     Single,
     /// DistributedDataParallel over the CPU backend.
     Ddp,
+    /// DDP under a mixed-precision policy: the reference of the FSDP configurations under
+    /// the same policy.
+    DdpMixed(Precision),
     /// One row of the FSDP table.
     Fsdp(FsdpId),
 }
@@ -366,6 +488,7 @@ impl Config {
     /// Every configuration, in the order rows are listed.
     pub fn all() -> Vec<Config> {
         let mut all = vec![Config::Single, Config::Ddp];
+        all.extend(Precision::ALL.map(Config::DdpMixed));
         all.extend(Config::fsdp());
         all
     }
@@ -387,8 +510,24 @@ impl Config {
         match self {
             Config::Single => "single",
             Config::Ddp => "ddp",
+            Config::DdpMixed(p) => p.ddp_name(),
             Config::Fsdp(id) => id.get().name,
         }
+    }
+
+    /// The mixed-precision policy it trains under (`None`: fp32).
+    pub fn precision(self) -> Option<Precision> {
+        match self {
+            Config::Single | Config::Ddp => None,
+            Config::DdpMixed(p) => Some(p),
+            Config::Fsdp(id) => id.get().precision,
+        }
+    }
+
+    /// The DDP configuration an FSDP configuration is compared against (`ddp`, `ddp.bf16`,
+    /// ...); `None` for the others.
+    pub fn ddp_reference(self) -> Option<Config> {
+        self.fsdp_config().map(FsdpConfig::ddp_reference)
     }
 
     /// Whether this is one of the FSDP configurations.
@@ -400,7 +539,7 @@ impl Config {
     pub fn fsdp_config(self) -> Option<&'static FsdpConfig> {
         match self {
             Config::Fsdp(id) => Some(id.get()),
-            Config::Single | Config::Ddp => None,
+            Config::Single | Config::Ddp | Config::DdpMixed(_) => None,
         }
     }
 
@@ -421,18 +560,32 @@ impl Config {
                             against single (fp32 dtype table) and a fresh repeat of itself \
                             (bitwise)"
                 .into(),
+            Config::DdpMixed(p) => format!(
+                "DDP under the {label} mixed-precision policy ({label} compute, fp32 reduction \
+                 and buffers, BatchNorm in fp32), one forked process per rank: the reference of \
+                 the {label} FSDP configs; checked against a fresh repeat of itself (bitwise), \
+                 not against single (mixed precision)",
+                label = p.label()
+            ),
             Config::Fsdp(id) => {
                 let f = id.get();
+                let reference = f.ddp_reference().name();
                 let vs_ddp = match f.vs_ddp {
-                    DdpCheck::Bitwise => "ddp (bitwise)".to_owned(),
+                    DdpCheck::Bitwise => format!("{reference} (bitwise)"),
                     DdpCheck::DtypeTable { .. } => {
-                        "ddp (fp32 dtype table, a recorded tolerance override)".to_owned()
+                        format!("{reference} (fp32 dtype table, a recorded tolerance override)")
                     }
                 };
-                format!(
-                    "{}; checked against {vs_ddp} and single (fp32 dtype table)",
-                    f.description
-                )
+                match f.precision {
+                    None => format!(
+                        "{}; checked against {vs_ddp} and single (fp32 dtype table)",
+                        f.description
+                    ),
+                    Some(_) => format!(
+                        "{}; checked against {vs_ddp}, not against single (mixed precision)",
+                        f.description
+                    ),
+                }
             }
         }
     }
@@ -459,18 +612,24 @@ impl Config {
 
     /// The policy against `reference` at `world_size`: bitwise against a repeat of itself
     /// or against DDP (unless the FSDP row overrides it, with its reason), the fp32 dtype
-    /// table against the single-device reference.
+    /// table against the single-device reference, and no policy for mixed precision against
+    /// the single-device reference (the matrix has no such row). Records hold fp32 masters
+    /// and fp32 gradients under every policy, so bitwise is over fp32 values.
     fn policy(self, reference: Config, world_size: usize) -> Result<TolerancePolicy, String> {
         match (self, reference) {
+            (_, Config::Single) if self.precision().is_some() => Err(format!(
+                "{} is not compared with single: {MIXED_VS_SINGLE_REASON}",
+                self.name()
+            )),
             (_, Config::Single) if self != Config::Single => {
                 Ok(TolerancePolicy::dtype_table(DType::F32))
             }
-            (Config::Fsdp(id), Config::Ddp) => {
+            (Config::Fsdp(id), Config::Ddp | Config::DdpMixed(_)) => {
                 let bitwise = TolerancePolicy::bitwise(DType::F32);
                 match id.get().vs_ddp {
                     DdpCheck::Bitwise => Ok(bitwise),
-                    // Every run of the matrix is fp32, so the fp32 row of the table is the
-                    // tolerance for every quantity.
+                    // Only fp32 configurations override (hybrid shard), so the fp32 row of
+                    // the table is the tolerance for every quantity.
                     DdpCheck::DtypeTable { reason } => {
                         let ov = Override::new(Tolerance::for_dtype(DType::F32), reason)
                             .map_err(|e| format!("{}: {e}", self.name()))?;
@@ -481,6 +640,29 @@ impl Config {
             _ => Ok(TolerancePolicy::bitwise(DType::F32)),
         }
     }
+}
+
+/// Why FSDP under a mixed-precision policy cannot run `model`, if it cannot: FSDP ignores
+/// rank-local parameters (never sharded, reduced or cast), so they stay fp32 while the
+/// policy casts their layer's inputs to the compute dtype, and the layer fails on mixed
+/// dtypes (`moe`'s per-rank expert). A limitation of `lockstep_core::fsdp`, not of the
+/// policy: DDP under the same policy casts every parameter and runs, so `ddp.bf16` still has
+/// its rows on such a model. Its FSDP mixed-precision rows are skipped with this reason.
+pub fn fsdp_mixed_blocker(model: &dyn Model) -> Option<String> {
+    let tags = model.tags();
+    let local: Vec<String> = distinct_parameters(model.named_parameters())
+        .into_iter()
+        .map(|(name, _)| name)
+        .filter(|name| tags.is_rank_local(name))
+        .collect();
+    (!local.is_empty()).then(|| {
+        format!(
+            "FSDP ignores its rank-local parameters ({}), which stay fp32 while their \
+             layer's inputs are cast to the compute dtype (a lockstep_core::fsdp limitation; \
+             ddp.bf16 and ddp.fp16 run)",
+            local.join(", ")
+        )
+    })
 }
 
 /// What the user asked for; [`plan`] validates it.
@@ -541,51 +723,95 @@ pub struct Plan {
     pub fault: Option<Fault>,
     /// Per model: why it has no single-device reference, if it has none.
     blockers: Vec<Option<String>>,
+    /// Per model: why FSDP under a mixed-precision policy cannot run it, if it cannot
+    /// ([`fsdp_mixed_blocker`]).
+    mixed_blockers: Vec<Option<String>>,
 }
 
 impl Plan {
     /// How many training runs the plan performs (single-device ones included).
     pub fn run_count(&self) -> usize {
         let mut n = 0;
-        for blocker in &self.blockers {
+        for model in 0..self.models.len() {
             for &world in &self.world_sizes {
-                let (singles, ddps) = self.runs_per_cell(blocker.is_none(), world);
-                n += singles + ddps + self.fsdp_launches(world).len();
+                let references: usize = self
+                    .runs_per_cell(model, world)
+                    .iter()
+                    .map(|(_, runs)| runs)
+                    .sum();
+                n += references + self.fsdp_launches(model, world).len();
             }
         }
         n
     }
 
-    /// The selected FSDP configurations that run at `world_size` (hybrid shard skips odd
-    /// sizes), in row order.
-    fn fsdp_launches(&self, world_size: usize) -> Vec<Config> {
+    /// Why `config` launches nothing for model `model` (an index into `models`) at
+    /// `world_size`, if it does not: hybrid shard at a size that does not split, or FSDP
+    /// mixed precision on a model with rank-local parameters. Its rows are skipped with
+    /// this reason.
+    fn launch_blocker(&self, model: usize, config: Config, world_size: usize) -> Option<String> {
+        config.world_blocker(world_size).or_else(|| {
+            match (config.fsdp_config(), &self.mixed_blockers[model]) {
+                (Some(f), Some(reason)) if f.precision.is_some() => {
+                    Some(format!("{NO_MIXED}: {reason}"))
+                }
+                _ => None,
+            }
+        })
+    }
+
+    /// The selected FSDP configurations that run for model `model` at `world_size`, in row
+    /// order.
+    fn fsdp_launches(&self, model: usize, world_size: usize) -> Vec<Config> {
         self.configs
             .iter()
             .copied()
-            .filter(|c| c.is_fsdp() && c.world_blocker(world_size).is_none())
+            .filter(|&c| c.is_fsdp() && self.launch_blocker(model, c, world_size).is_none())
             .collect()
     }
 
-    /// (single-device runs, DDP launches) for one model at one world size. FSDP launches
-    /// come on top, one per selected FSDP configuration that runs at this size; references
-    /// are run only for configurations that launch.
-    fn runs_per_cell(&self, has_single: bool, world_size: usize) -> (usize, usize) {
-        let single = self.configs.contains(&Config::Single);
-        let ddp = self.configs.contains(&Config::Ddp);
-        let fsdp = !self.fsdp_launches(world_size).is_empty();
-        let singles = match (has_single, single, ddp || fsdp) {
-            (false, _, _) => 0,
-            (true, true, _) => 2,
-            (true, false, true) => 1,
-            (true, false, false) => 0,
+    /// The reference runs for model `model` at one world size, in run order: (configuration,
+    /// runs) for `single`, `ddp` and each `ddp.<label>`, those with no run left out. A
+    /// selected reference runs twice (its own row checks the repeat); one that is not
+    /// selected runs once if a selected configuration needs it: `single` for `ddp` and the
+    /// fp32 FSDP launches (if the model has a single-device reference), `ddp` and
+    /// `ddp.<label>` for the FSDP launches under that precision. FSDP launches come on top,
+    /// one per selected FSDP configuration that runs at this size; a configuration that
+    /// launches nothing there needs no reference.
+    fn runs_per_cell(&self, model: usize, world_size: usize) -> Vec<(Config, usize)> {
+        let has_single = self.blockers[model].is_none();
+        let launches = self.fsdp_launches(model, world_size);
+        let runs = |config: Config, needed: bool| {
+            if self.configs.contains(&config) {
+                2
+            } else {
+                usize::from(needed)
+            }
         };
-        // DDP checks itself against a repeat; FSDP needs one DDP run as its reference.
-        let ddps = match (ddp, fsdp) {
-            (true, _) => 2,
-            (false, true) => 1,
-            (false, false) => 0,
+        let needs_ddp = |reference: Config| {
+            launches
+                .iter()
+                .any(|c| c.ddp_reference() == Some(reference))
         };
-        (singles, ddps)
+        let needs_single =
+            self.configs.contains(&Config::Ddp) || launches.iter().any(|c| c.precision().is_none());
+        let mut cell = vec![
+            (
+                Config::Single,
+                if has_single {
+                    runs(Config::Single, needs_single)
+                } else {
+                    0
+                },
+            ),
+            (Config::Ddp, runs(Config::Ddp, needs_ddp(Config::Ddp))),
+        ];
+        for p in Precision::ALL {
+            let ddp = Config::DdpMixed(p);
+            cell.push((ddp, runs(ddp, needs_ddp(ddp))));
+        }
+        cell.retain(|&(_, n)| n > 0);
+        cell
     }
 }
 
@@ -690,6 +916,7 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         ));
     }
     let mut blockers = Vec::with_capacity(models.len());
+    let mut mixed_blockers = Vec::with_capacity(models.len());
     for name in &models {
         let model = zoo::build(name, opts.seed, 0)?;
         for &w in &world_sizes {
@@ -704,6 +931,7 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
             }
         }
         blockers.push(Config::Single.blocker(model.as_ref()));
+        mixed_blockers.push(fsdp_mixed_blocker(model.as_ref()));
     }
     Ok(Plan {
         models: models.into_iter().map(str::to_owned).collect(),
@@ -715,6 +943,7 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         record_grads: opts.record_grads,
         fault: opts.fault.clone(),
         blockers,
+        mixed_blockers,
     })
 }
 
@@ -875,6 +1104,9 @@ impl MatrixResult {
                         (RowStatus::Skip, Some(n)) if n.starts_with(NO_SINGLE) => {
                             format!("{NO_SINGLE} (see below)")
                         }
+                        (RowStatus::Skip, Some(n)) if n.starts_with(NO_MIXED) => {
+                            format!("{NO_MIXED} (see below)")
+                        }
                         // So is an override's reason.
                         (_, Some(n)) if n.contains(OVERRIDE) => {
                             let at = n.find(OVERRIDE).unwrap_or(0);
@@ -911,11 +1143,15 @@ impl MatrixResult {
             let refs: Vec<&str> = row.iter().map(String::as_str).collect();
             line(&mut out, &refs);
         }
-        let mut explained: Vec<&str> = Vec::new();
+        // Each model's reason once per kind of skip.
+        let mut explained: Vec<(&str, &str)> = Vec::new();
         for r in &self.rows {
-            if let (RowStatus::Skip, Some(note)) = (r.status, &r.note) {
-                if note.starts_with(NO_SINGLE) && !explained.contains(&r.model.as_str()) {
-                    explained.push(&r.model);
+            let (RowStatus::Skip, Some(note)) = (r.status, &r.note) else {
+                continue;
+            };
+            for kind in [NO_SINGLE, NO_MIXED] {
+                if note.starts_with(kind) && !explained.contains(&(r.model.as_str(), kind)) {
+                    explained.push((&r.model, kind));
                     let _ = writeln!(out, "\nskipped: model `{}` has {note}", r.model);
                 }
             }
@@ -1053,8 +1289,9 @@ impl Progress<'_> {
     }
 }
 
-/// Runs the plan: per model and world size the single-device reference (in process) and two
-/// fresh DDP launches as the selected configurations need, then the comparisons. Run
+/// Runs the plan: per model and world size the references the selected configurations need
+/// (`Plan::runs_per_cell`: the single-device reference in process, fresh DDP launches fp32
+/// and per mixed-precision policy), the FSDP launches, then the comparisons. Run
 /// failures become `Error` rows; the matrix always finishes.
 ///
 /// libtorch is set to one intra-op thread in this process: forked ranks must not inherit an
@@ -1074,9 +1311,8 @@ pub fn run(plan: &Plan, bar: &ProgressBar) -> MatrixResult {
         failed_runs: 0,
         elapsed: Duration::ZERO,
     };
-    for (model, blocker) in plan.models.iter().zip(&plan.blockers) {
+    for (m, (model, blocker)) in plan.models.iter().zip(&plan.blockers).enumerate() {
         for &world in &plan.world_sizes {
-            let (singles, ddps) = plan.runs_per_cell(blocker.is_none(), world);
             let mut run_one = |config: Config, attempt: usize, of: usize| {
                 let label = if of > 1 {
                     format!("{model} {} (run {attempt}/{of})", config.at(world))
@@ -1097,13 +1333,13 @@ pub fn run(plan: &Plan, bar: &ProgressBar) -> MatrixResult {
                 progress.finish(&label, t0.elapsed(), err);
                 outcome
             };
-            let single: Vec<Result<RunRecord, String>> = (1..=singles)
-                .map(|i| run_one(Config::Single, i, singles))
+            let references: Vec<(Config, Vec<Result<RunRecord, String>>)> = plan
+                .runs_per_cell(m, world)
+                .into_iter()
+                .map(|(c, n)| (c, (1..=n).map(|i| run_one(c, i, n)).collect()))
                 .collect();
-            let ddp: Vec<Result<RunRecord, String>> =
-                (1..=ddps).map(|i| run_one(Config::Ddp, i, ddps)).collect();
             let fsdp: Vec<(Config, Result<RunRecord, String>)> = plan
-                .fsdp_launches(world)
+                .fsdp_launches(m, world)
                 .into_iter()
                 .map(|c| (c, run_one(c, 1, 1)))
                 .collect();
@@ -1133,8 +1369,7 @@ pub fn run(plan: &Plan, bar: &ProgressBar) -> MatrixResult {
                     memory: run.and_then(|r| r.as_ref().ok()).and_then(|r| r.memory),
                     note: None,
                 };
-                let world_blocker = config.world_blocker(world);
-                match (world_blocker, run, against, policy) {
+                match (plan.launch_blocker(m, config, world), run, against, policy) {
                     (Some(reason), _, _, _) => r.note = Some(reason),
                     (None, Some(Ok(a)), Some(Ok(b)), Ok(policy)) => {
                         let c = compare(a, b, &policy);
@@ -1176,22 +1411,33 @@ pub fn run(plan: &Plan, bar: &ProgressBar) -> MatrixResult {
                 }
                 result.rows.push(r);
             };
-            if plan.configs.contains(&Config::Single) {
-                row(
-                    Config::Single,
-                    Config::Single,
-                    single.first(),
-                    single.get(1),
-                );
-            }
-            if plan.configs.contains(&Config::Ddp) {
-                row(Config::Ddp, Config::Single, ddp.first(), single.first());
-                row(Config::Ddp, Config::Ddp, ddp.first(), ddp.get(1));
-            }
-            for &config in plan.configs.iter().filter(|c| c.is_fsdp()) {
-                let run = fsdp.iter().find(|(c, _)| *c == config).map(|(_, r)| r);
-                row(config, Config::Ddp, run, ddp.first());
-                row(config, Config::Single, run, single.first());
+            // The `i`-th run of reference `config` (0: the reference, 1: its repeat).
+            let reference = |config: Config, i: usize| {
+                references
+                    .iter()
+                    .find(|(c, _)| *c == config)
+                    .and_then(|(_, runs)| runs.get(i))
+            };
+            for &config in &plan.configs {
+                match config {
+                    Config::Single | Config::DdpMixed(_) => {
+                        row(config, config, reference(config, 0), reference(config, 1));
+                    }
+                    Config::Ddp => {
+                        let ddp = reference(Config::Ddp, 0);
+                        row(config, Config::Single, ddp, reference(Config::Single, 0));
+                        row(config, config, ddp, reference(Config::Ddp, 1));
+                    }
+                    Config::Fsdp(id) => {
+                        let run = fsdp.iter().find(|(c, _)| *c == config).map(|(_, r)| r);
+                        let ddp = id.get().ddp_reference();
+                        row(config, ddp, run, reference(ddp, 0));
+                        // Mixed precision has no row against single (module doc).
+                        if config.precision().is_none() {
+                            row(config, Config::Single, run, reference(Config::Single, 0));
+                        }
+                    }
+                }
             }
         }
     }
@@ -1209,7 +1455,7 @@ fn spec(model: &str, config: Config, world_size: usize, plan: &Plan) -> RunSpec 
             Config::Single => "none".into(),
             _ => "cpu".into(),
         },
-        dtype: "fp32".into(),
+        dtype: config.precision().map_or("fp32", Precision::label).into(),
         steps: plan.steps,
         seed: plan.seed,
     }
@@ -1231,7 +1477,8 @@ fn run_single(model: &str, world_size: usize, plan: &Plan) -> Result<RunRecord, 
 }
 
 /// One fresh DDP or FSDP launch; rank 0's record comes back through a temporary JSON file.
-/// The planted fault (if any) goes into DDP runs only: FSDP runs are checked against DDP.
+/// The planted fault (if any) goes into DDP runs only (mixed precision included): FSDP runs
+/// are checked against DDP.
 fn run_parallel(
     model: &str,
     config: Config,
@@ -1268,10 +1515,11 @@ fn run_parallel(
             None => {
                 let opts = DdpOptions {
                     fault: plan.fault.clone(),
+                    mixed_precision: config.precision().map(Precision::policy),
                     ..DdpOptions::default()
                 };
                 let mut record = train_ddp(built.as_ref(), ctx.group(), &cfg, opts)
-                    .map_err(|e| format!("ddp: {e}"))?;
+                    .map_err(|e| format!("{}: {e}", config.name()))?;
                 record.memory = Some(replica_memory(built.as_ref()));
                 record
             }
@@ -1346,16 +1594,21 @@ pub fn render_list(seed: u64) -> Result<String, MatrixError> {
             name,
             m.num_parameters(),
             m.single_device_reference_blocker(),
+            fsdp_mixed_blocker(m.as_ref()),
         ));
     }
     let configs = Config::all();
     let width = configs.iter().map(|c| c.name().len()).max().unwrap_or(0) + 2;
     let mut out = String::from("configs:\n");
-    for c in configs {
+    for &c in &configs {
         let applies: Vec<&str> = models
             .iter()
-            .filter(|(_, _, blocker)| c != Config::Single || blocker.is_none())
-            .map(|(n, _, _)| *n)
+            .filter(|(_, _, single, mixed)| match c {
+                Config::Single => single.is_none(),
+                Config::Fsdp(_) if c.precision().is_some() => mixed.is_none(),
+                _ => true,
+            })
+            .map(|(n, _, _, _)| *n)
             .collect();
         let _ = writeln!(out, "  {:<width$}{}", c.name(), c.description());
         let _ = writeln!(out, "  {:<width$}models: {}", "", applies.join(", "));
@@ -1371,12 +1624,25 @@ pub fn render_list(seed: u64) -> Result<String, MatrixError> {
             let _ = writeln!(out, "  {:<width$}override vs ddp: {reason}", "");
         }
     }
+    let mixed: Vec<&str> = configs
+        .iter()
+        .filter(|c| c.precision().is_some())
+        .map(|c| c.name())
+        .collect();
+    let _ = writeln!(
+        out,
+        "mixed precision ({}): not compared with single: {MIXED_VS_SINGLE_REASON}",
+        mixed.join(", ")
+    );
     out.push_str("models:\n");
-    for (name, params, blocker) in &models {
-        let note = match blocker {
+    for (name, params, blocker, mixed) in &models {
+        let mut note = match blocker {
             None => "single + ddp + fsdp".to_owned(),
             Some(reason) => format!("ddp + fsdp only (no single-device reference: {reason})"),
         };
+        if let Some(reason) = mixed {
+            let _ = write!(note, "; {NO_MIXED}: {reason}");
+        }
         let _ = writeln!(out, "  {name:<16}{params:>8} params  {note}");
     }
     Ok(out)

@@ -2,7 +2,7 @@
 //! set on disk), plus the library's name matching and planning.
 
 use lockstep::harness::report::{read_json, SCHEMA_VERSION};
-use lockstep::matrix::{self, Config, DdpCheck, MatrixError, MatrixOptions};
+use lockstep::matrix::{self, Config, DdpCheck, MatrixError, MatrixOptions, Precision};
 use lockstep_core::fsdp::{BackwardPrefetch, ShardingStrategy, WrapPolicy};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -144,7 +144,16 @@ fn models_without_a_single_reference_get_ddp_rows_and_a_reason() {
         .iter()
         .map(|c| (c.config.as_str(), c.reference.as_str()))
         .collect();
-    assert_eq!(keys, [("ddp@2", "ddp@2")]);
+    // `ddp*` selects the mixed-precision DDP references too: each against its repeat only.
+    assert_eq!(
+        keys,
+        [
+            ("ddp@2", "ddp@2"),
+            ("ddp.bf16@2", "ddp.bf16@2"),
+            ("ddp.fp16@2", "ddp.fp16@2")
+        ]
+    );
+    assert!(run.stdout.contains("matrix: 6 runs in "), "{}", run.stdout);
 }
 
 #[test]
@@ -167,9 +176,36 @@ fn list_prints_configs_and_models() {
         "fsdp.no_shard ",
         "fsdp.full_shard.per_layer ",
         "fsdp.hybrid_shard ",
+        "ddp.bf16 ",
+        "ddp.fp16 ",
+        "fsdp.full_shard.bf16 ",
+        "fsdp.full_shard.per_layer.fp16 ",
     ] {
         assert!(run.stdout.contains(fsdp), "{fsdp} missing:\n{}", run.stdout);
     }
+    // Mixed precision: why there is no row against single, once; and the model FSDP mixed
+    // precision cannot run (rank-local parameters) is left out of those configs' models.
+    assert_eq!(
+        run.stdout.matches(matrix::MIXED_VS_SINGLE_REASON).count(),
+        1,
+        "{}",
+        run.stdout
+    );
+    let models_of = |config: &str| {
+        let mut lines = run.stdout.lines();
+        lines
+            .find(|l| l.trim_start().starts_with(&format!("{config} ")))
+            .unwrap();
+        lines.next().unwrap().trim().to_owned()
+    };
+    assert!(!models_of("fsdp.full_shard.bf16").contains("moe,"));
+    assert!(models_of("ddp.bf16").contains("moe,"));
+    assert!(
+        run.stdout
+            .contains("no FSDP mixed precision: FSDP ignores its rank-local parameters"),
+        "{}",
+        run.stdout
+    );
     assert!(
         run.stdout.contains(&format!(
             "override vs ddp: {}",
@@ -303,9 +339,11 @@ fn plan_selects_expands_and_counts_runs() {
     assert_eq!(plan.world_sizes, [2, 4]);
     assert_eq!(plan.configs, Config::all());
     let fsdp = Config::fsdp().len();
-    // gpt and gpt_moe: 2 single + 2 ddp + every fsdp config per world size (hybrid runs at
-    // 2 and 4); moe: 2 ddp + every fsdp config.
-    assert_eq!(plan.run_count(), 2 * (2 * (4 + fsdp) + (2 + fsdp)));
+    let mixed = MIXED_NAMES.len();
+    // gpt and gpt_moe: 2 single + 2 ddp + 2 ddp.bf16 + 2 ddp.fp16 + every fsdp config per
+    // world size (hybrid runs at 2 and 4); moe: the 6 ddp runs + every fp32 fsdp config (FSDP
+    // mixed precision cannot run its rank-local expert).
+    assert_eq!(plan.run_count(), 2 * (2 * (8 + fsdp) + (6 + fsdp - mixed)));
 
     let fsdp_only = matrix::plan(&MatrixOptions {
         models: vec!["nested".into(), "moe".into()],
@@ -315,8 +353,9 @@ fn plan_selects_expands_and_counts_runs() {
     })
     .unwrap();
     assert_eq!(fsdp_only.configs, Config::fsdp());
-    // nested: 1 single + 1 ddp reference + every fsdp config; moe: 1 ddp + every fsdp config.
-    assert_eq!(fsdp_only.run_count(), (2 + fsdp) + (1 + fsdp));
+    // nested: 1 single + 1 ddp + 1 ddp.bf16 + 1 ddp.fp16 reference + every fsdp config; moe:
+    // 1 ddp + every fp32 fsdp config (no mixed-precision launch, so no ddp.bf16/fp16 either).
+    assert_eq!(fsdp_only.run_count(), (4 + fsdp) + (1 + fsdp - mixed));
 
     // At an odd world size hybrid shard launches nothing, and alone needs no references.
     let odd = |configs: &str| {
@@ -330,7 +369,7 @@ fn plan_selects_expands_and_counts_runs() {
         .run_count()
     };
     assert_eq!(odd("fsdp.hybrid_shard"), 0);
-    assert_eq!(odd("fsdp.*"), 2 + fsdp - 2);
+    assert_eq!(odd("fsdp.*"), 4 + fsdp - 2);
 
     let ddp_only = matrix::plan(&MatrixOptions {
         models: vec!["nested".into()],
@@ -342,6 +381,33 @@ fn plan_selects_expands_and_counts_runs() {
     // The single-device reference still runs once: ddp is compared against it.
     assert_eq!(ddp_only.run_count(), 3);
 
+    // Mixed precision needs its own DDP reference once, and no single-device reference; a
+    // selected `ddp.bf16` runs twice (its repeat), and serves the FSDP configs too.
+    let count = |models: &str, configs: &str| {
+        matrix::plan(&MatrixOptions {
+            models: vec![models.into()],
+            configs: vec![configs.into()],
+            world_sizes: vec![2, 4],
+            ..MatrixOptions::default()
+        })
+        .unwrap()
+        .run_count()
+    };
+    assert_eq!(count("nested", "fsdp.*.bf16"), 2 * (1 + 3));
+    assert_eq!(count("nested", "fsdp.*.fp16"), 2 * (1 + 1));
+    assert_eq!(count("nested", "ddp.bf16"), 2 * 2);
+    assert_eq!(
+        count("nested", "ddp.bf16,fsdp.full_shard.bf16"),
+        2 * (2 + 1)
+    );
+    assert_eq!(count("nested", "ddp.*"), 2 * (2 + 2));
+    assert_eq!(
+        count("nested", "fsdp.full_shard,fsdp.full_shard.bf16"),
+        2 * 5
+    );
+    assert_eq!(count("moe", "fsdp.*.bf16"), 0);
+    assert_eq!(count("moe", "ddp.bf16,fsdp.*.bf16"), 2 * 2);
+
     let err = matrix::plan(&MatrixOptions {
         steps: 0,
         ..MatrixOptions::default()
@@ -350,9 +416,17 @@ fn plan_selects_expands_and_counts_runs() {
     assert!(matches!(err, MatrixError::InvalidOption(_)), "{err}");
 }
 
-/// The FSDP names the matrix must offer: the original four (kept stable for users and CI)
-/// and one per FSDP option.
-const FSDP_NAMES: [&str; 15] = [
+/// The mixed-precision FSDP names, with the DDP reference each is judged against.
+const MIXED_NAMES: [(&str, &str); 4] = [
+    ("fsdp.full_shard.bf16", "ddp.bf16"),
+    ("fsdp.full_shard.per_layer.bf16", "ddp.bf16"),
+    ("fsdp.shard_grad_op.per_layer.bf16", "ddp.bf16"),
+    ("fsdp.full_shard.per_layer.fp16", "ddp.fp16"),
+];
+
+/// The FSDP names the matrix must offer: the original four (kept stable for users and CI),
+/// one per FSDP option, then the mixed-precision ones.
+const FSDP_NAMES: [&str; 19] = [
     "fsdp.full_shard",
     "fsdp.shard_grad_op",
     "fsdp.no_shard",
@@ -368,6 +442,10 @@ const FSDP_NAMES: [&str; 15] = [
     "fsdp.full_shard.no_sync_module_states",
     "fsdp.hybrid_shard",
     "fsdp.hybrid_shard.per_layer",
+    "fsdp.full_shard.bf16",
+    "fsdp.full_shard.per_layer.bf16",
+    "fsdp.shard_grad_op.per_layer.bf16",
+    "fsdp.full_shard.per_layer.fp16",
 ];
 
 #[test]
@@ -422,6 +500,69 @@ fn every_fsdp_config_resolves_by_name_and_fsdp_star_selects_them_all() {
         opts("fsdp.hybrid_shard").strategy,
         ShardingStrategy::HybridShard
     );
+    assert_eq!(
+        opts("fsdp.shard_grad_op.per_layer.bf16").strategy,
+        ShardingStrategy::ShardGradOp
+    );
+    assert_eq!(opts("fsdp.full_shard.bf16").wrap, WrapPolicy::Root);
+    assert_eq!(
+        opts("fsdp.full_shard.per_layer.fp16").wrap,
+        WrapPolicy::PerLayer
+    );
+    // Mixed precision: the options carry the policy, and the DDP reference is the same
+    // policy's (`ddp.bf16`, itself a config users can select); the rest are fp32 against
+    // `ddp`.
+    for c in Config::fsdp() {
+        let f = c.fsdp_config().unwrap();
+        let expected = MIXED_NAMES.iter().find(|(n, _)| *n == c.name());
+        assert_eq!(
+            f.options.mixed_precision,
+            f.precision.map(Precision::policy),
+            "{}",
+            c.name()
+        );
+        assert_eq!(
+            c.ddp_reference().map(Config::name),
+            Some(expected.map_or("ddp", |(_, r)| *r)),
+            "{}",
+            c.name()
+        );
+        assert_eq!(f.precision.is_some(), expected.is_some(), "{}", c.name());
+    }
+    for p in Precision::ALL {
+        let ddp = Config::by_name(p.ddp_name()).unwrap();
+        assert_eq!(ddp, Config::DdpMixed(p));
+        assert_eq!(ddp.precision(), Some(p));
+        assert_eq!(p.label(), p.policy().label());
+        assert_eq!(ddp.name(), format!("ddp.{}", p.label()));
+    }
+    let ddp_star = matrix::plan(&MatrixOptions {
+        configs: vec!["ddp.*".into()],
+        ..MatrixOptions::default()
+    })
+    .unwrap();
+    assert_eq!(
+        ddp_star.configs,
+        [
+            Config::DdpMixed(Precision::Bf16),
+            Config::DdpMixed(Precision::Fp16)
+        ]
+    );
+    let bf16 = matrix::plan(&MatrixOptions {
+        configs: vec!["*.bf16".into()],
+        ..MatrixOptions::default()
+    })
+    .unwrap();
+    let names: Vec<&str> = bf16.configs.iter().map(|c| c.name()).collect();
+    assert_eq!(
+        names,
+        [
+            "ddp.bf16",
+            "fsdp.full_shard.bf16",
+            "fsdp.full_shard.per_layer.bf16",
+            "fsdp.shard_grad_op.per_layer.bf16"
+        ]
+    );
     // Only hybrid shard is judged against DDP by the dtype table, and says why.
     for c in Config::fsdp() {
         let f = c.fsdp_config().unwrap();
@@ -466,10 +607,12 @@ fn fsdp_configs_match_ddp_bitwise_and_single_within_tolerance() {
     );
     assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
     let n = FSDP_NAMES.len();
-    // Per model: one single-device and one DDP reference run, one launch per FSDP config.
+    let fp32 = n - MIXED_NAMES.len();
+    // Per model: one single-device, one DDP, one DDP-bf16 and one DDP-fp16 reference run,
+    // one launch per FSDP config.
     assert!(
         run.stderr
-            .contains(&format!("matrix: {} runs in ", 2 * (2 + n))),
+            .contains(&format!("matrix: {} runs in ", 2 * (4 + n))),
         "{}",
         run.stderr
     );
@@ -481,12 +624,20 @@ fn fsdp_configs_match_ddp_bitwise_and_single_within_tolerance() {
         .iter()
         .map(|c| (c.model.as_str(), c.config.as_str(), c.reference.as_str()))
         .collect();
-    assert_eq!(keys.len(), 2 * n * 2, "{keys:?}");
+    // fp32 configs against ddp and single; mixed precision against DDP under its policy only.
+    let rows_per_model = 2 * fp32 + MIXED_NAMES.len();
+    assert_eq!(keys.len(), 2 * rows_per_model, "{keys:?}");
     for model in ["nested", "mlp"] {
         for name in FSDP_NAMES {
             let config = format!("{name}@2");
-            assert!(keys.contains(&(model, &config, "ddp@2")), "{keys:?}");
-            assert!(keys.contains(&(model, &config, "single@2")), "{keys:?}");
+            let mixed = MIXED_NAMES.iter().find(|(n, _)| *n == name);
+            let ddp = format!("{}@2", mixed.map_or("ddp", |(_, r)| *r));
+            assert!(keys.contains(&(model, &config, &ddp)), "{keys:?}");
+            assert_eq!(
+                keys.contains(&(model, &config, "single@2")),
+                mixed.is_none(),
+                "{keys:?}"
+            );
             assert!(
                 run.stderr.contains(&format!("{config} ")),
                 "no {config} row:\n{}",
@@ -495,8 +646,19 @@ fn fsdp_configs_match_ddp_bitwise_and_single_within_tolerance() {
         }
     }
     // Against DDP the rows are bitwise (hybrid: the dtype table by a recorded override; at
-    // world 2 its shard groups are single ranks, so it is exact too).
-    for c in report.comparisons.iter().filter(|c| c.reference == "ddp@2") {
+    // world 2 its shard groups are single ranks, so it is exact too); mixed-precision runs
+    // say their dtype.
+    for c in report
+        .comparisons
+        .iter()
+        .filter(|c| c.reference.starts_with("ddp"))
+    {
+        let dtype = MIXED_NAMES
+            .iter()
+            .find(|(n, _)| c.config == format!("{n}@2"))
+            .map_or("fp32", |(_, r)| &r[4..]);
+        assert_eq!(c.run_spec.dtype, dtype, "{} {}", c.model, c.config);
+        assert_eq!(c.reference_spec.dtype, dtype, "{} {}", c.model, c.config);
         assert_eq!(c.overall().max_abs_err, 0.0, "{} {}", c.model, c.config);
         assert_eq!(
             c.override_reason.is_some(),
@@ -538,7 +700,7 @@ fn fsdp_configs_match_ddp_bitwise_and_single_within_tolerance() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(rows.len(), 2 * n * 2);
+    assert_eq!(rows.len(), 2 * rows_per_model);
     for row in &rows {
         assert!(row["memory"]["full_param_bytes_peak"].is_u64(), "{row}");
     }
@@ -648,6 +810,122 @@ fn hybrid_shard_runs_on_even_worlds_with_its_reason_and_skips_odd_ones() {
         2,
         "{junit}"
     );
+}
+
+/// Mixed-precision FSDP at world 2 against DDP under the same policy: bitwise, one DDP
+/// reference launch per policy, no single-device run or row; `moe` (rank-local expert, which
+/// FSDP leaves out of the policy) is skipped with the reason and launches nothing.
+#[test]
+fn mixed_precision_fsdp_matches_ddp_under_the_same_policy_bitwise() {
+    let scratch = Scratch::new("mixed");
+    let run = matrix_into(
+        &scratch.0,
+        &[
+            "--models",
+            "nested,transformer_bn,moe",
+            "--configs",
+            "fsdp.full_shard.bf16,fsdp.shard_grad_op.per_layer.bf16,\
+             fsdp.full_shard.per_layer.fp16",
+            "--world-size",
+            "2",
+            "--steps",
+            "2",
+            "--json",
+        ],
+    );
+    assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
+    // nested and transformer_bn: ddp.bf16 + ddp.fp16 + 3 FSDP launches; moe: nothing.
+    assert!(run.stderr.contains("matrix: 10 runs in "), "{}", run.stderr);
+    assert!(!run.stderr.contains("single@2"), "{}", run.stderr);
+    let rows: Vec<serde_json::Value> = run
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 3 * 3, "{rows:?}");
+    for row in &rows {
+        let config = row["config"].as_str().unwrap();
+        let reference = if config.contains(".fp16@") {
+            "ddp.fp16@2"
+        } else {
+            "ddp.bf16@2"
+        };
+        assert_eq!(row["reference"], reference, "{row}");
+        if row["model"] == "moe" {
+            assert_eq!(row["status"], "skip", "{row}");
+            let note = row["note"].as_str().unwrap();
+            assert!(
+                note.starts_with("no FSDP mixed precision: FSDP ignores its rank-local")
+                    && note.contains("module.2.weight"),
+                "{row}"
+            );
+        } else {
+            assert_eq!(row["status"], "pass", "{row}");
+            assert_eq!(row["mode"], "bitwise", "{row}");
+            assert_eq!(row["max_abs_err"], 0.0, "{row}");
+            assert!(row["note"].is_null(), "{row}");
+            assert!(row["memory"]["shard_bytes"].is_u64(), "{row}");
+        }
+    }
+    assert!(
+        run.stderr
+            .contains("skipped: model `moe` has no FSDP mixed precision"),
+        "{}",
+        run.stderr
+    );
+    let report = read_json(&scratch.0.join("report.json")).unwrap();
+    assert!(report.passed());
+    assert_eq!(report.comparisons.len(), 2 * 3);
+    for c in &report.comparisons {
+        let label = if c.config.contains(".fp16@") {
+            "fp16"
+        } else {
+            "bf16"
+        };
+        assert_eq!(c.reference, format!("ddp.{label}@2"));
+        assert_eq!(c.run_spec.dtype, label);
+        assert_eq!(c.reference_spec.dtype, label);
+        assert!(c.override_reason.is_none(), "{}", c.config);
+        assert_eq!(c.overall().max_abs_err, 0.0, "{} {}", c.model, c.config);
+    }
+}
+
+/// `ddp.bf16` selected on its own: two launches, checked against its repeat bitwise, and no
+/// single-device run (mixed precision is not compared with it).
+#[test]
+fn ddp_bf16_alone_passes_its_repeat() {
+    let scratch = Scratch::new("ddp-bf16");
+    let run = matrix_into(
+        &scratch.0,
+        &[
+            "--models",
+            "gpt",
+            "--configs",
+            "ddp.bf16",
+            "--world-size",
+            "2",
+            "--steps",
+            "2",
+        ],
+    );
+    assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
+    assert!(run.stdout.contains("matrix: 2 runs in "), "{}", run.stdout);
+    assert!(
+        run.stdout.contains("ddp.bf16@2  ddp.bf16@2      2  PASS"),
+        "{}",
+        run.stdout
+    );
+    let report = read_json(&scratch.0.join("report.json")).unwrap();
+    assert_eq!(report.comparisons.len(), 1);
+    let c = &report.comparisons[0];
+    assert!(c.passed, "{:?}", c.diagnosis);
+    assert_eq!(
+        (c.config.as_str(), c.reference.as_str()),
+        ("ddp.bf16@2", "ddp.bf16@2")
+    );
+    assert_eq!(c.run_spec.dtype, "bf16");
+    assert_eq!(c.overall().max_abs_err, 0.0);
+    assert!(c.override_reason.is_none());
 }
 
 #[test]
