@@ -22,8 +22,8 @@
 //!   per-element tolerance bounds that ([`MIXED_VS_SINGLE_REASON`], printed by `--list`);
 //! - `ddp.bf16@N` and `ddp.fp16@N` (DDP under [`Precision`]'s policy), when selected
 //!   themselves, against a fresh repeat of themselves in bitwise mode, and likewise not
-//!   against `single@N`. FSDP mixed precision on a model with rank-local parameters
-//!   (`moe`) is skipped with the reason ([`fsdp_mixed_blocker`]) and nothing is launched.
+//!   against `single@N`. Rank-local parameters (`moe`'s expert), which FSDP ignores, are
+//!   cast to the compute dtype for forward like every other parameter, so every model runs.
 //!
 //! The FSDP configurations are a table ([`fsdp_configs`]): name, description, options,
 //! layout (flat or hybrid), how it is judged against DDP and its mixed-precision policy;
@@ -78,9 +78,6 @@ pub const MAX_WORLD_SIZE: usize = 64;
 
 /// How a row skipped for want of a single-device reference begins its note.
 const NO_SINGLE: &str = "no single-device reference";
-
-/// How a row skipped because FSDP mixed precision cannot run the model begins its note.
-const NO_MIXED: &str = "no FSDP mixed precision";
 
 /// How a row note names the tolerance override in force (followed by `: reason`).
 const OVERRIDE: &str = "tolerance override";
@@ -642,29 +639,6 @@ impl Config {
     }
 }
 
-/// Why FSDP under a mixed-precision policy cannot run `model`, if it cannot: FSDP ignores
-/// rank-local parameters (never sharded, reduced or cast), so they stay fp32 while the
-/// policy casts their layer's inputs to the compute dtype, and the layer fails on mixed
-/// dtypes (`moe`'s per-rank expert). A limitation of `lockstep_core::fsdp`, not of the
-/// policy: DDP under the same policy casts every parameter and runs, so `ddp.bf16` still has
-/// its rows on such a model. Its FSDP mixed-precision rows are skipped with this reason.
-pub fn fsdp_mixed_blocker(model: &dyn Model) -> Option<String> {
-    let tags = model.tags();
-    let local: Vec<String> = distinct_parameters(model.named_parameters())
-        .into_iter()
-        .map(|(name, _)| name)
-        .filter(|name| tags.is_rank_local(name))
-        .collect();
-    (!local.is_empty()).then(|| {
-        format!(
-            "FSDP ignores its rank-local parameters ({}), which stay fp32 while their \
-             layer's inputs are cast to the compute dtype (a lockstep_core::fsdp limitation; \
-             ddp.bf16 and ddp.fp16 run)",
-            local.join(", ")
-        )
-    })
-}
-
 /// What the user asked for; [`plan`] validates it.
 #[derive(Clone, Debug)]
 pub struct MatrixOptions {
@@ -723,9 +697,6 @@ pub struct Plan {
     pub fault: Option<Fault>,
     /// Per model: why it has no single-device reference, if it has none.
     blockers: Vec<Option<String>>,
-    /// Per model: why FSDP under a mixed-precision policy cannot run it, if it cannot
-    /// ([`fsdp_mixed_blocker`]).
-    mixed_blockers: Vec<Option<String>>,
 }
 
 impl Plan {
@@ -739,34 +710,25 @@ impl Plan {
                     .iter()
                     .map(|(_, runs)| runs)
                     .sum();
-                n += references + self.fsdp_launches(model, world).len();
+                n += references + self.fsdp_launches(world).len();
             }
         }
         n
     }
 
-    /// Why `config` launches nothing for model `model` (an index into `models`) at
-    /// `world_size`, if it does not: hybrid shard at a size that does not split, or FSDP
-    /// mixed precision on a model with rank-local parameters. Its rows are skipped with
-    /// this reason.
-    fn launch_blocker(&self, model: usize, config: Config, world_size: usize) -> Option<String> {
-        config.world_blocker(world_size).or_else(|| {
-            match (config.fsdp_config(), &self.mixed_blockers[model]) {
-                (Some(f), Some(reason)) if f.precision.is_some() => {
-                    Some(format!("{NO_MIXED}: {reason}"))
-                }
-                _ => None,
-            }
-        })
+    /// Why `config` launches nothing at `world_size`, if it does not: hybrid shard at a
+    /// size that does not split. Its rows are skipped with this reason.
+    fn launch_blocker(&self, config: Config, world_size: usize) -> Option<String> {
+        config.world_blocker(world_size)
     }
 
-    /// The selected FSDP configurations that run for model `model` at `world_size`, in row
+    /// The selected FSDP configurations that run at `world_size`, in row
     /// order.
-    fn fsdp_launches(&self, model: usize, world_size: usize) -> Vec<Config> {
+    fn fsdp_launches(&self, world_size: usize) -> Vec<Config> {
         self.configs
             .iter()
             .copied()
-            .filter(|&c| c.is_fsdp() && self.launch_blocker(model, c, world_size).is_none())
+            .filter(|&c| c.is_fsdp() && self.launch_blocker(c, world_size).is_none())
             .collect()
     }
 
@@ -780,7 +742,7 @@ impl Plan {
     /// launches nothing there needs no reference.
     fn runs_per_cell(&self, model: usize, world_size: usize) -> Vec<(Config, usize)> {
         let has_single = self.blockers[model].is_none();
-        let launches = self.fsdp_launches(model, world_size);
+        let launches = self.fsdp_launches(world_size);
         let runs = |config: Config, needed: bool| {
             if self.configs.contains(&config) {
                 2
@@ -916,7 +878,6 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         ));
     }
     let mut blockers = Vec::with_capacity(models.len());
-    let mut mixed_blockers = Vec::with_capacity(models.len());
     for name in &models {
         let model = zoo::build(name, opts.seed, 0)?;
         for &w in &world_sizes {
@@ -931,7 +892,6 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
             }
         }
         blockers.push(Config::Single.blocker(model.as_ref()));
-        mixed_blockers.push(fsdp_mixed_blocker(model.as_ref()));
     }
     Ok(Plan {
         models: models.into_iter().map(str::to_owned).collect(),
@@ -943,7 +903,6 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         record_grads: opts.record_grads,
         fault: opts.fault.clone(),
         blockers,
-        mixed_blockers,
     })
 }
 
@@ -1104,9 +1063,6 @@ impl MatrixResult {
                         (RowStatus::Skip, Some(n)) if n.starts_with(NO_SINGLE) => {
                             format!("{NO_SINGLE} (see below)")
                         }
-                        (RowStatus::Skip, Some(n)) if n.starts_with(NO_MIXED) => {
-                            format!("{NO_MIXED} (see below)")
-                        }
                         // So is an override's reason.
                         (_, Some(n)) if n.contains(OVERRIDE) => {
                             let at = n.find(OVERRIDE).unwrap_or(0);
@@ -1149,7 +1105,7 @@ impl MatrixResult {
             let (RowStatus::Skip, Some(note)) = (r.status, &r.note) else {
                 continue;
             };
-            for kind in [NO_SINGLE, NO_MIXED] {
+            for kind in [NO_SINGLE] {
                 if note.starts_with(kind) && !explained.contains(&(r.model.as_str(), kind)) {
                     explained.push((&r.model, kind));
                     let _ = writeln!(out, "\nskipped: model `{}` has {note}", r.model);
@@ -1339,7 +1295,7 @@ pub fn run(plan: &Plan, bar: &ProgressBar) -> MatrixResult {
                 .map(|(c, n)| (c, (1..=n).map(|i| run_one(c, i, n)).collect()))
                 .collect();
             let fsdp: Vec<(Config, Result<RunRecord, String>)> = plan
-                .fsdp_launches(m, world)
+                .fsdp_launches(world)
                 .into_iter()
                 .map(|c| (c, run_one(c, 1, 1)))
                 .collect();
@@ -1369,7 +1325,7 @@ pub fn run(plan: &Plan, bar: &ProgressBar) -> MatrixResult {
                     memory: run.and_then(|r| r.as_ref().ok()).and_then(|r| r.memory),
                     note: None,
                 };
-                match (plan.launch_blocker(m, config, world), run, against, policy) {
+                match (plan.launch_blocker(config, world), run, against, policy) {
                     (Some(reason), _, _, _) => r.note = Some(reason),
                     (None, Some(Ok(a)), Some(Ok(b)), Ok(policy)) => {
                         let c = compare(a, b, &policy);
@@ -1594,7 +1550,6 @@ pub fn render_list(seed: u64) -> Result<String, MatrixError> {
             name,
             m.num_parameters(),
             m.single_device_reference_blocker(),
-            fsdp_mixed_blocker(m.as_ref()),
         ));
     }
     let configs = Config::all();
@@ -1603,12 +1558,11 @@ pub fn render_list(seed: u64) -> Result<String, MatrixError> {
     for &c in &configs {
         let applies: Vec<&str> = models
             .iter()
-            .filter(|(_, _, single, mixed)| match c {
+            .filter(|(_, _, single)| match c {
                 Config::Single => single.is_none(),
-                Config::Fsdp(_) if c.precision().is_some() => mixed.is_none(),
                 _ => true,
             })
-            .map(|(n, _, _, _)| *n)
+            .map(|(n, _, _)| *n)
             .collect();
         let _ = writeln!(out, "  {:<width$}{}", c.name(), c.description());
         let _ = writeln!(out, "  {:<width$}models: {}", "", applies.join(", "));
@@ -1635,14 +1589,11 @@ pub fn render_list(seed: u64) -> Result<String, MatrixError> {
         mixed.join(", ")
     );
     out.push_str("models:\n");
-    for (name, params, blocker, mixed) in &models {
-        let mut note = match blocker {
+    for (name, params, blocker) in &models {
+        let note = match blocker {
             None => "single + ddp + fsdp".to_owned(),
             Some(reason) => format!("ddp + fsdp only (no single-device reference: {reason})"),
         };
-        if let Some(reason) = mixed {
-            let _ = write!(note, "; {NO_MIXED}: {reason}");
-        }
         let _ = writeln!(out, "  {name:<16}{params:>8} params  {note}");
     }
     Ok(out)

@@ -198,14 +198,9 @@ fn list_prints_configs_and_models() {
             .unwrap();
         lines.next().unwrap().trim().to_owned()
     };
-    assert!(!models_of("fsdp.full_shard.bf16").contains("moe,"));
+    assert!(models_of("fsdp.full_shard.bf16").contains("moe,"));
     assert!(models_of("ddp.bf16").contains("moe,"));
-    assert!(
-        run.stdout
-            .contains("no FSDP mixed precision: FSDP ignores its rank-local parameters"),
-        "{}",
-        run.stdout
-    );
+    assert!(!run.stdout.contains("no FSDP mixed precision"));
     assert!(
         run.stdout.contains(&format!(
             "override vs ddp: {}",
@@ -339,11 +334,10 @@ fn plan_selects_expands_and_counts_runs() {
     assert_eq!(plan.world_sizes, [2, 4]);
     assert_eq!(plan.configs, Config::all());
     let fsdp = Config::fsdp().len();
-    let mixed = MIXED_NAMES.len();
     // gpt and gpt_moe: 2 single + 2 ddp + 2 ddp.bf16 + 2 ddp.fp16 + every fsdp config per
-    // world size (hybrid runs at 2 and 4); moe: the 6 ddp runs + every fp32 fsdp config (FSDP
-    // mixed precision cannot run its rank-local expert).
-    assert_eq!(plan.run_count(), 2 * (2 * (8 + fsdp) + (6 + fsdp - mixed)));
+    // world size (hybrid runs at 2 and 4); moe (no single-device reference): the 6 ddp runs +
+    // every fsdp config.
+    assert_eq!(plan.run_count(), 2 * (2 * (8 + fsdp) + (6 + fsdp)));
 
     let fsdp_only = matrix::plan(&MatrixOptions {
         models: vec!["nested".into(), "moe".into()],
@@ -354,8 +348,8 @@ fn plan_selects_expands_and_counts_runs() {
     .unwrap();
     assert_eq!(fsdp_only.configs, Config::fsdp());
     // nested: 1 single + 1 ddp + 1 ddp.bf16 + 1 ddp.fp16 reference + every fsdp config; moe:
-    // 1 ddp + every fp32 fsdp config (no mixed-precision launch, so no ddp.bf16/fp16 either).
-    assert_eq!(fsdp_only.run_count(), (4 + fsdp) + (1 + fsdp - mixed));
+    // the same without the single-device reference.
+    assert_eq!(fsdp_only.run_count(), (4 + fsdp) + (3 + fsdp));
 
     // At an odd world size hybrid shard launches nothing, and alone needs no references.
     let odd = |configs: &str| {
@@ -405,8 +399,8 @@ fn plan_selects_expands_and_counts_runs() {
         count("nested", "fsdp.full_shard,fsdp.full_shard.bf16"),
         2 * 5
     );
-    assert_eq!(count("moe", "fsdp.*.bf16"), 0);
-    assert_eq!(count("moe", "ddp.bf16,fsdp.*.bf16"), 2 * 2);
+    assert_eq!(count("moe", "fsdp.*.bf16"), 2 * (1 + 3));
+    assert_eq!(count("moe", "ddp.bf16,fsdp.*.bf16"), 2 * (2 + 3));
 
     let err = matrix::plan(&MatrixOptions {
         steps: 0,
@@ -813,8 +807,8 @@ fn hybrid_shard_runs_on_even_worlds_with_its_reason_and_skips_odd_ones() {
 }
 
 /// Mixed-precision FSDP at world 2 against DDP under the same policy: bitwise, one DDP
-/// reference launch per policy, no single-device run or row; `moe` (rank-local expert, which
-/// FSDP leaves out of the policy) is skipped with the reason and launches nothing.
+/// reference launch per policy, no single-device run or row; `moe`'s rank-local expert (which
+/// FSDP ignores) is cast like every other parameter.
 #[test]
 fn mixed_precision_fsdp_matches_ddp_under_the_same_policy_bitwise() {
     let scratch = Scratch::new("mixed");
@@ -834,8 +828,8 @@ fn mixed_precision_fsdp_matches_ddp_under_the_same_policy_bitwise() {
         ],
     );
     assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
-    // nested and transformer_bn: ddp.bf16 + ddp.fp16 + 3 FSDP launches; moe: nothing.
-    assert!(run.stderr.contains("matrix: 10 runs in "), "{}", run.stderr);
+    // Per model: ddp.bf16 + ddp.fp16 + 3 FSDP launches.
+    assert!(run.stderr.contains("matrix: 15 runs in "), "{}", run.stderr);
     assert!(!run.stderr.contains("single@2"), "{}", run.stderr);
     let rows: Vec<serde_json::Value> = run
         .stdout
@@ -851,31 +845,16 @@ fn mixed_precision_fsdp_matches_ddp_under_the_same_policy_bitwise() {
             "ddp.bf16@2"
         };
         assert_eq!(row["reference"], reference, "{row}");
-        if row["model"] == "moe" {
-            assert_eq!(row["status"], "skip", "{row}");
-            let note = row["note"].as_str().unwrap();
-            assert!(
-                note.starts_with("no FSDP mixed precision: FSDP ignores its rank-local")
-                    && note.contains("module.2.weight"),
-                "{row}"
-            );
-        } else {
-            assert_eq!(row["status"], "pass", "{row}");
-            assert_eq!(row["mode"], "bitwise", "{row}");
-            assert_eq!(row["max_abs_err"], 0.0, "{row}");
-            assert!(row["note"].is_null(), "{row}");
-            assert!(row["memory"]["shard_bytes"].is_u64(), "{row}");
-        }
+        assert_eq!(row["status"], "pass", "{row}");
+        assert_eq!(row["mode"], "bitwise", "{row}");
+        assert_eq!(row["max_abs_err"], 0.0, "{row}");
+        assert!(row["note"].is_null(), "{row}");
+        assert!(row["memory"]["shard_bytes"].is_u64(), "{row}");
     }
-    assert!(
-        run.stderr
-            .contains("skipped: model `moe` has no FSDP mixed precision"),
-        "{}",
-        run.stderr
-    );
+    assert!(!run.stderr.contains("no FSDP mixed precision"), "{}", run.stderr);
     let report = read_json(&scratch.0.join("report.json")).unwrap();
     assert!(report.passed());
-    assert_eq!(report.comparisons.len(), 2 * 3);
+    assert_eq!(report.comparisons.len(), 3 * 3);
     for c in &report.comparisons {
         let label = if c.config.contains(".fp16@") {
             "fp16"
