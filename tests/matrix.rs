@@ -851,7 +851,11 @@ fn mixed_precision_fsdp_matches_ddp_under_the_same_policy_bitwise() {
         assert!(row["note"].is_null(), "{row}");
         assert!(row["memory"]["shard_bytes"].is_u64(), "{row}");
     }
-    assert!(!run.stderr.contains("no FSDP mixed precision"), "{}", run.stderr);
+    assert!(
+        !run.stderr.contains("no FSDP mixed precision"),
+        "{}",
+        run.stderr
+    );
     let report = read_json(&scratch.0.join("report.json")).unwrap();
     assert!(report.passed());
     assert_eq!(report.comparisons.len(), 3 * 3);
