@@ -589,34 +589,28 @@ impl lockstep_models::Model for BenchGpt {
                 model: "gpt".into(),
                 reason: "expected one token tensor".into(),
             })?;
-        // Runs layer `index` of `layers()` on one input through the hooks.
-        let mut layer = |index: usize,
-                         input: Tensor,
-                         f: &dyn Fn(&Tensor) -> Result<Tensor, tch::TchError>|
-         -> Result<Tensor, ModelError> {
-            let inputs = hooks.pre_forward(index, vec![input])?;
-            let x = inputs.first().ok_or_else(|| {
-                ModelError::Hook(format!("layer {index}: a hook returned no input").into())
-            })?;
-            let out = f(x)?;
-            hooks.post_forward(index, out)
-        };
+        let mut run = lockstep_models::LayerRun::new(hooks);
         let emb = self.p("tok_embeddings.weight");
-        let tok = layer(0, tokens.shallow_clone(), &|x| {
-            Tensor::f_embedding(emb, x, -1, false, false)
+        let tok = run.layer([tokens.shallow_clone()], |[x]| {
+            Ok(Tensor::f_embedding(emb, &x, -1, false, false)?)
         })?;
         let positions = Tensor::f_arange(tokens.size()[1], (Kind::Int64, Device::Cpu))?;
-        let pos = layer(1, positions, &|x| {
-            Tensor::f_embedding(self.p("pos_embeddings.weight"), x, -1, false, false)
+        let pos = run.layer([positions], |[x]| {
+            Ok(Tensor::f_embedding(
+                self.p("pos_embeddings.weight"),
+                &x,
+                -1,
+                false,
+                false,
+            )?)
         })?;
         let mut h = tok.f_add(&pos)?;
         for i in 0..self.dims.layers {
-            h = layer(2 + i, h, &|x| self.block(x, i))?;
+            h = run.layer([h], |[x]| Ok(self.block(&x, i)?))?;
         }
-        let n = 2 + self.dims.layers;
-        let h = layer(n, h, &|x| self.norm(x, "norm"))?;
+        let h = run.layer([h], |[x]| Ok(self.norm(&x, "norm")?))?;
         // The output projection is tied to the token embedding.
-        layer(n + 1, h, &|x| x.f_linear::<Tensor>(emb, None))
+        run.layer([h], |[x]| Ok(x.f_linear::<Tensor>(emb, None)?))
     }
 
     fn loss_of(

@@ -716,19 +716,13 @@ impl Plan {
         n
     }
 
-    /// Why `config` launches nothing at `world_size`, if it does not: hybrid shard at a
-    /// size that does not split. Its rows are skipped with this reason.
-    fn launch_blocker(&self, config: Config, world_size: usize) -> Option<String> {
-        config.world_blocker(world_size)
-    }
-
     /// The selected FSDP configurations that run at `world_size`, in row
     /// order.
     fn fsdp_launches(&self, world_size: usize) -> Vec<Config> {
         self.configs
             .iter()
             .copied()
-            .filter(|&c| c.is_fsdp() && self.launch_blocker(c, world_size).is_none())
+            .filter(|&c| c.is_fsdp() && c.world_blocker(world_size).is_none())
             .collect()
     }
 
@@ -1325,7 +1319,7 @@ pub fn run(plan: &Plan, bar: &ProgressBar) -> MatrixResult {
                     memory: run.and_then(|r| r.as_ref().ok()).and_then(|r| r.memory),
                     note: None,
                 };
-                match (plan.launch_blocker(config, world), run, against, policy) {
+                match (config.world_blocker(world), run, against, policy) {
                     (Some(reason), _, _, _) => r.note = Some(reason),
                     (None, Some(Ok(a)), Some(Ok(b)), Ok(policy)) => {
                         let c = compare(a, b, &policy);

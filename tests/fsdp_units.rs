@@ -512,54 +512,13 @@ fn planted_reduced_expert_is_caught() {
     });
 }
 
-/// A model whose forward does not call the layer hooks (as a user's own model might not).
-struct Unhooked(Box<dyn Model>);
-
-impl Model for Unhooked {
-    fn name(&self) -> &str {
-        self.0.name()
-    }
-    fn rank(&self) -> usize {
-        self.0.rank()
-    }
-    fn seed(&self) -> u64 {
-        self.0.seed()
-    }
-    fn store(&self) -> &lockstep_models::ParamStore {
-        self.0.store()
-    }
-    fn layers(&self) -> Vec<lockstep_models::LayerSpec> {
-        self.0.layers()
-    }
-    fn input(
-        &self,
-        rank: usize,
-        step: usize,
-    ) -> Result<lockstep_models::Batch, lockstep_models::ModelError> {
-        self.0.input(rank, step)
-    }
-    fn forward(
-        &self,
-        batch: &lockstep_models::Batch,
-    ) -> Result<Tensor, lockstep_models::ModelError> {
-        self.0.forward(batch)
-    }
-    fn loss_of(
-        &self,
-        batch: &lockstep_models::Batch,
-        output: &Tensor,
-    ) -> Result<Tensor, lockstep_models::ModelError> {
-        self.0.loss_of(batch, output)
-    }
-}
-
 /// A model that does not call the layer hooks still trains correctly with per-layer units:
 /// every unit is gathered before forward (and nothing freed until backward is done).
 #[test]
 fn an_unhooked_forward_gathers_every_unit_first() {
     lockstep_harness::run(2, |ctx| {
         let ddp = ddp_run(ctx, "gpt");
-        let m = Unhooked(zoo::build("gpt", 0, ctx.rank()).expect("model"));
+        let m = common::Unhooked(zoo::build("gpt", 0, ctx.rank()).expect("model"));
         assert!(!m.supports_layer_hooks());
         let mut fsdp =
             Fsdp::new(&m, ctx.group(), per_layer(ShardingStrategy::FullShard)).expect("fsdp");

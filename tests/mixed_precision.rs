@@ -3,6 +3,8 @@
 //! fp32 DDP within the bf16 row of the dtype table yet visibly not fp32; BatchNorm computed
 //! and kept in fp32; clear errors for policies and models it cannot run.
 
+mod common;
+
 use lockstep_core::autograd::set_grad;
 use lockstep_core::comm::DType;
 use lockstep_core::ddp::{train_ddp, Ddp, DdpError, DdpOptions};
@@ -15,16 +17,11 @@ use lockstep_harness::parity::{
     compare, Comparison, Override, Quantity, Tolerance, TolerancePolicy,
 };
 use lockstep_harness::RankCtx;
-use lockstep_models::{
-    zoo, Batch, LayerHooks, LayerKind, LayerSpec, Model, ModelError, ParamStore,
-};
+use lockstep_models::{zoo, LayerHooks, LayerKind, LayerSpec, Model, ModelError};
 use rstest::rstest;
 use tch::{Kind, Tensor};
 
 const STEPS: usize = 4;
-
-/// The zoo models that run layer hooks.
-const HOOKED: [&str; 5] = ["nested", "transformer", "transformer_bn", "mlp", "gpt"];
 
 fn config(ctx: &RankCtx, model: &str, mp: Option<&MixedPrecision>) -> TrainConfig {
     let (config, dtype) = match mp {
@@ -624,40 +621,10 @@ fn integer_policy_is_refused_naming_the_field() {
     });
 }
 
-/// A zoo model behind a wrapper that does not run layer hooks (the trait's default).
-struct Unhooked(Box<dyn Model>);
-
-impl Model for Unhooked {
-    fn name(&self) -> &str {
-        self.0.name()
-    }
-    fn rank(&self) -> usize {
-        self.0.rank()
-    }
-    fn seed(&self) -> u64 {
-        self.0.seed()
-    }
-    fn store(&self) -> &ParamStore {
-        self.0.store()
-    }
-    fn layers(&self) -> Vec<LayerSpec> {
-        self.0.layers()
-    }
-    fn input(&self, rank: usize, step: usize) -> Result<Batch, ModelError> {
-        self.0.input(rank, step)
-    }
-    fn forward(&self, batch: &Batch) -> Result<Tensor, ModelError> {
-        self.0.forward(batch)
-    }
-    fn loss_of(&self, batch: &Batch, output: &Tensor) -> Result<Tensor, ModelError> {
-        self.0.loss_of(batch, output)
-    }
-}
-
 #[test]
 fn model_without_layer_hooks_is_refused() {
     lockstep_harness::run(2, |ctx| {
-        let m = Unhooked(zoo::build("nested", 0, ctx.rank()).expect("model"));
+        let m = common::Unhooked(zoo::build("nested", 0, ctx.rank()).expect("model"));
         assert!(!m.supports_layer_hooks());
         let opts = DdpOptions {
             mixed_precision: Some(MixedPrecision::bf16()),
@@ -676,12 +643,4 @@ fn model_without_layer_hooks_is_refused() {
             .iter()
             .all(|(_, p)| p.kind() == Kind::Float));
     });
-}
-
-#[test]
-fn every_hooked_zoo_model_supports_hooks() {
-    for name in HOOKED {
-        let m = zoo::build(name, 0, 0).expect("model");
-        assert!(m.supports_layer_hooks(), "`{name}` runs layer hooks");
-    }
 }

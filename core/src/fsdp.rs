@@ -578,22 +578,12 @@ impl Fsdp {
         self.core().full_bytes_peak
     }
 
-    /// Starts a new peak measurement from what is alive now.
-    pub fn reset_full_param_bytes_peak(&self) {
-        let mut core = self.core();
-        core.full_bytes_peak = core.full_bytes_alive;
-    }
-
     /// This rank's memory figures, for the record.
     pub fn memory_stats(&self) -> MemoryStats {
         let core = self.core();
         MemoryStats {
             full_param_bytes_peak: core.full_bytes_peak as u64,
-            shard_bytes: core
-                .units
-                .iter()
-                .map(|u| (u.shard.numel() * u.kind.elt_size_in_bytes()) as u64)
-                .sum(),
+            shard_bytes: core.shard_bytes() as u64,
             model_param_bytes: core.units.iter().map(|u| u.full_bytes(u.kind) as u64).sum(),
         }
     }
@@ -606,11 +596,7 @@ impl Fsdp {
 
     /// Bytes of this rank's master shards (what stays alive between steps).
     pub fn shard_bytes(&self) -> usize {
-        self.core()
-            .units
-            .iter()
-            .map(|u| u.shard.numel() * u.kind.elt_size_in_bytes())
-            .sum()
+        self.core().shard_bytes()
     }
 
     /// Collectives issued since construction, by purpose.
@@ -659,10 +645,7 @@ impl Fsdp {
         if core.opts.strategy == ShardingStrategy::NoShard {
             // Nothing is gathered; the parameters must follow the master copy now.
             for u in 0..core.units.len() {
-                core.units[u].residency = Residency::Sharded;
-                let alive = core.units[u].alive_bytes;
-                core.full_bytes_alive -= alive;
-                core.units[u].alive_bytes = 0;
+                core.release(u);
                 let kind = core.units[u].compute_kind;
                 core.unshard_unit(u, Gather::Params, kind)?;
             }

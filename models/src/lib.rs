@@ -15,6 +15,7 @@ pub mod zoo;
 
 pub use error::{Misshaped, ModelError};
 pub use model::{
-    Batch, ExpertParam, LayerHooks, LayerKind, LayerSpec, Model, NoHooks, ParamTags, SharedGroup,
+    Batch, ExpertParam, LayerHooks, LayerKind, LayerRun, LayerSpec, Model, NoHooks, ParamTags,
+    SharedGroup,
 };
 pub use store::ParamStore;

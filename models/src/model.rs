@@ -249,3 +249,37 @@ pub trait Model: Send {
         self.store().load(path, &name)
     }
 }
+
+/// Runs a model's layers in `layers()` order between their hooks (how a model honours the
+/// [`LayerHooks`] contract without counting indices by hand): the `i`-th call to
+/// [`LayerRun::layer`] is layer `i`, so indices cannot drift from the layer list.
+pub struct LayerRun<'a> {
+    hooks: &'a mut dyn LayerHooks,
+    next: usize,
+}
+
+impl<'a> LayerRun<'a> {
+    pub fn new(hooks: &'a mut dyn LayerHooks) -> Self {
+        LayerRun { hooks, next: 0 }
+    }
+
+    /// Runs the next layer: `pre_forward` on `inputs`, `compute` on the inputs it returns
+    /// (the only place the layer's parameters may be read), `post_forward` on the result.
+    pub fn layer<const N: usize>(
+        &mut self,
+        inputs: [Tensor; N],
+        compute: impl FnOnce([Tensor; N]) -> Result<Tensor, ModelError>,
+    ) -> Result<Tensor, ModelError> {
+        let index = self.next;
+        self.next += 1;
+        let returned = self.hooks.pre_forward(index, inputs.into())?;
+        let got = returned.len();
+        let inputs: [Tensor; N] = returned.try_into().map_err(|_| {
+            ModelError::Hook(
+                format!("pre_forward of layer {index} returned {got} inputs, expected {N}").into(),
+            )
+        })?;
+        let output = compute(inputs)?;
+        self.hooks.post_forward(index, output)
+    }
+}

@@ -315,3 +315,45 @@ pub fn train_config(
         record_grads: true,
     }
 }
+
+/// A zoo model behind a wrapper whose forward does not run the layer hooks (the trait's
+/// default), as a user's own model might not.
+pub struct Unhooked(pub Box<dyn lockstep_models::Model>);
+
+impl lockstep_models::Model for Unhooked {
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn seed(&self) -> u64 {
+        self.0.seed()
+    }
+    fn store(&self) -> &lockstep_models::ParamStore {
+        self.0.store()
+    }
+    fn layers(&self) -> Vec<lockstep_models::LayerSpec> {
+        self.0.layers()
+    }
+    fn input(
+        &self,
+        rank: usize,
+        step: usize,
+    ) -> Result<lockstep_models::Batch, lockstep_models::ModelError> {
+        self.0.input(rank, step)
+    }
+    fn forward(
+        &self,
+        batch: &lockstep_models::Batch,
+    ) -> Result<Tensor, lockstep_models::ModelError> {
+        self.0.forward(batch)
+    }
+    fn loss_of(
+        &self,
+        batch: &lockstep_models::Batch,
+        output: &Tensor,
+    ) -> Result<Tensor, lockstep_models::ModelError> {
+        self.0.loss_of(batch, output)
+    }
+}

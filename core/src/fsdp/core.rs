@@ -71,6 +71,14 @@ impl Core {
         }
     }
 
+    /// Bytes of this rank's master shards.
+    pub(super) fn shard_bytes(&self) -> usize {
+        self.units
+            .iter()
+            .map(|u| u.shard.numel() * u.kind.elt_size_in_bytes())
+            .sum()
+    }
+
     /// Ranks in the whole data-parallel world.
     pub(super) fn global_size(&self) -> usize {
         self.group.size() * self.replicate.as_ref().map_or(1, |r| r.size())
@@ -174,7 +182,7 @@ impl Core {
                     return Ok(());
                 }
                 // Gathered in another dtype (mixed precision compute vs. the fp32 record).
-                self.release(u)?;
+                self.release(u);
                 self.gather_now(u, purpose, kind)?
             }
             Residency::Gathering => {
@@ -186,7 +194,7 @@ impl Core {
                     }
                     Some(p) => {
                         p.work.wait()?;
-                        self.release(u)?;
+                        self.release(u);
                         self.gather_now(u, purpose, kind)?
                     }
                     None => self.gather_now(u, purpose, kind)?,
@@ -222,11 +230,10 @@ impl Core {
     }
 
     /// Forgets unit `u`'s full parameters' accounting (before a re-gather in another dtype).
-    fn release(&mut self, u: usize) -> Result<(), FsdpError> {
+    pub(super) fn release(&mut self, u: usize) {
         self.full_bytes_alive -= self.units[u].alive_bytes;
         self.units[u].alive_bytes = 0;
         self.units[u].residency = Residency::Sharded;
-        Ok(())
     }
 
     /// Frees unit `u`'s full parameters (never for `NoShard`, whose parameters are the
@@ -253,7 +260,8 @@ impl Core {
             // `Fsdp`'s `Drop` refills what is still freed.
             unsafe { free_storage(&slot.param)? };
         }
-        self.release(u)
+        self.release(u);
+        Ok(())
     }
 
     /// Frees every unit.

@@ -447,9 +447,7 @@ impl Core {
                     .first()
                     .map_or(self.units[u].kind, |s| s.param.kind());
                 // Refill from the new shards: drop the stale values' accounting and gather.
-                self.full_bytes_alive -= self.units[u].alive_bytes;
-                self.units[u].alive_bytes = 0;
-                self.units[u].residency = Residency::Sharded;
+                self.release(u);
                 self.unshard_unit(u, Gather::Checkpoint, kind)?;
             }
         }

@@ -6,7 +6,7 @@ use crate::layers::{path, LayerNorm, Linear};
 use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, Model, NoHooks};
 use crate::seed;
 use crate::store::{normal, ParamStore};
-use crate::zoo::LayerRun;
+use crate::LayerRun;
 use crate::ModelError;
 use tch::{Kind, TchError, Tensor};
 

@@ -5,7 +5,7 @@ use crate::layers::Linear;
 use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, Model, NoHooks};
 use crate::seed;
 use crate::store::{ParamStore, F32};
-use crate::zoo::LayerRun;
+use crate::LayerRun;
 use crate::ModelError;
 use tch::Tensor;
 

@@ -10,8 +10,7 @@ pub use mlp::MlpStack;
 pub use nested::LinearChain;
 pub use transformer::TransformerWithSharedParams;
 
-use crate::{LayerHooks, Model, ModelError};
-use tch::Tensor;
+use crate::{Model, ModelError};
 
 type Builder = fn(u64, usize) -> Result<Box<dyn Model>, ModelError>;
 
@@ -45,38 +44,5 @@ pub fn build(name: &str, seed: u64, rank: usize) -> Result<Box<dyn Model>, Model
             name: name.to_owned(),
             known: names().into_iter().map(str::to_owned).collect(),
         }),
-    }
-}
-
-/// Runs a model's layers in `layers()` order between their hooks: the `i`-th call to
-/// [`LayerRun::layer`] is layer `i`, so indices cannot drift from the layer list.
-pub(crate) struct LayerRun<'a> {
-    hooks: &'a mut dyn LayerHooks,
-    next: usize,
-}
-
-impl<'a> LayerRun<'a> {
-    pub(crate) fn new(hooks: &'a mut dyn LayerHooks) -> Self {
-        LayerRun { hooks, next: 0 }
-    }
-
-    /// Runs the next layer: `pre_forward` on `inputs`, `compute` on the inputs it returns
-    /// (the only place the layer's parameters may be read), `post_forward` on the result.
-    pub(crate) fn layer<const N: usize>(
-        &mut self,
-        inputs: [Tensor; N],
-        compute: impl FnOnce([Tensor; N]) -> Result<Tensor, ModelError>,
-    ) -> Result<Tensor, ModelError> {
-        let index = self.next;
-        self.next += 1;
-        let returned = self.hooks.pre_forward(index, inputs.into())?;
-        let got = returned.len();
-        let inputs: [Tensor; N] = returned.try_into().map_err(|_| {
-            ModelError::Hook(
-                format!("pre_forward of layer {index} returned {got} inputs, expected {N}").into(),
-            )
-        })?;
-        let output = compute(inputs)?;
-        self.hooks.post_forward(index, output)
     }
 }
