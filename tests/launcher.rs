@@ -359,6 +359,14 @@ fn hang_times_out_with_every_flight_recorder() {
         !flight1.contains("all_reduce"),
         "rank 1 never issued an all_reduce:\n{flight1}"
     );
+    assert!(
+        report.diagnosis.iter().any(|d| d
+            .starts_with("desync on group world: rank 0 inside collective #0 all_reduce")
+            && d.contains("which 1 never issued")),
+        "the diagnosis does not name the desync: {:?}\n{text}",
+        report.diagnosis
+    );
+    assert!(text.contains("diagnosis: desync on group world"), "{text}");
     assert!(text.contains("timed out"), "{text}");
     assert!(text.contains("flight recorder of rank 0"), "{text}");
     assert!(text.contains("flight recorder of rank 1"), "{text}");

@@ -67,6 +67,9 @@ pub struct FailureReport {
     pub failed_rank: Option<usize>,
     pub ranks: Vec<RankReport>,
     pub timeout: Option<Duration>,
+    /// On a timeout, what the ranks' flight recorders say together: the desync (a rank
+    /// inside a collective its peers never issued), a mismatch, or that they agree.
+    pub diagnosis: Vec<String>,
 }
 
 impl FailureReport {
@@ -109,6 +112,9 @@ impl std::fmt::Display for FailureReport {
                 t.as_secs_f64(),
                 live.join(", ")
             );
+            for line in &self.diagnosis {
+                let _ = writeln!(out, "  diagnosis: {line}");
+            }
             for r in &self.ranks {
                 let _ = writeln!(out, "  flight recorder of rank {} ({}):", r.rank, r.end);
                 match &r.flight {

@@ -2,6 +2,7 @@
 //! turns whatever went wrong into a report that names the rank and says why.
 
 use crate::error::{LaunchError, RankEnd, RankReport};
+use lockstep_core::comm::flight::{self, OpRecord};
 use lockstep_core::comm::StoreServer;
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read};
@@ -450,14 +451,17 @@ fn request_dumps(ranks: &Ranks) {
 }
 
 fn dump_path(dir: &Path, rank: usize) -> PathBuf {
-    dir.join(format!("rank{rank}.flight.txt"))
+    dir.join(format!("rank{rank}.flight.json"))
 }
 
-fn wait_for_dumps(ranks: &Ranks, dir: &Path) -> Vec<Option<String>> {
+fn wait_for_dumps(ranks: &Ranks, dir: &Path) -> Vec<Option<Vec<OpRecord>>> {
     let until = Instant::now() + DUMP_GRACE;
     loop {
-        let dumps: Vec<Option<String>> = (0..ranks.0.len())
-            .map(|rank| std::fs::read_to_string(dump_path(dir, rank)).ok())
+        let dumps: Vec<Option<Vec<OpRecord>>> = (0..ranks.0.len())
+            .map(|rank| {
+                let text = std::fs::read(dump_path(dir, rank)).ok()?;
+                serde_json::from_slice(&text).ok()
+            })
             .collect();
         let all = dumps
             .iter()
@@ -474,7 +478,7 @@ fn reports(
     ranks: &mut Ranks,
     store: &StoreServer,
     failed: Option<usize>,
-    dumps: Option<Vec<Option<String>>>,
+    dumps: Option<Vec<Option<Vec<OpRecord>>>>,
 ) -> crate::error::FailureReport {
     let mut out = Vec::new();
     for (rank, r) in ranks.0.iter_mut().enumerate() {
@@ -489,13 +493,17 @@ fn reports(
                 .map(|m| String::from_utf8_lossy(&m).into_owned()),
             stdout_tail: r.stdout.text(),
             stderr_tail: r.stderr.text(),
-            flight: dumps.as_ref().and_then(|d| d.get(rank).cloned().flatten()),
+            flight: dumps
+                .as_ref()
+                .and_then(|d| d.get(rank).cloned().flatten())
+                .map(|records| flight::render(&records)),
         });
     }
     crate::error::FailureReport {
         failed_rank: failed,
         ranks: out,
         timeout: None,
+        diagnosis: dumps.map(|d| flight::diagnose(&d)).unwrap_or_default(),
     }
 }
 
@@ -549,9 +557,12 @@ fn remove_shm_slots(tag: &str) {
     }
 }
 
-/// Writes this process's flight recorder where the launcher looks for it (rank side).
+/// Writes this process's flight recorder where the launcher looks for it (rank side), as
+/// JSON: the launcher renders every rank's and compares them to name a desync.
 pub(crate) fn write_dump(dir: &Path, rank: usize) {
-    let text = lockstep_core::comm::flight::render(&lockstep_core::comm::flight::snapshot());
+    let Ok(text) = serde_json::to_vec(&flight::snapshot()) else {
+        return;
+    };
     let path = dump_path(dir, rank);
     let tmp = path.with_extension("tmp");
     if std::fs::write(&tmp, text).is_ok() {

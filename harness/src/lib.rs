@@ -25,6 +25,7 @@ pub mod launch;
 pub mod parity;
 mod rank;
 pub mod report;
+pub mod stress;
 
 pub use error::{signal_name, FailureReport, LaunchError, RankEnd, RankReport};
 pub use launch::{launch, LaunchOptions, LaunchSummary, RankCommand, RankInfo, RankSpawn};

@@ -3,7 +3,7 @@
 
 use crate::comm::work::lock;
 use crate::comm::{DType, OpKind};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 use std::sync::{Mutex, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -12,7 +12,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 pub const CAPACITY: usize = 64;
 
 /// Where an operation got to.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum OpState {
     /// Queued behind earlier asynchronous work.
     Scheduled,
@@ -25,7 +25,7 @@ pub enum OpState {
 }
 
 /// One operation as the recorder saw it.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct OpRecord {
     /// Process-wide record id, increasing.
     pub id: u64,
@@ -136,4 +136,250 @@ pub fn render(records: &[OpRecord]) -> String {
         ));
     }
     out
+}
+
+impl OpState {
+    /// Whether the operation had not finished (queued or exchanging data).
+    pub fn is_pending(&self) -> bool {
+        matches!(self, OpState::Scheduled | OpState::Started)
+    }
+}
+
+impl OpRecord {
+    fn is_collective(&self) -> bool {
+        !matches!(self.op, OpKind::Send | OpKind::Recv)
+    }
+
+    /// `all_reduce f32[3] (Started)`: what the diagnosis says of one operation.
+    fn brief(&self) -> String {
+        let dtype = self.dtype.map(|d| format!(" {d}")).unwrap_or_default();
+        let shape = self
+            .shapes
+            .first()
+            .map(|s| format!("{s:?}"))
+            .unwrap_or_default();
+        let state = match &self.state {
+            OpState::Failed(_) => "Failed".to_owned(),
+            s => format!("{s:?}"),
+        };
+        format!("{}{dtype}{shape} ({state})", self.op)
+    }
+}
+
+/// The global ranks a group's name lists (`shard[0,1]` → 0 and 1); `None` for names that do
+/// not list them (`world` and user-named groups), whose members are the ranks that used them.
+fn members_from_name(name: &str) -> Option<Vec<usize>> {
+    let inner = name.strip_suffix(']')?.rsplit_once('[')?.1;
+    inner
+        .split(',')
+        .map(|r| r.trim().parse().ok())
+        .collect::<Option<Vec<usize>>>()
+}
+
+/// Explains a hang from every rank's flight recorder: per group, the ranks that are inside
+/// a collective their peers never issued (a desync), collectives the ranks called
+/// differently (a mismatch), and what each rank is waiting in. `ranks[r]` is rank `r`'s
+/// recorder (`None`: it left no dump). Returns one sentence per finding, most telling first;
+/// when the ranks agree everywhere it says so, since then the hang is not a desync.
+pub fn diagnose(ranks: &[Option<Vec<OpRecord>>]) -> Vec<String> {
+    use std::collections::BTreeMap;
+    let mut findings = Vec::new();
+    let silent: Vec<String> = (0..ranks.len())
+        .filter(|&r| ranks[r].is_none())
+        .map(|r| r.to_string())
+        .collect();
+    // group -> rank -> that rank's newest collective on it.
+    let mut newest: BTreeMap<&str, BTreeMap<usize, &OpRecord>> = BTreeMap::new();
+    for (rank, records) in ranks.iter().enumerate() {
+        for rec in records.iter().flatten().filter(|r| r.is_collective()) {
+            let slot = newest.entry(rec.group.as_str()).or_default().entry(rank);
+            slot.and_modify(|e| {
+                if rec.seq >= e.seq {
+                    *e = rec;
+                }
+            })
+            .or_insert(rec);
+        }
+    }
+    let waiting_in = |rank: usize| -> String {
+        let pending: Vec<String> = ranks[rank]
+            .iter()
+            .flatten()
+            .filter(|r| r.state.is_pending())
+            .map(|r| format!("{} #{} {}", r.group, r.seq, r.brief()))
+            .collect();
+        if pending.is_empty() {
+            "nothing (no operation pending)".to_owned()
+        } else {
+            pending.join(", ")
+        }
+    };
+    for (group, by_rank) in &newest {
+        let members = members_from_name(group)
+            .unwrap_or_else(|| {
+                if *group == "world" {
+                    (0..ranks.len()).collect()
+                } else {
+                    by_rank.keys().copied().collect()
+                }
+            })
+            .into_iter()
+            .filter(|&r| r < ranks.len() && ranks[r].is_some())
+            .collect::<Vec<_>>();
+        let Some(front) = by_rank.values().max_by_key(|r| r.seq) else {
+            continue;
+        };
+        let ahead: Vec<usize> = by_rank
+            .iter()
+            .filter(|(_, r)| r.seq == front.seq && r.state.is_pending())
+            .map(|(&rank, _)| rank)
+            .collect();
+        let behind: Vec<usize> = members
+            .iter()
+            .copied()
+            .filter(|m| by_rank.get(m).is_none_or(|r| r.seq < front.seq))
+            .collect();
+        if !ahead.is_empty() && !behind.is_empty() {
+            let behind_text: Vec<String> = behind
+                .iter()
+                .map(|&b| {
+                    let last = by_rank
+                        .get(&b)
+                        .map_or("no collective on this group".to_owned(), |r| {
+                            format!("last issued #{} {}", r.seq, r.brief())
+                        });
+                    format!("rank {b} ({last}; waiting in: {})", waiting_in(b))
+                })
+                .collect();
+            findings.push(format!(
+                "desync on group {group}: rank{} {} inside collective #{} {}, which {} never issued: {}",
+                if ahead.len() > 1 { "s" } else { "" },
+                join_ranks(&ahead),
+                front.seq,
+                front.brief(),
+                join_ranks(&behind),
+                behind_text.join("; ")
+            ));
+            continue;
+        }
+        // Same collective number everywhere: did they call the same thing?
+        let same_seq: Vec<(usize, &&OpRecord)> = by_rank
+            .iter()
+            .filter(|(_, r)| r.seq == front.seq)
+            .map(|(k, v)| (*k, v))
+            .collect();
+        if let Some((first_rank, first)) = same_seq.first() {
+            for (rank, rec) in &same_seq[1..] {
+                if rec.op != first.op || rec.dtype != first.dtype || rec.shapes != first.shapes {
+                    findings.push(format!(
+                        "mismatch on group {group} collective #{}: rank {first_rank} called {} but rank {rank} called {}",
+                        front.seq,
+                        first.brief(),
+                        rec.brief()
+                    ));
+                }
+            }
+        }
+    }
+    // Point-to-point: receives whose message the sender never sent.
+    for (rank, records) in ranks.iter().enumerate() {
+        for recv in records
+            .iter()
+            .flatten()
+            .filter(|r| r.op == OpKind::Recv && r.state.is_pending())
+        {
+            findings.push(format!(
+                "rank {rank} waits to receive message #{} on group {} from its group rank {}",
+                recv.seq,
+                recv.group,
+                recv.peer.map_or("?".into(), |p| p.to_string())
+            ));
+        }
+    }
+    if !silent.is_empty() {
+        findings.push(format!(
+            "rank{} {} left no flight recorder (it did not answer the dump request: busy outside \
+             any collective, or stopped)",
+            if silent.len() > 1 { "s" } else { "" },
+            silent.join(", ")
+        ));
+    }
+    if findings.is_empty() {
+        let stuck: Vec<String> = (0..ranks.len())
+            .filter(|&r| ranks[r].iter().flatten().any(|o| o.state.is_pending()))
+            .map(|r| format!("rank {r} in {}", waiting_in(r)))
+            .collect();
+        findings.push(if stuck.is_empty() {
+            "no desync: every rank issued the same collectives and none is pending (the ranks \
+             are busy or blocked outside communication)"
+                .to_owned()
+        } else {
+            format!(
+                "no desync: the ranks issued the same collectives on every group; still pending: {}",
+                stuck.join("; ")
+            )
+        });
+    }
+    findings
+}
+
+fn join_ranks(ranks: &[usize]) -> String {
+    let names: Vec<String> = ranks.iter().map(usize::to_string).collect();
+    names.join(", ")
+}
+
+#[cfg(test)]
+mod diagnose_tests {
+    use super::*;
+
+    fn rec(group: &str, seq: u64, op: OpKind, state: OpState) -> OpRecord {
+        OpRecord {
+            id: seq,
+            group: group.into(),
+            seq,
+            op,
+            shapes: vec![vec![3]],
+            dtype: Some(DType::F32),
+            peer: None,
+            state,
+            issued_ms: 0,
+            elapsed_ms: 0,
+        }
+    }
+
+    #[test]
+    fn names_the_rank_that_never_issued_the_collective() {
+        let r0 = vec![
+            rec("shard[0,1]", 0, OpKind::AllGather, OpState::Completed),
+            rec("shard[0,1]", 1, OpKind::AllReduce, OpState::Started),
+        ];
+        let r1 = vec![
+            rec("shard[0,1]", 0, OpKind::AllGather, OpState::Completed),
+            rec("replicate[1,3]", 4, OpKind::Broadcast, OpState::Started),
+        ];
+        let found = diagnose(&[Some(r0), Some(r1)]);
+        assert!(
+            found[0]
+                .starts_with("desync on group shard[0,1]: rank 0 inside collective #1 all_reduce")
+                && found[0].contains("which 1 never issued")
+                && found[0].contains("replicate[1,3] #4 broadcast"),
+            "{found:?}"
+        );
+    }
+
+    #[test]
+    fn names_a_mismatched_collective_and_agreement() {
+        let a = vec![rec("world", 2, OpKind::AllReduce, OpState::Started)];
+        let b = vec![rec("world", 2, OpKind::Broadcast, OpState::Started)];
+        let found = diagnose(&[Some(a.clone()), Some(b)]);
+        assert!(
+            found
+                .iter()
+                .any(|f| f.starts_with("mismatch on group world collective #2")),
+            "{found:?}"
+        );
+        let agree = diagnose(&[Some(a.clone()), Some(a)]);
+        assert_eq!(agree.len(), 1, "{agree:?}");
+        assert!(agree[0].starts_with("no desync"), "{agree:?}");
+    }
 }

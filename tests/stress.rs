@@ -1,0 +1,47 @@
+//! The collective storm (`lockstep_harness::stress`) at world 4: every collective, sync and
+//! async, on the overlapping `replicate` and `shard` groups of a 2 × 2 mesh and on the world,
+//! sizes on both sides of the shared-memory threshold, random delays and busy threads, every
+//! result checked exactly. The launcher's timeout is the watchdog: a hang fails the test with
+//! every rank's flight recorder.
+//!
+//! `LOCKSTEP_SOAK_ITERATIONS=N` turns the CI-sized storm into a soak of N iterations.
+
+mod common;
+
+use lockstep_harness::stress::{collective_storm, StormOptions};
+use std::time::Duration;
+
+fn iterations(default: usize) -> usize {
+    std::env::var("LOCKSTEP_SOAK_ITERATIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+#[test]
+fn storm_on_overlapping_groups_world4() {
+    let opts = StormOptions {
+        iterations: iterations(200),
+        ..StormOptions::default()
+    };
+    lockstep_harness::Run::new(4)
+        .timeout(Duration::from_secs(120 + opts.iterations as u64 / 2))
+        .run(move |ctx| {
+            let stats = collective_storm(ctx, &opts)?;
+            assert_eq!(stats.ops, opts.iterations * opts.ops_per_iteration);
+            assert!(stats.async_ops > 0 && stats.shm_ops > 0, "{stats:?}");
+            Ok::<(), lockstep_harness::stress::StormError>(())
+        });
+}
+
+#[test]
+fn storm_without_injected_load_world2() {
+    let opts = StormOptions {
+        iterations: 100,
+        max_send_delay: Duration::ZERO,
+        contention: false,
+        seed: 7,
+        ..StormOptions::default()
+    };
+    common::run(2, move |ctx| collective_storm(ctx, &opts).map(|_| ()));
+}
