@@ -53,7 +53,8 @@ enum Command {
     /// DDP is compared with the single-device reference (fp32 dtype table) and with a fresh
     /// repeat of itself (bitwise); the single-device reference with a repeat of itself
     /// (bitwise). Writes report.json, report.md, junit.xml and report.html into --out. Exit 1
-    /// if a parity check or a run failed (no report is written when a run failed), 2 on bad
+    /// if a parity check or a run failed (failed runs are the report's errors, and the report
+    /// says it is incomplete), 2 on bad
     /// input.
     Matrix(MatrixArgs),
     /// A rank of `bench spawn --mode exec` (started by the launcher, not by hand).
@@ -85,7 +86,8 @@ struct MatrixArgs {
     #[arg(long, default_value_t = 300.0)]
     timeout: f64,
     /// Plant a bug in every DDP run to see the matrix catch it: sum (gradients summed, not
-    /// averaged), no-buffer-broadcast, reduce-experts, or skip=PARAM.
+    /// averaged), no-buffer-broadcast, reduce-experts, stall (the last rank hangs before its
+    /// first gradient reduction), or skip=PARAM.
     #[arg(long, hide = true, value_parser = parse_fault)]
     fault: Option<lockstep_core::ddp::Fault>,
     /// List the configs (with the models each applies to) and the models, then exit.
@@ -244,6 +246,12 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
         print!("{}", result.render_table());
     }
     match result.write_report(&args.out) {
+        Ok(files) if result.failed_runs > 0 => eprintln!(
+            "report: {} (INCOMPLETE: {} of {} runs failed; their rows are errors)",
+            files.json.display(),
+            result.failed_runs,
+            result.runs
+        ),
         Ok(files) => eprintln!("report: {}", files.json.display()),
         Err(e) => {
             eprintln!("error: {e}");
@@ -263,9 +271,12 @@ fn parse_fault(text: &str) -> Result<lockstep_core::ddp::Fault, String> {
         "sum" => Ok(Fault::SumInsteadOfAverage),
         "no-buffer-broadcast" => Ok(Fault::NoBufferBroadcast),
         "reduce-experts" => Ok(Fault::ReduceExperts),
+        "stall" => Ok(Fault::StallLastRank),
         _ => match text.strip_prefix("skip=") {
             Some(param) if !param.is_empty() => Ok(Fault::SkipParameter(param.to_owned())),
-            _ => Err("expected sum, no-buffer-broadcast, reduce-experts or skip=PARAM".into()),
+            _ => {
+                Err("expected sum, no-buffer-broadcast, reduce-experts, stall or skip=PARAM".into())
+            }
         },
     }
 }

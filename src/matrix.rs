@@ -41,10 +41,12 @@
 //!
 //! Parallel runs are launched with [`RankSpawn::Fork`] (the process never touches CUDA), rank
 //! 0 hands its [`RunRecord`] back through a temporary JSON file, and the single-device runs
-//! happen in this process. Nothing is written until every run is done: a matrix whose runs
-//! failed (as opposed to failing a parity check) writes no report at all, and stale report
-//! files in the output directory are removed before the first run, so a `report.json` there
-//! always belongs to one complete matrix.
+//! happen in this process. Nothing is written until every run is done, and stale report
+//! files in the output directory are removed before the first run. A run that fails (a rank
+//! error, crash or timeout) does not lose the matrix: its rows are `ERROR` with the
+//! launcher's whole account (on a timeout every rank's flight recorder and the desync
+//! diagnosis), and the report set is written with them as errors, marked incomplete
+//! (`complete: false`, an INCOMPLETE headline, JUnit `<error>`s), so it never looks complete.
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use lockstep_core::comm::DType;
@@ -59,7 +61,7 @@ use lockstep_core::train::{single_device_reference, OptimizerConfig, TrainConfig
 use lockstep_harness::parity::{
     compare, Comparison, FailurePoint, Mode, Override, Tolerance, TolerancePolicy,
 };
-use lockstep_harness::report::{self, Report, ReportError, ReportFiles};
+use lockstep_harness::report::{self, Report, ReportError, ReportFiles, RunError};
 use lockstep_harness::{launch, LaunchError, LaunchOptions, RankCtx, RankSpawn};
 use lockstep_models::{zoo, LayerKind, Model, ModelError};
 use serde::Serialize;
@@ -116,9 +118,6 @@ pub enum MatrixError {
     /// Writing the report set failed.
     #[error(transparent)]
     Report(#[from] ReportError),
-    /// Some runs failed (crashed, errored, timed out), so the report would be incomplete.
-    #[error("{failed} of {total} runs failed; no report was written")]
-    RunsFailed { failed: usize, total: usize },
 }
 
 /// Replicas `fsdp.hybrid_shard*` runs: shard groups of `world / 2` ranks. Two is the fewest
@@ -976,6 +975,31 @@ pub struct Row {
     /// Where it first failed, why it was skipped, or why a run failed; a tolerance override
     /// in force is named here with its reason.
     pub note: Option<String>,
+    /// For `Error` rows: the launcher's whole account of the failed run (the failing rank's
+    /// message and stderr; on a timeout every rank's flight recorder and the desync
+    /// diagnosis).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub details: Option<String>,
+}
+
+/// A run that did not produce a record: one line for the table, the whole story for the
+/// reports.
+#[derive(Clone, Debug)]
+pub struct RunFailed {
+    /// What failed, in one line.
+    pub line: String,
+    /// Everything the launcher reported.
+    pub details: String,
+}
+
+impl RunFailed {
+    fn simple(text: impl Into<String>) -> Self {
+        let line = text.into();
+        RunFailed {
+            details: line.clone(),
+            line,
+        }
+    }
 }
 
 /// Everything a finished matrix produced.
@@ -999,21 +1023,34 @@ impl MatrixResult {
         self.failed_runs == 0 && self.rows.iter().all(|r| r.status != RowStatus::Fail)
     }
 
-    /// The report over every comparison, with the matrix's wall time. `Err` when some runs
-    /// failed: a report missing their rows would look complete, so none is produced.
-    pub fn report(&self) -> Result<Report, MatrixError> {
-        if self.failed_runs > 0 {
-            return Err(MatrixError::RunsFailed {
-                failed: self.failed_runs,
-                total: self.runs,
-            });
-        }
-        Ok(Report::new(self.comparisons.clone()).with_wall_time(self.elapsed))
+    /// The report over every comparison, with the matrix's wall time. Rows whose runs
+    /// failed are the report's errors (with the launcher's whole account), which mark it
+    /// incomplete: it is written all the same, and never looks complete.
+    pub fn report(&self) -> Report {
+        let errors = self
+            .rows
+            .iter()
+            .filter(|r| r.status == RowStatus::Error)
+            .map(|r| RunError {
+                model: r.model.clone(),
+                config: r.config.clone(),
+                reference: r.reference.clone(),
+                message: r.note.clone().unwrap_or_else(|| "run failed".into()),
+                details: r
+                    .details
+                    .clone()
+                    .or_else(|| r.note.clone())
+                    .unwrap_or_default(),
+            })
+            .collect();
+        Report::new(self.comparisons.clone())
+            .with_wall_time(self.elapsed)
+            .with_errors(errors)
     }
 
     /// Writes the report set (`report.json` last) into `dir`; see [`MatrixResult::report`].
     pub fn write_report(&self, dir: &Path) -> Result<ReportFiles, MatrixError> {
-        Ok(report::write_all(&self.report()?, dir)?)
+        Ok(report::write_all(&self.report(), dir)?)
     }
 
     /// The summary table, followed by the reasons it refers to (models without a
@@ -1132,6 +1169,19 @@ impl MatrixResult {
                 c.reference,
                 c.diagnosis.as_deref().unwrap_or("(no diagnosis)")
             );
+        }
+        // Each failed run's whole account once (a run serves several rows).
+        let mut told: Vec<&str> = Vec::new();
+        for r in self.rows.iter().filter(|r| r.status == RowStatus::Error) {
+            let details = r.details.as_deref().or(r.note.as_deref()).unwrap_or("");
+            if told.contains(&details) {
+                continue;
+            }
+            told.push(details);
+            let _ = writeln!(out, "\nERROR {} {} vs {}:", r.model, r.config, r.reference);
+            for l in details.lines() {
+                let _ = writeln!(out, "  {l}");
+            }
         }
         let passed = self
             .rows
@@ -1276,91 +1326,94 @@ pub fn run(plan: &Plan, bar: &ProgressBar) -> MatrixResult {
                     _ => run_parallel(model, config, world, plan),
                 };
                 result.runs += 1;
-                let err = outcome.as_ref().err().map(String::as_str);
+                let err = outcome.as_ref().err().map(|e| e.line.as_str());
                 if err.is_some() {
                     result.failed_runs += 1;
                 }
                 progress.finish(&label, t0.elapsed(), err);
                 outcome
             };
-            let references: Vec<(Config, Vec<Result<RunRecord, String>>)> = plan
+            let references: Vec<(Config, Vec<Result<RunRecord, RunFailed>>)> = plan
                 .runs_per_cell(m, world)
                 .into_iter()
                 .map(|(c, n)| (c, (1..=n).map(|i| run_one(c, i, n)).collect()))
                 .collect();
-            let fsdp: Vec<(Config, Result<RunRecord, String>)> = plan
+            let fsdp: Vec<(Config, Result<RunRecord, RunFailed>)> = plan
                 .fsdp_launches(world)
                 .into_iter()
                 .map(|c| (c, run_one(c, 1, 1)))
                 .collect();
-            let mut row = |config: Config,
-                           reference: Config,
-                           run: Option<&Result<RunRecord, String>>,
-                           against: Option<&Result<RunRecord, String>>| {
-                let policy = config.policy(reference, world);
-                let overridden = policy
-                    .as_ref()
-                    .ok()
-                    .and_then(|p| p.override_for(&config.at(world)))
-                    .map(|o| o.reason().to_owned());
-                let mut r = Row {
-                    model: model.clone(),
-                    config: config.at(world),
-                    reference: reference.at(world),
-                    world_size: world,
-                    status: RowStatus::Skip,
-                    mode: match (&policy, &overridden) {
-                        (Ok(p), None) if p.mode() == Mode::Bitwise => "bitwise",
-                        _ => "tolerance",
-                    },
-                    max_abs_err: None,
-                    max_ulp: None,
-                    margin: None,
-                    memory: run.and_then(|r| r.as_ref().ok()).and_then(|r| r.memory),
-                    note: None,
+            let mut row =
+                |config: Config,
+                 reference: Config,
+                 run: Option<&Result<RunRecord, RunFailed>>,
+                 against: Option<&Result<RunRecord, RunFailed>>| {
+                    let policy = config.policy(reference, world);
+                    let overridden = policy
+                        .as_ref()
+                        .ok()
+                        .and_then(|p| p.override_for(&config.at(world)))
+                        .map(|o| o.reason().to_owned());
+                    let mut r = Row {
+                        model: model.clone(),
+                        config: config.at(world),
+                        reference: reference.at(world),
+                        world_size: world,
+                        status: RowStatus::Skip,
+                        mode: match (&policy, &overridden) {
+                            (Ok(p), None) if p.mode() == Mode::Bitwise => "bitwise",
+                            _ => "tolerance",
+                        },
+                        max_abs_err: None,
+                        max_ulp: None,
+                        margin: None,
+                        memory: run.and_then(|r| r.as_ref().ok()).and_then(|r| r.memory),
+                        note: None,
+                        details: None,
+                    };
+                    match (config.world_blocker(world), run, against, policy) {
+                        (Some(reason), _, _, _) => r.note = Some(reason),
+                        (None, Some(Ok(a)), Some(Ok(b)), Ok(policy)) => {
+                            let c = compare(a, b, &policy);
+                            let overall = c.overall();
+                            r.status = if c.passed {
+                                RowStatus::Pass
+                            } else {
+                                RowStatus::Fail
+                            };
+                            r.max_abs_err = Some(overall.max_abs_err);
+                            r.max_ulp = Some(overall.max_ulp);
+                            r.margin = Some(overall.margin);
+                            let found = match (&c.first_failure, c.structural.first()) {
+                                (Some(f), _) => Some(short_failure(f)),
+                                (None, Some(s)) => Some(s.clone()),
+                                (None, None) => None,
+                            };
+                            r.note = match (found, &c.override_reason) {
+                                (Some(f), Some(o)) => Some(format!("{f}; {OVERRIDE}: {o}")),
+                                (None, Some(o)) => Some(format!("{OVERRIDE}: {o}")),
+                                (found, None) => found,
+                            };
+                            result.comparisons.push(c);
+                        }
+                        (None, Some(Err(e)), _, _) | (None, _, Some(Err(e)), _) => {
+                            r.status = RowStatus::Error;
+                            r.note = Some(e.line.clone());
+                            r.details = Some(e.details.clone());
+                        }
+                        (None, Some(Ok(_)), Some(Ok(_)), Err(e)) => {
+                            r.status = RowStatus::Error;
+                            r.note = Some(e);
+                        }
+                        (None, _, _, _) => {
+                            r.note = Some(match blocker {
+                                Some(reason) => format!("{NO_SINGLE}: {reason}"),
+                                None => "not run".into(),
+                            });
+                        }
+                    }
+                    result.rows.push(r);
                 };
-                match (config.world_blocker(world), run, against, policy) {
-                    (Some(reason), _, _, _) => r.note = Some(reason),
-                    (None, Some(Ok(a)), Some(Ok(b)), Ok(policy)) => {
-                        let c = compare(a, b, &policy);
-                        let overall = c.overall();
-                        r.status = if c.passed {
-                            RowStatus::Pass
-                        } else {
-                            RowStatus::Fail
-                        };
-                        r.max_abs_err = Some(overall.max_abs_err);
-                        r.max_ulp = Some(overall.max_ulp);
-                        r.margin = Some(overall.margin);
-                        let found = match (&c.first_failure, c.structural.first()) {
-                            (Some(f), _) => Some(short_failure(f)),
-                            (None, Some(s)) => Some(s.clone()),
-                            (None, None) => None,
-                        };
-                        r.note = match (found, &c.override_reason) {
-                            (Some(f), Some(o)) => Some(format!("{f}; {OVERRIDE}: {o}")),
-                            (None, Some(o)) => Some(format!("{OVERRIDE}: {o}")),
-                            (found, None) => found,
-                        };
-                        result.comparisons.push(c);
-                    }
-                    (None, Some(Err(e)), _, _) | (None, _, Some(Err(e)), _) => {
-                        r.status = RowStatus::Error;
-                        r.note = Some(e.clone());
-                    }
-                    (None, Some(Ok(_)), Some(Ok(_)), Err(e)) => {
-                        r.status = RowStatus::Error;
-                        r.note = Some(e);
-                    }
-                    (None, _, _, _) => {
-                        r.note = Some(match blocker {
-                            Some(reason) => format!("{NO_SINGLE}: {reason}"),
-                            None => "not run".into(),
-                        });
-                    }
-                }
-                result.rows.push(r);
-            };
             // The `i`-th run of reference `config` (0: the reference, 1: its repeat).
             let reference = |config: Config, i: usize| {
                 references
@@ -1412,8 +1465,8 @@ fn spec(model: &str, config: Config, world_size: usize, plan: &Plan) -> RunSpec 
 }
 
 /// The single-device reference over `world_size` ranks' batches, in this process.
-fn run_single(model: &str, world_size: usize, plan: &Plan) -> Result<RunRecord, String> {
-    let built = zoo::build(model, plan.seed, 0).map_err(|e| e.to_string())?;
+fn run_single(model: &str, world_size: usize, plan: &Plan) -> Result<RunRecord, RunFailed> {
+    let built = zoo::build(model, plan.seed, 0).map_err(|e| RunFailed::simple(e.to_string()))?;
     let mut record = single_device_reference(
         built.as_ref(),
         world_size,
@@ -1421,7 +1474,7 @@ fn run_single(model: &str, world_size: usize, plan: &Plan) -> Result<RunRecord, 
         OptimizerConfig::default(),
         plan.record_grads,
     )
-    .map_err(|e| format!("single-device reference: {e}"))?;
+    .map_err(|e| RunFailed::simple(format!("single-device reference: {e}")))?;
     record.spec = spec(model, Config::Single, world_size, plan);
     Ok(record)
 }
@@ -1434,7 +1487,7 @@ fn run_parallel(
     config: Config,
     world_size: usize,
     plan: &Plan,
-) -> Result<RunRecord, String> {
+) -> Result<RunRecord, RunFailed> {
     let out = scratch_path(model, world_size);
     let cfg_spec = spec(model, config, world_size, plan);
     let body = |ctx: &RankCtx| -> Result<(), String> {
@@ -1492,10 +1545,16 @@ fn run_parallel(
     );
     let read = std::fs::read(&out);
     let _ = std::fs::remove_file(&out);
-    launched.map_err(|e: LaunchError| one_line(&e.to_string()))?;
-    let bytes = read.map_err(|e| format!("reading rank 0's record: {e}"))?;
+    launched.map_err(|e: LaunchError| {
+        let details = e.to_string();
+        RunFailed {
+            line: one_line(&details),
+            details,
+        }
+    })?;
+    let bytes = read.map_err(|e| RunFailed::simple(format!("reading rank 0's record: {e}")))?;
     serde_json::from_slice(&bytes).map_err(|e| {
-        format!("rank 0's record is unreadable ({e}); a non-finite value (a diverged run) cannot be carried in RunRecord JSON")
+        RunFailed::simple(format!("rank 0's record is unreadable ({e}); a non-finite value (a diverged run) cannot be carried in RunRecord JSON"))
     })
 }
 

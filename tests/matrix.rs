@@ -977,9 +977,8 @@ fn a_planted_divisor_bug_fails_the_matrix_with_a_report() {
 }
 
 #[test]
-fn failed_runs_leave_no_report_behind() {
+fn failed_runs_are_error_rows_of_an_incomplete_report() {
     let scratch = Scratch::new("timeout");
-    std::fs::write(scratch.0.join("report.json"), b"{}").unwrap();
     // No launch finishes in a microsecond: every DDP and FSDP run times out. (One FSDP
     // config suffices; each timed-out launch costs most of a second.)
     let run = matrix_into(
@@ -1000,12 +999,109 @@ fn failed_runs_leave_no_report_behind() {
     assert_eq!(run.code, Some(1), "{}\n{}", run.stdout, run.stderr);
     assert!(run.stdout.contains("ERROR"), "{}", run.stdout);
     assert!(run.stdout.contains("timed out"), "{}", run.stdout);
-    assert!(
-        run.stderr.contains("runs failed; no report was written"),
-        "{}",
-        run.stderr
+    assert!(run.stderr.contains("INCOMPLETE"), "{}", run.stderr);
+    let report = read_json(&scratch.0.join("report.json")).unwrap();
+    assert!(!report.complete && !report.passed());
+    // single vs its repeat passed; every row that needed a DDP or FSDP run is an error.
+    assert_eq!(report.summary.passed, 1, "{:?}", report.summary);
+    let errored: Vec<(&str, &str)> = report
+        .errors
+        .iter()
+        .map(|e| (e.config.as_str(), e.reference.as_str()))
+        .collect();
+    assert_eq!(
+        errored,
+        [
+            ("ddp@2", "single@2"),
+            ("ddp@2", "ddp@2"),
+            ("fsdp.full_shard@2", "ddp@2"),
+            ("fsdp.full_shard@2", "single@2")
+        ]
     );
-    for file in matrix::REPORT_FILES {
-        assert!(!scratch.0.join(file).exists(), "{file} left behind");
+    assert_eq!(report.summary.errors, 4);
+    for e in &report.errors {
+        assert!(e.details.contains("timed out"), "{e:?}");
     }
+    let markdown = std::fs::read_to_string(scratch.0.join("report.md")).unwrap();
+    assert!(
+        markdown.contains("INCOMPLETE: 4 comparisons could not be made"),
+        "{markdown}"
+    );
+    assert!(markdown.contains("**ERROR**"), "{markdown}");
+    let junit = std::fs::read_to_string(scratch.0.join("junit.xml")).unwrap();
+    let doc = roxmltree::Document::parse(&junit).unwrap();
+    let errors = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("error"))
+        .count();
+    assert_eq!(errors, 4, "{junit}");
+    assert!(junit.contains("errors=\"4\""), "{junit}");
+    let html = std::fs::read_to_string(scratch.0.join("report.html")).unwrap();
+    assert!(
+        html.contains("INCOMPLETE") && html.contains(">ERROR<"),
+        "a page without the errors"
+    );
+}
+
+/// A planted hang: the last rank of every DDP run stops before its first gradient
+/// all-reduce. The matrix names the desync from every rank's flight recorder, in its output
+/// and in the report, and a report comparison against a clean one flags the errored rows.
+#[test]
+fn planted_hang_shows_every_flight_recorder_and_regresses_in_compare() {
+    let scratch = Scratch::new("hang");
+    let clean = scratch.0.join("clean");
+    let args = [
+        "--models",
+        "nested",
+        "--configs",
+        "ddp",
+        "--world-size",
+        "2",
+        "--steps",
+        "1",
+    ];
+    let run = matrix_into(&clean, &args);
+    assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
+    let hung = scratch.0.join("hung");
+    let mut planted = args.to_vec();
+    planted.extend(["--fault", "stall", "--timeout", "3"]);
+    let run = matrix_into(&hung, &planted);
+    assert_eq!(run.code, Some(1), "{}\n{}", run.stdout, run.stderr);
+    for needle in [
+        "timed out after 3.0 s",
+        "flight recorder of rank 0",
+        "flight recorder of rank 1",
+        "diagnosis: desync on group world: rank 0 inside collective",
+        "all_reduce",
+        "which 1 never issued",
+    ] {
+        assert!(
+            run.stdout.contains(needle),
+            "no {needle:?} in\n{}",
+            run.stdout
+        );
+    }
+    let report = read_json(&hung.join("report.json")).unwrap();
+    assert!(!report.complete);
+    let e = report.errors.first().expect("an error row");
+    assert!(
+        e.details.contains("flight recorder of rank 1")
+            && e.details.contains("desync on group world"),
+        "{}",
+        e.details
+    );
+    let compare = lockstep(&[
+        "compare",
+        clean.join("report.json").to_str().unwrap(),
+        hung.join("report.json").to_str().unwrap(),
+    ]);
+    assert_eq!(
+        compare.code,
+        Some(1),
+        "{}\n{}",
+        compare.stdout,
+        compare.stderr
+    );
+    assert!(compare.stdout.contains("ERRORED"), "{}", compare.stdout);
+    assert!(!compare.stdout.contains("VANISHED"), "{}", compare.stdout);
 }

@@ -69,6 +69,10 @@ pub enum Fault {
     NoBufferBroadcast,
     /// Rank-local (expert) parameters are averaged like the others.
     ReduceExperts,
+    /// The group's last rank stops for good before its first gradient reduction (a rank
+    /// stuck outside communication): the others wait in a collective it never issues, until
+    /// the launcher's timeout shows the desync in the flight recorders.
+    StallLastRank,
 }
 
 /// How DDP runs.
@@ -501,6 +505,12 @@ impl Ddp {
     /// gradient cast to fp32 as its `.grad`.
     pub fn finish_gradients(&mut self) -> Result<(), DdpError> {
         let mut state = lock(&self.state);
+        let (rank, size) = (state.group.rank(), state.group.size());
+        if self.opts.fault == Some(Fault::StallLastRank) && size > 1 && rank == size - 1 {
+            loop {
+                std::thread::sleep(std::time::Duration::from_secs(1));
+            }
+        }
         if let Some(hook) = self.opts.comm_hook.clone() {
             for b in 0..state.buckets.len() {
                 state.pack(b)?;

@@ -1,8 +1,10 @@
 //! Comparing two reports: did a change make any configuration numerically worse?
 //!
 //! Configurations are matched by model × config × reference. A configuration regresses when
-//! it **vanished** (in the base, missing from the new report), **crossed tolerance** (passed
-//! before, fails now), or its error **grew** more than the factor.
+//! its run **errored** in the new report (listed among its errors: it crashed or hung, so
+//! nothing was compared), it **vanished** (in the base, missing from the new report),
+//! **crossed tolerance** (passed before, fails now), or its error **grew** more than the
+//! factor.
 //!
 //! Growth is measured on the maximum absolute error of each quantity (loss, gradient norm,
 //! gradients, final parameters), which does not change meaning when a tolerance policy is
@@ -12,7 +14,7 @@
 //! now differs by 1e-6 is flagged (1e-6 / 1e-12 ≫ 10), while one going from 0 to 1e-15 is
 //! not. A NaN error counts as infinite.
 
-use super::{fmt_num, read_json, Report, ReportError};
+use super::{fmt_num, read_json, Report, ReportError, RunError};
 use crate::parity::{Comparison, Quantity};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -39,6 +41,9 @@ impl Default for CompareOptions {
 /// The verdict on one configuration, most severe first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum RowStatus {
+    /// Its run failed in the new report (crashed, hung): nothing was compared, which is
+    /// never better than a failing comparison.
+    Errored,
     /// In the base report, missing from the new one.
     Vanished,
     /// Passed in the base report, fails in the new one.
@@ -60,7 +65,10 @@ impl RowStatus {
     pub fn is_regression(self) -> bool {
         matches!(
             self,
-            RowStatus::Vanished | RowStatus::CrossedTolerance | RowStatus::Grew
+            RowStatus::Errored
+                | RowStatus::Vanished
+                | RowStatus::CrossedTolerance
+                | RowStatus::Grew
         )
     }
 }
@@ -68,6 +76,7 @@ impl RowStatus {
 impl std::fmt::Display for RowStatus {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
+            RowStatus::Errored => "ERRORED",
             RowStatus::Vanished => "VANISHED",
             RowStatus::CrossedTolerance => "CROSSED TOLERANCE",
             RowStatus::Grew => "GREW",
@@ -255,9 +264,34 @@ pub fn compare_reports(
     };
     let base_map = index(base, "base")?;
     let new_map = index(new, "new")?;
+    let errored: BTreeMap<Key, &RunError> = new
+        .errors
+        .iter()
+        .map(|e| ((e.model.clone(), e.config.clone(), e.reference.clone()), e))
+        .collect();
     let mut rows = Vec::new();
+    for key in errored.keys() {
+        let (model, config, reference) = key.clone();
+        let b = base_map.get(key);
+        rows.push(CompareRow {
+            model,
+            config,
+            reference,
+            quantity: None,
+            base_err: b.map(|b| b.overall().max_abs_err),
+            new_err: None,
+            growth: None,
+            base_passed: b.map(|b| b.passed),
+            new_passed: None,
+            grew: false,
+            status: RowStatus::Errored,
+        });
+    }
     for (key, b) in &base_map {
         let (model, config, reference) = key.clone();
+        if errored.contains_key(key) {
+            continue;
+        }
         let Some(n) = new_map.get(key) else {
             rows.push(CompareRow {
                 model,
@@ -325,7 +359,7 @@ pub fn compare_reports(
         });
     }
     for (key, n) in &new_map {
-        if !base_map.contains_key(key) {
+        if !base_map.contains_key(key) && !errored.contains_key(key) {
             let (model, config, reference) = key.clone();
             rows.push(CompareRow {
                 model,

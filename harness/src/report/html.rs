@@ -322,7 +322,6 @@ svg text.t{font-size:13px;font-weight:bold}svg text.n{font-size:9px;fill:#777}.d
 /// The page: a summary table, then per comparison its verdict, loss curves and errors per
 /// step on a log scale.
 pub fn render_html(report: &Report) -> String {
-    let s = &report.summary;
     let mut out =
         String::from("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\"/>\n");
     let _ = writeln!(
@@ -332,8 +331,13 @@ pub fn render_html(report: &Report) -> String {
     let _ = writeln!(out, "<h1>Lockstep parity report</h1>");
     let _ = write!(
         out,
-        "<p>{} comparisons: {} passed, {} failed",
-        s.comparisons, s.passed, s.failed
+        "<p class=\"{}\">{}",
+        if report.errors.is_empty() {
+            "summary"
+        } else {
+            "fail"
+        },
+        xml_escape(&report.headline())
     );
     if let Some(t) = report.wall_time_seconds {
         let _ = write!(out, "; wall time {t:.2} s");
@@ -375,7 +379,28 @@ pub fn render_html(report: &Report) -> String {
         }
         out.push_str("</tr>\n");
     }
+    for e in &report.errors {
+        let _ = writeln!(
+            out,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td class=\"fail\">ERROR</td><td colspan=\"{}\">{}</td></tr>",
+            xml_escape(&e.model),
+            xml_escape(&e.config),
+            xml_escape(&e.reference),
+            if memory { 6 } else { 4 },
+            xml_escape(&e.message)
+        );
+    }
     out.push_str("</table>\n");
+    for e in &report.errors {
+        let name = format!("{} / {} vs {}", e.model, e.config, e.reference);
+        let _ = writeln!(
+            out,
+            "<section>\n<h2>{}</h2>\n<p class=\"fail\">ERROR: {}</p>\n<pre class=\"diag\">{}</pre>\n</section>",
+            xml_escape(&name),
+            xml_escape(&e.message),
+            xml_escape(&e.details)
+        );
+    }
     for c in &report.comparisons {
         let name = format!("{} / {} vs {}", c.model, c.config, c.reference);
         let _ = writeln!(out, "<section>\n<h2>{}</h2>", xml_escape(&name));

@@ -1,7 +1,7 @@
 //! The versioned JSON: the machine-readable record of a matrix and the input of report
 //! comparisons.
 
-use super::{Report, ReportError, SCHEMA_VERSION};
+use super::{Report, ReportError, READABLE_SCHEMA_VERSIONS};
 use std::path::Path;
 
 /// The report as pretty JSON.
@@ -26,7 +26,7 @@ pub fn read_json(path: &Path) -> Result<Report, ReportError> {
     let found = value
         .get("schema_version")
         .and_then(serde_json::Value::as_u64);
-    if found != Some(u64::from(SCHEMA_VERSION)) {
+    if !found.is_some_and(|v| READABLE_SCHEMA_VERSIONS.iter().any(|&r| u64::from(r) == v)) {
         return Err(ReportError::UnsupportedSchema {
             path: path.to_owned(),
             found,

@@ -21,13 +21,17 @@ pub fn render_junit(report: &Report) -> String {
     let mut out = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
     let _ = writeln!(
         out,
-        "<testsuites name=\"lockstep parity\" tests=\"{}\" failures=\"{}\" errors=\"0\" time=\"{time:.3}\">",
-        s.comparisons, s.failed
+        "<testsuites name=\"lockstep parity\" tests=\"{}\" failures=\"{}\" errors=\"{}\" time=\"{time:.3}\">",
+        s.comparisons + report.errors.len(),
+        s.failed,
+        report.errors.len()
     );
     let _ = writeln!(
         out,
-        "  <testsuite name=\"parity\" tests=\"{}\" failures=\"{}\" errors=\"0\" skipped=\"0\" time=\"{time:.3}\">",
-        s.comparisons, s.failed
+        "  <testsuite name=\"parity\" tests=\"{}\" failures=\"{}\" errors=\"{}\" skipped=\"0\" time=\"{time:.3}\">",
+        s.comparisons + report.errors.len(),
+        s.failed,
+        report.errors.len()
     );
     for c in &report.comparisons {
         let _ = write!(
@@ -66,6 +70,16 @@ pub fn render_junit(report: &Report) -> String {
             xml_escape(&details)
         );
         out.push_str("    </testcase>\n");
+    }
+    for e in &report.errors {
+        let _ = writeln!(
+            out,
+            "    <testcase classname=\"{}\" name=\"{}\">\n      <error message=\"{}\" type=\"run\">{}</error>\n    </testcase>",
+            xml_escape(&format!("parity.{}", e.model)),
+            xml_escape(&format!("{} vs {}", e.config, e.reference)),
+            xml_escape(&e.message),
+            xml_escape(&e.details)
+        );
     }
     out.push_str("  </testsuite>\n</testsuites>\n");
     out

@@ -1,6 +1,6 @@
 //! The Markdown summary: one table a person reads in a pull request or a CI log.
 
-use super::{fmt_kib, fmt_num, fmt_ulp, Report};
+use super::{fmt_kib, fmt_num, fmt_ulp, xml_escape, Report};
 use std::fmt::Write as _;
 
 fn cell(text: &str) -> String {
@@ -11,13 +11,8 @@ fn cell(text: &str) -> String {
 /// and their reasons listed under it.
 pub fn render_markdown(report: &Report) -> String {
     let mut out = String::new();
-    let s = &report.summary;
     let _ = writeln!(out, "# Lockstep parity report\n");
-    let _ = write!(
-        out,
-        "{} comparisons: {} passed, {} failed",
-        s.comparisons, s.passed, s.failed
-    );
+    let _ = write!(out, "{}", report.headline());
     if let Some(t) = report.wall_time_seconds {
         let _ = write!(out, "; wall time {t:.2} s");
     }
@@ -63,6 +58,31 @@ pub fn render_markdown(report: &Report) -> String {
             fmt_num(all.margin),
             cell(failure)
         );
+    }
+    for e in &report.errors {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | **ERROR** | - | - | - | - | {}{} |",
+            cell(&e.model),
+            cell(&e.config),
+            cell(&e.reference),
+            if memory { "- | - | " } else { "" },
+            cell(&e.message)
+        );
+    }
+    if !report.errors.is_empty() {
+        let _ = writeln!(out, "\n## Errors\n");
+        for e in &report.errors {
+            let _ = writeln!(
+                out,
+                "<details><summary>{} / {} vs {}: {}</summary>\n<pre>{}</pre>\n</details>\n",
+                xml_escape(&e.model),
+                xml_escape(&e.config),
+                xml_escape(&e.reference),
+                xml_escape(&e.message),
+                xml_escape(&e.details)
+            );
+        }
     }
     // Each reason once (a matrix applies one override to many rows), with the rows it
     // governed.

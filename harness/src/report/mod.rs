@@ -20,6 +20,7 @@ pub use compare::{
 pub use html::render_html;
 pub use json::{read_json, render_json};
 pub use junit::render_junit;
+pub(crate) use junit::xml_escape;
 pub use markdown::render_markdown;
 
 use crate::parity::{Comparison, StepComparison};
@@ -28,8 +29,14 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Version of the JSON layout. Bump it on any change a reader could trip over; readers
-/// refuse versions they do not know instead of misreading them.
-pub const SCHEMA_VERSION: u32 = 1;
+/// refuse versions they do not know instead of misreading them. Version 2 added run errors
+/// (`complete`, `errors`, `summary.errors`): a version-1 reader must not take a report with
+/// errored runs for a complete one, so it refuses it.
+pub const SCHEMA_VERSION: u32 = 2;
+
+/// The versions [`read_json`] accepts. A version-1 report has no errors (version 1 wrote no
+/// report when a run failed), so it reads as complete.
+pub const READABLE_SCHEMA_VERSIONS: [u32; 2] = [1, 2];
 
 /// Totals over a report.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -40,6 +47,27 @@ pub struct Summary {
     pub passed: usize,
     /// How many failed.
     pub failed: usize,
+    /// Comparisons that could not be made because a run they needed failed (crashed, hung,
+    /// could not start): listed in [`Report::errors`].
+    #[serde(default)]
+    pub errors: usize,
+}
+
+/// A comparison that could not be made because a run it needed failed. Its row stands in
+/// the report as an error, so a report with failed runs never looks complete.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunError {
+    /// Model zoo name.
+    pub model: String,
+    /// The configuration under test (`fsdp.hybrid_shard@4`).
+    pub config: String,
+    /// The reference it was to be compared with.
+    pub reference: String,
+    /// One line: what failed.
+    pub message: String,
+    /// The launcher's whole account: the failing rank, its message and stderr tail, and on a
+    /// timeout every rank's flight recorder with the desync diagnosis.
+    pub details: String,
 }
 
 /// One step of one comparison: the per-step record of the JSON.
@@ -73,6 +101,16 @@ pub struct Report {
     /// One summary per model × config × reference (their `steps` are moved to
     /// [`Report::steps`] and left empty here), with final-parameter summaries.
     pub comparisons: Vec<Comparison>,
+    /// False when some comparisons are missing because their runs failed ([`Report::errors`]).
+    #[serde(default = "complete_by_default")]
+    pub complete: bool,
+    /// The comparisons that could not be made, with why.
+    #[serde(default)]
+    pub errors: Vec<RunError>,
+}
+
+fn complete_by_default() -> bool {
+    true
 }
 
 impl Report {
@@ -100,10 +138,21 @@ impl Report {
                 comparisons: summaries.len(),
                 passed,
                 failed: summaries.len() - passed,
+                errors: 0,
             },
             steps,
             comparisons: summaries,
+            complete: true,
+            errors: Vec::new(),
         }
+    }
+
+    /// Adds the comparisons that could not be made; any makes the report incomplete.
+    pub fn with_errors(mut self, errors: Vec<RunError>) -> Self {
+        self.summary.errors = errors.len();
+        self.complete = errors.is_empty();
+        self.errors = errors;
+        self
     }
 
     /// Records the measured wall time of the matrix.
@@ -119,9 +168,28 @@ impl Report {
         })
     }
 
-    /// Whether every comparison passed.
+    /// Whether every comparison passed and none is missing.
     pub fn passed(&self) -> bool {
-        self.summary.failed == 0
+        self.summary.failed == 0 && self.complete && self.errors.is_empty()
+    }
+
+    /// The sentence every human format opens with: the counts, preceded by INCOMPLETE when
+    /// runs failed, so an incomplete report never reads as a complete one.
+    pub fn headline(&self) -> String {
+        let s = &self.summary;
+        let counts = format!(
+            "{} comparisons: {} passed, {} failed",
+            s.comparisons, s.passed, s.failed
+        );
+        if self.errors.is_empty() && self.complete {
+            counts
+        } else {
+            format!(
+                "INCOMPLETE: {} comparisons could not be made because their runs failed (listed \
+                 as errors). {counts}, {} errors",
+                s.errors, s.errors
+            )
+        }
     }
 
     /// Whether any comparison carries memory figures: the human formats add their memory
