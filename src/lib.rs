@@ -8,6 +8,7 @@
 pub mod bench;
 pub mod env_report;
 pub mod matrix;
+pub mod stress;
 
 pub use lockstep_core::comm;
 pub use lockstep_harness as harness;

@@ -57,13 +57,20 @@ enum Command {
     /// says it is incomplete), 2 on bad
     /// input.
     Matrix(MatrixArgs),
+    /// Run a matrix selection N times under injected load (busy threads, random message
+    /// delays) and count the hangs; exit 1 if any run hung or failed.
+    ///
+    /// A hang prints the first hung run's flight recorders and desync diagnosis. Example:
+    /// `lockstep stress --configs 'fsdp.hybrid*' --world-size 4 --repeat 200`.
+    Stress(StressArgs),
     /// A rank of `bench spawn --mode exec` (started by the launcher, not by hand).
     #[command(name = "__spawn-probe", hide = true)]
     SpawnProbe,
 }
 
+/// Which part of the matrix to run (shared by `matrix` and `stress`).
 #[derive(clap::Args)]
-struct MatrixArgs {
+struct SelectionArgs {
     /// Models to run: names or patterns with `*` (e.g. `nested,gpt*`); default all.
     #[arg(long, value_delimiter = ',')]
     models: Vec<String>,
@@ -79,6 +86,34 @@ struct MatrixArgs {
     /// Run seed for parameters and batches.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+}
+
+#[derive(clap::Args)]
+struct StressArgs {
+    #[command(flatten)]
+    selection: SelectionArgs,
+    /// How many times to run the whole selection.
+    #[arg(long, default_value_t = 20)]
+    repeat: usize,
+    /// Busy threads spinning in the launcher for the whole stress (CPU contention).
+    #[arg(long = "busy-threads", default_value_t = 2)]
+    busy_threads: usize,
+    /// Longest random delay, in microseconds, before every message a rank sends.
+    #[arg(long = "send-delay-us", default_value_t = 200)]
+    send_delay_us: u64,
+    /// Seconds one launch may take before it counts as a hang.
+    #[arg(long, default_value_t = 60.0)]
+    timeout: f64,
+    /// Plant a bug in every DDP run (as `matrix --fault`), e.g. `stall` to prove a hang is
+    /// found.
+    #[arg(long, hide = true, value_parser = parse_fault)]
+    fault: Option<lockstep_core::ddp::Fault>,
+}
+
+#[derive(clap::Args)]
+struct MatrixArgs {
+    #[command(flatten)]
+    selection: SelectionArgs,
     /// Directory for the report set (created if missing).
     #[arg(long, default_value = lockstep::matrix::DEFAULT_OUT_DIR)]
     out: PathBuf,
@@ -186,6 +221,7 @@ fn main() -> Result<ExitCode> {
             }
         }
         Command::Matrix(args) => return run_matrix(args),
+        Command::Stress(args) => return run_stress(args),
         Command::SpawnProbe => lockstep::harness::rank_main(bench::spawn_probe),
         Command::Bench { what } => run_bench(what)?,
     }
@@ -197,7 +233,7 @@ fn main() -> Result<ExitCode> {
 fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
     use lockstep::matrix;
     if args.list {
-        match matrix::render_list(args.seed) {
+        match matrix::render_list(args.selection.seed) {
             Ok(text) => print!("{text}"),
             Err(e) => {
                 eprintln!("error: {e}");
@@ -206,25 +242,10 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let opts = matrix::MatrixOptions {
-        models: args.models,
-        configs: args.configs,
-        world_sizes: args.world_sizes,
-        steps: args.steps,
-        seed: args.seed,
-        timeout: match std::time::Duration::try_from_secs_f64(args.timeout) {
-            Ok(t) if !t.is_zero() => t,
-            _ => {
-                eprintln!(
-                    "error: invalid option: --timeout {}: must be a positive number of seconds",
-                    args.timeout
-                );
-                return Ok(ExitCode::from(2));
-            }
-        },
-        fault: args.fault,
-        ..matrix::MatrixOptions::default()
+    let Some(mut opts) = matrix_options(args.selection, args.timeout) else {
+        return Ok(ExitCode::from(2));
     };
+    opts.fault = args.fault;
     let plan = match matrix::plan(&opts).and_then(|plan| {
         matrix::prepare_out_dir(&args.out)?;
         Ok(plan)
@@ -259,6 +280,71 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
         }
     }
     Ok(if result.passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// The matrix options a selection describes; `None` (after saying why) for a timeout that is
+/// not a positive number of seconds.
+fn matrix_options(
+    selection: SelectionArgs,
+    timeout: f64,
+) -> Option<lockstep::matrix::MatrixOptions> {
+    let timeout = match std::time::Duration::try_from_secs_f64(timeout) {
+        Ok(t) if !t.is_zero() => t,
+        _ => {
+            eprintln!(
+                "error: invalid option: --timeout {timeout}: must be a positive number of seconds"
+            );
+            return None;
+        }
+    };
+    Some(lockstep::matrix::MatrixOptions {
+        models: selection.models,
+        configs: selection.configs,
+        world_sizes: selection.world_sizes,
+        steps: selection.steps,
+        seed: selection.seed,
+        timeout,
+        ..lockstep::matrix::MatrixOptions::default()
+    })
+}
+
+/// `lockstep stress`: exit 0 when no run hung or failed, 1 otherwise, 2 on bad input.
+fn run_stress(args: StressArgs) -> Result<ExitCode> {
+    let Some(mut opts) = matrix_options(args.selection, args.timeout) else {
+        return Ok(ExitCode::from(2));
+    };
+    opts.fault = args.fault;
+    if args.repeat == 0 {
+        eprintln!("error: invalid option: --repeat 0: must be at least 1");
+        return Ok(ExitCode::from(2));
+    }
+    let plan = match lockstep::matrix::plan(&opts) {
+        Ok(plan) => plan,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Ok(ExitCode::from(2));
+        }
+    };
+    let stress = lockstep::stress::StressOptions {
+        repeat: args.repeat,
+        busy_threads: args.busy_threads,
+        max_send_delay: std::time::Duration::from_micros(args.send_delay_us),
+    };
+    eprintln!(
+        "stress: {} runs per iteration, {} iterations, {} busy threads, send delays up to {} us, timeout {:.0} s",
+        plan.run_count(),
+        stress.repeat,
+        stress.busy_threads,
+        args.send_delay_us,
+        args.timeout
+    );
+    let outcome = lockstep::stress::run(&plan, &stress, |line| eprintln!("{line}"));
+    print!("{}", outcome.render());
+    Ok(if outcome.clean() {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE

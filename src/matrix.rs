@@ -990,6 +990,8 @@ pub struct RunFailed {
     pub line: String,
     /// Everything the launcher reported.
     pub details: String,
+    /// Whether the run outlived its timeout (a hang), rather than failing.
+    pub timed_out: bool,
 }
 
 impl RunFailed {
@@ -998,6 +1000,7 @@ impl RunFailed {
         RunFailed {
             details: line.clone(),
             line,
+            timed_out: false,
         }
     }
 }
@@ -1011,8 +1014,10 @@ pub struct MatrixResult {
     pub comparisons: Vec<Comparison>,
     /// Training runs performed (single-device and DDP launches).
     pub runs: usize,
-    /// Runs that failed.
+    /// Runs that failed (hung ones included).
     pub failed_runs: usize,
+    /// Runs that outlived the timeout.
+    pub hung_runs: usize,
     /// Measured wall time of the whole matrix.
     pub elapsed: Duration,
 }
@@ -1309,6 +1314,7 @@ pub fn run(plan: &Plan, bar: &ProgressBar) -> MatrixResult {
         comparisons: Vec::new(),
         runs: 0,
         failed_runs: 0,
+        hung_runs: 0,
         elapsed: Duration::ZERO,
     };
     for (m, (model, blocker)) in plan.models.iter().zip(&plan.blockers).enumerate() {
@@ -1329,6 +1335,9 @@ pub fn run(plan: &Plan, bar: &ProgressBar) -> MatrixResult {
                 let err = outcome.as_ref().err().map(|e| e.line.as_str());
                 if err.is_some() {
                     result.failed_runs += 1;
+                }
+                if outcome.as_ref().is_err_and(|e| e.timed_out) {
+                    result.hung_runs += 1;
                 }
                 progress.finish(&label, t0.elapsed(), err);
                 outcome
@@ -1550,6 +1559,7 @@ fn run_parallel(
         RunFailed {
             line: one_line(&details),
             details,
+            timed_out: matches!(e, LaunchError::Timeout(_)),
         }
     })?;
     let bytes = read.map_err(|e| RunFailed::simple(format!("reading rank 0's record: {e}")))?;

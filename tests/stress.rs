@@ -45,3 +45,54 @@ fn storm_without_injected_load_world2() {
     };
     common::run(2, move |ctx| collective_storm(ctx, &opts).map(|_| ()));
 }
+
+fn lockstep(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .args(args)
+        .output()
+        .expect("run lockstep")
+}
+
+/// `lockstep stress` repeats a selection under load: clean runs report zero hangs; a planted
+/// hang (the last rank stalls before its first gradient reduction) is counted and shown
+/// with every rank's flight recorder.
+#[test]
+fn stress_command_counts_hangs() {
+    let base = [
+        "stress",
+        "--models",
+        "nested",
+        "--configs",
+        "ddp",
+        "--world-size",
+        "2",
+        "--steps",
+        "1",
+        "--repeat",
+        "3",
+    ];
+    let clean = lockstep(&base);
+    let stdout = String::from_utf8_lossy(&clean.stdout);
+    assert_eq!(
+        clean.status.code(),
+        Some(0),
+        "{stdout}{}",
+        String::from_utf8_lossy(&clean.stderr)
+    );
+    assert!(
+        stdout.contains("3 iterations") && stdout.contains("hangs found = 0"),
+        "{stdout}"
+    );
+
+    let mut planted = base[..base.len() - 1].to_vec();
+    planted.extend(["2", "--fault", "stall", "--timeout", "2"]);
+    let hung = lockstep(&planted);
+    let stdout = String::from_utf8_lossy(&hung.stdout);
+    assert_eq!(hung.status.code(), Some(1), "{stdout}");
+    // Two launches an iteration hang: `ddp` and its repeat.
+    assert!(stdout.contains("hangs found = 4"), "{stdout}");
+    assert!(
+        stdout.contains("flight recorder of rank 1") && stdout.contains("desync on group world"),
+        "{stdout}"
+    );
+}

@@ -107,7 +107,7 @@ fn values(global: usize, iteration: usize, op: usize, len: usize) -> Tensor {
 
 /// Which collective, drawn per operation.
 #[derive(Clone, Copy, Debug)]
-enum Kind_ {
+enum StormOp {
     AllReduceSum,
     AllReduceMax,
     AllGather,
@@ -118,23 +118,26 @@ enum Kind_ {
     SendRecvRing,
 }
 
-const KINDS: [Kind_; 8] = [
-    Kind_::AllReduceSum,
-    Kind_::AllReduceMax,
-    Kind_::AllGather,
-    Kind_::ReduceScatter,
-    Kind_::Broadcast,
-    Kind_::AllToAll,
-    Kind_::Barrier,
-    Kind_::SendRecvRing,
+const KINDS: [StormOp; 8] = [
+    StormOp::AllReduceSum,
+    StormOp::AllReduceMax,
+    StormOp::AllGather,
+    StormOp::ReduceScatter,
+    StormOp::Broadcast,
+    StormOp::AllToAll,
+    StormOp::Barrier,
+    StormOp::SendRecvRing,
 ];
+
+/// Reads an operation's result once its work completed: `Err((element, got, want))`.
+type Check = Box<dyn FnOnce() -> Result<(), (usize, f32, f32)>>;
 
 /// One issued operation: its work handles and how to check its result once they complete.
 struct Pending {
     what: String,
     op: usize,
     works: Vec<Work>,
-    check: Box<dyn FnOnce() -> Result<(), (usize, f32, f32)>>,
+    check: Check,
 }
 
 /// Compares `got` to `want(i)` element by element.
@@ -153,7 +156,7 @@ fn expect(got: &Tensor, want: impl Fn(usize) -> f32) -> Result<(), (usize, f32, 
 /// two dimensions' overlapping groups and the world group all busy at once.
 pub fn collective_storm(ctx: &RankCtx, opts: &StormOptions) -> Result<StormStats, StormError> {
     let n = ctx.world_size();
-    if n < 2 || n % 2 != 0 {
+    if n < 2 || !n.is_multiple_of(2) {
         return Err(StormError::WorldSize(n));
     }
     let comm = |iteration, op, what: &str| {
@@ -297,14 +300,12 @@ fn complete(p: Pending, iteration: usize) -> Result<(), StormError> {
     })
 }
 
-type Check = Box<dyn FnOnce() -> Result<(), (usize, f32, f32)>>;
-
 /// Issues one operation, through the blocking call (`blocking`: it runs on this thread when
 /// nothing is queued) or the asynchronous one (the caller waits, now or later); the returned
 /// check reads the result once the work completed.
 fn issue(
     g: &dyn ProcessGroup,
-    kind: Kind_,
+    kind: StormOp,
     iteration: usize,
     op: usize,
     len: usize,
@@ -324,10 +325,10 @@ fn issue(
     let mine = members[me];
     let f32s = (Kind::Float, Device::Cpu);
     Ok(match kind {
-        Kind_::AllReduceSum | Kind_::AllReduceMax => {
+        StormOp::AllReduceSum | StormOp::AllReduceMax => {
             let t = values(mine, iteration, op, len);
             let (reduce, combine): (ReduceOp, fn(f32, f32) -> f32) = match kind {
-                Kind_::AllReduceSum => (ReduceOp::Sum, |a, b| a + b),
+                StormOp::AllReduceSum => (ReduceOp::Sum, |a, b| a + b),
                 _ => (ReduceOp::Max, f32::max),
             };
             let work = run(&|| g.all_reduce_async(&t, reduce), &|| {
@@ -344,7 +345,7 @@ fn issue(
             });
             (vec![work], check)
         }
-        Kind_::AllGather => {
+        StormOp::AllGather => {
             let input = values(mine, iteration, op, len);
             let out = Tensor::full([(len * size) as i64], -1.0, f32s);
             let work = run(&|| g.all_gather_async(&out, &input), &|| {
@@ -356,7 +357,7 @@ fn issue(
             });
             (vec![work], check)
         }
-        Kind_::ReduceScatter => {
+        StormOp::ReduceScatter => {
             let input = values(mine, iteration, op, len * size);
             let out = Tensor::full([len as i64], -1.0, f32s);
             let work = run(
@@ -374,7 +375,7 @@ fn issue(
             });
             (vec![work], check)
         }
-        Kind_::Broadcast => {
+        StormOp::Broadcast => {
             let root = (iteration + op) % size;
             let t = if me == root {
                 values(mine, iteration, op, len)
@@ -387,7 +388,7 @@ fn issue(
                 Box::new(move || expect(&t, |i| value(root_global, iteration, op, i)));
             (vec![work], check)
         }
-        Kind_::AllToAll => {
+        StormOp::AllToAll => {
             // Uneven rows of width 3: rank s sends (s + d + op) % 3 (+ len / 3000) rows to d.
             let width = 3usize;
             let rows = |s: usize, d: usize| (s + d + op) % 3 + len / 3000;
@@ -417,11 +418,11 @@ fn issue(
             });
             (vec![work], check)
         }
-        Kind_::Barrier => (
+        StormOp::Barrier => (
             vec![run(&|| g.barrier_async(), &|| g.barrier())?],
             Box::new(|| Ok(())) as Check,
         ),
-        Kind_::SendRecvRing => {
+        StormOp::SendRecvRing => {
             if size == 1 {
                 return Ok((Vec::new(), Box::new(|| Ok(()))));
             }
