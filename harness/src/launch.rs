@@ -365,6 +365,11 @@ pub fn launch(opts: &LaunchOptions, spawn: RankSpawn<'_>) -> Result<LaunchSummar
         if Instant::now() >= deadline {
             request_dumps(&ranks);
             let dumps = wait_for_dumps(&ranks, run_dir.path());
+            // A rank that ended meanwhile says how (SIGUSR1's default action kills a rank that
+            // had not yet installed its dump handler: it was stuck before joining the run).
+            for r in ranks.0.iter_mut().filter(|r| r.end.is_none()) {
+                r.end = r.poll();
+            }
             stop_all(&mut ranks, RankEnd::TimedOut);
             let mut report = reports(&mut ranks, &store, None, Some(dumps));
             report.timeout = Some(opts.timeout);
