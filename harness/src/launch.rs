@@ -282,13 +282,14 @@ pub fn launch(opts: &LaunchOptions, spawn: RankSpawn<'_>) -> Result<LaunchSummar
         return Err(LaunchError::Invalid("world size must be at least 1".into()));
     }
     let secret = new_secret();
-    let store = StoreServer::start("127.0.0.1:0", &secret)
+    // Bound now, served once every rank is forked: no store thread exists at a fork.
+    let store = StoreServer::bind("127.0.0.1:0", &secret)
         .map_err(|e| LaunchError::Invalid(format!("cannot start the store: {e}")))?;
     let run_dir = RunDir::create()?;
     let echo = std::env::var(env::ECHO).is_ok_and(|v| v == "1");
     let started = Instant::now();
-    // Start every rank before any output-draining thread exists, so no forked rank can
-    // inherit a lock one of those threads held at the moment of the fork.
+    // Start every rank before any output-draining or store thread exists, so no forked rank
+    // can inherit a lock one of those threads held at the moment of the fork.
     let mut ranks = Ranks(Vec::with_capacity(opts.world_size));
     let mut pipes = Vec::with_capacity(opts.world_size);
     for rank in 0..opts.world_size {
@@ -310,6 +311,9 @@ pub fn launch(opts: &LaunchOptions, spawn: RankSpawn<'_>) -> Result<LaunchSummar
         });
         pipes.push((out, err));
     }
+    store
+        .serve()
+        .map_err(|e| LaunchError::Invalid(format!("cannot start the store: {e}")))?;
     for (rank, (r, (out, err))) in ranks.0.iter_mut().zip(pipes).enumerate() {
         r.drains = vec![
             drain(

@@ -40,43 +40,86 @@ struct Shared {
 }
 
 /// The store's server side, hosted by the launcher (or rank 0 under an external launcher).
-/// Dropping it stops accepting connections.
+///
+/// It can be bound before it serves ([`StoreServer::bind`], then [`StoreServer::serve`]):
+/// a launcher that forks its ranks binds first, so the ranks know the address, and serves
+/// once every rank is forked, so no store thread exists at a fork (a forked child inherits
+/// every lock another thread holds at that instant, held forever). Clients that connect
+/// before it serves wait in the listen backlog. Dropping it stops it and joins every one of
+/// its threads, so none outlives it into the next launch's forks.
 pub struct StoreServer {
     addr: SocketAddr,
     shared: Arc<Shared>,
+    secret: String,
+    /// The listener until `serve` hands it to the accept thread.
+    listener: Mutex<Option<TcpListener>>,
+    /// The accept thread and one thread per connection.
+    threads: Arc<Mutex<Vec<std::thread::JoinHandle<()>>>>,
+    /// A handle on every accepted connection, shut down on drop to end its thread.
+    connections: Arc<Mutex<Vec<TcpStream>>>,
 }
 
 impl StoreServer {
     /// Binds `bind` (e.g. `127.0.0.1:0`) and serves clients that present `secret`.
     pub fn start(bind: impl ToSocketAddrs, secret: &str) -> Result<Self, CommError> {
+        let server = Self::bind(bind, secret)?;
+        server.serve()?;
+        Ok(server)
+    }
+
+    /// Binds `bind` without serving yet: no thread is started until [`StoreServer::serve`].
+    pub fn bind(bind: impl ToSocketAddrs, secret: &str) -> Result<Self, CommError> {
         let listener = TcpListener::bind(bind).map_err(|e| CommError::io("store: bind", e))?;
         let addr = listener
             .local_addr()
             .map_err(|e| CommError::io("store: local address", e))?;
-        let shared = Arc::new(Shared {
-            table: Mutex::new(Table::default()),
-            changed: Condvar::new(),
-            stopping: AtomicBool::new(false),
-        });
-        let secret = secret.to_owned();
-        let accept_shared = shared.clone();
-        std::thread::Builder::new()
+        Ok(StoreServer {
+            addr,
+            shared: Arc::new(Shared {
+                table: Mutex::new(Table::default()),
+                changed: Condvar::new(),
+                stopping: AtomicBool::new(false),
+            }),
+            secret: secret.to_owned(),
+            listener: Mutex::new(Some(listener)),
+            threads: Arc::new(Mutex::new(Vec::new())),
+            connections: Arc::new(Mutex::new(Vec::new())),
+        })
+    }
+
+    /// Starts answering clients (once; later calls do nothing).
+    pub fn serve(&self) -> Result<(), CommError> {
+        let Some(listener) = lock(&self.listener).take() else {
+            return Ok(());
+        };
+        let secret = self.secret.clone();
+        let shared = self.shared.clone();
+        let threads = self.threads.clone();
+        let connections = self.connections.clone();
+        let accept = std::thread::Builder::new()
             .name("lockstep-store".into())
             .spawn(move || {
                 for stream in listener.incoming() {
-                    if accept_shared.stopping.load(Ordering::Relaxed) {
+                    if shared.stopping.load(Ordering::Relaxed) {
                         break;
                     }
                     let Ok(stream) = stream else { continue };
-                    let shared = accept_shared.clone();
+                    if let Ok(handle) = stream.try_clone() {
+                        lock(&connections).push(handle);
+                    }
+                    let shared = shared.clone();
                     let secret = secret.clone();
-                    let _ = std::thread::Builder::new()
+                    if let Ok(t) = std::thread::Builder::new()
                         .name("lockstep-store-conn".into())
-                        .spawn(move || serve_client(stream, &shared, &secret));
+                        .spawn(move || serve_client(stream, &shared, &secret))
+                    {
+                        lock(&threads).push(t);
+                    }
                 }
             })
             .map_err(|e| CommError::io("store: spawn accept thread", e))?;
-        Ok(StoreServer { addr, shared })
+        lock(&self.threads).push(accept);
+        Ok(())
     }
 
     /// The address clients connect to.
@@ -94,8 +137,26 @@ impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.stopping.store(true, Ordering::Relaxed);
         self.shared.changed.notify_all();
-        // Wake the accept loop so it sees `stopping`.
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(100));
+        // Wake the accept loop so it sees `stopping` (it ends after this connection).
+        if lock(&self.listener).is_none() {
+            let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(100));
+        }
+        // Joining the accept thread first means no connection thread starts after the
+        // shutdowns below.
+        let accept = {
+            let mut threads = lock(&self.threads);
+            (!threads.is_empty()).then(|| threads.remove(0))
+        };
+        if let Some(t) = accept {
+            let _ = t.join();
+        }
+        for c in lock(&self.connections).drain(..) {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+        let rest: Vec<_> = lock(&self.threads).drain(..).collect();
+        for t in rest {
+            let _ = t.join();
+        }
     }
 }
 
