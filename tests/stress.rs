@@ -96,3 +96,41 @@ fn stress_command_counts_hangs() {
         "{stdout}"
     );
 }
+
+/// The root cause of the hybrid-shard hang: a rank forked while another thread of the
+/// launcher was starting or exiting inherited Rust's thread-registry lock held, so no thread
+/// could ever start in it. The launcher now forks with no other thread of its own alive;
+/// this checks that invariant over a matrix's launches (each with its store and output
+/// threads) and its in-process references.
+#[test]
+fn matrix_forks_every_rank_from_a_single_threaded_launcher() {
+    let out = std::env::temp_dir().join(format!("lockstep-fork-threads-{}", std::process::id()));
+    let run = std::process::Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .args([
+            "matrix",
+            "--models",
+            "nested,gpt",
+            "--configs",
+            "fsdp.hybrid_shard",
+            "--world-size",
+            "4",
+            "--steps",
+            "1",
+            "--out",
+        ])
+        .arg(&out)
+        .env("LOCKSTEP_TRACE_FORKS", "1")
+        .output()
+        .expect("run lockstep");
+    let _ = std::fs::remove_dir_all(&out);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    let forks: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("lockstep: forking rank"))
+        .collect();
+    // nested and gpt: the ddp reference and hybrid shard, 4 ranks each.
+    assert_eq!(forks.len(), 2 * 2 * 4, "{stderr}");
+    for line in forks {
+        assert!(line.ends_with(r#"from threads ["lockstep"]"#), "{line}");
+    }
+}

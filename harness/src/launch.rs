@@ -31,6 +31,9 @@ pub mod env {
     pub const BACKEND: &str = "LOCKSTEP_BACKEND";
     /// Echo every rank's output live, prefixed with its rank, when set to 1.
     pub const ECHO: &str = "LOCKSTEP_ECHO";
+    /// Print the launcher's threads at every fork, when set to 1 (a fork must see only the
+    /// launching thread: see `threads_start`).
+    pub const TRACE_FORKS: &str = "LOCKSTEP_TRACE_FORKS";
 }
 
 /// How many bytes of each rank's output the launcher keeps for reports.
@@ -240,6 +243,12 @@ fn spawn_rank(
             let (out_r, out_w) = pipe()?;
             let (err_r, err_w) = pipe()?;
             let parent = std::process::id() as libc::pid_t;
+            if std::env::var(env::TRACE_FORKS).is_ok_and(|v| v == "1") {
+                eprintln!(
+                    "lockstep: forking rank {rank} from threads {:?}",
+                    thread_names()
+                );
+            }
             // SAFETY: the child only redirects its output and runs the rank body in a process
             // of its own; it never returns into the caller's frames (it exits below).
             let pid = unsafe { libc::fork() };
@@ -261,6 +270,11 @@ fn spawn_rank(
                     libc::dup2(err_w.as_raw_fd(), 2);
                 }
                 drop((out_r, out_w, err_r, err_w));
+                if !threads_start() {
+                    report_broken_fork(rank);
+                    // SAFETY: leave at once; nothing of the launcher's may run here.
+                    unsafe { libc::_exit(BROKEN_FORK_EXIT) }
+                }
                 let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(info)))
                     .unwrap_or(101);
                 use std::io::Write;
@@ -273,6 +287,55 @@ fn spawn_rank(
             Ok((pid, out_r, err_r))
         }
     }
+}
+
+/// Exit code of a forked rank that cannot start threads (see [`threads_start`]).
+pub const BROKEN_FORK_EXIT: i32 = 86;
+
+/// Whether this (freshly forked) process can start a thread. A child inherits every lock
+/// another thread of its parent held at the instant of the fork, held forever. Rust's
+/// runtime registers every starting and exiting thread under one process-wide lock (the
+/// stack-guard registry of its stack-overflow handler), so a fork that lands while any other
+/// thread of the launcher starts or exits gives a child in which no thread can ever start:
+/// it would hang in rendezvous. The launcher forks with no other thread of its own alive;
+/// this probe turns a fork from a process whose *other* threads (a user's) broke that
+/// promise into a clear error instead of a hang.
+fn threads_start() -> bool {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let spawned = std::thread::Builder::new()
+        .name("lockstep-probe".into())
+        .spawn(move || {
+            let _ = tx.send(());
+        });
+    spawned.is_ok() && rx.recv_timeout(Duration::from_secs(5)).is_ok()
+}
+
+fn report_broken_fork(rank: usize) {
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
+        "lockstep rank {rank}: no thread can start in this forked process: another thread of \
+         the launching process held a runtime lock at the fork (threads: {:?}). Launch from a \
+         process with no other threads starting or exiting, or use exec mode \
+         (LOCKSTEP_SPAWN=exec).",
+        thread_names()
+    );
+}
+
+/// Names of this process's threads (`/proc/self/task/*/comm`).
+fn thread_names() -> Vec<String> {
+    std::fs::read_dir("/proc/self/task")
+        .map(|dir| {
+            dir.flatten()
+                .map(|t| {
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .unwrap_or_default()
+                        .trim()
+                        .to_owned()
+                })
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Runs `world_size` ranks to completion. The first rank to fail stops the others; a run
