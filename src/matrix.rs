@@ -1272,6 +1272,8 @@ struct Progress<'a> {
     bar: &'a ProgressBar,
     done: usize,
     total: usize,
+    /// Print a line per run where the bar is hidden (CI logs); off for repeated runs.
+    log_runs: bool,
 }
 
 impl Progress<'_> {
@@ -1282,7 +1284,7 @@ impl Progress<'_> {
     fn finish(&mut self, label: &str, took: Duration, error: Option<&str>) {
         self.done += 1;
         self.bar.inc(1);
-        if self.bar.is_hidden() {
+        if self.log_runs && self.bar.is_hidden() {
             let status = error.map_or("ok".to_owned(), |e| format!("FAILED: {e}"));
             eprintln!(
                 "[{}/{}] {label}: {:.2} s {status}",
@@ -1302,12 +1304,23 @@ impl Progress<'_> {
 /// libtorch is set to one intra-op thread in this process: forked ranks must not inherit an
 /// OpenMP pool, and the zoo's models are too small to gain from more.
 pub fn run(plan: &Plan, bar: &ProgressBar) -> MatrixResult {
+    run_logged(plan, bar, true)
+}
+
+/// [`run`] with no progress output at all (for callers that repeat a matrix and report per
+/// repetition, like `lockstep stress`).
+pub fn run_quietly(plan: &Plan) -> MatrixResult {
+    run_logged(plan, &ProgressBar::hidden(), false)
+}
+
+fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
     tch::set_num_threads(1);
     let started = Instant::now();
     let mut progress = Progress {
         bar,
         done: 0,
         total: plan.run_count(),
+        log_runs,
     };
     let mut result = MatrixResult {
         rows: Vec::new(),

@@ -115,7 +115,7 @@ pub fn run(plan: &Plan, opts: &StressOptions, mut progress: impl FnMut(&str)) ->
     chaos::set_max_delay(opts.max_send_delay);
     let mut outcome = StressOutcome::default();
     for i in 1..=opts.repeat {
-        let result = matrix::run(plan, &indicatif::ProgressBar::hidden());
+        let result = matrix::run_quietly(plan);
         outcome.iterations = i;
         outcome.runs += result.runs;
         outcome.hangs += result.hung_runs;
