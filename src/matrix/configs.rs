@@ -1,0 +1,489 @@
+//! The configurations the matrix knows: mixed-precision policies, the FSDP table and
+//! [`Config`], with how each is judged against its references.
+
+use super::*;
+
+/// A mixed-precision policy the matrix runs: the presets of [`MixedPrecision`] (low-precision
+/// compute; fp32 gradient reduction and buffers; BatchNorm in fp32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Precision {
+    /// [`MixedPrecision::bf16`].
+    Bf16,
+    /// [`MixedPrecision::fp16`].
+    Fp16,
+}
+
+impl Precision {
+    /// Every policy, in row order.
+    pub const ALL: [Precision; 2] = [Precision::Bf16, Precision::Fp16];
+
+    /// The policy every rank trains under.
+    pub fn policy(self) -> MixedPrecision {
+        match self {
+            Precision::Bf16 => MixedPrecision::bf16(),
+            Precision::Fp16 => MixedPrecision::fp16(),
+        }
+    }
+
+    /// The policy's label ([`MixedPrecision::label`]): the suffix of configuration names and
+    /// the `dtype` of run specs.
+    pub fn label(self) -> &'static str {
+        match self {
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+    }
+
+    /// The DDP reference configuration under this policy: `ddp.bf16`, `ddp.fp16`.
+    pub fn ddp_name(self) -> &'static str {
+        match self {
+            Precision::Bf16 => "ddp.bf16",
+            Precision::Fp16 => "ddp.fp16",
+        }
+    }
+}
+
+/// How an FSDP configuration places its ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FsdpLayout {
+    /// One sharding group over the whole world ([`train_fsdp`]).
+    Flat,
+    /// Hybrid shard ([`train_fsdp_hybrid`]): `replicas` replicas of `world / replicas` ranks
+    /// each; world sizes that do not split that way are skipped with the reason.
+    Hybrid { replicas: usize },
+}
+
+impl FsdpLayout {
+    /// The shard-group size of a hybrid layout at `world_size` (`None` when flat), or why it
+    /// cannot run there.
+    pub fn shard_size(self, world_size: usize) -> Result<Option<usize>, String> {
+        match self {
+            FsdpLayout::Flat => Ok(None),
+            FsdpLayout::Hybrid { replicas } => {
+                if replicas > 0 && world_size >= replicas && world_size.is_multiple_of(replicas) {
+                    Ok(Some(world_size / replicas))
+                } else {
+                    Err(format!(
+                        "hybrid shard needs {replicas} replicas of equal shard groups; world \
+                         size {world_size} does not split into {replicas}"
+                    ))
+                }
+            }
+        }
+    }
+}
+
+/// How an FSDP configuration is judged against `ddp@N`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DdpCheck {
+    /// Bit for bit: the reduce-scatter yields exactly the elements of DDP's all-reduce on the
+    /// CPU backend (both reduce in rank order with one kernel), so any difference is a bug.
+    Bitwise,
+    /// Under the fp32 dtype table, as an override of the bitwise DDP policy whose reason is
+    /// recorded in the row note and in every report: for configurations whose reduction
+    /// order differs from DDP's by design.
+    DtypeTable { reason: &'static str },
+}
+
+/// One FSDP configuration of the matrix: a row of [`fsdp_configs`]. Kept as data (not one
+/// enum variant each) so that adding an FSDP option to the matrix is one table entry, and
+/// `--list`, `--configs` and the reference policy all follow from it.
+#[derive(Clone, Debug)]
+pub struct FsdpConfig {
+    /// The name users select with `--configs` (`fsdp.full_shard.per_layer`).
+    pub name: &'static str,
+    /// What runs, for `--list`.
+    pub description: &'static str,
+    /// The FSDP options of every rank.
+    pub options: FsdpOptions,
+    /// Flat or hybrid.
+    pub layout: FsdpLayout,
+    /// How it is judged against its DDP reference (against `single@N` it is always the fp32
+    /// table).
+    pub vs_ddp: DdpCheck,
+    /// The mixed-precision policy, if any (`options.mixed_precision` is its
+    /// [`Precision::policy`]): its DDP reference is then `ddp.<label>`, and it has no row
+    /// against `single@N` ([`MIXED_VS_SINGLE_REASON`]).
+    pub precision: Option<Precision>,
+}
+
+impl FsdpConfig {
+    /// The DDP configuration it is compared against: `ddp`, or DDP under the same
+    /// mixed-precision policy.
+    pub fn ddp_reference(&self) -> Config {
+        match self.precision {
+            None => Config::Ddp,
+            Some(p) => Config::DdpMixed(p),
+        }
+    }
+}
+
+/// Every FSDP configuration, in row order. The first four are the original names, kept
+/// stable because users and CI jobs select them by name; the mixed-precision ones come last.
+pub fn fsdp_configs() -> &'static [FsdpConfig] {
+    static TABLE: LazyLock<Vec<FsdpConfig>> = LazyLock::new(|| {
+        let full = FsdpOptions::default();
+        let with = |strategy, wrap| FsdpOptions {
+            strategy,
+            wrap,
+            ..FsdpOptions::default()
+        };
+        let per_layer = with(ShardingStrategy::FullShard, WrapPolicy::PerLayer);
+        let flat = |name, description, options| FsdpConfig {
+            name,
+            description,
+            options,
+            layout: FsdpLayout::Flat,
+            vs_ddp: DdpCheck::Bitwise,
+            precision: None,
+        };
+        let mixed = |name, description, options: FsdpOptions, precision: Precision| FsdpConfig {
+            name,
+            description,
+            options: FsdpOptions {
+                mixed_precision: Some(precision.policy()),
+                ..options
+            },
+            layout: FsdpLayout::Flat,
+            vs_ddp: DdpCheck::Bitwise,
+            precision: Some(precision),
+        };
+        let hybrid = |name, description, wrap| FsdpConfig {
+            name,
+            description,
+            options: with(ShardingStrategy::HybridShard, wrap),
+            layout: FsdpLayout::Hybrid {
+                replicas: HYBRID_REPLICAS,
+            },
+            vs_ddp: DdpCheck::DtypeTable {
+                reason: HYBRID_VS_DDP_REASON,
+            },
+            precision: None,
+        };
+        vec![
+            flat(
+                "fsdp.full_shard",
+                "FSDP FULL_SHARD, the model as one root unit (ZeRO-3)",
+                full.clone(),
+            ),
+            flat(
+                "fsdp.shard_grad_op",
+                "FSDP SHARD_GRAD_OP, one root unit (full parameters kept from forward to \
+                 backward)",
+                with(ShardingStrategy::ShardGradOp, WrapPolicy::Root),
+            ),
+            flat(
+                "fsdp.no_shard",
+                "FSDP NO_SHARD, one root unit (gradients all-reduced through FSDP's path)",
+                with(ShardingStrategy::NoShard, WrapPolicy::Root),
+            ),
+            flat(
+                "fsdp.full_shard.per_layer",
+                "FSDP FULL_SHARD, one unit per layer (tied parameters in the root)",
+                per_layer.clone(),
+            ),
+            flat(
+                "fsdp.shard_grad_op.per_layer",
+                "FSDP SHARD_GRAD_OP, one unit per layer",
+                with(ShardingStrategy::ShardGradOp, WrapPolicy::PerLayer),
+            ),
+            flat(
+                "fsdp.full_shard.per_layer.no_reshard",
+                "FULL_SHARD per layer with reshard_after_forward off (units stay gathered \
+                 from forward to backward)",
+                FsdpOptions {
+                    reshard_after_forward: false,
+                    ..per_layer.clone()
+                },
+            ),
+            flat(
+                "fsdp.full_shard.per_layer.prefetch_post",
+                "FULL_SHARD per layer, backward prefetch in post-backward (BACKWARD_POST)",
+                FsdpOptions {
+                    backward_prefetch: BackwardPrefetch::Post,
+                    ..per_layer.clone()
+                },
+            ),
+            flat(
+                "fsdp.full_shard.per_layer.no_prefetch",
+                "FULL_SHARD per layer, no backward prefetch",
+                FsdpOptions {
+                    backward_prefetch: BackwardPrefetch::None,
+                    ..per_layer.clone()
+                },
+            ),
+            flat(
+                "fsdp.full_shard.per_layer.forward_prefetch",
+                "FULL_SHARD per layer, forward prefetch on (next unit gathered when a unit's \
+                 forward starts)",
+                FsdpOptions {
+                    forward_prefetch: true,
+                    ..per_layer.clone()
+                },
+            ),
+            flat(
+                "fsdp.full_shard.blocks",
+                "FULL_SHARD, one unit per transformer block (encoder/decoder layers, \
+                 decoder blocks, MoE decoder blocks); the rest, and models without blocks, \
+                 in the root",
+                with(
+                    ShardingStrategy::FullShard,
+                    WrapPolicy::ByKind(BLOCK_KINDS.to_vec()),
+                ),
+            ),
+            flat(
+                "fsdp.full_shard.min_params",
+                "FULL_SHARD, consecutive layers grouped into units of at least 100 parameters \
+                 (size-based wrap); a smaller remainder in the root",
+                with(
+                    ShardingStrategy::FullShard,
+                    WrapPolicy::MinParams(MIN_PARAMS),
+                ),
+            ),
+            flat(
+                "fsdp.full_shard.offload",
+                "FULL_SHARD, one root unit, master shards (gradients, optimizer state) \
+                 offloaded to the CPU",
+                FsdpOptions {
+                    offload_params: true,
+                    ..full.clone()
+                },
+            ),
+            flat(
+                "fsdp.full_shard.no_sync_module_states",
+                "FULL_SHARD, one root unit, without broadcasting rank 0's parameters and \
+                 buffers at construction (every rank builds the same model)",
+                FsdpOptions {
+                    sync_module_states: false,
+                    ..full.clone()
+                },
+            ),
+            hybrid(
+                "fsdp.hybrid_shard",
+                "FSDP HYBRID_SHARD, one root unit: sharded within groups of N/2 ranks, \
+                 replicated across 2",
+                WrapPolicy::Root,
+            ),
+            hybrid(
+                "fsdp.hybrid_shard.per_layer",
+                "HYBRID_SHARD with one unit per layer",
+                WrapPolicy::PerLayer,
+            ),
+            mixed(
+                "fsdp.full_shard.bf16",
+                "FULL_SHARD, one root unit, bf16 mixed precision (bf16 compute, fp32 \
+                 reduction and buffers, BatchNorm in fp32 units)",
+                full,
+                Precision::Bf16,
+            ),
+            mixed(
+                "fsdp.full_shard.per_layer.bf16",
+                "FULL_SHARD per layer, bf16 mixed precision",
+                per_layer.clone(),
+                Precision::Bf16,
+            ),
+            mixed(
+                "fsdp.shard_grad_op.per_layer.bf16",
+                "SHARD_GRAD_OP per layer, bf16 mixed precision",
+                with(ShardingStrategy::ShardGradOp, WrapPolicy::PerLayer),
+                Precision::Bf16,
+            ),
+            mixed(
+                "fsdp.full_shard.per_layer.fp16",
+                "FULL_SHARD per layer, fp16 mixed precision (fp16 compute, fp32 reduction and \
+                 buffers, BatchNorm in fp32 units)",
+                per_layer,
+                Precision::Fp16,
+            ),
+        ]
+    });
+    &TABLE
+}
+
+/// Which FSDP configuration: an index into [`fsdp_configs`], obtainable only from the table
+/// (so it always names a row).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FsdpId(usize);
+
+impl FsdpId {
+    /// The configuration's table row.
+    pub fn get(self) -> &'static FsdpConfig {
+        &fsdp_configs()[self.0]
+    }
+}
+
+/// A parallel configuration the matrix knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Config {
+    /// One process, every rank's batch, mean of the per-rank losses.
+    Single,
+    /// DistributedDataParallel over the CPU backend.
+    Ddp,
+    /// DDP under a mixed-precision policy: the reference of the FSDP configurations under
+    /// the same policy.
+    DdpMixed(Precision),
+    /// One row of the FSDP table.
+    Fsdp(FsdpId),
+}
+
+impl Config {
+    /// Every configuration, in the order rows are listed.
+    pub fn all() -> Vec<Config> {
+        let mut all = vec![Config::Single, Config::Ddp];
+        all.extend(Precision::ALL.map(Config::DdpMixed));
+        all.extend(Config::fsdp());
+        all
+    }
+
+    /// The FSDP configurations, in row order.
+    pub fn fsdp() -> Vec<Config> {
+        (0..fsdp_configs().len())
+            .map(|i| Config::Fsdp(FsdpId(i)))
+            .collect()
+    }
+
+    /// The configuration called `name` exactly, if any.
+    pub fn by_name(name: &str) -> Option<Config> {
+        Config::all().into_iter().find(|c| c.name() == name)
+    }
+
+    /// The name patterns and reports use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Config::Single => "single",
+            Config::Ddp => "ddp",
+            Config::DdpMixed(p) => p.ddp_name(),
+            Config::Fsdp(id) => id.get().name,
+        }
+    }
+
+    /// The mixed-precision policy it trains under (`None`: fp32).
+    pub fn precision(self) -> Option<Precision> {
+        match self {
+            Config::Single | Config::Ddp => None,
+            Config::DdpMixed(p) => Some(p),
+            Config::Fsdp(id) => id.get().precision,
+        }
+    }
+
+    /// The DDP configuration an FSDP configuration is compared against (`ddp`, `ddp.bf16`,
+    /// ...); `None` for the others.
+    pub fn ddp_reference(self) -> Option<Config> {
+        self.fsdp_config().map(FsdpConfig::ddp_reference)
+    }
+
+    /// Whether this is one of the FSDP configurations.
+    pub fn is_fsdp(self) -> bool {
+        matches!(self, Config::Fsdp(_))
+    }
+
+    /// The FSDP table row (`None` for single and DDP).
+    pub fn fsdp_config(self) -> Option<&'static FsdpConfig> {
+        match self {
+            Config::Fsdp(id) => Some(id.get()),
+            Config::Single | Config::Ddp | Config::DdpMixed(_) => None,
+        }
+    }
+
+    /// The FSDP options this configuration runs with (`None` for single and DDP).
+    pub fn fsdp_options(self) -> Option<FsdpOptions> {
+        self.fsdp_config().map(|f| f.options.clone())
+    }
+
+    /// One line for `--list`: what runs, and what it is checked against (derived from the
+    /// reference policy, so the two cannot disagree).
+    pub fn description(self) -> String {
+        match self {
+            Config::Single => "single-device reference: one process trains on every rank's \
+                               batch (the global batch); checked against a repeat of itself, \
+                               bitwise"
+                .into(),
+            Config::Ddp => "DDP on the CPU backend, one forked process per rank; checked \
+                            against single (fp32 dtype table) and a fresh repeat of itself \
+                            (bitwise)"
+                .into(),
+            Config::DdpMixed(p) => format!(
+                "DDP under the {label} mixed-precision policy ({label} compute, fp32 reduction \
+                 and buffers, BatchNorm in fp32), one forked process per rank: the reference of \
+                 the {label} FSDP configs; checked against a fresh repeat of itself (bitwise), \
+                 not against single (mixed precision)",
+                label = p.label()
+            ),
+            Config::Fsdp(id) => {
+                let f = id.get();
+                let reference = f.ddp_reference().name();
+                let vs_ddp = match f.vs_ddp {
+                    DdpCheck::Bitwise => format!("{reference} (bitwise)"),
+                    DdpCheck::DtypeTable { .. } => {
+                        format!("{reference} (fp32 dtype table, a recorded tolerance override)")
+                    }
+                };
+                match f.precision {
+                    None => format!(
+                        "{}; checked against {vs_ddp} and single (fp32 dtype table)",
+                        f.description
+                    ),
+                    Some(_) => format!(
+                        "{}; checked against {vs_ddp}, not against single (mixed precision)",
+                        f.description
+                    ),
+                }
+            }
+        }
+    }
+
+    /// The row name at a world size (`ddp@4`): unique per world size in the report.
+    pub fn at(self, world_size: usize) -> String {
+        format!("{}@{world_size}", self.name())
+    }
+
+    /// Why this configuration cannot run `model`, if it cannot.
+    pub(super) fn blocker(self, model: &dyn Model) -> Option<String> {
+        match self {
+            Config::Single => model.single_device_reference_blocker(),
+            _ => None,
+        }
+    }
+
+    /// Why this configuration cannot run at `world_size` (hybrid shard at an odd size), if
+    /// it cannot: its rows are skipped with this reason and nothing is launched.
+    pub fn world_blocker(self, world_size: usize) -> Option<String> {
+        self.fsdp_config()
+            .and_then(|f| f.layout.shard_size(world_size).err())
+    }
+
+    /// The policy against `reference` at `world_size`: bitwise against a repeat of itself
+    /// or against DDP (unless the FSDP row overrides it, with its reason), the fp32 dtype
+    /// table against the single-device reference, and no policy for mixed precision against
+    /// the single-device reference (the matrix has no such row). Records hold fp32 masters
+    /// and fp32 gradients under every policy, so bitwise is over fp32 values.
+    pub(super) fn policy(
+        self,
+        reference: Config,
+        world_size: usize,
+    ) -> Result<TolerancePolicy, String> {
+        match (self, reference) {
+            (_, Config::Single) if self.precision().is_some() => Err(format!(
+                "{} is not compared with single: {MIXED_VS_SINGLE_REASON}",
+                self.name()
+            )),
+            (_, Config::Single) if self != Config::Single => {
+                Ok(TolerancePolicy::dtype_table(DType::F32))
+            }
+            (Config::Fsdp(id), Config::Ddp | Config::DdpMixed(_)) => {
+                let bitwise = TolerancePolicy::bitwise(DType::F32);
+                match id.get().vs_ddp {
+                    DdpCheck::Bitwise => Ok(bitwise),
+                    // Only fp32 configurations override (hybrid shard), so the fp32 row of
+                    // the table is the tolerance for every quantity.
+                    DdpCheck::DtypeTable { reason } => {
+                        let ov = Override::new(Tolerance::for_dtype(DType::F32), reason)
+                            .map_err(|e| format!("{}: {e}", self.name()))?;
+                        Ok(bitwise.with_override(&self.at(world_size), ov))
+                    }
+                }
+            }
+            _ => Ok(TolerancePolicy::bitwise(DType::F32)),
+        }
+    }
+}

@@ -1,0 +1,367 @@
+//! Running a plan: references in process, parallel configurations in forked launches,
+//! then the comparisons that make the rows.
+
+use super::*;
+
+/// The progress bar the CLI shows on stderr: drawn only on a terminal and only from this
+/// thread (no ticker thread, so a forked rank never inherits a lock held by one).
+pub fn progress_bar(total: usize) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(Some(total as u64), ProgressDrawTarget::stderr());
+    if let Ok(style) =
+        ProgressStyle::with_template("{elapsed:>4} [{bar:30.cyan/blue}] {pos}/{len} runs  {msg}")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
+/// Tracks runs for the progress display; prints one line per run when stderr is no
+/// terminal (CI logs), where the bar is hidden.
+struct Progress<'a> {
+    bar: &'a ProgressBar,
+    done: usize,
+    total: usize,
+    /// Print a line per run where the bar is hidden (CI logs); off for repeated runs.
+    log_runs: bool,
+}
+
+impl Progress<'_> {
+    fn start(&self, label: &str) {
+        self.bar.set_message(label.to_owned());
+    }
+
+    fn finish(&mut self, label: &str, took: Duration, error: Option<&str>) {
+        self.done += 1;
+        self.bar.inc(1);
+        if self.log_runs && self.bar.is_hidden() {
+            let status = error.map_or("ok".to_owned(), |e| format!("FAILED: {e}"));
+            eprintln!(
+                "[{}/{}] {label}: {:.2} s {status}",
+                self.done,
+                self.total,
+                took.as_secs_f64()
+            );
+        }
+    }
+}
+
+/// Runs the plan: per model and world size the references the selected configurations need
+/// (`Plan::runs_per_cell`: the single-device reference in process, fresh DDP launches fp32
+/// and per mixed-precision policy), the FSDP launches, then the comparisons. Run
+/// failures become `Error` rows; the matrix always finishes.
+///
+/// libtorch is set to one intra-op thread in this process: forked ranks must not inherit an
+/// OpenMP pool, and the zoo's models are too small to gain from more.
+pub fn run(plan: &Plan, bar: &ProgressBar) -> MatrixResult {
+    run_logged(plan, bar, true)
+}
+
+/// [`run`] with no progress output at all (for callers that repeat a matrix and report per
+/// repetition, like `lockstep stress`).
+pub fn run_quietly(plan: &Plan) -> MatrixResult {
+    run_logged(plan, &ProgressBar::hidden(), false)
+}
+
+fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
+    tch::set_num_threads(1);
+    let started = Instant::now();
+    let mut progress = Progress {
+        bar,
+        done: 0,
+        total: plan.run_count(),
+        log_runs,
+    };
+    let mut result = MatrixResult {
+        rows: Vec::new(),
+        comparisons: Vec::new(),
+        runs: 0,
+        failed_runs: 0,
+        hung_runs: 0,
+        elapsed: Duration::ZERO,
+    };
+    for (m, (model, blocker)) in plan.models.iter().zip(&plan.blockers).enumerate() {
+        for &world in &plan.world_sizes {
+            let mut run_one = |config: Config, attempt: usize, of: usize| {
+                let label = if of > 1 {
+                    format!("{model} {} (run {attempt}/{of})", config.at(world))
+                } else {
+                    format!("{model} {}", config.at(world))
+                };
+                progress.start(&label);
+                let t0 = Instant::now();
+                let outcome = match config {
+                    Config::Single => run_single(model, world, plan),
+                    _ => run_parallel(model, config, world, plan),
+                };
+                result.runs += 1;
+                let err = outcome.as_ref().err().map(|e| e.line.as_str());
+                if err.is_some() {
+                    result.failed_runs += 1;
+                }
+                if outcome.as_ref().is_err_and(|e| e.timed_out) {
+                    result.hung_runs += 1;
+                }
+                progress.finish(&label, t0.elapsed(), err);
+                outcome
+            };
+            let references: Vec<(Config, Vec<Result<RunRecord, RunFailed>>)> = plan
+                .runs_per_cell(m, world)
+                .into_iter()
+                .map(|(c, n)| (c, (1..=n).map(|i| run_one(c, i, n)).collect()))
+                .collect();
+            let fsdp: Vec<(Config, Result<RunRecord, RunFailed>)> = plan
+                .fsdp_launches(world)
+                .into_iter()
+                .map(|c| (c, run_one(c, 1, 1)))
+                .collect();
+            let mut row =
+                |config: Config,
+                 reference: Config,
+                 run: Option<&Result<RunRecord, RunFailed>>,
+                 against: Option<&Result<RunRecord, RunFailed>>| {
+                    let policy = config.policy(reference, world);
+                    let overridden = policy
+                        .as_ref()
+                        .ok()
+                        .and_then(|p| p.override_for(&config.at(world)))
+                        .map(|o| o.reason().to_owned());
+                    let mut r = Row {
+                        model: model.clone(),
+                        config: config.at(world),
+                        reference: reference.at(world),
+                        world_size: world,
+                        status: RowStatus::Skip,
+                        mode: match (&policy, &overridden) {
+                            (Ok(p), None) if p.mode() == Mode::Bitwise => "bitwise",
+                            _ => "tolerance",
+                        },
+                        max_abs_err: None,
+                        max_ulp: None,
+                        margin: None,
+                        memory: run.and_then(|r| r.as_ref().ok()).and_then(|r| r.memory),
+                        note: None,
+                        details: None,
+                    };
+                    match (config.world_blocker(world), run, against, policy) {
+                        (Some(reason), _, _, _) => r.note = Some(reason),
+                        (None, Some(Ok(a)), Some(Ok(b)), Ok(policy)) => {
+                            let c = compare(a, b, &policy);
+                            let overall = c.overall();
+                            r.status = if c.passed {
+                                RowStatus::Pass
+                            } else {
+                                RowStatus::Fail
+                            };
+                            r.max_abs_err = Some(overall.max_abs_err);
+                            r.max_ulp = Some(overall.max_ulp);
+                            r.margin = Some(overall.margin);
+                            let found = match (&c.first_failure, c.structural.first()) {
+                                (Some(f), _) => Some(short_failure(f)),
+                                (None, Some(s)) => Some(s.clone()),
+                                (None, None) => None,
+                            };
+                            r.note = match (found, &c.override_reason) {
+                                (Some(f), Some(o)) => Some(format!("{f}; {OVERRIDE}: {o}")),
+                                (None, Some(o)) => Some(format!("{OVERRIDE}: {o}")),
+                                (found, None) => found,
+                            };
+                            result.comparisons.push(c);
+                        }
+                        (None, Some(Err(e)), _, _) | (None, _, Some(Err(e)), _) => {
+                            r.status = RowStatus::Error;
+                            r.note = Some(e.line.clone());
+                            r.details = Some(e.details.clone());
+                        }
+                        (None, Some(Ok(_)), Some(Ok(_)), Err(e)) => {
+                            r.status = RowStatus::Error;
+                            r.note = Some(e);
+                        }
+                        (None, _, _, _) => {
+                            r.note = Some(match blocker {
+                                Some(reason) => format!("{NO_SINGLE}: {reason}"),
+                                None => "not run".into(),
+                            });
+                        }
+                    }
+                    result.rows.push(r);
+                };
+            // The `i`-th run of reference `config` (0: the reference, 1: its repeat).
+            let reference = |config: Config, i: usize| {
+                references
+                    .iter()
+                    .find(|(c, _)| *c == config)
+                    .and_then(|(_, runs)| runs.get(i))
+            };
+            for &config in &plan.configs {
+                match config {
+                    Config::Single | Config::DdpMixed(_) => {
+                        row(config, config, reference(config, 0), reference(config, 1));
+                    }
+                    Config::Ddp => {
+                        let ddp = reference(Config::Ddp, 0);
+                        row(config, Config::Single, ddp, reference(Config::Single, 0));
+                        row(config, config, ddp, reference(Config::Ddp, 1));
+                    }
+                    Config::Fsdp(id) => {
+                        let run = fsdp.iter().find(|(c, _)| *c == config).map(|(_, r)| r);
+                        let ddp = id.get().ddp_reference();
+                        row(config, ddp, run, reference(ddp, 0));
+                        // Mixed precision has no row against single (module doc).
+                        if config.precision().is_none() {
+                            row(config, Config::Single, run, reference(Config::Single, 0));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    bar.finish_and_clear();
+    result.elapsed = started.elapsed();
+    result
+}
+
+fn spec(model: &str, config: Config, world_size: usize, plan: &Plan) -> RunSpec {
+    RunSpec {
+        model: model.to_owned(),
+        config: config.at(world_size),
+        world_size,
+        backend: match config {
+            Config::Single => "none".into(),
+            _ => "cpu".into(),
+        },
+        dtype: config.precision().map_or("fp32", Precision::label).into(),
+        steps: plan.steps,
+        seed: plan.seed,
+    }
+}
+
+/// The single-device reference over `world_size` ranks' batches, in this process.
+fn run_single(model: &str, world_size: usize, plan: &Plan) -> Result<RunRecord, RunFailed> {
+    let built = zoo::build(model, plan.seed, 0).map_err(|e| RunFailed::simple(e.to_string()))?;
+    let mut record = single_device_reference(
+        built.as_ref(),
+        world_size,
+        plan.steps,
+        OptimizerConfig::default(),
+        plan.record_grads,
+    )
+    .map_err(|e| RunFailed::simple(format!("single-device reference: {e}")))?;
+    record.spec = spec(model, Config::Single, world_size, plan);
+    Ok(record)
+}
+
+/// One fresh DDP or FSDP launch; rank 0's record comes back through a temporary JSON file.
+/// The planted fault (if any) goes into DDP runs only (mixed precision included): FSDP runs
+/// are checked against DDP.
+fn run_parallel(
+    model: &str,
+    config: Config,
+    world_size: usize,
+    plan: &Plan,
+) -> Result<RunRecord, RunFailed> {
+    let out = scratch_path(model, world_size);
+    let cfg_spec = spec(model, config, world_size, plan);
+    let body = |ctx: &RankCtx| -> Result<(), String> {
+        let rank = ctx.rank();
+        let built = zoo::build(model, plan.seed, rank).map_err(|e| e.to_string())?;
+        let cfg = TrainConfig {
+            spec: cfg_spec.clone(),
+            optimizer: OptimizerConfig::default(),
+            data_ranks: vec![rank],
+            record_grads: plan.record_grads,
+        };
+        let record = match config.fsdp_config() {
+            Some(f) => {
+                let opts = f.options.clone();
+                let fsdp = match f.layout.shard_size(world_size)? {
+                    None => train_fsdp(built.as_ref(), ctx.group(), &cfg, opts),
+                    Some(shard) => train_fsdp_hybrid(
+                        built.as_ref(),
+                        ctx.world(),
+                        ctx.group(),
+                        shard,
+                        &cfg,
+                        opts,
+                    ),
+                };
+                fsdp.map_err(|e| format!("{}: {e}", config.name()))?
+            }
+            None => {
+                let opts = DdpOptions {
+                    fault: plan.fault.clone(),
+                    mixed_precision: config.precision().map(Precision::policy),
+                    ..DdpOptions::default()
+                };
+                let mut record = train_ddp(built.as_ref(), ctx.group(), &cfg, opts)
+                    .map_err(|e| format!("{}: {e}", config.name()))?;
+                record.memory = Some(replica_memory(built.as_ref()));
+                record
+            }
+        };
+        if rank == 0 {
+            let json = serde_json::to_vec(&record).map_err(|e| format!("encoding record: {e}"))?;
+            std::fs::write(&out, json)
+                .map_err(|e| format!("writing the record to {}: {e}", out.display()))?;
+        }
+        Ok(())
+    };
+    let opts = LaunchOptions {
+        world_size,
+        timeout: plan.timeout,
+        backend: "cpu".into(),
+    };
+    let launched = launch(
+        &opts,
+        RankSpawn::Fork(&|info| lockstep_harness::execute_forked_rank(info, &body)),
+    );
+    let read = std::fs::read(&out);
+    let _ = std::fs::remove_file(&out);
+    launched.map_err(|e: LaunchError| {
+        let details = e.to_string();
+        RunFailed {
+            line: one_line(&details),
+            details,
+            timed_out: matches!(e, LaunchError::Timeout(_)),
+        }
+    })?;
+    let bytes = read.map_err(|e| RunFailed::simple(format!("reading rank 0's record: {e}")))?;
+    serde_json::from_slice(&bytes).map_err(|e| {
+        RunFailed::simple(format!("rank 0's record is unreadable ({e}); a non-finite value (a diverged run) cannot be carried in RunRecord JSON"))
+    })
+}
+
+/// DDP's memory figures, for scale next to FSDP's: every rank keeps the whole model's
+/// parameters all the time, so peak and "shard" are both the model's parameter bytes (tied
+/// parameters once; rank-local experts included, which FSDP ignores and does not count).
+fn replica_memory(model: &dyn Model) -> MemoryStats {
+    let bytes: u64 = distinct_parameters(model.named_parameters())
+        .iter()
+        .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+        .sum();
+    MemoryStats {
+        full_param_bytes_peak: bytes,
+        shard_bytes: bytes,
+        model_param_bytes: bytes,
+    }
+}
+
+/// The launcher's failure report runs over many lines; the table gets its first one and the
+/// first line naming a rank's message.
+fn one_line(text: &str) -> String {
+    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+    let first = lines.next().unwrap_or("launch failed").to_owned();
+    match lines.find(|l| l.contains("failed") || l.contains("error")) {
+        Some(detail) if detail != first => format!("{first} {detail}"),
+        _ => first,
+    }
+}
+
+fn scratch_path(model: &str, world_size: usize) -> PathBuf {
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    std::env::temp_dir().join(format!(
+        "lockstep-matrix-{}-{model}-{world_size}-{nonce:x}.json",
+        std::process::id()
+    ))
+}

@@ -1,0 +1,61 @@
+//! The `--list` text.
+
+use super::*;
+
+/// The `--list` text: every configuration with the models it applies to, then the models.
+pub fn render_list(seed: u64) -> Result<String, MatrixError> {
+    let mut models = Vec::new();
+    for name in zoo::names() {
+        let m = zoo::build(name, seed, 0)?;
+        models.push((
+            name,
+            m.num_parameters(),
+            m.single_device_reference_blocker(),
+        ));
+    }
+    let configs = Config::all();
+    let width = configs.iter().map(|c| c.name().len()).max().unwrap_or(0) + 2;
+    let mut out = String::from("configs:\n");
+    for &c in &configs {
+        let applies: Vec<&str> = models
+            .iter()
+            .filter(|(_, _, single)| match c {
+                Config::Single => single.is_none(),
+                _ => true,
+            })
+            .map(|(n, _, _)| *n)
+            .collect();
+        let _ = writeln!(out, "  {:<width$}{}", c.name(), c.description());
+        let _ = writeln!(out, "  {:<width$}models: {}", "", applies.join(", "));
+        if let Some(FsdpLayout::Hybrid { replicas }) = c.fsdp_config().map(|f| f.layout) {
+            let _ = writeln!(
+                out,
+                "  {:<width$}world sizes: multiples of {replicas} ({replicas} replicas of N/{replicas} \
+                 ranks; other sizes are skipped)",
+                ""
+            );
+        }
+        if let Some(DdpCheck::DtypeTable { reason }) = c.fsdp_config().map(|f| f.vs_ddp) {
+            let _ = writeln!(out, "  {:<width$}override vs ddp: {reason}", "");
+        }
+    }
+    let mixed: Vec<&str> = configs
+        .iter()
+        .filter(|c| c.precision().is_some())
+        .map(|c| c.name())
+        .collect();
+    let _ = writeln!(
+        out,
+        "mixed precision ({}): not compared with single: {MIXED_VS_SINGLE_REASON}",
+        mixed.join(", ")
+    );
+    out.push_str("models:\n");
+    for (name, params, blocker) in &models {
+        let note = match blocker {
+            None => "single + ddp + fsdp".to_owned(),
+            Some(reason) => format!("ddp + fsdp only (no single-device reference: {reason})"),
+        };
+        let _ = writeln!(out, "  {name:<16}{params:>8} params  {note}");
+    }
+    Ok(out)
+}

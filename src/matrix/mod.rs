@@ -1,0 +1,170 @@
+//! `lockstep matrix`: every (model × parallel configuration × world size) the tool knows, run
+//! on the CPU backend and judged against its references, with one report set at the end.
+//!
+//! A configuration under test is compared against every reference that applies to it:
+//!
+//! - `ddp@N` against `single@N` (the single-device reference over the same global batch)
+//!   under the fp32 dtype table, and against a second, freshly launched `ddp@N` in bitwise
+//!   mode: the CPU backend reduces in rank order, so a repeat must be bit-identical;
+//! - `single@N` against a repeat of itself in bitwise mode: a reference that is not
+//!   deterministic would make every verdict against it meaningless;
+//! - every FSDP configuration against `ddp@N` in bitwise mode (FSDP's reduce-scatter yields
+//!   exactly DDP's averaged gradients on the CPU backend) and against `single@N` under the
+//!   fp32 dtype table. The exception is hybrid shard (`fsdp.hybrid_shard*`), whose two-stage
+//!   average sums in a different order than DDP's all-reduce: it is held to the fp32 dtype
+//!   table against DDP through a tolerance override whose reason
+//!   ([`HYBRID_VS_DDP_REASON`]) is in its row notes and in every report;
+//! - every mixed-precision FSDP configuration (`fsdp.*.bf16`, `fsdp.*.fp16`) against DDP
+//!   under the same policy (`ddp.bf16@N`, `ddp.fp16@N`) in bitwise mode: the same casts of
+//!   the same fp32 masters and the same rank-order reduction. These configurations have **no
+//!   row** against `single@N` (the row is omitted, not skipped): the fp32 single-device
+//!   reference differs from a bf16 or fp16 run by low-precision rounding by design, and no
+//!   per-element tolerance bounds that ([`MIXED_VS_SINGLE_REASON`], printed by `--list`);
+//! - `ddp.bf16@N` and `ddp.fp16@N` (DDP under [`Precision`]'s policy), when selected
+//!   themselves, against a fresh repeat of themselves in bitwise mode, and likewise not
+//!   against `single@N`. Rank-local parameters (`moe`'s expert), which FSDP ignores, are
+//!   cast to the compute dtype for forward like every other parameter, so every model runs.
+//!
+//! The FSDP configurations are a table ([`fsdp_configs`]): name, description, options,
+//! layout (flat or hybrid), how it is judged against DDP and its mixed-precision policy;
+//! `--configs 'fsdp.*'` selects them all (`'fsdp.*.bf16'` the bf16 ones). Hybrid shard runs 2 replicas of `N/2` ranks; at world sizes that do not split
+//! so (1, odd) its rows are skipped with that reason and nothing is launched. Rows carry the
+//! run's memory figures (FSDP's full-parameter peak and shard bytes on rank 0; DDP's whole
+//! model), shown in the table and the reports.
+//!
+//! References are run whenever a selected configuration needs them, whether or not their own
+//! configuration was selected: `single` once for `ddp` or an fp32 FSDP launch, `ddp` once for
+//! an fp32 FSDP launch, `ddp.bf16` once for a bf16 FSDP launch (and so on per policy); a
+//! selected reference runs twice, the second launch being its repeat. Models whose ranks
+//! differ by construction (per-rank experts, BatchNorm statistics) have no single-device
+//! reference; their rows against it are skipped with the model's own reason.
+//!
+//! Parallel runs are launched with [`RankSpawn::Fork`] (the process never touches CUDA), rank
+//! 0 hands its [`RunRecord`] back through a temporary JSON file, and the single-device runs
+//! happen in this process. Nothing is written until every run is done, and stale report
+//! files in the output directory are removed before the first run. A run that fails (a rank
+//! error, crash or timeout) does not lose the matrix: its rows are `ERROR` with the
+//! launcher's whole account (on a timeout every rank's flight recorder and the desync
+//! diagnosis), and the report set is written with them as errors, marked incomplete
+//! (`complete: false`, an INCOMPLETE headline, JUnit `<error>`s), so it never looks complete.
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use lockstep_core::comm::DType;
+use lockstep_core::ddp::{train_ddp, DdpOptions, Fault};
+use lockstep_core::fsdp::{
+    train_fsdp, train_fsdp_hybrid, BackwardPrefetch, FsdpOptions, ShardingStrategy, WrapPolicy,
+};
+use lockstep_core::precision::MixedPrecision;
+use lockstep_core::record::{MemoryStats, RunRecord, RunSpec};
+use lockstep_core::replica::distinct_parameters;
+use lockstep_core::train::{single_device_reference, OptimizerConfig, TrainConfig};
+use lockstep_harness::parity::{
+    compare, Comparison, FailurePoint, Mode, Override, Tolerance, TolerancePolicy,
+};
+use lockstep_harness::report::{self, Report, ReportError, ReportFiles, RunError};
+use lockstep_harness::{launch, LaunchError, LaunchOptions, RankCtx, RankSpawn};
+use lockstep_models::{zoo, LayerKind, Model, ModelError};
+use serde::Serialize;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::LazyLock;
+use std::time::{Duration, Instant};
+
+/// World size when none is given: four ranks exercise uneven reduction trees while still
+/// fitting a small machine.
+pub const DEFAULT_WORLD_SIZE: usize = 4;
+
+/// Ranks are processes on this host, each with a full mesh of TCP links to the others; past
+/// this many the run measures the machine, not the parallelism.
+pub const MAX_WORLD_SIZE: usize = 64;
+
+/// How a row skipped for want of a single-device reference begins its note.
+const NO_SINGLE: &str = "no single-device reference";
+
+/// How a row note names the tolerance override in force (followed by `: reason`).
+const OVERRIDE: &str = "tolerance override";
+
+/// Where reports go unless `--out` says otherwise.
+pub const DEFAULT_OUT_DIR: &str = "target/lockstep/matrix";
+
+/// The files a matrix writes (and removes before running, so none is ever stale).
+pub const REPORT_FILES: [&str; 4] = ["report.json", "report.md", "junit.xml", "report.html"];
+
+/// Why a matrix could not be planned, run or written.
+#[derive(Debug, thiserror::Error)]
+pub enum MatrixError {
+    /// A `--models` pattern matched no zoo model.
+    #[error("unknown model `{pattern}`; known models: {}", known.join(", "))]
+    UnknownModel { pattern: String, known: Vec<String> },
+    /// A `--configs` pattern matched no configuration.
+    #[error("unknown config `{pattern}`; known configs: {}", known.join(", "))]
+    UnknownConfig { pattern: String, known: Vec<String> },
+    /// A world size no run can use (0, too many ranks, or one the model rejects).
+    #[error("invalid world size {world_size}: {reason}")]
+    InvalidWorldSize { world_size: usize, reason: String },
+    /// Any other option out of range.
+    #[error("invalid option: {0}")]
+    InvalidOption(String),
+    /// The output directory cannot be created or written; checked before anything runs.
+    #[error("output directory {}: {source}", path.display())]
+    OutDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A model could not be built while planning.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// Writing the report set failed.
+    #[error(transparent)]
+    Report(#[from] ReportError),
+}
+
+/// Replicas `fsdp.hybrid_shard*` runs: shard groups of `world / 2` ranks. Two is the fewest
+/// that exercise the cross-replica all-reduce, and it fits every even world size.
+pub const HYBRID_REPLICAS: usize = 2;
+
+/// The layer kinds `fsdp.full_shard.blocks` wraps: the zoo's transformer blocks, as
+/// PyTorch's `ModuleWrapPolicy({TransformerEncoderLayer, ...})` is used. Models without such
+/// layers keep everything in the root unit.
+pub const BLOCK_KINDS: [LayerKind; 4] = [
+    LayerKind::EncoderLayer,
+    LayerKind::DecoderLayer,
+    LayerKind::DecoderBlock,
+    LayerKind::MoeDecoderBlock,
+];
+
+/// The threshold of `fsdp.full_shard.min_params` (PyTorch's `size_based_auto_wrap_policy`).
+/// PyTorch's default (1e8) would leave every zoo model one root unit; 100 parameters gives 3
+/// to 6 units on each zoo model, small neighbouring layers grouped into one unit (`nested`:
+/// `module.0+module.1.0`; `transformer`: `encoder.norm+decoder.layers.0`).
+pub const MIN_PARAMS: i64 = 100;
+
+/// Why hybrid shard is held to the fp32 dtype table against DDP instead of bitwise: the
+/// override reason recorded in every hybrid row and report.
+pub const HYBRID_VS_DDP_REASON: &str = "hybrid shard averages in two stages (reduce-scatter \
+     within each shard group, then all-reduce across the 2 replicas), so at world 4 a gradient \
+     element is ((g0+g1)/2 + (g2+g3)/2)/2, the sum (g0+g1)+(g2+g3), while the CPU backend's \
+     all-reduce in DDP sums in rank order, ((g0+g1)+g2)+g3, then divides by 4; float addition \
+     is not associative, so the bits may differ: judged under the fp32 dtype table instead of \
+     bitwise";
+
+/// Why mixed-precision configurations (`ddp.bf16`, `fsdp.*.bf16`, ...) have no row against
+/// `single@N`: they are judged against DDP under the same policy instead.
+pub const MIXED_VS_SINGLE_REASON: &str = "mixed precision is checked against DDP under the \
+     same policy, bitwise; the fp32 single-device reference differs from a bf16 or fp16 run \
+     by low-precision rounding by design, and no per-element tolerance bounds that (a \
+     low-precision backward has no per-element relative bound), so there is no row against \
+     single";
+
+mod configs;
+mod execute;
+mod list;
+mod plan;
+mod result;
+
+pub use configs::*;
+pub use execute::*;
+pub use list::*;
+pub use plan::*;
+pub use result::*;

@@ -1,0 +1,286 @@
+//! Turning options into a [`Plan`]: selection by name pattern, world sizes, validation
+//! before anything runs, and the output directory.
+
+use super::*;
+
+/// What the user asked for; [`plan`] validates it.
+#[derive(Clone, Debug)]
+pub struct MatrixOptions {
+    /// Model name patterns (exact or with `*`); empty means every zoo model.
+    pub models: Vec<String>,
+    /// Configuration name patterns; empty means every configuration.
+    pub configs: Vec<String>,
+    /// World sizes; empty means [`DEFAULT_WORLD_SIZE`].
+    pub world_sizes: Vec<usize>,
+    /// Training steps per run.
+    pub steps: usize,
+    /// The run seed every model and batch derives from.
+    pub seed: u64,
+    /// Longest one launch may take before it is declared hung.
+    pub timeout: Duration,
+    /// Record per-step gradients, so a failure names the first step and tensor that drifted
+    /// (not just the final parameters).
+    pub record_grads: bool,
+    /// A bug planted in every DDP run, to show the matrix catches it (checker tests only).
+    pub fault: Option<Fault>,
+}
+
+impl Default for MatrixOptions {
+    fn default() -> Self {
+        MatrixOptions {
+            models: Vec::new(),
+            configs: Vec::new(),
+            world_sizes: Vec::new(),
+            steps: 5,
+            seed: 0,
+            timeout: Duration::from_secs(300),
+            record_grads: true,
+            fault: None,
+        }
+    }
+}
+
+/// A validated matrix: what will run, in order.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// Selected zoo models, in zoo order.
+    pub models: Vec<String>,
+    /// Selected configurations under test, in [`Config::all`] order.
+    pub configs: Vec<Config>,
+    /// World sizes, in the order given (duplicates dropped).
+    pub world_sizes: Vec<usize>,
+    /// Steps per run.
+    pub steps: usize,
+    /// Run seed.
+    pub seed: u64,
+    /// Per-launch timeout.
+    pub timeout: Duration,
+    /// Whether runs record per-step gradients.
+    pub record_grads: bool,
+    /// The planted bug every DDP run carries, if any.
+    pub fault: Option<Fault>,
+    /// Per model: why it has no single-device reference, if it has none.
+    pub(super) blockers: Vec<Option<String>>,
+}
+
+impl Plan {
+    /// How many training runs the plan performs (single-device ones included).
+    pub fn run_count(&self) -> usize {
+        let mut n = 0;
+        for model in 0..self.models.len() {
+            for &world in &self.world_sizes {
+                let references: usize = self
+                    .runs_per_cell(model, world)
+                    .iter()
+                    .map(|(_, runs)| runs)
+                    .sum();
+                n += references + self.fsdp_launches(world).len();
+            }
+        }
+        n
+    }
+
+    /// The selected FSDP configurations that run at `world_size`, in row
+    /// order.
+    pub(super) fn fsdp_launches(&self, world_size: usize) -> Vec<Config> {
+        self.configs
+            .iter()
+            .copied()
+            .filter(|&c| c.is_fsdp() && c.world_blocker(world_size).is_none())
+            .collect()
+    }
+
+    /// The reference runs for model `model` at one world size, in run order: (configuration,
+    /// runs) for `single`, `ddp` and each `ddp.<label>`, those with no run left out. A
+    /// selected reference runs twice (its own row checks the repeat); one that is not
+    /// selected runs once if a selected configuration needs it: `single` for `ddp` and the
+    /// fp32 FSDP launches (if the model has a single-device reference), `ddp` and
+    /// `ddp.<label>` for the FSDP launches under that precision. FSDP launches come on top,
+    /// one per selected FSDP configuration that runs at this size; a configuration that
+    /// launches nothing there needs no reference.
+    pub(super) fn runs_per_cell(&self, model: usize, world_size: usize) -> Vec<(Config, usize)> {
+        let has_single = self.blockers[model].is_none();
+        let launches = self.fsdp_launches(world_size);
+        let runs = |config: Config, needed: bool| {
+            if self.configs.contains(&config) {
+                2
+            } else {
+                usize::from(needed)
+            }
+        };
+        let needs_ddp = |reference: Config| {
+            launches
+                .iter()
+                .any(|c| c.ddp_reference() == Some(reference))
+        };
+        let needs_single =
+            self.configs.contains(&Config::Ddp) || launches.iter().any(|c| c.precision().is_none());
+        let mut cell = vec![
+            (
+                Config::Single,
+                if has_single {
+                    runs(Config::Single, needs_single)
+                } else {
+                    0
+                },
+            ),
+            (Config::Ddp, runs(Config::Ddp, needs_ddp(Config::Ddp))),
+        ];
+        for p in Precision::ALL {
+            let ddp = Config::DdpMixed(p);
+            cell.push((ddp, runs(ddp, needs_ddp(ddp))));
+        }
+        cell.retain(|&(_, n)| n > 0);
+        cell
+    }
+}
+
+/// Whether `name` matches `pattern`: exact, or with `*` standing for any run of characters
+/// (`ddp*`, `*moe`, `*`).
+pub fn matches(pattern: &str, name: &str) -> bool {
+    let Some((head, rest)) = pattern.split_once('*') else {
+        return pattern == name;
+    };
+    let Some(mut tail) = name.strip_prefix(head) else {
+        return false;
+    };
+    let parts: Vec<&str> = rest.split('*').collect();
+    let Some((last, middle)) = parts.split_last() else {
+        return true;
+    };
+    for part in middle {
+        match tail.find(part) {
+            Some(i) => tail = &tail[i + part.len()..],
+            None => return false,
+        }
+    }
+    tail.len() >= last.len() && tail.ends_with(last)
+}
+
+/// The items of `known` selected by `patterns` (all of them for no pattern), in `known`'s
+/// order; the first pattern that selects nothing is returned as the error.
+fn select<'a>(patterns: &[String], known: &[&'a str]) -> Result<Vec<&'a str>, String> {
+    let patterns: Vec<&str> = patterns
+        .iter()
+        .flat_map(|p| p.split(','))
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .collect();
+    if patterns.is_empty() {
+        return Ok(known.to_vec());
+    }
+    for p in &patterns {
+        if !known.iter().any(|k| matches(p, k)) {
+            return Err((*p).to_owned());
+        }
+    }
+    Ok(known
+        .iter()
+        .copied()
+        .filter(|k| patterns.iter().any(|p| matches(p, k)))
+        .collect())
+}
+
+/// Validates `opts` against the zoo: names, world sizes and steps. Builds each selected model
+/// once (to learn whether it has a single-device reference and that it accepts the largest
+/// rank of every world size); runs nothing.
+pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
+    let zoo_names = zoo::names();
+    let models = select(&opts.models, &zoo_names).map_err(|pattern| MatrixError::UnknownModel {
+        pattern,
+        known: zoo_names.iter().map(|s| (*s).to_owned()).collect(),
+    })?;
+    let all_configs = Config::all();
+    let config_names: Vec<&str> = all_configs.iter().map(|c| c.name()).collect();
+    let selected =
+        select(&opts.configs, &config_names).map_err(|pattern| MatrixError::UnknownConfig {
+            pattern,
+            known: config_names.iter().map(|s| (*s).to_owned()).collect(),
+        })?;
+    let configs: Vec<Config> = all_configs
+        .into_iter()
+        .filter(|c| selected.contains(&c.name()))
+        .collect();
+    let mut world_sizes = Vec::new();
+    for &w in if opts.world_sizes.is_empty() {
+        &[DEFAULT_WORLD_SIZE][..]
+    } else {
+        &opts.world_sizes[..]
+    } {
+        if w == 0 {
+            return Err(MatrixError::InvalidWorldSize {
+                world_size: 0,
+                reason: "a run needs at least one rank".into(),
+            });
+        }
+        if w > MAX_WORLD_SIZE {
+            return Err(MatrixError::InvalidWorldSize {
+                world_size: w,
+                reason: format!(
+                    "ranks are processes on this host; at most {MAX_WORLD_SIZE} are supported"
+                ),
+            });
+        }
+        if !world_sizes.contains(&w) {
+            world_sizes.push(w);
+        }
+    }
+    if opts.steps == 0 {
+        return Err(MatrixError::InvalidOption(
+            "--steps must be at least 1".into(),
+        ));
+    }
+    if opts.timeout.is_zero() {
+        return Err(MatrixError::InvalidOption(
+            "--timeout must be positive".into(),
+        ));
+    }
+    let mut blockers = Vec::with_capacity(models.len());
+    for name in &models {
+        let model = zoo::build(name, opts.seed, 0)?;
+        for &w in &world_sizes {
+            // Every rank of the run must get a batch; a model that cannot serve rank w-1
+            // cannot run at world size w.
+            let last = zoo::build(name, opts.seed, w - 1)?;
+            if let Err(e) = last.input(w - 1, 0) {
+                return Err(MatrixError::InvalidWorldSize {
+                    world_size: w,
+                    reason: format!("model `{name}` cannot run on {w} ranks: {e}"),
+                });
+            }
+        }
+        blockers.push(Config::Single.blocker(model.as_ref()));
+    }
+    Ok(Plan {
+        models: models.into_iter().map(str::to_owned).collect(),
+        configs,
+        world_sizes,
+        steps: opts.steps,
+        seed: opts.seed,
+        timeout: opts.timeout,
+        record_grads: opts.record_grads,
+        fault: opts.fault.clone(),
+        blockers,
+    })
+}
+
+/// Creates `dir` and proves it writable with a probe file, before any run starts, and
+/// removes report files a previous matrix left there (so none can pass for this run's).
+pub fn prepare_out_dir(dir: &Path) -> Result<(), MatrixError> {
+    let err = |source| MatrixError::OutDir {
+        path: dir.to_owned(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(err)?;
+    let probe = dir.join(format!(".lockstep-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"probe").map_err(err)?;
+    std::fs::remove_file(&probe).map_err(err)?;
+    for name in REPORT_FILES {
+        match std::fs::remove_file(dir.join(name)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(err(e)),
+        }
+    }
+    Ok(())
+}

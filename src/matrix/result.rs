@@ -1,0 +1,337 @@
+//! What a finished matrix produced: its rows, the report with errored rows, and the table.
+
+use super::*;
+
+/// How one row of the matrix ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RowStatus {
+    /// The comparison passed.
+    Pass,
+    /// The comparison failed: the numbers differ beyond what the policy allows.
+    Fail,
+    /// Not applicable to this model (the reason says why).
+    Skip,
+    /// A run it needed failed, so nothing was compared.
+    Error,
+}
+
+impl RowStatus {
+    fn label(self) -> &'static str {
+        match self {
+            RowStatus::Pass => "PASS",
+            RowStatus::Fail => "FAIL",
+            RowStatus::Skip => "skip",
+            RowStatus::Error => "ERROR",
+        }
+    }
+}
+
+/// One line of the summary: a configuration against one reference.
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    /// Zoo model.
+    pub model: String,
+    /// The configuration under test at its world size (`ddp@4`).
+    pub config: String,
+    /// The reference configuration (`single@4`, `ddp@4`).
+    pub reference: String,
+    /// Ranks of the run.
+    pub world_size: usize,
+    /// Verdict.
+    pub status: RowStatus,
+    /// `tolerance` or `bitwise`.
+    pub mode: &'static str,
+    /// Largest absolute error over every compared quantity.
+    #[serde(with = "report::num::opt")]
+    pub max_abs_err: Option<f64>,
+    /// Largest ULP distance over every compared quantity.
+    pub max_ulp: Option<u64>,
+    /// Largest error / allowed error (at most 1 passes).
+    #[serde(with = "report::num::opt")]
+    pub margin: Option<f64>,
+    /// The run's memory figures (rank 0's): FSDP's measured full-parameter peak and shard
+    /// bytes; for DDP the whole model's parameter bytes, which every rank keeps. `None` for
+    /// the single-device reference and for runs that did not finish.
+    pub memory: Option<MemoryStats>,
+    /// Where it first failed, why it was skipped, or why a run failed; a tolerance override
+    /// in force is named here with its reason.
+    pub note: Option<String>,
+    /// For `Error` rows: the launcher's whole account of the failed run (the failing rank's
+    /// message and stderr; on a timeout every rank's flight recorder and the desync
+    /// diagnosis).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub details: Option<String>,
+}
+
+/// A run that did not produce a record: one line for the table, the whole story for the
+/// reports.
+#[derive(Clone, Debug)]
+pub struct RunFailed {
+    /// What failed, in one line.
+    pub line: String,
+    /// Everything the launcher reported.
+    pub details: String,
+    /// Whether the run outlived its timeout (a hang), rather than failing.
+    pub timed_out: bool,
+}
+
+impl RunFailed {
+    pub(super) fn simple(text: impl Into<String>) -> Self {
+        let line = text.into();
+        RunFailed {
+            details: line.clone(),
+            line,
+            timed_out: false,
+        }
+    }
+}
+
+/// Everything a finished matrix produced.
+#[derive(Debug)]
+pub struct MatrixResult {
+    /// One row per model × config × reference × world size, in run order.
+    pub rows: Vec<Row>,
+    /// The comparisons behind the `Pass`/`Fail` rows, in row order.
+    pub comparisons: Vec<Comparison>,
+    /// Training runs performed (single-device and DDP launches).
+    pub runs: usize,
+    /// Runs that failed (hung ones included).
+    pub failed_runs: usize,
+    /// Runs that outlived the timeout.
+    pub hung_runs: usize,
+    /// Measured wall time of the whole matrix.
+    pub elapsed: Duration,
+}
+
+impl MatrixResult {
+    /// Whether every run completed and every comparison passed.
+    pub fn passed(&self) -> bool {
+        self.failed_runs == 0 && self.rows.iter().all(|r| r.status != RowStatus::Fail)
+    }
+
+    /// The report over every comparison, with the matrix's wall time. Rows whose runs
+    /// failed are the report's errors (with the launcher's whole account), which mark it
+    /// incomplete: it is written all the same, and never looks complete.
+    pub fn report(&self) -> Report {
+        let errors = self
+            .rows
+            .iter()
+            .filter(|r| r.status == RowStatus::Error)
+            .map(|r| RunError {
+                model: r.model.clone(),
+                config: r.config.clone(),
+                reference: r.reference.clone(),
+                message: r.note.clone().unwrap_or_else(|| "run failed".into()),
+                details: r
+                    .details
+                    .clone()
+                    .or_else(|| r.note.clone())
+                    .unwrap_or_default(),
+            })
+            .collect();
+        Report::new(self.comparisons.clone())
+            .with_wall_time(self.elapsed)
+            .with_errors(errors)
+    }
+
+    /// Writes the report set (`report.json` last) into `dir`; see [`MatrixResult::report`].
+    pub fn write_report(&self, dir: &Path) -> Result<ReportFiles, MatrixError> {
+        Ok(report::write_all(&self.report(), dir)?)
+    }
+
+    /// The summary table, followed by the reasons it refers to (models without a
+    /// single-device reference, tolerance overrides), the diagnosis of every failed row and
+    /// the total time. Memory columns are KiB of rank 0's full parameters at their peak and
+    /// of its shards (DDP: the whole model, kept on every rank).
+    pub fn render_table(&self) -> String {
+        const NOTE: usize = 10;
+        let headers = [
+            "model",
+            "config",
+            "reference",
+            "world",
+            "result",
+            "max abs err",
+            "max ULP",
+            "margin",
+            "peak params KiB",
+            "shard KiB",
+            "first failure / note",
+        ];
+        let kib =
+            |bytes: Option<u64>| bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / 1024.0));
+        let cells: Vec<[String; 11]> = self
+            .rows
+            .iter()
+            .map(|r| {
+                [
+                    r.model.clone(),
+                    r.config.clone(),
+                    r.reference.clone(),
+                    r.world_size.to_string(),
+                    r.status.label().to_owned(),
+                    r.max_abs_err.map_or("-".into(), fmt_num),
+                    r.max_ulp.map_or("-".into(), fmt_ulp),
+                    r.margin.map_or("-".into(), fmt_num),
+                    kib(r.memory.map(|m| m.full_param_bytes_peak)),
+                    kib(r.memory.map(|m| m.shard_bytes)),
+                    match (&r.status, &r.note) {
+                        // The model's reason is a sentence: printed once below the table.
+                        (RowStatus::Skip, Some(n)) if n.starts_with(NO_SINGLE) => {
+                            format!("{NO_SINGLE} (see below)")
+                        }
+                        // So is an override's reason.
+                        (_, Some(n)) if n.contains(OVERRIDE) => {
+                            let at = n.find(OVERRIDE).unwrap_or(0);
+                            format!("{}{OVERRIDE} (see below)", &n[..at])
+                        }
+                        (_, note) => note.clone().unwrap_or_default(),
+                    },
+                ]
+            })
+            .collect();
+        let mut widths = headers.map(str::len);
+        for row in &cells {
+            for (w, c) in widths.iter_mut().zip(row.iter()).take(NOTE) {
+                *w = (*w).max(c.chars().count());
+            }
+        }
+        let mut out = String::new();
+        let line = |out: &mut String, row: &[&str]| {
+            let mut text = String::new();
+            for (i, cell) in row.iter().enumerate() {
+                if i == NOTE {
+                    text.push_str(cell);
+                } else if (3..NOTE).contains(&i) && i != 4 {
+                    let _ = write!(text, "{cell:>w$}  ", w = widths[i]);
+                } else {
+                    let _ = write!(text, "{cell:<w$}  ", w = widths[i]);
+                }
+            }
+            out.push_str(text.trim_end());
+            out.push('\n');
+        };
+        line(&mut out, &headers);
+        for row in &cells {
+            let refs: Vec<&str> = row.iter().map(String::as_str).collect();
+            line(&mut out, &refs);
+        }
+        // Each model's reason once per kind of skip.
+        let mut explained: Vec<(&str, &str)> = Vec::new();
+        for r in &self.rows {
+            let (RowStatus::Skip, Some(note)) = (r.status, &r.note) else {
+                continue;
+            };
+            for kind in [NO_SINGLE] {
+                if note.starts_with(kind) && !explained.contains(&(r.model.as_str(), kind)) {
+                    explained.push((&r.model, kind));
+                    let _ = writeln!(out, "\nskipped: model `{}` has {note}", r.model);
+                }
+            }
+        }
+        // Each override reason once, with the configurations (without `@N`) it governs.
+        let mut overrides: Vec<(&str, Vec<String>)> = Vec::new();
+        for c in &self.comparisons {
+            let Some(reason) = c.override_reason.as_deref() else {
+                continue;
+            };
+            let base = |name: &str| name.rsplit_once('@').map_or(name, |(b, _)| b).to_owned();
+            let pair = format!("{} vs {}", base(&c.config), base(&c.reference));
+            match overrides.iter_mut().find(|(r, _)| *r == reason) {
+                Some((_, pairs)) if !pairs.contains(&pair) => pairs.push(pair),
+                Some(_) => {}
+                None => overrides.push((reason, vec![pair])),
+            }
+        }
+        for (reason, pairs) in overrides {
+            let _ = writeln!(out, "\n{OVERRIDE} ({}): {reason}", pairs.join(", "));
+        }
+        for c in self.comparisons.iter().filter(|c| !c.passed) {
+            let _ = writeln!(
+                out,
+                "\nFAIL {} {} vs {}: {}",
+                c.model,
+                c.config,
+                c.reference,
+                c.diagnosis.as_deref().unwrap_or("(no diagnosis)")
+            );
+        }
+        // Each failed run's whole account once (a run serves several rows).
+        let mut told: Vec<&str> = Vec::new();
+        for r in self.rows.iter().filter(|r| r.status == RowStatus::Error) {
+            let details = r.details.as_deref().or(r.note.as_deref()).unwrap_or("");
+            if told.contains(&details) {
+                continue;
+            }
+            told.push(details);
+            let _ = writeln!(out, "\nERROR {} {} vs {}:", r.model, r.config, r.reference);
+            for l in details.lines() {
+                let _ = writeln!(out, "  {l}");
+            }
+        }
+        let passed = self
+            .rows
+            .iter()
+            .filter(|r| r.status == RowStatus::Pass)
+            .count();
+        let failed = self
+            .rows
+            .iter()
+            .filter(|r| r.status == RowStatus::Fail)
+            .count();
+        let skipped = self
+            .rows
+            .iter()
+            .filter(|r| r.status == RowStatus::Skip)
+            .count();
+        let _ = writeln!(
+            out,
+            "\n{passed} passed, {failed} failed, {skipped} skipped, {} run errors",
+            self.failed_runs
+        );
+        let _ = writeln!(
+            out,
+            "matrix: {} runs in {:.1} s",
+            self.runs,
+            self.elapsed.as_secs_f64()
+        );
+        out
+    }
+}
+
+fn fmt_num(x: f64) -> String {
+    if x == 0.0 {
+        "0".into()
+    } else if x.is_finite() {
+        format!("{x:.2e}")
+    } else {
+        format!("{x}")
+    }
+}
+
+fn fmt_ulp(u: u64) -> String {
+    if u == u64::MAX {
+        "NaN".into()
+    } else {
+        u.to_string()
+    }
+}
+
+/// A short "where" for the table: quantity, tensor and step of the first failure.
+pub(super) fn short_failure(f: &FailurePoint) -> String {
+    let mut s = f.quantity.to_string();
+    if let Some(t) = &f.tensor {
+        let _ = write!(s, " {t}");
+    }
+    if let Some(i) = f.index {
+        let _ = write!(s, "[{i}]");
+    }
+    match f.step {
+        Some(step) => {
+            let _ = write!(s, " @ step {step}");
+        }
+        None => s.push_str(" (final)"),
+    }
+    s
+}
