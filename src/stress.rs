@@ -126,13 +126,12 @@ pub fn run(plan: &Plan, opts: &StressOptions, mut progress: impl FnMut(&str)) ->
             .filter(|r| r.status == RowStatus::Fail)
             .count();
         outcome.parity_failures += failures;
-        let failed = result.rows.iter().find(|r| {
-            r.status == RowStatus::Error
-                && r.details
-                    .as_deref()
-                    .is_some_and(|d| d.contains("timed out"))
-        });
-        let failed = failed.or_else(|| result.rows.iter().find(|r| r.status == RowStatus::Error));
+        // The first hang, or else the first failed run, is the one worth reading.
+        let failed = result
+            .rows
+            .iter()
+            .find(|r| r.timed_out)
+            .or_else(|| result.rows.iter().find(|r| r.status == RowStatus::Error));
         if let (None, Some(r)) = (&outcome.first_failure, failed) {
             outcome.first_failure = Some(format!(
                 "{} {} (iteration {i}):\n{}",

@@ -141,6 +141,7 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                         memory: run.and_then(|r| r.as_ref().ok()).and_then(|r| r.memory),
                         note: None,
                         details: None,
+                        timed_out: false,
                     };
                     match (config.world_blocker(world), run, against, policy) {
                         (Some(reason), _, _, _) => r.note = Some(reason),
@@ -171,6 +172,7 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                             r.status = RowStatus::Error;
                             r.note = Some(e.line.clone());
                             r.details = Some(e.details.clone());
+                            r.timed_out = e.timed_out;
                         }
                         (None, Some(Ok(_)), Some(Ok(_)), Err(e)) => {
                             r.status = RowStatus::Error;

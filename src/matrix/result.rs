@@ -62,6 +62,9 @@ pub struct Row {
     /// diagnosis).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub details: Option<String>,
+    /// For `Error` rows: whether the run failed by outliving its timeout (a hang).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub timed_out: bool,
 }
 
 /// A run that did not produce a record: one line for the table, the whole story for the

@@ -53,7 +53,9 @@ pub struct StoreServer {
     secret: String,
     /// The listener until `serve` hands it to the accept thread.
     listener: Mutex<Option<TcpListener>>,
-    /// The accept thread and one thread per connection.
+    /// The accept thread, once serving.
+    accept: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// One thread per connection.
     threads: Arc<Mutex<Vec<std::thread::JoinHandle<()>>>>,
     /// A handle on every accepted connection, shut down on drop to end its thread.
     connections: Arc<Mutex<Vec<TcpStream>>>,
@@ -82,6 +84,7 @@ impl StoreServer {
             }),
             secret: secret.to_owned(),
             listener: Mutex::new(Some(listener)),
+            accept: Mutex::new(None),
             threads: Arc::new(Mutex::new(Vec::new())),
             connections: Arc::new(Mutex::new(Vec::new())),
         })
@@ -118,7 +121,7 @@ impl StoreServer {
                 }
             })
             .map_err(|e| CommError::io("store: spawn accept thread", e))?;
-        lock(&self.threads).push(accept);
+        *lock(&self.accept) = Some(accept);
         Ok(())
     }
 
@@ -137,18 +140,11 @@ impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.stopping.store(true, Ordering::Relaxed);
         self.shared.changed.notify_all();
-        // Wake the accept loop so it sees `stopping` (it ends after this connection).
-        if lock(&self.listener).is_none() {
+        // Wake the accept loop so it sees `stopping`, and join it first: then no connection
+        // thread starts after the shutdowns below.
+        if let Some(accept) = lock(&self.accept).take() {
             let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(100));
-        }
-        // Joining the accept thread first means no connection thread starts after the
-        // shutdowns below.
-        let accept = {
-            let mut threads = lock(&self.threads);
-            (!threads.is_empty()).then(|| threads.remove(0))
-        };
-        if let Some(t) = accept {
-            let _ = t.join();
+            let _ = accept.join();
         }
         for c in lock(&self.connections).drain(..) {
             let _ = c.shutdown(std::net::Shutdown::Both);

@@ -101,7 +101,8 @@ pub struct Report {
     /// One summary per model × config × reference (their `steps` are moved to
     /// [`Report::steps`] and left empty here), with final-parameter summaries.
     pub comparisons: Vec<Comparison>,
-    /// False when some comparisons are missing because their runs failed ([`Report::errors`]).
+    /// False when some comparisons are missing because their runs failed: always
+    /// `errors.is_empty()`, stored for readers of the JSON ([`Report::with_errors`] sets it).
     #[serde(default = "complete_by_default")]
     pub complete: bool,
     /// The comparisons that could not be made, with why.
@@ -170,7 +171,7 @@ impl Report {
 
     /// Whether every comparison passed and none is missing.
     pub fn passed(&self) -> bool {
-        self.summary.failed == 0 && self.complete && self.errors.is_empty()
+        self.summary.failed == 0 && self.errors.is_empty()
     }
 
     /// The sentence every human format opens with: the counts, preceded by INCOMPLETE when
@@ -181,7 +182,7 @@ impl Report {
             "{} comparisons: {} passed, {} failed",
             s.comparisons, s.passed, s.failed
         );
-        if self.errors.is_empty() && self.complete {
+        if self.errors.is_empty() {
             counts
         } else {
             format!(
