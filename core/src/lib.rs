@@ -11,6 +11,7 @@ pub mod comm;
 pub mod ddp;
 pub mod fsdp;
 pub mod num;
+pub mod pipeline;
 pub mod precision;
 pub mod record;
 pub mod replica;

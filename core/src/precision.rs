@@ -251,6 +251,17 @@ impl<A: LayerHooks, B: LayerHooks> LayerHooks for Chain<A, B> {
         let output = self.1.post_forward(index, output)?;
         self.0.post_forward(index, output)
     }
+
+    fn substitute(
+        &mut self,
+        index: usize,
+        inputs: &[Tensor],
+    ) -> Result<Option<Tensor>, ModelError> {
+        match self.0.substitute(index, inputs)? {
+            Some(stand_in) => Ok(Some(stand_in)),
+            None => self.1.substitute(index, inputs),
+        }
+    }
 }
 
 /// The parameters (canonical names, as [`Model::named_parameters`] lists them) that compute

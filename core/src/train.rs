@@ -428,7 +428,7 @@ fn global_mean(local: f64, group: Option<&dyn ProcessGroup>) -> Result<f64, Trai
 }
 
 /// L2 norm over every gradient, in f64 (the list holds each tied parameter once).
-fn grad_norm(grads: &[(String, Tensor)]) -> Result<f64, TrainError> {
+pub(crate) fn grad_norm(grads: &[(String, Tensor)]) -> Result<f64, TrainError> {
     let mut sum = 0.0;
     for (_, g) in grads {
         sum += g
@@ -440,7 +440,7 @@ fn grad_norm(grads: &[(String, Tensor)]) -> Result<f64, TrainError> {
     Ok(sum.sqrt())
 }
 
-fn capture(tensors: &[(String, Tensor)]) -> Result<Vec<NamedTensor>, TrainError> {
+pub(crate) fn capture(tensors: &[(String, Tensor)]) -> Result<Vec<NamedTensor>, TrainError> {
     tensors
         .iter()
         .map(|(n, t)| NamedTensor::capture(n, t).map_err(TrainError::from))

@@ -15,7 +15,7 @@ pub mod zoo;
 
 pub use error::{Misshaped, ModelError};
 pub use model::{
-    Batch, ExpertParam, LayerHooks, LayerKind, LayerRun, LayerSpec, Model, NoHooks, ParamTags,
-    SharedGroup,
+    Batch, ExpertParam, LayerHooks, LayerKind, LayerRun, LayerSpec, LossReduction, Model, NoHooks,
+    ParamTags, SharedGroup,
 };
 pub use store::ParamStore;

@@ -16,6 +16,15 @@ pub struct Batch {
     pub target: Option<Tensor>,
 }
 
+/// How a loss reduces over the samples of a batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LossReduction {
+    /// The mean over samples (or over tokens, every sample having as many).
+    Mean,
+    /// The sum over samples.
+    Sum,
+}
+
 /// What a layer computes; a pipeline partitioner balances and groups layers by kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum LayerKind {
@@ -112,7 +121,8 @@ impl ParamTags {
 ///
 /// A model that supports hooks ([`Model::supports_layer_hooks`]) calls `pre_forward` and
 /// `post_forward` exactly once per layer, in `layers()` order, with that layer's index, and
-/// reads the layer's parameters only between the two calls.
+/// reads the layer's parameters only between the two calls. Nothing outside a layer may
+/// depend on a side effect of running it (a hook may substitute its output instead).
 pub trait LayerHooks {
     /// Before layer `index` runs: returns its inputs (the tensors it consumes from outside
     /// the layer, in a fixed order), possibly replaced (cast to another dtype).
@@ -121,6 +131,16 @@ pub trait LayerHooks {
 
     /// After layer `index` ran: returns its output, possibly replaced.
     fn post_forward(&mut self, index: usize, output: Tensor) -> Result<Tensor, ModelError>;
+
+    /// Whether layer `index` runs here: `Some(output)` stands in for its result and its
+    /// computation is skipped (a pipeline stage does not run the layers other stages hold;
+    /// it substitutes what they sent, or a placeholder nothing of its own consumes). Called
+    /// after `pre_forward` with the inputs it returned; `post_forward` still follows. The
+    /// default runs every layer.
+    fn substitute(&mut self, index: usize, inputs: &[Tensor]) -> Result<Option<Tensor>, ModelError> {
+        let _ = (index, inputs);
+        Ok(None)
+    }
 }
 
 /// Hooks that change nothing: what plain [`Model::forward`] runs with.
@@ -191,6 +211,19 @@ pub trait Model: Send {
 
     /// The scalar loss of `output` on `batch` (PyTorch's `get_loss`).
     fn loss_of(&self, batch: &Batch, output: &Tensor) -> Result<Tensor, ModelError>;
+
+    /// How [`Model::loss_of`] reduces over samples: a pipeline splitting a batch into
+    /// microbatches scales each microbatch's loss by its share of a mean, or not at all for a
+    /// sum, so the accumulated gradient is the full batch's.
+    fn loss_reduction(&self) -> LossReduction {
+        LossReduction::Mean
+    }
+
+    /// The dimension of every batch tensor (inputs and target) that indexes samples: where
+    /// microbatches are split and merged (1 for sequence-first models).
+    fn batch_dim(&self) -> i64 {
+        0
+    }
 
     /// Why a single-device reference (one process, every rank's batch) would compute
     /// something else than the parallel run, if it would: per-rank parameters or per-rank
@@ -279,7 +312,10 @@ impl<'a> LayerRun<'a> {
                 format!("pre_forward of layer {index} returned {got} inputs, expected {N}").into(),
             )
         })?;
-        let output = compute(inputs)?;
+        let output = match self.hooks.substitute(index, &inputs)? {
+            Some(stand_in) => stand_in,
+            None => compute(inputs)?,
+        };
         self.hooks.post_forward(index, output)
     }
 }

@@ -324,6 +324,8 @@ pub enum Config {
     DdpMixed(Precision),
     /// One row of the FSDP table.
     Fsdp(FsdpId),
+    /// One row of the pipeline table.
+    Pipeline(PipelineId),
 }
 
 impl Config {
@@ -332,6 +334,7 @@ impl Config {
         let mut all = vec![Config::Single, Config::Ddp];
         all.extend(Precision::ALL.map(Config::DdpMixed));
         all.extend(Config::fsdp());
+        all.extend((0..pipeline_configs().len()).map(|i| Config::Pipeline(PipelineId(i))));
         all
     }
 
@@ -354,13 +357,14 @@ impl Config {
             Config::Ddp => "ddp",
             Config::DdpMixed(p) => p.ddp_name(),
             Config::Fsdp(id) => id.get().name,
+            Config::Pipeline(id) => id.get().name,
         }
     }
 
     /// The mixed-precision policy it trains under (`None`: fp32).
     pub fn precision(self) -> Option<Precision> {
         match self {
-            Config::Single | Config::Ddp => None,
+            Config::Single | Config::Ddp | Config::Pipeline(_) => None,
             Config::DdpMixed(p) => Some(p),
             Config::Fsdp(id) => id.get().precision,
         }
@@ -377,11 +381,24 @@ impl Config {
         matches!(self, Config::Fsdp(_))
     }
 
+    /// Whether this is one of the pipeline configurations.
+    pub fn is_pipeline(self) -> bool {
+        matches!(self, Config::Pipeline(_))
+    }
+
+    /// The pipeline table row (`None` for the others).
+    pub fn pipeline_config(self) -> Option<&'static PipelineConfig> {
+        match self {
+            Config::Pipeline(id) => Some(id.get()),
+            _ => None,
+        }
+    }
+
     /// The FSDP table row (`None` for single and DDP).
     pub fn fsdp_config(self) -> Option<&'static FsdpConfig> {
         match self {
             Config::Fsdp(id) => Some(id.get()),
-            Config::Single | Config::Ddp | Config::DdpMixed(_) => None,
+            Config::Single | Config::Ddp | Config::DdpMixed(_) | Config::Pipeline(_) => None,
         }
     }
 
@@ -409,6 +426,16 @@ impl Config {
                  not against single (mixed precision)",
                 label = p.label()
             ),
+            Config::Pipeline(id) => {
+                let p = id.get();
+                format!(
+                    "{}; microbatches 2p for p pipeline ranks; checked against single (fp32 \
+                     dtype table) and single.mbM (one process, the same M microbatches in order: \
+                     bitwise unless the plan names why not, then the fp32 table as a recorded \
+                     override)",
+                    p.description
+                )
+            }
             Config::Fsdp(id) => {
                 let f = id.get();
                 let reference = f.ddp_reference().name();
@@ -448,6 +475,9 @@ impl Config {
     /// Why this configuration cannot run at `world_size` (hybrid shard at an odd size), if
     /// it cannot: its rows are skipped with this reason and nothing is launched.
     pub fn world_blocker(self, world_size: usize) -> Option<String> {
+        if let Some(p) = self.pipeline_config() {
+            return p.ranks(world_size).err();
+        }
         self.fsdp_config()
             .and_then(|f| f.layout.shard_size(world_size).err())
     }
@@ -467,6 +497,14 @@ impl Config {
                 "{} is not compared with single: {MIXED_VS_SINGLE_REASON}",
                 self.name()
             )),
+            (Config::Pipeline(_), Config::Single) => {
+                let ov = Override::new(
+                    Tolerance::new(PIPELINE_GRAD_RTOL, PIPELINE_GRAD_ATOL),
+                    PIPELINE_VS_SINGLE_REASON,
+                )
+                .map_err(|e| format!("{}: {e}", self.name()))?;
+                Ok(TolerancePolicy::dtype_table(DType::F32).with_override(&self.at(world_size), ov))
+            }
             (_, Config::Single) if self != Config::Single => {
                 Ok(TolerancePolicy::dtype_table(DType::F32))
             }

@@ -114,12 +114,35 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                 .into_iter()
                 .map(|c| (c, run_one(c, 1, 1)))
                 .collect();
+            let pipelines: Vec<(Config, Result<RunRecord, RunFailed>)> = plan
+                .pipeline_launches(m, world)
+                .into_iter()
+                .map(|(c, _)| (c, run_one(c, 1, 1)))
+                .collect();
+            let microbatched: Vec<(usize, Result<RunRecord, RunFailed>)> = plan
+                .microbatch_references(m, world)
+                .into_iter()
+                .map(|mb| {
+                    let label = format!("{model} {}@{world}", microbatched_name(mb));
+                    progress.start(&label);
+                    let t0 = Instant::now();
+                    let outcome = run_microbatched(model, world, mb, plan);
+                    result.runs += 1;
+                    let err = outcome.as_ref().err().map(|e| e.line.as_str());
+                    if err.is_some() {
+                        result.failed_runs += 1;
+                    }
+                    progress.finish(&label, t0.elapsed(), err);
+                    (mb, outcome)
+                })
+                .collect();
             let mut row =
                 |config: Config,
-                 reference: Config,
+                 reference_name: String,
+                 policy: Result<TolerancePolicy, String>,
+                 skip: Option<String>,
                  run: Option<&Result<RunRecord, RunFailed>>,
                  against: Option<&Result<RunRecord, RunFailed>>| {
-                    let policy = config.policy(reference, world);
                     let overridden = policy
                         .as_ref()
                         .ok()
@@ -128,7 +151,7 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                     let mut r = Row {
                         model: model.clone(),
                         config: config.at(world),
-                        reference: reference.at(world),
+                        reference: reference_name,
                         world_size: world,
                         status: RowStatus::Skip,
                         mode: match (&policy, &overridden) {
@@ -143,7 +166,7 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                         details: None,
                         timed_out: false,
                     };
-                    match (config.world_blocker(world), run, against, policy) {
+                    match (skip, run, against, policy) {
                         (Some(reason), _, _, _) => r.note = Some(reason),
                         (None, Some(Ok(a)), Some(Ok(b)), Ok(policy)) => {
                             let c = compare(a, b, &policy);
@@ -194,23 +217,76 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                     .find(|(c, _)| *c == config)
                     .and_then(|(_, runs)| runs.get(i))
             };
+            // A row against a configuration reference: its policy and skip reason follow
+            // from the configuration.
+            let against_config = |config: Config, reference: Config| {
+                (
+                    reference.at(world),
+                    config.policy(reference, world),
+                    config.world_blocker(world),
+                )
+            };
             for &config in &plan.configs {
                 match config {
                     Config::Single | Config::DdpMixed(_) => {
-                        row(config, config, reference(config, 0), reference(config, 1));
+                        let (name, policy, skip) = against_config(config, config);
+                        row(config, name, policy, skip, reference(config, 0), reference(config, 1));
                     }
                     Config::Ddp => {
                         let ddp = reference(Config::Ddp, 0);
-                        row(config, Config::Single, ddp, reference(Config::Single, 0));
-                        row(config, config, ddp, reference(Config::Ddp, 1));
+                        let (name, policy, skip) = against_config(config, Config::Single);
+                        row(config, name, policy, skip, ddp, reference(Config::Single, 0));
+                        let (name, policy, skip) = against_config(config, config);
+                        row(config, name, policy, skip, ddp, reference(Config::Ddp, 1));
                     }
                     Config::Fsdp(id) => {
                         let run = fsdp.iter().find(|(c, _)| *c == config).map(|(_, r)| r);
                         let ddp = id.get().ddp_reference();
-                        row(config, ddp, run, reference(ddp, 0));
+                        let (name, policy, skip) = against_config(config, ddp);
+                        row(config, name, policy, skip, run, reference(ddp, 0));
                         // Mixed precision has no row against single (module doc).
                         if config.precision().is_none() {
-                            row(config, Config::Single, run, reference(Config::Single, 0));
+                            let (name, policy, skip) = against_config(config, Config::Single);
+                            row(config, name, policy, skip, run, reference(Config::Single, 0));
+                        }
+                    }
+                    Config::Pipeline(id) => {
+                        let run = pipelines.iter().find(|(c, _)| *c == config).map(|(_, r)| r);
+                        let planned = plan.pipeline_plans.get(&(m, world, config));
+                        let skip = config.world_blocker(world).or_else(|| match planned {
+                            Some(Err(reason)) => Some(reason.clone()),
+                            _ => None,
+                        });
+                        let (name, policy, _) = against_config(config, Config::Single);
+                        row(config, name, policy, skip.clone(), run, reference(Config::Single, 0));
+                        match planned {
+                            Some(Ok(p)) if p.data_parallel == 1 => {
+                                let mb = microbatched
+                                    .iter()
+                                    .find(|(n, _)| *n == p.microbatches)
+                                    .map(|(_, r)| r);
+                                let policy = policy_vs_microbatched(&config.at(world), p);
+                                row(
+                                    config,
+                                    format!("{}@{world}", microbatched_name(p.microbatches)),
+                                    policy,
+                                    None,
+                                    run,
+                                    mb,
+                                );
+                            }
+                            Some(Ok(_)) => {}
+                            _ => {
+                                let id_m = id.get().ranks(world).map_or(0, |p| 2 * p);
+                                row(
+                                    config,
+                                    format!("{}@{world}", microbatched_name(id_m)),
+                                    Ok(TolerancePolicy::bitwise(DType::F32)),
+                                    skip,
+                                    None,
+                                    None,
+                                );
+                            }
                         }
                     }
                 }
@@ -272,6 +348,18 @@ fn run_parallel(
             data_ranks: vec![rank],
             record_grads: plan.record_grads,
         };
+        if let Some(p) = config.pipeline_config() {
+            let opts = p.options(world_size)?;
+            let run = train_pipeline(built.as_ref(), ctx.world(), &cfg, &opts)
+                .map_err(|e| format!("{}: {e}", config.name()))?;
+            if rank == 0 {
+                let json = serde_json::to_vec(&run.record)
+                    .map_err(|e| format!("encoding record: {e}"))?;
+                std::fs::write(&out, json)
+                    .map_err(|e| format!("writing the record to {}: {e}", out.display()))?;
+            }
+            return Ok(());
+        }
         let record = match config.fsdp_config() {
             Some(f) => {
                 let opts = f.options.clone();

@@ -55,6 +55,7 @@ use lockstep_core::fsdp::{
     train_fsdp, train_fsdp_hybrid, BackwardPrefetch, FsdpOptions, ShardingStrategy, WrapPolicy,
 };
 use lockstep_core::precision::MixedPrecision;
+use lockstep_core::pipeline::{train_pipeline, PipelinePlan};
 use lockstep_core::record::{MemoryStats, RunRecord, RunSpec};
 use lockstep_core::replica::distinct_parameters;
 use lockstep_core::train::{single_device_reference, OptimizerConfig, TrainConfig};
@@ -65,6 +66,7 @@ use lockstep_harness::report::{self, Report, ReportError, ReportFiles, RunError}
 use lockstep_harness::{launch, LaunchError, LaunchOptions, RankCtx, RankSpawn};
 use lockstep_models::{zoo, LayerKind, Model, ModelError};
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::LazyLock;
@@ -160,11 +162,13 @@ pub const MIXED_VS_SINGLE_REASON: &str = "mixed precision is checked against DDP
 mod configs;
 mod execute;
 mod list;
+mod pipeline;
 mod plan;
 mod result;
 
 pub use configs::*;
 pub use execute::*;
 pub use list::*;
+pub use pipeline::*;
 pub use plan::*;
 pub use result::*;

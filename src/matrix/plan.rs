@@ -61,6 +61,9 @@ pub struct Plan {
     pub fault: Option<Fault>,
     /// Per model: why it has no single-device reference, if it has none.
     pub(super) blockers: Vec<Option<String>>,
+    /// Per (model index, world size, selected pipeline configuration): its validated plan,
+    /// or why it cannot serve that model there (its rows are skipped with the reason).
+    pub(super) pipeline_plans: BTreeMap<(usize, usize, Config), Result<PipelinePlan, String>>,
 }
 
 impl Plan {
@@ -74,7 +77,15 @@ impl Plan {
                     .iter()
                     .map(|(_, runs)| runs)
                     .sum();
-                n += references + self.fsdp_launches(world).len();
+                let pipelines = self.pipeline_launches(model, world);
+                let mut microbatches: Vec<usize> =
+                    pipelines.iter().map(|(_, p)| p.microbatches).collect();
+                microbatches.sort_unstable();
+                microbatches.dedup();
+                n += references
+                    + self.fsdp_launches(world).len()
+                    + pipelines.len()
+                    + microbatches.len();
             }
         }
         n
@@ -88,6 +99,36 @@ impl Plan {
             .copied()
             .filter(|&c| c.is_fsdp() && c.world_blocker(world_size).is_none())
             .collect()
+    }
+
+    /// The selected pipeline configurations that run model `model` at `world_size`, with
+    /// their plans, in row order.
+    pub(super) fn pipeline_launches(
+        &self,
+        model: usize,
+        world_size: usize,
+    ) -> Vec<(Config, &PipelinePlan)> {
+        self.configs
+            .iter()
+            .filter_map(|&c| match self.pipeline_plans.get(&(model, world_size, c)) {
+                Some(Ok(plan)) => Some((c, plan)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The distinct microbatch counts of model `model`'s pipeline launches at `world_size`:
+    /// one `single.mbM` reference each.
+    pub(super) fn microbatch_references(&self, model: usize, world_size: usize) -> Vec<usize> {
+        let mut m: Vec<usize> = self
+            .pipeline_launches(model, world_size)
+            .iter()
+            .filter(|(_, p)| p.data_parallel == 1)
+            .map(|(_, p)| p.microbatches)
+            .collect();
+        m.sort_unstable();
+        m.dedup();
+        m
     }
 
     /// The reference runs for model `model` at one world size, in run order: (configuration,
@@ -113,8 +154,9 @@ impl Plan {
                 .iter()
                 .any(|c| c.ddp_reference() == Some(reference))
         };
-        let needs_single =
-            self.configs.contains(&Config::Ddp) || launches.iter().any(|c| c.precision().is_none());
+        let needs_single = self.configs.contains(&Config::Ddp)
+            || launches.iter().any(|c| c.precision().is_none())
+            || !self.pipeline_launches(model, world_size).is_empty();
         let mut cell = vec![
             (
                 Config::Single,
@@ -251,6 +293,19 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         }
         blockers.push(Config::Single.blocker(model.as_ref()));
     }
+    let mut pipeline_plans = BTreeMap::new();
+    for (m, name) in models.iter().enumerate() {
+        for &w in &world_sizes {
+            for &c in configs.iter().filter(|c| c.is_pipeline()) {
+                let Some(p) = c.pipeline_config() else { continue };
+                if c.world_blocker(w).is_some() {
+                    continue;
+                }
+                let model = zoo::build(name, opts.seed, 0)?;
+                pipeline_plans.insert((m, w, c), p.plan(model.as_ref(), w));
+            }
+        }
+    }
     Ok(Plan {
         models: models.into_iter().map(str::to_owned).collect(),
         configs,
@@ -261,6 +316,7 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         record_grads: opts.record_grads,
         fault: opts.fault.clone(),
         blockers,
+        pipeline_plans,
     })
 }
 

@@ -2,7 +2,7 @@
 //! shards at every world size.
 
 use crate::layers::Linear;
-use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, Model, NoHooks};
+use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, Model, NoHooks, LossReduction};
 use crate::seed;
 use crate::store::{ParamStore, F32};
 use crate::LayerRun;
@@ -128,6 +128,10 @@ impl Model for MlpStack {
             }
         }
         Ok(x)
+    }
+
+    fn loss_reduction(&self) -> LossReduction {
+        LossReduction::Sum
     }
 
     fn loss_of(&self, batch: &Batch, output: &Tensor) -> Result<Tensor, ModelError> {

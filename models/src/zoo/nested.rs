@@ -2,7 +2,7 @@
 //! whose loss is `output.sum()`.
 
 use crate::layers::{path, Linear};
-use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, Model, NoHooks};
+use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, Model, NoHooks, LossReduction};
 use crate::seed;
 use crate::store::{ParamStore, F32};
 use crate::LayerRun;
@@ -164,6 +164,10 @@ impl Model for LinearChain {
             x = run.layer([x], |[x]| Ok(l.forward(&x)?))?;
         }
         Ok(x)
+    }
+
+    fn loss_reduction(&self) -> LossReduction {
+        LossReduction::Sum
     }
 
     fn loss_of(&self, _batch: &Batch, output: &Tensor) -> Result<Tensor, ModelError> {

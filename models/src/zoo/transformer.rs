@@ -2,7 +2,7 @@
 //! embedding and an output projection that share one weight.
 
 use crate::layers::{BatchNorm1d, DecoderLayer, EncoderLayer, LayerNorm, Linear};
-use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, Model, NoHooks};
+use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, Model, NoHooks, LossReduction};
 use crate::seed;
 use crate::store::{linear_weight, normal, ParamStore, F32};
 use crate::LayerRun;
@@ -216,13 +216,14 @@ impl Model for TransformerWithSharedParams {
             });
         };
         let mut run = LayerRun::new(hooks);
-        let mut src_len = None;
+        // Read from the ids, not from inside the layer: a pipeline stage that does not hold
+        // the embedding substitutes its output without running it.
+        let src_len = src_ids.size().first().copied();
         let embedded = run.layer(
             [src_ids.shallow_clone(), tgt_ids.shallow_clone()],
             |[src_ids, tgt_ids]| {
                 let src = self.embed_ids(&src_ids)?;
                 let tgt = self.embed_ids(&tgt_ids)?;
-                src_len = src.size().first().copied();
                 Ok(Tensor::f_cat(&[src, tgt], 0)?)
             },
         )?;
@@ -255,6 +256,15 @@ impl Model for TransformerWithSharedParams {
         run.layer([x], |[x]| {
             Ok(x.f_linear(&self.embed, Some(&self.output_bias))?)
         })
+    }
+
+    fn loss_reduction(&self) -> LossReduction {
+        LossReduction::Sum
+    }
+
+    /// Sequence-first: `(T, B)` ids.
+    fn batch_dim(&self) -> i64 {
+        1
     }
 
     /// Cross-entropy against the target tokens, summed (PyTorch's `get_loss`).

@@ -1,0 +1,75 @@
+//! Pipeline parallelism on plain models.
+//!
+//! A [`plan_pipeline`] cuts a zoo model's ordered layer list into stages ([`partition`]),
+//! places them on ranks (one or several virtual stages each, loop- or V-style), learns from
+//! one probe forward which layer outputs each stage needs from earlier ones ([`dataflow`]),
+//! and builds the schedule as data: per-rank action lists, lowered with their sends and
+//! receives, validated and simulated before any rank starts ([`schedule`]).
+//! [`train_pipeline`] then runs the actions on every rank ([`executor`]): each stage runs the
+//! model's own forward with the other stages' layers substituted ([`stage`]), so no model
+//! learns that it is pipelined. Tied weights live on every stage that uses them, start from
+//! the lowest holder's value and have their gradients summed among holders after the last
+//! backward; microbatch losses are scaled so the accumulated gradient is the reference's
+//! ([`microbatch`]); [`microbatched_reference`] is the one-process run a pipeline equals bit
+//! for bit where the math allows.
+
+pub mod dataflow;
+mod executor;
+pub mod microbatch;
+pub mod partition;
+pub mod plan;
+pub mod reference;
+pub mod run;
+#[path = "schedule_stub.rs"]
+pub mod schedule;
+mod stage;
+pub mod trace;
+
+pub use partition::PartitionMethod;
+pub use plan::{plan_pipeline, PipelineFault, PipelineOptions, PipelinePlan, ScheduleChoice};
+pub use reference::microbatched_reference;
+pub use run::{train_pipeline, PipelineRun};
+pub use schedule::{ScheduleError, ScheduleKind};
+
+use crate::autograd::AutogradError;
+use crate::comm::CommError;
+use crate::train::TrainError;
+use lockstep_models::ModelError;
+
+/// Everything planning or running a pipeline can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    /// The layers cannot be cut as asked.
+    #[error("partition: {0}")]
+    Partition(String),
+    /// The pipeline does not fit the model, the world or the data.
+    #[error("pipeline plan: {0}")]
+    InvalidPlan(String),
+    /// The schedule breaks a rule, is invalid, or deadlocks.
+    #[error(transparent)]
+    Schedule(#[from] ScheduleError),
+    /// Two stages disagree on what crosses between them.
+    #[error(
+        "stage {producer} and stage {consumer} disagree on the tensors between them: stage \
+         {producer} announced {announced}; stage {consumer} expects {expected}"
+    )]
+    ShapeMismatch {
+        producer: usize,
+        consumer: usize,
+        announced: String,
+        expected: String,
+    },
+    /// An action could not run (its inputs are missing: the schedule is wrong).
+    #[error("pipeline execution: {0}")]
+    Execution(String),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    #[error(transparent)]
+    Autograd(#[from] AutogradError),
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+}

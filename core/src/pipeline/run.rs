@@ -1,0 +1,376 @@
+//! Training a model through a pipeline on one rank: groups, the per-step shape handshake,
+//! the schedule's actions, tied-weight and data-parallel gradient reduction, the optimizer
+//! step on the parameters this rank holds, and a record comparable with any other run.
+
+use super::dataflow::{probe, TensorMeta};
+use super::executor::{Executor, StepData};
+use super::microbatch;
+use super::plan::{plan_pipeline, PipelineFault, PipelineOptions, PipelinePlan};
+use super::schedule::Action;
+use super::trace::RankStepTrace;
+use super::PipelineError;
+use crate::comm::{DeviceMesh, ProcessGroup, ReduceOp, World};
+use crate::record::RunRecord;
+use crate::train::{capture, grad_norm, TrainConfig};
+use lockstep_models::Model;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use tch::{Kind, Tensor};
+
+/// One rank's pipeline run: the record (full model and gradients, the same on every rank)
+/// and this rank's measured timeline.
+#[derive(Debug)]
+pub struct PipelineRun {
+    pub record: RunRecord,
+    pub traces: Vec<RankStepTrace>,
+    pub plan: PipelinePlan,
+}
+
+/// Trains `model` (built whole on every rank; each rank computes only its stages) through
+/// the pipeline `opts` describes over `world`, for `cfg.spec.steps` steps. The objective is
+/// the reference's: the mean over the world's data ranks of each rank's loss
+/// (`cfg.data_ranks` is not used: replicas split the world's ranks).
+pub fn train_pipeline(
+    model: &dyn Model,
+    world: &World,
+    cfg: &TrainConfig,
+    opts: &PipelineOptions,
+) -> Result<PipelineRun, PipelineError> {
+    let world_size = world.size();
+    let plan = plan_pipeline(model, world_size, opts)?;
+    let p = plan.ranks;
+    let dp = plan.data_parallel;
+    let mesh = DeviceMesh::new(world, &[("dp", dp), ("pp", p)])?;
+    let pp = mesh.group("pp")?;
+    let dpg = mesh.group("dp")?;
+    let rank = mesh.coordinate("pp")?;
+    let replica = mesh.coordinate("dp")?;
+    let global = |d: usize, r: usize| d * p + r;
+
+    // Groups, created in the same order on every rank.
+    let mut edge_groups: HashMap<(usize, usize), Arc<dyn ProcessGroup>> = HashMap::new();
+    for e in &plan.flow.edges {
+        let (a, b) = (plan.stage_ranks[e.from], plan.stage_ranks[e.to]);
+        if a == b {
+            continue;
+        }
+        let partition: Vec<Vec<usize>> = (0..dp).map(|d| vec![global(d, a), global(d, b)]).collect();
+        if let Some(g) = world.new_groups(&partition, "pp-edge")? {
+            edge_groups.insert((e.from, e.to), g);
+        }
+    }
+    let mut holder_sets: Vec<Vec<usize>> = plan
+        .holders
+        .iter()
+        .filter(|h| h.len() > 1)
+        .map(|h| h.iter().copied().collect())
+        .collect();
+    holder_sets.sort();
+    holder_sets.dedup();
+    let mut holder_groups: BTreeMap<Vec<usize>, Arc<dyn ProcessGroup>> = BTreeMap::new();
+    for set in &holder_sets {
+        let partition: Vec<Vec<usize>> = (0..dp)
+            .map(|d| set.iter().map(|&r| global(d, r)).collect())
+            .collect();
+        if let Some(g) = world.new_groups(&partition, "pp-tied")? {
+            holder_groups.insert(set.clone(), g);
+        }
+    }
+
+    let named = model.named_parameters();
+    let held: Vec<usize> = (0..named.len()).filter(|&i| plan.holders[i].contains(&rank)).collect();
+    // A tied weight starts from its lowest holder's value; replicas from replica 0's.
+    tch::no_grad(|| -> Result<(), PipelineError> {
+        for &i in &held {
+            let set: Vec<usize> = plan.holders[i].iter().copied().collect();
+            if let Some(g) = holder_groups.get(&set) {
+                g.broadcast(&named[i].1, 0)?;
+            }
+        }
+        if dp > 1 {
+            for &i in &held {
+                dpg.broadcast(&named[i].1, 0)?;
+            }
+        }
+        Ok(())
+    })?;
+
+    let layers = model.layers();
+    let tags = model.tags();
+    let index_of: HashMap<&str, usize> = named.iter().enumerate().map(|(i, (n, _))| (n.as_str(), i)).collect();
+    // Each stage differentiates the parameters its layers list, plus those no layer lists
+    // (used by code between layers: every stage that runs that code adds its part).
+    let listed: std::collections::HashSet<&str> = layers
+        .iter()
+        .flat_map(|l| l.params.iter().map(|q| tags.canonical(q)))
+        .collect();
+    let free: Vec<usize> = (0..named.len())
+        .filter(|&i| !listed.contains(named[i].0.as_str()))
+        .collect();
+    let stage_params: Vec<Vec<(usize, Tensor)>> = plan
+        .stages
+        .iter()
+        .map(|r| {
+            let mut ids: Vec<usize> = r
+                .clone()
+                .flat_map(|l| layers[l].params.iter())
+                .filter_map(|q| index_of.get(tags.canonical(q)).copied())
+                .chain(free.iter().copied())
+                .collect();
+            ids.sort_unstable();
+            ids.dedup();
+            ids.into_iter()
+                .map(|i| (i, named[i].1.shallow_clone()))
+                .collect()
+        })
+        .collect();
+
+    let mut actions: Vec<Action> = plan.schedule.actions[rank].clone();
+    if let Some(PipelineFault::DropAction(label)) = &opts.fault {
+        actions.retain(|a| a.to_string() != *label);
+    }
+    let executor = Executor {
+        model,
+        flow: &plan.flow,
+        deps: &plan.dataflow.deps,
+        output_deps: &plan.dataflow.output_deps,
+        stage_ranks: &plan.stage_ranks,
+        rank,
+        edge_groups: &edge_groups,
+        stage_params: &stage_params,
+        checkpoint_every: opts.checkpoint_every,
+        unscaled_loss: opts.fault == Some(PipelineFault::UnscaledLoss),
+        swap_first_microbatches: opts.fault == Some(PipelineFault::SwapMicrobatches),
+    };
+    let data_ranks = plan.data_ranks(replica, world_size);
+    let mut optimizer = cfg.optimizer.build();
+    let held_params: Vec<(String, Tensor)> = held.iter().map(|&i| (named[i].0.clone(), named[i].1.shallow_clone())).collect();
+    let mut metas_by_size: HashMap<Vec<i64>, Arc<Vec<TensorMeta>>> = HashMap::new();
+    let mut record = RunRecord {
+        spec: cfg.spec.clone(),
+        losses: Vec::with_capacity(cfg.spec.steps),
+        grad_norms: Vec::with_capacity(cfg.spec.steps),
+        params: Vec::new(),
+        buffers: Vec::new(),
+        grads: cfg.record_grads.then(Vec::new),
+        memory: None,
+    };
+    let mut traces = Vec::new();
+    for step in 0..cfg.spec.steps {
+        for (_, t) in &named {
+            t.shallow_clone().zero_grad();
+        }
+        let split = microbatch::split(model, &data_ranks, step, plan.microbatches)?;
+        let mut metas = Vec::with_capacity(split.batches.len());
+        for b in &split.batches {
+            let key: Vec<i64> = b.inputs.iter().flat_map(|t| t.size()).collect();
+            let m = match metas_by_size.get(&key) {
+                Some(m) => m.clone(),
+                None => {
+                    let flow = probe(model, b)?;
+                    let m = Arc::new(flow.outputs);
+                    metas_by_size.insert(key, m.clone());
+                    m
+                }
+            };
+            metas.push(m);
+        }
+        handshake(&plan, rank, &edge_groups, &metas[0], opts.fault == Some(PipelineFault::WrongShape))?;
+        let data = StepData {
+            batches: split.batches,
+            scales: split.scales,
+            metas,
+        };
+        let outcome = executor.run_step(&actions, &data)?;
+        traces.push(RankStepTrace {
+            rank: world.rank(),
+            step,
+            events: outcome.events,
+        });
+        // Tied weights: every holder ends with the sum of every holder's part.
+        for &i in &held {
+            let (name, t) = &named[i];
+            let mut g = t.grad();
+            if !g.defined() {
+                g = t.f_zeros_like()?;
+                crate::autograd::set_grad(t, Some(&g))?;
+            }
+            let set: Vec<usize> = plan.holders[i].iter().copied().collect();
+            if opts.fault != Some(PipelineFault::SkipTiedReduce) {
+                if let Some(group) = holder_groups.get(&set) {
+                    group.all_reduce(&g, ReduceOp::Sum).map_err(|e| {
+                        PipelineError::Execution(format!("reducing tied `{name}`: {e}"))
+                    })?;
+                }
+            }
+        }
+        if dp > 1 && !held.is_empty() {
+            let grads: Vec<Tensor> = held.iter().map(|&i| named[i].1.grad()).collect();
+            let flat = Tensor::f_cat(&grads.iter().map(|g| g.f_view([-1])).collect::<Result<Vec<_>, _>>()?, 0)?;
+            dpg.all_reduce(&flat, ReduceOp::Avg)?;
+            let mut offset = 0;
+            for g in &grads {
+                let n = g.numel() as i64;
+                let _ = g.shallow_clone().f_copy_(&flat.f_narrow(0, offset, n)?.f_view(g.size().as_slice())?);
+                offset += n;
+            }
+        }
+        let full_grads = gather_owned(&plan, rank, pp.as_ref(), &named, |t| t.grad())?;
+        record.grad_norms.push(grad_norm(&full_grads)?);
+        if let Some(all) = record.grads.as_mut() {
+            all.push(capture(&full_grads)?);
+        }
+        let loss = Tensor::from_slice(&[outcome.objective]);
+        pp.all_reduce(&loss, ReduceOp::Sum)?;
+        if dp > 1 {
+            dpg.all_reduce(&loss, ReduceOp::Avg)?;
+        }
+        record.losses.push(loss.f_double_value(&[0])?);
+        optimizer.step(&held_params)?;
+    }
+    let params = tch::no_grad(|| gather_owned(&plan, rank, pp.as_ref(), &named, Tensor::shallow_clone))?;
+    record.params = capture(&params)?;
+    record.buffers = capture(&model.named_buffers())?;
+    Ok(PipelineRun { record, traces, plan })
+}
+
+/// Every parameter's `value` as its owner (lowest holder) has it, on every pipeline rank:
+/// one all-gather of flat buffers in which each rank fills the parameters it owns, so the
+/// values arrive bit for bit.
+fn gather_owned(
+    plan: &PipelinePlan,
+    rank: usize,
+    pp: &dyn ProcessGroup,
+    named: &[(String, Tensor)],
+    value: impl Fn(&Tensor) -> Tensor,
+) -> Result<Vec<(String, Tensor)>, PipelineError> {
+    let total: i64 = named.iter().map(|(_, t)| t.numel() as i64).sum();
+    let local = Tensor::f_zeros([total], (Kind::Float, tch::Device::Cpu))?;
+    let mut offset = 0;
+    for (i, (_, t)) in named.iter().enumerate() {
+        let n = t.numel() as i64;
+        if plan.owner(i) == rank {
+            let v = value(t);
+            if v.defined() {
+                let _ = local.f_narrow(0, offset, n)?.f_copy_(&v.f_detach()?.f_to_kind(Kind::Float)?.f_view([-1])?)?;
+            }
+        }
+        offset += n;
+    }
+    let all = Tensor::f_zeros([total * plan.ranks as i64], (Kind::Float, tch::Device::Cpu))?;
+    pp.all_gather(&all, &local)?;
+    let mut out = Vec::with_capacity(named.len());
+    let mut offset = 0;
+    for (i, (name, t)) in named.iter().enumerate() {
+        let n = t.numel() as i64;
+        let start = plan.owner(i) as i64 * total + offset;
+        out.push((name.clone(), all.f_narrow(0, start, n)?.f_view(t.size().as_slice())?));
+        offset += n;
+    }
+    Ok(out)
+}
+
+const META_SLOTS: usize = 10;
+
+fn kind_code(kind: Kind) -> i64 {
+    match kind {
+        Kind::Float => 1,
+        Kind::Double => 2,
+        Kind::Half => 3,
+        Kind::BFloat16 => 4,
+        Kind::Int64 => 5,
+        Kind::Int => 6,
+        Kind::Bool => 7,
+        _ => 0,
+    }
+}
+
+fn encode(metas: &[&TensorMeta]) -> Vec<i64> {
+    let mut v = Vec::with_capacity(metas.len() * META_SLOTS);
+    for m in metas {
+        let mut slot = vec![-1i64; META_SLOTS];
+        slot[0] = m.shape.len() as i64;
+        slot[1] = kind_code(m.kind);
+        for (j, d) in m.shape.iter().take(META_SLOTS - 2).enumerate() {
+            slot[2 + j] = *d;
+        }
+        v.extend(slot);
+    }
+    v
+}
+
+/// Producers announce the shapes and dtypes of what they will send on every cross-rank edge;
+/// consumers compare with what they expect and answer. A mismatch fails both sides with a
+/// message naming the two stages, before any activation moves.
+fn handshake(
+    plan: &PipelinePlan,
+    rank: usize,
+    groups: &HashMap<(usize, usize), Arc<dyn ProcessGroup>>,
+    metas: &[TensorMeta],
+    plant_wrong_shape: bool,
+) -> Result<(), PipelineError> {
+    let remote: Vec<_> = plan
+        .flow
+        .edges
+        .iter()
+        .filter(|e| plan.stage_ranks[e.from] != plan.stage_ranks[e.to])
+        .collect();
+    let describe = |layers: &[usize], values: &[i64]| -> String {
+        layers
+            .iter()
+            .zip(values.chunks(META_SLOTS))
+            .map(|(k, s)| {
+                let dims: Vec<String> = s[2..2 + (s[0].max(0) as usize).min(META_SLOTS - 2)].iter().map(i64::to_string).collect();
+                format!("layer {k}: dtype#{} [{}]", s[1], dims.join(", "))
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    for (n, e) in remote.iter().enumerate() {
+        if plan.stage_ranks[e.from] == rank && !e.layers.is_empty() {
+            let mut v = encode(&e.layers.iter().map(|&k| &metas[k]).collect::<Vec<_>>());
+            if plant_wrong_shape && n == 0 {
+                v[2] += 1;
+            }
+            groups[&(e.from, e.to)].send(&Tensor::from_slice(&v), 1, 0)?;
+        }
+    }
+    let mut failure = None;
+    for e in &remote {
+        if plan.stage_ranks[e.to] == rank && !e.layers.is_empty() {
+            let expected = encode(&e.layers.iter().map(|&k| &metas[k]).collect::<Vec<_>>());
+            let got = Tensor::f_zeros([expected.len() as i64], (Kind::Int64, tch::Device::Cpu))?;
+            let g = &groups[&(e.from, e.to)];
+            g.recv(&got, 0, 0)?;
+            let got: Vec<i64> = Vec::try_from(&got)?;
+            let ok = got == expected;
+            g.send(&Tensor::from_slice(&[i64::from(ok)]), 0, 1)?;
+            if !ok && failure.is_none() {
+                failure = Some(PipelineError::ShapeMismatch {
+                    producer: e.from,
+                    consumer: e.to,
+                    announced: describe(&e.layers, &got),
+                    expected: describe(&e.layers, &expected),
+                });
+            }
+        }
+    }
+    for e in &remote {
+        if plan.stage_ranks[e.from] == rank && !e.layers.is_empty() {
+            let verdict = Tensor::f_zeros([1], (Kind::Int64, tch::Device::Cpu))?;
+            groups[&(e.from, e.to)].recv(&verdict, 1, 1)?;
+            if verdict.f_int64_value(&[0])? != 1 && failure.is_none() {
+                failure = Some(PipelineError::ShapeMismatch {
+                    producer: e.from,
+                    consumer: e.to,
+                    announced: "(what this stage announced)".into(),
+                    expected: format!("what stage {} expects (see its error)", e.to),
+                });
+            }
+        }
+    }
+    match failure {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,447 @@
+//! The schedule IR: a schedule is data — per rank, the list of actions it runs in order.
+//!
+//! Actions print and parse in PyTorch's notation (`torch.distributed.pipelining`'s `_Action`):
+//! stage index, label, microbatch index (absent for `UNSHARD`, `RESHARD`, `REDUCE_GRAD`),
+//! e.g. `0F1`, `3SEND_B2`, `1UNSHARD`, so schedules can be exchanged with PyTorch as CSV.
+
+use super::error::ScheduleError;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// What an action does. Compute: F, B (full backward), I (input gradient only), W (weight
+/// gradient only). Communication: sends and receives of activations (F) and gradients (B).
+/// FSDP×PP bookkeeping: UNSHARD, RESHARD, REDUCE_GRAD (no microbatch).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum ActionKind {
+    Forward,
+    FullBackward,
+    BackwardInput,
+    BackwardWeight,
+    SendF,
+    RecvF,
+    SendB,
+    RecvB,
+    Unshard,
+    Reshard,
+    ReduceGrad,
+}
+
+impl ActionKind {
+    /// Every kind, for parsing and exhaustive tests.
+    pub const ALL: [ActionKind; 11] = [
+        ActionKind::Forward,
+        ActionKind::FullBackward,
+        ActionKind::BackwardInput,
+        ActionKind::BackwardWeight,
+        ActionKind::SendF,
+        ActionKind::RecvF,
+        ActionKind::SendB,
+        ActionKind::RecvB,
+        ActionKind::Unshard,
+        ActionKind::Reshard,
+        ActionKind::ReduceGrad,
+    ];
+
+    /// PyTorch's label (`_ComputationType` value), used in the text format.
+    pub fn label(self) -> &'static str {
+        match self {
+            ActionKind::Forward => "F",
+            ActionKind::FullBackward => "B",
+            ActionKind::BackwardInput => "I",
+            ActionKind::BackwardWeight => "W",
+            ActionKind::SendF => "SEND_F",
+            ActionKind::RecvF => "RECV_F",
+            ActionKind::SendB => "SEND_B",
+            ActionKind::RecvB => "RECV_B",
+            ActionKind::Unshard => "UNSHARD",
+            ActionKind::Reshard => "RESHARD",
+            ActionKind::ReduceGrad => "REDUCE_GRAD",
+        }
+    }
+
+    /// F, B, I or W: the actions that take time in a simulation.
+    pub fn is_compute(self) -> bool {
+        matches!(
+            self,
+            ActionKind::Forward
+                | ActionKind::FullBackward
+                | ActionKind::BackwardInput
+                | ActionKind::BackwardWeight
+        )
+    }
+
+    /// Point-to-point sends and receives: what lowering inserts.
+    pub fn is_comm(self) -> bool {
+        matches!(
+            self,
+            ActionKind::SendF | ActionKind::RecvF | ActionKind::SendB | ActionKind::RecvB
+        )
+    }
+
+    /// B or I: the action that produces a stage's input gradient (and so feeds SEND_B).
+    pub fn is_backward_input(self) -> bool {
+        matches!(self, ActionKind::FullBackward | ActionKind::BackwardInput)
+    }
+
+    /// Whether the text format carries a microbatch index for this kind.
+    pub fn has_microbatch(self) -> bool {
+        !matches!(
+            self,
+            ActionKind::Unshard | ActionKind::Reshard | ActionKind::ReduceGrad
+        )
+    }
+}
+
+impl fmt::Display for ActionKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+/// One step of one rank: `kind` on `stage` for `microbatch`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Action {
+    pub stage: usize,
+    pub kind: ActionKind,
+    /// `None` only for UNSHARD, RESHARD and REDUCE_GRAD.
+    pub microbatch: Option<usize>,
+}
+
+impl Action {
+    /// An action; `microbatch` should be `None` exactly for kinds without one.
+    pub fn new(stage: usize, kind: ActionKind, microbatch: Option<usize>) -> Self {
+        Action {
+            stage,
+            kind,
+            microbatch,
+        }
+    }
+
+    /// `kind` on `stage` for microbatch `mb` (every kind but the FSDP ones).
+    pub fn mb(stage: usize, kind: ActionKind, mb: usize) -> Self {
+        Action::new(stage, kind, Some(mb))
+    }
+}
+
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}{}", self.stage, self.kind.label())?;
+        if let Some(mb) = self.microbatch {
+            write!(f, "{mb}")?;
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for Action {
+    type Err = ScheduleError;
+
+    /// Parses PyTorch's `[stage][label][microbatch]`, e.g. `2F0`, `1UNSHARD`, `3SEND_F1`.
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let s = text.trim();
+        let digits = s.bytes().take_while(u8::is_ascii_digit).count();
+        if digits == 0 {
+            return Err(ScheduleError::parse(
+                text,
+                "an action starts with its stage index, e.g. `0F1`",
+            ));
+        }
+        let stage: usize = s[..digits]
+            .parse()
+            .map_err(|_| ScheduleError::parse(text, "the stage index is too large"))?;
+        let rest = &s[digits..];
+        if rest.starts_with("OVERLAP_F_B") || rest.starts_with('(') {
+            return Err(ScheduleError::parse(
+                text,
+                "OVERLAP_F_B is not supported: list its F and B as two actions",
+            ));
+        }
+        // Longest label first, so `SEND_F` is not read as something shorter.
+        let mut kinds = ActionKind::ALL;
+        kinds.sort_by_key(|k| std::cmp::Reverse(k.label().len()));
+        let kind = kinds
+            .into_iter()
+            .find(|k| rest.starts_with(k.label()))
+            .ok_or_else(|| {
+                ScheduleError::parse(
+                    text,
+                    "unknown action label; expected one of F, B, I, W, SEND_F, RECV_F, SEND_B, \
+                     RECV_B, UNSHARD, RESHARD, REDUCE_GRAD",
+                )
+            })?;
+        let tail = &rest[kind.label().len()..];
+        if !tail.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(ScheduleError::parse(
+                text,
+                format!("`{tail}` after {kind} is not a microbatch index"),
+            ));
+        }
+        let microbatch = match (kind.has_microbatch(), tail.is_empty()) {
+            (true, true) => {
+                return Err(ScheduleError::parse(
+                    text,
+                    format!("{kind} needs a microbatch index, e.g. `{stage}{kind}0`"),
+                ))
+            }
+            (false, false) => {
+                return Err(ScheduleError::parse(
+                    text,
+                    format!("{kind} takes no microbatch index"),
+                ))
+            }
+            (true, false) => Some(
+                tail.parse()
+                    .map_err(|_| ScheduleError::parse(text, "the microbatch index is too large"))?,
+            ),
+            (false, true) => None,
+        };
+        Ok(Action {
+            stage,
+            kind,
+            microbatch,
+        })
+    }
+}
+
+/// A pipeline schedule as data: which rank holds each stage, how stages feed each other, and
+/// what every rank runs, in order.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Schedule {
+    /// The generator (`1f1b`, `gpipe`, …) or `csv` for a loaded schedule.
+    pub name: String,
+    /// Pipeline ranks (`p`).
+    pub ranks: usize,
+    /// Microbatches per step (`m`).
+    pub microbatches: usize,
+    /// Stage index → rank; its length is the number of stages. The highest stage computes
+    /// the loss.
+    pub stage_ranks: Vec<usize>,
+    /// Stage dataflow `(producer, consumer)` with producer < consumer. Always holds the chain
+    /// `(s, s + 1)`; skip connections add edges to later, non-adjacent stages.
+    pub edges: Vec<(usize, usize)>,
+    /// Per rank, its actions in execution order.
+    pub actions: Vec<Vec<Action>>,
+}
+
+/// The chain edges `(s, s + 1)` of `stages` stages: every stage feeds the next.
+pub fn chain_edges(stages: usize) -> Vec<(usize, usize)> {
+    (1..stages).map(|s| (s - 1, s)).collect()
+}
+
+impl Schedule {
+    /// A schedule with the chain edges.
+    pub fn new(
+        name: impl Into<String>,
+        ranks: usize,
+        microbatches: usize,
+        stage_ranks: Vec<usize>,
+        actions: Vec<Vec<Action>>,
+    ) -> Self {
+        let edges = chain_edges(stage_ranks.len());
+        Schedule {
+            name: name.into(),
+            ranks,
+            microbatches,
+            stage_ranks,
+            edges,
+            actions,
+        }
+    }
+
+    /// Number of stages (`p × v` for built-in schedules).
+    pub fn stages(&self) -> usize {
+        self.stage_ranks.len()
+    }
+
+    /// The stage that computes the loss: the highest index.
+    pub fn loss_stage(&self) -> usize {
+        self.stages().saturating_sub(1)
+    }
+
+    /// The stages rank `r` holds, in increasing order.
+    pub fn stages_of_rank(&self, r: usize) -> Vec<usize> {
+        (0..self.stages())
+            .filter(|&s| self.stage_ranks[s] == r)
+            .collect()
+    }
+
+    /// The rank holding `stage`, if the stage exists.
+    pub fn rank_of(&self, stage: usize) -> Option<usize> {
+        self.stage_ranks.get(stage).copied()
+    }
+
+    /// The stages `stage` takes inputs from.
+    pub fn producers(&self, stage: usize) -> Vec<usize> {
+        let mut v: Vec<usize> = self
+            .edges
+            .iter()
+            .filter(|e| e.1 == stage)
+            .map(|e| e.0)
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// The stages that take inputs from `stage`.
+    pub fn consumers(&self, stage: usize) -> Vec<usize> {
+        let mut v: Vec<usize> = self
+            .edges
+            .iter()
+            .filter(|e| e.0 == stage)
+            .map(|e| e.1)
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// Whether edge `(a, b)` crosses ranks (and so needs a send and a receive).
+    pub fn is_remote(&self, a: usize, b: usize) -> bool {
+        self.rank_of(a) != self.rank_of(b)
+    }
+
+    /// Producers of `stage` on another rank: `stage` needs RECV_F and SEND_B.
+    pub fn remote_producers(&self, stage: usize) -> Vec<usize> {
+        let mut v = self.producers(stage);
+        v.retain(|&s| self.is_remote(s, stage));
+        v
+    }
+
+    /// Consumers of `stage` on another rank: `stage` needs SEND_F and RECV_B.
+    pub fn remote_consumers(&self, stage: usize) -> Vec<usize> {
+        let mut v = self.consumers(stage);
+        v.retain(|&t| self.is_remote(stage, t));
+        v
+    }
+
+    /// Whether communication has been inserted (any SEND or RECV present).
+    pub fn is_lowered(&self) -> bool {
+        self.actions.iter().flatten().any(|a| a.kind.is_comm())
+    }
+
+    /// The schedule with its sends and receives removed.
+    pub fn compute_only(&self) -> Schedule {
+        let mut s = self.clone();
+        for list in &mut s.actions {
+            list.retain(|a| !a.kind.is_comm());
+        }
+        s
+    }
+}
+
+impl fmt::Display for Schedule {
+    /// One line per rank: `rank 0: 0F0 0F1 0B0 …`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (r, list) in self.actions.iter().enumerate() {
+            write!(f, "rank {r}:")?;
+            for a in list {
+                write!(f, " {a}")?;
+            }
+            writeln!(f)?;
+        }
+        Ok(())
+    }
+}
+
+/// How stages are laid out on ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Placement {
+    /// Rank `r` holds stages `r, r + p, r + 2p, …` (interleaved / looped schedules).
+    Loop,
+    /// Zig-zag: chunk `c` of `p` consecutive stages runs on ranks `0..p` when `c` is even and
+    /// `p-1..=0` when odd. For `v = 2`, rank `r` holds stages `r` and `2p-1-r`, so the first
+    /// and last stage share rank 0 and the turn (stages `p-1`, `p`) needs no communication.
+    V,
+}
+
+impl Placement {
+    /// The rank holding `stage` with `p` ranks.
+    pub fn rank_of(self, stage: usize, p: usize) -> usize {
+        let (chunk, offset) = (stage / p, stage % p);
+        match self {
+            Placement::Loop => offset,
+            Placement::V if chunk % 2 == 0 => offset,
+            Placement::V => p - 1 - offset,
+        }
+    }
+
+    /// Stage index → rank for `p` ranks with `v` stages each.
+    pub fn stage_ranks(self, p: usize, v: usize) -> Vec<usize> {
+        if p == 0 {
+            return Vec::new();
+        }
+        (0..p * v).map(|s| self.rank_of(s, p)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn actions_print_and_parse_in_pytorch_format() {
+        for (text, action) in [
+            ("0F1", Action::mb(0, ActionKind::Forward, 1)),
+            ("3SEND_B2", Action::mb(3, ActionKind::SendB, 2)),
+            ("12RECV_F10", Action::mb(12, ActionKind::RecvF, 10)),
+            ("2I0", Action::mb(2, ActionKind::BackwardInput, 0)),
+            ("2W7", Action::mb(2, ActionKind::BackwardWeight, 7)),
+            ("1B3", Action::mb(1, ActionKind::FullBackward, 3)),
+            ("1UNSHARD", Action::new(1, ActionKind::Unshard, None)),
+            ("0RESHARD", Action::new(0, ActionKind::Reshard, None)),
+            ("4REDUCE_GRAD", Action::new(4, ActionKind::ReduceGrad, None)),
+        ] {
+            assert_eq!(action.to_string(), text);
+            assert_eq!(text.parse::<Action>().unwrap(), action);
+        }
+        for kind in ActionKind::ALL {
+            let a = Action::new(5, kind, kind.has_microbatch().then_some(9));
+            assert_eq!(a.to_string().parse::<Action>().unwrap(), a);
+        }
+    }
+
+    #[test]
+    fn parse_errors_name_the_text() {
+        for (text, why) in [
+            ("F1", "stage index"),
+            ("0X1", "unknown action label"),
+            ("0F", "needs a microbatch"),
+            ("0UNSHARD3", "takes no microbatch"),
+            ("0F1x", "not a microbatch index"),
+            ("(0F1;1B0)OVERLAP_F_B", "OVERLAP_F_B"),
+        ] {
+            let e = text.parse::<Action>().unwrap_err().to_string();
+            assert!(e.contains(&format!("`{text}`")), "{e}");
+            assert!(e.contains(why), "{e}");
+        }
+    }
+
+    #[test]
+    fn kinds_classify() {
+        let compute: Vec<_> = ActionKind::ALL.iter().filter(|k| k.is_compute()).collect();
+        let comm: Vec<_> = ActionKind::ALL.iter().filter(|k| k.is_comm()).collect();
+        assert_eq!(compute.len(), 4);
+        assert_eq!(comm.len(), 4);
+        assert!(!ActionKind::Unshard.is_compute() && !ActionKind::Unshard.is_comm());
+    }
+
+    #[test]
+    fn placements() {
+        assert_eq!(Placement::Loop.stage_ranks(3, 2), vec![0, 1, 2, 0, 1, 2]);
+        assert_eq!(Placement::V.stage_ranks(3, 2), vec![0, 1, 2, 2, 1, 0]);
+        assert_eq!(
+            Placement::V.stage_ranks(2, 4),
+            vec![0, 1, 1, 0, 0, 1, 1, 0]
+        );
+        assert_eq!(Placement::Loop.stage_ranks(4, 1), vec![0, 1, 2, 3]);
+        let s = Schedule::new("t", 3, 1, Placement::V.stage_ranks(3, 2), vec![vec![]; 3]);
+        assert_eq!(s.stages(), 6);
+        assert_eq!(s.stages_of_rank(1), vec![1, 4]);
+        assert_eq!(s.loss_stage(), 5);
+        assert_eq!(s.edges, chain_edges(6));
+        assert_eq!(s.remote_consumers(2), Vec::<usize>::new());
+        assert_eq!(s.remote_consumers(1), vec![2]);
+    }
+}

@@ -1,0 +1,238 @@
+//! The pipeline configurations of the matrix (`pp.*`), as a table like [`fsdp_configs`]:
+//! each row names a schedule, its virtual stages, a partition method, checkpointing and
+//! data-parallel replicas; microbatches are `2p` for `p` pipeline ranks (the issue's `m ≥ 2p`,
+//! and a multiple of `p` as interleaved schedules need).
+//!
+//! Each `pp.*` row is judged twice: against `single@N` under the fp32 dtype table (a
+//! pipeline accumulates microbatch gradients, one process computes the global batch at once:
+//! the same sum in another order), and against `single.mbM@N` — one process running the same
+//! `M` microbatches with the same loss scales, backward per microbatch in order — bit for bit
+//! where the math allows. Where it does not (a tied weight used on two stages, a layer output
+//! consumed on several stages, data-parallel averaging) the row is held to the fp32 dtype
+//! table through a tolerance override whose reason, derived from the model's plan, is in the
+//! row note and every report.
+
+use super::*;
+use lockstep_core::pipeline::{
+    microbatched_reference, plan_pipeline, PipelineOptions, PipelinePlan,
+    ScheduleChoice, ScheduleKind,
+};
+
+/// PyTorch's pipeline tests hold gradients to rtol 1e-5 / atol 4e-5 against the unsplit
+/// model. `pp.*` rows use it for every quantity where they cannot be bitwise: against
+/// `single@N`, and against `single.mbM@N` when the plan names why not (losses and final
+/// parameters after several steps inherit the gradients' rounding differences).
+pub const PIPELINE_GRAD_RTOL: f64 = 1e-5;
+/// See [`PIPELINE_GRAD_RTOL`].
+pub const PIPELINE_GRAD_ATOL: f64 = 4e-5;
+
+/// Why `pp.*` rows are held to PyTorch's pipeline tolerance against `single@N`: the override
+/// reason in every pipeline row against single and in every report.
+pub const PIPELINE_VS_SINGLE_REASON: &str = "a pipeline accumulates M microbatch gradients \
+     where one process differentiates the global batch at once: the same sum in another \
+     order, whose rounding compounds over the steps (on the transformer, past the fp32 table \
+     by step 4); the row against single.mbM (the same microbatches in one process) isolates \
+     the pipeline itself. Held to PyTorch's pipeline-test tolerance, rtol 1e-5 / atol 4e-5";
+
+/// One pipeline configuration of the matrix.
+#[derive(Clone, Debug)]
+pub struct PipelineConfig {
+    /// `pp.1f1b`, `pp.interleaved_1f1b`...
+    pub name: &'static str,
+    pub description: &'static str,
+    pub schedule: ScheduleKind,
+    /// Stages per rank.
+    pub virtual_stages: usize,
+    /// A `PartitionMethod` in its text form (`uniform`, `parameters`, `type:REGEX`).
+    pub partition: &'static str,
+    pub checkpoint_every: Option<usize>,
+    /// Data-parallel replicas (PP×DP).
+    pub data_parallel: usize,
+}
+
+/// The partition of `pp.1f1b.type`: balance transformer blocks and linears.
+pub const PIPELINE_TYPE_PARTITION: &str = "type:block|encoderlayer|decoderlayer|^linear$";
+
+impl PipelineConfig {
+    /// Pipeline ranks at `world_size`, or why this configuration cannot run there.
+    pub fn ranks(&self, world_size: usize) -> Result<usize, String> {
+        if !world_size.is_multiple_of(self.data_parallel) || world_size / self.data_parallel < 2 {
+            return Err(format!(
+                "needs at least 2 pipeline ranks in each of {} replica(s); world size \
+                 {world_size} does not give them",
+                self.data_parallel
+            ));
+        }
+        Ok(world_size / self.data_parallel)
+    }
+
+    /// The options every rank runs with at `world_size`.
+    pub fn options(&self, world_size: usize) -> Result<PipelineOptions, String> {
+        let p = self.ranks(world_size)?;
+        Ok(PipelineOptions {
+            schedule: ScheduleChoice::Builtin(self.schedule),
+            virtual_stages: self.virtual_stages,
+            microbatches: 2 * p,
+            partition: self.partition.parse().map_err(|e| format!("{e}"))?,
+            checkpoint_every: self.checkpoint_every,
+            data_parallel: self.data_parallel,
+            fault: None,
+        })
+    }
+
+    /// The validated plan for `model` at `world_size`, or why this configuration cannot
+    /// serve it (the row is then skipped with the reason).
+    pub fn plan(&self, model: &dyn Model, world_size: usize) -> Result<PipelinePlan, String> {
+        if let Some(reason) = model.single_device_reference_blocker() {
+            return Err(format!(
+                "a pipeline splits the global batch into microbatches on every stage, which \
+                 this model cannot match: {reason}"
+            ));
+        }
+        let opts = self.options(world_size)?;
+        plan_pipeline(model, world_size, &opts).map_err(|e| e.to_string())
+    }
+}
+
+/// Every pipeline configuration, in row order.
+pub fn pipeline_configs() -> &'static [PipelineConfig] {
+    static TABLE: LazyLock<Vec<PipelineConfig>> = LazyLock::new(|| {
+        let row = |name, description, schedule, virtual_stages| PipelineConfig {
+            name,
+            description,
+            schedule,
+            virtual_stages,
+            partition: "uniform",
+            checkpoint_every: None,
+            data_parallel: 1,
+        };
+        vec![
+            row("pp.gpipe", "GPipe: every forward, then every backward", ScheduleKind::GPipe, 1),
+            row("pp.1f1b", "1F1B: warm-up forwards, then one forward one backward", ScheduleKind::OneFOneB, 1),
+            row(
+                "pp.interleaved_1f1b",
+                "Interleaved 1F1B, 2 stages per rank placed loop-style",
+                ScheduleKind::Interleaved1F1B,
+                2,
+            ),
+            row(
+                "pp.looped_bfs",
+                "Looped BFS, 2 stages per rank: each local stage runs every microbatch in turn",
+                ScheduleKind::LoopedBfs,
+                2,
+            ),
+            row(
+                "pp.interleaved_zb",
+                "Interleaved zero bubble (ZB-H1), backward split into input (I) and weight (W) \
+                 gradients, 2 stages per rank",
+                ScheduleKind::InterleavedZeroBubble,
+                2,
+            ),
+            row("pp.zbv", "ZBV zero bubble, 2 stages per rank placed V-style", ScheduleKind::Zbv, 2),
+            row(
+                "pp.dualpipev",
+                "DualPipeV, 2 stages per rank placed V-style",
+                ScheduleKind::DualPipeV,
+                2,
+            ),
+            PipelineConfig {
+                partition: "parameters",
+                ..row(
+                    "pp.1f1b.parameters",
+                    "1F1B with stages balanced by parameter count",
+                    ScheduleKind::OneFOneB,
+                    1,
+                )
+            },
+            PipelineConfig {
+                partition: PIPELINE_TYPE_PARTITION,
+                ..row(
+                    "pp.1f1b.type",
+                    "1F1B with stages balanced by transformer blocks and linears \
+                     (type:REGEX partition)",
+                    ScheduleKind::OneFOneB,
+                    1,
+                )
+            },
+            PipelineConfig {
+                checkpoint_every: Some(2),
+                ..row(
+                    "pp.1f1b.checkpoint",
+                    "1F1B with activation checkpointing every 2 layers (recomputed in backward)",
+                    ScheduleKind::OneFOneB,
+                    1,
+                )
+            },
+            PipelineConfig {
+                data_parallel: 2,
+                ..row(
+                    "pp.1f1b.dp2",
+                    "PP×DP: 2 data-parallel replicas of a 1F1B pipeline (world 4 and up)",
+                    ScheduleKind::OneFOneB,
+                    1,
+                )
+            },
+        ]
+    });
+    &TABLE
+}
+
+/// Which pipeline configuration: an index into [`pipeline_configs`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PipelineId(pub(super) usize);
+
+impl PipelineId {
+    /// The configuration's table row.
+    pub fn get(self) -> &'static PipelineConfig {
+        &pipeline_configs()[self.0]
+    }
+}
+
+/// The name of the microbatched single-device reference with `m` microbatches.
+pub fn microbatched_name(m: usize) -> String {
+    format!("single.mb{m}")
+}
+
+/// How a `pp.*` row is judged against `single.mbM@N`: bitwise, or PyTorch's pipeline
+/// tolerance with the plan's reason recorded as the override.
+pub(super) fn policy_vs_microbatched(
+    row_name: &str,
+    plan: &PipelinePlan,
+) -> Result<TolerancePolicy, String> {
+    let bitwise = TolerancePolicy::bitwise(DType::F32);
+    match &plan.bitwise_blocker {
+        None => Ok(bitwise),
+        Some(reason) => {
+            let reason = format!(
+                "{reason}; held to PyTorch's pipeline-test tolerance (rtol 1e-5 / atol 4e-5)"
+            );
+            let ov = Override::new(
+                Tolerance::new(PIPELINE_GRAD_RTOL, PIPELINE_GRAD_ATOL),
+                &reason,
+            )
+                .map_err(|e| format!("{row_name}: {e}"))?;
+            Ok(bitwise.with_override(row_name, ov))
+        }
+    }
+}
+
+/// The in-process microbatched reference.
+pub(super) fn run_microbatched(
+    model: &str,
+    world_size: usize,
+    microbatches: usize,
+    plan: &Plan,
+) -> Result<RunRecord, RunFailed> {
+    let built = zoo::build(model, plan.seed, 0).map_err(|e| RunFailed::simple(e.to_string()))?;
+    let mut record = microbatched_reference(
+        built.as_ref(),
+        world_size,
+        microbatches,
+        plan.steps,
+        OptimizerConfig::default(),
+        plan.record_grads,
+    )
+    .map_err(|e| RunFailed::simple(format!("microbatched reference: {e}")))?;
+    record.spec.config = format!("{}@{world_size}", microbatched_name(microbatches));
+    Ok(record)
+}
