@@ -8,6 +8,7 @@
 pub mod bench;
 pub mod env_report;
 pub mod matrix;
+pub mod schedule;
 pub mod stress;
 
 pub use lockstep_core::comm;

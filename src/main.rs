@@ -63,6 +63,14 @@ enum Command {
     /// A hang prints the first hung run's flight recorders and desync diagnosis. Example:
     /// `lockstep stress --configs 'fsdp.hybrid*' --world-size 4 --repeat 200`.
     Stress(StressArgs),
+    /// Show a pipeline schedule before it runs: the rank × time-step table of its simulation,
+    /// the bubble fraction, and the validator's verdict; exit 1 if it is invalid or
+    /// deadlocks, 2 on bad input.
+    ///
+    /// Example: `lockstep schedule --schedule interleaved-1f1b --stages 4 --microbatches 8
+    /// --virtual 2`. Schedules: gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zb,
+    /// zbv, dualpipev; or `--csv FILE` (one row per rank, PyTorch's action notation).
+    Schedule(ScheduleArgs),
     /// A rank of `bench spawn --mode exec` (started by the launcher, not by hand).
     #[command(name = "__spawn-probe", hide = true)]
     SpawnProbe,
@@ -86,6 +94,31 @@ struct SelectionArgs {
     /// Run seed for parameters and batches.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+}
+
+#[derive(clap::Args)]
+struct ScheduleArgs {
+    /// A built-in schedule (ignored with --csv).
+    #[arg(long, default_value = "1f1b")]
+    schedule: String,
+    /// Pipeline ranks.
+    #[arg(long, default_value_t = 4)]
+    stages: usize,
+    /// Microbatches per step.
+    #[arg(long, default_value_t = 8)]
+    microbatches: usize,
+    /// Stages per rank (default: the schedule's own, 1 or 2).
+    #[arg(long = "virtual")]
+    virtual_stages: Option<usize>,
+    /// Load the schedule from a CSV file instead (one row of actions per rank).
+    #[arg(long)]
+    csv: Option<PathBuf>,
+    /// Write the schedule's compute actions as CSV to this file.
+    #[arg(long)]
+    export: Option<PathBuf>,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args)]
@@ -222,10 +255,41 @@ fn main() -> Result<ExitCode> {
         }
         Command::Matrix(args) => return run_matrix(args),
         Command::Stress(args) => return run_stress(args),
+        Command::Schedule(args) => return run_schedule(args),
         Command::SpawnProbe => lockstep::harness::rank_main(bench::spawn_probe),
         Command::Bench { what } => run_bench(what)?,
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `lockstep schedule`: exit 0 for a valid, deadlock-free schedule, 1 otherwise, 2 on bad
+/// input.
+fn run_schedule(args: ScheduleArgs) -> Result<ExitCode> {
+    let opts = lockstep::schedule::ScheduleOptions {
+        schedule: args.schedule,
+        stages: args.stages,
+        microbatches: args.microbatches,
+        virtual_stages: args.virtual_stages,
+        csv: args.csv,
+        export: args.export,
+    };
+    let report = match lockstep::schedule::run_schedule(&opts) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Ok(ExitCode::from(2));
+        }
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print!("{}", lockstep::schedule::render_schedule(&report));
+    }
+    Ok(if report.simulation.is_some() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }
 
 /// `lockstep matrix`: exit 0 when everything passed, 1 when a parity check or a run failed,

@@ -20,7 +20,6 @@ pub mod partition;
 pub mod plan;
 pub mod reference;
 pub mod run;
-#[path = "schedule_stub.rs"]
 pub mod schedule;
 mod stage;
 pub mod trace;

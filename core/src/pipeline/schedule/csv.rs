@@ -19,9 +19,10 @@ pub fn to_csv(schedule: &Schedule) -> String {
 /// Reads a schedule from CSV (as [`to_csv`] or PyTorch writes it). Rows are ranks; empty
 /// cells (PyTorch's idle steps) are skipped; `\r\n` line ends are accepted. The number of
 /// stages is one more than the highest stage index, the number of microbatches one more than
-/// the highest microbatch index. Placement is `stage_ranks` when given (each row's stages must
-/// then live on that row's rank), else inferred from which row lists each stage — a stage on
-/// two rows, or on none, is an error. Edges are the chain; the name is `csv`.
+/// the highest microbatch index. Placement is `stage_ranks` when given (that each row's stages
+/// live on its rank is then [`super::validate()`]'s to check), else inferred from which row
+/// lists each stage — a stage on two rows, or on none, is an error. CSV carries no edges:
+/// they are the chain (a caller with skip connections sets its own); the name is `csv`.
 pub fn from_csv(text: &str, stage_ranks: Option<&[usize]>) -> Result<Schedule, ScheduleError> {
     let mut lines: Vec<&str> = text.split('\n').collect();
     if lines.last() == Some(&"") {
@@ -48,7 +49,10 @@ pub fn from_csv(text: &str, stage_ranks: Option<&[usize]>) -> Result<Schedule, S
     }
     let ranks = actions.len();
     if ranks == 0 {
-        return Err(ScheduleError::parse(text, "the CSV has no rows (one row per rank)"));
+        return Err(ScheduleError::parse(
+            text,
+            "the CSV has no rows (one row per rank)",
+        ));
     }
     let stages = actions
         .iter()
@@ -159,15 +163,24 @@ mod tests {
 
     #[test]
     fn errors_name_the_cell_and_the_rows() {
-        let e = from_csv("0F0,0B0\n1F0,1Q0\n", None).unwrap_err().to_string();
+        let e = from_csv("0F0,0B0\n1F0,1Q0\n", None)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("`1Q0`") && e.contains("rank 1"), "{e}");
         let e = from_csv("0F0,1F0\n1B0\n", None).unwrap_err().to_string();
         assert!(e.contains("stage 1 appears on two rows"), "{e}");
-        let e = from_csv("0F0,0B0\n2F0,2B0\n", None).unwrap_err().to_string();
+        let e = from_csv("0F0,0B0\n2F0,2B0\n", None)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("stage 1 appears on no row"), "{e}");
         let e = from_csv("0UNSHARD\n", None).unwrap_err().to_string();
         assert!(e.contains("names no microbatch"), "{e}");
-        let e = from_csv("0F0,2F0\n", Some(&[0, 0])).unwrap_err().to_string();
-        assert!(e.contains("names stage 2, but the placement has 2 stages"), "{e}");
+        let e = from_csv("0F0,2F0\n", Some(&[0, 0]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("names stage 2, but the placement has 2 stages"),
+            "{e}"
+        );
     }
 }

@@ -12,10 +12,20 @@ pub enum ScheduleError {
     /// A built-in schedule cannot be generated for this (ranks, virtual stages,
     /// microbatches): `rule` says which of the schedule's rules is broken.
     #[error("{schedule} {rule}")]
-    InvalidConfig { schedule: String, rule: String },
+    InvalidConfig {
+        /// The schedule's name (`interleaved-1f1b`).
+        schedule: String,
+        /// The broken rule, with the offending numbers.
+        rule: String,
+    },
     /// Text (an action, a schedule name, a CSV row) that does not parse.
     #[error("cannot parse `{text}`: {reason}")]
-    Parse { text: String, reason: String },
+    Parse {
+        /// The text as given.
+        text: String,
+        /// What was expected instead.
+        reason: String,
+    },
     /// The schedule breaks a rule of the IR (placement, exactly-once, ordering, matching
     /// sends and receives).
     #[error("invalid schedule: {0}")]
@@ -27,20 +37,29 @@ pub enum ScheduleError {
          {channel} channel, which delivers in send order"
     )]
     Mismatch {
+        /// The receiving rank.
         rank: usize,
+        /// The receive (`1RECV_F0`).
         action: Action,
+        /// The send whose message is at the head of the channel.
         sent: Action,
+        /// The rank that sent it.
         sender: usize,
+        /// Direction and edge (`forward 0→1`).
         channel: String,
     },
     /// No rank can advance, yet some have actions left.
     #[error("deadlock: {}", join_waits(.waits))]
-    Deadlock { waits: Vec<Wait> },
+    Deadlock {
+        /// Every blocked rank, in rank order.
+        waits: Vec<Wait>,
+    },
 }
 
 /// One blocked rank in a deadlock: where it stopped and what it waits for.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Wait {
+    /// The blocked rank.
     pub rank: usize,
     /// The action the rank cannot start.
     pub at: Action,
@@ -88,8 +107,8 @@ impl ScheduleError {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use super::super::ir::ActionKind;
+    use super::*;
 
     #[test]
     fn deadlock_names_every_wait() {

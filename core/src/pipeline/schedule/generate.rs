@@ -148,17 +148,14 @@ impl FromStr for ScheduleKind {
             .find(|k| k.name() == want)
             .ok_or_else(|| {
                 let known: Vec<&str> = ScheduleKind::all().iter().map(|k| k.name()).collect();
-                ScheduleError::parse(
-                    s,
-                    format!("unknown schedule; known: {}", known.join(", ")),
-                )
+                ScheduleError::parse(s, format!("unknown schedule; known: {}", known.join(", ")))
             })
     }
 }
 
 /// Generates `kind` for `p` ranks, `v` stages per rank and `m` microbatches: compute actions
 /// only (F and B, or F, I and W for the zero-bubble schedules), chain edges, the kind's
-/// placement. Lower it with [`super::lower`] before running it.
+/// placement. Lower it with [`super::lower()`] before running it.
 pub fn generate(
     kind: ScheduleKind,
     p: usize,
@@ -244,8 +241,8 @@ mod tests {
                         validate(&s).unwrap_or_else(|e| panic!("{tag}: {e}\n{s}"));
                         let l = lower(&s);
                         validate(&l).unwrap_or_else(|e| panic!("{tag} lowered: {e}\n{l}"));
-                        let a = simulate(&s, Costs::default())
-                            .unwrap_or_else(|e| panic!("{tag}: {e}"));
+                        let a =
+                            simulate(&s, Costs::default()).unwrap_or_else(|e| panic!("{tag}: {e}"));
                         let b = simulate(&l, Costs::default())
                             .unwrap_or_else(|e| panic!("{tag} lowered: {e}"));
                         assert_eq!(a.timeline, b.timeline, "{tag}");
@@ -316,9 +313,27 @@ mod tests {
                 4,
                 "1f1b runs one stage per rank (v = 1), got v = 3",
             ),
-            (ScheduleKind::LoopedBfs, 0, 2, 4, "looped-bfs needs at least one rank"),
-            (ScheduleKind::GPipe, 2, 1, 0, "gpipe needs at least one microbatch"),
-            (ScheduleKind::LoopedBfs, 2, 0, 4, "looped-bfs needs at least one stage per rank"),
+            (
+                ScheduleKind::LoopedBfs,
+                0,
+                2,
+                4,
+                "looped-bfs needs at least one rank",
+            ),
+            (
+                ScheduleKind::GPipe,
+                2,
+                1,
+                0,
+                "gpipe needs at least one microbatch",
+            ),
+            (
+                ScheduleKind::LoopedBfs,
+                2,
+                0,
+                4,
+                "looped-bfs needs at least one stage per rank",
+            ),
         ] {
             let e = generate(kind, p, v, m).unwrap_err();
             assert!(matches!(e, ScheduleError::InvalidConfig { .. }), "{e:?}");
@@ -330,7 +345,13 @@ mod tests {
     fn names_parse_back_and_unknown_names_list_the_known_ones() {
         for kind in ScheduleKind::all() {
             assert_eq!(kind.name().parse::<ScheduleKind>().unwrap(), kind);
-            assert_eq!(kind.to_string().to_uppercase().parse::<ScheduleKind>().unwrap(), kind);
+            assert_eq!(
+                kind.to_string()
+                    .to_uppercase()
+                    .parse::<ScheduleKind>()
+                    .unwrap(),
+                kind
+            );
             let json = serde_json::to_string(&kind).unwrap();
             assert_eq!(json, format!("\"{}\"", kind.name()));
             assert_eq!(serde_json::from_str::<ScheduleKind>(&json).unwrap(), kind);
@@ -353,7 +374,11 @@ mod tests {
             assert_eq!(v, if single { 1 } else { 2 });
             let s = generate(kind, 2, v, 4).unwrap();
             assert_eq!(s.stage_ranks, kind.placement().stage_ranks(2, v));
-            let split = s.actions.iter().flatten().any(|a| a.kind == ActionKind::BackwardInput);
+            let split = s
+                .actions
+                .iter()
+                .flatten()
+                .any(|a| a.kind == ActionKind::BackwardInput);
             assert_eq!(split, kind.splits_backward(), "{kind}");
         }
     }
@@ -388,8 +413,8 @@ mod tests {
         assert_eq!(
             compute(&s, 0),
             [
-                "0F0", "0F1", "2F0", "2F1", "0F2", "2B0", "0F3", "2B1", "2F2", "0B0", "2F3",
-                "0B1", "2B2", "2B3", "0B2", "0B3"
+                "0F0", "0F1", "2F0", "2F1", "0F2", "2B0", "0F3", "2B1", "2F2", "0B0", "2F3", "0B1",
+                "2B2", "2B3", "0B2", "0B3"
             ]
         );
         let z = generate(ScheduleKind::InterleavedZeroBubble, 2, 2, 4).unwrap();
@@ -403,7 +428,10 @@ mod tests {
         let z = generate(ScheduleKind::Zbv, 2, 2, 4).unwrap();
         assert_eq!(z.stage_ranks, vec![0, 1, 1, 0]);
         // Rank 0 warms up with 2p-1 forwards of its first stage, then runs the loss stage.
-        assert_eq!(compute(&z, 0)[..6], ["0F0", "0F1", "0F2", "3F0", "3I0", "3W0"]);
+        assert_eq!(
+            compute(&z, 0)[..6],
+            ["0F0", "0F1", "0F2", "3F0", "3I0", "3W0"]
+        );
         let d = generate(ScheduleKind::DualPipeV, 2, 2, 4).unwrap();
         assert_eq!(compute(&d, 0)[..4], ["0F0", "0F1", "0F2", "3F0"]);
     }

@@ -14,16 +14,27 @@ use std::str::FromStr;
 /// FSDP×PP bookkeeping: UNSHARD, RESHARD, REDUCE_GRAD (no microbatch).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum ActionKind {
+    /// `F`: a stage's forward for one microbatch (the loss stage also computes the loss).
     Forward,
+    /// `B`: the whole backward (input and weight gradients).
     FullBackward,
+    /// `I`: the input-gradient half of the backward (what the previous stage waits for).
     BackwardInput,
+    /// `W`: the weight-gradient half, deferrable to fill bubbles.
     BackwardWeight,
+    /// `SEND_F`: send the stage's activations to its consumers on other ranks.
     SendF,
+    /// `RECV_F`: receive the stage's inputs from its producers on other ranks.
     RecvF,
+    /// `SEND_B`: send the stage's input gradients to its producers on other ranks.
     SendB,
+    /// `RECV_B`: receive the stage's output gradients from its consumers on other ranks.
     RecvB,
+    /// `UNSHARD`: gather an FSDP-sharded stage's parameters (FSDP×PP).
     Unshard,
+    /// `RESHARD`: free the gathered parameters again (FSDP×PP).
     Reshard,
+    /// `REDUCE_GRAD`: reduce the stage's accumulated gradients across data-parallel ranks.
     ReduceGrad,
 }
 
@@ -102,7 +113,9 @@ impl fmt::Display for ActionKind {
 /// One step of one rank: `kind` on `stage` for `microbatch`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Action {
+    /// The stage (global index) the action runs on; its rank must hold it.
     pub stage: usize,
+    /// What the action does.
     pub kind: ActionKind,
     /// `None` only for UNSHARD, RESHARD and REDUCE_GRAD.
     pub microbatch: Option<usize>,
@@ -428,13 +441,27 @@ mod tests {
     }
 
     #[test]
+    fn schedules_serialize() {
+        let s = Schedule::new(
+            "t",
+            2,
+            1,
+            vec![0, 1],
+            vec![
+                vec![Action::mb(0, ActionKind::Forward, 0)],
+                vec![Action::mb(1, ActionKind::Forward, 0)],
+            ],
+        );
+        let json = serde_json::to_string(&s).unwrap();
+        assert_eq!(serde_json::from_str::<Schedule>(&json).unwrap(), s);
+        assert_eq!(s.to_string(), "rank 0: 0F0\nrank 1: 1F0\n");
+    }
+
+    #[test]
     fn placements() {
         assert_eq!(Placement::Loop.stage_ranks(3, 2), vec![0, 1, 2, 0, 1, 2]);
         assert_eq!(Placement::V.stage_ranks(3, 2), vec![0, 1, 2, 2, 1, 0]);
-        assert_eq!(
-            Placement::V.stage_ranks(2, 4),
-            vec![0, 1, 1, 0, 0, 1, 1, 0]
-        );
+        assert_eq!(Placement::V.stage_ranks(2, 4), vec![0, 1, 1, 0, 0, 1, 1, 0]);
         assert_eq!(Placement::Loop.stage_ranks(4, 1), vec![0, 1, 2, 3]);
         let s = Schedule::new("t", 3, 1, Placement::V.stage_ranks(3, 2), vec![vec![]; 3]);
         assert_eq!(s.stages(), 6);

@@ -92,19 +92,20 @@ fn interleaved_rank(p: usize, v: usize, m: usize, r: usize, zero_bubble: bool) -
     let forward_stage = |k: usize| ((k / p) % v) * p + r;
     let backward_stage = |j: usize| (v - 1 - (j / p) % v) * p + r;
     let mut ops = RankOps::default();
-    let mut pending_w: VecDeque<usize> = VecDeque::new();
-    let mut backward = |ops: &mut RankOps, j: usize| {
+    // Stages whose I ran and whose W is still owed, oldest first.
+    let mut owed: VecDeque<usize> = VecDeque::new();
+    let backward = |ops: &mut RankOps, owed: &mut VecDeque<usize>, j: usize| {
         let s = backward_stage(j);
-        if zero_bubble {
-            ops.push(s, I);
-            pending_w.push_back(s);
-            if j >= r {
-                if let Some(w) = pending_w.pop_front() {
-                    ops.push(w, W);
-                }
-            }
-        } else {
+        if !zero_bubble {
             ops.push(s, B);
+            return;
+        }
+        ops.push(s, I);
+        owed.push_back(s);
+        if j >= r {
+            if let Some(w) = owed.pop_front() {
+                ops.push(w, W);
+            }
         }
     };
     for k in 0..warmup {
@@ -113,15 +114,13 @@ fn interleaved_rank(p: usize, v: usize, m: usize, r: usize, zero_bubble: bool) -
     let mut j = 0;
     for k in warmup..total {
         ops.push(forward_stage(k), F);
-        backward(&mut ops, j);
+        backward(&mut ops, &mut owed, j);
         j += 1;
     }
-    while j < total {
-        backward(&mut ops, j);
-        j += 1;
+    for j in j..total {
+        backward(&mut ops, &mut owed, j);
     }
-    drop(backward);
-    while let Some(w) = pending_w.pop_front() {
+    for w in owed {
         ops.push(w, W);
     }
     ops.actions

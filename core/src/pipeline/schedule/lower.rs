@@ -75,7 +75,7 @@ mod tests {
         let l = lower(&s);
         assert_eq!(
             labels(&l.actions[0]),
-            ["0F0", "0SEND_F0", "0RECV_B0", "0B0", "0F1", "0SEND_F1", "0RECV_B1", "0B1"]
+            ["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1"]
         );
         assert_eq!(
             labels(&l.actions[1]),
@@ -91,7 +91,9 @@ mod tests {
         let l = lower(&s);
         // Stages 1 and 2 both live on rank 1: no SEND_F from 1, no RECV_F into 2.
         let r1 = labels(&l.actions[1]);
-        assert!(!r1.iter().any(|a| a.starts_with("1SEND_F") || a.starts_with("2RECV_F")));
+        assert!(!r1
+            .iter()
+            .any(|a| a.starts_with("1SEND_F") || a.starts_with("2RECV_F")));
         assert!(r1.iter().any(|a| a.starts_with("2SEND_F")));
         // I produces the input gradient: SEND_B follows it, W sends nothing.
         let i = r1.iter().position(|a| a == "1I0").unwrap();
@@ -110,7 +112,10 @@ mod tests {
         // Stage 2 receives from both producers in one RECV_F; stage 0 sends once per
         // microbatch on both of its cross-rank edges and waits for both gradients.
         assert!(labels(&l.actions[2]).starts_with(&["2RECV_F0".into(), "2F0".into()]));
-        assert_eq!(sim.makespan, simulate(&s, Costs::default()).unwrap().makespan);
+        assert_eq!(
+            sim.makespan,
+            simulate(&s, Costs::default()).unwrap().makespan
+        );
 
         // On a V the skip edge can cross ranks even where the chain does not.
         let mut v = generate(ScheduleKind::Zbv, 2, 2, 4).unwrap();
@@ -122,6 +127,29 @@ mod tests {
         assert!(labels(&lv.actions[0]).contains(&"3SEND_B0".to_owned()));
     }
 
+    /// Skip edges add no ordering a built-in schedule lacks (the chain already orders every
+    /// F after its producers' and every B/I before theirs), so even the densest DAG — every
+    /// stage feeding every later one — keeps each schedule valid and deadlock free, with the
+    /// same timing as the chain.
+    #[test]
+    fn skip_edges_keep_every_builtin_schedule_valid() {
+        for kind in ScheduleKind::all() {
+            for (p, m) in [(2, 4), (3, 6), (4, 8)] {
+                let chain = generate(kind, p, kind.default_virtual(), m).unwrap();
+                let n = chain.stages();
+                let mut dense = chain.clone();
+                dense.edges = (0..n)
+                    .flat_map(|a| (a + 1..n).map(move |b| (a, b)))
+                    .collect();
+                let l = lower(&dense);
+                validate(&l).unwrap_or_else(|e| panic!("{kind} p={p} m={m}: {e}"));
+                let x = simulate(&l, Costs::default()).unwrap();
+                let y = simulate(&lower(&chain), Costs::default()).unwrap();
+                assert_eq!(x.timeline, y.timeline, "{kind} p={p} m={m}");
+            }
+        }
+    }
+
     #[test]
     fn fsdp_actions_pass_through() {
         let mut s = generate(ScheduleKind::GPipe, 2, 1, 1).unwrap();
@@ -130,7 +158,14 @@ mod tests {
         let l = lower(&s);
         assert_eq!(
             labels(&l.actions[0]),
-            ["0UNSHARD", "0F0", "0SEND_F0", "0RECV_B0", "0B0", "0REDUCE_GRAD"]
+            [
+                "0UNSHARD",
+                "0F0",
+                "0SEND_F0",
+                "0RECV_B0",
+                "0B0",
+                "0REDUCE_GRAD"
+            ]
         );
         validate(&l).unwrap();
     }

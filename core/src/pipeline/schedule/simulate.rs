@@ -25,8 +25,11 @@ use ActionKind::{
 /// GPipe and 1F1B have bubble (p-1)/(m+p-1) and zero bubble schedules can hide theirs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Costs {
+    /// F.
     pub forward: u64,
+    /// I (and the input half of B).
     pub backward_input: u64,
+    /// W (and the weight half of B).
     pub backward_weight: u64,
 }
 
@@ -56,8 +59,11 @@ impl Costs {
 /// One compute action as simulated: it runs over `[start, end)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Span {
+    /// The compute action.
     pub action: Action,
+    /// When it starts.
     pub start: u64,
+    /// When it ends (`start` + its cost).
     pub end: u64,
 }
 
@@ -66,7 +72,9 @@ pub struct Span {
 pub struct Simulation {
     /// The schedule's name.
     pub schedule: String,
+    /// Pipeline ranks.
     pub ranks: usize,
+    /// The costs simulated with.
     pub costs: Costs,
     /// Per rank, its compute actions in order with their times.
     pub timeline: Vec<Vec<Span>>,
@@ -76,8 +84,9 @@ pub struct Simulation {
     pub busy: Vec<u64>,
     /// Total idle time over all ranks: `ranks × makespan − Σ busy`.
     pub idle: u64,
-    /// `idle / (ranks × makespan)` in lowest terms.
+    /// The bubble `idle / (ranks × makespan)` in lowest terms: its numerator…
     pub bubble_numerator: u64,
+    /// …and its denominator (1 for an empty schedule).
     pub bubble_denominator: u64,
     /// The same fraction as a float, for reports.
     pub bubble_fraction: f64,
@@ -98,6 +107,9 @@ enum Dir {
     Backward,
 }
 
+/// A cross-rank edge's channel: `(producer, consumer, direction)`.
+type Channel = (usize, usize, Dir);
+
 /// A message in flight: the send that made it and when.
 #[derive(Clone, Copy, Debug)]
 struct Message {
@@ -113,13 +125,12 @@ enum Blocked {
 
 struct Sim<'a> {
     s: &'a Schedule,
-    costs: Costs,
     lowered: bool,
     present: HashSet<Action>,
     /// End time of every action run so far.
     done: HashMap<Action, u64>,
-    /// Channel `(producer, consumer, direction)` of a cross-rank edge.
-    channels: BTreeMap<(usize, usize, Dir), VecDeque<Message>>,
+    /// The messages in flight on each channel.
+    channels: BTreeMap<Channel, VecDeque<Message>>,
     producers: Vec<Vec<usize>>,
     consumers: Vec<Vec<usize>>,
 }
@@ -133,7 +144,6 @@ pub fn simulate(schedule: &Schedule, costs: Costs) -> Result<Simulation, Schedul
     let stages = schedule.stages();
     let mut sim = Sim {
         s: schedule,
-        costs,
         lowered: schedule.is_lowered(),
         present: schedule.actions.iter().flatten().copied().collect(),
         done: HashMap::new(),
@@ -147,8 +157,7 @@ pub fn simulate(schedule: &Schedule, costs: Costs) -> Result<Simulation, Schedul
     let mut timeline: Vec<Vec<Span>> = vec![Vec::new(); ranks];
     loop {
         let mut progress = false;
-        for r in 0..ranks {
-            let list = &schedule.actions[r];
+        for (r, list) in schedule.actions.iter().enumerate() {
             while let Some(&a) = list.get(next[r]) {
                 let Some(ready) = sim.ready(r, a)? else {
                     break;
@@ -173,8 +182,8 @@ pub fn simulate(schedule: &Schedule, costs: Costs) -> Result<Simulation, Schedul
         }
         if !progress {
             let mut waits = Vec::new();
-            for r in 0..ranks {
-                if let Some(&a) = schedule.actions[r].get(next[r]) {
+            for (r, list) in schedule.actions.iter().enumerate() {
+                if let Some(&a) = list.get(next[r]) {
                     if let Err(Blocked::On(dep, on_rank)) = sim.deps(a) {
                         waits.push(Wait {
                             rank: r,
@@ -195,7 +204,11 @@ pub fn simulate(schedule: &Schedule, costs: Costs) -> Result<Simulation, Schedul
             "rank {}: {m} is never received: the {} channel {from}→{to} still holds it at the \
              end of the step",
             schedule.stage_ranks[m.stage],
-            if *dir == Dir::Forward { "forward" } else { "backward" },
+            if *dir == Dir::Forward {
+                "forward"
+            } else {
+                "backward"
+            },
         )));
     }
     let makespan = free.iter().copied().max().unwrap_or(0);
@@ -285,15 +298,27 @@ impl Sim<'_> {
             SendF => t = self.need(Action::mb(s, F, mb))?,
             SendB => t = self.backward(s, mb)?,
             RecvF => {
-                for &p in self.producers[s].iter().filter(|&&p| self.s.is_remote(p, s)) {
+                for &p in self.producers[s]
+                    .iter()
+                    .filter(|&&p| self.s.is_remote(p, s))
+                {
                     let want = Action::mb(p, SendF, mb);
-                    t = t.max(self.head(p, s, Dir::Forward).ok_or(Blocked::On(want, self.rank(p)))?);
+                    t = t.max(
+                        self.head(p, s, Dir::Forward)
+                            .ok_or(Blocked::On(want, self.rank(p)))?,
+                    );
                 }
             }
             RecvB => {
-                for &c in self.consumers[s].iter().filter(|&&c| self.s.is_remote(s, c)) {
+                for &c in self.consumers[s]
+                    .iter()
+                    .filter(|&&c| self.s.is_remote(s, c))
+                {
                     let want = Action::mb(c, SendB, mb);
-                    t = t.max(self.head(s, c, Dir::Backward).ok_or(Blocked::On(want, self.rank(c)))?);
+                    t = t.max(
+                        self.head(s, c, Dir::Backward)
+                            .ok_or(Blocked::On(want, self.rank(c)))?,
+                    );
                 }
             }
             _ => {}
@@ -303,7 +328,10 @@ impl Sim<'_> {
 
     /// When the head message of a channel was sent, if there is one.
     fn head(&self, p: usize, c: usize, dir: Dir) -> Option<u64> {
-        self.channels.get(&(p, c, dir)).and_then(|q| q.front()).map(|m| m.at)
+        self.channels
+            .get(&(p, c, dir))
+            .and_then(|q| q.front())
+            .map(|m| m.at)
     }
 
     /// `Some(time)` when `a` can start (its inputs are ready at `time`), `None` when it
@@ -332,9 +360,9 @@ impl Sim<'_> {
     }
 
     /// The channels a receive takes from, with their queues (absent when nothing was sent).
-    fn inbound(&self, a: Action) -> Vec<((usize, usize, Dir), Option<&VecDeque<Message>>)> {
+    fn inbound(&self, a: Action) -> Vec<(Channel, Option<&VecDeque<Message>>)> {
         let s = a.stage;
-        let keys: Vec<(usize, usize, Dir)> = match a.kind {
+        let keys: Vec<Channel> = match a.kind {
             RecvF => self.producers[s]
                 .iter()
                 .filter(|&&p| self.s.is_remote(p, s))
@@ -419,13 +447,47 @@ mod tests {
     fn interleaved_bubble_is_exactly_p_minus_1_over_vm_plus_p_minus_1() {
         for p in [2u64, 4, 8] {
             for m in [p, 2 * p, 4 * p] {
-                for v in [2u64] {
-                    let x = sim(ScheduleKind::Interleaved1F1B, p as usize, v as usize, m as usize);
+                let v = 2u64;
+                let x = sim(
+                    ScheduleKind::Interleaved1F1B,
+                    p as usize,
+                    v as usize,
+                    m as usize,
+                );
+                assert!(
+                    x.bubble_is(p - 1, v * m + p - 1),
+                    "p={p} v={v} m={m}: {}/{}",
+                    x.bubble_numerator,
+                    x.bubble_denominator
+                );
+            }
+        }
+    }
+
+    /// The closed forms do not depend on the default costs: with communication free they
+    /// hold for any F, I, W.
+    #[test]
+    fn closed_forms_hold_under_other_costs() {
+        let kinds = [
+            ScheduleKind::GPipe,
+            ScheduleKind::OneFOneB,
+            ScheduleKind::Interleaved1F1B,
+            ScheduleKind::LoopedBfs,
+        ];
+        for (forward, backward_input, backward_weight) in [(1, 1, 0), (2, 1, 1), (1, 3, 3)] {
+            let costs = Costs {
+                forward,
+                backward_input,
+                backward_weight,
+            };
+            for kind in kinds {
+                let v = kind.default_virtual() as u64;
+                for (p, m) in [(2u64, 4u64), (4, 8), (8, 8)] {
+                    let s = lower(&generate(kind, p as usize, v as usize, m as usize).unwrap());
+                    let x = simulate(&s, costs).unwrap();
                     assert!(
                         x.bubble_is(p - 1, v * m + p - 1),
-                        "p={p} v={v} m={m}: {}/{}",
-                        x.bubble_numerator,
-                        x.bubble_denominator
+                        "{kind} p={p} m={m} {costs:?}"
                     );
                 }
             }
@@ -469,15 +531,27 @@ mod tests {
         // Rank 1 waits for the gradient before it runs the forward that produces it.
         let mut s = lower(&generate(ScheduleKind::OneFOneB, 3, 1, 3).unwrap());
         let pos = |s: &Schedule, r: usize, l: &str| {
-            s.actions[r].iter().position(|a| a.to_string() == l).unwrap()
+            s.actions[r]
+                .iter()
+                .position(|a| a.to_string() == l)
+                .unwrap()
         };
         let (a, b) = (pos(&s, 1, "1RECV_F0"), pos(&s, 1, "1RECV_B0"));
         s.actions[1].swap(a, b);
         let e = simulate(&s, Costs::default()).unwrap_err().to_string();
         assert!(e.starts_with("deadlock: "), "{e}");
-        assert!(e.contains("rank 1 waits at 1RECV_B0 for 2SEND_B0 (rank 2)"), "{e}");
-        assert!(e.contains("rank 2 waits at 2RECV_F0 for 1SEND_F0 (rank 1)"), "{e}");
-        assert!(e.contains("rank 0 waits at 0RECV_B0 for 1SEND_B0 (rank 1)"), "{e}");
+        assert!(
+            e.contains("rank 1 waits at 1RECV_B0 for 2SEND_B0 (rank 2)"),
+            "{e}"
+        );
+        assert!(
+            e.contains("rank 2 waits at 2RECV_F0 for 1SEND_F0 (rank 1)"),
+            "{e}"
+        );
+        assert!(
+            e.contains("rank 0 waits at 0RECV_B0 for 1SEND_B0 (rank 1)"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -497,7 +571,10 @@ mod tests {
         s.actions[0].retain(|a| a.to_string() != "0RECV_B1");
         // B of microbatch 1 on stage 0 then lacks its input: it deadlocks on its own list.
         let e = simulate(&s, Costs::default()).unwrap_err().to_string();
-        assert!(e.contains("rank 0 waits at 0B1 for 0RECV_B1 (rank 0)"), "{e}");
+        assert!(
+            e.contains("rank 0 waits at 0B1 for 0RECV_B1 (rank 0)"),
+            "{e}"
+        );
         let mut s = lower(&generate(ScheduleKind::GPipe, 2, 1, 2).unwrap());
         s.actions[1].push(Action::mb(1, SendB, 1));
         let e = simulate(&s, Costs::default()).unwrap_err().to_string();
@@ -528,7 +605,14 @@ mod tests {
         let x = simulate(&s, c).unwrap();
         // GPipe: (m+p-1)(F+B) with any costs.
         assert_eq!(x.makespan, 3 * 6);
-        assert_eq!(x.timeline[1][0], Span { action: Action::mb(1, F, 0), start: 2, end: 4 });
+        assert_eq!(
+            x.timeline[1][0],
+            Span {
+                action: Action::mb(1, F, 0),
+                start: 2,
+                end: 4
+            }
+        );
         let json = serde_json::to_value(&x).unwrap();
         assert_eq!(json["bubble_numerator"], 1);
         assert_eq!(json["bubble_denominator"], 3);

@@ -98,7 +98,7 @@ pub(super) fn dualpipev(p: usize, m: usize) -> Vec<Vec<Action>> {
                 d.backward(s0, false);
             }
             let mut split = false;
-            let half = (r + 1) / 2;
+            let half = r.div_ceil(2); // (r + 1) / 2, rounded down
             for i in 0..r + 1 {
                 split |= i == half && r % 2 == 1;
                 d.backward(s1, split);

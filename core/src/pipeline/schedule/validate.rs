@@ -19,7 +19,7 @@ use ActionKind::{
 };
 
 /// Checks every rule; `Ok` means the executor can run the schedule (a lowered one) without
-/// an action lacking its inputs. Deadlock freedom is the simulator's job ([`super::simulate`]).
+/// an action lacking its inputs. Deadlock freedom is the simulator's job ([`super::simulate()`]).
 pub fn validate(schedule: &Schedule) -> Result<(), ScheduleError> {
     check_structure(schedule)?;
     let at = Positions::new(schedule)?;
@@ -56,7 +56,12 @@ pub(super) fn check_structure(s: &Schedule) -> Result<(), ScheduleError> {
     if s.microbatches == 0 {
         return Err(invalid("the schedule has no microbatches".into()));
     }
-    if let Some((st, r)) = s.stage_ranks.iter().enumerate().find(|(_, &r)| r >= s.ranks) {
+    if let Some((st, r)) = s
+        .stage_ranks
+        .iter()
+        .enumerate()
+        .find(|(_, &r)| r >= s.ranks)
+    {
         return Err(invalid(format!(
             "stage {st} is placed on rank {r}, but the schedule has {} ranks",
             s.ranks
@@ -146,9 +151,10 @@ impl Positions {
 
     /// The B or I of `(stage, mb)`, with its position.
     fn backward(&self, stage: usize, mb: usize) -> Option<(Action, usize)> {
-        [B, I]
-            .into_iter()
-            .find_map(|k| self.get(stage, k, mb).map(|p| (Action::mb(stage, k, mb), p)))
+        [B, I].into_iter().find_map(|k| {
+            self.get(stage, k, mb)
+                .map(|p| (Action::mb(stage, k, mb), p))
+        })
     }
 }
 
@@ -162,7 +168,11 @@ fn check_compute(s: &Schedule, at: &Positions) -> Result<(), ScheduleError> {
                     "stage {stage} never runs F for microbatch {mb}"
                 )));
             };
-            let (b, i, w) = (at.get(stage, B, mb), at.get(stage, I, mb), at.get(stage, W, mb));
+            let (b, i, w) = (
+                at.get(stage, B, mb),
+                at.get(stage, I, mb),
+                at.get(stage, W, mb),
+            );
             if b.is_some() && i.is_some() {
                 return Err(invalid(format!(
                     "rank {r}: stage {stage} runs both {} and {} for microbatch {mb}: a backward \
@@ -244,8 +254,7 @@ fn check_local_dataflow(s: &Schedule, at: &Positions) -> Result<(), ScheduleErro
                     )));
                 }
             }
-            if let (Some((bp_a, bp)), Some((bc_a, bc))) = (at.backward(p, mb), at.backward(c, mb))
-            {
+            if let (Some((bp_a, bp)), Some((bc_a, bc))) = (at.backward(p, mb), at.backward(c, mb)) {
                 if bp < bc {
                     return Err(invalid(format!(
                         "rank {r}: {bp_a} comes before {bc_a}, which gives it its output gradient"
@@ -416,14 +425,22 @@ mod tests {
         let mut s = one_f_one_b();
         let (f, b) = (position(&s, 1, "1F0"), position(&s, 1, "1B0"));
         s.actions[1].swap(f, b);
-        assert!(err(&s).contains("rank 1: 1B0 comes before 1F0"), "{}", err(&s));
+        assert!(
+            err(&s).contains("rank 1: 1B0 comes before 1F0"),
+            "{}",
+            err(&s)
+        );
     }
 
     #[test]
     fn rejects_a_missing_microbatch() {
         let mut s = one_f_one_b();
         s.actions[1].retain(|a| a.to_string() != "1F3");
-        assert!(err(&s).contains("stage 1 never runs F for microbatch 3"), "{}", err(&s));
+        assert!(
+            err(&s).contains("stage 1 never runs F for microbatch 3"),
+            "{}",
+            err(&s)
+        );
         let mut s = one_f_one_b();
         s.actions[0].retain(|a| a.to_string() != "0B2");
         assert!(err(&s).contains("stage 0 never runs a backward (B or I) for microbatch 2"));
@@ -479,7 +496,11 @@ mod tests {
         let mut s = z.clone();
         let (i, w) = (position(&s, 0, "3I0"), position(&s, 0, "3W0"));
         s.actions[0].swap(i, w);
-        assert!(err(&s).contains("rank 0: 3W0 comes before 3I0"), "{}", err(&s));
+        assert!(
+            err(&s).contains("rank 0: 3W0 comes before 3I0"),
+            "{}",
+            err(&s)
+        );
         let mut s = one_f_one_b();
         s.actions[0].push(Action::mb(0, W, 0));
         assert!(err(&s).contains("rank 0: 0W0 has no 0I0"), "{}", err(&s));
@@ -491,7 +512,11 @@ mod tests {
         let mut s = generate(ScheduleKind::Zbv, 2, 2, 3).unwrap();
         let (a, b) = (position(&s, 1, "1F0"), position(&s, 1, "2F0"));
         s.actions[1].swap(a, b);
-        assert!(err(&s).contains("rank 1: 2F0 comes before 1F0, which feeds it"), "{}", err(&s));
+        assert!(
+            err(&s).contains("rank 1: 2F0 comes before 1F0, which feeds it"),
+            "{}",
+            err(&s)
+        );
     }
 
     #[test]
@@ -507,11 +532,18 @@ mod tests {
         assert!(err(&l).contains("rank 0: 0SEND_F1 comes before 0F1, which produces it"));
         let mut l = lower(&one_f_one_b());
         l.actions[1].push(Action::mb(1, SendF, 0));
-        assert!(err(&l).contains("rank 1: 1SEND_F0 has no channel"), "{}", err(&l));
+        assert!(
+            err(&l).contains("rank 1: 1SEND_F0 has no channel"),
+            "{}",
+            err(&l)
+        );
         let mut l = lower(&one_f_one_b());
         let (a, b) = (position(&l, 1, "1RECV_F1"), position(&l, 1, "1RECV_F2"));
         l.actions[1].swap(a, b);
         let e = err(&l);
-        assert!(e.contains("rank 1: 1F1 comes before 1RECV_F1") || e.contains("channel"), "{e}");
+        assert!(
+            e.contains("rank 1: 1F1 comes before 1RECV_F1") || e.contains("channel"),
+            "{e}"
+        );
     }
 }
