@@ -73,8 +73,13 @@ pub fn run_schedule(opts: &ScheduleOptions) -> Result<ScheduleReport, ScheduleCl
         }
         None => {
             let kind: ScheduleKind = opts.schedule.parse()?;
-            let v = opts.virtual_stages.unwrap_or_else(|| kind.default_virtual());
-            (generate(kind, opts.stages, v, opts.microbatches)?, Some(kind))
+            let v = opts
+                .virtual_stages
+                .unwrap_or_else(|| kind.default_virtual());
+            (
+                generate(kind, opts.stages, v, opts.microbatches)?,
+                Some(kind),
+            )
         }
     };
     if let Some(path) = &opts.export {

@@ -4,7 +4,7 @@
 
 mod common;
 
-use lockstep_core::comm::{DType, ProcessGroup};
+use lockstep_core::comm::DType;
 use lockstep_core::pipeline::trace::chrome_trace;
 use lockstep_core::pipeline::{
     microbatched_reference, plan_pipeline, train_pipeline, PipelineError, PipelineFault,
@@ -21,10 +21,10 @@ use tch::Tensor;
 
 const STEPS: usize = 3;
 
-fn train(ctx: &RankCtx, model: &str, opts: &PipelineOptions) -> Result<PipelineRun, PipelineError> {
+fn train(ctx: &RankCtx, model: &str, opts: &PipelineOptions) -> Result<PipelineRun, String> {
     let m = zoo::build(model, 0, ctx.rank()).expect("model");
     let cfg = common::train_config(ctx, model, "pp", "fp32", STEPS);
-    train_pipeline(m.as_ref(), ctx.world(), &cfg, opts)
+    train_pipeline(m.as_ref(), ctx.world(), &cfg, opts).map_err(|e: PipelineError| e.to_string())
 }
 
 fn pipeline(ctx: &RankCtx, model: &str, opts: &PipelineOptions) -> RunRecord {
@@ -33,14 +33,27 @@ fn pipeline(ctx: &RankCtx, model: &str, opts: &PipelineOptions) -> RunRecord {
 
 fn microbatched(model: &str, world: usize, m: usize) -> RunRecord {
     let built = zoo::build(model, 0, 0).expect("model");
-    microbatched_reference(built.as_ref(), world, m, STEPS, OptimizerConfig::default(), true)
-        .expect("reference")
+    microbatched_reference(
+        built.as_ref(),
+        world,
+        m,
+        STEPS,
+        OptimizerConfig::default(),
+        true,
+    )
+    .expect("reference")
 }
 
 fn single(model: &str, world: usize) -> RunRecord {
     let built = zoo::build(model, 0, 0).expect("model");
-    single_device_reference(built.as_ref(), world, STEPS, OptimizerConfig::default(), true)
-        .expect("reference")
+    single_device_reference(
+        built.as_ref(),
+        world,
+        STEPS,
+        OptimizerConfig::default(),
+        true,
+    )
+    .expect("reference")
 }
 
 fn opts(kind: ScheduleKind, v: usize, m: usize) -> PipelineOptions {
@@ -63,7 +76,11 @@ fn pipeline_tolerance() -> TolerancePolicy {
 }
 
 fn assert_passes(c: &Comparison, what: &str) {
-    assert!(c.passed, "{what}: {}", c.diagnosis.clone().unwrap_or_default());
+    assert!(
+        c.passed,
+        "{what}: {}",
+        c.diagnosis.clone().unwrap_or_default()
+    );
 }
 
 /// Models whose pipelines must equal the microbatched single-device run bit for bit: no tied
@@ -94,11 +111,17 @@ fn every_schedule_matches_single_device_at_world_2(
             let what = format!("{model} {kind:?}");
             let mb = microbatched(model, 2, m);
             if EXACT.contains(&model) {
-                assert_passes(&compare(&run, &mb, &TolerancePolicy::bitwise(DType::F32)), &what);
+                assert_passes(
+                    &compare(&run, &mb, &TolerancePolicy::bitwise(DType::F32)),
+                    &what,
+                );
             } else {
                 assert_passes(&compare(&run, &mb, &pipeline_tolerance()), &what);
             }
-            assert_passes(&compare(&run, &single(model, 2), &pipeline_tolerance()), &what);
+            assert_passes(
+                &compare(&run, &single(model, 2), &pipeline_tolerance()),
+                &what,
+            );
         }
     });
 }
@@ -162,9 +185,15 @@ fn partitions_microbatching_and_data_parallel_replicas_keep_the_math(
             let what = format!("{model} {partition} dp={dp}");
             if dp == 1 && EXACT.contains(&model) {
                 let mb = microbatched(model, world, 2 * world / dp);
-                assert_passes(&compare(&run, &mb, &TolerancePolicy::bitwise(DType::F32)), &what);
+                assert_passes(
+                    &compare(&run, &mb, &TolerancePolicy::bitwise(DType::F32)),
+                    &what,
+                );
             }
-            assert_passes(&compare(&run, &single(model, world), &pipeline_tolerance()), &what);
+            assert_passes(
+                &compare(&run, &single(model, world), &pipeline_tolerance()),
+                &what,
+            );
         }
     });
 }
@@ -201,24 +230,51 @@ fn tied_weights_end_identical_on_every_holding_stage(#[values(2, 4)] world: usiz
     lockstep_harness::run(world, |ctx| {
         let m = zoo::build("gpt", 0, ctx.rank()).expect("model");
         let cfg = common::train_config(ctx, "gpt", "pp", "fp32", STEPS);
-        let run = train_pipeline(m.as_ref(), ctx.world(), &cfg, &opts(ScheduleKind::OneFOneB, 1, 2 * world))
-            .expect("pipeline");
-        let holders = &run.plan.holders[run.plan.params.iter().position(|n| n == "tok_embeddings.weight").expect("tied")];
-        assert_eq!(holders.iter().copied().collect::<Vec<_>>(), vec![0, world - 1]);
+        let run = train_pipeline(
+            m.as_ref(),
+            ctx.world(),
+            &cfg,
+            &opts(ScheduleKind::OneFOneB, 1, 2 * world),
+        )
+        .expect("pipeline");
+        let holders = &run.plan.holders[run
+            .plan
+            .params
+            .iter()
+            .position(|n| n == "tok_embeddings.weight")
+            .expect("tied")];
+        assert_eq!(
+            holders.iter().copied().collect::<Vec<_>>(),
+            vec![0, world - 1]
+        );
         let mine = m
             .named_parameters()
             .into_iter()
             .find(|(n, _)| n == "tok_embeddings.weight")
             .map(|(_, t)| t.detach().contiguous())
             .expect("tied weight");
-        let all = Tensor::zeros([world as i64 * mine.numel() as i64], (tch::Kind::Float, tch::Device::Cpu));
-        ctx.group().all_gather(&all, &mine.view([-1])).expect("gather");
+        let all = Tensor::zeros(
+            [world as i64 * mine.numel() as i64],
+            (tch::Kind::Float, tch::Device::Cpu),
+        );
+        ctx.group()
+            .all_gather(&all, &mine.view([-1]))
+            .expect("gather");
         let n = mine.numel() as i64;
         let first = all.narrow(0, 0, n);
         let last = all.narrow(0, (world as i64 - 1) * n, n);
-        assert!(first.equal(&last), "the tied weight differs between its holders");
-        let recorded = run.record.params.iter().find(|p| p.name == "tok_embeddings.weight").expect("recorded");
-        let mine: Vec<f64> = Vec::try_from(&mine.to_kind(tch::Kind::Double).view([-1])).expect("values");
+        assert!(
+            first.equal(&last),
+            "the tied weight differs between its holders"
+        );
+        let recorded = run
+            .record
+            .params
+            .iter()
+            .find(|p| p.name == "tok_embeddings.weight")
+            .expect("recorded");
+        let mine: Vec<f64> =
+            Vec::try_from(&mine.to_kind(tch::Kind::Double).view([-1])).expect("values");
         if holders.contains(&ctx.rank()) {
             assert_eq!(recorded.values, mine);
         }
@@ -284,7 +340,9 @@ fn the_simulator_names_a_dropped_send_b_before_any_rank_starts() {
         schedule: ScheduleChoice::Custom(s),
         ..PipelineOptions::default()
     };
-    let e = plan_pipeline(mlp.as_ref(), 2, &o).expect_err("accepted").to_string();
+    let e = plan_pipeline(mlp.as_ref(), 2, &o)
+        .expect_err("accepted")
+        .to_string();
     assert!(e.contains("1SEND_B3") || e.contains("RECV_B3"), "{e}");
 }
 
@@ -314,16 +372,34 @@ fn bad_plans_are_rejected_before_any_rank_starts() {
     let mlp = zoo::build("mlp", 0, 0).expect("model");
     let gpt = zoo::build("gpt", 0, 0).expect("model");
     let err = |model: &dyn lockstep_models::Model, world: usize, o: PipelineOptions| {
-        plan_pipeline(model, world, &o).expect_err("accepted").to_string()
+        plan_pipeline(model, world, &o)
+            .expect_err("accepted")
+            .to_string()
     };
     let e = err(gpt.as_ref(), 4, opts(ScheduleKind::Interleaved1F1B, 2, 8));
-    assert!(e.contains("8 stages need at least 8 layers; the model has 6"), "{e}");
+    assert!(
+        e.contains("8 stages need at least 8 layers; the model has 6"),
+        "{e}"
+    );
     let e = err(mlp.as_ref(), 2, opts(ScheduleKind::OneFOneB, 1, 11));
-    assert!(e.contains("11 microbatches need at least 11 samples"), "{e}");
+    assert!(
+        e.contains("11 microbatches need at least 11 samples"),
+        "{e}"
+    );
     let e = err(mlp.as_ref(), 4, opts(ScheduleKind::Interleaved1F1B, 2, 6));
     assert!(e.contains("multiple"), "{e}");
-    let e = err(mlp.as_ref(), 3, PipelineOptions { data_parallel: 2, ..PipelineOptions::default() });
-    assert!(e.contains("does not divide into 2 data-parallel replicas"), "{e}");
+    let e = err(
+        mlp.as_ref(),
+        3,
+        PipelineOptions {
+            data_parallel: 2,
+            ..PipelineOptions::default()
+        },
+    );
+    assert!(
+        e.contains("does not divide into 2 data-parallel replicas"),
+        "{e}"
+    );
 }
 
 /// A real run's timeline as Chrome trace JSON: one track per rank, every compute action.

@@ -137,7 +137,11 @@ pub trait LayerHooks {
     /// it substitutes what they sent, or a placeholder nothing of its own consumes). Called
     /// after `pre_forward` with the inputs it returned; `post_forward` still follows. The
     /// default runs every layer.
-    fn substitute(&mut self, index: usize, inputs: &[Tensor]) -> Result<Option<Tensor>, ModelError> {
+    fn substitute(
+        &mut self,
+        index: usize,
+        inputs: &[Tensor],
+    ) -> Result<Option<Tensor>, ModelError> {
         let _ = (index, inputs);
         Ok(None)
     }

@@ -503,7 +503,10 @@ impl Config {
                     PIPELINE_VS_SINGLE_REASON,
                 )
                 .map_err(|e| format!("{}: {e}", self.name()))?;
-                Ok(TolerancePolicy::dtype_table(DType::F32).with_override(&self.at(world_size), ov))
+                Ok(
+                    TolerancePolicy::dtype_table(DType::F32)
+                        .with_override(&self.at(world_size), ov),
+                )
             }
             (_, Config::Single) if self != Config::Single => {
                 Ok(TolerancePolicy::dtype_table(DType::F32))

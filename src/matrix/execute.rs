@@ -230,12 +230,26 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                 match config {
                     Config::Single | Config::DdpMixed(_) => {
                         let (name, policy, skip) = against_config(config, config);
-                        row(config, name, policy, skip, reference(config, 0), reference(config, 1));
+                        row(
+                            config,
+                            name,
+                            policy,
+                            skip,
+                            reference(config, 0),
+                            reference(config, 1),
+                        );
                     }
                     Config::Ddp => {
                         let ddp = reference(Config::Ddp, 0);
                         let (name, policy, skip) = against_config(config, Config::Single);
-                        row(config, name, policy, skip, ddp, reference(Config::Single, 0));
+                        row(
+                            config,
+                            name,
+                            policy,
+                            skip,
+                            ddp,
+                            reference(Config::Single, 0),
+                        );
                         let (name, policy, skip) = against_config(config, config);
                         row(config, name, policy, skip, ddp, reference(Config::Ddp, 1));
                     }
@@ -247,7 +261,14 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                         // Mixed precision has no row against single (module doc).
                         if config.precision().is_none() {
                             let (name, policy, skip) = against_config(config, Config::Single);
-                            row(config, name, policy, skip, run, reference(Config::Single, 0));
+                            row(
+                                config,
+                                name,
+                                policy,
+                                skip,
+                                run,
+                                reference(Config::Single, 0),
+                            );
                         }
                     }
                     Config::Pipeline(id) => {
@@ -258,7 +279,14 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                             _ => None,
                         });
                         let (name, policy, _) = against_config(config, Config::Single);
-                        row(config, name, policy, skip.clone(), run, reference(Config::Single, 0));
+                        row(
+                            config,
+                            name,
+                            policy,
+                            skip.clone(),
+                            run,
+                            reference(Config::Single, 0),
+                        );
                         match planned {
                             Some(Ok(p)) if p.data_parallel == 1 => {
                                 let mb = microbatched
@@ -353,8 +381,8 @@ fn run_parallel(
             let run = train_pipeline(built.as_ref(), ctx.world(), &cfg, &opts)
                 .map_err(|e| format!("{}: {e}", config.name()))?;
             if rank == 0 {
-                let json = serde_json::to_vec(&run.record)
-                    .map_err(|e| format!("encoding record: {e}"))?;
+                let json =
+                    serde_json::to_vec(&run.record).map_err(|e| format!("encoding record: {e}"))?;
                 std::fs::write(&out, json)
                     .map_err(|e| format!("writing the record to {}: {e}", out.display()))?;
             }

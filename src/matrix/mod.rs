@@ -54,8 +54,8 @@ use lockstep_core::ddp::{train_ddp, DdpOptions, Fault};
 use lockstep_core::fsdp::{
     train_fsdp, train_fsdp_hybrid, BackwardPrefetch, FsdpOptions, ShardingStrategy, WrapPolicy,
 };
-use lockstep_core::precision::MixedPrecision;
 use lockstep_core::pipeline::{train_pipeline, PipelinePlan};
+use lockstep_core::precision::MixedPrecision;
 use lockstep_core::record::{MemoryStats, RunRecord, RunSpec};
 use lockstep_core::replica::distinct_parameters;
 use lockstep_core::train::{single_device_reference, OptimizerConfig, TrainConfig};

@@ -14,8 +14,8 @@
 
 use super::*;
 use lockstep_core::pipeline::{
-    microbatched_reference, plan_pipeline, PipelineOptions, PipelinePlan,
-    ScheduleChoice, ScheduleKind,
+    microbatched_reference, plan_pipeline, PipelineOptions, PipelinePlan, ScheduleChoice,
+    ScheduleKind,
 };
 
 /// PyTorch's pipeline tests hold gradients to rtol 1e-5 / atol 4e-5 against the unsplit
@@ -107,8 +107,18 @@ pub fn pipeline_configs() -> &'static [PipelineConfig] {
             data_parallel: 1,
         };
         vec![
-            row("pp.gpipe", "GPipe: every forward, then every backward", ScheduleKind::GPipe, 1),
-            row("pp.1f1b", "1F1B: warm-up forwards, then one forward one backward", ScheduleKind::OneFOneB, 1),
+            row(
+                "pp.gpipe",
+                "GPipe: every forward, then every backward",
+                ScheduleKind::GPipe,
+                1,
+            ),
+            row(
+                "pp.1f1b",
+                "1F1B: warm-up forwards, then one forward one backward",
+                ScheduleKind::OneFOneB,
+                1,
+            ),
             row(
                 "pp.interleaved_1f1b",
                 "Interleaved 1F1B, 2 stages per rank placed loop-style",
@@ -128,7 +138,12 @@ pub fn pipeline_configs() -> &'static [PipelineConfig] {
                 ScheduleKind::InterleavedZeroBubble,
                 2,
             ),
-            row("pp.zbv", "ZBV zero bubble, 2 stages per rank placed V-style", ScheduleKind::Zbv, 2),
+            row(
+                "pp.zbv",
+                "ZBV zero bubble, 2 stages per rank placed V-style",
+                ScheduleKind::Zbv,
+                2,
+            ),
             row(
                 "pp.dualpipev",
                 "DualPipeV, 2 stages per rank placed V-style",
@@ -210,7 +225,7 @@ pub(super) fn policy_vs_microbatched(
                 Tolerance::new(PIPELINE_GRAD_RTOL, PIPELINE_GRAD_ATOL),
                 &reason,
             )
-                .map_err(|e| format!("{row_name}: {e}"))?;
+            .map_err(|e| format!("{row_name}: {e}"))?;
             Ok(bitwise.with_override(row_name, ov))
         }
     }

@@ -110,10 +110,12 @@ impl Plan {
     ) -> Vec<(Config, &PipelinePlan)> {
         self.configs
             .iter()
-            .filter_map(|&c| match self.pipeline_plans.get(&(model, world_size, c)) {
-                Some(Ok(plan)) => Some((c, plan)),
-                _ => None,
-            })
+            .filter_map(
+                |&c| match self.pipeline_plans.get(&(model, world_size, c)) {
+                    Some(Ok(plan)) => Some((c, plan)),
+                    _ => None,
+                },
+            )
             .collect()
     }
 
@@ -297,7 +299,9 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
     for (m, name) in models.iter().enumerate() {
         for &w in &world_sizes {
             for &c in configs.iter().filter(|c| c.is_pipeline()) {
-                let Some(p) = c.pipeline_config() else { continue };
+                let Some(p) = c.pipeline_config() else {
+                    continue;
+                };
                 if c.world_blocker(w).is_some() {
                     continue;
                 }

@@ -76,13 +76,22 @@ struct Probe {
 }
 
 impl LayerHooks for Probe {
-    fn pre_forward(&mut self, index: usize, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, ModelError> {
+    fn pre_forward(
+        &mut self,
+        index: usize,
+        inputs: Vec<Tensor>,
+    ) -> Result<Vec<Tensor>, ModelError> {
         if index != self.inputs.len() {
             return Err(ModelError::Hook(
-                format!("layer {index} ran out of order (expected {})", self.inputs.len()).into(),
+                format!(
+                    "layer {index} ran out of order (expected {})",
+                    self.inputs.len()
+                )
+                .into(),
             ));
         }
-        self.inputs.push(inputs.iter().map(Tensor::shallow_clone).collect());
+        self.inputs
+            .push(inputs.iter().map(Tensor::shallow_clone).collect());
         Ok(inputs)
     }
 
@@ -212,7 +221,8 @@ impl StageFlow {
         let mut edges = Vec::new();
         let mut local_uses = vec![BTreeSet::new(); stages.len()];
         for (t, range) in stages.iter().enumerate() {
-            let mut used: BTreeSet<usize> = range.clone().flat_map(|j| flow.deps[j].clone()).collect();
+            let mut used: BTreeSet<usize> =
+                range.clone().flat_map(|j| flow.deps[j].clone()).collect();
             if t == last {
                 used.extend(flow.output_deps.iter().copied());
             }
@@ -230,7 +240,10 @@ impl StageFlow {
                     });
                 }
             }
-            local_uses[t] = used.into_iter().filter(|&k| stage_of_layer[k] == t).collect();
+            local_uses[t] = used
+                .into_iter()
+                .filter(|&k| stage_of_layer[k] == t)
+                .collect();
         }
         edges.sort_by_key(|e| (e.from, e.to));
         StageFlow {

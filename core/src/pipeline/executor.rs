@@ -32,7 +32,10 @@ pub(crate) struct StepData {
 
 /// What a W action needs: the graph kept by its I, or gradients already computed.
 enum PendingWeight {
-    Graph { outs: Vec<Tensor>, grads: Vec<Tensor> },
+    Graph {
+        outs: Vec<Tensor>,
+        grads: Vec<Tensor>,
+    },
     Computed(Vec<(usize, Tensor)>),
 }
 
@@ -105,7 +108,11 @@ impl Executor<'_> {
     }
 
     fn float_layers(&self, layers: &[usize], metas: &[TensorMeta]) -> Vec<usize> {
-        layers.iter().copied().filter(|&k| metas[k].is_float()).collect()
+        layers
+            .iter()
+            .copied()
+            .filter(|&k| metas[k].is_float())
+            .collect()
     }
 
     fn group(&self, from: usize, to: usize) -> Result<&Arc<dyn ProcessGroup>, PipelineError> {
@@ -122,7 +129,11 @@ impl Executor<'_> {
     }
 
     /// Runs `actions` (this rank's list) for one step.
-    pub fn run_step(&self, actions: &[Action], data: &StepData) -> Result<StepOutcome, PipelineError> {
+    pub fn run_step(
+        &self,
+        actions: &[Action],
+        data: &StepData,
+    ) -> Result<StepOutcome, PipelineError> {
         let mut slots: HashMap<(usize, usize), Slot> = HashMap::new();
         let mut objective = 0.0;
         let mut events = Vec::with_capacity(actions.len());
@@ -185,7 +196,11 @@ impl Executor<'_> {
                 if !slot.forwarded {
                     return Err(self.missing(action, "its forward has not run"));
                 }
-                for e in self.flow.outputs_of(stage).filter(|e| self.remote(e.from, e.to)) {
+                for e in self
+                    .flow
+                    .outputs_of(stage)
+                    .filter(|e| self.remote(e.from, e.to))
+                {
                     let g = self.group(e.from, e.to)?;
                     if e.layers.is_empty() {
                         g.send(&token()?, 1, mb as u64)?;
@@ -195,13 +210,19 @@ impl Executor<'_> {
                             .outputs
                             .get(k)
                             .or_else(|| slot.saved.get(k))
-                            .ok_or_else(|| self.missing(action, &format!("layer {k}'s output was not kept")))?;
+                            .ok_or_else(|| {
+                                self.missing(action, &format!("layer {k}'s output was not kept"))
+                            })?;
                         g.send(&t.f_detach()?.f_contiguous()?, 1, mb as u64)?;
                     }
                 }
             }
             ActionKind::RecvF => {
-                for e in self.flow.inputs_of(stage).filter(|e| self.remote(e.from, e.to)) {
+                for e in self
+                    .flow
+                    .inputs_of(stage)
+                    .filter(|e| self.remote(e.from, e.to))
+                {
                     let g = self.group(e.from, e.to)?;
                     if e.layers.is_empty() {
                         g.recv(&token()?, 0, mb as u64)?;
@@ -209,7 +230,11 @@ impl Executor<'_> {
                     for &k in &e.layers {
                         let t = metas[k].zeros()?;
                         g.recv(&t, 0, mb as u64)?;
-                        slots.entry((stage, mb)).or_default().inputs.insert(k, leaf(t)?);
+                        slots
+                            .entry((stage, mb))
+                            .or_default()
+                            .inputs
+                            .insert(k, leaf(t)?);
                     }
                 }
             }
@@ -231,22 +256,30 @@ impl Executor<'_> {
                     .input_grads
                     .as_ref()
                     .ok_or_else(|| self.missing(action, "its backward has not run"))?;
-                for e in self.flow.inputs_of(stage).filter(|e| self.remote(e.from, e.to)) {
+                for e in self
+                    .flow
+                    .inputs_of(stage)
+                    .filter(|e| self.remote(e.from, e.to))
+                {
                     let g = self.group(e.from, e.to)?;
                     let floats = self.float_layers(&e.layers, metas);
                     if floats.is_empty() {
                         g.send(&token()?, 0, mb as u64)?;
                     }
                     for k in floats {
-                        let grad = grads
-                            .get(&k)
-                            .ok_or_else(|| self.missing(action, &format!("no gradient for layer {k}")))?;
+                        let grad = grads.get(&k).ok_or_else(|| {
+                            self.missing(action, &format!("no gradient for layer {k}"))
+                        })?;
                         g.send(&grad.f_contiguous()?, 0, mb as u64)?;
                     }
                 }
             }
             ActionKind::RecvB => {
-                for e in self.flow.outputs_of(stage).filter(|e| self.remote(e.from, e.to)) {
+                for e in self
+                    .flow
+                    .outputs_of(stage)
+                    .filter(|e| self.remote(e.from, e.to))
+                {
                     let g = self.group(e.from, e.to)?;
                     let floats = self.float_layers(&e.layers, metas);
                     if floats.is_empty() {
@@ -276,7 +309,10 @@ impl Executor<'_> {
 
     /// The layers of stage `s` whose outputs leave it (to other stages).
     fn exported(&self, stage: usize) -> BTreeSet<usize> {
-        self.flow.outputs_of(stage).flat_map(|e| e.layers.clone()).collect()
+        self.flow
+            .outputs_of(stage)
+            .flat_map(|e| e.layers.clone())
+            .collect()
     }
 
     fn batch_for(&self, stage: usize, mb: usize, data: &StepData) -> usize {
@@ -325,7 +361,10 @@ impl Executor<'_> {
         let batch = &data.batches[self.batch_for(stage, mb, data)];
         let checkpointed = self.checkpoint_every.is_some();
         let capture: BTreeSet<usize> = if checkpointed {
-            exported.union(&self.segment_boundaries(stage)).copied().collect()
+            exported
+                .union(&self.segment_boundaries(stage))
+                .copied()
+                .collect()
         } else {
             exported.clone()
         };
@@ -383,7 +422,12 @@ impl Executor<'_> {
         Ok(value)
     }
 
-    fn scaled_loss(&self, batch: &Batch, output: &Tensor, scale: f64) -> Result<Tensor, PipelineError> {
+    fn scaled_loss(
+        &self,
+        batch: &Batch,
+        output: &Tensor,
+        scale: f64,
+    ) -> Result<Tensor, PipelineError> {
         let loss = self.model.loss_of(batch, output)?;
         Ok(if self.unscaled_loss {
             loss
@@ -409,7 +453,8 @@ impl Executor<'_> {
         let mut keep = BTreeSet::new();
         let is_last = stage == self.last_stage();
         for (g, seg) in segments.iter().enumerate() {
-            let mut used: BTreeSet<usize> = seg.clone().flat_map(|j| self.deps[j].clone()).collect();
+            let mut used: BTreeSet<usize> =
+                seg.clone().flat_map(|j| self.deps[j].clone()).collect();
             if is_last && g + 1 == segments.len() {
                 used.extend(self.output_deps.iter().copied());
             }
@@ -546,7 +591,11 @@ impl Executor<'_> {
             .flow
             .inputs_of(stage)
             .filter(|e| !self.remote(e.from, e.to))
-            .flat_map(|e| self.float_layers(&e.layers, metas).into_iter().map(move |k| (e.from, k)))
+            .flat_map(|e| {
+                self.float_layers(&e.layers, metas)
+                    .into_iter()
+                    .map(move |k| (e.from, k))
+            })
             .collect();
         for (from, k) in local {
             if let Some(g) = complete.get(&k) {
@@ -631,7 +680,12 @@ impl Executor<'_> {
                 .iter()
                 .filter(|(_, t)| t.requires_grad())
                 .map(|(k, t)| (*k, t.shallow_clone()))
-                .chain(fresh.iter().filter(|(_, t)| t.requires_grad()).map(|(k, t)| (*k, t.shallow_clone())))
+                .chain(
+                    fresh
+                        .iter()
+                        .filter(|(_, t)| t.requires_grad())
+                        .map(|(k, t)| (*k, t.shallow_clone())),
+                )
                 .collect();
             let mut wrt: Vec<&Tensor> = leaves.iter().map(|(_, t)| t).collect();
             wrt.extend(params.iter().map(|(_, p)| p));

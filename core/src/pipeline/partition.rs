@@ -36,7 +36,10 @@ impl fmt::Display for PartitionMethod {
             PartitionMethod::Splits(s) => write!(
                 f,
                 "splits:{}",
-                s.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",")
+                s.iter()
+                    .map(|i| i.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
             ),
         }
     }
@@ -60,7 +63,9 @@ impl FromStr for PartitionMethod {
                         .split(',')
                         .map(|s| s.trim().parse::<usize>())
                         .collect::<Result<Vec<_>, _>>()
-                        .map_err(|e| bad(format!("`{text}`: split points must be layer indices: {e}")))?;
+                        .map_err(|e| {
+                            bad(format!("`{text}`: split points must be layer indices: {e}"))
+                        })?;
                     Ok(PartitionMethod::Splits(splits))
                 } else {
                     Err(bad(format!(
@@ -88,7 +93,9 @@ pub fn partition_layers(
 ) -> Result<Vec<Range<usize>>, PipelineError> {
     let n = layers.len();
     if stages == 0 {
-        return Err(PipelineError::Partition("a pipeline needs at least one stage".into()));
+        return Err(PipelineError::Partition(
+            "a pipeline needs at least one stage".into(),
+        ));
     }
     if n < stages {
         return Err(PipelineError::Partition(format!(
@@ -166,10 +173,7 @@ fn balanced(weights: &[i64], k: usize) -> Vec<Range<usize>> {
                 if prev == inf {
                     continue;
                 }
-                let cand = (
-                    prev.0.max(prefix[i] - prefix[start]),
-                    prev.1.max(i - start),
-                );
+                let cand = (prev.0.max(prefix[i] - prefix[start]), prev.1.max(i - start));
                 if cand < best[j][i] {
                     best[j][i] = cand;
                     cut[j][i] = start;
@@ -245,7 +249,14 @@ mod tests {
     fn type_balances_matching_layers() {
         use LayerKind::*;
         let l = layers(
-            &[Embedding, Embedding, DecoderBlock, DecoderBlock, LayerNorm, OutputProjection],
+            &[
+                Embedding,
+                Embedding,
+                DecoderBlock,
+                DecoderBlock,
+                LayerNorm,
+                OutputProjection,
+            ],
             &[1; 6],
         );
         let m: PartitionMethod = "type:decoderblock".parse().unwrap();
@@ -253,15 +264,23 @@ mod tests {
         assert_eq!(r.iter().filter(|r| r.contains(&2)).count(), 1);
         assert!(r[0].contains(&2) && r[1].contains(&3), "{r:?}");
         let none: PartitionMethod = "type:^conv".parse().unwrap();
-        let e = partition_layers(&l, 2, &none, &|_| 1).unwrap_err().to_string();
-        assert!(e.contains("matches no layer kind") && e.contains("DecoderBlock"), "{e}");
+        let e = partition_layers(&l, 2, &none, &|_| 1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("matches no layer kind") && e.contains("DecoderBlock"),
+            "{e}"
+        );
     }
 
     #[test]
     fn explicit_splits_are_checked() {
         let l = layers(&[LayerKind::Linear; 4], &[1; 4]);
         let m: PartitionMethod = "splits:1,3".parse().unwrap();
-        assert_eq!(partition_layers(&l, 3, &m, &|_| 1).unwrap(), vec![0..1, 1..3, 3..4]);
+        assert_eq!(
+            partition_layers(&l, 3, &m, &|_| 1).unwrap(),
+            vec![0..1, 1..3, 3..4]
+        );
         let e = partition_layers(&l, 2, &m, &|_| 1).unwrap_err().to_string();
         assert!(e.contains("need 1 split points, got 2"), "{e}");
         let bad: PartitionMethod = "splits:2,2".parse().unwrap();

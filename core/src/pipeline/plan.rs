@@ -163,7 +163,11 @@ pub fn plan_pipeline(
     let simulation = schedule::simulate(&lowered, Costs::default())?;
 
     let tags = model.tags();
-    let params: Vec<String> = model.named_parameters().into_iter().map(|(n, _)| n).collect();
+    let params: Vec<String> = model
+        .named_parameters()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
     let stage_ranks = lowered.stage_ranks.clone();
     let holders: Vec<BTreeSet<usize>> = params
         .iter()
@@ -189,8 +193,7 @@ pub fn plan_pipeline(
         stages
             .iter()
             .filter(|r| {
-                (r.start..r.end)
-                    .any(|l| layers[l].params.iter().any(|q| tags.canonical(q) == name))
+                (r.start..r.end).any(|l| layers[l].params.iter().any(|q| tags.canonical(q) == name))
             })
             .count()
     };
@@ -210,9 +213,7 @@ pub fn plan_pipeline(
                 format!("`{n}` is used outside every layer, so each stage adds its own part")
             })
         })
-        .or_else(|| {
-            (dp > 1).then(|| "data-parallel replicas average their gradients".to_owned())
-        });
+        .or_else(|| (dp > 1).then(|| "data-parallel replicas average their gradients".to_owned()));
     Ok(PipelinePlan {
         ranks: p,
         data_parallel: dp,

@@ -54,7 +54,8 @@ pub fn train_pipeline(
         if a == b {
             continue;
         }
-        let partition: Vec<Vec<usize>> = (0..dp).map(|d| vec![global(d, a), global(d, b)]).collect();
+        let partition: Vec<Vec<usize>> =
+            (0..dp).map(|d| vec![global(d, a), global(d, b)]).collect();
         if let Some(g) = world.new_groups(&partition, "pp-edge")? {
             edge_groups.insert((e.from, e.to), g);
         }
@@ -78,7 +79,9 @@ pub fn train_pipeline(
     }
 
     let named = model.named_parameters();
-    let held: Vec<usize> = (0..named.len()).filter(|&i| plan.holders[i].contains(&rank)).collect();
+    let held: Vec<usize> = (0..named.len())
+        .filter(|&i| plan.holders[i].contains(&rank))
+        .collect();
     // A tied weight starts from its lowest holder's value; replicas from replica 0's.
     tch::no_grad(|| -> Result<(), PipelineError> {
         for &i in &held {
@@ -97,7 +100,11 @@ pub fn train_pipeline(
 
     let layers = model.layers();
     let tags = model.tags();
-    let index_of: HashMap<&str, usize> = named.iter().enumerate().map(|(i, (n, _))| (n.as_str(), i)).collect();
+    let index_of: HashMap<&str, usize> = named
+        .iter()
+        .enumerate()
+        .map(|(i, (n, _))| (n.as_str(), i))
+        .collect();
     // Each stage differentiates the parameters its layers list, plus those no layer lists
     // (used by code between layers: every stage that runs that code adds its part).
     let listed: std::collections::HashSet<&str> = layers
@@ -144,7 +151,10 @@ pub fn train_pipeline(
     };
     let data_ranks = plan.data_ranks(replica, world_size);
     let mut optimizer = cfg.optimizer.build();
-    let held_params: Vec<(String, Tensor)> = held.iter().map(|&i| (named[i].0.clone(), named[i].1.shallow_clone())).collect();
+    let held_params: Vec<(String, Tensor)> = held
+        .iter()
+        .map(|&i| (named[i].0.clone(), named[i].1.shallow_clone()))
+        .collect();
     let mut metas_by_size: HashMap<Vec<i64>, Arc<Vec<TensorMeta>>> = HashMap::new();
     let mut record = RunRecord {
         spec: cfg.spec.clone(),
@@ -175,7 +185,13 @@ pub fn train_pipeline(
             };
             metas.push(m);
         }
-        handshake(&plan, rank, &edge_groups, &metas[0], opts.fault == Some(PipelineFault::WrongShape))?;
+        handshake(
+            &plan,
+            rank,
+            &edge_groups,
+            &metas[0],
+            opts.fault == Some(PipelineFault::WrongShape),
+        )?;
         let data = StepData {
             batches: split.batches,
             scales: split.scales,
@@ -206,12 +222,19 @@ pub fn train_pipeline(
         }
         if dp > 1 && !held.is_empty() {
             let grads: Vec<Tensor> = held.iter().map(|&i| named[i].1.grad()).collect();
-            let flat = Tensor::f_cat(&grads.iter().map(|g| g.f_view([-1])).collect::<Result<Vec<_>, _>>()?, 0)?;
+            let flat = Tensor::f_cat(
+                &grads
+                    .iter()
+                    .map(|g| g.f_view([-1]))
+                    .collect::<Result<Vec<_>, _>>()?,
+                0,
+            )?;
             dpg.all_reduce(&flat, ReduceOp::Avg)?;
             let mut offset = 0;
             for g in &grads {
                 let n = g.numel() as i64;
-                let _ = g.shallow_clone().f_copy_(&flat.f_narrow(0, offset, n)?.f_view(g.size().as_slice())?);
+                g.shallow_clone()
+                    .f_copy_(&flat.f_narrow(0, offset, n)?.f_view(g.size().as_slice())?)?;
                 offset += n;
             }
         }
@@ -228,10 +251,15 @@ pub fn train_pipeline(
         record.losses.push(loss.f_double_value(&[0])?);
         optimizer.step(&held_params)?;
     }
-    let params = tch::no_grad(|| gather_owned(&plan, rank, pp.as_ref(), &named, Tensor::shallow_clone))?;
+    let params =
+        tch::no_grad(|| gather_owned(&plan, rank, pp.as_ref(), &named, Tensor::shallow_clone))?;
     record.params = capture(&params)?;
     record.buffers = capture(&model.named_buffers())?;
-    Ok(PipelineRun { record, traces, plan })
+    Ok(PipelineRun {
+        record,
+        traces,
+        plan,
+    })
 }
 
 /// Every parameter's `value` as its owner (lowest holder) has it, on every pipeline rank:
@@ -252,7 +280,9 @@ fn gather_owned(
         if plan.owner(i) == rank {
             let v = value(t);
             if v.defined() {
-                let _ = local.f_narrow(0, offset, n)?.f_copy_(&v.f_detach()?.f_to_kind(Kind::Float)?.f_view([-1])?)?;
+                local
+                    .f_narrow(0, offset, n)?
+                    .f_copy_(&v.f_detach()?.f_to_kind(Kind::Float)?.f_view([-1])?)?;
             }
         }
         offset += n;
@@ -264,7 +294,10 @@ fn gather_owned(
     for (i, (name, t)) in named.iter().enumerate() {
         let n = t.numel() as i64;
         let start = plan.owner(i) as i64 * total + offset;
-        out.push((name.clone(), all.f_narrow(0, start, n)?.f_view(t.size().as_slice())?));
+        out.push((
+            name.clone(),
+            all.f_narrow(0, start, n)?.f_view(t.size().as_slice())?,
+        ));
         offset += n;
     }
     Ok(out)
@@ -320,7 +353,10 @@ fn handshake(
             .iter()
             .zip(values.chunks(META_SLOTS))
             .map(|(k, s)| {
-                let dims: Vec<String> = s[2..2 + (s[0].max(0) as usize).min(META_SLOTS - 2)].iter().map(i64::to_string).collect();
+                let dims: Vec<String> = s[2..2 + (s[0].max(0) as usize).min(META_SLOTS - 2)]
+                    .iter()
+                    .map(i64::to_string)
+                    .collect();
                 format!("layer {k}: dtype#{} [{}]", s[1], dims.join(", "))
             })
             .collect::<Vec<_>>()

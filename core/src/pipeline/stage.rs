@@ -45,14 +45,22 @@ struct RangeHooks<'a> {
 }
 
 impl LayerHooks for RangeHooks<'_> {
-    fn pre_forward(&mut self, index: usize, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, ModelError> {
+    fn pre_forward(
+        &mut self,
+        index: usize,
+        inputs: Vec<Tensor>,
+    ) -> Result<Vec<Tensor>, ModelError> {
         if self.stop_at == Some(index) {
             return Err(ModelError::Hook(Box::new(RangeEnded)));
         }
         Ok(inputs)
     }
 
-    fn substitute(&mut self, index: usize, _inputs: &[Tensor]) -> Result<Option<Tensor>, ModelError> {
+    fn substitute(
+        &mut self,
+        index: usize,
+        _inputs: &[Tensor],
+    ) -> Result<Option<Tensor>, ModelError> {
         if self.run.range.contains(&index) {
             return Ok(None);
         }

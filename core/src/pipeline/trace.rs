@@ -62,7 +62,10 @@ pub fn chrome_trace(traces: &[RankStepTrace]) -> serde_json::Value {
 /// The measured bubble of one step: per rank, the time not spent computing between the
 /// step's first begin and last end over every rank, summed, over ranks × that span.
 pub fn measured_bubble(step: &[&RankStepTrace]) -> Option<f64> {
-    let begin = step.iter().flat_map(|t| t.events.iter().map(|e| e.begin_us)).min()?;
+    let begin = step
+        .iter()
+        .flat_map(|t| t.events.iter().map(|e| e.begin_us))
+        .min()?;
     let end = step
         .iter()
         .flat_map(|t| t.events.iter().map(|e| e.begin_us + e.duration_us))
@@ -73,7 +76,12 @@ pub fn measured_bubble(step: &[&RankStepTrace]) -> Option<f64> {
     }
     let busy: f64 = step
         .iter()
-        .flat_map(|t| t.events.iter().filter(|e| e.compute).map(|e| e.duration_us as f64))
+        .flat_map(|t| {
+            t.events
+                .iter()
+                .filter(|e| e.compute)
+                .map(|e| e.duration_us as f64)
+        })
         .sum();
     Some(1.0 - busy / (span * step.len() as f64))
 }

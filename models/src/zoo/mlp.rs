@@ -2,7 +2,7 @@
 //! shards at every world size.
 
 use crate::layers::Linear;
-use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, Model, NoHooks, LossReduction};
+use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, LossReduction, Model, NoHooks};
 use crate::seed;
 use crate::store::{ParamStore, F32};
 use crate::LayerRun;

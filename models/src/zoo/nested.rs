@@ -2,7 +2,7 @@
 //! whose loss is `output.sum()`.
 
 use crate::layers::{path, Linear};
-use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, Model, NoHooks, LossReduction};
+use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, LossReduction, Model, NoHooks};
 use crate::seed;
 use crate::store::{ParamStore, F32};
 use crate::LayerRun;

@@ -2,7 +2,7 @@
 //! embedding and an output projection that share one weight.
 
 use crate::layers::{BatchNorm1d, DecoderLayer, EncoderLayer, LayerNorm, Linear};
-use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, Model, NoHooks, LossReduction};
+use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, LossReduction, Model, NoHooks};
 use crate::seed;
 use crate::store::{linear_weight, normal, ParamStore, F32};
 use crate::LayerRun;
