@@ -20,7 +20,7 @@ pub fn render_list(seed: u64) -> Result<String, MatrixError> {
         let applies: Vec<&str> = models
             .iter()
             .filter(|(_, _, single)| match c {
-                Config::Single => single.is_none(),
+                Config::Single | Config::Pipeline(_) => single.is_none(),
                 _ => true,
             })
             .map(|(n, _, _)| *n)
@@ -49,10 +49,16 @@ pub fn render_list(seed: u64) -> Result<String, MatrixError> {
         "mixed precision ({}): not compared with single: {MIXED_VS_SINGLE_REASON}",
         mixed.join(", ")
     );
+    let _ = writeln!(
+        out,
+        "pipelines (pp.*): microbatches 2p for p pipeline ranks; against single: \
+         {PIPELINE_VS_SINGLE_REASON}; models whose stages a schedule's stage count exceeds are \
+         skipped with the reason"
+    );
     out.push_str("models:\n");
     for (name, params, blocker) in &models {
         let note = match blocker {
-            None => "single + ddp + fsdp".to_owned(),
+            None => "single + ddp + fsdp + pp".to_owned(),
             Some(reason) => format!("ddp + fsdp only (no single-device reference: {reason})"),
         };
         let _ = writeln!(out, "  {name:<16}{params:>8} params  {note}");
