@@ -2,7 +2,7 @@
 //! set on disk), plus the library's name matching and planning.
 
 use lockstep::harness::report::{read_json, SCHEMA_VERSION};
-use lockstep::matrix::{self, Config, DdpCheck, MatrixError, MatrixOptions, Precision};
+use lockstep::matrix::{self, Config, DdpCheck, MatrixError, MatrixOptions, Precision, RowStatus};
 use lockstep_core::fsdp::{BackwardPrefetch, ShardingStrategy, WrapPolicy};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -337,7 +337,14 @@ fn plan_selects_expands_and_counts_runs() {
     // gpt and gpt_moe: 2 single + 2 ddp + 2 ddp.bf16 + 2 ddp.fp16 + every fsdp config per
     // world size (hybrid runs at 2 and 4); moe (no single-device reference): the 6 ddp runs +
     // every fsdp config.
-    assert_eq!(plan.run_count(), 2 * (2 * (8 + fsdp) + (6 + fsdp)));
+    // Pipelines, per model with a single-device reference (gpt, gpt_moe): at world 2 the 10
+    // pp configs that fit 2 ranks (all but dp2) and one single.mb4; at world 4 the 5 with one
+    // stage per rank (the 2-per-rank ones need 8 layers, the GPT has 6), dp2, and single.mb8.
+    let pipelines = 2 * ((10 + 1) + (6 + 1));
+    assert_eq!(
+        plan.run_count(),
+        2 * (2 * (8 + fsdp) + (6 + fsdp)) + pipelines
+    );
 
     let fsdp_only = matrix::plan(&MatrixOptions {
         models: vec!["nested".into(), "moe".into()],
@@ -1104,4 +1111,55 @@ fn planted_hang_shows_every_flight_recorder_and_regresses_in_compare() {
     );
     assert!(compare.stdout.contains("ERRORED"), "{}", compare.stdout);
     assert!(!compare.stdout.contains("VANISHED"), "{}", compare.stdout);
+}
+
+/// The pipeline rows: every `pp.*` configuration runs or is skipped with its reason, each
+/// judged against `single@N` and `single.mbM@N`, and the plan counts exactly the runs made.
+#[test]
+fn pipeline_rows_pass_and_the_plan_counts_every_run() {
+    let plan = matrix::plan(&MatrixOptions {
+        models: vec!["gpt".into(), "mlp".into()],
+        configs: vec!["pp.*".into()],
+        world_sizes: vec![4],
+        steps: 3,
+        ..MatrixOptions::default()
+    })
+    .unwrap();
+    let result = matrix::run_quietly(&plan);
+    assert_eq!(result.runs, plan.run_count());
+    assert_eq!(result.failed_runs, 0);
+    for row in &result.rows {
+        assert!(row.config.starts_with("pp."), "{row:?}");
+        match row.status {
+            RowStatus::Pass => {}
+            RowStatus::Skip => assert!(
+                row.note.as_deref().is_some_and(|n| !n.is_empty()),
+                "{row:?}"
+            ),
+            _ => panic!(
+                "{} {} vs {}: {:?}",
+                row.model, row.config, row.reference, row.note
+            ),
+        }
+    }
+    // mlp has no tied weights and a chain of layers: bitwise against the microbatched run.
+    let mlp = result
+        .rows
+        .iter()
+        .find(|r| r.model == "mlp" && r.config == "pp.1f1b@4" && r.reference == "single.mb8@4")
+        .expect("mlp pp.1f1b row");
+    assert_eq!(mlp.mode, "bitwise");
+    assert_eq!(mlp.max_abs_err, Some(0.0));
+    // Two stages per rank need 8 layers at world 4; the GPT has 6.
+    let skipped = result
+        .rows
+        .iter()
+        .find(|r| r.model == "gpt" && r.config == "pp.zbv@4")
+        .expect("gpt zbv row");
+    assert_eq!(skipped.status, RowStatus::Skip);
+    assert!(skipped
+        .note
+        .as_deref()
+        .unwrap_or_default()
+        .contains("8 stages need at least 8 layers"));
 }

@@ -77,15 +77,10 @@ impl Plan {
                     .iter()
                     .map(|(_, runs)| runs)
                     .sum();
-                let pipelines = self.pipeline_launches(model, world);
-                let mut microbatches: Vec<usize> =
-                    pipelines.iter().map(|(_, p)| p.microbatches).collect();
-                microbatches.sort_unstable();
-                microbatches.dedup();
                 n += references
                     + self.fsdp_launches(world).len()
-                    + pipelines.len()
-                    + microbatches.len();
+                    + self.pipeline_launches(model, world).len()
+                    + self.microbatch_references(model, world).len();
             }
         }
         n

@@ -174,7 +174,9 @@ fn balanced(weights: &[i64], k: usize) -> Vec<Range<usize>> {
                     continue;
                 }
                 let cand = (prev.0.max(prefix[i] - prefix[start]), prev.1.max(i - start));
-                if cand < best[j][i] {
+                // `<=`: on a tie the later cut wins, so earlier stages take the extra layer
+                // (as DeepSpeed's uniform partition gives the residual to the first parts).
+                if cand <= best[j][i] {
                     best[j][i] = cand;
                     cut[j][i] = start;
                 }
