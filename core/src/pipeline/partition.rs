@@ -241,10 +241,15 @@ mod tests {
 
     #[test]
     fn parameters_balance_weights() {
-        // Weights 10, 1, 1, 1, 10: the best 2-cut keeps each heavy layer apart.
+        // Weights 10, 1, 1, 1, 10: the best 2-cuts keep each heavy layer apart (11 | 12 or
+        // 12 | 11); on the tie the first stage takes the extra layer.
         let l = layers(&[LayerKind::Linear; 5], &[10, 1, 1, 1, 10]);
         let r = partition_layers(&l, 2, &PartitionMethod::Parameters, &|_| 1).unwrap();
-        assert_eq!(r, vec![0..2, 2..5]);
+        assert_eq!(r, vec![0..3, 3..5]);
+        // 10, 1, 1, 10, 1, 1: only 10+1+1 | 10+1+1 reaches 12.
+        let l = layers(&[LayerKind::Linear; 6], &[10, 1, 1, 10, 1, 1]);
+        let r = partition_layers(&l, 2, &PartitionMethod::Parameters, &|_| 1).unwrap();
+        assert_eq!(r, vec![0..3, 3..6]);
     }
 
     #[test]
