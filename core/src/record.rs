@@ -80,6 +80,22 @@ pub struct RunRecord {
     pub memory: Option<MemoryStats>,
 }
 
+impl RunRecord {
+    /// A record about to be filled by a run of `spec.steps` steps: every training loop
+    /// starts from the same empty record (per-step gradients kept only when asked).
+    pub fn start(spec: RunSpec, record_grads: bool) -> RunRecord {
+        RunRecord {
+            losses: Vec::with_capacity(spec.steps),
+            grad_norms: Vec::with_capacity(spec.steps),
+            spec,
+            params: Vec::new(),
+            buffers: Vec::new(),
+            grads: record_grads.then(Vec::new),
+            memory: None,
+        }
+    }
+}
+
 /// What a sharding wrapper knows about its memory on one rank, in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemoryStats {

@@ -306,15 +306,7 @@ pub fn train(
     }
     let params = model.named_parameters();
     let mut optimizer = cfg.optimizer.build();
-    let mut record = RunRecord {
-        spec: cfg.spec.clone(),
-        losses: Vec::with_capacity(cfg.spec.steps),
-        grad_norms: Vec::with_capacity(cfg.spec.steps),
-        params: Vec::new(),
-        buffers: Vec::new(),
-        grads: cfg.record_grads.then(Vec::new),
-        memory: None,
-    };
+    let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
     for step in 0..cfg.spec.steps {
         for (_, p) in &params {
             p.shallow_clone().zero_grad();

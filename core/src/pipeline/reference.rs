@@ -22,23 +22,16 @@ pub fn microbatched_reference(
     let params = model.named_parameters();
     let mut opt = optimizer.build();
     let ranks: Vec<usize> = (0..world_size).collect();
-    let mut record = RunRecord {
-        spec: RunSpec {
-            model: model.name().to_owned(),
-            config: format!("single.mb{microbatches}"),
-            world_size,
-            backend: "none".into(),
-            dtype: "fp32".into(),
-            steps,
-            seed: model.seed(),
-        },
-        losses: Vec::with_capacity(steps),
-        grad_norms: Vec::with_capacity(steps),
-        params: Vec::new(),
-        buffers: Vec::new(),
-        grads: record_grads.then(Vec::new),
-        memory: None,
+    let spec = RunSpec {
+        model: model.name().to_owned(),
+        config: format!("single.mb{microbatches}"),
+        world_size,
+        backend: "none".into(),
+        dtype: "fp32".into(),
+        steps,
+        seed: model.seed(),
     };
+    let mut record = RunRecord::start(spec, record_grads);
     for step in 0..steps {
         for (_, p) in &params {
             p.shallow_clone().zero_grad();

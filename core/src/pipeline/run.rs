@@ -156,15 +156,7 @@ pub fn train_pipeline(
         .map(|&i| (named[i].0.clone(), named[i].1.shallow_clone()))
         .collect();
     let mut metas_by_size: HashMap<Vec<i64>, Arc<Vec<TensorMeta>>> = HashMap::new();
-    let mut record = RunRecord {
-        spec: cfg.spec.clone(),
-        losses: Vec::with_capacity(cfg.spec.steps),
-        grad_norms: Vec::with_capacity(cfg.spec.steps),
-        params: Vec::new(),
-        buffers: Vec::new(),
-        grads: cfg.record_grads.then(Vec::new),
-        memory: None,
-    };
+    let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
     let mut traces = Vec::new();
     for step in 0..cfg.spec.steps {
         for (_, t) in &named {
