@@ -29,6 +29,7 @@ fn report_with_error(err: f64) -> Report {
         buffers: vec![],
         grads: None,
         memory: None,
+        collectives: None,
     };
     let policy = TolerancePolicy::dtype_table(DType::F32);
     Report::new(vec![compare(

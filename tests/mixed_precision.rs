@@ -168,6 +168,7 @@ fn hand_rolled(model: &str, world: usize, policy: &MixedPrecision) -> RunRecord 
         buffers: Vec::new(),
         grads: Some(Vec::new()),
         memory: None,
+        collectives: None,
     };
     for step in 0..STEPS {
         let mut sums: Vec<Option<Tensor>> = params.iter().map(|_| None).collect();

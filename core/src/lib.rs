@@ -15,6 +15,7 @@ pub mod pipeline;
 pub mod precision;
 pub mod record;
 pub mod replica;
+pub mod tensor_parallel;
 pub mod train;
 
 pub use autograd::AutogradError;

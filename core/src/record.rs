@@ -78,6 +78,11 @@ pub struct RunRecord {
     /// measures any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory: Option<MemoryStats>,
+    /// Collectives issued per step (calls and bytes per operation and group), when the run
+    /// counted them: shows what a configuration costs on the wire, and that it did not
+    /// communicate more than designed. Absent from reports written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub collectives: Option<Vec<Vec<CollectiveEntry>>>,
 }
 
 impl RunRecord {
@@ -92,7 +97,36 @@ impl RunRecord {
             buffers: Vec::new(),
             grads: record_grads.then(Vec::new),
             memory: None,
+            collectives: None,
         }
+    }
+}
+
+/// One step's tally of one operation on one group, as a flat row (JSON maps cannot have the
+/// tuple keys [`CollectiveCounts`](crate::comm::CollectiveCounts) uses).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CollectiveEntry {
+    /// Operation name (`all_reduce`, `all_gather`, ...).
+    pub op: String,
+    /// Group name (`tp[0,1]`, `world`, ...).
+    pub group: String,
+    pub calls: u64,
+    pub bytes: u64,
+}
+
+impl CollectiveEntry {
+    /// Rows from a tally taken with [`CollectiveCounts::take`](crate::comm::CollectiveCounts::take),
+    /// in the tally's (operation, group) order.
+    pub fn from_counts(counts: crate::comm::CountMap) -> Vec<CollectiveEntry> {
+        counts
+            .into_iter()
+            .map(|((op, group), c)| CollectiveEntry {
+                op,
+                group,
+                calls: c.calls,
+                bytes: c.bytes,
+            })
+            .collect()
     }
 }
 
@@ -134,6 +168,7 @@ mod tests {
             buffers: vec![],
             grads: None,
             memory: None,
+            collectives: None,
         };
         let text = serde_json::to_string(&record).expect("serialize");
         let back: RunRecord = serde_json::from_str(&text).expect("parse");

@@ -42,6 +42,7 @@ fn record(config: &str, losses: &[f64], params: Vec<NamedTensor>) -> RunRecord {
         buffers: vec![],
         grads: None,
         memory: None,
+        collectives: None,
     }
 }
 

@@ -4,6 +4,7 @@
 //! the [`ProcessGroup`] collectives. The CPU backend ([`cpu`]) is deterministic bit for bit;
 //! the NCCL backend (feature `nccl`) drives GPUs.
 
+pub mod counting;
 pub mod cpu;
 mod error;
 pub mod flight;
@@ -16,6 +17,7 @@ mod types;
 pub(crate) mod work;
 mod world;
 
+pub use counting::{CollectiveCount, CollectiveCounts, CountMap, CountingGroup};
 pub use error::CommError;
 pub use group::ProcessGroup;
 pub use mesh::DeviceMesh;

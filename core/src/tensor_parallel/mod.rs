@@ -1,0 +1,34 @@
+//! Tensor (and sequence) parallelism as functional building blocks: layers that take this
+//! rank's parameter shards and a TP group, a vocabulary-parallel loss, sharding helpers, and
+//! an RNG tracker whose parity mode reproduces a single device's dropout masks.
+//!
+//! Communication per call, on a TP group of size `t` (all-reduces are skipped when `t = 1`;
+//! all-gathers and reduce-scatters still run there, as copies):
+//!
+//! | function | forward | backward |
+//! | --- | --- | --- |
+//! | [`column_parallel_linear`] | none (`copy_to_parallel`) | all-reduce of the input gradient |
+//! | … with `sequence_parallel` | all-gather of the sequence (dim 0) | reduce-scatter of the input gradient |
+//! | … with `gather_output` | + all-gather of the output features | + none (keeps own chunk) |
+//! | [`row_parallel_linear`] | all-reduce of the partial output | none |
+//! | … with `sequence_parallel` | reduce-scatter of the partial output (dim 0) | all-gather of the output gradient |
+//! | … without `input_is_parallel` | + none (keeps own feature chunk) | + all-gather of the input gradient |
+//! | [`vocab_parallel_embedding`] | all-reduce of the partial embeddings | none |
+//! | [`vocab_parallel_cross_entropy`] | three all-reduces of `[N]` (max, target logit, sum of exps) | none |
+//! | [`shard`] | none | — |
+//! | [`unshard`] | all-gather (no autograd) | — |
+//! | [`RngTracker`] | none (seeds are a function of base seed, step, key and TP rank) | — |
+//!
+//! A column-parallel linear followed by a row-parallel one (`input_is_parallel`) is
+//! Megatron's MLP: one all-reduce forward, one backward. To see what code communicates,
+//! wrap its group in a [`CountingGroup`](crate::comm::CountingGroup).
+
+pub mod layers;
+pub mod rng;
+
+pub use layers::{
+    check_divisible, column_parallel_linear, row_parallel_linear, shard, unshard,
+    vocab_parallel_cross_entropy, vocab_parallel_embedding, ColumnOptions, Reduction, RowOptions,
+    TensorParallelError, TpGroup,
+};
+pub use rng::{RngTracker, Stream};
