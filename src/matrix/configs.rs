@@ -326,6 +326,8 @@ pub enum Config {
     Fsdp(FsdpId),
     /// One row of the pipeline table.
     Pipeline(PipelineId),
+    /// One row of the tensor- and expert-parallel table.
+    ModelParallel(ModelParallelId),
 }
 
 impl Config {
@@ -335,6 +337,9 @@ impl Config {
         all.extend(Precision::ALL.map(Config::DdpMixed));
         all.extend(Config::fsdp());
         all.extend((0..pipeline_configs().len()).map(|i| Config::Pipeline(PipelineId(i))));
+        all.extend(
+            (0..model_parallel_configs().len()).map(|i| Config::ModelParallel(ModelParallelId(i))),
+        );
         all
     }
 
@@ -358,13 +363,14 @@ impl Config {
             Config::DdpMixed(p) => p.ddp_name(),
             Config::Fsdp(id) => id.get().name,
             Config::Pipeline(id) => id.get().name,
+            Config::ModelParallel(id) => id.get().name,
         }
     }
 
     /// The mixed-precision policy it trains under (`None`: fp32).
     pub fn precision(self) -> Option<Precision> {
         match self {
-            Config::Single | Config::Ddp | Config::Pipeline(_) => None,
+            Config::Single | Config::Ddp | Config::Pipeline(_) | Config::ModelParallel(_) => None,
             Config::DdpMixed(p) => Some(p),
             Config::Fsdp(id) => id.get().precision,
         }
@@ -379,6 +385,14 @@ impl Config {
     /// Whether this is one of the FSDP configurations.
     pub fn is_fsdp(self) -> bool {
         matches!(self, Config::Fsdp(_))
+    }
+
+    /// The tensor- or expert-parallel table row (`None` for the others).
+    pub fn model_parallel_config(self) -> Option<&'static ModelParallelConfig> {
+        match self {
+            Config::ModelParallel(id) => Some(id.get()),
+            _ => None,
+        }
     }
 
     /// Whether this is one of the pipeline configurations.
@@ -398,7 +412,11 @@ impl Config {
     pub fn fsdp_config(self) -> Option<&'static FsdpConfig> {
         match self {
             Config::Fsdp(id) => Some(id.get()),
-            Config::Single | Config::Ddp | Config::DdpMixed(_) | Config::Pipeline(_) => None,
+            Config::Single
+            | Config::Ddp
+            | Config::DdpMixed(_)
+            | Config::Pipeline(_)
+            | Config::ModelParallel(_) => None,
         }
     }
 
@@ -425,6 +443,10 @@ impl Config {
                  the {label} FSDP configs; checked against a fresh repeat of itself (bitwise), \
                  not against single (mixed precision)",
                 label = p.label()
+            ),
+            Config::ModelParallel(id) => format!(
+                "{}; checked against single (fp32 dtype table)",
+                id.get().description
             ),
             Config::Pipeline(id) => {
                 let p = id.get();
@@ -477,6 +499,9 @@ impl Config {
     pub fn world_blocker(self, world_size: usize) -> Option<String> {
         if let Some(p) = self.pipeline_config() {
             return p.ranks(world_size).err();
+        }
+        if let Some(m) = self.model_parallel_config() {
+            return m.world_blocker(world_size);
         }
         self.fsdp_config()
             .and_then(|f| f.layout.shard_size(world_size).err())

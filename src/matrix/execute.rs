@@ -119,6 +119,11 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                 .into_iter()
                 .map(|(c, _)| (c, run_one(c, 1, 1)))
                 .collect();
+            let model_parallel: Vec<(Config, Result<RunRecord, RunFailed>)> = plan
+                .model_parallel_launches(m, world)
+                .into_iter()
+                .map(|c| (c, run_one(c, 1, 1)))
+                .collect();
             let microbatched: Vec<(usize, Result<RunRecord, RunFailed>)> = plan
                 .microbatch_references(m, world)
                 .into_iter()
@@ -271,6 +276,27 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                             );
                         }
                     }
+                    Config::ModelParallel(_) => {
+                        let run = model_parallel
+                            .iter()
+                            .find(|(c, _)| *c == config)
+                            .map(|(_, r)| r);
+                        let (name, policy, skip) = against_config(config, Config::Single);
+                        let skip = skip.or_else(|| {
+                            plan.model_parallel_blockers
+                                .get(&(m, world, config))
+                                .cloned()
+                                .flatten()
+                        });
+                        row(
+                            config,
+                            name,
+                            policy,
+                            skip,
+                            run,
+                            reference(Config::Single, 0),
+                        );
+                    }
                     Config::Pipeline(id) => {
                         let run = pipelines.iter().find(|(c, _)| *c == config).map(|(_, r)| r);
                         let planned = plan.pipeline_plans.get(&(m, world, config));
@@ -376,6 +402,31 @@ fn run_parallel(
             data_ranks: vec![rank],
             record_grads: plan.record_grads,
         };
+        if let Some(mp) = config.model_parallel_config() {
+            let record = match mp.kind {
+                ModelParallelKind::Tensor {
+                    tp,
+                    sequence_parallel,
+                } => train_tensor_parallel(
+                    built.as_ref(),
+                    ctx.world(),
+                    &cfg,
+                    &TpOptions {
+                        tp,
+                        sequence_parallel,
+                        fault: None,
+                    },
+                )
+                .map_err(|e| format!("{}: {e}", config.name()))?,
+            };
+            if rank == 0 {
+                let json =
+                    serde_json::to_vec(&record).map_err(|e| format!("encoding record: {e}"))?;
+                std::fs::write(&out, json)
+                    .map_err(|e| format!("writing the record to {}: {e}", out.display()))?;
+            }
+            return Ok(());
+        }
         if let Some(p) = config.pipeline_config() {
             let opts = p.options(world_size)?;
             let run = train_pipeline(built.as_ref(), ctx.world(), &cfg, &opts)

@@ -20,7 +20,7 @@ pub fn render_list(seed: u64) -> Result<String, MatrixError> {
         let applies: Vec<&str> = models
             .iter()
             .filter(|(_, _, single)| match c {
-                Config::Single | Config::Pipeline(_) => single.is_none(),
+                Config::Single | Config::Pipeline(_) | Config::ModelParallel(_) => single.is_none(),
                 _ => true,
             })
             .map(|(n, _, _)| *n)

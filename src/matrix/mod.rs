@@ -58,6 +58,7 @@ use lockstep_core::pipeline::{train_pipeline, PipelinePlan};
 use lockstep_core::precision::MixedPrecision;
 use lockstep_core::record::{MemoryStats, RunRecord, RunSpec};
 use lockstep_core::replica::distinct_parameters;
+use lockstep_core::tensor_parallel::{train_tensor_parallel, TpOptions};
 use lockstep_core::train::{single_device_reference, OptimizerConfig, TrainConfig};
 use lockstep_harness::parity::{
     compare, Comparison, FailurePoint, Mode, Override, Tolerance, TolerancePolicy,
@@ -162,6 +163,7 @@ pub const MIXED_VS_SINGLE_REASON: &str = "mixed precision is checked against DDP
 mod configs;
 mod execute;
 mod list;
+mod model_parallel;
 mod pipeline;
 mod plan;
 mod result;
@@ -169,6 +171,7 @@ mod result;
 pub use configs::*;
 pub use execute::*;
 pub use list::*;
+pub use model_parallel::*;
 pub use pipeline::*;
 pub use plan::*;
 pub use result::*;

@@ -64,6 +64,9 @@ pub struct Plan {
     /// Per (model index, world size, selected pipeline configuration): its validated plan,
     /// or why it cannot serve that model there (its rows are skipped with the reason).
     pub(super) pipeline_plans: BTreeMap<(usize, usize, Config), Result<PipelinePlan, String>>,
+    /// Per (model index, world size, selected tensor/expert-parallel configuration): why it
+    /// cannot serve that model there, if it cannot.
+    pub(super) model_parallel_blockers: BTreeMap<(usize, usize, Config), Option<String>>,
 }
 
 impl Plan {
@@ -80,7 +83,8 @@ impl Plan {
                 n += references
                     + self.fsdp_launches(world).len()
                     + self.pipeline_launches(model, world).len()
-                    + self.microbatch_references(model, world).len();
+                    + self.microbatch_references(model, world).len()
+                    + self.model_parallel_launches(model, world).len();
             }
         }
         n
@@ -111,6 +115,21 @@ impl Plan {
                     _ => None,
                 },
             )
+            .collect()
+    }
+
+    /// The selected tensor- and expert-parallel configurations that run model `model` at
+    /// `world_size`, in row order.
+    pub(super) fn model_parallel_launches(&self, model: usize, world_size: usize) -> Vec<Config> {
+        self.configs
+            .iter()
+            .copied()
+            .filter(|&c| {
+                matches!(
+                    self.model_parallel_blockers.get(&(model, world_size, c)),
+                    Some(None)
+                )
+            })
             .collect()
     }
 
@@ -153,7 +172,8 @@ impl Plan {
         };
         let needs_single = self.configs.contains(&Config::Ddp)
             || launches.iter().any(|c| c.precision().is_none())
-            || !self.pipeline_launches(model, world_size).is_empty();
+            || !self.pipeline_launches(model, world_size).is_empty()
+            || !self.model_parallel_launches(model, world_size).is_empty();
         let mut cell = vec![
             (
                 Config::Single,
@@ -305,6 +325,21 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
             }
         }
     }
+    let mut model_parallel_blockers = BTreeMap::new();
+    for (m, name) in models.iter().enumerate() {
+        for &w in &world_sizes {
+            for &c in &configs {
+                let Some(mp) = c.model_parallel_config() else {
+                    continue;
+                };
+                if c.world_blocker(w).is_some() {
+                    continue;
+                }
+                let model = zoo::build(name, opts.seed, 0)?;
+                model_parallel_blockers.insert((m, w, c), mp.model_blocker(model.as_ref(), w));
+            }
+        }
+    }
     Ok(Plan {
         models: models.into_iter().map(str::to_owned).collect(),
         configs,
@@ -316,6 +351,7 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         fault: opts.fault.clone(),
         blockers,
         pipeline_plans,
+        model_parallel_blockers,
     })
 }
 

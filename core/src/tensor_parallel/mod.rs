@@ -23,8 +23,11 @@
 //! Megatron's MLP: one all-reduce forward, one backward. To see what code communicates,
 //! wrap its group in a [`CountingGroup`](crate::comm::CountingGroup).
 
+pub mod gpt;
 pub mod layers;
+pub mod plan;
 pub mod rng;
+pub mod run;
 
 pub use layers::{
     check_divisible, column_parallel_linear, row_parallel_linear, shard, unshard,
@@ -32,3 +35,7 @@ pub use layers::{
     TensorParallelError, TpGroup,
 };
 pub use rng::{RngTracker, Stream};
+
+pub use gpt::TpFault;
+pub use plan::{Placement, TpPlan, TpPlanError, TpRule, TpStyle};
+pub use run::{check_plan, train_tensor_parallel, TpError, TpOptions};

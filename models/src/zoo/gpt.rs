@@ -180,6 +180,17 @@ pub struct Gpt {
 }
 
 impl Gpt {
+    /// Vocabulary size: what a vocabulary-parallel plan splits.
+    pub const VOCAB: i64 = VOCAB;
+    /// Model width.
+    pub const DIM: i64 = DIM;
+    /// Attention heads: a tensor-parallel plan splits attention by whole heads.
+    pub const HEADS: i64 = HEADS;
+    /// Experts of each mixture-of-experts layer.
+    pub const EXPERTS: usize = EXPERTS;
+    /// Experts each token is routed to.
+    pub const TOP_K: i64 = TOP_K;
+
     /// Builds the dense (`moe = false`) or mixture-of-experts decoder; every parameter is
     /// drawn from the run's parameter seed, so experts are the same on every rank (expert
     /// parallelism shards them, it does not re-seed them).

@@ -1,0 +1,232 @@
+//! Training the zoo decoder under tensor (and sequence) parallelism on one rank: shards cut
+//! from the full parameters every rank builds, the model's forward through [`GptTp`]'s hooks,
+//! the vocabulary-parallel loss, partial gradients summed over TP, replicas averaged over
+//! data parallelism, the optimizer on this rank's shards, and a record of full tensors.
+
+use super::gpt::{GptTp, TpFault};
+use super::plan::{Placement, TpPlan, TpPlanError};
+use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
+use crate::record::{CollectiveEntry, RunRecord};
+use crate::train::{capture, grad_norm, TrainConfig, TrainError};
+use lockstep_models::zoo::Gpt;
+use lockstep_models::{Batch, Model, ModelError};
+use std::collections::HashMap;
+use std::sync::Arc;
+use tch::Tensor;
+
+/// How a tensor-parallel run is configured.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TpOptions {
+    /// Tensor-parallel size; the world is `tp × (world / tp)` data-parallel replicas.
+    pub tp: usize,
+    pub sequence_parallel: bool,
+    /// A planted bug (checker tests only).
+    pub fault: Option<TpFault>,
+}
+
+/// Everything a tensor-parallel run can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum TpError {
+    #[error(transparent)]
+    Plan(#[from] TpPlanError),
+    #[error(transparent)]
+    Layers(#[from] super::layers::TensorParallelError),
+    #[error("tensor parallel: {0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    #[error(transparent)]
+    Comm(#[from] crate::CommError),
+    #[error(transparent)]
+    Autograd(#[from] crate::AutogradError),
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+}
+
+/// Checks, before any rank starts, that the plan for `model` fits `world_size` ranks at TP
+/// size `opts.tp`; returns every parameter's placement.
+pub fn check_plan(
+    model: &dyn Model,
+    world_size: usize,
+    opts: &TpOptions,
+) -> Result<HashMap<String, Placement>, TpError> {
+    if opts.tp == 0 || world_size == 0 || !world_size.is_multiple_of(opts.tp) {
+        return Err(TpPlanError::Size(opts.tp).into());
+    }
+    let plan = TpPlan::for_model(model.name(), opts.sequence_parallel)?;
+    if opts.sequence_parallel {
+        let seq = model.input(0, 0)?.inputs.first().map_or(0, |t| t.size()[1]);
+        if seq % opts.tp as i64 != 0 {
+            return Err(TpError::Invalid(format!(
+                "sequence parallelism splits the {seq} positions of a sequence, which do not \
+                 divide by the tensor-parallel size {}",
+                opts.tp
+            )));
+        }
+    }
+    Ok(plan
+        .placements(model, opts.tp, Gpt::HEADS)?
+        .into_iter()
+        .collect())
+}
+
+/// Trains `model` (the zoo `gpt` or `gpt_moe`, built whole on every rank) under tensor
+/// parallelism for `cfg.spec.steps` steps. Each TP group trains on the concatenation of its
+/// replica's share of the world's data ranks, so the objective is the reference's.
+pub fn train_tensor_parallel(
+    model: &dyn Model,
+    world: &World,
+    cfg: &TrainConfig,
+    opts: &TpOptions,
+) -> Result<RunRecord, TpError> {
+    let world_size = world.size();
+    let placements = check_plan(model, world_size, opts)?;
+    let tp = opts.tp;
+    let dp = world_size / tp;
+    let mesh = DeviceMesh::new(world, &[("dp", dp), ("tp", tp)])?;
+    let counts = CollectiveCounts::new();
+    let tp_group: Arc<dyn ProcessGroup> =
+        Arc::new(CountingGroup::new(mesh.group("tp")?, counts.clone()));
+    let dp_group = mesh.group("dp")?;
+    let rank = mesh.coordinate("tp")?;
+    let replica = mesh.coordinate("dp")?;
+
+    let named = model.named_parameters();
+    let mut params: HashMap<String, Tensor> = HashMap::new();
+    let mut trained: Vec<(String, Tensor)> = Vec::with_capacity(named.len());
+    for (name, t) in &named {
+        let local = match placements.get(name) {
+            Some(Placement::Shard { dim }) => super::layers::shard(t, *dim, rank, tp)?,
+            _ => t.shallow_clone(),
+        };
+        params.insert(name.clone(), local.shallow_clone());
+        trained.push((name.clone(), local));
+    }
+    let mut hooks = GptTp {
+        group: tp_group.clone(),
+        tp,
+        rank,
+        params,
+        layer_names: model.layers().into_iter().map(|l| l.name).collect(),
+        heads: Gpt::HEADS,
+        dim: Gpt::DIM,
+        vocab: Gpt::VOCAB,
+        top_k: Gpt::TOP_K,
+        experts: Gpt::EXPERTS,
+        sequence_parallel: opts.sequence_parallel,
+        fault: opts.fault,
+    };
+    let per = world_size / dp;
+    let data_ranks: Vec<usize> = (replica * per..(replica + 1) * per).collect();
+    let mut optimizer = cfg.optimizer.build();
+    let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
+    let mut collectives = Vec::with_capacity(cfg.spec.steps);
+    let vocab_start = rank as i64 * Gpt::VOCAB / tp as i64;
+    for step in 0..cfg.spec.steps {
+        for (_, t) in &trained {
+            t.shallow_clone().zero_grad();
+        }
+        let _ = counts.take();
+        let batch = global_batch(model, &data_ranks, step)?;
+        let logits = model.forward_hooked(&batch, &mut hooks)?;
+        let target = batch
+            .target
+            .as_ref()
+            .ok_or_else(|| TpError::Invalid("the batch has no target".into()))?;
+        let local_vocab = Gpt::VOCAB / tp as i64;
+        let loss = super::layers::vocab_parallel_cross_entropy(
+            &logits.f_reshape([-1, local_vocab])?,
+            &target.f_reshape([-1])?,
+            vocab_start,
+            &tp_group,
+            super::layers::Reduction::Mean,
+        )?;
+        loss.f_backward()?;
+        // Gradients of parameters used on sequence shards are partial: sum them over TP.
+        for (name, t) in &trained {
+            if placements.get(name) == Some(&Placement::PartialGrad)
+                && opts.fault != Some(TpFault::SkipSequenceGradReduce)
+            {
+                tp_group.all_reduce(&t.grad(), ReduceOp::Sum)?;
+            }
+        }
+        collectives.push(CollectiveEntry::from_counts(counts.take()));
+        if dp > 1 {
+            for (_, t) in &trained {
+                dp_group.all_reduce(&t.grad(), ReduceOp::Avg)?;
+            }
+        }
+        let full_grads = full_tensors(&trained, &placements, tp_group.as_ref(), |t| t.grad())?;
+        record.grad_norms.push(grad_norm(&full_grads)?);
+        if let Some(all) = record.grads.as_mut() {
+            all.push(capture(&full_grads)?);
+        }
+        let value = Tensor::from_slice(&[loss.f_double_value(&[])?]);
+        if dp > 1 {
+            dp_group.all_reduce(&value, ReduceOp::Avg)?;
+        }
+        record.losses.push(value.f_double_value(&[0])?);
+        optimizer.step(&trained)?;
+    }
+    let _ = counts.take();
+    let params = tch::no_grad(|| {
+        full_tensors(
+            &trained,
+            &placements,
+            tp_group.as_ref(),
+            Tensor::shallow_clone,
+        )
+    })?;
+    record.params = capture(&params)?;
+    record.buffers = capture(&model.named_buffers())?;
+    record.collectives = Some(collectives);
+    Ok(record)
+}
+
+/// The replica's batch: its data ranks' batches concatenated along the batch dimension.
+fn global_batch(model: &dyn Model, ranks: &[usize], step: usize) -> Result<Batch, TpError> {
+    let batches = ranks
+        .iter()
+        .map(|&r| model.input(r, step))
+        .collect::<Result<Vec<_>, _>>()?;
+    let dim = model.batch_dim();
+    let arity = batches.first().map_or(0, |b| b.inputs.len());
+    let inputs = (0..arity)
+        .map(|k| {
+            Tensor::f_cat(
+                &batches.iter().map(|b| &b.inputs[k]).collect::<Vec<_>>(),
+                dim,
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let targets: Vec<&Tensor> = batches.iter().filter_map(|b| b.target.as_ref()).collect();
+    let target = if targets.is_empty() {
+        None
+    } else {
+        Some(Tensor::f_cat(&targets, dim)?)
+    };
+    Ok(Batch { inputs, target })
+}
+
+/// Full tensors from this rank's parameters: shards gathered over TP, the rest as they are.
+fn full_tensors(
+    trained: &[(String, Tensor)],
+    placements: &HashMap<String, Placement>,
+    group: &dyn ProcessGroup,
+    value: impl Fn(&Tensor) -> Tensor,
+) -> Result<Vec<(String, Tensor)>, TpError> {
+    trained
+        .iter()
+        .map(|(name, t)| {
+            let v = value(t);
+            let v = if v.defined() { v } else { t.f_zeros_like()? };
+            let full = match placements.get(name) {
+                Some(Placement::Shard { dim }) => super::layers::unshard(&v, *dim, group)?,
+                _ => v,
+            };
+            Ok((name.clone(), full))
+        })
+        .collect()
+}
