@@ -1,0 +1,184 @@
+//! Tensor-parallel plans applied to the zoo decoder: TP 1, 2 and 4 and TP with sequence
+//! parallelism against single device (losses, gradients, final parameters), exact collective
+//! counts per step, planted bugs caught, and bad plans rejected before any rank starts.
+
+mod common;
+
+use lockstep_core::comm::DType;
+use lockstep_core::record::RunRecord;
+use lockstep_core::tensor_parallel::{
+    check_plan, train_tensor_parallel, TpFault, TpOptions, TpPlan, TpPlanError, TpRule, TpStyle,
+};
+use lockstep_core::train::{single_device_reference, OptimizerConfig};
+use lockstep_harness::parity::{compare, TolerancePolicy};
+use lockstep_harness::RankCtx;
+use lockstep_models::zoo;
+use rstest::rstest;
+use std::collections::BTreeMap;
+
+const STEPS: usize = 3;
+
+fn tp_run(ctx: &RankCtx, model: &str, opts: &TpOptions) -> RunRecord {
+    let m = zoo::build(model, 0, ctx.rank()).expect("model");
+    let cfg = common::train_config(ctx, model, "tp", "fp32", STEPS);
+    train_tensor_parallel(m.as_ref(), ctx.world(), &cfg, opts).expect("tensor-parallel run")
+}
+
+fn single(model: &str, world: usize) -> RunRecord {
+    let m = zoo::build(model, 0, 0).expect("model");
+    single_device_reference(m.as_ref(), world, STEPS, OptimizerConfig::default(), true)
+        .expect("reference")
+}
+
+fn opts(tp: usize, sequence_parallel: bool) -> TpOptions {
+    TpOptions {
+        tp,
+        sequence_parallel,
+        fault: None,
+    }
+}
+
+/// Every TP size and SP on both decoders, at world 4 (TP × data-parallel replicas) and 2.
+#[rstest]
+fn tensor_parallel_matches_single_device(
+    #[values("gpt", "gpt_moe")] model: &str,
+    #[values((1, 2, false), (2, 2, false), (2, 4, false), (4, 4, false), (2, 2, true), (4, 4, true))]
+    case: (usize, usize, bool),
+) {
+    let (tp, world, sp) = case;
+    lockstep_harness::run(world, |ctx| {
+        let run = tp_run(ctx, model, &opts(tp, sp));
+        if ctx.rank() == 0 {
+            let c = compare(
+                &run,
+                &single(model, world),
+                &TolerancePolicy::dtype_table(DType::F32),
+            );
+            assert!(
+                c.passed,
+                "{model} tp={tp} sp={sp}: {}",
+                c.diagnosis.unwrap_or_default()
+            );
+            assert!(run.grads.as_ref().is_some_and(|g| g.len() == STEPS));
+        }
+    });
+}
+
+fn counts(record: &RunRecord, step: usize) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    for e in &record.collectives.as_ref().expect("collectives recorded")[step] {
+        *out.entry(e.op.clone()).or_default() += e.calls;
+    }
+    out
+}
+
+/// Hand-counted collectives of one step of the dense decoder (2 blocks) on the TP group:
+/// forward — the embedding's all-reduce, one per row-parallel projection (wo, w2: 4), the
+/// loss's three (max, target logit, sum of exps); backward — one per column-parallel entry
+/// (q/k/v and w1 of 2 blocks: 4) and the output projection's (1). Nothing else.
+#[test]
+fn collective_counts_per_step_are_exact_without_sequence_parallelism() {
+    lockstep_harness::run(2, |ctx| {
+        let run = tp_run(ctx, "gpt", &opts(2, false));
+        for step in 0..STEPS {
+            let c = counts(&run, step);
+            assert_eq!(
+                c,
+                BTreeMap::from([("all_reduce".to_owned(), 1 + 4 + 3 + 4 + 1)]),
+                "step {step}"
+            );
+        }
+        let bytes: u64 = run.collectives.as_ref().unwrap()[0]
+            .iter()
+            .filter(|e| e.op == "all_reduce")
+            .map(|e| e.bytes)
+            .sum();
+        assert!(bytes > 0);
+    });
+}
+
+/// Under SP: all-gathers before and reduce-scatters after each block's attention and
+/// feed-forward (2 blocks × 2 each way), the output's gather and the region entry's scatter
+/// (whose backward gathers); all-reduces: the embedding, the loss's three, and one per
+/// partial gradient (2 LayerNorms × 2 blocks + the final one, × weight and bias, and the two
+/// row-parallel biases per block: 14).
+#[test]
+fn collective_counts_per_step_are_exact_with_sequence_parallelism() {
+    lockstep_harness::run(2, |ctx| {
+        let run = tp_run(ctx, "gpt", &opts(2, true));
+        let expected = BTreeMap::from([
+            ("all_reduce".to_owned(), 1 + 3 + 14),
+            ("all_gather".to_owned(), (4 + 1) + (4 + 1)),
+            ("reduce_scatter".to_owned(), 4 + (1 + 4)),
+        ]);
+        for step in 0..STEPS {
+            assert_eq!(counts(&run, step), expected, "step {step}");
+        }
+    });
+}
+
+/// Each planted bug makes the run differ from single device.
+#[rstest]
+fn planted_tensor_parallel_bugs_are_caught(
+    #[values(
+        (TpFault::MissingBackwardAllReduce, false),
+        (TpFault::SkipSequenceGradReduce, true)
+    )]
+    case: (TpFault, bool),
+) {
+    let (fault, sp) = case;
+    lockstep_harness::run(2, |ctx| {
+        let o = TpOptions {
+            fault: Some(fault),
+            ..opts(2, sp)
+        };
+        let run = tp_run(ctx, "gpt", &o);
+        if ctx.rank() == 0 {
+            let c = compare(
+                &run,
+                &single("gpt", 2),
+                &TolerancePolicy::dtype_table(DType::F32),
+            );
+            assert!(!c.passed, "{fault:?} was not caught");
+        }
+    });
+}
+
+/// Plans that cannot apply are rejected before any rank starts, naming what is wrong.
+#[test]
+fn bad_plans_are_rejected_before_any_rank_starts() {
+    let gpt = zoo::build("gpt", 0, 0).expect("model");
+    let e = check_plan(gpt.as_ref(), 3, &opts(3, false))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("4 attention heads do not divide by the tensor-parallel size 3"),
+        "{e}"
+    );
+    let e = check_plan(gpt.as_ref(), 6, &opts(4, false))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("size 4"), "{e}");
+    let mlp = zoo::build("mlp", 0, 0).expect("model");
+    let e = check_plan(mlp.as_ref(), 2, &opts(2, false))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no tensor-parallel implementation"), "{e}");
+    let mut plan = TpPlan::gpt_dense(false);
+    plan.rules.push(TpRule {
+        pattern: "layers.*.attention.wz".into(),
+        style: TpStyle::Colwise,
+    });
+    let e = plan.placements(gpt.as_ref(), 2, 4).unwrap_err();
+    assert!(matches!(e, TpPlanError::NoMatch { .. }), "{e}");
+    assert!(e.to_string().contains("layers.*.attention.wz"), "{e}");
+    // Vocabulary 8 over 16 ranks does not divide.
+    let e = TpPlan::gpt_dense(false)
+        .placements(gpt.as_ref(), 16, 16)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("does not divide by the tensor-parallel size 16"),
+        "{e}"
+    );
+}
