@@ -169,16 +169,44 @@ fn bad_plans_are_rejected_before_any_rank_starts() {
         pattern: "layers.*.attention.wz".into(),
         style: TpStyle::Colwise,
     });
-    let e = plan.placements(gpt.as_ref(), 2, 4).unwrap_err();
+    let e = plan.placements(gpt.as_ref(), 2, Some(4)).unwrap_err();
     assert!(matches!(e, TpPlanError::NoMatch { .. }), "{e}");
     assert!(e.to_string().contains("layers.*.attention.wz"), "{e}");
     // Vocabulary 8 over 16 ranks does not divide.
     let e = TpPlan::gpt_dense(false)
-        .placements(gpt.as_ref(), 16, 16)
+        .placements(gpt.as_ref(), 16, Some(16))
         .unwrap_err()
         .to_string();
     assert!(
         e.contains("does not divide by the tensor-parallel size 16"),
         "{e}"
     );
+}
+
+/// The transformer's plan splits only its feed-forward layers (2 encoder + 2 decoder).
+#[rstest]
+fn transformer_feed_forward_tp_matches_single_device(
+    #[values((2, 2), (2, 4), (4, 4))] case: (usize, usize),
+) {
+    let (tp, world) = case;
+    lockstep_harness::run(world, |ctx| {
+        let run = tp_run(ctx, "transformer", &opts(tp, false));
+        // One all-reduce per row-parallel forward and one per column-parallel backward, in
+        // each of the 4 layers; nothing else touches the TP group.
+        for step in 0..STEPS {
+            assert_eq!(
+                counts(&run, step),
+                BTreeMap::from([("all_reduce".to_owned(), 4 * 2)]),
+                "step {step}"
+            );
+        }
+        if ctx.rank() == 0 {
+            let c = compare(
+                &run,
+                &single("transformer", world),
+                &TolerancePolicy::dtype_table(DType::F32),
+            );
+            assert!(c.passed, "tp={tp}: {}", c.diagnosis.unwrap_or_default());
+        }
+    });
 }

@@ -28,6 +28,7 @@ pub mod layers;
 pub mod plan;
 pub mod rng;
 pub mod run;
+mod transformer;
 
 pub use layers::{
     check_divisible, column_parallel_linear, row_parallel_linear, shard, unshard,

@@ -65,7 +65,7 @@ pub enum TpPlanError {
     },
     #[error("tensor-parallel plan: {heads} attention heads do not divide by the tensor-parallel size {tp}")]
     Heads { heads: i64, tp: usize },
-    #[error("tensor-parallel plan: model `{0}` has no tensor-parallel implementation (zoo gpt and gpt_moe do)")]
+    #[error("tensor-parallel plan: model `{0}` has no tensor-parallel implementation (zoo gpt, gpt_moe and transformer do)")]
     Unsupported(String),
     #[error("tensor-parallel plan: size {0} is not a positive divisor of the world")]
     Size(usize),
@@ -142,27 +142,55 @@ impl TpPlan {
         plan
     }
 
+    /// The plan of the zoo's encoder-decoder transformer: every encoder and decoder layer's
+    /// feed-forward, `linear1` column-wise and `linear2` row-wise (attention, embedding and
+    /// output stay whole).
+    pub fn transformer() -> TpPlan {
+        let rules = [
+            ("transformer.encoder.layers.*.linear1", TpStyle::Colwise),
+            ("transformer.encoder.layers.*.linear2", TpStyle::Rowwise),
+            ("transformer.decoder.layers.*.linear1", TpStyle::Colwise),
+            ("transformer.decoder.layers.*.linear2", TpStyle::Rowwise),
+        ]
+        .into_iter()
+        .map(|(pattern, style)| TpRule {
+            pattern: pattern.to_owned(),
+            style,
+        })
+        .collect();
+        TpPlan {
+            rules,
+            sequence_parallel: false,
+        }
+    }
+
     /// The plan for a zoo model by name, if it has one.
     pub fn for_model(model: &str, sequence_parallel: bool) -> Result<TpPlan, TpPlanError> {
         match model {
             "gpt" => Ok(TpPlan::gpt_dense(sequence_parallel)),
             "gpt_moe" => Ok(TpPlan::gpt_moe(sequence_parallel)),
+            "transformer" if !sequence_parallel => Ok(TpPlan::transformer()),
+            "transformer" => Err(TpPlanError::Unsupported(
+                "transformer with sequence parallelism (its plan splits the feed-forward only)"
+                    .into(),
+            )),
             other => Err(TpPlanError::Unsupported(other.to_owned())),
         }
     }
 
     /// Every parameter's placement under this plan at TP size `tp`, checked: each pattern
-    /// matches a module, each sharded dimension divides, attention heads divide.
+    /// matches a module, each sharded dimension divides, attention heads divide (`heads`:
+    /// the head count when the plan splits attention by heads).
     pub fn placements(
         &self,
         model: &dyn Model,
         tp: usize,
-        heads: i64,
+        heads: Option<i64>,
     ) -> Result<BTreeMap<String, Placement>, TpPlanError> {
         if tp == 0 {
             return Err(TpPlanError::Size(tp));
         }
-        if heads % tp as i64 != 0 {
+        if let Some(heads) = heads.filter(|h| h % tp as i64 != 0) {
             return Err(TpPlanError::Heads { heads, tp });
         }
         let params = model.named_parameters();

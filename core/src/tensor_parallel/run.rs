@@ -5,11 +5,12 @@
 
 use super::gpt::{GptTp, TpFault};
 use super::plan::{Placement, TpPlan, TpPlanError};
+use super::transformer::TransformerTp;
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::train::{capture, grad_norm, TrainConfig, TrainError};
-use lockstep_models::zoo::Gpt;
-use lockstep_models::{Batch, Model, ModelError};
+use lockstep_models::zoo::{Gpt, TransformerWithSharedParams};
+use lockstep_models::{Batch, LayerHooks, LossReduction, Model, ModelError};
 use std::collections::HashMap;
 use std::sync::Arc;
 use tch::Tensor;
@@ -66,8 +67,9 @@ pub fn check_plan(
             )));
         }
     }
+    let heads = (model.name() != "transformer").then_some(Gpt::HEADS);
     Ok(plan
-        .placements(model, opts.tp, Gpt::HEADS)?
+        .placements(model, opts.tp, heads)?
         .into_iter()
         .collect())
 }
@@ -104,19 +106,34 @@ pub fn train_tensor_parallel(
         params.insert(name.clone(), local.shallow_clone());
         trained.push((name.clone(), local));
     }
-    let mut hooks = GptTp {
-        group: tp_group.clone(),
-        tp,
-        rank,
-        params,
-        layer_names: model.layers().into_iter().map(|l| l.name).collect(),
-        heads: Gpt::HEADS,
-        dim: Gpt::DIM,
-        vocab: Gpt::VOCAB,
-        top_k: Gpt::TOP_K,
-        experts: Gpt::EXPERTS,
-        sequence_parallel: opts.sequence_parallel,
-        fault: opts.fault,
+    let layer_names: Vec<String> = model.layers().into_iter().map(|l| l.name).collect();
+    // The decoder splits its vocabulary (loss parallel); the transformer only its
+    // feed-forward layers, so its logits are whole and the model's own loss applies.
+    let vocab_parallel = model.name() != "transformer";
+    let mut hooks: Box<dyn LayerHooks> = if vocab_parallel {
+        Box::new(GptTp {
+            group: tp_group.clone(),
+            tp,
+            rank,
+            params,
+            layer_names,
+            heads: Gpt::HEADS,
+            dim: Gpt::DIM,
+            vocab: Gpt::VOCAB,
+            top_k: Gpt::TOP_K,
+            experts: Gpt::EXPERTS,
+            sequence_parallel: opts.sequence_parallel,
+            fault: opts.fault,
+        })
+    } else {
+        Box::new(TransformerTp {
+            group: tp_group.clone(),
+            params,
+            layer_names,
+            dim: TransformerWithSharedParams::DIM,
+            heads: TransformerWithSharedParams::HEADS,
+            missing_backward_all_reduce: opts.fault == Some(TpFault::MissingBackwardAllReduce),
+        })
     };
     let per = world_size / dp;
     let data_ranks: Vec<usize> = (replica * per..(replica + 1) * per).collect();
@@ -130,19 +147,29 @@ pub fn train_tensor_parallel(
         }
         let _ = counts.take();
         let batch = global_batch(model, &data_ranks, step)?;
-        let logits = model.forward_hooked(&batch, &mut hooks)?;
-        let target = batch
-            .target
-            .as_ref()
-            .ok_or_else(|| TpError::Invalid("the batch has no target".into()))?;
-        let local_vocab = Gpt::VOCAB / tp as i64;
-        let loss = super::layers::vocab_parallel_cross_entropy(
-            &logits.f_reshape([-1, local_vocab])?,
-            &target.f_reshape([-1])?,
-            vocab_start,
-            &tp_group,
-            super::layers::Reduction::Mean,
-        )?;
+        let output = model.forward_hooked(&batch, hooks.as_mut())?;
+        let loss = if vocab_parallel {
+            let target = batch
+                .target
+                .as_ref()
+                .ok_or_else(|| TpError::Invalid("the batch has no target".into()))?;
+            let local_vocab = Gpt::VOCAB / tp as i64;
+            super::layers::vocab_parallel_cross_entropy(
+                &output.f_reshape([-1, local_vocab])?,
+                &target.f_reshape([-1])?,
+                vocab_start,
+                &tp_group,
+                super::layers::Reduction::Mean,
+            )?
+        } else {
+            // The reference averages the data ranks' losses: a summed loss over their
+            // concatenated batches is divided by their number (a mean is already that).
+            let loss = model.loss_of(&batch, &output)?;
+            match model.loss_reduction() {
+                LossReduction::Mean => loss,
+                LossReduction::Sum => loss.f_div_scalar(data_ranks.len() as f64)?,
+            }
+        };
         loss.f_backward()?;
         // Gradients of parameters used on sequence shards are partial: sum them over TP.
         for (name, t) in &trained {

@@ -37,6 +37,13 @@ pub struct TransformerWithSharedParams {
 }
 
 impl TransformerWithSharedParams {
+    /// Model width.
+    pub const DIM: i64 = D_MODEL;
+    /// Attention heads of every layer.
+    pub const HEADS: i64 = HEADS;
+    /// Feed-forward width: what a tensor-parallel plan splits.
+    pub const FEED_FORWARD: i64 = FF;
+
     /// `batch_norm` adds PyTorch's optional `BatchNorm1d(2)` (zoo name `transformer_bn`).
     ///
     /// Draws in PyTorch's order: embedding, the encoder layer template (copied to every
