@@ -168,6 +168,32 @@ struct MatrixArgs {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// Train the benchmark decoder through a pipeline: step time against one process on one
+    /// core, and the measured bubble against the schedule's simulated one.
+    ///
+    /// Example: `lockstep bench pipeline --schedule 1f1b --stages 2 --microbatches 8`.
+    Pipeline {
+        /// A built-in schedule (gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zb,
+        /// zbv, dualpipev).
+        #[arg(long, default_value = "1f1b")]
+        schedule: String,
+        /// Pipeline ranks (processes).
+        #[arg(long, default_value_t = 2)]
+        stages: usize,
+        #[arg(long, default_value_t = 8)]
+        microbatches: usize,
+        /// Stages per rank (default: the schedule's own).
+        #[arg(long = "virtual")]
+        virtual_stages: Option<usize>,
+        /// Timed steps (after one warm-up step).
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+        /// Write the timed steps' Chrome trace (one track per rank) to this file.
+        #[arg(long)]
+        trace: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Latency and bus bandwidth per collective and message size.
     Comm {
         #[arg(long, default_value = "cpu")]
@@ -512,6 +538,46 @@ fn run_bench(what: BenchCommand) -> Result<()> {
                     format_seconds(r.min_seconds),
                     format_seconds(r.max_seconds),
                     r.repeats
+                );
+            }
+        }
+        BenchCommand::Pipeline {
+            schedule,
+            stages,
+            microbatches,
+            virtual_stages,
+            steps,
+            trace,
+            json,
+        } => {
+            let opts = bench::PipelineBenchOptions {
+                schedule,
+                stages,
+                microbatches,
+                virtual_stages,
+                steps,
+                trace,
+                ..bench::PipelineBenchOptions::default()
+            };
+            let r = bench::run_pipeline(&opts).context("pipeline benchmark")?;
+            if json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!(
+                    "pipeline {} p={} v={} m={}, benchmark decoder ({} parameters), median of {} steps\n  step time:        {} (one process, one core: {}; ratio {:.2})\n  bubble measured:  {:.3}\n  bubble simulated: {:.3} with unit costs, {:.3} with the measured stage costs (measured differs by {:.1}%)",
+                    r.schedule,
+                    r.stages,
+                    r.virtual_stages,
+                    r.microbatches,
+                    r.parameters,
+                    r.steps,
+                    format_seconds(r.pipeline_seconds),
+                    format_seconds(r.single_seconds),
+                    r.ratio,
+                    r.measured_bubble,
+                    r.simulated_bubble,
+                    r.simulated_bubble_measured_costs,
+                    100.0 * r.bubble_relative_difference
                 );
             }
         }

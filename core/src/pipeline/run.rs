@@ -230,10 +230,14 @@ pub fn train_pipeline(
                 offset += n;
             }
         }
-        let full_grads = gather_owned(&plan, rank, pp.as_ref(), &named, |t| t.grad())?;
-        record.grad_norms.push(grad_norm(&full_grads)?);
         if let Some(all) = record.grads.as_mut() {
+            let full_grads = gather_owned(&plan, rank, pp.as_ref(), &named, |t| t.grad())?;
+            record.grad_norms.push(grad_norm(&full_grads)?);
             all.push(capture(&full_grads)?);
+        } else {
+            record
+                .grad_norms
+                .push(owned_grad_norm(&plan, rank, pp.as_ref(), &named)?);
         }
         let loss = Tensor::from_slice(&[outcome.objective]);
         pp.all_reduce(&loss, ReduceOp::Sum)?;
@@ -252,6 +256,33 @@ pub fn train_pipeline(
         traces,
         plan,
     })
+}
+
+/// The gradient norm without gathering the gradients: each owner computes its parameters'
+/// squared norms in f64 exactly as [`grad_norm`] does, one all-reduce of that vector (one
+/// non-zero contribution per element, so the sum is exact) gives every rank all of them, and
+/// they are summed in parameter order — the same bits as the norm of the gathered gradients.
+fn owned_grad_norm(
+    plan: &PipelinePlan,
+    rank: usize,
+    pp: &dyn ProcessGroup,
+    named: &[(String, Tensor)],
+) -> Result<f64, PipelineError> {
+    let mut squares = vec![0f64; named.len()];
+    for (i, (_, t)) in named.iter().enumerate() {
+        let g = t.grad();
+        if plan.owner(i) == rank && g.defined() {
+            squares[i] = g
+                .f_to_kind(Kind::Double)?
+                .f_square()?
+                .f_sum(Kind::Double)?
+                .f_double_value(&[])?;
+        }
+    }
+    let all = Tensor::from_slice(&squares);
+    pp.all_reduce(&all, ReduceOp::Sum)?;
+    let squares: Vec<f64> = Vec::try_from(&all)?;
+    Ok(squares.iter().fold(0.0, |sum, s| sum + s).sqrt())
 }
 
 /// Every parameter's `value` as its owner (lowest holder) has it, on every pipeline rank:

@@ -31,6 +31,6 @@ pub use error::{ScheduleError, Wait};
 pub use generate::{generate, ScheduleKind};
 pub use ir::{chain_edges, Action, ActionKind, Placement, Schedule};
 pub use lower::lower;
-pub use simulate::{simulate, Costs, Simulation, Span};
+pub use simulate::{simulate, simulate_costed, Costs, Simulation, Span};
 pub use table::render_table;
 pub use validate::validate;

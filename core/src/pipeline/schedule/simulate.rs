@@ -140,6 +140,18 @@ struct Sim<'a> {
 /// [`ScheduleError::Mismatch`] when a receive would take another microbatch's message, and
 /// with [`ScheduleError::Invalid`] for a malformed schedule or a message never received.
 pub fn simulate(schedule: &Schedule, costs: Costs) -> Result<Simulation, ScheduleError> {
+    simulate_costed(schedule, costs, &|a: &Action| costs.of(a.kind))
+}
+
+/// [`simulate`] with a cost per action, communication included (e.g. each stage's measured
+/// F and B durations and the measured cost of a send from a real run, in microseconds): what
+/// the schedule promises for stages that are not balanced. `costs` is only recorded in the
+/// result; busy time and the bubble count compute actions only.
+pub fn simulate_costed(
+    schedule: &Schedule,
+    costs: Costs,
+    cost_of: &dyn Fn(&Action) -> u64,
+) -> Result<Simulation, ScheduleError> {
     check_structure(schedule)?;
     let stages = schedule.stages();
     let mut sim = Sim {
@@ -163,7 +175,7 @@ pub fn simulate(schedule: &Schedule, costs: Costs) -> Result<Simulation, Schedul
                     break;
                 };
                 let start = ready.max(free[r]);
-                let end = start + costs.of(a.kind);
+                let end = start + cost_of(&a);
                 sim.run(a, end);
                 free[r] = end;
                 if a.kind.is_compute() {

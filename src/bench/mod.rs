@@ -1,6 +1,9 @@
 //! `lockstep bench`: communication and start-up benchmarks. Speed targets are measured here,
 //! never by timed assertions in tests.
 
+mod pipeline;
+pub use pipeline::{run_pipeline, PipelineBenchOptions, PipelineBenchResult};
+
 use lockstep_core::comm::{ProcessGroup, ReduceOp};
 use lockstep_core::CommError;
 use lockstep_harness::{launch, LaunchError, LaunchOptions, RankCtx, RankSpawn};

@@ -1,0 +1,321 @@
+//! `lockstep bench pipeline`: the benchmark decoder trained through a pipeline on forked
+//! ranks (one libtorch thread each), against the same training in one process on one core.
+//! Reports the median step time of both, their ratio, and the bubble twice: measured (the
+//! share of each step's span every rank spent outside F/B/I/W, from the real run's trace)
+//! and simulated (the schedule's exact fraction with F = I = W = 1).
+
+use super::{results_path, BenchError, BenchGpt, GptDims};
+use lockstep_core::pipeline::trace::{chrome_trace, measured_bubble, RankStepTrace};
+use lockstep_core::pipeline::{train_pipeline, PipelineOptions, ScheduleChoice, ScheduleKind};
+use lockstep_core::record::RunSpec;
+use lockstep_core::train::{OptimizerConfig, TrainConfig};
+use lockstep_harness::{launch, LaunchOptions, RankCtx, RankSpawn};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// What `bench pipeline` runs.
+#[derive(Clone, Debug)]
+pub struct PipelineBenchOptions {
+    pub schedule: String,
+    /// Pipeline ranks (processes).
+    pub stages: usize,
+    pub microbatches: usize,
+    /// Stages per rank (`None`: the schedule's default).
+    pub virtual_stages: Option<usize>,
+    /// Timed steps (after one warm-up step); medians are reported.
+    pub steps: usize,
+    pub dims: GptDims,
+    /// Where to write the Chrome trace of the timed steps, if anywhere.
+    pub trace: Option<PathBuf>,
+}
+
+impl Default for PipelineBenchOptions {
+    fn default() -> Self {
+        PipelineBenchOptions {
+            schedule: "1f1b".into(),
+            stages: 2,
+            microbatches: 8,
+            virtual_stages: None,
+            steps: 5,
+            dims: GptDims::BENCH,
+            trace: None,
+        }
+    }
+}
+
+/// The result of `bench pipeline` (one JSON object with `--json`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PipelineBenchResult {
+    pub schedule: String,
+    pub stages: usize,
+    pub virtual_stages: usize,
+    pub microbatches: usize,
+    /// Median seconds per pipeline step (span of every rank's actions in the step).
+    pub pipeline_seconds: f64,
+    /// Median seconds per step of the same training in one process on one core.
+    pub single_seconds: f64,
+    /// `pipeline_seconds / single_seconds` (target at p = 2, m = 8, 1F1B: ≤ 0.7).
+    pub ratio: f64,
+    /// Median over the timed steps of the measured bubble fraction.
+    pub measured_bubble: f64,
+    /// The schedule's simulated bubble fraction with unit costs (F = I = W = 1): the closed
+    /// form for balanced stages.
+    pub simulated_bubble: f64,
+    /// The schedule simulated with each stage's measured median F, B, I and W durations and
+    /// the measured cost of a send (a receive costs what the matching send did): what the
+    /// schedule promises for these stages on this transport.
+    pub simulated_bubble_measured_costs: f64,
+    /// `|measured − simulated with measured costs| / simulated with measured costs`: what
+    /// the executor loses to communication and overhead (target: ≤ 0.1).
+    pub bubble_relative_difference: f64,
+    pub parameters: i64,
+    pub steps: usize,
+}
+
+#[derive(Serialize, Deserialize)]
+struct RankTraces {
+    traces: Vec<RankStepTrace>,
+    simulated_bubble: f64,
+    virtual_stages: usize,
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    Some(v[v.len() / 2])
+}
+
+/// Runs the benchmark: one launch of `stages` forked ranks, then the one-process baseline.
+pub fn run_pipeline(opts: &PipelineBenchOptions) -> Result<PipelineBenchResult, BenchError> {
+    let kind: ScheduleKind = opts
+        .schedule
+        .parse()
+        .map_err(|e| BenchError::Invalid(format!("{e}")))?;
+    if opts.stages < 2 || opts.steps == 0 {
+        return Err(BenchError::Invalid(
+            "the pipeline benchmark needs --stages 2 or more and --steps 1 or more".into(),
+        ));
+    }
+    let v = opts
+        .virtual_stages
+        .unwrap_or_else(|| kind.default_virtual());
+    let popts = PipelineOptions {
+        schedule: ScheduleChoice::Builtin(kind),
+        virtual_stages: v,
+        microbatches: opts.microbatches,
+        ..PipelineOptions::default()
+    };
+    // Reject a plan that cannot work before any rank starts.
+    let probe_model =
+        BenchGpt::new(opts.dims, 0, 0).map_err(|e| BenchError::Invalid(e.to_string()))?;
+    let plan = lockstep_core::pipeline::plan_pipeline(&probe_model, opts.stages, &popts)
+        .map_err(|e| BenchError::Invalid(e.to_string()))?;
+    tch::set_num_threads(1);
+    let out = results_path("pipeline");
+    // Warm-up, the timed steps, and one more whose start ends the last timed step.
+    let steps = opts.steps + 2;
+    let spec = |world_size: usize| RunSpec {
+        model: "bench-gpt".into(),
+        config: format!("pp.{}", opts.schedule),
+        world_size,
+        backend: "cpu".into(),
+        dtype: "fp32".into(),
+        steps,
+        seed: 0,
+    };
+    let body = |ctx: &RankCtx| -> Result<(), String> {
+        let model = BenchGpt::new(opts.dims, 0, ctx.rank()).map_err(|e| e.to_string())?;
+        let cfg = TrainConfig {
+            spec: spec(ctx.world_size()),
+            optimizer: OptimizerConfig::default(),
+            data_ranks: vec![ctx.rank()],
+            record_grads: false,
+        };
+        let run = train_pipeline(&model, ctx.world(), &cfg, &popts).map_err(|e| e.to_string())?;
+        let mine = RankTraces {
+            traces: run.traces,
+            simulated_bubble: run.plan.simulation.bubble_fraction,
+            virtual_stages: run.plan.stages.len() / run.plan.ranks,
+        };
+        let path = out.with_extension(format!("rank{}.json", ctx.rank()));
+        let json = serde_json::to_vec(&mine).map_err(|e| e.to_string())?;
+        std::fs::write(&path, json).map_err(|e| format!("writing {}: {e}", path.display()))
+    };
+    let launched = launch(
+        &LaunchOptions {
+            world_size: opts.stages,
+            timeout: Duration::from_secs(600),
+            backend: "cpu".into(),
+        },
+        RankSpawn::Fork(&|info| lockstep_harness::execute_forked_rank(info, &body)),
+    );
+    let mut all: Vec<RankStepTrace> = Vec::new();
+    // Per step: the earliest begin of any action on any rank.
+    let mut starts: std::collections::BTreeMap<usize, u64> = std::collections::BTreeMap::new();
+    let mut simulated = 0.0;
+    let mut virtual_stages = v;
+    let mut read_error = None;
+    for r in 0..opts.stages {
+        let path = out.with_extension(format!("rank{r}.json"));
+        match std::fs::read(&path) {
+            Ok(bytes) => {
+                let mine: RankTraces = serde_json::from_slice(&bytes)?;
+                simulated = mine.simulated_bubble;
+                virtual_stages = mine.virtual_stages;
+                for t in &mine.traces {
+                    if let Some(first) = t.events.iter().map(|e| e.begin_us).min() {
+                        let s = starts.entry(t.step).or_insert(first);
+                        *s = (*s).min(first);
+                    }
+                }
+                all.extend(mine.traces);
+            }
+            Err(e) => read_error = Some(e),
+        }
+        let _ = std::fs::remove_file(&path);
+    }
+    launched?;
+    if let Some(e) = read_error {
+        return Err(e.into());
+    }
+    let timed: Vec<RankStepTrace> = all
+        .into_iter()
+        .filter(|t| t.step >= 1 && t.step <= opts.steps)
+        .collect();
+    let mut step_seconds = Vec::new();
+    let mut bubbles = Vec::new();
+    for step in 1..=opts.steps {
+        let of_step: Vec<&RankStepTrace> = timed.iter().filter(|t| t.step == step).collect();
+        if let Some(bubble) = measured_bubble(&of_step) {
+            bubbles.push(bubble);
+        }
+        // A step runs from its first action on any rank to the next step's first action:
+        // the gradient reductions, record and optimizer step in between are part of it.
+        if let (Some(b), Some(e)) = (starts.get(&step), starts.get(&(step + 1))) {
+            step_seconds.push(e.saturating_sub(*b) as f64 / 1e6);
+        }
+    }
+    if let Some(path) = &opts.trace {
+        std::fs::write(path, chrome_trace(&timed).to_string())?;
+    }
+    let pipeline_seconds =
+        median(step_seconds).ok_or_else(|| BenchError::Invalid("no step was traced".into()))?;
+    let measured = median(bubbles).unwrap_or(f64::NAN);
+    let with_costs = simulate_measured(&plan, &timed)?;
+    let (single_seconds, parameters) = single_process_step(opts)?;
+    Ok(PipelineBenchResult {
+        schedule: opts.schedule.clone(),
+        stages: opts.stages,
+        virtual_stages,
+        microbatches: opts.microbatches,
+        pipeline_seconds,
+        single_seconds,
+        ratio: pipeline_seconds / single_seconds,
+        measured_bubble: measured,
+        simulated_bubble: simulated,
+        simulated_bubble_measured_costs: with_costs,
+        bubble_relative_difference: (measured - with_costs).abs() / with_costs,
+        parameters,
+        steps: opts.steps,
+    })
+}
+
+/// The lowered schedule simulated with every (stage, action kind)'s median measured
+/// duration in microseconds.
+fn simulate_measured(
+    plan: &lockstep_core::pipeline::PipelinePlan,
+    traces: &[RankStepTrace],
+) -> Result<f64, BenchError> {
+    use lockstep_core::pipeline::schedule::{simulate_costed, Action, ActionKind, Costs};
+    use std::collections::HashMap;
+    let mut durations: HashMap<(usize, ActionKind), Vec<f64>> = HashMap::new();
+    for e in traces.iter().flat_map(|t| &t.events) {
+        let a: Action = e
+            .action
+            .parse()
+            .map_err(|err| BenchError::Invalid(format!("trace action `{}`: {err}", e.action)))?;
+        durations
+            .entry((a.stage, a.kind))
+            .or_default()
+            .push(e.duration_us as f64);
+    }
+    let medians: HashMap<(usize, ActionKind), u64> = durations
+        .into_iter()
+        .filter_map(|(k, v)| median(v).map(|m| (k, m.max(1.0) as u64)))
+        .collect();
+    // A receive's measured time is mostly waiting; its own cost is a transfer, which a send's
+    // time measures (both copy the same bytes).
+    let transfer = |stage: usize, kind: ActionKind| match kind {
+        ActionKind::RecvF | ActionKind::RecvB => {
+            let send = if kind == ActionKind::RecvF {
+                ActionKind::SendF
+            } else {
+                ActionKind::SendB
+            };
+            medians
+                .iter()
+                .filter(|((_, k), _)| *k == send)
+                .map(|(_, v)| *v)
+                .max()
+                .unwrap_or(0)
+        }
+        _ => medians.get(&(stage, kind)).copied().unwrap_or(0),
+    };
+    let sim = simulate_costed(&plan.schedule, Costs::default(), &|a: &Action| {
+        transfer(a.stage, a.kind)
+    })
+    .map_err(|e| BenchError::Invalid(e.to_string()))?;
+    Ok(sim.bubble_fraction)
+}
+
+/// The same training in this process on one core: every rank's batch, the same
+/// microbatches and loss scales, backward per microbatch, the gradient norm and the optimizer
+/// step; the median of the timed steps after a warm-up one.
+fn single_process_step(opts: &PipelineBenchOptions) -> Result<(f64, i64), BenchError> {
+    use lockstep_models::Model;
+    let invalid = |e: String| BenchError::Invalid(format!("single-process baseline: {e}"));
+    let model = BenchGpt::new(opts.dims, 0, 0).map_err(|e| invalid(e.to_string()))?;
+    let params = model.named_parameters();
+    let mut optimizer = OptimizerConfig::default().build();
+    let ranks: Vec<usize> = (0..opts.stages).collect();
+    let mut seconds = Vec::with_capacity(opts.steps);
+    for step in 0..=opts.steps {
+        let t0 = Instant::now();
+        for (_, p) in &params {
+            p.shallow_clone().zero_grad();
+        }
+        let split =
+            lockstep_core::pipeline::microbatch::split(&model, &ranks, step, opts.microbatches)
+                .map_err(|e| invalid(e.to_string()))?;
+        let mut norm = 0.0;
+        for (batch, scale) in split.batches.iter().zip(&split.scales) {
+            let loss = model
+                .loss(batch)
+                .and_then(|l| Ok(l.f_mul_scalar(*scale)?))
+                .map_err(|e| invalid(e.to_string()))?;
+            loss.f_backward().map_err(|e| invalid(e.to_string()))?;
+        }
+        for (_, p) in &params {
+            let g = p.grad();
+            if g.defined() {
+                norm += g
+                    .f_square()
+                    .and_then(|s| s.f_sum(tch::Kind::Double))
+                    .and_then(|s| s.f_double_value(&[]))
+                    .map_err(|e| invalid(e.to_string()))?;
+            }
+        }
+        let _ = norm.sqrt();
+        optimizer
+            .step(&params)
+            .map_err(|e| invalid(e.to_string()))?;
+        if step > 0 {
+            seconds.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    let s = median(seconds).ok_or_else(|| BenchError::Invalid("no baseline step".into()))?;
+    Ok((s, model.num_parameters()))
+}
