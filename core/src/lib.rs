@@ -9,6 +9,7 @@
 pub mod autograd;
 pub mod comm;
 pub mod ddp;
+pub mod expert_parallel;
 pub mod fsdp;
 pub mod num;
 pub mod pipeline;

@@ -418,6 +418,13 @@ fn run_parallel(
                     },
                 )
                 .map_err(|e| format!("{}: {e}", config.name()))?,
+                ModelParallelKind::Expert { ep, dispatcher } => train_expert_parallel(
+                    built.as_ref(),
+                    ctx.world(),
+                    &cfg,
+                    &mp.expert_options(ep, dispatcher),
+                )
+                .map_err(|e| format!("{}: {e}", config.name()))?,
             };
             if rank == 0 {
                 let json =

@@ -51,6 +51,7 @@
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use lockstep_core::comm::DType;
 use lockstep_core::ddp::{train_ddp, DdpOptions, Fault};
+use lockstep_core::expert_parallel::train_expert_parallel;
 use lockstep_core::fsdp::{
     train_fsdp, train_fsdp_hybrid, BackwardPrefetch, FsdpOptions, ShardingStrategy, WrapPolicy,
 };

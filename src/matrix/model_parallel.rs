@@ -5,6 +5,7 @@
 //! in another order; expert parallelism trains data-parallel with experts sharded.
 
 use super::*;
+use lockstep_core::expert_parallel::{check_expert_plan, Dispatcher, EpOptions};
 use lockstep_core::tensor_parallel::check_plan;
 
 /// Which parallelism a row of [`model_parallel_configs`] runs.
@@ -12,6 +13,9 @@ use lockstep_core::tensor_parallel::check_plan;
 pub enum ModelParallelKind {
     /// Tensor parallelism of size `tp` (the rest of the world data-parallel replicas).
     Tensor { tp: usize, sequence_parallel: bool },
+    /// Expert parallelism: each MoE layer's experts spread over `ep` ranks, every rank its
+    /// own batch (data parallel).
+    Expert { ep: usize, dispatcher: Dispatcher },
 }
 
 /// One tensor- or expert-parallel configuration of the matrix.
@@ -28,6 +32,9 @@ impl ModelParallelConfig {
         match self.kind {
             ModelParallelKind::Tensor { tp, .. } => (!world_size.is_multiple_of(tp)).then(|| {
                 format!("tensor-parallel size {tp} does not divide world size {world_size}")
+            }),
+            ModelParallelKind::Expert { ep, .. } => (!world_size.is_multiple_of(ep)).then(|| {
+                format!("expert-parallel size {ep} does not divide world size {world_size}")
             }),
         }
     }
@@ -53,6 +60,21 @@ impl ModelParallelConfig {
             )
             .err()
             .map(|e| e.to_string()),
+            ModelParallelKind::Expert { ep, dispatcher } => {
+                check_expert_plan(model, world_size, &self.expert_options(ep, dispatcher))
+                    .err()
+                    .map(|e| e.to_string())
+            }
+        }
+    }
+
+    /// The options every rank of an expert-parallel row runs with.
+    pub fn expert_options(&self, ep: usize, dispatcher: Dispatcher) -> EpOptions {
+        EpOptions {
+            ep,
+            dispatcher,
+            capacity_factor: None,
+            fault: None,
         }
     }
 }
@@ -78,6 +100,33 @@ pub fn model_parallel_configs() -> &'static [ModelParallelConfig] {
                 false,
             ),
             tp("tp.4", "tensor parallel over 4 ranks", 4, false),
+            ModelParallelConfig {
+                name: "ep.2",
+                description: "expert parallel over 2 ranks (gpt_moe: each MoE layer's 8 experts \
+                              4 per rank, all-to-all dispatch; every rank its own batch)",
+                kind: ModelParallelKind::Expert {
+                    ep: 2,
+                    dispatcher: Dispatcher::AllToAll,
+                },
+            },
+            ModelParallelConfig {
+                name: "ep.4",
+                description: "expert parallel over 4 ranks (2 experts per rank), all-to-all",
+                kind: ModelParallelKind::Expert {
+                    ep: 4,
+                    dispatcher: Dispatcher::AllToAll,
+                },
+            },
+            ModelParallelConfig {
+                name: "ep.2.allgather",
+                description: "ep.2 with the all-gather dispatcher (every rank sees every token \
+                              and runs its experts; results reduce-scattered home): the same \
+                              computation another way",
+                kind: ModelParallelKind::Expert {
+                    ep: 2,
+                    dispatcher: Dispatcher::AllGather,
+                },
+            },
             tp(
                 "tp.2.sp",
                 "tensor parallel over 2 ranks with sequence parallelism (LayerNorms on \

@@ -42,6 +42,19 @@ pub(crate) struct GptTp {
     pub experts: usize,
     pub sequence_parallel: bool,
     pub fault: Option<TpFault>,
+    /// The mixture-of-experts layers' experts sharded over an `ep` group instead of
+    /// replicated (expert parallelism).
+    pub experts_parallel: Option<ExpertsParallel>,
+}
+
+/// How `GptTp` runs the mixture-of-experts layers under expert parallelism.
+pub(crate) struct ExpertsParallel {
+    pub group: Arc<dyn ProcessGroup>,
+    pub dispatcher: crate::expert_parallel::Dispatcher,
+    pub config: crate::expert_parallel::MoeConfig,
+    /// This rank's experts: `[first, first + per)`.
+    pub first: usize,
+    pub per: usize,
 }
 
 fn hook_err(e: impl std::fmt::Display) -> ModelError {
@@ -110,8 +123,36 @@ impl GptTp {
             .f_view([b, t, local * hd])?)
     }
 
-    /// The zoo's dense mixture of experts, replicated (every expert whole on every rank).
+    /// The zoo's dense mixture of experts, replicated (every expert whole on every rank), or
+    /// sharded over the expert-parallel group.
     fn moe(&self, x: &Tensor, prefix: &str) -> Result<Tensor, ModelError> {
+        if let Some(ep) = &self.experts_parallel {
+            let local = (ep.first..ep.first + ep.per)
+                .map(|e| {
+                    let p = |s: &str| {
+                        self.p(&format!("{prefix}.experts.{e}.{s}"))
+                            .map(Tensor::shallow_clone)
+                    };
+                    Ok(crate::expert_parallel::ExpertParams {
+                        w1: p("w1.weight")?,
+                        b1: p("w1.bias")?,
+                        w2: p("w2.weight")?,
+                        b2: p("w2.bias")?,
+                    })
+                })
+                .collect::<Result<Vec<_>, ModelError>>()?;
+            let flat = x.f_reshape([-1, self.dim])?;
+            let out = crate::expert_parallel::moe_forward(
+                &flat,
+                self.p(&format!("{prefix}.router.weight"))?,
+                &local,
+                &ep.config,
+                Some(&ep.group),
+                ep.dispatcher,
+            )
+            .map_err(hook_err)?;
+            return Ok(out.output.f_reshape(x.size().as_slice())?);
+        }
         let probs = self
             .linear(x, &format!("{prefix}.router"), false)?
             .f_softmax(-1, None)?;

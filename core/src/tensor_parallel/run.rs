@@ -124,6 +124,7 @@ pub fn train_tensor_parallel(
             experts: Gpt::EXPERTS,
             sequence_parallel: opts.sequence_parallel,
             fault: opts.fault,
+            experts_parallel: None,
         })
     } else {
         Box::new(TransformerTp {

@@ -1,0 +1,251 @@
+//! Training the zoo's `gpt_moe` with its experts sharded over an `ep` group: every rank
+//! trains on its own batch (data parallel), attention and router are replicated and averaged
+//! like DDP, each rank holds `E / ep` experts of every MoE layer, token-choices travel to
+//! their experts through a dispatcher, and expert gradients are summed over the
+//! expert-data-parallel group only and divided by the world size.
+
+use super::moe::{Dispatcher, MoeConfig};
+use crate::comm::{DeviceMesh, ProcessGroup, ReduceOp, World};
+use crate::record::RunRecord;
+use crate::tensor_parallel::gpt::{ExpertsParallel, GptTp};
+use crate::tensor_parallel::layers::{vocab_parallel_cross_entropy, Reduction};
+use crate::train::{capture, grad_norm, TrainConfig, TrainError};
+use lockstep_models::zoo::Gpt;
+use lockstep_models::{Model, ModelError};
+use std::collections::HashMap;
+use tch::Tensor;
+
+/// How an expert-parallel run is configured.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EpOptions {
+    /// Ranks the experts of a layer are spread over; the world is `world / ep` replicas.
+    pub ep: usize,
+    pub dispatcher: Dispatcher,
+    /// `None`: no token is dropped (the zoo's dense layer computes every choice).
+    pub capacity_factor: Option<f64>,
+    /// A planted bug (checker tests only).
+    pub fault: Option<EpFault>,
+}
+
+/// A planted expert-parallel bug.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EpFault {
+    /// Expert gradients counted once per `ep` rank, as if reduced over `ep` as well (EP = 2
+    /// doubles them).
+    ExpertGradsReducedOverEp,
+}
+
+/// Everything an expert-parallel run can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum EpError {
+    #[error("expert parallel: {0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Moe(#[from] super::moe::MoeError),
+    #[error(transparent)]
+    Layers(#[from] crate::tensor_parallel::layers::TensorParallelError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    #[error(transparent)]
+    Comm(#[from] crate::CommError),
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+}
+
+/// Checks before any rank starts that `model` can run expert-parallel at `world_size`.
+pub fn check_expert_plan(
+    model: &dyn Model,
+    world_size: usize,
+    opts: &EpOptions,
+) -> Result<(), EpError> {
+    if model.name() != "gpt_moe" {
+        return Err(EpError::Invalid(format!(
+            "model `{}` has no mixture-of-experts layer to shard (zoo gpt_moe has)",
+            model.name()
+        )));
+    }
+    if opts.ep == 0 || world_size == 0 || !world_size.is_multiple_of(opts.ep) {
+        return Err(EpError::Invalid(format!(
+            "expert-parallel size {} does not divide world size {world_size}",
+            opts.ep
+        )));
+    }
+    if !Gpt::EXPERTS.is_multiple_of(opts.ep) {
+        return Err(EpError::Invalid(format!(
+            "{} experts do not divide over an expert-parallel group of {}",
+            Gpt::EXPERTS,
+            opts.ep
+        )));
+    }
+    Ok(())
+}
+
+/// Trains `model` (the zoo `gpt_moe`, built whole on every rank) expert-parallel.
+pub fn train_expert_parallel(
+    model: &dyn Model,
+    world: &World,
+    cfg: &TrainConfig,
+    opts: &EpOptions,
+) -> Result<RunRecord, EpError> {
+    let world_size = world.size();
+    check_expert_plan(model, world_size, opts)?;
+    let ep = opts.ep;
+    let mesh = DeviceMesh::new(world, &[("edp", world_size / ep), ("ep", ep)])?;
+    let ep_group = mesh.group("ep")?;
+    let edp_group = mesh.group("edp")?;
+    let everyone = world.group();
+    let singles: Vec<Vec<usize>> = (0..world_size).map(|r| vec![r]).collect();
+    let alone = world
+        .new_groups(&singles, "ep-self")?
+        .ok_or_else(|| EpError::Invalid("no single-rank group".into()))?;
+    let ep_rank = mesh.coordinate("ep")?;
+    let per = Gpt::EXPERTS / ep;
+    let first = ep_rank * per;
+    let tags = model.tags();
+    let expert_of: HashMap<String, usize> = tags
+        .experts
+        .iter()
+        .map(|e| (e.name.clone(), e.expert))
+        .collect();
+    let named = model.named_parameters();
+    let mine = |name: &str| {
+        expert_of
+            .get(name)
+            .is_none_or(|&e| (first..first + per).contains(&e))
+    };
+    let trained: Vec<(String, Tensor)> = named
+        .iter()
+        .filter(|(n, _)| mine(n))
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect();
+    let mut hooks = GptTp {
+        group: alone,
+        tp: 1,
+        rank: 0,
+        params: named
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect(),
+        layer_names: model.layers().into_iter().map(|l| l.name).collect(),
+        heads: Gpt::HEADS,
+        dim: Gpt::DIM,
+        vocab: Gpt::VOCAB,
+        top_k: Gpt::TOP_K,
+        experts: Gpt::EXPERTS,
+        sequence_parallel: false,
+        fault: None,
+        experts_parallel: Some(ExpertsParallel {
+            group: ep_group.clone(),
+            dispatcher: opts.dispatcher,
+            config: MoeConfig {
+                num_experts: Gpt::EXPERTS,
+                top_k: Gpt::TOP_K,
+                capacity_factor: opts.capacity_factor,
+                aux_loss_coef: 0.0,
+            },
+            first,
+            per,
+        }),
+    };
+    let mut optimizer = cfg.optimizer.build();
+    let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
+    let expert_scale = if opts.fault == Some(EpFault::ExpertGradsReducedOverEp) {
+        ep as f64 / world_size as f64
+    } else {
+        1.0 / world_size as f64
+    };
+    for step in 0..cfg.spec.steps {
+        for (_, t) in &trained {
+            t.shallow_clone().zero_grad();
+        }
+        let batch = model.input(world.rank(), step)?;
+        let logits = model.forward_hooked(&batch, &mut hooks)?;
+        let target = batch
+            .target
+            .as_ref()
+            .ok_or_else(|| EpError::Invalid("the batch has no target".into()))?;
+        let loss = vocab_parallel_cross_entropy(
+            &logits.f_reshape([-1, Gpt::VOCAB])?,
+            &target.f_reshape([-1])?,
+            0,
+            &hooks.group,
+            Reduction::Mean,
+        )?;
+        loss.f_backward()?;
+        for (name, t) in &trained {
+            let mut g = t.grad();
+            if !g.defined() {
+                g = t.f_zeros_like()?;
+                crate::autograd::set_grad(t, Some(&g))
+                    .map_err(|e| EpError::Invalid(e.to_string()))?;
+            }
+            if expert_of.contains_key(name) {
+                edp_group.all_reduce(&g, ReduceOp::Sum)?;
+                let _ = g.f_mul_scalar_(expert_scale)?;
+            } else {
+                everyone.all_reduce(&g, ReduceOp::Avg)?;
+            }
+        }
+        let full = full_tensors(&named, &expert_of, per, ep_rank, ep_group.as_ref(), |t| {
+            t.grad()
+        })?;
+        record.grad_norms.push(grad_norm(&full)?);
+        if let Some(all) = record.grads.as_mut() {
+            all.push(capture(&full)?);
+        }
+        let value = Tensor::from_slice(&[loss.f_double_value(&[])?]);
+        everyone.all_reduce(&value, ReduceOp::Avg)?;
+        record.losses.push(value.f_double_value(&[0])?);
+        optimizer.step(&trained)?;
+    }
+    let params = tch::no_grad(|| {
+        full_tensors(
+            &named,
+            &expert_of,
+            per,
+            ep_rank,
+            ep_group.as_ref(),
+            Tensor::shallow_clone,
+        )
+    })?;
+    record.params = capture(&params)?;
+    record.buffers = capture(&model.named_buffers())?;
+    Ok(record)
+}
+
+/// Every parameter as a whole model has it: dense ones as they are, each expert's from the
+/// `ep` rank holding it (a broadcast over the `ep` group keeps the bits).
+fn full_tensors(
+    named: &[(String, Tensor)],
+    expert_of: &HashMap<String, usize>,
+    per: usize,
+    ep_rank: usize,
+    ep_group: &dyn ProcessGroup,
+    value: impl Fn(&Tensor) -> Tensor,
+) -> Result<Vec<(String, Tensor)>, EpError> {
+    named
+        .iter()
+        .map(|(name, t)| {
+            let v = value(t);
+            let v = if v.defined() {
+                v.f_detach_copy()?
+            } else {
+                t.f_zeros_like()?
+            };
+            if let Some(&e) = expert_of.get(name) {
+                let owner = e / per;
+                let buf = if owner == ep_rank {
+                    v
+                } else {
+                    t.f_zeros_like()?
+                };
+                let buf = buf.f_contiguous()?;
+                ep_group.broadcast(&buf, owner)?;
+                return Ok((name.clone(), buf));
+            }
+            Ok((name.clone(), v))
+        })
+        .collect()
+}
