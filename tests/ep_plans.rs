@@ -1,0 +1,219 @@
+//! Expert parallelism: the two dispatchers compute the same outputs and gradients, token
+//! dropping at capacity matches one process with the same capacity, `gpt_moe` with sharded
+//! experts matches single device, and a planted expert-gradient doubling is caught.
+
+mod common;
+
+use lockstep_core::comm::DType;
+use lockstep_core::expert_parallel::{
+    check_expert_plan, moe_forward, train_expert_parallel, Dispatcher, EpFault, EpOptions,
+    ExpertParams, MoeConfig,
+};
+use lockstep_core::record::RunRecord;
+use lockstep_core::train::{single_device_reference, OptimizerConfig};
+use lockstep_harness::parity::{compare, TolerancePolicy};
+use lockstep_harness::RankCtx;
+use lockstep_models::zoo;
+use rstest::rstest;
+use tch::{Kind, Tensor};
+
+const E: usize = 8;
+const D: i64 = 6;
+const N: i64 = 10;
+
+fn cfg(capacity_factor: Option<f64>) -> MoeConfig {
+    MoeConfig {
+        num_experts: E,
+        top_k: 2,
+        capacity_factor,
+        aux_loss_coef: 0.0,
+    }
+}
+
+/// Every expert's parameters, drawn from one seed (the same on every rank).
+fn experts() -> (Tensor, Vec<ExpertParams>) {
+    lockstep_models::seed::seeded(7, || {
+        let r =
+            |s: &[i64]| Tensor::randn(s, (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+        let router = r(&[E as i64, D]);
+        let experts = (0..E)
+            .map(|_| ExpertParams {
+                w1: r(&[12, D]),
+                b1: r(&[12]),
+                w2: r(&[D, 12]),
+                b2: r(&[D]),
+            })
+            .collect();
+        (router, experts)
+    })
+}
+
+/// Rank `r`'s tokens: skewed so that some ranks send nothing to some experts.
+fn tokens(rank: usize) -> Tensor {
+    lockstep_models::seed::seeded(100 + rank as u64, || {
+        Tensor::randn([N, D], (Kind::Float, tch::Device::Cpu))
+            .f_mul_scalar(1.0 + rank as f64)
+            .unwrap()
+    })
+    .set_requires_grad(true)
+}
+
+/// Output and the gradients of (tokens, router, every local expert's w1) after
+/// `output.sum()` backward.
+fn run_layer(ctx: &RankCtx, dispatcher: Dispatcher, capacity: Option<f64>) -> Vec<Tensor> {
+    let ep = ctx.world_size();
+    let per = E / ep;
+    let (router, all) = experts();
+    let local: Vec<ExpertParams> = all.into_iter().skip(ctx.rank() * per).take(per).collect();
+    let x = tokens(ctx.rank());
+    let out = moe_forward(
+        &x,
+        &router,
+        &local,
+        &cfg(capacity),
+        Some(&ctx.group()),
+        dispatcher,
+    )
+    .expect("moe");
+    out.output.sum(Kind::Float).backward();
+    let mut v = vec![out.output.detach(), x.grad(), router.grad()];
+    v.extend(local.iter().map(|e| e.w1.grad()));
+    v
+}
+
+#[rstest]
+fn the_two_dispatchers_agree(
+    #[values(2, 4)] ep: usize,
+    #[values(None, Some(1.0))] capacity: Option<f64>,
+) {
+    lockstep_harness::run(ep, |ctx| {
+        let a = run_layer(ctx, Dispatcher::AllToAll, capacity);
+        let b = run_layer(ctx, Dispatcher::AllGather, capacity);
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!(
+                x.allclose(y, 1.3e-6, 1e-5, false),
+                "tensor {i} differs between dispatchers"
+            );
+        }
+    });
+}
+
+/// With the same capacity, the sharded layer drops the same choices and computes the same
+/// thing as one process holding every expert on each rank's tokens.
+#[rstest]
+fn sharded_experts_match_one_process_with_the_same_capacity(
+    #[values(2, 4)] ep: usize,
+    #[values(None, Some(0.5))] capacity: Option<f64>,
+) {
+    lockstep_harness::run(ep, |ctx| {
+        let (router, all) = experts();
+        let x = tokens(ctx.rank());
+        let reference = moe_forward(
+            &x,
+            &router,
+            &all,
+            &cfg(capacity),
+            None,
+            Dispatcher::AllToAll,
+        )
+        .expect("single");
+        let sharded = run_layer(ctx, Dispatcher::AllToAll, capacity);
+        assert!(sharded[0].allclose(&reference.output.detach(), 1.3e-6, 1e-5, false));
+        if capacity.is_some() {
+            assert!(
+                reference.tokens_dropped > 0,
+                "capacity 0.5 must drop something"
+            );
+        }
+    });
+}
+
+fn ep_run(ctx: &RankCtx, opts: &EpOptions) -> RunRecord {
+    let m = zoo::build("gpt_moe", 0, ctx.rank()).expect("model");
+    let cfg = common::train_config(ctx, "gpt_moe", "ep", "fp32", 3);
+    train_expert_parallel(m.as_ref(), ctx.world(), &cfg, opts).expect("expert-parallel run")
+}
+
+fn opts(ep: usize, dispatcher: Dispatcher) -> EpOptions {
+    EpOptions {
+        ep,
+        dispatcher,
+        capacity_factor: None,
+        fault: None,
+    }
+}
+
+/// `gpt_moe` with its experts sharded matches single device (losses, every gradient, final
+/// parameters), with both dispatchers, at EP 2 and 4 (and EP 2 of world 4: 2 replicas).
+#[rstest]
+fn gpt_moe_with_sharded_experts_matches_single_device(
+    #[values((2, 2), (2, 4), (4, 4))] case: (usize, usize),
+    #[values(Dispatcher::AllToAll, Dispatcher::AllGather)] dispatcher: Dispatcher,
+) {
+    let (ep, world) = case;
+    lockstep_harness::run(world, |ctx| {
+        let run = ep_run(ctx, &opts(ep, dispatcher));
+        if ctx.rank() == 0 {
+            let m = zoo::build("gpt_moe", 0, 0).expect("model");
+            let reference =
+                single_device_reference(m.as_ref(), world, 3, OptimizerConfig::default(), true)
+                    .expect("reference");
+            let c = compare(&run, &reference, &TolerancePolicy::dtype_table(DType::F32));
+            assert!(
+                c.passed,
+                "ep={ep} world={world}: {}",
+                c.diagnosis.unwrap_or_default()
+            );
+        }
+    });
+}
+
+/// Expert gradients counted once per EP rank (reduced over `ep` as well) are caught.
+#[test]
+fn expert_gradients_reduced_over_ep_are_caught() {
+    lockstep_harness::run(2, |ctx| {
+        let o = EpOptions {
+            fault: Some(EpFault::ExpertGradsReducedOverEp),
+            ..opts(2, Dispatcher::AllToAll)
+        };
+        let run = ep_run(ctx, &o);
+        if ctx.rank() == 0 {
+            let m = zoo::build("gpt_moe", 0, 0).expect("model");
+            let reference =
+                single_device_reference(m.as_ref(), 2, 3, OptimizerConfig::default(), true)
+                    .expect("reference");
+            let c = compare(&run, &reference, &TolerancePolicy::dtype_table(DType::F32));
+            assert!(!c.passed, "doubled expert gradients were not caught");
+        }
+    });
+}
+
+#[test]
+fn bad_expert_plans_are_rejected_before_any_rank_starts() {
+    let moe = zoo::build("gpt_moe", 0, 0).expect("model");
+    let e = check_expert_plan(moe.as_ref(), 3, &opts(3, Dispatcher::AllToAll))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("8 experts do not divide over an expert-parallel group of 3"),
+        "{e}"
+    );
+    let e = check_expert_plan(moe.as_ref(), 4, &opts(3, Dispatcher::AllToAll))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("does not divide world size 4"), "{e}");
+    let gpt = zoo::build("gpt", 0, 0).expect("model");
+    let e = check_expert_plan(gpt.as_ref(), 2, &opts(2, Dispatcher::AllToAll))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no mixture-of-experts layer"), "{e}");
+    let (router, all) = experts();
+    let bad = MoeConfig {
+        top_k: 9,
+        ..cfg(None)
+    };
+    let e = moe_forward(&tokens(0), &router, &all, &bad, None, Dispatcher::AllToAll)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("top_k 9 exceeds the 8 experts"), "{e}");
+}
