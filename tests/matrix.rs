@@ -341,9 +341,13 @@ fn plan_selects_expands_and_counts_runs() {
     // pp configs that fit 2 ranks (all but dp2) and one single.mb4; at world 4 the 5 with one
     // stage per rank (the 2-per-rank ones need 8 layers, the GPT has 6), dp2, and single.mb8.
     let pipelines = 2 * ((10 + 1) + (6 + 1));
+    // Tensor and expert parallel: gpt tp.2, tp.2.sp at world 2 and tp.2, tp.4, tp.2.sp at 4
+    // (no MoE: its ep rows skip); gpt_moe those plus ep.2, ep.2.allgather at 2 and ep.2,
+    // ep.4, ep.2.allgather at 4; moe has no single-device reference.
+    let model_parallel = (2 + 3) + (4 + 6);
     assert_eq!(
         plan.run_count(),
-        2 * (2 * (8 + fsdp) + (6 + fsdp)) + pipelines
+        2 * (2 * (8 + fsdp) + (6 + fsdp)) + pipelines + model_parallel
     );
 
     let fsdp_only = matrix::plan(&MatrixOptions {
@@ -1162,4 +1166,42 @@ fn pipeline_rows_pass_and_the_plan_counts_every_run() {
         .as_deref()
         .unwrap_or_default()
         .contains("8 stages need at least 8 layers"));
+}
+
+/// The tensor- and expert-parallel rows: every `tp.*` and `ep.*` configuration passes against
+/// `single@N` on the decoders or is skipped with its reason, and the plan counts every run.
+#[test]
+fn tensor_and_expert_parallel_rows_pass() {
+    let plan = matrix::plan(&MatrixOptions {
+        models: vec!["gpt".into(), "gpt_moe".into(), "transformer".into()],
+        configs: vec!["tp.*".into(), "ep.*".into()],
+        world_sizes: vec![2, 4],
+        steps: 3,
+        ..MatrixOptions::default()
+    })
+    .unwrap();
+    let result = matrix::run_quietly(&plan);
+    assert_eq!(result.runs, plan.run_count());
+    assert_eq!(result.failed_runs, 0);
+    let mut passed = 0;
+    for row in &result.rows {
+        assert_eq!(
+            row.reference,
+            format!("single@{}", row.world_size),
+            "{row:?}"
+        );
+        match row.status {
+            RowStatus::Pass => passed += 1,
+            RowStatus::Skip => {
+                assert!(
+                    row.note.as_deref().is_some_and(|n| !n.is_empty()),
+                    "{row:?}"
+                )
+            }
+            _ => panic!("{} {}: {:?}", row.model, row.config, row.note),
+        }
+    }
+    // gpt: tp.2, tp.2.sp @2 and tp.2, tp.4, tp.2.sp @4; gpt_moe: those and ep.2,
+    // ep.2.allgather @2, ep.2, ep.4, ep.2.allgather @4; transformer: tp.2 @2, tp.2, tp.4 @4.
+    assert_eq!(passed, 5 + 10 + 3);
 }
