@@ -330,24 +330,24 @@ fn plan_selects_expands_and_counts_runs() {
         ..MatrixOptions::default()
     })
     .unwrap();
-    assert_eq!(plan.models, ["moe", "gpt", "gpt_moe"]);
+    assert_eq!(plan.models, ["moe", "gpt", "gpt_moe", "gpt_dropout"]);
     assert_eq!(plan.world_sizes, [2, 4]);
     assert_eq!(plan.configs, Config::all());
     let fsdp = Config::fsdp().len();
-    // gpt and gpt_moe: 2 single + 2 ddp + 2 ddp.bf16 + 2 ddp.fp16 + every fsdp config per
+    // gpt, gpt_moe and gpt_dropout: 2 single + 2 ddp + 2 ddp.bf16 + 2 ddp.fp16 + every fsdp config per
     // world size (hybrid runs at 2 and 4); moe (no single-device reference): the 6 ddp runs +
     // every fsdp config.
-    // Pipelines, per model with a single-device reference (gpt, gpt_moe): at world 2 the 10
+    // Pipelines, per model with a single-device reference (gpt, gpt_moe, gpt_dropout): at world 2 the 10
     // pp configs that fit 2 ranks (all but dp2) and one single.mb4; at world 4 the 5 with one
     // stage per rank (the 2-per-rank ones need 8 layers, the GPT has 6), dp2, and single.mb8.
-    let pipelines = 2 * ((10 + 1) + (6 + 1));
-    // Tensor and expert parallel: gpt tp.2, tp.2.sp at world 2 and tp.2, tp.4, tp.2.sp at 4
+    let pipelines = 3 * ((10 + 1) + (6 + 1));
+    // Tensor and expert parallel: gpt and gpt_dropout tp.2, tp.2.sp at world 2 and tp.2, tp.4, tp.2.sp at 4
     // (no MoE: its ep rows skip); gpt_moe those plus ep.2, ep.2.allgather at 2 and ep.2,
     // ep.4, ep.2.allgather at 4; moe has no single-device reference.
-    let model_parallel = (2 + 3) + (4 + 6);
+    let model_parallel = 2 * (2 + 3) + (4 + 6);
     assert_eq!(
         plan.run_count(),
-        2 * (2 * (8 + fsdp) + (6 + fsdp)) + pipelines + model_parallel
+        2 * (3 * (8 + fsdp) + (6 + fsdp)) + pipelines + model_parallel
     );
 
     let fsdp_only = matrix::plan(&MatrixOptions {

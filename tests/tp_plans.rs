@@ -38,10 +38,12 @@ fn opts(tp: usize, sequence_parallel: bool) -> TpOptions {
     }
 }
 
-/// Every TP size and SP on both decoders, at world 4 (TP × data-parallel replicas) and 2.
+/// Every TP size and SP on the decoders, at world 4 (TP × data-parallel replicas) and 2.
+/// `gpt_dropout` (p = 0.1) runs in parity mode: each rank applies its slice of the mask one
+/// process draws, so dropout > 0 is compared with single device like everything else.
 #[rstest]
 fn tensor_parallel_matches_single_device(
-    #[values("gpt", "gpt_moe")] model: &str,
+    #[values("gpt", "gpt_moe", "gpt_dropout")] model: &str,
     #[values((1, 2, false), (2, 2, false), (2, 4, false), (4, 4, false), (2, 2, true), (4, 4, true))]
     case: (usize, usize, bool),
 ) {
@@ -121,22 +123,23 @@ fn collective_counts_per_step_are_exact_with_sequence_parallelism() {
 #[rstest]
 fn planted_tensor_parallel_bugs_are_caught(
     #[values(
-        (TpFault::MissingBackwardAllReduce, false),
-        (TpFault::SkipSequenceGradReduce, true)
+        (TpFault::MissingBackwardAllReduce, false, "gpt"),
+        (TpFault::SkipSequenceGradReduce, true, "gpt"),
+        (TpFault::SameDropoutMask, false, "gpt_dropout")
     )]
-    case: (TpFault, bool),
+    case: (TpFault, bool, &str),
 ) {
-    let (fault, sp) = case;
+    let (fault, sp, model) = case;
     lockstep_harness::run(2, |ctx| {
         let o = TpOptions {
             fault: Some(fault),
             ..opts(2, sp)
         };
-        let run = tp_run(ctx, "gpt", &o);
+        let run = tp_run(ctx, model, &o);
         if ctx.rank() == 0 {
             let c = compare(
                 &run,
-                &single("gpt", 2),
+                &single(model, 2),
                 &TolerancePolicy::dtype_table(DType::F32),
             );
             assert!(!c.passed, "{fault:?} was not caught");

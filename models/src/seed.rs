@@ -70,6 +70,48 @@ pub fn seeded<T>(seed: u64, f: impl FnOnce() -> T) -> T {
     f()
 }
 
+/// The seeds that key each sample's dropout masks, carried with the batch as an int64
+/// tensor: sample `i` of rank `rank`'s batch at `step`. Keys travel with their samples through
+/// any concatenation or split along the batch dimension, so a microbatch, a data-parallel
+/// rank or a tensor-parallel group draws exactly the masks one process draws for the same
+/// samples.
+pub fn sample_keys(run_seed: u64, rank: usize, step: usize, samples: usize) -> Vec<i64> {
+    let base = batch_seed(run_seed, rank, step).wrapping_mul(0x2545_F491_4F6C_DD1D);
+    (0..samples as u64)
+        .map(|i| (base.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15)) >> 1) as i64)
+        .collect()
+}
+
+/// The dropout mask of a batch whose samples carry `keys`, at dropout site `site` of layer
+/// `layer`: per sample, a keep-mask of `per_sample` shape drawn from that sample's own
+/// stream, scaled by `1 / (1 - p)` as `torch.nn.functional.dropout` scales kept values;
+/// stacked along dim 0. Any rank can draw the full mask and keep its slice (tensor
+/// parallelism's parity mode).
+pub fn dropout_mask(
+    keys: &[i64],
+    layer: u64,
+    site: u64,
+    per_sample: &[i64],
+    p: f64,
+) -> Result<tch::Tensor, tch::TchError> {
+    let masks = keys
+        .iter()
+        .map(|&k| {
+            let seed = (k as u64)
+                .wrapping_mul(0x100_0000_01B3)
+                .wrapping_add(layer.wrapping_mul(0x9E37_79B9))
+                .wrapping_add(site);
+            seeded(seed, || {
+                tch::Tensor::f_rand(per_sample, (tch::Kind::Float, tch::Device::Cpu))?
+                    .f_ge(p)?
+                    .f_to_kind(tch::Kind::Float)?
+                    .f_div_scalar(1.0 - p)
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    tch::Tensor::f_stack(&masks, 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -35,7 +35,8 @@ fn zoo_lists_every_model_and_rejects_unknown_names() {
             "moe",
             "mlp",
             "gpt",
-            "gpt_moe"
+            "gpt_moe",
+            "gpt_dropout"
         ]
     );
     let err = zoo::build("resnet", 0, 0)

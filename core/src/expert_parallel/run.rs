@@ -148,6 +148,8 @@ pub fn train_expert_parallel(
             first,
             per,
         }),
+        dropout: 0.0,
+        dropout_keys: Default::default(),
     };
     let mut optimizer = cfg.optimizer.build();
     let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);

@@ -12,7 +12,9 @@ use crate::autograd::collectives::{
 };
 use crate::comm::ProcessGroup;
 use lockstep_models::{LayerHooks, ModelError};
+use std::cell::RefCell;
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::sync::Arc;
 use tch::{Kind, Tensor};
 
@@ -24,6 +26,9 @@ pub enum TpFault {
     MissingBackwardAllReduce,
     /// Sequence-parallel LayerNorm gradients are not summed over the TP group.
     SkipSequenceGradReduce,
+    /// Every TP rank applies the first rank's slice of a split activation's dropout mask
+    /// (ranks drawing the same mask where they must differ).
+    SameDropoutMask,
 }
 
 /// What the hooks need: the TP group, this rank's parameters (shards where the plan splits
@@ -45,6 +50,10 @@ pub(crate) struct GptTp {
     /// The mixture-of-experts layers' experts sharded over an `ep` group instead of
     /// replicated (expert parallelism).
     pub experts_parallel: Option<ExpertsParallel>,
+    /// Dropout rate (`gpt_dropout`); masks are the single-device ones, sliced (parity mode).
+    pub dropout: f64,
+    /// The current batch's per-sample mask keys, set by the training loop before forward.
+    pub dropout_keys: Rc<RefCell<Vec<i64>>>,
 }
 
 /// How `GptTp` runs the mixture-of-experts layers under expert parallelism.
@@ -66,6 +75,32 @@ impl GptTp {
         self.params
             .get(name)
             .ok_or_else(|| hook_err(format!("tensor parallel: no parameter `{name}`")))
+    }
+
+    /// `x` times this rank's slice (along `dim`, `x`'s own size there) of the full dropout
+    /// mask one process draws for `full` per-sample shape at (`layer`, `site`): parity mode.
+    fn dropout(
+        &self,
+        x: &Tensor,
+        layer: usize,
+        site: u64,
+        full: &[i64],
+        dim: i64,
+    ) -> Result<Tensor, ModelError> {
+        if self.dropout <= 0.0 {
+            return Ok(x.shallow_clone());
+        }
+        let keys = self.dropout_keys.borrow();
+        let mask =
+            lockstep_models::seed::dropout_mask(&keys, layer as u64 + 1, site, full, self.dropout)?;
+        let len = x.size()[dim as usize];
+        let slice = if self.fault == Some(TpFault::SameDropoutMask) {
+            0
+        } else {
+            self.rank as i64
+        };
+        let mask = mask.f_narrow(dim, slice * len, len)?.f_to_kind(x.kind())?;
+        Ok(x.f_mul(&mask)?)
     }
 
     fn vocab_start(&self) -> i64 {
@@ -102,7 +137,7 @@ impl GptTp {
 
     /// Causal attention over this rank's heads; `x` (B, T, D) replicated, result (B, T, D/t)
     /// — this rank's heads, concatenated — before the row-parallel output projection.
-    fn local_heads(&self, x: &Tensor, prefix: &str) -> Result<Tensor, ModelError> {
+    fn local_heads(&self, x: &Tensor, prefix: &str, layer: usize) -> Result<Tensor, ModelError> {
         let (b, t) = (x.size()[0], x.size()[1]);
         let hd = self.dim / self.heads;
         let local = self.heads / self.tp as i64;
@@ -115,8 +150,14 @@ impl GptTp {
             .f_matmul(&k.f_transpose(-2, -1)?)?
             .f_mul_scalar(1.0 / (hd as f64).sqrt())?
             .f_masked_fill(&future, f64::NEG_INFINITY)?;
-        Ok(scores
-            .f_softmax(-1, None)?
+        let probs = self.dropout(
+            &scores.f_softmax(-1, None)?,
+            layer,
+            1,
+            &[self.heads, t, t],
+            1,
+        )?;
+        Ok(probs
             .f_matmul(&v)?
             .f_transpose(1, 2)?
             .f_contiguous()?
@@ -179,7 +220,7 @@ impl GptTp {
     fn block(&self, i: usize, h: &Tensor) -> Result<Tensor, ModelError> {
         let prefix = format!("layers.{i}");
         let a = self.layer_norm(h, &format!("{prefix}.attention_norm"))?;
-        let heads = self.local_heads(&self.enter(&a)?, &format!("{prefix}.attention"))?;
+        let heads = self.local_heads(&self.enter(&a)?, &format!("{prefix}.attention"), i)?;
         let o = self.linear(&heads, &format!("{prefix}.attention.wo"), false)?;
         let o = reduce_from_parallel(&o, &self.group).map_err(hook_err)?;
         let o = o.f_add(self.p(&format!("{prefix}.attention.wo.bias"))?)?;
@@ -192,6 +233,8 @@ impl GptTp {
             let x = self
                 .linear(&x, &format!("{prefix}.feed_forward.w1"), true)?
                 .f_gelu("none")?;
+            let t = x.size()[1];
+            let x = self.dropout(&x, i, 2, &[t, 4 * self.dim], 2)?;
             let y = self.linear(&x, &format!("{prefix}.feed_forward.w2"), false)?;
             reduce_from_parallel(&y, &self.group)
                 .map_err(hook_err)?
@@ -218,7 +261,7 @@ impl GptTp {
     fn block_sp(&self, i: usize, x: &Tensor) -> Result<Tensor, ModelError> {
         let prefix = format!("layers.{i}");
         let a = self.layer_norm(x, &format!("{prefix}.attention_norm"))?;
-        let heads = self.local_heads(&self.gather_seq(&a)?, &format!("{prefix}.attention"))?;
+        let heads = self.local_heads(&self.gather_seq(&a)?, &format!("{prefix}.attention"), i)?;
         let o = self.linear(&heads, &format!("{prefix}.attention.wo"), false)?;
         let o = self
             .scatter_seq(&o)?
@@ -233,6 +276,8 @@ impl GptTp {
             let y = self
                 .linear(&full, &format!("{prefix}.feed_forward.w1"), true)?
                 .f_gelu("none")?;
+            let t = y.size()[1];
+            let y = self.dropout(&y, i, 2, &[t, 4 * self.dim], 2)?;
             let y = self.linear(&y, &format!("{prefix}.feed_forward.w2"), false)?;
             self.scatter_seq(&y)?
                 .f_add(self.p(&format!("{prefix}.feed_forward.w2.bias"))?)?

@@ -167,7 +167,7 @@ impl TpPlan {
     /// The plan for a zoo model by name, if it has one.
     pub fn for_model(model: &str, sequence_parallel: bool) -> Result<TpPlan, TpPlanError> {
         match model {
-            "gpt" => Ok(TpPlan::gpt_dense(sequence_parallel)),
+            "gpt" | "gpt_dropout" => Ok(TpPlan::gpt_dense(sequence_parallel)),
             "gpt_moe" => Ok(TpPlan::gpt_moe(sequence_parallel)),
             "transformer" if !sequence_parallel => Ok(TpPlan::transformer()),
             "transformer" => Err(TpPlanError::Unsupported(

@@ -11,7 +11,9 @@ use crate::record::{CollectiveEntry, RunRecord};
 use crate::train::{capture, grad_norm, TrainConfig, TrainError};
 use lockstep_models::zoo::{Gpt, TransformerWithSharedParams};
 use lockstep_models::{Batch, LayerHooks, LossReduction, Model, ModelError};
+use std::cell::RefCell;
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::sync::Arc;
 use tch::Tensor;
 
@@ -110,6 +112,12 @@ pub fn train_tensor_parallel(
     // The decoder splits its vocabulary (loss parallel); the transformer only its
     // feed-forward layers, so its logits are whole and the model's own loss applies.
     let vocab_parallel = model.name() != "transformer";
+    let gpt_dropout = if model.name() == "gpt_dropout" {
+        lockstep_models::zoo::GPT_DROPOUT
+    } else {
+        0.0
+    };
+    let dropout_keys: Rc<RefCell<Vec<i64>>> = Rc::default();
     let mut hooks: Box<dyn LayerHooks> = if vocab_parallel {
         Box::new(GptTp {
             group: tp_group.clone(),
@@ -125,6 +133,8 @@ pub fn train_tensor_parallel(
             sequence_parallel: opts.sequence_parallel,
             fault: opts.fault,
             experts_parallel: None,
+            dropout: gpt_dropout,
+            dropout_keys: dropout_keys.clone(),
         })
     } else {
         Box::new(TransformerTp {
@@ -148,6 +158,13 @@ pub fn train_tensor_parallel(
         }
         let _ = counts.take();
         let batch = global_batch(model, &data_ranks, step)?;
+        if gpt_dropout > 0.0 {
+            let keys = batch
+                .inputs
+                .get(1)
+                .ok_or_else(|| TpError::Invalid("the batch carries no dropout keys".into()))?;
+            *dropout_keys.borrow_mut() = Vec::<i64>::try_from(keys)?;
+        }
         let output = model.forward_hooked(&batch, hooks.as_mut())?;
         let loss = if vocab_parallel {
             let target = batch

@@ -21,6 +21,27 @@ const EXPERTS: usize = 8;
 const TOP_K: i64 = 2;
 const EXPERT_HIDDEN: i64 = 2 * DIM;
 
+/// Dropout of one forward: each sample's mask keys, the rate, and the layer drawing (sites
+/// within a layer: 0 the embedding sum, 1 the attention probabilities, 2 the feed-forward's
+/// hidden activations). Masks come from [`seed::dropout_mask`], per sample, so any split of
+/// the batch draws the same ones.
+#[derive(Clone, Copy, Debug)]
+pub struct Dropout<'a> {
+    pub keys: &'a [i64],
+    pub p: f64,
+    pub layer: u64,
+}
+
+impl Dropout<'_> {
+    /// `x` (B, ...) times the keep-mask of site `site`.
+    pub fn apply(&self, x: &Tensor, site: u64) -> Result<Tensor, TchError> {
+        let per_sample: Vec<i64> = x.size()[1..].to_vec();
+        let mask = seed::dropout_mask(self.keys, self.layer, site, &per_sample, self.p)?;
+        // In x's dtype (a low-precision layer stays in it).
+        x.f_mul(&mask.f_to_kind(x.kind())?)
+    }
+}
+
 /// Causal self-attention with separate q/k/v/o projections (so tensor parallelism can split
 /// heads column-wise and the output row-wise).
 #[derive(Debug)]
@@ -44,7 +65,7 @@ impl Attention {
     }
 
     /// `x`: (B, T, D).
-    fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+    fn forward(&self, x: &Tensor, drop: Option<Dropout<'_>>) -> Result<Tensor, TchError> {
         let (b, t) = (x.size()[0], x.size()[1]);
         let hd = DIM / HEADS;
         let heads = |y: Tensor| y.f_view([b, t, HEADS, hd])?.f_transpose(1, 2);
@@ -56,8 +77,11 @@ impl Attention {
             .f_matmul(&k.f_transpose(-2, -1)?)?
             .f_mul_scalar(1.0 / (hd as f64).sqrt())?
             .f_masked_fill(&future, f64::NEG_INFINITY)?;
-        let out = scores
-            .f_softmax(-1, None)?
+        let mut probs = scores.f_softmax(-1, None)?;
+        if let Some(d) = drop {
+            probs = d.apply(&probs, 1)?;
+        }
+        let out = probs
             .f_matmul(&v)?
             .f_transpose(1, 2)?
             .f_contiguous()?
@@ -88,7 +112,15 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
-        self.w2.forward(&self.w1.forward(x)?.f_gelu("none")?)
+        self.forward_dropped(x, None)
+    }
+
+    fn forward_dropped(&self, x: &Tensor, drop: Option<Dropout<'_>>) -> Result<Tensor, TchError> {
+        let mut h = self.w1.forward(x)?.f_gelu("none")?;
+        if let Some(d) = drop {
+            h = d.apply(&h, 2)?;
+        }
+        self.w2.forward(&h)
     }
 }
 
@@ -154,11 +186,15 @@ struct Block {
 
 impl Block {
     /// Pre-norm attention then feed-forward, each with its residual add.
-    fn forward(&self, h: &Tensor) -> Result<Tensor, TchError> {
-        let h = h.f_add(&self.attention.forward(&self.attention_norm.forward(h)?)?)?;
+    fn forward(&self, h: &Tensor, drop: Option<Dropout<'_>>) -> Result<Tensor, TchError> {
+        let h = h.f_add(
+            &self
+                .attention
+                .forward(&self.attention_norm.forward(h)?, drop)?,
+        )?;
         let normed = self.ffn_norm.forward(&h)?;
         let ff = match &self.ffn {
-            Ffn::Dense(mlp) => mlp.forward(&normed)?,
+            Ffn::Dense(mlp) => mlp.forward_dropped(&normed, drop)?,
             Ffn::Moe(moe) => moe.forward(&normed)?,
         };
         h.f_add(&ff)
@@ -172,6 +208,9 @@ pub struct Gpt {
     rank: usize,
     seed: u64,
     moe: bool,
+    /// Dropout rate of the embedding sum, attention probabilities and dense feed-forward
+    /// hidden activations (0: none, and inputs carry no mask keys).
+    dropout: f64,
     tok_embeddings: Tensor,
     pos_embeddings: Tensor,
     blocks: Vec<Block>,
@@ -195,6 +234,12 @@ impl Gpt {
     /// drawn from the run's parameter seed, so experts are the same on every rank (expert
     /// parallelism shards them, it does not re-seed them).
     pub fn new(run_seed: u64, rank: usize, moe: bool) -> Result<Self, ModelError> {
+        Self::with_dropout(run_seed, rank, moe, 0.0)
+    }
+
+    /// The decoder with dropout `p` (`gpt_dropout`): batches carry each sample's mask keys
+    /// as a second input, so every parallel configuration draws the same masks.
+    pub fn with_dropout(run_seed: u64, rank: usize, moe: bool, p: f64) -> Result<Self, ModelError> {
         let mut store = ParamStore::default();
         let guard = seed::lock_seeded(seed::param_seed(run_seed));
         let tok_embeddings = store.param("tok_embeddings.weight", || normal(&[VOCAB, DIM]))?;
@@ -224,6 +269,7 @@ impl Gpt {
             rank,
             seed: run_seed,
             moe,
+            dropout: p,
             tok_embeddings,
             pos_embeddings,
             blocks,
@@ -248,12 +294,34 @@ impl Gpt {
     }
 }
 
+impl Gpt {
+    /// The dropout rate (0 for `gpt` and `gpt_moe`).
+    pub fn dropout(&self) -> f64 {
+        self.dropout
+    }
+
+    /// The batch's per-sample mask keys when this model drops out (its second input).
+    pub fn dropout_keys(&self, batch: &Batch) -> Result<Option<Vec<i64>>, ModelError> {
+        if self.dropout <= 0.0 {
+            return Ok(None);
+        }
+        let keys = batch
+            .inputs
+            .get(1)
+            .ok_or_else(|| ModelError::InvalidBatch {
+                model: self.name().to_owned(),
+                reason: "expected the samples' dropout keys as a second input".into(),
+            })?;
+        Ok(Some(Vec::<i64>::try_from(keys)?))
+    }
+}
+
 impl Model for Gpt {
     fn name(&self) -> &str {
-        if self.moe {
-            "gpt_moe"
-        } else {
-            "gpt"
+        match (self.moe, self.dropout > 0.0) {
+            (true, _) => "gpt_moe",
+            (false, true) => "gpt_dropout",
+            (false, false) => "gpt",
         }
     }
 
@@ -323,8 +391,13 @@ impl Model for Gpt {
             .f_mul(&stride)?
             .f_add(&start)?
             .f_remainder(VOCAB)?;
+        let mut inputs = vec![seq.f_narrow(1, 0, SEQ)?];
+        if self.dropout > 0.0 {
+            let keys = seed::sample_keys(self.seed, rank, step, BATCH as usize);
+            inputs.push(Tensor::from_slice(&keys));
+        }
         Ok(Batch {
-            inputs: vec![seq.f_narrow(1, 0, SEQ)?],
+            inputs,
             target: Some(seq.f_narrow(1, 1, SEQ)?),
         })
     }
@@ -378,9 +451,20 @@ impl Model for Gpt {
                 false,
             )?)
         })?;
+        let keys = self.dropout_keys(batch)?;
+        let drop = |layer: u64| {
+            keys.as_deref().map(|keys| Dropout {
+                keys,
+                p: self.dropout,
+                layer,
+            })
+        };
         let mut h = tok.f_add(&pos)?;
-        for block in &self.blocks {
-            h = run.layer([h], |[h]| Ok(block.forward(&h)?))?;
+        if let Some(d) = drop(0) {
+            h = d.apply(&h, 0)?;
+        }
+        for (i, block) in self.blocks.iter().enumerate() {
+            h = run.layer([h], |[h]| Ok(block.forward(&h, drop(i as u64 + 1))?))?;
         }
         let h = run.layer([h], |[h]| Ok(self.norm.forward(&h)?))?;
         run.layer([h], |[h]| {

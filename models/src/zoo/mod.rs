@@ -28,7 +28,13 @@ const ZOO: &[(&str, Builder)] = &[
     ("mlp", |s, r| Ok(Box::new(MlpStack::new(s, r)?))),
     ("gpt", |s, r| Ok(Box::new(Gpt::new(s, r, false)?))),
     ("gpt_moe", |s, r| Ok(Box::new(Gpt::new(s, r, true)?))),
+    ("gpt_dropout", |s, r| {
+        Ok(Box::new(Gpt::with_dropout(s, r, false, GPT_DROPOUT)?))
+    }),
 ];
+
+/// The dropout rate of `gpt_dropout`: high enough that a mask drawn wrongly cannot hide.
+pub const GPT_DROPOUT: f64 = 0.1;
 
 /// Every model name [`build`] accepts.
 pub fn names() -> Vec<&'static str> {
