@@ -4,7 +4,8 @@
 //! share of each step's span every rank spent outside F/B/I/W, from the real run's trace)
 //! and simulated (the schedule's exact fraction with F = I = W = 1).
 
-use super::{results_path, BenchError, BenchGpt, GptDims};
+use super::gpt::BenchGpt;
+use super::{results_path, BenchError, GptDims};
 use lockstep_core::pipeline::trace::{chrome_trace, measured_bubble, RankStepTrace};
 use lockstep_core::pipeline::{train_pipeline, PipelineOptions, ScheduleChoice, ScheduleKind};
 use lockstep_core::record::RunSpec;
