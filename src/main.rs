@@ -559,26 +559,66 @@ fn run_bench(what: BenchCommand) -> Result<()> {
                 trace,
                 ..bench::PipelineBenchOptions::default()
             };
-            let r = bench::run_pipeline(&opts).context("pipeline benchmark")?;
+            let r = match bench::run_pipeline(&opts) {
+                Ok(r) => r,
+                // Bad input (an unknown schedule, stages that do not fit the decoder's layers,
+                // microbatches the schedule refuses) exits 2 like `lockstep schedule`, so a
+                // script tells it from a run that failed.
+                Err(bench::BenchError::Invalid(why)) => {
+                    eprintln!("error: pipeline benchmark: {why}");
+                    std::process::exit(2);
+                }
+                Err(e) => return Err(anyhow::Error::new(e).context("pipeline benchmark")),
+            };
             if json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
                 println!(
-                    "pipeline {} p={} v={} m={}, benchmark decoder ({} parameters), median of {} steps\n  step time:        {} (one process, one core: {}; ratio {:.2})\n  bubble measured:  {:.3}\n  bubble simulated: {:.3} with unit costs, {:.3} with the measured stage costs (measured differs by {:.1}%)",
-                    r.schedule,
-                    r.stages,
-                    r.virtual_stages,
-                    r.microbatches,
-                    r.parameters,
-                    r.steps,
-                    format_seconds(r.pipeline_seconds),
-                    format_seconds(r.single_seconds),
-                    r.ratio,
-                    r.measured_bubble,
-                    r.simulated_bubble,
-                    r.simulated_bubble_measured_costs,
-                    100.0 * r.bubble_relative_difference
+                    "pipeline {} p={} v={} m={}, benchmark decoder ({} parameters), median of {} steps",
+                    r.schedule, r.stages, r.virtual_stages, r.microbatches, r.parameters, r.steps
                 );
+                let rows = [
+                    (
+                        "step time, pipeline",
+                        format_seconds(r.pipeline_seconds),
+                        String::new(),
+                    ),
+                    (
+                        "step time, one process on one core",
+                        format_seconds(r.single_seconds),
+                        String::new(),
+                    ),
+                    (
+                        "ratio pipeline / one process",
+                        format!("{:.2}", r.ratio),
+                        String::new(),
+                    ),
+                    (
+                        "bubble, measured",
+                        format!("{:.3}", r.measured_bubble),
+                        String::new(),
+                    ),
+                    (
+                        "bubble, simulated (unit costs)",
+                        format!("{:.3}", r.simulated_bubble),
+                        format!(
+                            "measured differs by {:.1}%",
+                            100.0 * r.bubble_relative_difference_unit_costs
+                        ),
+                    ),
+                    (
+                        "bubble, simulated (measured costs)",
+                        format!("{:.3}", r.simulated_bubble_measured_costs),
+                        format!(
+                            "measured differs by {:.1}%",
+                            100.0 * r.bubble_relative_difference
+                        ),
+                    ),
+                ];
+                for (what, value, note) in rows {
+                    let line = format!("  {what:<36} {value:>10}  {note}");
+                    println!("{}", line.trim_end());
+                }
             }
         }
         BenchCommand::Step {

@@ -27,8 +27,12 @@ use tch::Tensor;
 /// Why a benchmark could not produce figures.
 #[derive(Debug, thiserror::Error)]
 pub enum BenchError {
+    /// The options cannot describe a run (the CLI exits 2 on this: bad input, not a failure).
     #[error("invalid benchmark option: {0}")]
     Invalid(String),
+    /// The run started but produced no usable figures.
+    #[error("benchmark failed: {0}")]
+    Failed(String),
     #[error("benchmark ranks failed:\n{0}")]
     Launch(#[from] LaunchError),
     #[error("reading benchmark results: {0}")]

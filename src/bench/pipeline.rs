@@ -60,9 +60,12 @@ pub struct PipelineBenchResult {
     pub ratio: f64,
     /// Median over the timed steps of the measured bubble fraction.
     pub measured_bubble: f64,
-    /// The schedule's simulated bubble fraction with unit costs (F = I = W = 1): the closed
-    /// form for balanced stages.
+    /// The schedule's simulated bubble fraction with unit costs (F = I = W = 1, the plan's
+    /// own simulation): the closed form for balanced stages.
     pub simulated_bubble: f64,
+    /// `|measured − simulated| / simulated` against the unit-cost simulation: how far this
+    /// model on this transport is from the textbook schedule (uneven stages count here).
+    pub bubble_relative_difference_unit_costs: f64,
     /// The schedule simulated with each stage's measured median F, B, I and W durations and
     /// the measured cost of a send (a receive costs what the matching send did): what the
     /// schedule promises for these stages on this transport.
@@ -110,8 +113,8 @@ pub fn run_pipeline(opts: &PipelineBenchOptions) -> Result<PipelineBenchResult, 
         ..PipelineOptions::default()
     };
     // Reject a plan that cannot work before any rank starts.
-    let probe_model =
-        BenchGpt::new(opts.dims, 0, 0).map_err(|e| BenchError::Invalid(e.to_string()))?;
+    let probe_model = BenchGpt::new(opts.dims, 0, 0)
+        .map_err(|e| BenchError::Failed(format!("building the decoder: {e}")))?;
     let plan = lockstep_core::pipeline::plan_pipeline(&probe_model, opts.stages, &popts)
         .map_err(|e| BenchError::Invalid(e.to_string()))?;
     tch::set_num_threads(1);
@@ -203,8 +206,9 @@ pub fn run_pipeline(opts: &PipelineBenchOptions) -> Result<PipelineBenchResult, 
         std::fs::write(path, chrome_trace(&timed).to_string())?;
     }
     let pipeline_seconds =
-        median(step_seconds).ok_or_else(|| BenchError::Invalid("no step was traced".into()))?;
-    let measured = median(bubbles).unwrap_or(f64::NAN);
+        median(step_seconds).ok_or_else(|| BenchError::Failed("no step was traced".into()))?;
+    let measured =
+        median(bubbles).ok_or_else(|| BenchError::Failed("no step's bubble was traced".into()))?;
     let with_costs = simulate_measured(&plan, &timed)?;
     let (single_seconds, parameters) = single_process_step(opts)?;
     Ok(PipelineBenchResult {
@@ -217,6 +221,7 @@ pub fn run_pipeline(opts: &PipelineBenchOptions) -> Result<PipelineBenchResult, 
         ratio: pipeline_seconds / single_seconds,
         measured_bubble: measured,
         simulated_bubble: simulated,
+        bubble_relative_difference_unit_costs: (measured - simulated).abs() / simulated,
         simulated_bubble_measured_costs: with_costs,
         bubble_relative_difference: (measured - with_costs).abs() / with_costs,
         parameters,
@@ -237,7 +242,7 @@ fn simulate_measured(
         let a: Action = e
             .action
             .parse()
-            .map_err(|err| BenchError::Invalid(format!("trace action `{}`: {err}", e.action)))?;
+            .map_err(|err| BenchError::Failed(format!("trace action `{}`: {err}", e.action)))?;
         durations
             .entry((a.stage, a.kind))
             .or_default()
@@ -268,7 +273,7 @@ fn simulate_measured(
     let sim = simulate_costed(&plan.schedule, Costs::default(), &|a: &Action| {
         transfer(a.stage, a.kind)
     })
-    .map_err(|e| BenchError::Invalid(e.to_string()))?;
+    .map_err(|e| BenchError::Failed(format!("simulating with measured costs: {e}")))?;
     Ok(sim.bubble_fraction)
 }
 
@@ -277,7 +282,7 @@ fn simulate_measured(
 /// step; the median of the timed steps after a warm-up one.
 fn single_process_step(opts: &PipelineBenchOptions) -> Result<(f64, i64), BenchError> {
     use lockstep_models::Model;
-    let invalid = |e: String| BenchError::Invalid(format!("single-process baseline: {e}"));
+    let invalid = |e: String| BenchError::Failed(format!("single-process baseline: {e}"));
     let model = BenchGpt::new(opts.dims, 0, 0).map_err(|e| invalid(e.to_string()))?;
     let params = model.named_parameters();
     let mut optimizer = OptimizerConfig::default().build();
@@ -317,6 +322,6 @@ fn single_process_step(opts: &PipelineBenchOptions) -> Result<(f64, i64), BenchE
             seconds.push(t0.elapsed().as_secs_f64());
         }
     }
-    let s = median(seconds).ok_or_else(|| BenchError::Invalid("no baseline step".into()))?;
+    let s = median(seconds).ok_or_else(|| BenchError::Failed("no baseline step".into()))?;
     Ok((s, model.num_parameters()))
 }
