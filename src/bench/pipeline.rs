@@ -18,14 +18,17 @@ use std::time::{Duration, Instant};
 /// What `bench pipeline` runs.
 #[derive(Clone, Debug)]
 pub struct PipelineBenchOptions {
+    /// A built-in schedule's name (`1f1b`, `gpipe`, `interleaved-1f1b`, ...).
     pub schedule: String,
     /// Pipeline ranks (processes).
     pub stages: usize,
+    /// Microbatches per step (the global batch is every rank's batch, split this many ways).
     pub microbatches: usize,
     /// Stages per rank (`None`: the schedule's default).
     pub virtual_stages: Option<usize>,
     /// Timed steps (after one warm-up step); medians are reported.
     pub steps: usize,
+    /// The decoder's size; its layer list (`layers + 4` entries) bounds `stages · v`.
     pub dims: GptDims,
     /// Where to write the Chrome trace of the timed steps, if anywhere.
     pub trace: Option<PathBuf>,
@@ -48,11 +51,14 @@ impl Default for PipelineBenchOptions {
 /// The result of `bench pipeline` (one JSON object with `--json`).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct PipelineBenchResult {
+    /// The options the figures belong to: schedule, ranks `p`, stages per rank `v` (as the
+    /// plan resolved it) and microbatches `m`.
     pub schedule: String,
     pub stages: usize,
     pub virtual_stages: usize,
     pub microbatches: usize,
-    /// Median seconds per pipeline step (span of every rank's actions in the step).
+    /// Median seconds per pipeline step: from the step's first action on any rank to the next
+    /// step's, so the gradient reductions, norm and optimizer step between them count.
     pub pipeline_seconds: f64,
     /// Median seconds per step of the same training in one process on one core.
     pub single_seconds: f64,
@@ -73,7 +79,9 @@ pub struct PipelineBenchResult {
     /// `|measured − simulated with measured costs| / simulated with measured costs`: what
     /// the executor loses to communication and overhead (target: ≤ 0.1).
     pub bubble_relative_difference: f64,
+    /// Trainable parameters of the decoder (what the step times are for).
     pub parameters: i64,
+    /// Timed steps the medians are over.
     pub steps: usize,
 }
 
@@ -277,11 +285,14 @@ fn simulate_measured(
     Ok(sim.bubble_fraction)
 }
 
-/// The same training in this process on one core: every rank's batch, the same
-/// microbatches and loss scales, backward per microbatch, the gradient norm and the optimizer
-/// step; the median of the timed steps after a warm-up one.
+/// The same training in this process on one core, step for step what
+/// `lockstep_core::pipeline::microbatched_reference` does (which cannot be timed per step):
+/// every rank's batch, the same microbatches and loss scales, backward per microbatch, the
+/// step objective and the f64 gradient norm the run record keeps, and the optimizer step; the
+/// median of the timed steps after a warm-up one.
 fn single_process_step(opts: &PipelineBenchOptions) -> Result<(f64, i64), BenchError> {
     use lockstep_models::Model;
+    use tch::Kind;
     let invalid = |e: String| BenchError::Failed(format!("single-process baseline: {e}"));
     let model = BenchGpt::new(opts.dims, 0, 0).map_err(|e| invalid(e.to_string()))?;
     let params = model.named_parameters();
@@ -296,25 +307,30 @@ fn single_process_step(opts: &PipelineBenchOptions) -> Result<(f64, i64), BenchE
         let split =
             lockstep_core::pipeline::microbatch::split(&model, &ranks, step, opts.microbatches)
                 .map_err(|e| invalid(e.to_string()))?;
-        let mut norm = 0.0;
+        let mut objective = 0.0;
         for (batch, scale) in split.batches.iter().zip(&split.scales) {
             let loss = model
                 .loss(batch)
                 .and_then(|l| Ok(l.f_mul_scalar(*scale)?))
                 .map_err(|e| invalid(e.to_string()))?;
+            objective += loss
+                .f_double_value(&[])
+                .map_err(|e| invalid(e.to_string()))?;
             loss.f_backward().map_err(|e| invalid(e.to_string()))?;
         }
+        let mut norm = 0.0;
         for (_, p) in &params {
             let g = p.grad();
             if g.defined() {
                 norm += g
-                    .f_square()
-                    .and_then(|s| s.f_sum(tch::Kind::Double))
+                    .f_to_kind(Kind::Double)
+                    .and_then(|d| d.f_square())
+                    .and_then(|s| s.f_sum(Kind::Double))
                     .and_then(|s| s.f_double_value(&[]))
                     .map_err(|e| invalid(e.to_string()))?;
             }
         }
-        let _ = norm.sqrt();
+        std::hint::black_box((objective, norm.sqrt()));
         optimizer
             .step(&params)
             .map_err(|e| invalid(e.to_string()))?;
