@@ -434,3 +434,36 @@ fn a_real_run_leaves_a_chrome_trace_with_one_track_per_rank() {
     assert_eq!(computes, 2 * 4 * 2 * STEPS);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Without recorded gradients each rank squares only the gradients it owns (no gather): the
+/// norm must keep the bits of the norm of the gathered gradients, on models with tied weights
+/// and with several stages per rank.
+#[rstest]
+fn the_norm_without_recorded_gradients_keeps_the_bits(
+    #[values(
+        ("gpt", ScheduleKind::OneFOneB, 2),
+        ("transformer", ScheduleKind::Interleaved1F1B, 2),
+        ("mlp", ScheduleKind::GPipe, 4)
+    )]
+    case: (&str, ScheduleKind, usize),
+) {
+    let (model, kind, world) = case;
+    lockstep_harness::run(world, move |ctx| {
+        let m = zoo::build(model, 0, ctx.rank()).expect("model");
+        let o = opts(kind, kind.default_virtual(), 4);
+        let mut cfg = common::train_config(ctx, model, "pp", "fp32", STEPS);
+        let gathered = train_pipeline(m.as_ref(), ctx.world(), &cfg, &o).expect("run");
+        let m = zoo::build(model, 0, ctx.rank()).expect("model");
+        cfg.record_grads = false;
+        let owned = train_pipeline(m.as_ref(), ctx.world(), &cfg, &o).expect("run");
+        let bits = |r: &PipelineRun| -> Vec<u64> {
+            r.record.grad_norms.iter().map(|n| n.to_bits()).collect()
+        };
+        assert_eq!(
+            bits(&gathered),
+            bits(&owned),
+            "{model} {kind:?} world {world}"
+        );
+        assert_eq!(gathered.record.grad_norms.len(), STEPS);
+    });
+}
