@@ -288,16 +288,26 @@ fn simulate_measured(
 /// The same training in this process on one core, step for step what
 /// `lockstep_core::pipeline::microbatched_reference` does (which cannot be timed per step):
 /// every rank's batch, the same microbatches and loss scales, backward per microbatch, the
-/// step objective and the f64 gradient norm the run record keeps, and the optimizer step; the
-/// median of the timed steps after a warm-up one.
+/// step objective and the f64 gradient norm the run record keeps (computed as the pipeline's
+/// ranks compute theirs), and the optimizer step; the median of the timed steps after a
+/// warm-up one.
 fn single_process_step(opts: &PipelineBenchOptions) -> Result<(f64, i64), BenchError> {
     use lockstep_models::Model;
-    use tch::Kind;
+    use tch::{Kind, Tensor};
     let invalid = |e: String| BenchError::Failed(format!("single-process baseline: {e}"));
     let model = BenchGpt::new(opts.dims, 0, 0).map_err(|e| invalid(e.to_string()))?;
     let params = model.named_parameters();
     let mut optimizer = OptimizerConfig::default().build();
     let ranks: Vec<usize> = (0..opts.stages).collect();
+    // The norm is squared in one f64 buffer, as the pipeline's ranks do (run.rs), so both
+    // sides pay the same for it.
+    let largest = params
+        .iter()
+        .map(|(_, t)| t.numel() as i64)
+        .max()
+        .unwrap_or(0);
+    let scratch = Tensor::f_empty([largest], (Kind::Double, tch::Device::Cpu))
+        .map_err(|e| invalid(e.to_string()))?;
     let mut seconds = Vec::with_capacity(opts.steps);
     for step in 0..=opts.steps {
         let t0 = Instant::now();
@@ -322,10 +332,17 @@ fn single_process_step(opts: &PipelineBenchOptions) -> Result<(f64, i64), BenchE
         for (_, p) in &params {
             let g = p.grad();
             if g.defined() {
-                norm += g
-                    .f_to_kind(Kind::Double)
-                    .and_then(|d| d.f_square())
-                    .and_then(|s| s.f_sum(Kind::Double))
+                let mut d = scratch
+                    .f_narrow(0, 0, g.numel() as i64)
+                    .map_err(|e| invalid(e.to_string()))?;
+                // `square_` returns the squared view too; `d` itself is what is summed.
+                let _ = g
+                    .f_reshape([-1])
+                    .and_then(|flat| d.f_copy_(&flat))
+                    .and_then(|()| d.f_square_())
+                    .map_err(|e| invalid(e.to_string()))?;
+                norm += d
+                    .f_sum(Kind::Double)
                     .and_then(|s| s.f_double_value(&[]))
                     .map_err(|e| invalid(e.to_string()))?;
             }
