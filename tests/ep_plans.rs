@@ -4,7 +4,7 @@
 
 mod common;
 
-use lockstep_core::comm::DType;
+use lockstep_core::comm::{DType, ReduceOp};
 use lockstep_core::expert_parallel::{
     check_expert_plan, moe_forward, train_expert_parallel, Dispatcher, EpFault, EpOptions,
     ExpertParams, MoeConfig,
@@ -15,6 +15,7 @@ use lockstep_harness::parity::{compare, TolerancePolicy};
 use lockstep_harness::RankCtx;
 use lockstep_models::zoo;
 use rstest::rstest;
+use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 
 const E: usize = 8;
@@ -164,6 +165,79 @@ fn gpt_moe_with_sharded_experts_matches_single_device(
                 "ep={ep} world={world}: {}",
                 c.diagnosis.unwrap_or_default()
             );
+        }
+    });
+}
+
+/// One step's recorded collectives as (operation, group) → (calls, bytes).
+fn step_counts(record: &RunRecord, step: usize) -> BTreeMap<(String, String), (u64, u64)> {
+    record.collectives.as_ref().expect("collectives recorded")[step]
+        .iter()
+        .map(|e| ((e.op.clone(), e.group.clone()), (e.calls, e.bytes)))
+        .collect()
+}
+
+/// Hand-counted collectives of one `gpt_moe` step at ep = world = 2 (2 MoE layers; per rank
+/// N = 2 × 8 = 16 tokens of width D = 16, top-2 of 8 experts, so M = 32 choices, no
+/// capacity), per rank:
+///
+/// - dense gradients averaged over `world`: one all-reduce per non-expert parameter — token
+///   and position embeddings (8 × 16 each), per layer two LayerNorms (2 × 16 each), q/k/v/o
+///   (16 × 16 + 16 each) and the router (8 × 16), and the final LayerNorm: 2 + 2 × 13 + 2 = 30
+///   calls of 2 848 floats = 11 392 bytes. Expert gradients: the expert-data-parallel group
+///   has one rank, so none.
+/// - all-to-all dispatcher on `ep`, per layer: the per-expert count exchange (8 int64 = 64
+///   bytes), tokens out and results back, and both again in backward (5 calls). The rows this
+///   rank receives (R) depend on routing, so bytes are 64 + 2 · (M + R) · D · 4 per layer on
+///   a rank; over both ranks R sums to M's sum: 2 × (128 + 2 · 128 · 64) = 33 024 bytes.
+/// - all-gather dispatcher on `ep`, per layer: all-gathers of the batch sizes (8 bytes), the
+///   tokens (16 × 16 × 4 = 1 024), the routing table (32 int64 = 256) and, in backward, the
+///   results' gradient (32 × 16 × 4 = 2 048); reduce-scatters of the results (2 × 32 × 16 × 4
+///   = 4 096) and, in backward, the tokens' gradient (2 × 16 × 16 × 4 = 2 048).
+#[rstest]
+fn collective_counts_per_step_are_exact(
+    #[values(Dispatcher::AllToAll, Dispatcher::AllGather)] dispatcher: Dispatcher,
+) {
+    lockstep_harness::run(2, |ctx| {
+        let run = ep_run(ctx, &opts(2, dispatcher));
+        let key = |op: &str, group: &str| (op.to_owned(), group.to_owned());
+        let dense = (key("all_reduce", "world"), (30, 11_392));
+        for step in 0..3 {
+            let mut got = step_counts(&run, step);
+            match dispatcher {
+                Dispatcher::AllGather => {
+                    let want = BTreeMap::from([
+                        dense.clone(),
+                        (
+                            key("all_gather", "ep[0,1]"),
+                            (2 * 4, 2 * (8 + 1_024 + 256 + 2_048)),
+                        ),
+                        (
+                            key("reduce_scatter", "ep[0,1]"),
+                            (2 * 2, 2 * (4_096 + 2_048)),
+                        ),
+                    ]);
+                    assert_eq!(got, want, "step {step}");
+                }
+                Dispatcher::AllToAll => {
+                    let (calls, bytes) = got
+                        .remove(&key("all_to_all", "ep[0,1]"))
+                        .expect("all-to-all on the ep group");
+                    assert_eq!(got, BTreeMap::from([dense.clone()]), "step {step}");
+                    assert_eq!(calls, 2 * 5, "step {step}");
+                    // Beyond the routing-independent part, whole rows of D floats both ways.
+                    let fixed = 2 * (64 + 2 * 32 * 64);
+                    assert!(
+                        bytes >= fixed && (bytes - fixed) % (2 * 64) == 0,
+                        "step {step}: {bytes} bytes"
+                    );
+                    let total = Tensor::from_slice(&[bytes as i64]);
+                    ctx.group()
+                        .all_reduce(&total, ReduceOp::Sum)
+                        .expect("sum over ranks");
+                    assert_eq!(total.int64_value(&[0]), 33_024, "step {step}");
+                }
+            }
         }
     });
 }

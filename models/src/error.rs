@@ -43,6 +43,9 @@ pub enum ModelError {
     /// or per-rank statistics make "one process, global batch" a different computation).
     #[error("model `{model}` has no single-device reference: {reason}")]
     ReferenceUnsupported { model: String, reason: String },
+    /// Sizes that cannot build the model (a width the heads do not divide, a zero size).
+    #[error("model `{model}`: invalid sizes: {reason}")]
+    InvalidConfig { model: String, reason: String },
     /// A batch does not have the tensors this model consumes.
     #[error("model `{model}`: invalid batch: {reason}")]
     InvalidBatch { model: String, reason: String },

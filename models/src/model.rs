@@ -236,6 +236,13 @@ pub trait Model: Send {
         None
     }
 
+    /// The decoder's sizes when this model is the zoo's GPT-style decoder (at any size):
+    /// tensor- and expert-parallel plans split heads, vocabulary and experts by these instead
+    /// of assuming the zoo's. Wrappers forward it; `None` for every other model.
+    fn gpt_config(&self) -> Option<crate::zoo::GptConfig> {
+        None
+    }
+
     /// Forward and loss on `batch`: the scalar a training step differentiates.
     fn loss(&self, batch: &Batch) -> Result<Tensor, ModelError> {
         let output = self.forward(batch)?;

@@ -417,6 +417,9 @@ impl lockstep_models::Model for Clocked {
     fn single_device_reference_blocker(&self) -> Option<String> {
         self.inner.single_device_reference_blocker()
     }
+    fn gpt_config(&self) -> Option<lockstep_models::zoo::GptConfig> {
+        self.inner.gpt_config()
+    }
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         self.inner.named_parameters()
     }

@@ -2,17 +2,20 @@
 //! trains on its own batch (data parallel), attention and router are replicated and averaged
 //! like DDP, each rank holds `E / ep` experts of every MoE layer, token-choices travel to
 //! their experts through a dispatcher, and expert gradients are summed over the
-//! expert-data-parallel group only and divided by the world size.
+//! expert-data-parallel group only and divided by the world size. The sizes (experts, top-k,
+//! heads, vocabulary) are the model's own ([`Model::gpt_config`]), so the decoder trains
+//! expert-parallel at any size; every step's collectives are counted into the run record.
 
 use super::moe::{Dispatcher, MoeConfig};
-use crate::comm::{DeviceMesh, ProcessGroup, ReduceOp, World};
-use crate::record::RunRecord;
+use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
+use crate::record::{CollectiveEntry, RunRecord};
 use crate::tensor_parallel::gpt::{ExpertsParallel, GptTp};
 use crate::tensor_parallel::layers::{vocab_parallel_cross_entropy, Reduction};
 use crate::train::{capture, grad_norm, TrainConfig, TrainError};
-use lockstep_models::zoo::Gpt;
+use lockstep_models::zoo::GptConfig;
 use lockstep_models::{Model, ModelError};
 use std::collections::HashMap;
+use std::sync::Arc;
 use tch::Tensor;
 
 /// How an expert-parallel run is configured.
@@ -54,35 +57,41 @@ pub enum EpError {
     Torch(#[from] tch::TchError),
 }
 
-/// Checks before any rank starts that `model` can run expert-parallel at `world_size`.
+/// Checks before any rank starts that `model` can run expert-parallel at `world_size`;
+/// returns the decoder's sizes.
 pub fn check_expert_plan(
     model: &dyn Model,
     world_size: usize,
     opts: &EpOptions,
-) -> Result<(), EpError> {
-    if model.name() != "gpt_moe" {
-        return Err(EpError::Invalid(format!(
-            "model `{}` has no mixture-of-experts layer to shard (zoo gpt_moe has)",
-            model.name()
-        )));
-    }
+) -> Result<GptConfig, EpError> {
+    let config = match (model.name(), model.gpt_config()) {
+        ("gpt_moe", Some(config)) => config,
+        _ => {
+            return Err(EpError::Invalid(format!(
+                "model `{}` has no mixture-of-experts layer to shard (the decoder gpt_moe has)",
+                model.name()
+            )))
+        }
+    };
     if opts.ep == 0 || world_size == 0 || !world_size.is_multiple_of(opts.ep) {
         return Err(EpError::Invalid(format!(
             "expert-parallel size {} does not divide world size {world_size}",
             opts.ep
         )));
     }
-    if !Gpt::EXPERTS.is_multiple_of(opts.ep) {
+    if !config.experts.is_multiple_of(opts.ep) {
         return Err(EpError::Invalid(format!(
-            "{} experts do not divide over an expert-parallel group of {}",
-            Gpt::EXPERTS,
-            opts.ep
+            "layers.*.moe: {} experts do not divide over an expert-parallel group of {}",
+            config.experts, opts.ep
         )));
     }
-    Ok(())
+    Ok(config)
 }
 
-/// Trains `model` (the zoo `gpt_moe`, built whole on every rank) expert-parallel.
+/// Trains `model` (the zoo `gpt_moe` at any size, built whole on every rank)
+/// expert-parallel. `RunRecord.collectives` holds each step's training collectives on this
+/// rank (dispatch forward and backward, gradient reductions); the broadcasts that assemble
+/// full gradients for the record's norm and the loss average are record keeping, not counted.
 pub fn train_expert_parallel(
     model: &dyn Model,
     world: &World,
@@ -90,18 +99,22 @@ pub fn train_expert_parallel(
     opts: &EpOptions,
 ) -> Result<RunRecord, EpError> {
     let world_size = world.size();
-    check_expert_plan(model, world_size, opts)?;
+    let config = check_expert_plan(model, world_size, opts)?;
     let ep = opts.ep;
     let mesh = DeviceMesh::new(world, &[("edp", world_size / ep), ("ep", ep)])?;
-    let ep_group = mesh.group("ep")?;
-    let edp_group = mesh.group("edp")?;
-    let everyone = world.group();
+    let counts = CollectiveCounts::new();
+    let counted = |g: Arc<dyn ProcessGroup>| -> Arc<dyn ProcessGroup> {
+        Arc::new(CountingGroup::new(g, counts.clone()))
+    };
+    let ep_group = counted(mesh.group("ep")?);
+    let edp_group = counted(mesh.group("edp")?);
+    let everyone = counted(world.group());
     let singles: Vec<Vec<usize>> = (0..world_size).map(|r| vec![r]).collect();
     let alone = world
         .new_groups(&singles, "ep-self")?
         .ok_or_else(|| EpError::Invalid("no single-rank group".into()))?;
     let ep_rank = mesh.coordinate("ep")?;
-    let per = Gpt::EXPERTS / ep;
+    let per = config.experts / ep;
     let first = ep_rank * per;
     let tags = model.tags();
     let expert_of: HashMap<String, usize> = tags
@@ -129,19 +142,15 @@ pub fn train_expert_parallel(
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
             .collect(),
         layer_names: model.layers().into_iter().map(|l| l.name).collect(),
-        heads: Gpt::HEADS,
-        dim: Gpt::DIM,
-        vocab: Gpt::VOCAB,
-        top_k: Gpt::TOP_K,
-        experts: Gpt::EXPERTS,
+        config,
         sequence_parallel: false,
         fault: None,
         experts_parallel: Some(ExpertsParallel {
             group: ep_group.clone(),
             dispatcher: opts.dispatcher,
             config: MoeConfig {
-                num_experts: Gpt::EXPERTS,
-                top_k: Gpt::TOP_K,
+                num_experts: config.experts,
+                top_k: config.top_k,
                 capacity_factor: opts.capacity_factor,
                 aux_loss_coef: 0.0,
             },
@@ -158,10 +167,12 @@ pub fn train_expert_parallel(
     } else {
         1.0 / world_size as f64
     };
+    let mut collectives = Vec::with_capacity(cfg.spec.steps);
     for step in 0..cfg.spec.steps {
         for (_, t) in &trained {
             t.shallow_clone().zero_grad();
         }
+        let _ = counts.take();
         let batch = model.input(world.rank(), step)?;
         let logits = model.forward_hooked(&batch, &mut hooks)?;
         let target = batch
@@ -169,7 +180,7 @@ pub fn train_expert_parallel(
             .as_ref()
             .ok_or_else(|| EpError::Invalid("the batch has no target".into()))?;
         let loss = vocab_parallel_cross_entropy(
-            &logits.f_reshape([-1, Gpt::VOCAB])?,
+            &logits.f_reshape([-1, config.vocab])?,
             &target.f_reshape([-1])?,
             0,
             &hooks.group,
@@ -184,12 +195,16 @@ pub fn train_expert_parallel(
                     .map_err(|e| EpError::Invalid(e.to_string()))?;
             }
             if expert_of.contains_key(name) {
-                edp_group.all_reduce(&g, ReduceOp::Sum)?;
+                // A group of one (ep = world) has nothing to sum: no collective.
+                if edp_group.size() > 1 {
+                    edp_group.all_reduce(&g, ReduceOp::Sum)?;
+                }
                 let _ = g.f_mul_scalar_(expert_scale)?;
             } else {
                 everyone.all_reduce(&g, ReduceOp::Avg)?;
             }
         }
+        collectives.push(CollectiveEntry::from_counts(counts.take()));
         let full = full_tensors(&named, &expert_of, per, ep_rank, ep_group.as_ref(), |t| {
             t.grad()
         })?;
@@ -214,6 +229,7 @@ pub fn train_expert_parallel(
     })?;
     record.params = capture(&params)?;
     record.buffers = capture(&model.named_buffers())?;
+    record.collectives = Some(collectives);
     Ok(record)
 }
 

@@ -11,6 +11,7 @@ use crate::autograd::collectives::{
     scatter_to_sequence_parallel,
 };
 use crate::comm::ProcessGroup;
+use lockstep_models::zoo::GptConfig;
 use lockstep_models::{LayerHooks, ModelError};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -40,11 +41,8 @@ pub(crate) struct GptTp {
     /// Every parameter this rank computes with, by canonical name.
     pub params: HashMap<String, Tensor>,
     pub layer_names: Vec<String>,
-    pub heads: i64,
-    pub dim: i64,
-    pub vocab: i64,
-    pub top_k: i64,
-    pub experts: usize,
+    /// The decoder's sizes (heads, width, vocabulary, experts), read from the model.
+    pub config: GptConfig,
     pub sequence_parallel: bool,
     pub fault: Option<TpFault>,
     /// The mixture-of-experts layers' experts sharded over an `ep` group instead of
@@ -104,7 +102,7 @@ impl GptTp {
     }
 
     fn vocab_start(&self) -> i64 {
-        self.rank as i64 * self.vocab / self.tp as i64
+        self.rank as i64 * self.config.vocab / self.tp as i64
     }
 
     /// Enters a column-parallel region from a replicated input.
@@ -117,7 +115,7 @@ impl GptTp {
 
     fn layer_norm(&self, x: &Tensor, prefix: &str) -> Result<Tensor, ModelError> {
         Ok(x.f_layer_norm(
-            [self.dim],
+            [self.config.dim],
             Some(self.p(&format!("{prefix}.weight"))?),
             Some(self.p(&format!("{prefix}.bias"))?),
             1e-5,
@@ -139,8 +137,8 @@ impl GptTp {
     /// — this rank's heads, concatenated — before the row-parallel output projection.
     fn local_heads(&self, x: &Tensor, prefix: &str, layer: usize) -> Result<Tensor, ModelError> {
         let (b, t) = (x.size()[0], x.size()[1]);
-        let hd = self.dim / self.heads;
-        let local = self.heads / self.tp as i64;
+        let hd = self.config.dim / self.config.heads;
+        let local = self.config.heads / self.tp as i64;
         let heads = |y: Tensor| y.f_view([b, t, local, hd])?.f_transpose(1, 2);
         let q = heads(self.linear(x, &format!("{prefix}.wq"), true)?)?;
         let k = heads(self.linear(x, &format!("{prefix}.wk"), true)?)?;
@@ -154,7 +152,7 @@ impl GptTp {
             &scores.f_softmax(-1, None)?,
             layer,
             1,
-            &[self.heads, t, t],
+            &[self.config.heads, t, t],
             1,
         )?;
         Ok(probs
@@ -182,7 +180,7 @@ impl GptTp {
                     })
                 })
                 .collect::<Result<Vec<_>, ModelError>>()?;
-            let flat = x.f_reshape([-1, self.dim])?;
+            let flat = x.f_reshape([-1, self.config.dim])?;
             let out = crate::expert_parallel::moe_forward(
                 &flat,
                 self.p(&format!("{prefix}.router.weight"))?,
@@ -197,11 +195,11 @@ impl GptTp {
         let probs = self
             .linear(x, &format!("{prefix}.router"), false)?
             .f_softmax(-1, None)?;
-        let (top, idx) = probs.f_topk(self.top_k, -1, true, true)?;
+        let (top, idx) = probs.f_topk(self.config.top_k, -1, true, true)?;
         let top = top.f_div(&top.f_sum_dim_intlist(-1, true, None)?)?;
         let gates = probs.f_zeros_like()?.f_scatter(-1, &idx, &top)?;
         let mut out = x.f_zeros_like()?;
-        for e in 0..self.experts {
+        for e in 0..self.config.experts {
             let p = format!("{prefix}.experts.{e}");
             let h = self.linear(x, &format!("{p}.w1"), true)?.f_gelu("none")?;
             let y = self.linear(&h, &format!("{p}.w2"), true)?;
@@ -234,7 +232,7 @@ impl GptTp {
                 .linear(&x, &format!("{prefix}.feed_forward.w1"), true)?
                 .f_gelu("none")?;
             let t = x.size()[1];
-            let x = self.dropout(&x, i, 2, &[t, 4 * self.dim], 2)?;
+            let x = self.dropout(&x, i, 2, &[t, self.config.ff_hidden], 2)?;
             let y = self.linear(&x, &format!("{prefix}.feed_forward.w2"), false)?;
             reduce_from_parallel(&y, &self.group)
                 .map_err(hook_err)?
@@ -277,7 +275,7 @@ impl GptTp {
                 .linear(&full, &format!("{prefix}.feed_forward.w1"), true)?
                 .f_gelu("none")?;
             let t = y.size()[1];
-            let y = self.dropout(&y, i, 2, &[t, 4 * self.dim], 2)?;
+            let y = self.dropout(&y, i, 2, &[t, self.config.ff_hidden], 2)?;
             let y = self.linear(&y, &format!("{prefix}.feed_forward.w2"), false)?;
             self.scatter_seq(&y)?
                 .f_add(self.p(&format!("{prefix}.feed_forward.w2.bias"))?)?

@@ -9,7 +9,7 @@ use super::transformer::TransformerTp;
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::train::{capture, grad_norm, TrainConfig, TrainError};
-use lockstep_models::zoo::{Gpt, TransformerWithSharedParams};
+use lockstep_models::zoo::{GptConfig, TransformerWithSharedParams};
 use lockstep_models::{Batch, LayerHooks, LossReduction, Model, ModelError};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -69,11 +69,28 @@ pub fn check_plan(
             )));
         }
     }
-    let heads = (model.name() != "transformer").then_some(Gpt::HEADS);
+    let heads = decoder_config(model)?.map(|c| c.heads);
     Ok(plan
         .placements(model, opts.tp, heads)?
         .into_iter()
         .collect())
+}
+
+/// The sizes of a decoder whose plan splits attention heads and the vocabulary (`None` for
+/// the transformer, whose plan splits its feed-forward only): read from the model, so the
+/// zoo's decoder at any size fits, and a decoder that does not report them is refused.
+fn decoder_config(model: &dyn Model) -> Result<Option<GptConfig>, TpError> {
+    if model.name() == "transformer" {
+        return Ok(None);
+    }
+    match model.gpt_config() {
+        Some(config) => Ok(Some(config)),
+        None => Err(TpPlanError::Unsupported(format!(
+            "{} (it does not report its decoder sizes: Model::gpt_config)",
+            model.name()
+        ))
+        .into()),
+    }
 }
 
 /// Trains `model` (the zoo `gpt` or `gpt_moe`, built whole on every rank) under tensor
@@ -111,25 +128,23 @@ pub fn train_tensor_parallel(
     let layer_names: Vec<String> = model.layers().into_iter().map(|l| l.name).collect();
     // The decoder splits its vocabulary (loss parallel); the transformer only its
     // feed-forward layers, so its logits are whole and the model's own loss applies.
-    let vocab_parallel = model.name() != "transformer";
+    let decoder = decoder_config(model)?;
+    let vocab_parallel = decoder.is_some();
+    let vocab = decoder.map_or(0, |c| c.vocab);
     let gpt_dropout = if model.name() == "gpt_dropout" {
         lockstep_models::zoo::GPT_DROPOUT
     } else {
         0.0
     };
     let dropout_keys: Rc<RefCell<Vec<i64>>> = Rc::default();
-    let mut hooks: Box<dyn LayerHooks> = if vocab_parallel {
+    let mut hooks: Box<dyn LayerHooks> = if let Some(config) = decoder {
         Box::new(GptTp {
             group: tp_group.clone(),
             tp,
             rank,
             params,
             layer_names,
-            heads: Gpt::HEADS,
-            dim: Gpt::DIM,
-            vocab: Gpt::VOCAB,
-            top_k: Gpt::TOP_K,
-            experts: Gpt::EXPERTS,
+            config,
             sequence_parallel: opts.sequence_parallel,
             fault: opts.fault,
             experts_parallel: None,
@@ -151,7 +166,7 @@ pub fn train_tensor_parallel(
     let mut optimizer = cfg.optimizer.build();
     let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
     let mut collectives = Vec::with_capacity(cfg.spec.steps);
-    let vocab_start = rank as i64 * Gpt::VOCAB / tp as i64;
+    let vocab_start = rank as i64 * vocab / tp as i64;
     for step in 0..cfg.spec.steps {
         for (_, t) in &trained {
             t.shallow_clone().zero_grad();
@@ -171,7 +186,7 @@ pub fn train_tensor_parallel(
                 .target
                 .as_ref()
                 .ok_or_else(|| TpError::Invalid("the batch has no target".into()))?;
-            let local_vocab = Gpt::VOCAB / tp as i64;
+            let local_vocab = vocab / tp as i64;
             super::layers::vocab_parallel_cross_entropy(
                 &output.f_reshape([-1, local_vocab])?,
                 &target.f_reshape([-1])?,

@@ -10,16 +10,88 @@ use crate::LayerRun;
 use crate::ModelError;
 use tch::{Kind, TchError, Tensor};
 
-const VOCAB: i64 = 8;
-const DIM: i64 = 16;
-const HEADS: i64 = 4;
-const LAYERS: usize = 2;
-const SEQ: i64 = 8;
-const BATCH: i64 = 2;
-const FF_HIDDEN: i64 = 4 * DIM;
-const EXPERTS: usize = 8;
-const TOP_K: i64 = 2;
-const EXPERT_HIDDEN: i64 = 2 * DIM;
+/// Sizes of the decoder: the zoo's models use [`GptConfig::ZOO`]; benchmarks build the same
+/// decoder larger. Parallel plans read them from the model ([`Model::gpt_config`]) instead of
+/// assuming the zoo's, so they apply at any size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GptConfig {
+    /// Vocabulary size: what a vocabulary-parallel plan splits.
+    pub vocab: i64,
+    /// Model width.
+    pub dim: i64,
+    /// Attention heads: a tensor-parallel plan splits attention by whole heads.
+    pub heads: i64,
+    /// Decoder blocks.
+    pub layers: usize,
+    /// Tokens per sequence (and learned positions).
+    pub seq: i64,
+    /// Sequences per rank and step.
+    pub batch: i64,
+    /// Hidden width of the dense feed-forward.
+    pub ff_hidden: i64,
+    /// Experts of each mixture-of-experts layer.
+    pub experts: usize,
+    /// Experts each token is routed to.
+    pub top_k: i64,
+    /// Hidden width of each expert.
+    pub expert_hidden: i64,
+}
+
+impl GptConfig {
+    /// The zoo's `gpt`, `gpt_moe` and `gpt_dropout`: vocab 8, dim 16, 4 heads, 2 layers,
+    /// 2 sequences of 8 tokens, top-2 of 8 experts — small enough for every parity test.
+    pub const ZOO: GptConfig = GptConfig {
+        vocab: 8,
+        dim: 16,
+        heads: 4,
+        layers: 2,
+        seq: 8,
+        batch: 2,
+        ff_hidden: 4 * 16,
+        experts: 8,
+        top_k: 2,
+        expert_hidden: 2 * 16,
+    };
+
+    /// Why these sizes cannot build a decoder, if they cannot (every size positive, heads
+    /// dividing the width, top-k within the experts).
+    pub fn check(&self) -> Result<(), ModelError> {
+        let bad = |reason: String| {
+            Err(ModelError::InvalidConfig {
+                model: "gpt".into(),
+                reason,
+            })
+        };
+        let sizes = [
+            ("vocab", self.vocab),
+            ("dim", self.dim),
+            ("heads", self.heads),
+            ("layers", self.layers as i64),
+            ("seq", self.seq),
+            ("batch", self.batch),
+            ("ff_hidden", self.ff_hidden),
+            ("experts", self.experts as i64),
+            ("top_k", self.top_k),
+            ("expert_hidden", self.expert_hidden),
+        ];
+        if let Some((name, v)) = sizes.iter().find(|(_, v)| *v < 1) {
+            return bad(format!("{name} is {v}, must be at least 1"));
+        }
+        if self.dim % self.heads != 0 {
+            return bad(format!(
+                "dim {} is not a multiple of the {} heads",
+                self.dim, self.heads
+            ));
+        }
+        if self.top_k > self.experts as i64 {
+            return bad(format!(
+                "top_k {} exceeds the {} experts",
+                self.top_k, self.experts
+            ));
+        }
+        Ok(())
+    }
+}
 
 /// Dropout of one forward: each sample's mask keys, the rate, and the layer drawing (sites
 /// within a layer: 0 the embedding sum, 1 the attention probabilities, 2 the feed-forward's
@@ -50,25 +122,30 @@ struct Attention {
     wk: Linear,
     wv: Linear,
     wo: Linear,
+    dim: i64,
+    heads: i64,
 }
 
 impl Attention {
     const PROJ: [&'static str; 4] = ["wq", "wk", "wv", "wo"];
 
-    fn new(store: &mut ParamStore, prefix: &str) -> Result<Self, TchError> {
+    fn new(store: &mut ParamStore, prefix: &str, cfg: &GptConfig) -> Result<Self, TchError> {
+        let d = cfg.dim;
         Ok(Attention {
-            wq: Linear::new(store, &path(prefix, "wq"), DIM, DIM, true)?,
-            wk: Linear::new(store, &path(prefix, "wk"), DIM, DIM, true)?,
-            wv: Linear::new(store, &path(prefix, "wv"), DIM, DIM, true)?,
-            wo: Linear::new(store, &path(prefix, "wo"), DIM, DIM, true)?,
+            wq: Linear::new(store, &path(prefix, "wq"), d, d, true)?,
+            wk: Linear::new(store, &path(prefix, "wk"), d, d, true)?,
+            wv: Linear::new(store, &path(prefix, "wv"), d, d, true)?,
+            wo: Linear::new(store, &path(prefix, "wo"), d, d, true)?,
+            dim: d,
+            heads: cfg.heads,
         })
     }
 
     /// `x`: (B, T, D).
     fn forward(&self, x: &Tensor, drop: Option<Dropout<'_>>) -> Result<Tensor, TchError> {
         let (b, t) = (x.size()[0], x.size()[1]);
-        let hd = DIM / HEADS;
-        let heads = |y: Tensor| y.f_view([b, t, HEADS, hd])?.f_transpose(1, 2);
+        let hd = self.dim / self.heads;
+        let heads = |y: Tensor| y.f_view([b, t, self.heads, hd])?.f_transpose(1, 2);
         let q = heads(self.wq.forward(x)?)?;
         let k = heads(self.wk.forward(x)?)?;
         let v = heads(self.wv.forward(x)?)?;
@@ -85,7 +162,7 @@ impl Attention {
             .f_matmul(&v)?
             .f_transpose(1, 2)?
             .f_contiguous()?
-            .f_view([b, t, DIM])?;
+            .f_view([b, t, self.dim])?;
         self.wo.forward(&out)
     }
 }
@@ -98,10 +175,10 @@ struct Mlp {
 }
 
 impl Mlp {
-    fn new(store: &mut ParamStore, prefix: &str, hidden: i64) -> Result<Self, TchError> {
+    fn new(store: &mut ParamStore, prefix: &str, dim: i64, hidden: i64) -> Result<Self, TchError> {
         Ok(Mlp {
-            w1: Linear::new(store, &path(prefix, "w1"), DIM, hidden, true)?,
-            w2: Linear::new(store, &path(prefix, "w2"), hidden, DIM, true)?,
+            w1: Linear::new(store, &path(prefix, "w1"), dim, hidden, true)?,
+            w2: Linear::new(store, &path(prefix, "w2"), hidden, dim, true)?,
         })
     }
 
@@ -124,32 +201,44 @@ impl Mlp {
     }
 }
 
-/// Top-2 of 8 experts, gates renormalized over the chosen two. Computed densely (every
-/// expert sees every token, weighted by a gate that is zero unless chosen): the reference
-/// is exact and every expert always has a gradient, so collectives never depend on routing.
+/// Top-k of the experts (the zoo: top-2 of 8), gates renormalized over the chosen k.
+/// Computed densely (every expert sees every token, weighted by a gate that is zero unless
+/// chosen): the reference is exact and every expert always has a gradient, so collectives
+/// never depend on routing.
 #[derive(Debug)]
 struct Moe {
     router: Linear,
     experts: Vec<Mlp>,
+    top_k: i64,
 }
 
 impl Moe {
-    fn new(store: &mut ParamStore, prefix: &str) -> Result<Self, TchError> {
-        let router = Linear::new(store, &path(prefix, "router"), DIM, EXPERTS as i64, false)?;
+    fn new(store: &mut ParamStore, prefix: &str, cfg: &GptConfig) -> Result<Self, TchError> {
+        let router = Linear::new(
+            store,
+            &path(prefix, "router"),
+            cfg.dim,
+            cfg.experts as i64,
+            false,
+        )?;
         let mut experts = Vec::new();
-        for e in 0..EXPERTS {
+        for e in 0..cfg.experts {
             let p = path(prefix, &format!("experts.{e}"));
-            experts.push(Mlp::new(store, &p, EXPERT_HIDDEN)?);
+            experts.push(Mlp::new(store, &p, cfg.dim, cfg.expert_hidden)?);
             for name in Mlp::names(&p) {
                 store.tag_expert(&name, e);
             }
         }
-        Ok(Moe { router, experts })
+        Ok(Moe {
+            router,
+            experts,
+            top_k: cfg.top_k,
+        })
     }
 
-    fn names(prefix: &str) -> Vec<String> {
+    fn names(prefix: &str, experts: usize) -> Vec<String> {
         let mut v = Linear::names(&path(prefix, "router"), false);
-        for e in 0..EXPERTS {
+        for e in 0..experts {
             v.extend(Mlp::names(&path(prefix, &format!("experts.{e}"))));
         }
         v
@@ -158,7 +247,7 @@ impl Moe {
     /// `x`: (B, T, D).
     fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
         let probs = self.router.forward(x)?.f_softmax(-1, None)?;
-        let (top, idx) = probs.f_topk(TOP_K, -1, true, true)?;
+        let (top, idx) = probs.f_topk(self.top_k, -1, true, true)?;
         let top = top.f_div(&top.f_sum_dim_intlist(-1, true, None)?)?;
         let gates = probs.f_zeros_like()?.f_scatter(-1, &idx, &top)?;
         let mut out = x.f_zeros_like()?;
@@ -201,10 +290,12 @@ impl Block {
     }
 }
 
-/// A decoder-only transformer: vocab 8, dim 16, 4 heads, 2 pre-norm layers, learned
-/// positions, LayerNorm, tied output projection; dense GELU MLP or a top-2 MoE of 8 experts.
+/// A decoder-only transformer: pre-norm layers, learned positions, LayerNorm, tied output
+/// projection; dense GELU MLP or a top-k mixture of experts. Sized by a [`GptConfig`] (the
+/// zoo's: vocab 8, dim 16, 4 heads, 2 layers, top-2 of 8 experts).
 #[derive(Debug)]
 pub struct Gpt {
+    config: GptConfig,
     rank: usize,
     seed: u64,
     moe: bool,
@@ -219,17 +310,6 @@ pub struct Gpt {
 }
 
 impl Gpt {
-    /// Vocabulary size: what a vocabulary-parallel plan splits.
-    pub const VOCAB: i64 = VOCAB;
-    /// Model width.
-    pub const DIM: i64 = DIM;
-    /// Attention heads: a tensor-parallel plan splits attention by whole heads.
-    pub const HEADS: i64 = HEADS;
-    /// Experts of each mixture-of-experts layer.
-    pub const EXPERTS: usize = EXPERTS;
-    /// Experts each token is routed to.
-    pub const TOP_K: i64 = TOP_K;
-
     /// Builds the dense (`moe = false`) or mixture-of-experts decoder; every parameter is
     /// drawn from the run's parameter seed, so experts are the same on every rank (expert
     /// parallelism shards them, it does not re-seed them).
@@ -240,20 +320,39 @@ impl Gpt {
     /// The decoder with dropout `p` (`gpt_dropout`): batches carry each sample's mask keys
     /// as a second input, so every parallel configuration draws the same masks.
     pub fn with_dropout(run_seed: u64, rank: usize, moe: bool, p: f64) -> Result<Self, ModelError> {
+        Self::with_config(GptConfig::ZOO, run_seed, rank, moe, p)
+    }
+
+    /// The decoder at any size (benchmarks train it far larger than the zoo's): the same
+    /// parameter names, draws in the same order, and the same inputs, scaled to `config`.
+    pub fn with_config(
+        config: GptConfig,
+        run_seed: u64,
+        rank: usize,
+        moe: bool,
+        p: f64,
+    ) -> Result<Self, ModelError> {
+        config.check()?;
+        let c = config;
         let mut store = ParamStore::default();
         let guard = seed::lock_seeded(seed::param_seed(run_seed));
-        let tok_embeddings = store.param("tok_embeddings.weight", || normal(&[VOCAB, DIM]))?;
-        let pos_embeddings = store.param("pos_embeddings.weight", || normal(&[SEQ, DIM]))?;
+        let tok_embeddings = store.param("tok_embeddings.weight", || normal(&[c.vocab, c.dim]))?;
+        let pos_embeddings = store.param("pos_embeddings.weight", || normal(&[c.seq, c.dim]))?;
         let mut blocks = Vec::new();
-        for i in 0..LAYERS {
+        for i in 0..c.layers {
             let p = format!("layers.{i}");
-            let attention_norm = LayerNorm::new(&mut store, &path(&p, "attention_norm"), DIM)?;
-            let attention = Attention::new(&mut store, &path(&p, "attention"))?;
-            let ffn_norm = LayerNorm::new(&mut store, &path(&p, "ffn_norm"), DIM)?;
+            let attention_norm = LayerNorm::new(&mut store, &path(&p, "attention_norm"), c.dim)?;
+            let attention = Attention::new(&mut store, &path(&p, "attention"), &c)?;
+            let ffn_norm = LayerNorm::new(&mut store, &path(&p, "ffn_norm"), c.dim)?;
             let ffn = if moe {
-                Ffn::Moe(Moe::new(&mut store, &path(&p, "moe"))?)
+                Ffn::Moe(Moe::new(&mut store, &path(&p, "moe"), &c)?)
             } else {
-                Ffn::Dense(Mlp::new(&mut store, &path(&p, "feed_forward"), FF_HIDDEN)?)
+                Ffn::Dense(Mlp::new(
+                    &mut store,
+                    &path(&p, "feed_forward"),
+                    c.dim,
+                    c.ff_hidden,
+                )?)
             };
             blocks.push(Block {
                 attention_norm,
@@ -262,10 +361,11 @@ impl Gpt {
                 ffn,
             });
         }
-        let norm = LayerNorm::new(&mut store, "norm", DIM)?;
+        let norm = LayerNorm::new(&mut store, "norm", c.dim)?;
         drop(guard);
         store.alias("tok_embeddings.weight", "output.weight");
         Ok(Gpt {
+            config,
             rank,
             seed: run_seed,
             moe,
@@ -286,7 +386,7 @@ impl Gpt {
         }
         v.extend(LayerNorm::names(&path(&p, "ffn_norm")));
         if self.moe {
-            v.extend(Moe::names(&path(&p, "moe")));
+            v.extend(Moe::names(&path(&p, "moe"), self.config.experts));
         } else {
             v.extend(Mlp::names(&path(&p, "feed_forward")));
         }
@@ -295,6 +395,11 @@ impl Gpt {
 }
 
 impl Gpt {
+    /// The decoder's sizes.
+    pub fn config(&self) -> GptConfig {
+        self.config
+    }
+
     /// The dropout rate (0 for `gpt` and `gpt_moe`).
     pub fn dropout(&self) -> f64 {
         self.dropout
@@ -337,6 +442,10 @@ impl Model for Gpt {
         &self.store
     }
 
+    fn gpt_config(&self) -> Option<GptConfig> {
+        Some(self.config)
+    }
+
     fn layers(&self) -> Vec<LayerSpec> {
         let mut layers = vec![
             LayerSpec {
@@ -374,31 +483,34 @@ impl Model for Gpt {
         layers
     }
 
-    /// Two sequences of 9 tokens `(start + stride·i) mod 8`, start and stride ∈ {1, 3} drawn
-    /// from the batch seed: predicting the next token is learnable from context. Inputs are
-    /// the first 8 tokens, targets the last 8.
+    /// `batch` sequences of `seq + 1` tokens `(start + stride·i) mod vocab` (the zoo: two of
+    /// 9, mod 8), start and stride ∈ {1, 3} drawn from the batch seed: predicting the next
+    /// token is learnable from context. Inputs are the first `seq` tokens, targets the last.
     fn input(&self, rank: usize, step: usize) -> Result<Batch, ModelError> {
+        let GptConfig {
+            vocab, seq, batch, ..
+        } = self.config;
         let opts = (Kind::Int64, tch::Device::Cpu);
         let (start, stride) = seed::seeded(seed::batch_seed(self.seed, rank, step), || {
-            let start = Tensor::f_randint(VOCAB, [BATCH, 1], opts)?;
-            let stride = Tensor::f_randint(2, [BATCH, 1], opts)?
+            let start = Tensor::f_randint(vocab, [batch, 1], opts)?;
+            let stride = Tensor::f_randint(2, [batch, 1], opts)?
                 .f_mul_scalar(2)?
                 .f_add_scalar(1)?;
             Ok::<_, TchError>((start, stride))
         })?;
-        let seq = Tensor::f_arange(SEQ + 1, opts)?
+        let tokens = Tensor::f_arange(seq + 1, opts)?
             .f_unsqueeze(0)?
             .f_mul(&stride)?
             .f_add(&start)?
-            .f_remainder(VOCAB)?;
-        let mut inputs = vec![seq.f_narrow(1, 0, SEQ)?];
+            .f_remainder(vocab)?;
+        let mut inputs = vec![tokens.f_narrow(1, 0, seq)?];
         if self.dropout > 0.0 {
-            let keys = seed::sample_keys(self.seed, rank, step, BATCH as usize);
+            let keys = seed::sample_keys(self.seed, rank, step, batch as usize);
             inputs.push(Tensor::from_slice(&keys));
         }
         Ok(Batch {
             inputs,
-            target: Some(seq.f_narrow(1, 1, SEQ)?),
+            target: Some(tokens.f_narrow(1, 1, seq)?),
         })
     }
 
@@ -425,10 +537,11 @@ impl Model for Gpt {
                 reason: "expected one token tensor".into(),
             })?;
         let t = tokens.size().get(1).copied().unwrap_or(0);
-        if t == 0 || t > SEQ {
+        let max = self.config.seq;
+        if t == 0 || t > max {
             return Err(ModelError::InvalidBatch {
                 model: self.name().to_owned(),
-                reason: format!("sequence length {t} outside 1..={SEQ}"),
+                reason: format!("sequence length {t} outside 1..={max}"),
             });
         }
         let mut run = LayerRun::new(hooks);
@@ -481,12 +594,14 @@ impl Model for Gpt {
                 model: self.name().to_owned(),
                 reason: "missing target tokens".into(),
             })?;
-        Ok(output.f_view([-1, VOCAB])?.f_cross_entropy_loss::<Tensor>(
-            &target.f_reshape([-1])?,
-            None,
-            tch::Reduction::Mean,
-            -100,
-            0.0,
-        )?)
+        Ok(output
+            .f_view([-1, self.config.vocab])?
+            .f_cross_entropy_loss::<Tensor>(
+                &target.f_reshape([-1])?,
+                None,
+                tch::Reduction::Mean,
+                -100,
+                0.0,
+            )?)
     }
 }

@@ -5,7 +5,7 @@ mod mlp;
 mod nested;
 mod transformer;
 
-pub use gpt::Gpt;
+pub use gpt::{Gpt, GptConfig};
 pub use mlp::MlpStack;
 pub use nested::LinearChain;
 pub use transformer::TransformerWithSharedParams;
