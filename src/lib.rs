@@ -8,9 +8,12 @@
 pub mod bench;
 pub mod env_report;
 pub mod matrix;
+pub mod parity_test;
+pub mod runner;
 pub mod schedule;
 pub mod stress;
 
+pub use lockstep_core as core;
 pub use lockstep_core::comm;
 pub use lockstep_harness as harness;
 pub use lockstep_models as models;

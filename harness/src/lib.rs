@@ -73,6 +73,15 @@ fn fork_is_safe() -> bool {
     nocapture && one_thread
 }
 
+/// Whether this process may fork rank processes for a launch it makes itself (the matrix,
+/// the parity-test API): under nextest (one test per process), on a program's main thread
+/// (a binary, or libtest running one test on its main thread), or in a test run with one
+/// test thread and uncaptured output. A multi-threaded `cargo test` run is not: a forked
+/// child would inherit locks other test threads hold.
+pub fn fork_is_safe_here() -> bool {
+    fork_is_safe() || std::thread::current().name() == Some("main")
+}
+
 /// How the harness starts rank processes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SpawnMode {

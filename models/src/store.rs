@@ -48,6 +48,22 @@ impl ParamStore {
         value
     }
 
+    /// Registers `value` as a trainable parameter under `name` (PyTorch's
+    /// `register_parameter`): how a model outside the zoo exposes its weights to Lockstep's
+    /// wrappers, records and checkpoints. Returns the handle the model computes with; the
+    /// store and the model then share one tensor, updated in place by every optimizer.
+    pub fn register_parameter(&mut self, name: &str, value: Tensor) -> Tensor {
+        let t = value.detach().set_requires_grad(true);
+        self.params.push((name.to_owned(), t.shallow_clone()));
+        t
+    }
+
+    /// Registers a buffer (running statistics, constants) under `name` (PyTorch's
+    /// `register_buffer`): ranks must agree on buffers too, and records compare them.
+    pub fn register_buffer(&mut self, name: &str, value: Tensor) -> Tensor {
+        self.buffer(name, value)
+    }
+
     fn template_of(&self, name: &str) -> Option<Tensor> {
         let (from, to) = self.copy_from.as_ref()?;
         let rest = name.strip_prefix(to.as_str())?;

@@ -512,11 +512,7 @@ impl Config {
     /// table against the single-device reference, and no policy for mixed precision against
     /// the single-device reference (the matrix has no such row). Records hold fp32 masters
     /// and fp32 gradients under every policy, so bitwise is over fp32 values.
-    pub(super) fn policy(
-        self,
-        reference: Config,
-        world_size: usize,
-    ) -> Result<TolerancePolicy, String> {
+    pub fn policy(self, reference: Config, world_size: usize) -> Result<TolerancePolicy, String> {
         match (self, reference) {
             (_, Config::Single) if self.precision().is_some() => Err(format!(
                 "{} is not compared with single: {MIXED_VS_SINGLE_REASON}",

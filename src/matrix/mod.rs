@@ -48,24 +48,20 @@
 //! diagnosis), and the report set is written with them as errors, marked incomplete
 //! (`complete: false`, an INCOMPLETE headline, JUnit `<error>`s), so it never looks complete.
 
+use crate::runner;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use lockstep_core::comm::DType;
-use lockstep_core::ddp::{train_ddp, DdpOptions, Fault};
-use lockstep_core::expert_parallel::train_expert_parallel;
-use lockstep_core::fsdp::{
-    train_fsdp, train_fsdp_hybrid, BackwardPrefetch, FsdpOptions, ShardingStrategy, WrapPolicy,
-};
-use lockstep_core::pipeline::{train_pipeline, PipelinePlan};
+use lockstep_core::ddp::Fault;
+use lockstep_core::fsdp::{BackwardPrefetch, FsdpOptions, ShardingStrategy, WrapPolicy};
+use lockstep_core::pipeline::PipelinePlan;
 use lockstep_core::precision::MixedPrecision;
-use lockstep_core::record::{MemoryStats, RunRecord, RunSpec};
-use lockstep_core::replica::distinct_parameters;
-use lockstep_core::tensor_parallel::{train_tensor_parallel, TpOptions};
-use lockstep_core::train::{single_device_reference, OptimizerConfig, TrainConfig};
+use lockstep_core::record::{MemoryStats, RunRecord};
+use lockstep_core::tensor_parallel::TpOptions;
+use lockstep_core::train::OptimizerConfig;
 use lockstep_harness::parity::{
     compare, Comparison, FailurePoint, Mode, Override, Tolerance, TolerancePolicy,
 };
 use lockstep_harness::report::{self, Report, ReportError, ReportFiles, RunError};
-use lockstep_harness::{launch, LaunchError, LaunchOptions, RankCtx, RankSpawn};
 use lockstep_models::{zoo, LayerKind, Model, ModelError};
 use serde::Serialize;
 use std::collections::BTreeMap;

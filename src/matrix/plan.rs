@@ -70,6 +70,19 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// What every run of this plan shares (steps, seed, timeout, gradients recorded, the
+    /// planted fault).
+    pub fn settings(&self) -> crate::runner::RunSettings {
+        crate::runner::RunSettings {
+            steps: self.steps,
+            seed: self.seed,
+            timeout: self.timeout,
+            record_grads: self.record_grads,
+            optimizer: lockstep_core::train::OptimizerConfig::default(),
+            fault: self.fault.clone(),
+        }
+    }
+
     /// How many training runs the plan performs (single-device ones included).
     pub fn run_count(&self) -> usize {
         let mut n = 0;

@@ -67,28 +67,7 @@ pub struct Row {
     pub timed_out: bool,
 }
 
-/// A run that did not produce a record: one line for the table, the whole story for the
-/// reports.
-#[derive(Clone, Debug)]
-pub struct RunFailed {
-    /// What failed, in one line.
-    pub line: String,
-    /// Everything the launcher reported.
-    pub details: String,
-    /// Whether the run outlived its timeout (a hang), rather than failing.
-    pub timed_out: bool,
-}
-
-impl RunFailed {
-    pub(super) fn simple(text: impl Into<String>) -> Self {
-        let line = text.into();
-        RunFailed {
-            details: line.clone(),
-            line,
-            timed_out: false,
-        }
-    }
-}
+pub use crate::runner::RunFailed;
 
 /// Everything a finished matrix produced.
 #[derive(Debug)]

@@ -1,0 +1,52 @@
+//! Why a parity test could not run as specified (nothing was launched).
+
+use std::path::PathBuf;
+
+/// A parity test that cannot run as written: each variant names what to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum ParityTestError {
+    /// Neither [`zoo`](super::ParityTest::zoo) nor [`model`](super::ParityTest::model) was
+    /// called.
+    #[error("no model: call .zoo(\"name\") or .model(\"name\", |seed, rank| ...)")]
+    NoModel,
+    /// No configuration under test.
+    #[error("no configuration under test: call .config(\"ddp\") or .custom_config(...)")]
+    NoConfig,
+    /// A configuration name that is neither built in nor defined by the test.
+    #[error("unknown configuration {}; known built-in configurations: {}", names.join(", "), known.join(", "))]
+    UnknownConfig {
+        /// The names asked for.
+        names: Vec<String>,
+        /// Every built-in name.
+        known: Vec<String>,
+    },
+    /// The single-device reference was asked for a model that has none.
+    #[error("model `{model}` has no single-device reference ({reason}): compare against Reference::Ddp instead")]
+    NoSingleDeviceReference {
+        /// The model's name.
+        model: String,
+        /// The model's own reason.
+        reason: String,
+    },
+    /// The model builder failed.
+    #[error("building the model: {0}")]
+    Model(#[source] lockstep_models::ModelError),
+    /// Any other setting out of range or inconsistent.
+    #[error("{0}")]
+    Invalid(String),
+    /// The report directory cannot be prepared or written.
+    #[error("report directory {}: {reason}", path.display())]
+    OutDir {
+        /// The directory.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+    /// Ranks are forked from the test process, which is unsafe in a multi-threaded
+    /// `cargo test` run.
+    #[error(
+        "parity tests fork one process per rank, which needs one test per process: run them \
+         with `cargo nextest run`, or `cargo test -- --test-threads=1 --nocapture`"
+    )]
+    NotForkSafe,
+}

@@ -1,0 +1,527 @@
+//! The parity-test API: put your own model, or your own parallel training code, under test
+//! from a plain `#[test]` run by `cargo nextest run`.
+//!
+//! A [`ParityTest`] names a model (a zoo model, or your type implementing
+//! [`Model`](lockstep_models::Model)), the configurations under test (built-in ones such as
+//! `ddp` or `fsdp.full_shard.per_layer`, or your own closure that trains the model on every
+//! rank), the references they must agree with (`single`, `ddp`, or another configuration),
+//! world sizes, steps, seed and tolerance policy. [`ParityTest::run`] launches one process
+//! per rank for every run, compares every configuration with every reference, writes the
+//! report set under `target/lockstep/<test>/` and returns a [`ParityOutcome`];
+//! [`ParityTest::assert_parity`] fails the test with the parity engine's diagnosis (first
+//! failing step, tensor, element and margin), or with the launcher's failure report when a
+//! run crashed, hung or desynchronized.
+//!
+//! ```no_run
+//! use lockstep::parity_test::{ParityTest, Reference};
+//!
+//! #[test]
+//! fn nested_model_under_fsdp() {
+//!     ParityTest::new("nested_model_under_fsdp")
+//!         .zoo("nested")
+//!         .config("ddp")
+//!         .config("fsdp.full_shard.per_layer")
+//!         .reference(Reference::Single)
+//!         .world_sizes(&[2])
+//!         .steps(3)
+//!         .assert_parity();
+//! }
+//! ```
+
+mod error;
+mod outcome;
+
+pub use error::ParityTestError;
+pub use outcome::ParityOutcome;
+
+use crate::matrix::Config;
+use crate::runner::{self, ModelBuilder, RunFailed, RunSettings, TrainFn};
+use lockstep_core::comm::DType;
+use lockstep_core::record::RunRecord;
+use lockstep_core::train::{OptimizerConfig, TrainConfig};
+use lockstep_harness::parity::{compare, Override, Tolerance, TolerancePolicy};
+use lockstep_harness::report::{self, Report, RunError};
+use lockstep_harness::RankCtx;
+use lockstep_models::{zoo, Model, ModelError};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// What a configuration is compared against.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reference {
+    /// One process training on every rank's batch (the global batch): the mathematical
+    /// ground truth, for models whose ranks do not differ by construction.
+    Single,
+    /// Lockstep's DDP at the same world size: the reference for models without a
+    /// single-device twin, and for sharding that must reproduce DDP bit for bit.
+    Ddp,
+    /// Another configuration by name: a built-in one, or one this test defines.
+    Config(String),
+}
+
+impl Reference {
+    fn name(&self) -> &str {
+        match self {
+            Reference::Single => "single",
+            Reference::Ddp => "ddp",
+            Reference::Config(name) => name,
+        }
+    }
+}
+
+/// How a comparison judges values: the dtype table (PyTorch's `assert_close` defaults of
+/// that dtype) or bitwise equality.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// Each value within `atol + rtol·|expected|` of the table's row for this dtype.
+    DtypeTable(DType),
+    /// Every value identical, bit for bit.
+    Bitwise,
+}
+
+/// A configuration under test.
+enum TestConfig<'a> {
+    /// One of Lockstep's own, by name.
+    Builtin(Config),
+    /// The user's training closure, run on every rank.
+    Custom {
+        name: String,
+        train: Box<TrainFn<'a>>,
+    },
+}
+
+impl TestConfig<'_> {
+    fn name(&self) -> &str {
+        match self {
+            TestConfig::Builtin(c) => c.name(),
+            TestConfig::Custom { name, .. } => name,
+        }
+    }
+}
+
+/// A parity test under construction: see the [module documentation](self).
+pub struct ParityTest<'a> {
+    name: String,
+    model_name: Option<String>,
+    build: Option<Box<ModelBuilder<'a>>>,
+    configs: Vec<TestConfig<'a>>,
+    /// Names asked for that are not built in (an error when the test runs).
+    unknown: Vec<String>,
+    references: Vec<Reference>,
+    world_sizes: Vec<usize>,
+    settings: RunSettings,
+    policy: Option<Policy>,
+    overrides: Vec<(String, Tolerance, String)>,
+    out_dir: Option<PathBuf>,
+}
+
+impl<'a> ParityTest<'a> {
+    /// A test called `name` (use the test function's name: the report set goes to
+    /// `target/lockstep/<name>/`). Defaults: reference `single`, world size 2, 3 steps, seed
+    /// 0, SGD (lr 0.01, momentum 0.9), the fp32 dtype table, a 120 s timeout per launch.
+    pub fn new(name: &str) -> Self {
+        ParityTest {
+            name: name.to_owned(),
+            model_name: None,
+            build: None,
+            configs: Vec::new(),
+            unknown: Vec::new(),
+            references: Vec::new(),
+            world_sizes: vec![2],
+            settings: RunSettings::default(),
+            policy: None,
+            overrides: Vec::new(),
+            out_dir: None,
+        }
+    }
+
+    /// Tests zoo model `name` (`lockstep matrix --list` names them).
+    pub fn zoo(mut self, name: &str) -> Self {
+        let owned = name.to_owned();
+        self.model_name = Some(owned.clone());
+        self.build = Some(Box::new(move |seed, rank| zoo::build(&owned, seed, rank)));
+        self
+    }
+
+    /// Tests your own model: `build(seed, rank)` makes one rank's instance. Every rank and
+    /// the reference call it, so parameters must depend on the seed only (seed libtorch with
+    /// `tch::manual_seed(seed as i64)` before drawing them), and `Model::input(rank, step)`
+    /// must give every process the same batch for the same rank and step.
+    pub fn model<M, F>(mut self, name: &str, build: F) -> Self
+    where
+        M: Model + 'static,
+        F: Fn(u64, usize) -> Result<M, ModelError> + Sync + 'a,
+    {
+        self.model_name = Some(name.to_owned());
+        self.build = Some(Box::new(move |seed, rank| {
+            build(seed, rank).map(|m| Box::new(m) as Box<dyn Model>)
+        }));
+        self
+    }
+
+    /// Adds built-in configuration `name` (`ddp`, `fsdp.full_shard.per_layer`, `tp.2`...;
+    /// `lockstep matrix --list` prints them all). An unknown name fails the test, listing
+    /// the known ones.
+    pub fn config(mut self, name: &str) -> Self {
+        match Config::by_name(name) {
+            Some(c) => self.configs.push(TestConfig::Builtin(c)),
+            None => self.unknown.push(name.to_owned()),
+        }
+        self
+    }
+
+    /// Adds your own configuration: `train(ctx, model, cfg)` runs on every rank with the
+    /// rank's context (`ctx.group()`, `ctx.world()` for sub-groups), its freshly built model
+    /// and the training settings (`cfg.spec.steps` steps, `cfg.optimizer`, and
+    /// `cfg.data_ranks`, the batches this rank would train on under data parallelism), and
+    /// returns the run's [`RunRecord`] (rank 0's is compared): per-step mean losses and
+    /// gradient norms, and the full final parameters under their model names. An `Err`
+    /// fails the run with your message; a panic, crash or hang gets the launcher's report.
+    pub fn custom_config<F>(mut self, name: &str, train: F) -> Self
+    where
+        F: Fn(&RankCtx, &dyn Model, &TrainConfig) -> Result<RunRecord, String> + Sync + 'a,
+    {
+        self.configs.push(TestConfig::Custom {
+            name: name.to_owned(),
+            train: Box::new(train),
+        });
+        self
+    }
+
+    /// Adds a reference every configuration is compared against (the default, when none is
+    /// added, is [`Reference::Single`]).
+    pub fn reference(mut self, reference: Reference) -> Self {
+        self.references.push(reference);
+        self
+    }
+
+    /// The world sizes to run at (each configuration and reference at each).
+    pub fn world_sizes(mut self, sizes: &[usize]) -> Self {
+        self.world_sizes = sizes.to_vec();
+        self
+    }
+
+    /// Training steps per run.
+    pub fn steps(mut self, steps: usize) -> Self {
+        self.settings.steps = steps;
+        self
+    }
+
+    /// The run seed (parameters and batches derive from it).
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.settings.seed = seed;
+        self
+    }
+
+    /// The optimizer every run steps with.
+    pub fn optimizer(mut self, optimizer: OptimizerConfig) -> Self {
+        self.settings.optimizer = optimizer;
+        self
+    }
+
+    /// How long one launch may take before it is declared hung (its report then carries
+    /// every rank's flight recorder and the desync diagnosis).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.settings.timeout = timeout;
+        self
+    }
+
+    /// Judges every comparison with `policy`. Without it, pairs of built-in configurations
+    /// use the matrix's policy (FSDP against DDP bitwise, anything against `single` under
+    /// the fp32 table) and everything else the fp32 dtype table.
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.policy = Some(policy);
+        self
+    }
+
+    /// Holds configuration `config` to `tolerance` instead, for the stated `reason` (which
+    /// is mandatory and printed in every report row it applies to): how a known, explained
+    /// difference is recorded rather than hidden by a looser global tolerance.
+    pub fn tolerance_override(mut self, config: &str, tolerance: Tolerance, reason: &str) -> Self {
+        self.overrides
+            .push((config.to_owned(), tolerance, reason.to_owned()));
+        self
+    }
+
+    /// Writes the report set to `dir` instead of `target/lockstep/<test>/`.
+    pub fn out_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.out_dir = Some(dir.into());
+        self
+    }
+
+    /// Runs every reference and configuration at every world size, compares, and writes the
+    /// report set. `Err` means the test could not run as specified (nothing was launched);
+    /// runs that fail or disagree are in the [`ParityOutcome`].
+    pub fn run(self) -> Result<ParityOutcome, ParityTestError> {
+        let started = Instant::now();
+        self.check()?;
+        let (Some(model_name), Some(build)) = (self.model_name.as_deref(), self.build.as_deref())
+        else {
+            return Err(ParityTestError::NoModel);
+        };
+        let references = if self.references.is_empty() {
+            vec![Reference::Single]
+        } else {
+            self.references.clone()
+        };
+        if references.contains(&Reference::Single) {
+            let probe = build(self.settings.seed, 0).map_err(ParityTestError::Model)?;
+            if let Some(reason) = probe.single_device_reference_blocker() {
+                return Err(ParityTestError::NoSingleDeviceReference {
+                    model: model_name.to_owned(),
+                    reason,
+                });
+            }
+        }
+        // Every policy up front: a pair that cannot be judged fails before anything runs.
+        let mut policies = BTreeMap::new();
+        for &world in &self.world_sizes {
+            for config in &self.configs {
+                for reference in &references {
+                    if config.name() != reference.name() {
+                        let policy = self.policy_for(config, reference, world)?;
+                        policies.insert((config.name(), reference.name(), world), policy);
+                    }
+                }
+            }
+        }
+        let out_dir = self
+            .out_dir
+            .clone()
+            .unwrap_or_else(|| default_out_dir(&self.name));
+        crate::matrix::prepare_out_dir(&out_dir).map_err(|e| ParityTestError::OutDir {
+            path: out_dir.clone(),
+            reason: e.to_string(),
+        })?;
+        // Forked ranks must not inherit an OpenMP pool.
+        tch::set_num_threads(1);
+        let mut comparisons = Vec::new();
+        let mut errors = Vec::new();
+        for &world in &self.world_sizes {
+            let mut records: BTreeMap<String, Result<RunRecord, RunFailed>> = BTreeMap::new();
+            let wanted = references
+                .iter()
+                .map(|r| r.name().to_owned())
+                .chain(self.configs.iter().map(|c| c.name().to_owned()));
+            for name in wanted {
+                if records.contains_key(&name) {
+                    continue;
+                }
+                let run = self.run_one(&name, model_name, build, world);
+                records.insert(name, run);
+            }
+            for config in &self.configs {
+                for reference in &references {
+                    let (run_name, ref_name) = (config.name(), reference.name());
+                    if run_name == ref_name {
+                        continue;
+                    }
+                    let row = format!("{run_name}@{world}");
+                    let against = format!("{ref_name}@{world}");
+                    let (Some(run), Some(reference_run), Some(policy)) = (
+                        records.get(run_name),
+                        records.get(ref_name),
+                        policies.get(&(run_name, ref_name, world)),
+                    ) else {
+                        continue;
+                    };
+                    match (run, reference_run) {
+                        (Ok(run), Ok(reference_run)) => {
+                            comparisons.push(compare(run, reference_run, policy));
+                        }
+                        (Err(e), _) | (_, Err(e)) => errors.push(RunError {
+                            model: model_name.to_owned(),
+                            config: row,
+                            reference: against,
+                            message: e.line.clone(),
+                            details: e.details.clone(),
+                        }),
+                    }
+                }
+            }
+        }
+        let report = Report::new(comparisons)
+            .with_wall_time(started.elapsed())
+            .with_errors(errors);
+        let files = report::write_all(&report, &out_dir).map_err(|e| ParityTestError::OutDir {
+            path: out_dir.clone(),
+            reason: e.to_string(),
+        })?;
+        Ok(ParityOutcome::new(self.name, report, files))
+    }
+
+    /// [`ParityTest::run`], then panics unless every comparison passed: the message names
+    /// each failing comparison with its first failing step, tensor, element and margin (or
+    /// the launcher's report of a failed run) and where the report set is.
+    pub fn assert_parity(self) {
+        match self.run() {
+            Ok(outcome) => outcome.assert_passed(),
+            Err(e) => panic!("parity test could not run: {e}"),
+        }
+    }
+
+    /// Everything that makes the test unrunnable, found before anything is launched.
+    fn check(&self) -> Result<(), ParityTestError> {
+        if !self.unknown.is_empty() {
+            return Err(ParityTestError::UnknownConfig {
+                names: self.unknown.clone(),
+                known: Config::all().iter().map(|c| c.name().to_owned()).collect(),
+            });
+        }
+        if self.configs.is_empty() {
+            return Err(ParityTestError::NoConfig);
+        }
+        if self.settings.steps == 0 {
+            return Err(ParityTestError::Invalid("steps must be at least 1".into()));
+        }
+        if self.world_sizes.is_empty() {
+            return Err(ParityTestError::Invalid("no world size given".into()));
+        }
+        let mut names: Vec<&str> = Vec::new();
+        for c in &self.configs {
+            if names.contains(&c.name()) {
+                return Err(ParityTestError::Invalid(format!(
+                    "configuration `{}` is added twice",
+                    c.name()
+                )));
+            }
+            names.push(c.name());
+        }
+        for r in &self.references {
+            if let Reference::Config(name) = r {
+                if !names.contains(&name.as_str()) && Config::by_name(name).is_none() {
+                    return Err(ParityTestError::UnknownConfig {
+                        names: vec![name.clone()],
+                        known: Config::all().iter().map(|c| c.name().to_owned()).collect(),
+                    });
+                }
+            }
+        }
+        for (config, _, reason) in &self.overrides {
+            if !names.contains(&config.as_str()) {
+                return Err(ParityTestError::Invalid(format!(
+                    "tolerance override for `{config}`, which is not a configuration of this \
+                     test (configurations: {})",
+                    names.join(", ")
+                )));
+            }
+            if reason.trim().is_empty() {
+                return Err(ParityTestError::Invalid(format!(
+                    "the tolerance override for `{config}` has no reason: say why the \
+                     configuration may differ"
+                )));
+            }
+        }
+        for &world in &self.world_sizes {
+            if world == 0 || world > crate::matrix::MAX_WORLD_SIZE {
+                return Err(ParityTestError::Invalid(format!(
+                    "world size {world}: must be 1 to {}",
+                    crate::matrix::MAX_WORLD_SIZE
+                )));
+            }
+            for c in &self.configs {
+                if let TestConfig::Builtin(config) = c {
+                    if let Some(reason) = config.world_blocker(world) {
+                        return Err(ParityTestError::Invalid(format!(
+                            "{} cannot run at world size {world}: {reason}",
+                            config.name()
+                        )));
+                    }
+                }
+            }
+        }
+        if !lockstep_harness::fork_is_safe_here() {
+            return Err(ParityTestError::NotForkSafe);
+        }
+        Ok(())
+    }
+
+    /// Runs configuration or reference `name` at `world`.
+    fn run_one(
+        &self,
+        name: &str,
+        model_name: &str,
+        build: &ModelBuilder<'_>,
+        world: usize,
+    ) -> Result<RunRecord, RunFailed> {
+        if let Some(TestConfig::Custom { train, .. }) =
+            self.configs.iter().find(|c| c.name() == name)
+        {
+            return runner::run_launched(
+                model_name,
+                &format!("{name}@{world}"),
+                "fp32",
+                world,
+                build,
+                train.as_ref(),
+                &self.settings,
+            );
+        }
+        match Config::by_name(name) {
+            Some(config) => runner::run_config(model_name, build, config, world, &self.settings),
+            None => Err(RunFailed::simple(format!("unknown configuration `{name}`"))),
+        }
+    }
+
+    /// The policy `config` is judged by against `reference` at `world`, with this test's
+    /// overrides for `config`.
+    fn policy_for(
+        &self,
+        config: &TestConfig<'_>,
+        reference: &Reference,
+        world: usize,
+    ) -> Result<TolerancePolicy, ParityTestError> {
+        let builtin_pair = match (config, Config::by_name(reference.name())) {
+            (TestConfig::Builtin(c), Some(r)) => Some((*c, r)),
+            _ => None,
+        };
+        let mut policy = match (self.policy, builtin_pair) {
+            (Some(Policy::Bitwise), _) => TolerancePolicy::bitwise(DType::F32),
+            (Some(Policy::DtypeTable(d)), _) => TolerancePolicy::dtype_table(d),
+            (None, Some((c, r))) => c
+                .policy(r, world)
+                .map_err(|reason| ParityTestError::Invalid(reason.to_string()))?,
+            (None, None) => TolerancePolicy::dtype_table(DType::F32),
+        };
+        for (name, tolerance, reason) in &self.overrides {
+            if name == config.name() {
+                let ov = Override::new(*tolerance, reason)
+                    .map_err(|e| ParityTestError::Invalid(format!("override for `{name}`: {e}")))?;
+                policy = policy.with_override(&format!("{name}@{world}"), ov);
+            }
+        }
+        Ok(policy)
+    }
+}
+
+/// `target/lockstep/<test>/`, next to the test binary's own target directory.
+fn default_out_dir(test: &str) -> PathBuf {
+    let safe: String = test
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    target_dir().join("lockstep").join(safe)
+}
+
+/// Cargo's target directory: `CARGO_TARGET_DIR` when set, else the `target` directory the
+/// running test binary lives in (`target/debug/deps/…`), else `./target`.
+fn target_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
+        return PathBuf::from(dir);
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| {
+            exe.ancestors()
+                .find(|a| a.file_name().is_some_and(|n| n == "target"))
+                .map(PathBuf::from)
+        })
+        .unwrap_or_else(|| PathBuf::from("target"))
+}

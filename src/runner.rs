@@ -1,0 +1,345 @@
+//! One training run: a model × configuration × world size, either the single-device
+//! reference in this process or a fresh launch of forked ranks training under a built-in
+//! configuration or a user's own closure. `lockstep matrix`, `lockstep run` and the
+//! parity-test API all run through here, so a run means the same thing everywhere.
+//!
+//! Rank 0 hands its [`RunRecord`] back through a temporary JSON file; a run that fails (a
+//! rank's error, a crash, a hang past the timeout) comes back as [`RunFailed`] carrying the
+//! launcher's whole account (flight recorders and the desync diagnosis on a timeout).
+
+use crate::matrix::{Config, ModelParallelKind, Precision};
+use lockstep_core::ddp::{train_ddp, DdpOptions, Fault};
+use lockstep_core::expert_parallel::train_expert_parallel;
+use lockstep_core::fsdp::{train_fsdp, train_fsdp_hybrid};
+use lockstep_core::pipeline::train_pipeline;
+use lockstep_core::record::{MemoryStats, RunRecord, RunSpec};
+use lockstep_core::replica::distinct_parameters;
+use lockstep_core::tensor_parallel::{train_tensor_parallel, TpOptions};
+use lockstep_core::train::{single_device_reference, OptimizerConfig, TrainConfig};
+use lockstep_harness::{launch, LaunchError, LaunchOptions, RankCtx, RankSpawn};
+use lockstep_models::{zoo, Model, ModelError};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Builds one rank's model from the run seed and the rank: every rank (and the reference)
+/// calls it, so it must give every rank the same initial parameters for shared weights.
+pub type ModelBuilder<'a> = dyn Fn(u64, usize) -> Result<Box<dyn Model>, ModelError> + Sync + 'a;
+
+/// A training closure run on every rank of a launch: it receives the rank's context (its
+/// process groups), its model and the training settings, trains, and returns the run's
+/// record (rank 0's is the one kept). Built-in configurations are such closures too.
+pub type TrainFn<'a> =
+    dyn Fn(&RankCtx, &dyn Model, &TrainConfig) -> Result<RunRecord, String> + Sync + 'a;
+
+/// What every run of one comparison shares.
+#[derive(Clone, Debug)]
+pub struct RunSettings {
+    /// Training steps.
+    pub steps: usize,
+    /// Run seed: parameters and batches derive from it.
+    pub seed: u64,
+    /// How long a launch may take before it is declared hung.
+    pub timeout: Duration,
+    /// Keep every gradient of every step in the record.
+    pub record_grads: bool,
+    /// The optimizer every run steps with.
+    pub optimizer: OptimizerConfig,
+    /// A planted bug for DDP runs (checker tests only).
+    pub fault: Option<Fault>,
+}
+
+impl Default for RunSettings {
+    fn default() -> Self {
+        RunSettings {
+            steps: 3,
+            seed: 0,
+            timeout: Duration::from_secs(120),
+            record_grads: true,
+            optimizer: OptimizerConfig::default(),
+            fault: None,
+        }
+    }
+}
+
+/// Why a run produced no record: its own failure, kept whole for the reports.
+#[derive(Clone, Debug)]
+pub struct RunFailed {
+    /// What failed, in one line.
+    pub line: String,
+    /// Everything the launcher reported.
+    pub details: String,
+    /// Whether the run outlived its timeout (a hang), rather than failing.
+    pub timed_out: bool,
+}
+
+impl RunFailed {
+    /// A failure whose one line is the whole story (nothing was launched).
+    pub fn simple(text: impl Into<String>) -> Self {
+        let line = text.into();
+        RunFailed {
+            details: line.clone(),
+            line,
+            timed_out: false,
+        }
+    }
+}
+
+impl std::fmt::Display for RunFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.details)
+    }
+}
+
+impl std::error::Error for RunFailed {}
+
+/// The builder of zoo model `name`.
+pub fn zoo_builder(
+    name: &str,
+) -> impl Fn(u64, usize) -> Result<Box<dyn Model>, ModelError> + Sync + '_ {
+    move |seed, rank| zoo::build(name, seed, rank)
+}
+
+/// What a run's record says it was.
+pub fn run_spec(
+    model: &str,
+    config: &str,
+    world_size: usize,
+    dtype: &str,
+    settings: &RunSettings,
+) -> RunSpec {
+    RunSpec {
+        model: model.to_owned(),
+        config: config.to_owned(),
+        world_size,
+        backend: if config.starts_with("single") {
+            "none"
+        } else {
+            "cpu"
+        }
+        .into(),
+        dtype: dtype.to_owned(),
+        steps: settings.steps,
+        seed: settings.seed,
+    }
+}
+
+/// Runs built-in configuration `config` of `model` (named `model_name` in the record) at
+/// `world_size`: the single-device reference in this process, anything else in a fresh
+/// launch of forked ranks.
+pub fn run_config(
+    model_name: &str,
+    build: &ModelBuilder<'_>,
+    config: Config,
+    world_size: usize,
+    settings: &RunSettings,
+) -> Result<RunRecord, RunFailed> {
+    if config == Config::Single {
+        return run_single(model_name, build, world_size, settings);
+    }
+    if let Some(reason) = config.world_blocker(world_size) {
+        return Err(RunFailed::simple(format!(
+            "{} cannot run at world size {world_size}: {reason}",
+            config.name()
+        )));
+    }
+    let dtype = config.precision().map_or("fp32", Precision::label);
+    let train = |ctx: &RankCtx, model: &dyn Model, cfg: &TrainConfig| {
+        train_builtin(config, ctx, model, cfg, settings)
+    };
+    run_launched(
+        model_name,
+        &config.at(world_size),
+        dtype,
+        world_size,
+        build,
+        &train,
+        settings,
+    )
+}
+
+/// The single-device reference over `world_size` ranks' batches, in this process.
+pub fn run_single(
+    model_name: &str,
+    build: &ModelBuilder<'_>,
+    world_size: usize,
+    settings: &RunSettings,
+) -> Result<RunRecord, RunFailed> {
+    let built = build(settings.seed, 0).map_err(|e| RunFailed::simple(e.to_string()))?;
+    let mut record = single_device_reference(
+        built.as_ref(),
+        world_size,
+        settings.steps,
+        settings.optimizer.clone(),
+        settings.record_grads,
+    )
+    .map_err(|e| RunFailed::simple(format!("single-device reference: {e}")))?;
+    record.spec = run_spec(
+        model_name,
+        &Config::Single.at(world_size),
+        world_size,
+        "fp32",
+        settings,
+    );
+    Ok(record)
+}
+
+/// One fresh launch of `world_size` forked ranks, each building its model and calling
+/// `train`; rank 0's record is returned with `config` (a row name such as `ddp@2`) in its
+/// spec. The closure's error, a crash or a hang becomes [`RunFailed`].
+pub fn run_launched(
+    model_name: &str,
+    config: &str,
+    dtype: &str,
+    world_size: usize,
+    build: &ModelBuilder<'_>,
+    train: &TrainFn<'_>,
+    settings: &RunSettings,
+) -> Result<RunRecord, RunFailed> {
+    let out = scratch_path(model_name, world_size);
+    let spec = run_spec(model_name, config, world_size, dtype, settings);
+    let body = |ctx: &RankCtx| -> Result<(), String> {
+        let rank = ctx.rank();
+        let built = build(settings.seed, rank).map_err(|e| e.to_string())?;
+        let cfg = TrainConfig {
+            spec: spec.clone(),
+            optimizer: settings.optimizer.clone(),
+            data_ranks: vec![rank],
+            record_grads: settings.record_grads,
+        };
+        let mut record = train(ctx, built.as_ref(), &cfg)?;
+        if rank == 0 {
+            record.spec = spec.clone();
+            let json = serde_json::to_vec(&record).map_err(|e| format!("encoding record: {e}"))?;
+            std::fs::write(&out, json)
+                .map_err(|e| format!("writing the record to {}: {e}", out.display()))?;
+        }
+        Ok(())
+    };
+    let opts = LaunchOptions {
+        world_size,
+        timeout: settings.timeout,
+        backend: "cpu".into(),
+    };
+    let launched = launch(
+        &opts,
+        RankSpawn::Fork(&|info| lockstep_harness::execute_forked_rank(info, &body)),
+    );
+    let read = std::fs::read(&out);
+    let _ = std::fs::remove_file(&out);
+    launched.map_err(|e: LaunchError| {
+        let details = e.to_string();
+        RunFailed {
+            line: one_line(&details),
+            details,
+            timed_out: matches!(e, LaunchError::Timeout(_)),
+        }
+    })?;
+    let bytes = read.map_err(|e| RunFailed::simple(format!("reading rank 0's record: {e}")))?;
+    serde_json::from_slice(&bytes).map_err(|e| {
+        RunFailed::simple(format!(
+            "rank 0's record is unreadable ({e}); a non-finite value (a diverged run) cannot be \
+             carried in RunRecord JSON"
+        ))
+    })
+}
+
+/// One rank's training under built-in configuration `config` (not `single`). The planted
+/// fault, if any, goes into DDP runs only (mixed precision included): the others are checked
+/// against DDP.
+pub fn train_builtin(
+    config: Config,
+    ctx: &RankCtx,
+    model: &dyn Model,
+    cfg: &TrainConfig,
+    settings: &RunSettings,
+) -> Result<RunRecord, String> {
+    let world_size = ctx.world_size();
+    let named = |e: &dyn std::fmt::Display| format!("{}: {e}", config.name());
+    if let Some(mp) = config.model_parallel_config() {
+        return match mp.kind {
+            ModelParallelKind::Tensor {
+                tp,
+                sequence_parallel,
+            } => train_tensor_parallel(
+                model,
+                ctx.world(),
+                cfg,
+                &TpOptions {
+                    tp,
+                    sequence_parallel,
+                    fault: None,
+                },
+            )
+            .map_err(|e| named(&e)),
+            ModelParallelKind::Expert { ep, dispatcher } => {
+                train_expert_parallel(model, ctx.world(), cfg, &mp.expert_options(ep, dispatcher))
+                    .map_err(|e| named(&e))
+            }
+        };
+    }
+    if let Some(p) = config.pipeline_config() {
+        let opts = p.options(world_size)?;
+        return train_pipeline(model, ctx.world(), cfg, &opts)
+            .map(|run| run.record)
+            .map_err(|e| named(&e));
+    }
+    if let Some(f) = config.fsdp_config() {
+        let opts = f.options.clone();
+        let fsdp = match f.layout.shard_size(world_size)? {
+            None => train_fsdp(model, ctx.group(), cfg, opts),
+            Some(shard) => train_fsdp_hybrid(model, ctx.world(), ctx.group(), shard, cfg, opts),
+        };
+        return fsdp.map_err(|e| named(&e));
+    }
+    if config == Config::Single {
+        return Err("single is the in-process reference, not a launched configuration".into());
+    }
+    let opts = DdpOptions {
+        fault: settings.fault.clone(),
+        mixed_precision: config.precision().map(Precision::policy),
+        ..DdpOptions::default()
+    };
+    let mut record = train_ddp(model, ctx.group(), cfg, opts).map_err(|e| named(&e))?;
+    record.memory = Some(replica_memory(model));
+    Ok(record)
+}
+
+/// DDP's memory figures, for scale next to FSDP's: every rank keeps the whole model's
+/// parameters all the time, so peak and "shard" are both the model's parameter bytes (tied
+/// parameters once; rank-local experts included, which FSDP ignores and does not count).
+fn replica_memory(model: &dyn Model) -> MemoryStats {
+    let bytes: u64 = distinct_parameters(model.named_parameters())
+        .iter()
+        .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+        .sum();
+    MemoryStats {
+        full_param_bytes_peak: bytes,
+        shard_bytes: bytes,
+        model_param_bytes: bytes,
+    }
+}
+
+/// The launcher's failure report runs over many lines; tables get its first one and the
+/// first line naming a rank's message.
+pub fn one_line(text: &str) -> String {
+    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+    let first = lines.next().unwrap_or("launch failed").to_owned();
+    match lines.find(|l| l.contains("failed") || l.contains("error")) {
+        Some(detail) if detail != first => format!("{first} {detail}"),
+        _ => first,
+    }
+}
+
+fn scratch_path(model: &str, world_size: usize) -> PathBuf {
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let safe: String = model
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    std::env::temp_dir().join(format!(
+        "lockstep-run-{}-{safe}-{world_size}-{nonce:x}.json",
+        std::process::id()
+    ))
+}
