@@ -354,6 +354,18 @@ impl<'a> ParityTest<'a> {
     /// [`ParityTest::run`], then panics unless every comparison passed: the message names
     /// each failing comparison with its first failing step, tensor, element and margin (or
     /// the launcher's report of a failed run) and where the report set is.
+    ///
+    /// ```
+    /// use lockstep::parity_test::ParityTest;
+    ///
+    /// // In a test, name it after the test function: reports go to target/lockstep/<name>/.
+    /// ParityTest::new("doc_mlp_under_ddp")
+    ///     .zoo("mlp")
+    ///     .config("ddp")
+    ///     .config("fsdp.full_shard")
+    ///     .steps(2)
+    ///     .assert_parity();
+    /// ```
     pub fn assert_parity(self) {
         match self.run() {
             Ok(outcome) => outcome.assert_passed(),
