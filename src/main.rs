@@ -225,21 +225,31 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
-    /// One training step (forward, backward, sync, optimizer) under DDP and FSDP full shard.
+    /// One training step (forward, backward, sync, optimizer) under DDP and FSDP full shard,
+    /// or (--parallel tp|ep) under DDP and tensor or expert parallelism, with bytes per step.
     ///
-    /// Both run on the CPU backend at the same world size, one libtorch thread per rank; each
-    /// time is the median over --steps steps after one warm-up step.
+    /// Every configuration runs on the CPU backend at the same world size, one libtorch
+    /// thread per rank; each time is the median over --steps steps after one warm-up step.
+    ///
+    /// Example: `lockstep bench step --parallel tp --world-size 2`.
     Step {
         #[arg(long, default_value_t = 2)]
         world_size: usize,
-        /// `gpt`: a GPT-style decoder sized for the benchmark (vocab 512, dim 256, 8 heads,
-        /// 4 layers, 8 x 32 tokens per rank); any other zoo model runs at its zoo size.
+        /// `gpt`: the zoo's GPT-style decoder sized for the benchmark (vocab 512, dim 256, 8
+        /// heads, 4 layers, 8 x 32 tokens per rank; under --parallel ep its top-2 of 8
+        /// experts variant); any other zoo model runs at its zoo size.
         #[arg(long, default_value = "gpt")]
         model: String,
         /// Timed steps per run (after one warm-up step).
         #[arg(long, default_value_t = 5)]
         steps: usize,
-        /// Print one JSON object (model, world_size, ddp_seconds, fsdp_seconds, ratio, ...).
+        /// fsdp: DDP vs FSDP full shard; tp: DDP vs tensor parallel (tp = world size, with and
+        /// without sequence parallelism); ep: DDP vs expert parallel (ep = world size).
+        #[arg(long, value_enum, default_value = "fsdp")]
+        parallel: bench::StepParallel,
+        /// Print one JSON object (fsdp: model, world_size, ddp_seconds, fsdp_seconds, ratio,
+        /// ...; tp/ep: model, parallel, world_size, parameters, steps, runs[config, seconds,
+        /// ratio, bytes_per_step, calls_per_step, collectives]).
         #[arg(long)]
         json: bool,
     },
@@ -625,15 +635,35 @@ fn run_bench(what: BenchCommand) -> Result<()> {
             world_size,
             model,
             steps,
+            parallel,
             json,
         } => {
             let opts = StepBenchOptions {
                 world_size,
                 model,
                 steps,
+                parallel,
                 ..StepBenchOptions::default()
             };
-            let r = bench::run_step(&opts).context("step benchmark")?;
+            // Bad input (a world of one, a plan the sizes do not fit) exits 2, as for
+            // `bench pipeline`.
+            let bad_input = |e: bench::BenchError| -> anyhow::Error {
+                if let bench::BenchError::Invalid(why) = &e {
+                    eprintln!("error: step benchmark: {why}");
+                    std::process::exit(2);
+                }
+                anyhow::Error::new(e).context("step benchmark")
+            };
+            if parallel != bench::StepParallel::Fsdp {
+                let r = bench::run_parallel_step(&opts).map_err(bad_input)?;
+                if json {
+                    println!("{}", serde_json::to_string(&r)?);
+                } else {
+                    print_parallel_step(&r);
+                }
+                return Ok(());
+            }
+            let r = bench::run_step(&opts).map_err(bad_input)?;
             if json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
@@ -653,6 +683,39 @@ fn run_bench(what: BenchCommand) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `bench step --parallel tp|ep` as a small table: one row per configuration.
+fn print_parallel_step(r: &bench::ParallelStepResult) {
+    println!(
+        "one training step, {} ({} parameters), {} ranks, median of {} steps; bytes and calls per step on rank 0",
+        r.model, r.parameters, r.world_size, r.steps
+    );
+    println!(
+        "  {:<8} {:>10} {:>8} {:>12} {:>8}",
+        "config", "step", "vs ddp", "bytes/step", "calls"
+    );
+    for run in &r.runs {
+        println!(
+            "  {:<8} {:>10} {:>7.2}x {:>12} {:>8.1}",
+            run.config,
+            format_seconds(run.seconds),
+            run.ratio,
+            format_bytes(run.bytes_per_step),
+            run.calls_per_step
+        );
+    }
+}
+
+/// Bytes in binary units (KiB, MiB) to three significant places.
+fn format_bytes(b: f64) -> String {
+    if b < 1024.0 {
+        format!("{b:.0} B")
+    } else if b < 1024.0 * 1024.0 {
+        format!("{:.1} KiB", b / 1024.0)
+    } else {
+        format!("{:.2} MiB", b / (1024.0 * 1024.0))
+    }
 }
 
 fn format_seconds(s: f64) -> String {

@@ -2,9 +2,10 @@
 //! targets are measured here, never by timed assertions in tests.
 //!
 //! One file per concern: `comm` (collectives), `spawn` (launch + rendezvous), `gpt` (the
-//! decoder the training benchmarks train), `step` (DDP vs FSDP steps) and `pipeline` (pipeline
-//! parallelism against one process). This module holds what they share: the error
-//! type, the per-launch results file, and the fork entry point.
+//! zoo decoder at the size the training benchmarks train), `step` (DDP against FSDP, tensor
+//! or expert parallelism, steps and bytes) and `pipeline` (pipeline parallelism against one
+//! process). This module holds what they share: the error type, the per-launch results file,
+//! and the fork entry point.
 
 mod comm;
 mod gpt;
@@ -16,7 +17,10 @@ pub use comm::{run_comm, BenchOp, CommBenchOptions, CommPoint};
 pub use gpt::GptDims;
 pub use pipeline::{run_pipeline, PipelineBenchOptions, PipelineBenchResult};
 pub use spawn::{run_spawn, spawn_probe, SpawnBenchMode, SpawnResult, SPAWN_PROBE_COMMAND};
-pub use step::{run_step, StepBenchOptions, StepResult};
+pub use step::{
+    run_parallel_step, run_step, ParallelStepResult, ParallelStepRun, StepBenchOptions,
+    StepParallel, StepResult,
+};
 
 use lockstep_core::comm::{ProcessGroup, ReduceOp};
 use lockstep_core::CommError;

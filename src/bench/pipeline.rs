@@ -4,7 +4,6 @@
 //! share of each step's span every rank spent outside F/B/I/W, from the real run's trace)
 //! and simulated (the schedule's exact fraction with F = I = W = 1).
 
-use super::gpt::BenchGpt;
 use super::{results_path, BenchError, GptDims};
 use lockstep_core::pipeline::trace::{chrome_trace, measured_bubble, RankStepTrace};
 use lockstep_core::pipeline::{train_pipeline, PipelineOptions, ScheduleChoice, ScheduleKind};
@@ -121,8 +120,10 @@ pub fn run_pipeline(opts: &PipelineBenchOptions) -> Result<PipelineBenchResult, 
         ..PipelineOptions::default()
     };
     // Reject a plan that cannot work before any rank starts.
-    let probe_model = BenchGpt::new(opts.dims, 0, 0)
-        .map_err(|e| BenchError::Failed(format!("building the decoder: {e}")))?;
+    let probe_model = opts
+        .dims
+        .build(0, 0, false)
+        .map_err(|e| BenchError::Invalid(format!("building the decoder: {e}")))?;
     let plan = lockstep_core::pipeline::plan_pipeline(&probe_model, opts.stages, &popts)
         .map_err(|e| BenchError::Invalid(e.to_string()))?;
     tch::set_num_threads(1);
@@ -139,7 +140,10 @@ pub fn run_pipeline(opts: &PipelineBenchOptions) -> Result<PipelineBenchResult, 
         seed: 0,
     };
     let body = |ctx: &RankCtx| -> Result<(), String> {
-        let model = BenchGpt::new(opts.dims, 0, ctx.rank()).map_err(|e| e.to_string())?;
+        let model = opts
+            .dims
+            .build(0, ctx.rank(), false)
+            .map_err(|e| e.to_string())?;
         let cfg = TrainConfig {
             spec: spec(ctx.world_size()),
             optimizer: OptimizerConfig::default(),
@@ -295,7 +299,10 @@ fn single_process_step(opts: &PipelineBenchOptions) -> Result<(f64, i64), BenchE
     use lockstep_models::Model;
     use tch::{Kind, Tensor};
     let invalid = |e: String| BenchError::Failed(format!("single-process baseline: {e}"));
-    let model = BenchGpt::new(opts.dims, 0, 0).map_err(|e| invalid(e.to_string()))?;
+    let model = opts
+        .dims
+        .build(0, 0, false)
+        .map_err(|e| invalid(e.to_string()))?;
     let params = model.named_parameters();
     let mut optimizer = OptimizerConfig::default().build();
     let ranks: Vec<usize> = (0..opts.stages).collect();

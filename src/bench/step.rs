@@ -1,22 +1,49 @@
-//! `bench step`: one training step of the same model under DDP, FSDP full shard (one root
-//! unit) and FSDP full shard per layer, each in a fresh launch of forked ranks.
+//! `bench step`: one training step of the same model under several configurations, each in a
+//! fresh launch of forked ranks. By default DDP against FSDP full shard (one root unit, and
+//! one unit per layer); with `--parallel tp` DDP against tensor parallelism (with and without
+//! sequence parallelism), with `--parallel ep` DDP against expert parallelism of the
+//! mixture-of-experts decoder — those two also count the bytes each step communicates.
 
-use super::gpt::{BenchGpt, Clocked};
+use super::gpt::Clocked;
 use super::{results_path, BenchError, GptDims};
+use lockstep_core::comm::{CollectiveCounts, CountingGroup, ProcessGroup};
+use lockstep_core::expert_parallel::{check_expert_plan, Dispatcher, EpOptions};
+use lockstep_core::record::CollectiveEntry;
+use lockstep_core::tensor_parallel::{check_plan, TpOptions};
 use lockstep_harness::{launch, LaunchOptions, RankCtx, RankSpawn};
-use serde::Serialize;
+use lockstep_models::Model;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 use std::time::Duration;
+
+/// Which comparison `bench step` runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum StepParallel {
+    /// DDP against FSDP full shard, one root unit and one unit per layer ([`run_step`]).
+    #[default]
+    Fsdp,
+    /// DDP against tensor parallelism over the whole world (tp = world size), without and
+    /// with sequence parallelism ([`run_parallel_step`]).
+    Tp,
+    /// DDP against expert parallelism over the whole world (ep = world size, all-to-all
+    /// dispatcher) of the mixture-of-experts decoder ([`run_parallel_step`]).
+    Ep,
+}
 
 /// What `bench step` runs.
 #[derive(Clone, Debug)]
 pub struct StepBenchOptions {
     pub world_size: usize,
-    /// `gpt` (the benchmark decoder, sized by `dims`) or any other zoo model name (as built).
+    /// `gpt` (the benchmark decoder, sized by `dims`; its mixture-of-experts variant under
+    /// `--parallel ep`) or any other zoo model name (as built).
     pub model: String,
     /// The decoder's size when `model` is `gpt`.
     pub dims: GptDims,
     /// Timed steps (after one warm-up step); the median is reported.
     pub steps: usize,
+    /// The comparison: DDP against FSDP (default), tensor or expert parallelism.
+    pub parallel: StepParallel,
 }
 
 impl Default for StepBenchOptions {
@@ -26,6 +53,7 @@ impl Default for StepBenchOptions {
             model: "gpt".into(),
             dims: GptDims::BENCH,
             steps: 5,
+            parallel: StepParallel::Fsdp,
         }
     }
 }
@@ -53,20 +81,95 @@ pub struct StepResult {
     pub steps: usize,
 }
 
-/// Which data-parallel wrapper a step-benchmark run uses.
+/// The result of `bench step --parallel tp|ep` (one JSON object with `--json`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ParallelStepResult {
+    /// The model trained: `gpt` / `gpt_moe` for the benchmark decoder, else the zoo name.
+    pub model: String,
+    /// `tp` or `ep`.
+    pub parallel: String,
+    pub world_size: usize,
+    /// Trainable parameters of the (whole) model.
+    pub parameters: i64,
+    /// Timed steps per run (medians and means are over these).
+    pub steps: usize,
+    /// One entry per configuration, `ddp` first.
+    pub runs: Vec<ParallelStepRun>,
+}
+
+/// One configuration of `bench step --parallel tp|ep`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ParallelStepRun {
+    /// `ddp`, `tp` (tp = world size), `tp+sp` (with sequence parallelism) or `ep` (ep = world
+    /// size, all-to-all dispatcher).
+    pub config: String,
+    /// Median seconds per training step on rank 0.
+    pub seconds: f64,
+    /// `seconds` over DDP's.
+    pub ratio: f64,
+    /// Bytes rank 0 handed to collectives per training step, mean over the timed steps (as
+    /// `CountingGroup` counts them: an all-reduce's tensor, an all-gather's input shard, a
+    /// reduce-scatter's or all-to-all's full input). DDP: everything its step communicates
+    /// (gradient buckets and the 8-byte loss average); TP and EP: the training collectives
+    /// their run records keep, without the gathers that assemble full gradients for the
+    /// record's norm (see `RunRecord.collectives`).
+    pub bytes_per_step: f64,
+    /// Collective calls rank 0 issued per training step, mean over the timed steps.
+    pub calls_per_step: f64,
+    /// The first timed step's collectives on rank 0 per (operation, group).
+    pub collectives: Vec<CollectiveEntry>,
+}
+
+/// What one benchmark launch trains.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum StepWrapper {
+enum StepRun {
     Ddp,
     FsdpFullShard,
     FsdpPerLayer,
+    /// Tensor parallel over the whole world.
+    Tp {
+        sequence_parallel: bool,
+    },
+    /// Expert parallel over the whole world, all-to-all dispatcher.
+    Ep,
 }
 
-/// Times training steps under DDP and FSDP full shard on the CPU backend, each in a fresh
-/// launch of `world_size` forked ranks (one libtorch thread each). A step is timed from one
-/// step's batch request to the next one's on rank 0 (so it spans forward, backward, gradient
-/// synchronization, the loss all-reduce, the optimizer step and FSDP's unshard before the
-/// next forward); the first (warm-up) step is dropped and the median of the rest reported.
-pub fn run_step(opts: &StepBenchOptions) -> Result<StepResult, BenchError> {
+impl StepRun {
+    fn label(self) -> &'static str {
+        match self {
+            StepRun::Ddp => "ddp",
+            StepRun::FsdpFullShard => "fsdp",
+            StepRun::FsdpPerLayer => "fsdp-per-layer",
+            StepRun::Tp {
+                sequence_parallel: false,
+            } => "tp",
+            StepRun::Tp {
+                sequence_parallel: true,
+            } => "tp+sp",
+            StepRun::Ep => "ep",
+        }
+    }
+
+    fn tp_options(world_size: usize, sequence_parallel: bool) -> TpOptions {
+        TpOptions {
+            tp: world_size,
+            sequence_parallel,
+            fault: None,
+        }
+    }
+
+    fn ep_options(world_size: usize) -> EpOptions {
+        EpOptions {
+            ep: world_size,
+            dispatcher: Dispatcher::AllToAll,
+            capacity_factor: None,
+            fault: None,
+        }
+    }
+}
+
+/// Rejects options that cannot describe a run (before any rank starts).
+fn check_options(opts: &StepBenchOptions) -> Result<(), BenchError> {
     if opts.world_size < 2 {
         return Err(BenchError::Invalid(
             "the step benchmark needs --world-size 2 or more".into(),
@@ -75,98 +178,215 @@ pub fn run_step(opts: &StepBenchOptions) -> Result<StepResult, BenchError> {
     if opts.steps == 0 {
         return Err(BenchError::Invalid("--steps must be at least 1".into()));
     }
-    let d = opts.dims;
-    if opts.model == "gpt" && (d.dim % d.heads != 0 || d.layers == 0 || d.seq < 1) {
-        return Err(BenchError::Invalid(format!(
-            "decoder dims {d:?}: dim must be a multiple of heads, with at least one layer"
-        )));
-    }
-    if opts.model != "gpt" && !lockstep_models::zoo::names().contains(&opts.model.as_str()) {
+    if opts.model == "gpt" {
+        opts.dims
+            .config()
+            .check()
+            .map_err(|e| BenchError::Invalid(format!("decoder dims {:?}: {e}", opts.dims)))?;
+    } else if !lockstep_models::zoo::names().contains(&opts.model.as_str()) {
         return Err(BenchError::Invalid(format!(
             "unknown model `{}`; known: gpt (the benchmark decoder) and the zoo: {}",
             opts.model,
             lockstep_models::zoo::names().join(", ")
         )));
     }
+    Ok(())
+}
+
+/// Times training steps under DDP and FSDP full shard on the CPU backend, each in a fresh
+/// launch of `world_size` forked ranks (one libtorch thread each). A step is timed from one
+/// step's batch request to the next one's on rank 0 (so it spans forward, backward, gradient
+/// synchronization, the loss all-reduce, the optimizer step and FSDP's unshard before the
+/// next forward); the first (warm-up) step is dropped and the median of the rest reported.
+/// `opts.parallel` is ignored (see [`run_parallel_step`]).
+pub fn run_step(opts: &StepBenchOptions) -> Result<StepResult, BenchError> {
+    check_options(opts)?;
     tch::set_num_threads(1);
-    let (ddp, parameters) = time_steps(opts, StepWrapper::Ddp)?;
-    let (fsdp, _) = time_steps(opts, StepWrapper::FsdpFullShard)?;
-    let (per_layer, _) = time_steps(opts, StepWrapper::FsdpPerLayer)?;
+    let ddp = time_steps(opts, StepRun::Ddp)?;
+    let fsdp = time_steps(opts, StepRun::FsdpFullShard)?;
+    let per_layer = time_steps(opts, StepRun::FsdpPerLayer)?;
     Ok(StepResult {
         model: opts.model.clone(),
         world_size: opts.world_size,
-        ddp_seconds: ddp,
-        fsdp_seconds: fsdp,
-        ratio: fsdp / ddp,
-        fsdp_per_layer_seconds: per_layer,
-        per_layer_ratio: per_layer / ddp,
-        parameters,
+        ddp_seconds: ddp.seconds,
+        fsdp_seconds: fsdp.seconds,
+        ratio: fsdp.seconds / ddp.seconds,
+        fsdp_per_layer_seconds: per_layer.seconds,
+        per_layer_ratio: per_layer.seconds / ddp.seconds,
+        parameters: ddp.parameters,
         steps: opts.steps,
     })
 }
 
-#[derive(serde::Serialize, serde::Deserialize)]
+/// Times training steps of one model under DDP and under tensor parallelism (`tp`: tp = world
+/// size, then with sequence parallelism when the plan has it) or expert parallelism (`ep`:
+/// ep = world size, all-to-all dispatcher; the benchmark decoder becomes its mixture-of-experts
+/// variant), each in a fresh launch of forked ranks timed as [`run_step`] times them, and
+/// counts the bytes rank 0 hands to collectives per step. The plan is checked before any rank
+/// starts: a world of one, heads or vocabulary that tp does not divide, experts that ep does
+/// not divide are [`BenchError::Invalid`].
+pub fn run_parallel_step(opts: &StepBenchOptions) -> Result<ParallelStepResult, BenchError> {
+    check_options(opts)?;
+    let invalid = |e: String| BenchError::Invalid(e);
+    let probe = build_model(opts, 0).map_err(invalid)?;
+    let world = opts.world_size;
+    let mut configs = vec![StepRun::Ddp];
+    let parallel = match opts.parallel {
+        StepParallel::Fsdp => {
+            return Err(BenchError::Invalid(
+                "run_parallel_step compares DDP with --parallel tp or ep".into(),
+            ))
+        }
+        StepParallel::Tp => {
+            check_plan(probe.as_ref(), world, &StepRun::tp_options(world, false))
+                .map_err(|e| invalid(e.to_string()))?;
+            configs.push(StepRun::Tp {
+                sequence_parallel: false,
+            });
+            // Sequence parallelism too where the plan has it (the decoder's does).
+            if check_plan(probe.as_ref(), world, &StepRun::tp_options(world, true)).is_ok() {
+                configs.push(StepRun::Tp {
+                    sequence_parallel: true,
+                });
+            }
+            "tp"
+        }
+        StepParallel::Ep => {
+            check_expert_plan(probe.as_ref(), world, &StepRun::ep_options(world))
+                .map_err(|e| invalid(e.to_string()))?;
+            configs.push(StepRun::Ep);
+            "ep"
+        }
+    };
+    let model = probe.name().to_owned();
+    let parameters = probe.num_parameters();
+    drop(probe);
+    tch::set_num_threads(1);
+    let mut runs: Vec<ParallelStepRun> = Vec::with_capacity(configs.len());
+    for config in configs {
+        let t = time_steps(opts, config)?;
+        let n = t.traffic.len().max(1) as f64;
+        let total = |f: fn(&CollectiveEntry) -> u64| -> f64 {
+            t.traffic.iter().flatten().map(f).sum::<u64>() as f64 / n
+        };
+        let ddp_seconds = runs.first().map_or(t.seconds, |d| d.seconds);
+        runs.push(ParallelStepRun {
+            config: config.label().to_owned(),
+            seconds: t.seconds,
+            ratio: t.seconds / ddp_seconds,
+            bytes_per_step: total(|e| e.bytes),
+            calls_per_step: total(|e| e.calls),
+            collectives: t.traffic.first().cloned().unwrap_or_default(),
+        });
+    }
+    Ok(ParallelStepResult {
+        model,
+        parallel: parallel.to_owned(),
+        world_size: world,
+        parameters,
+        steps: opts.steps,
+        runs,
+    })
+}
+
+/// The model a rank trains: the benchmark decoder at `opts.dims` (its mixture-of-experts
+/// variant under `--parallel ep`) or the zoo model as built.
+fn build_model(opts: &StepBenchOptions, rank: usize) -> Result<Box<dyn Model>, String> {
+    let seed = 0;
+    if opts.model == "gpt" {
+        let moe = opts.parallel == StepParallel::Ep;
+        Ok(Box::new(
+            opts.dims
+                .build(seed, rank, moe)
+                .map_err(|e| e.to_string())?,
+        ))
+    } else {
+        lockstep_models::zoo::build(&opts.model, seed, rank).map_err(|e| e.to_string())
+    }
+}
+
+/// What rank 0 of one launch reports.
+#[derive(Serialize, Deserialize)]
 struct StepTimes {
     seconds: Vec<f64>,
     parameters: i64,
+    /// Each timed step's collectives (empty for FSDP, which is not counted).
+    traffic: Vec<Vec<CollectiveEntry>>,
 }
 
-/// One launch; returns the median step time and the parameter count.
-fn time_steps(opts: &StepBenchOptions, wrapper: StepWrapper) -> Result<(f64, i64), BenchError> {
+/// One launch's figures: the median step time, the parameter count, each timed step's
+/// collectives on rank 0.
+struct RunTimes {
+    seconds: f64,
+    parameters: i64,
+    traffic: Vec<Vec<CollectiveEntry>>,
+}
+
+/// One launch of `opts.world_size` forked ranks training under `run`.
+fn time_steps(opts: &StepBenchOptions, run: StepRun) -> Result<RunTimes, BenchError> {
     use lockstep_core::ddp::{train_ddp, DdpOptions};
+    use lockstep_core::expert_parallel::train_expert_parallel;
     use lockstep_core::fsdp::{train_fsdp, FsdpOptions, ShardingStrategy, WrapPolicy};
     use lockstep_core::record::RunSpec;
+    use lockstep_core::tensor_parallel::train_tensor_parallel;
     use lockstep_core::train::{OptimizerConfig, TrainConfig};
-    use lockstep_models::Model;
 
     let out = results_path("step");
-    let seed = 0;
+    // Warm-up, the timed steps, and one more whose batch request ends the last.
+    let steps = opts.steps + 2;
     let body = |ctx: &RankCtx| -> Result<(), String> {
         let rank = ctx.rank();
-        let inner: Box<dyn Model> = if opts.model == "gpt" {
-            Box::new(BenchGpt::new(opts.dims, seed, rank).map_err(|e| e.to_string())?)
-        } else {
-            lockstep_models::zoo::build(&opts.model, seed, rank).map_err(|e| e.to_string())?
-        };
-        let clocked = Clocked {
-            inner,
-            starts: std::sync::Mutex::new(Vec::new()),
-        };
+        let counts = (run == StepRun::Ddp).then(CollectiveCounts::new);
+        let clocked = Clocked::new(build_model(opts, rank)?, counts.clone());
         let model: &dyn Model = &clocked;
         let cfg = TrainConfig {
             spec: RunSpec {
-                model: opts.model.clone(),
-                config: format!("{wrapper:?}"),
+                model: model.name().to_owned(),
+                config: run.label().to_owned(),
                 world_size: ctx.world_size(),
                 backend: "cpu".into(),
                 dtype: "fp32".into(),
-                // Warm-up, the timed steps, and one more whose batch request ends the last.
-                steps: opts.steps + 2,
-                seed,
+                steps,
+                seed: 0,
             },
             optimizer: OptimizerConfig::default(),
             data_ranks: vec![rank],
             record_grads: false,
         };
-        match wrapper {
-            StepWrapper::Ddp => train_ddp(model, ctx.group(), &cfg, DdpOptions::default())
-                .map(drop)
-                .map_err(|e| format!("ddp: {e}"))?,
-            StepWrapper::FsdpFullShard | StepWrapper::FsdpPerLayer => {
+        let world = ctx.world_size();
+        let recorded = match run {
+            StepRun::Ddp => {
+                let group: Arc<dyn ProcessGroup> = match &counts {
+                    Some(c) => Arc::new(CountingGroup::new(ctx.group(), c.clone())),
+                    None => ctx.group(),
+                };
+                train_ddp(model, group, &cfg, DdpOptions::default())
+                    .map_err(|e| format!("ddp: {e}"))?
+            }
+            StepRun::FsdpFullShard | StepRun::FsdpPerLayer => {
                 let fsdp = FsdpOptions {
                     strategy: ShardingStrategy::FullShard,
-                    wrap: if wrapper == StepWrapper::FsdpPerLayer {
+                    wrap: if run == StepRun::FsdpPerLayer {
                         WrapPolicy::PerLayer
                     } else {
                         WrapPolicy::Root
                     },
                     ..FsdpOptions::default()
                 };
-                train_fsdp(model, ctx.group(), &cfg, fsdp)
-                    .map(drop)
-                    .map_err(|e| format!("fsdp: {e}"))?
+                train_fsdp(model, ctx.group(), &cfg, fsdp).map_err(|e| format!("fsdp: {e}"))?
             }
-        }
+            StepRun::Tp { sequence_parallel } => train_tensor_parallel(
+                model,
+                ctx.world(),
+                &cfg,
+                &StepRun::tp_options(world, sequence_parallel),
+            )
+            .map_err(|e| format!("tp: {e}"))?,
+            StepRun::Ep => {
+                train_expert_parallel(model, ctx.world(), &cfg, &StepRun::ep_options(world))
+                    .map_err(|e| format!("ep: {e}"))?
+            }
+        };
         if rank == 0 {
             let starts = clocked
                 .starts
@@ -179,9 +399,25 @@ fn time_steps(opts: &StepBenchOptions, wrapper: StepWrapper) -> Result<(f64, i64
                 .skip(1)
                 .map(|w| (w[1] - w[0]).as_secs_f64())
                 .collect();
+            let timed = 1..=opts.steps;
+            let traffic: Vec<Vec<CollectiveEntry>> = if counts.is_some() {
+                // Tally `i + 1` is what step `i` communicated (tally 0: set-up).
+                let tallies = clocked
+                    .traffic
+                    .lock()
+                    .map_err(|_| "step traffic poisoned".to_owned())?;
+                timed
+                    .filter_map(|s| tallies.get(s + 1).cloned())
+                    .map(CollectiveEntry::from_counts)
+                    .collect()
+            } else {
+                let per_step = recorded.collectives.unwrap_or_default();
+                timed.filter_map(|s| per_step.get(s).cloned()).collect()
+            };
             let times = StepTimes {
                 seconds,
                 parameters: model.num_parameters(),
+                traffic,
             };
             let json = serde_json::to_vec(&times).map_err(|e| e.to_string())?;
             std::fs::write(&out, json).map_err(|e| format!("writing results: {e}"))?;
@@ -203,8 +439,12 @@ fn time_steps(opts: &StepBenchOptions, wrapper: StepWrapper) -> Result<(f64, i64
     let times: StepTimes = serde_json::from_slice(&read?)?;
     let mut sorted = times.seconds;
     if sorted.is_empty() {
-        return Err(BenchError::Invalid("no step times were recorded".into()));
+        return Err(BenchError::Failed("no step times were recorded".into()));
     }
     sorted.sort_by(f64::total_cmp);
-    Ok((sorted[sorted.len() / 2], times.parameters))
+    Ok(RunTimes {
+        seconds: sorted[sorted.len() / 2],
+        parameters: times.parameters,
+        traffic: times.traffic,
+    })
 }
