@@ -227,8 +227,7 @@ pub fn run_step(opts: &StepBenchOptions) -> Result<StepResult, BenchError> {
 /// not divide are [`BenchError::Invalid`].
 pub fn run_parallel_step(opts: &StepBenchOptions) -> Result<ParallelStepResult, BenchError> {
     check_options(opts)?;
-    let invalid = |e: String| BenchError::Invalid(e);
-    let probe = build_model(opts, 0).map_err(invalid)?;
+    let probe = build_model(opts, 0).map_err(BenchError::Invalid)?;
     let world = opts.world_size;
     let mut configs = vec![StepRun::Ddp];
     let parallel = match opts.parallel {
@@ -239,7 +238,7 @@ pub fn run_parallel_step(opts: &StepBenchOptions) -> Result<ParallelStepResult, 
         }
         StepParallel::Tp => {
             check_plan(probe.as_ref(), world, &StepRun::tp_options(world, false))
-                .map_err(|e| invalid(e.to_string()))?;
+                .map_err(|e| BenchError::Invalid(e.to_string()))?;
             configs.push(StepRun::Tp {
                 sequence_parallel: false,
             });
@@ -253,7 +252,7 @@ pub fn run_parallel_step(opts: &StepBenchOptions) -> Result<ParallelStepResult, 
         }
         StepParallel::Ep => {
             check_expert_plan(probe.as_ref(), world, &StepRun::ep_options(world))
-                .map_err(|e| invalid(e.to_string()))?;
+                .map_err(|e| BenchError::Invalid(e.to_string()))?;
             configs.push(StepRun::Ep);
             "ep"
         }
