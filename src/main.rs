@@ -161,6 +161,10 @@ struct MatrixArgs {
     /// List the configs (with the models each applies to) and the models, then exit.
     #[arg(long)]
     list: bool,
+    /// Give every run a launch of its own instead of running a model's configurations one
+    /// after another in one launch per world size (slower; for bisecting a suspect run).
+    #[arg(long)]
+    isolated: bool,
     /// Print the summary rows as JSON lines instead of the table.
     #[arg(long)]
     json: bool,
@@ -346,6 +350,7 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
         return Ok(ExitCode::from(2));
     };
     opts.fault = args.fault;
+    opts.subtests = !args.isolated;
     let plan = match matrix::plan(&opts).and_then(|plan| {
         matrix::prepare_out_dir(&args.out)?;
         Ok(plan)

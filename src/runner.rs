@@ -243,6 +243,106 @@ pub fn run_launched(
     })
 }
 
+/// Runs built-in configurations `configs` (none of them `single`) of one model at
+/// `world_size` in ONE launch, one after another with a barrier between them (PyTorch's
+/// `run_subtests`): the ranks start once instead of once per configuration, which is most of
+/// a small model's run time. Every configuration builds a fresh model, so none sees another's
+/// state.
+///
+/// Rank 0 hands a configuration's record back only after the barrier that ends it, so a
+/// record proves every rank finished that configuration. When the launch fails (an error, a
+/// crash, a hang), the configurations with records keep them, the first one without is the
+/// one that failed (it gets the launcher's whole account, flight recorders included), and
+/// those after it, which never ran, run in launches of their own. A failure costs no rerun
+/// and loses nothing.
+pub fn run_configs_together(
+    model_name: &str,
+    build: &ModelBuilder<'_>,
+    configs: &[Config],
+    world_size: usize,
+    settings: &RunSettings,
+) -> Vec<Result<RunRecord, RunFailed>> {
+    if configs.len() < 2 || configs.contains(&Config::Single) {
+        return configs
+            .iter()
+            .map(|&c| run_config(model_name, build, c, world_size, settings))
+            .collect();
+    }
+    let outs: Vec<PathBuf> = (0..configs.len())
+        .map(|i| scratch_path(&format!("{model_name}-{i}"), world_size))
+        .collect();
+    let body = |ctx: &RankCtx| -> Result<(), String> {
+        let rank = ctx.rank();
+        for (&config, out) in configs.iter().zip(&outs) {
+            let built = build(settings.seed, rank).map_err(|e| e.to_string())?;
+            let dtype = config.precision().map_or("fp32", Precision::label);
+            let spec = run_spec(
+                model_name,
+                &config.at(world_size),
+                world_size,
+                dtype,
+                settings,
+            );
+            let cfg = TrainConfig {
+                spec: spec.clone(),
+                optimizer: settings.optimizer.clone(),
+                data_ranks: vec![rank],
+                record_grads: settings.record_grads,
+            };
+            let mut record = train_builtin(config, ctx, built.as_ref(), &cfg, settings)?;
+            // No rank starts the next configuration's collectives while another is still
+            // in this one's, and past this point every rank has finished this one.
+            ctx.group()
+                .barrier()
+                .map_err(|e| format!("barrier after {}: {e}", config.name()))?;
+            if rank == 0 {
+                record.spec = spec;
+                let json =
+                    serde_json::to_vec(&record).map_err(|e| format!("encoding record: {e}"))?;
+                std::fs::write(out, json)
+                    .map_err(|e| format!("writing the record to {}: {e}", out.display()))?;
+            }
+        }
+        Ok(())
+    };
+    let opts = LaunchOptions {
+        world_size,
+        timeout: settings.timeout,
+        backend: "cpu".into(),
+    };
+    let launched = launch(
+        &opts,
+        RankSpawn::Fork(&|info| lockstep_harness::execute_forked_rank(info, &body)),
+    );
+    let mut failure = launched.err().map(|e| {
+        let details = e.to_string();
+        RunFailed {
+            line: one_line(&details),
+            details,
+            timed_out: matches!(e, LaunchError::Timeout(_)),
+        }
+    });
+    let mut results = Vec::with_capacity(configs.len());
+    for (&config, out) in configs.iter().zip(&outs) {
+        let record = std::fs::read(out)
+            .ok()
+            .and_then(|bytes| serde_json::from_slice::<RunRecord>(&bytes).ok());
+        let _ = std::fs::remove_file(out);
+        results.push(match (record, failure.take()) {
+            (Some(record), failure_after) => {
+                failure = failure_after;
+                Ok(record)
+            }
+            // The first configuration without a record is where the launch failed.
+            (None, Some(failed)) => Err(failed),
+            // A configuration after the failing one never ran, or the launch succeeded
+            // but a record did not come back: run it alone.
+            (None, None) => run_config(model_name, build, config, world_size, settings),
+        });
+    }
+    results
+}
+
 /// One rank's training under built-in configuration `config` (not `single`). The planted
 /// fault, if any, goes into DDP runs only (mixed precision included): the others are checked
 /// against DDP.

@@ -1205,3 +1205,96 @@ fn tensor_and_expert_parallel_rows_pass() {
     // ep.2.allgather @2, ep.2, ep.4, ep.2.allgather @4; transformer: tp.2 @2, tp.2, tp.4 @4.
     assert_eq!(passed, 5 + 10 + 3);
 }
+
+/// Subtests: a model's configurations share one launch per world size, and that changes no
+/// bit — every value of every comparison equals what a launch per run (`--isolated`) gives.
+#[test]
+fn configurations_in_one_launch_give_the_bits_of_one_launch_each() {
+    let scratch = Scratch::new("subtests");
+    let args = [
+        "--models",
+        "nested,gpt",
+        "--configs",
+        "ddp,fsdp.full_shard,fsdp.full_shard.per_layer,pp.1f1b,tp.2",
+        "--world-size",
+        "2",
+        "--steps",
+        "2",
+    ];
+    let together = scratch.0.join("together");
+    let run = matrix_into(&together, &args);
+    assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
+    let isolated = scratch.0.join("isolated");
+    let mut alone = args.to_vec();
+    alone.push("--isolated");
+    let run = matrix_into(&isolated, &alone);
+    assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
+    let a = read_json(&together.join("report.json")).unwrap();
+    let b = read_json(&isolated.join("report.json")).unwrap();
+    assert_eq!(a.comparisons.len(), b.comparisons.len());
+    assert!(a.comparisons.len() >= 12, "{}", a.comparisons.len());
+    for (x, y) in a.comparisons.iter().zip(&b.comparisons) {
+        assert_eq!(
+            (&x.model, &x.config, &x.reference),
+            (&y.model, &y.config, &y.reference)
+        );
+        // Same statistics, to the bit, for every quantity.
+        assert_eq!(x.losses, y.losses, "{} {}", x.model, x.config);
+        assert_eq!(x.grad_norms, y.grad_norms, "{} {}", x.model, x.config);
+        assert_eq!(x.params, y.params, "{} {}", x.model, x.config);
+        assert_eq!(x.grads, y.grads, "{} {}", x.model, x.config);
+    }
+}
+
+/// A hang inside a shared launch is charged to the configuration that hung (with every
+/// rank's flight recorder), the configurations after it still run, in launches of their
+/// own, and nothing already finished is lost.
+#[test]
+fn a_hang_in_a_shared_launch_is_charged_to_its_configuration_only() {
+    let scratch = Scratch::new("subtest-hang");
+    let run = matrix_into(
+        &scratch.0,
+        &[
+            "--models",
+            "nested",
+            "--configs",
+            "ddp,fsdp.full_shard,fsdp.no_shard",
+            "--world-size",
+            "2",
+            "--steps",
+            "1",
+            "--fault",
+            "stall",
+            "--timeout",
+            "3",
+        ],
+    );
+    assert_eq!(run.code, Some(1), "{}\n{}", run.stdout, run.stderr);
+    let report = read_json(&scratch.0.join("report.json")).unwrap();
+    // DDP (the first in the launch, carrying the planted stall) hung, so did its fresh
+    // repeat; the FSDP launches after it ran alone and agree with single device.
+    for e in &report.errors {
+        assert!(
+            e.config.starts_with("ddp@2") || e.reference == "ddp@2",
+            "{e:?}"
+        );
+    }
+    let hung = report
+        .errors
+        .iter()
+        .find(|e| e.config == "ddp@2" && e.reference == "single@2")
+        .expect("the hung DDP row");
+    assert!(
+        hung.details.contains("flight recorder of rank 1") && hung.details.contains("desync"),
+        "{}",
+        hung.details
+    );
+    for config in ["fsdp.full_shard@2", "fsdp.no_shard@2"] {
+        let c = report
+            .comparisons
+            .iter()
+            .find(|c| c.config == config && c.reference == "single@2")
+            .unwrap_or_else(|| panic!("{config} against single"));
+        assert!(c.passed, "{config}: {:?}", c.diagnosis);
+    }
+}

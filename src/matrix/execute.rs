@@ -81,30 +81,67 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
     };
     for (m, (model, blocker)) in plan.models.iter().zip(&plan.blockers).enumerate() {
         for &world in &plan.world_sizes {
+            let settings = plan.settings();
+            let build = runner::zoo_builder(model);
+            // The first run of every launched configuration of this cell, in one launch
+            // (subtests); repeats of references stay fresh launches of their own, since
+            // they check that a fresh process reproduces the bits.
+            let mut together: BTreeMap<Config, Result<RunRecord, RunFailed>> = BTreeMap::new();
+            if plan.subtests {
+                let configs: Vec<Config> = plan
+                    .runs_per_cell(m, world)
+                    .into_iter()
+                    .map(|(c, _)| c)
+                    .filter(|&c| c != Config::Single)
+                    .chain(plan.fsdp_launches(world))
+                    .chain(plan.pipeline_launches(m, world).into_iter().map(|(c, _)| c))
+                    .chain(plan.model_parallel_launches(m, world))
+                    .collect();
+                if configs.len() > 1 {
+                    let label =
+                        format!("{model} @{world}: {} configs in one launch", configs.len());
+                    progress.start(&label);
+                    let t0 = Instant::now();
+                    let outcomes =
+                        runner::run_configs_together(model, &build, &configs, world, &settings);
+                    let each = t0.elapsed() / configs.len() as u32;
+                    for (config, outcome) in configs.into_iter().zip(outcomes) {
+                        progress.finish(
+                            &format!("{model} {}", config.at(world)),
+                            each,
+                            outcome.as_ref().err().map(|e| e.line.as_str()),
+                        );
+                        together.insert(config, outcome);
+                    }
+                }
+            }
             let mut run_one = |config: Config, attempt: usize, of: usize| {
                 let label = if of > 1 {
                     format!("{model} {} (run {attempt}/{of})", config.at(world))
                 } else {
                     format!("{model} {}", config.at(world))
                 };
-                progress.start(&label);
-                let t0 = Instant::now();
-                let outcome = runner::run_config(
-                    model,
-                    &runner::zoo_builder(model),
-                    config,
-                    world,
-                    &plan.settings(),
-                );
+                let outcome = match together.remove(&config).filter(|_| attempt == 1) {
+                    Some(outcome) => outcome,
+                    None => {
+                        progress.start(&label);
+                        let t0 = Instant::now();
+                        let outcome = runner::run_config(model, &build, config, world, &settings);
+                        progress.finish(
+                            &label,
+                            t0.elapsed(),
+                            outcome.as_ref().err().map(|e| e.line.as_str()),
+                        );
+                        outcome
+                    }
+                };
                 result.runs += 1;
-                let err = outcome.as_ref().err().map(|e| e.line.as_str());
-                if err.is_some() {
+                if outcome.is_err() {
                     result.failed_runs += 1;
                 }
                 if outcome.as_ref().is_err_and(|e| e.timed_out) {
                     result.hung_runs += 1;
                 }
-                progress.finish(&label, t0.elapsed(), err);
                 outcome
             };
             let references: Vec<(Config, Vec<Result<RunRecord, RunFailed>>)> = plan

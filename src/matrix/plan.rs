@@ -23,6 +23,9 @@ pub struct MatrixOptions {
     pub record_grads: bool,
     /// A bug planted in every DDP run, to show the matrix catches it (checker tests only).
     pub fault: Option<Fault>,
+    /// Run a cell's launched configurations in one launch each (subtests); `false` gives
+    /// every run a launch of its own (`--isolated`, slower, for bisecting a suspect run).
+    pub subtests: bool,
 }
 
 impl Default for MatrixOptions {
@@ -36,6 +39,7 @@ impl Default for MatrixOptions {
             timeout: Duration::from_secs(300),
             record_grads: true,
             fault: None,
+            subtests: true,
         }
     }
 }
@@ -59,6 +63,8 @@ pub struct Plan {
     pub record_grads: bool,
     /// The planted bug every DDP run carries, if any.
     pub fault: Option<Fault>,
+    /// Whether a cell's launched configurations share one launch (see [`MatrixOptions`]).
+    pub subtests: bool,
     /// Per model: why it has no single-device reference, if it has none.
     pub(super) blockers: Vec<Option<String>>,
     /// Per (model index, world size, selected pipeline configuration): its validated plan,
@@ -362,6 +368,7 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         timeout: opts.timeout,
         record_grads: opts.record_grads,
         fault: opts.fault.clone(),
+        subtests: opts.subtests,
         blockers,
         pipeline_plans,
         model_parallel_blockers,
