@@ -169,7 +169,7 @@ pub fn run_single(
         built.as_ref(),
         world_size,
         settings.steps,
-        settings.optimizer.clone(),
+        settings.optimizer,
         settings.record_grads,
     )
     .map_err(|e| RunFailed::simple(format!("single-device reference: {e}")))?;
@@ -202,7 +202,7 @@ pub fn run_launched(
         let built = build(settings.seed, rank).map_err(|e| e.to_string())?;
         let cfg = TrainConfig {
             spec: spec.clone(),
-            optimizer: settings.optimizer.clone(),
+            optimizer: settings.optimizer,
             data_ranks: vec![rank],
             record_grads: settings.record_grads,
         };
@@ -285,7 +285,7 @@ pub fn run_configs_together(
             );
             let cfg = TrainConfig {
                 spec: spec.clone(),
-                optimizer: settings.optimizer.clone(),
+                optimizer: settings.optimizer,
                 data_ranks: vec![rank],
                 record_grads: settings.record_grads,
             };
