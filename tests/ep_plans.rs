@@ -242,6 +242,49 @@ fn collective_counts_per_step_are_exact(
     });
 }
 
+/// `gpt_moe` at sizes other than the zoo's (6 experts, top-3, width 24, 6 heads): the run
+/// reads them from the model, so EP 2 and 3 with both dispatchers match single device, and
+/// an EP size that does not divide its experts is named with the model's own count.
+#[rstest]
+fn expert_parallel_reads_the_decoders_sizes(
+    #[values(2, 3)] ep: usize,
+    #[values(Dispatcher::AllToAll, Dispatcher::AllGather)] dispatcher: Dispatcher,
+) {
+    let config = zoo::GptConfig {
+        vocab: 12,
+        dim: 24,
+        heads: 6,
+        layers: 1,
+        seq: 6,
+        batch: 3,
+        ff_hidden: 48,
+        experts: 6,
+        top_k: 3,
+        expert_hidden: 12,
+    };
+    let build = |rank| zoo::Gpt::with_config(config, 0, rank, true, 0.0).expect("model");
+    let e = check_expert_plan(&build(0), 4, &opts(4, dispatcher))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("6 experts do not divide over an expert-parallel group of 4"),
+        "{e}"
+    );
+    lockstep_harness::run(ep, |ctx| {
+        let m = build(ctx.rank());
+        let cfg = common::train_config(ctx, "gpt_moe", "ep", "fp32", 3);
+        let run = train_expert_parallel(&m, ctx.world(), &cfg, &opts(ep, dispatcher))
+            .expect("expert-parallel run");
+        if ctx.rank() == 0 {
+            let reference =
+                single_device_reference(&build(0), ep, 3, OptimizerConfig::default(), true)
+                    .expect("reference");
+            let c = compare(&run, &reference, &TolerancePolicy::dtype_table(DType::F32));
+            assert!(c.passed, "ep={ep}: {}", c.diagnosis.unwrap_or_default());
+        }
+    });
+}
+
 /// Expert gradients counted once per EP rank (reduced over `ep` as well) are caught.
 #[test]
 fn expert_gradients_reduced_over_ep_are_caught() {

@@ -12,7 +12,8 @@ use lockstep_core::tensor_parallel::{
 use lockstep_core::train::{single_device_reference, OptimizerConfig};
 use lockstep_harness::parity::{compare, TolerancePolicy};
 use lockstep_harness::RankCtx;
-use lockstep_models::zoo;
+use lockstep_models::zoo::{self, Gpt, GptConfig};
+use lockstep_models::Model;
 use rstest::rstest;
 use std::collections::BTreeMap;
 
@@ -182,6 +183,75 @@ fn bad_plans_are_rejected_before_any_rank_starts() {
         .to_string();
     assert!(
         e.contains("does not divide by the tensor-parallel size 16"),
+        "{e}"
+    );
+}
+
+/// The decoder at sizes other than the zoo's: 6 heads of width 4, vocabulary 12, 3 sequences
+/// of 6 tokens, 6 experts (top-3) 12 wide.
+fn resized(vocab: i64, heads: i64) -> GptConfig {
+    GptConfig {
+        vocab,
+        dim: 24,
+        heads,
+        layers: 1,
+        seq: 6,
+        batch: 3,
+        ff_hidden: 48,
+        experts: 6,
+        top_k: 3,
+        expert_hidden: 12,
+    }
+}
+
+/// Plans read the sizes from the model, not the zoo's: the decoder resized (dense and MoE)
+/// under TP 2 and 3, with and without SP, matches single device.
+#[rstest]
+fn tensor_parallel_reads_the_decoders_sizes(
+    #[values(false, true)] moe: bool,
+    #[values((2, false), (3, false), (2, true), (3, true))] case: (usize, bool),
+) {
+    let (tp, sp) = case;
+    let build = |rank| Gpt::with_config(resized(12, 6), 0, rank, moe, 0.0).expect("model");
+    lockstep_harness::run(tp, |ctx| {
+        let m = build(ctx.rank());
+        let cfg = common::train_config(ctx, m.name(), "tp", "fp32", STEPS);
+        let run = train_tensor_parallel(&m, ctx.world(), &cfg, &opts(tp, sp))
+            .expect("tensor-parallel run");
+        if ctx.rank() == 0 {
+            let reference =
+                single_device_reference(&build(0), tp, STEPS, OptimizerConfig::default(), true)
+                    .expect("reference");
+            let c = compare(&run, &reference, &TolerancePolicy::dtype_table(DType::F32));
+            assert!(
+                c.passed,
+                "moe={moe} tp={tp} sp={sp}: {}",
+                c.diagnosis.unwrap_or_default()
+            );
+        }
+    });
+}
+
+/// At sizes other than the zoo's, plan errors name the model's own sizes.
+#[test]
+fn plans_name_the_decoders_own_sizes() {
+    let m = Gpt::with_config(resized(12, 6), 0, 0, false, 0.0).expect("model");
+    let e = check_plan(&m, 4, &opts(4, false)).unwrap_err().to_string();
+    assert!(
+        e.contains("6 attention heads do not divide by the tensor-parallel size 4"),
+        "{e}"
+    );
+    let m = Gpt::with_config(resized(10, 4), 0, 0, false, 0.0).expect("model");
+    let e = check_plan(&m, 4, &opts(4, false)).unwrap_err().to_string();
+    assert!(
+        e.contains("`tok_embeddings.weight`") && e.contains("has 10 along dimension 0"),
+        "{e}"
+    );
+    // Sizes that cannot build a decoder at all are refused by the model.
+    let e = Gpt::with_config(resized(12, 5), 0, 0, false, 0.0).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("dim 24 is not a multiple of the 5 heads"),
         "{e}"
     );
 }
