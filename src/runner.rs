@@ -18,7 +18,7 @@ use lockstep_core::tensor_parallel::{train_tensor_parallel, TpOptions};
 use lockstep_core::train::{single_device_reference, OptimizerConfig, TrainConfig};
 use lockstep_harness::{launch, LaunchError, LaunchOptions, RankCtx, RankSpawn};
 use lockstep_models::{zoo, Model, ModelError};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Builds one rank's model from the run seed and the rank: every rank (and the reference)
@@ -209,31 +209,14 @@ pub fn run_launched(
         let mut record = train(ctx, built.as_ref(), &cfg)?;
         if rank == 0 {
             record.spec = spec.clone();
-            let json = serde_json::to_vec(&record).map_err(|e| format!("encoding record: {e}"))?;
-            std::fs::write(&out, json)
-                .map_err(|e| format!("writing the record to {}: {e}", out.display()))?;
+            hand_back(&record, &out)?;
         }
         Ok(())
     };
-    let opts = LaunchOptions {
-        world_size,
-        timeout: settings.timeout,
-        backend: "cpu".into(),
-    };
-    let launched = launch(
-        &opts,
-        RankSpawn::Fork(&|info| lockstep_harness::execute_forked_rank(info, &body)),
-    );
+    let launched = launch_forked(world_size, settings, &body);
     let read = std::fs::read(&out);
     let _ = std::fs::remove_file(&out);
-    launched.map_err(|e: LaunchError| {
-        let details = e.to_string();
-        RunFailed {
-            line: one_line(&details),
-            details,
-            timed_out: matches!(e, LaunchError::Timeout(_)),
-        }
-    })?;
+    launched?;
     let bytes = read.map_err(|e| RunFailed::simple(format!("reading rank 0's record: {e}")))?;
     serde_json::from_slice(&bytes).map_err(|e| {
         RunFailed::simple(format!(
@@ -297,31 +280,12 @@ pub fn run_configs_together(
                 .map_err(|e| format!("barrier after {}: {e}", config.name()))?;
             if rank == 0 {
                 record.spec = spec;
-                let json =
-                    serde_json::to_vec(&record).map_err(|e| format!("encoding record: {e}"))?;
-                std::fs::write(out, json)
-                    .map_err(|e| format!("writing the record to {}: {e}", out.display()))?;
+                hand_back(&record, out)?;
             }
         }
         Ok(())
     };
-    let opts = LaunchOptions {
-        world_size,
-        timeout: settings.timeout,
-        backend: "cpu".into(),
-    };
-    let launched = launch(
-        &opts,
-        RankSpawn::Fork(&|info| lockstep_harness::execute_forked_rank(info, &body)),
-    );
-    let mut failure = launched.err().map(|e| {
-        let details = e.to_string();
-        RunFailed {
-            line: one_line(&details),
-            details,
-            timed_out: matches!(e, LaunchError::Timeout(_)),
-        }
-    });
+    let mut failure = launch_forked(world_size, settings, &body).err();
     let mut results = Vec::with_capacity(configs.len());
     for (&config, out) in configs.iter().zip(&outs) {
         let record = std::fs::read(out)
@@ -341,6 +305,39 @@ pub fn run_configs_together(
         });
     }
     results
+}
+
+/// Rank 0's record, written where the launching process reads it back.
+fn hand_back(record: &RunRecord, out: &Path) -> Result<(), String> {
+    let json = serde_json::to_vec(record).map_err(|e| format!("encoding record: {e}"))?;
+    std::fs::write(out, json).map_err(|e| format!("writing the record to {}: {e}", out.display()))
+}
+
+/// Forks `world_size` ranks on the CPU backend, each running `body`; a failed launch comes
+/// back with the launcher's whole account.
+fn launch_forked(
+    world_size: usize,
+    settings: &RunSettings,
+    body: &(dyn Fn(&RankCtx) -> Result<(), String> + Sync),
+) -> Result<(), RunFailed> {
+    let opts = LaunchOptions {
+        world_size,
+        timeout: settings.timeout,
+        backend: "cpu".into(),
+    };
+    launch(
+        &opts,
+        RankSpawn::Fork(&|info| lockstep_harness::execute_forked_rank(info, body)),
+    )
+    .map(drop)
+    .map_err(|e: LaunchError| {
+        let details = e.to_string();
+        RunFailed {
+            line: one_line(&details),
+            details,
+            timed_out: matches!(e, LaunchError::Timeout(_)),
+        }
+    })
 }
 
 /// One rank's training under built-in configuration `config` (not `single`). The planted
