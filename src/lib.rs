@@ -6,9 +6,11 @@
 //! [`models`] (the model zoo).
 
 pub mod bench;
+pub mod checkpoint;
 pub mod env_report;
 pub mod matrix;
 pub mod parity_test;
+pub mod run_cmd;
 pub mod runner;
 pub mod schedule;
 pub mod stress;

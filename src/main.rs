@@ -71,6 +71,16 @@ enum Command {
     /// --virtual 2`. Schedules: gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zb,
     /// zbv, dualpipev; or `--csv FILE` (one row per rank, PyTorch's action notation).
     Schedule(ScheduleArgs),
+    /// Train one model x config from a PyTorch state dict or from its seed, and write the
+    /// initial and final full state dicts under PyTorch's names; exit 1 if the run failed, 2
+    /// on bad input (nothing run, nothing written).
+    ///
+    /// Per-step losses and gradient norms are printed (one JSON object with --json). A state
+    /// written by --save-final from single or ddp* carries the optimizer state and step, so
+    /// --init from it continues exactly (docs/checkpoints.md). Example: `lockstep run --model
+    /// nested --config ddp --world-size 2 --steps 5 --init model.safetensors --save-final
+    /// out.safetensors`.
+    Run(RunArgs),
     /// A rank of `bench spawn --mode exec` (started by the launcher, not by hand).
     #[command(name = "__spawn-probe", hide = true)]
     SpawnProbe,
@@ -94,6 +104,46 @@ struct SelectionArgs {
     /// Run seed for parameters and batches.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// The zoo model (`lockstep matrix --list` names them).
+    #[arg(long)]
+    model: String,
+    /// The configuration (`lockstep matrix --list` names them), e.g. single, ddp.
+    #[arg(long)]
+    config: String,
+    /// Ranks (for single: how many ranks' batches form the global batch).
+    #[arg(long = "world-size", default_value_t = 2)]
+    world_size: usize,
+    /// Training steps.
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// Run seed for parameters and batches (default: the checkpoint's when continuing one,
+    /// else 0).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Start every rank from this state dict (safetensors, PyTorch's parameter names).
+    #[arg(long)]
+    init: Option<PathBuf>,
+    /// With --init: use only the weights, at step 0 with a fresh optimizer, even when the
+    /// file carries an optimizer state.
+    #[arg(long, requires = "init")]
+    restart: bool,
+    /// Write the initial full state dict here (safetensors).
+    #[arg(long = "save-init")]
+    save_init: Option<PathBuf>,
+    /// Write the final full state dict here (and, from single or ddp*, its optimizer state
+    /// next to it as NAME.optim.safetensors).
+    #[arg(long = "save-final")]
+    save_final: Option<PathBuf>,
+    /// Seconds the launch may take before it is declared hung.
+    #[arg(long, default_value_t = 300.0)]
+    timeout: f64,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args)]
@@ -296,10 +346,56 @@ fn main() -> Result<ExitCode> {
         Command::Matrix(args) => return run_matrix(args),
         Command::Stress(args) => return run_stress(args),
         Command::Schedule(args) => return run_schedule(args),
+        Command::Run(args) => return run_one(args),
         Command::SpawnProbe => lockstep::harness::rank_main(bench::spawn_probe),
         Command::Bench { what } => run_bench(what)?,
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `lockstep run`: exit 0 when the run finished and its files are written, 1 when it failed,
+/// 2 on bad input (nothing run, nothing written).
+fn run_one(args: RunArgs) -> Result<ExitCode> {
+    use lockstep::run_cmd;
+    let timeout = match std::time::Duration::try_from_secs_f64(args.timeout) {
+        Ok(t) if !t.is_zero() => t,
+        _ => {
+            eprintln!(
+                "error: invalid option: --timeout {}: must be a positive number of seconds",
+                args.timeout
+            );
+            return Ok(ExitCode::from(2));
+        }
+    };
+    let opts = run_cmd::RunOptions {
+        model: args.model,
+        config: args.config,
+        world_size: args.world_size,
+        steps: args.steps,
+        seed: args.seed,
+        init: args.init,
+        restart: args.restart,
+        save_init: args.save_init,
+        save_final: args.save_final,
+        timeout,
+    };
+    match run_cmd::run(&opts) {
+        Ok(outcome) => {
+            if args.json {
+                println!("{}", serde_json::to_string(&outcome)?);
+                for note in &outcome.notes {
+                    eprintln!("note: {note}");
+                }
+            } else {
+                print!("{}", run_cmd::render(&outcome));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            Ok(ExitCode::from(e.exit_code()))
+        }
+    }
 }
 
 /// `lockstep schedule`: exit 0 for a valid, deadlock-free schedule, 1 otherwise, 2 on bad

@@ -87,6 +87,24 @@ impl OptimizerConfig {
 pub trait Optimizer: Send {
     /// One update. Parameters without a gradient are skipped, as in PyTorch.
     fn step(&mut self, params: &[(String, Tensor)]) -> Result<(), TrainError>;
+
+    /// The optimizer's state as named tensors (PyTorch's per-parameter `state`, keyed
+    /// `<parameter>.<entry>`), so a checkpoint can carry it and a continued run step exactly
+    /// as an uninterrupted one. The tensors are copies. The default refuses: an optimizer
+    /// that cannot export its state must say so rather than let a resumed run drift.
+    fn state(&self) -> Result<Vec<(String, Tensor)>, TrainError> {
+        Err(TrainError::InvalidConfig(
+            "this optimizer cannot export its state".into(),
+        ))
+    }
+
+    /// Replaces the optimizer's state with `state`, as [`Optimizer::state`] returned it.
+    fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<(), TrainError> {
+        let _ = state;
+        Err(TrainError::InvalidConfig(
+            "this optimizer cannot load a saved state".into(),
+        ))
+    }
 }
 
 /// `torch.optim.SGD` with momentum: `buf = grad` on the first step, then
@@ -136,7 +154,46 @@ impl Optimizer for Sgd {
             Ok(())
         })
     }
+
+    /// Each momentum buffer under `<parameter>.momentum_buffer` (PyTorch's entry name),
+    /// sorted by key; none before the first step or without momentum.
+    fn state(&self) -> Result<Vec<(String, Tensor)>, TrainError> {
+        let mut out = Vec::with_capacity(self.buffers.len());
+        for (name, buf) in &self.buffers {
+            out.push((
+                format!("{name}{MOMENTUM_SUFFIX}"),
+                tch::no_grad(|| buf.f_detach_copy())?,
+            ));
+        }
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(out)
+    }
+
+    /// Takes momentum buffers keyed `<parameter>.momentum_buffer`; with `momentum = 0` only
+    /// an empty state fits (plain SGD keeps none).
+    fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<(), TrainError> {
+        if self.momentum == 0.0 && !state.is_empty() {
+            return Err(TrainError::InvalidConfig(
+                "SGD without momentum keeps no state, but a state was given".into(),
+            ));
+        }
+        let mut buffers = HashMap::with_capacity(state.len());
+        for (key, t) in state {
+            let Some(name) = key.strip_suffix(MOMENTUM_SUFFIX) else {
+                return Err(TrainError::InvalidConfig(format!(
+                    "SGD state key `{key}` does not end in `{MOMENTUM_SUFFIX}`"
+                )));
+            };
+            buffers.insert(name.to_owned(), tch::no_grad(|| t.f_detach_copy())?);
+        }
+        self.buffers = buffers;
+        Ok(())
+    }
 }
+
+/// The suffix of an SGD momentum buffer's key in [`Optimizer::state`]: PyTorch's name for
+/// the entry in `optimizer.state[param]`.
+pub const MOMENTUM_SUFFIX: &str = ".momentum_buffer";
 
 /// `torch.optim.Adam`: `m = β1·m + (1-β1)·g`, `v = β2·v + (1-β2)·g²`,
 /// `p -= lr/(1-β1^t) · m / (sqrt(v)/sqrt(1-β2^t) + eps)`.
@@ -287,6 +344,17 @@ pub struct TrainConfig {
     pub record_grads: bool,
 }
 
+/// Where a run picks up instead of step 0 with a fresh optimizer: batches depend on the step
+/// index and SGD's update on its momentum, so continuing a checkpointed run exactly needs both.
+#[derive(Debug, Default)]
+pub struct TrainStart {
+    /// The index of the first step: its batches are those an uninterrupted run would train
+    /// on at that step.
+    pub step: usize,
+    /// The optimizer's state to start from ([`Optimizer::state`]); empty means fresh.
+    pub optimizer_state: Vec<(String, Tensor)>,
+}
+
 /// Trains `model` in place for `cfg.spec.steps` steps and records the run.
 ///
 /// Each step: zero gradients, mean loss over `cfg.data_ranks`' batches, backward, `sync`,
@@ -299,6 +367,19 @@ pub fn train(
     sync: &mut dyn StepHooks,
     metrics: Option<&dyn ProcessGroup>,
 ) -> Result<RunRecord, TrainError> {
+    train_from(model, cfg, sync, metrics, &TrainStart::default()).map(|(record, _)| record)
+}
+
+/// [`train`] from `start`: steps `start.step .. start.step + cfg.spec.steps` (the record's
+/// losses and norms are those steps', in order) with the optimizer loaded from
+/// `start.optimizer_state`. Returns the optimizer too, so its final state can be saved.
+pub fn train_from(
+    model: &dyn Model,
+    cfg: &TrainConfig,
+    sync: &mut dyn StepHooks,
+    metrics: Option<&dyn ProcessGroup>,
+    start: &TrainStart,
+) -> Result<(RunRecord, Box<dyn Optimizer>), TrainError> {
     if cfg.data_ranks.is_empty() {
         return Err(TrainError::InvalidConfig(
             "data_ranks is empty: a process must train on at least one rank's batch".into(),
@@ -306,8 +387,11 @@ pub fn train(
     }
     let params = model.named_parameters();
     let mut optimizer = cfg.optimizer.build();
+    if !start.optimizer_state.is_empty() {
+        optimizer.load_state(&start.optimizer_state)?;
+    }
     let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
-    for step in 0..cfg.spec.steps {
+    for step in start.step..start.step + cfg.spec.steps {
         for (_, p) in &params {
             p.shallow_clone().zero_grad();
         }
@@ -337,7 +421,7 @@ pub fn train(
     sync.before_record()?;
     record.params = capture(&params)?;
     record.buffers = capture(&model.named_buffers())?;
-    Ok(record)
+    Ok((record, optimizer))
 }
 
 /// Every parameter's current `.grad`, by name; a missing one is an error (synchronizing a

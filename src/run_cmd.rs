@@ -1,0 +1,544 @@
+//! `lockstep run`: one zoo model × one configuration at one world size, optionally started
+//! from a PyTorch state dict (`--init`), writing the initial and final full state dicts under
+//! PyTorch's names (`--save-init`, `--save-final`) and the per-step losses and gradient norms.
+//!
+//! Everything a user can get wrong (model, configuration, world size, every key of a
+//! checkpoint, output directories) is checked before any rank starts, and nothing is written
+//! then; state files are written atomically. A checkpoint `--save-final` wrote from `single`
+//! or the DDP configurations carries the optimizer state and step, and a run started from it
+//! continues exactly as an uninterrupted run would (docs/checkpoints.md says why the sharded
+//! configurations do not).
+
+use crate::checkpoint::{self, CheckpointError, OptimizerState};
+use crate::matrix::{Config, Precision};
+use crate::runner::{self, RunSettings, TrainFn};
+use lockstep_core::ddp::{Ddp, DdpOptions};
+use lockstep_core::record::RunRecord;
+use lockstep_core::train::{no_sync, train_from, OptimizerConfig, TrainConfig, TrainStart};
+use lockstep_harness::RankCtx;
+use lockstep_models::{zoo, Model, ModelError};
+use serde::Serialize;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// What `lockstep run` was asked to do.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// Zoo model name.
+    pub model: String,
+    /// Configuration name (as `lockstep matrix --list` prints them).
+    pub config: String,
+    /// Ranks (for `single`: how many ranks' batches form the global batch).
+    pub world_size: usize,
+    /// Steps to train.
+    pub steps: usize,
+    /// Run seed; `None`: the checkpoint's when continuing one, else 0.
+    pub seed: Option<u64>,
+    /// A state dict (safetensors, PyTorch names) every rank starts from.
+    pub init: Option<PathBuf>,
+    /// Use only `init`'s weights: start at step 0 with a fresh optimizer even when it carries
+    /// an optimizer state.
+    pub restart: bool,
+    /// Where to write the initial full state dict.
+    pub save_init: Option<PathBuf>,
+    /// Where to write the final full state dict (and its optimizer state next to it).
+    pub save_final: Option<PathBuf>,
+    /// How long the launch may take before it counts as hung.
+    pub timeout: Duration,
+}
+
+/// Why `lockstep run` stopped: bad input (nothing ran, nothing was written) or a failure
+/// after the checks.
+#[derive(Debug, thiserror::Error)]
+pub enum RunCmdError {
+    /// Bad input: an unknown name, a world size the configuration cannot use, a checkpoint
+    /// that does not fit (each bad key named). Nothing ran and nothing was written.
+    #[error("{0}")]
+    Invalid(String),
+    /// The run itself failed (a rank's error, a crash, a hang).
+    #[error("run failed: {0}")]
+    Failed(String),
+    /// Writing a state file failed.
+    #[error("saving: {0}")]
+    Save(#[source] CheckpointError),
+}
+
+impl RunCmdError {
+    /// The process exit code: 2 for bad input, 1 otherwise.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            RunCmdError::Invalid(_) => 2,
+            RunCmdError::Failed(_) | RunCmdError::Save(_) => 1,
+        }
+    }
+}
+
+/// What one `lockstep run` did: `--json` prints it as one object.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunOutcome {
+    pub model: String,
+    pub config: String,
+    pub world_size: usize,
+    pub seed: u64,
+    /// Index of the first step trained (0, or the step a continued checkpoint ended at).
+    pub start_step: usize,
+    /// Steps trained.
+    pub steps: usize,
+    /// Global loss per step trained.
+    pub losses: Vec<f64>,
+    /// Global gradient norm per step trained (after synchronization).
+    pub grad_norms: Vec<f64>,
+    /// The checkpoint the run started from.
+    pub init: Option<PathBuf>,
+    /// Whether the run continued `init`'s optimizer state (at its step).
+    pub resumed: bool,
+    /// Where the initial state dict was written.
+    pub saved_init: Option<PathBuf>,
+    /// Where the final state dict was written.
+    pub saved_final: Option<PathBuf>,
+    /// Where the final optimizer state was written (next to `saved_final`).
+    pub saved_optimizer_state: Option<PathBuf>,
+    /// Things a user should know (a seed that differs from the checkpoint's...).
+    pub notes: Vec<String>,
+}
+
+/// Whether `config` can export and load its optimizer state: the configurations whose
+/// every rank holds the whole model and steps it with one optimizer.
+fn can_continue(config: Config) -> bool {
+    matches!(config, Config::Single | Config::Ddp | Config::DdpMixed(_))
+}
+
+/// Why `config` cannot continue an optimizer state (for configurations that cannot).
+fn why_not_continued(config: Config) -> String {
+    let how = if config.is_fsdp() {
+        "FSDP keeps each rank's optimizer state for its own parameter shard"
+    } else if config.is_pipeline() {
+        "each pipeline rank keeps the optimizer state of its own stages only"
+    } else {
+        "tensor- and expert-parallel ranks keep the optimizer state of their own slices of the \
+         weights"
+    };
+    format!(
+        "{} cannot continue an optimizer state: {how}, and lockstep run does not gather or \
+         split it (single, ddp, ddp.bf16 and ddp.fp16 can)",
+        config.name()
+    )
+}
+
+/// Checks everything, runs, writes the requested files and returns what happened.
+pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
+    let invalid = RunCmdError::Invalid;
+    let config = Config::by_name(&opts.config).ok_or_else(|| {
+        let known: Vec<&str> = Config::all().into_iter().map(Config::name).collect();
+        invalid(format!(
+            "unknown config `{}`; known configs: {}",
+            opts.config,
+            known.join(", ")
+        ))
+    })?;
+    if opts.world_size == 0 {
+        return Err(invalid("--world-size 0: must be at least 1".into()));
+    }
+    if let Some(reason) = config.world_blocker(opts.world_size) {
+        return Err(invalid(format!(
+            "{} cannot run at world size {}: {reason}",
+            config.name(),
+            opts.world_size
+        )));
+    }
+    for path in [&opts.save_init, &opts.save_final].into_iter().flatten() {
+        check_writable(path)?;
+    }
+    let mut notes = Vec::new();
+    let optimizer = OptimizerConfig::default();
+
+    // Check the model and the checkpoint against a model built here; the ranks build their
+    // own later, from the seed settled below.
+    let mut probe =
+        zoo::build(&opts.model, opts.seed.unwrap_or(0), 0).map_err(|e| invalid(e.to_string()))?;
+    if let Some(reason) = model_blocker(config, probe.as_ref(), opts.world_size) {
+        return Err(invalid(format!(
+            "{} cannot run model `{}` at world size {}: {reason}",
+            config.name(),
+            opts.model,
+            opts.world_size
+        )));
+    }
+    let mut resume: Option<(PathBuf, OptimizerState)> = None;
+    if let Some(init) = &opts.init {
+        let rank_local = probe.tags().rank_local;
+        if !rank_local.is_empty() {
+            return Err(invalid(format!(
+                "model `{}` has per-rank parameters ({}): one state dict cannot start every rank",
+                opts.model,
+                rank_local.join(", ")
+            )));
+        }
+        let info = checkpoint::load_model_state(probe.as_mut(), init)
+            .map_err(|e| invalid(e.to_string()))?;
+        match (&info.optimizer_file, opts.restart) {
+            (Some(file), false) => {
+                if !can_continue(config) {
+                    return Err(invalid(format!(
+                        "{} carries an optimizer state to continue from, but {}; pass --restart \
+                         to start from its weights at step 0 with a fresh optimizer",
+                        init.display(),
+                        why_not_continued(config)
+                    )));
+                }
+                let state = checkpoint::load_optimizer_state(file, probe.as_ref())
+                    .map_err(|e| invalid(e.to_string()))?;
+                if state.optimizer != optimizer {
+                    return Err(invalid(format!(
+                        "{}: saved by optimizer {:?}, but this run steps with {optimizer:?}",
+                        file.display(),
+                        state.optimizer
+                    )));
+                }
+                resume = Some((file.clone(), state));
+            }
+            (Some(_), true) => notes.push(format!(
+                "--restart: starting from {}'s weights at step 0 with a fresh optimizer",
+                init.display()
+            )),
+            (None, _) => {
+                if let Some(step) = info.step.filter(|&s| s > 0) {
+                    notes.push(format!(
+                        "{} holds weights after {step} steps but no optimizer state: starting \
+                         at step 0 with a fresh optimizer",
+                        init.display()
+                    ));
+                }
+            }
+        }
+    }
+    let seed = match (&resume, opts.seed) {
+        (Some((_, state)), Some(seed)) if seed != state.seed => {
+            notes.push(format!(
+                "--seed {seed} differs from the checkpoint's seed {}: the continued run sees \
+                 other batches than an uninterrupted one",
+                state.seed
+            ));
+            seed
+        }
+        (Some((_, state)), None) => state.seed,
+        (_, seed) => seed.unwrap_or(0),
+    };
+    if let Some((_, state)) = &resume {
+        if state.world_size != opts.world_size {
+            notes.push(format!(
+                "world size {} differs from the checkpoint's {}: the continued run's global \
+                 batch differs from an uninterrupted one's",
+                opts.world_size, state.world_size
+            ));
+        }
+    }
+    let start_step = resume.as_ref().map_or(0, |(_, s)| s.step);
+    drop(probe);
+
+    let init = opts.init.as_deref();
+    let build = move |seed: u64, rank: usize| -> Result<Box<dyn Model>, ModelError> {
+        let mut model = zoo::build(&opts.model, seed, rank)?;
+        if let Some(path) = init {
+            model.load(path)?;
+        }
+        Ok(model)
+    };
+    let initial = build(seed, 0).map_err(|e| invalid(e.to_string()))?;
+    let tags = initial.tags();
+    if let Some(path) = &opts.save_init {
+        let state = checkpoint::model_state_dict(initial.as_ref());
+        checkpoint::save_model_state(path, &state, &opts.model, start_step, None)
+            .map_err(RunCmdError::Save)?;
+    }
+    drop(initial);
+
+    let settings = RunSettings {
+        steps: opts.steps,
+        seed,
+        timeout: opts.timeout,
+        record_grads: false,
+        optimizer,
+        fault: None,
+    };
+    let (optimizer_file, resume_state) = match resume {
+        Some((file, state)) => (Some(file), state.tensors),
+        None => (None, Vec::new()),
+    };
+    let (record, final_optimizer) = if config == Config::Single {
+        let (record, state) = run_single(
+            &opts.model,
+            &build,
+            opts.world_size,
+            &settings,
+            start_step,
+            resume_state,
+        )?;
+        (record, Some(state))
+    } else if can_continue(config) {
+        let (record, state) = run_ddp(
+            &opts.model,
+            &build,
+            config,
+            opts.world_size,
+            &settings,
+            start_step,
+            optimizer_file.as_deref(),
+        )?;
+        (record, Some(state))
+    } else {
+        let record = runner::run_config(&opts.model, &build, config, opts.world_size, &settings)
+            .map_err(|e| RunCmdError::Failed(e.to_string()))?;
+        (record, None)
+    };
+
+    let mut saved_optimizer_state = None;
+    if let Some(path) = &opts.save_final {
+        let end_step = start_step + opts.steps;
+        let state = checkpoint::record_state_dict(&record, &tags).map_err(RunCmdError::Save)?;
+        let optimizer_name = match final_optimizer {
+            Some(tensors) => {
+                let file = checkpoint::optimizer_file_for(path);
+                let saved = OptimizerState {
+                    step: end_step,
+                    seed,
+                    world_size: opts.world_size,
+                    config: config.name().to_owned(),
+                    optimizer,
+                    tensors,
+                };
+                checkpoint::save_optimizer_state(&file, &saved).map_err(RunCmdError::Save)?;
+                let name = file.file_name().map(|n| n.to_string_lossy().into_owned());
+                saved_optimizer_state = Some(file);
+                name
+            }
+            None => {
+                notes.push(format!(
+                    "{}: the final state holds weights only; --init from it starts at step 0 \
+                     with a fresh optimizer",
+                    why_not_continued(config)
+                ));
+                None
+            }
+        };
+        checkpoint::save_model_state(
+            path,
+            &state,
+            &opts.model,
+            end_step,
+            optimizer_name.as_deref(),
+        )
+        .map_err(RunCmdError::Save)?;
+    }
+    Ok(RunOutcome {
+        model: opts.model.clone(),
+        config: config.name().to_owned(),
+        world_size: opts.world_size,
+        seed,
+        start_step,
+        steps: opts.steps,
+        losses: record.losses,
+        grad_norms: record.grad_norms,
+        init: opts.init.clone(),
+        resumed: optimizer_file.is_some() || start_step > 0,
+        saved_init: opts.save_init.clone(),
+        saved_final: opts.save_final.clone(),
+        saved_optimizer_state,
+        notes,
+    })
+}
+
+/// Why `config` cannot run `model` at `world_size`, checked before anything starts.
+fn model_blocker(config: Config, model: &dyn Model, world_size: usize) -> Option<String> {
+    if config == Config::Single {
+        return model.single_device_reference_blocker();
+    }
+    if let Some(mp) = config.model_parallel_config() {
+        return mp.model_blocker(model, world_size);
+    }
+    if let Some(p) = config.pipeline_config() {
+        return p.plan(model, world_size).err();
+    }
+    None
+}
+
+/// An output path must name a file in an existing directory: found out before the run, not
+/// after it.
+fn check_writable(path: &Path) -> Result<(), RunCmdError> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    if path.file_name().is_none() || path.is_dir() {
+        return Err(RunCmdError::Invalid(format!(
+            "{}: not a file path",
+            path.display()
+        )));
+    }
+    if !dir.is_dir() {
+        return Err(RunCmdError::Invalid(format!(
+            "{}: directory {} does not exist",
+            path.display(),
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
+/// The single-device reference in this process from `start_step` with `optimizer_state`;
+/// returns the record and the optimizer's final state.
+fn run_single(
+    model_name: &str,
+    build: &runner::ModelBuilder<'_>,
+    world_size: usize,
+    settings: &RunSettings,
+    start_step: usize,
+    optimizer_state: Vec<(String, tch::Tensor)>,
+) -> Result<(RunRecord, Vec<(String, tch::Tensor)>), RunCmdError> {
+    let failed = |e: &dyn std::fmt::Display| RunCmdError::Failed(format!("single: {e}"));
+    let model = build(settings.seed, 0).map_err(|e| failed(&e))?;
+    model
+        .check_single_device_reference()
+        .map_err(|e| failed(&e))?;
+    let cfg = TrainConfig {
+        spec: runner::run_spec(
+            model_name,
+            &Config::Single.at(world_size),
+            world_size,
+            "fp32",
+            settings,
+        ),
+        optimizer: settings.optimizer,
+        data_ranks: (0..world_size).collect(),
+        record_grads: settings.record_grads,
+    };
+    let start = TrainStart {
+        step: start_step,
+        optimizer_state,
+    };
+    let (record, optimizer) =
+        train_from(model.as_ref(), &cfg, &mut no_sync, None, &start).map_err(|e| failed(&e))?;
+    let state = optimizer.state().map_err(|e| failed(&e))?;
+    Ok((record, state))
+}
+
+/// A DDP-family run (`ddp`, `ddp.bf16`, `ddp.fp16`) from `start_step`, every rank loading
+/// the optimizer state from `optimizer_file` (when continuing); rank 0 hands its final
+/// optimizer state back through a scratch file.
+fn run_ddp(
+    model_name: &str,
+    build: &runner::ModelBuilder<'_>,
+    config: Config,
+    world_size: usize,
+    settings: &RunSettings,
+    start_step: usize,
+    optimizer_file: Option<&Path>,
+) -> Result<(RunRecord, Vec<(String, tch::Tensor)>), RunCmdError> {
+    let scratch = std::env::temp_dir().join(format!(
+        "lockstep-run-optim-{}-{:x}.safetensors",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    ));
+    let train =
+        |ctx: &RankCtx, model: &dyn Model, cfg: &TrainConfig| -> Result<RunRecord, String> {
+            let optimizer_state = match optimizer_file {
+                Some(file) => {
+                    checkpoint::load_optimizer_state(file, model)
+                        .map_err(|e| e.to_string())?
+                        .tensors
+                }
+                None => Vec::new(),
+            };
+            let opts = DdpOptions {
+                mixed_precision: config.precision().map(Precision::policy),
+                ..DdpOptions::default()
+            };
+            let group = ctx.group();
+            let mut ddp = Ddp::new(model, group.clone(), opts).map_err(|e| e.to_string())?;
+            let start = TrainStart {
+                step: start_step,
+                optimizer_state,
+            };
+            let (record, optimizer) =
+                train_from(model, cfg, &mut ddp, Some(group.as_ref()), &start)
+                    .map_err(|e| format!("{}: {e}", config.name()))?;
+            if ctx.rank() == 0 {
+                let state = optimizer.state().map_err(|e| e.to_string())?;
+                checkpoint::safetensors::write_atomic(&scratch, &state, &Default::default())
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok(record)
+        };
+    let dtype = config.precision().map_or("fp32", Precision::label);
+    let launched = runner::run_launched(
+        model_name,
+        &config.at(world_size),
+        dtype,
+        world_size,
+        build,
+        &train as &TrainFn<'_>,
+        settings,
+    );
+    let state = launched
+        .as_ref()
+        .ok()
+        .map(|_| checkpoint::safetensors::read(&scratch));
+    let _ = std::fs::remove_file(&scratch);
+    let record = launched.map_err(|e| RunCmdError::Failed(e.to_string()))?;
+    let state = match state {
+        Some(Ok(file)) => file.tensors,
+        Some(Err(e)) => {
+            return Err(RunCmdError::Failed(format!(
+                "reading rank 0's optimizer state: {e}"
+            )))
+        }
+        None => Vec::new(),
+    };
+    Ok((record, state))
+}
+
+/// The per-step table `lockstep run` prints, with where each state file went.
+pub fn render(outcome: &RunOutcome) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{} x {}@{}: {} steps from step {} (seed {}){}",
+        outcome.model,
+        outcome.config,
+        outcome.world_size,
+        outcome.steps,
+        outcome.start_step,
+        outcome.seed,
+        match (&outcome.init, outcome.resumed) {
+            (Some(p), true) => format!(", continuing {}", p.display()),
+            (Some(p), false) => format!(", from {}", p.display()),
+            (None, _) => String::new(),
+        }
+    );
+    let _ = writeln!(out, "{:>6}  {:<24}  {:<24}", "step", "loss", "grad norm");
+    for (i, (loss, norm)) in outcome.losses.iter().zip(&outcome.grad_norms).enumerate() {
+        let _ = writeln!(
+            out,
+            "{:>6}  {:<24}  {:<24}",
+            outcome.start_step + i,
+            loss,
+            norm
+        );
+    }
+    if let Some(p) = &outcome.saved_init {
+        let _ = writeln!(out, "initial state: {}", p.display());
+    }
+    if let Some(p) = &outcome.saved_final {
+        let _ = writeln!(out, "final state: {}", p.display());
+    }
+    if let Some(p) = &outcome.saved_optimizer_state {
+        let _ = writeln!(out, "optimizer state: {}", p.display());
+    }
+    for note in &outcome.notes {
+        let _ = writeln!(out, "note: {note}");
+    }
+    out
+}
