@@ -238,7 +238,9 @@ fn plans_name_the_decoders_own_sizes() {
     let m = Gpt::with_config(resized(12, 6), 0, 0, false, 0.0).expect("model");
     let e = check_plan(&m, 4, &opts(4, false)).unwrap_err().to_string();
     assert!(
-        e.contains("6 attention heads do not divide by the tensor-parallel size 4"),
+        e.contains(
+            "layers.*.attention: 6 attention heads do not divide by the tensor-parallel size 4"
+        ),
         "{e}"
     );
     let m = Gpt::with_config(resized(10, 4), 0, 0, false, 0.0).expect("model");

@@ -63,7 +63,7 @@ pub enum TpPlanError {
         size: i64,
         tp: usize,
     },
-    #[error("tensor-parallel plan: {heads} attention heads do not divide by the tensor-parallel size {tp}")]
+    #[error("tensor-parallel plan: layers.*.attention: {heads} attention heads do not divide by the tensor-parallel size {tp}")]
     Heads { heads: i64, tp: usize },
     #[error("tensor-parallel plan: model `{0}` has no tensor-parallel implementation (zoo gpt, gpt_moe and transformer do)")]
     Unsupported(String),
