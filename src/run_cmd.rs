@@ -61,7 +61,7 @@ pub enum RunCmdError {
     Failed(String),
     /// Writing a state file failed.
     #[error("saving: {0}")]
-    Save(#[source] CheckpointError),
+    Save(#[source] Box<CheckpointError>),
 }
 
 impl RunCmdError {
@@ -250,7 +250,7 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
     if let Some(path) = &opts.save_init {
         let state = checkpoint::model_state_dict(initial.as_ref());
         checkpoint::save_model_state(path, &state, &opts.model, start_step, None)
-            .map_err(RunCmdError::Save)?;
+            .map_err(save_failed)?;
     }
     drop(initial);
 
@@ -296,7 +296,7 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
     let mut saved_optimizer_state = None;
     if let Some(path) = &opts.save_final {
         let end_step = start_step + opts.steps;
-        let state = checkpoint::record_state_dict(&record, &tags).map_err(RunCmdError::Save)?;
+        let state = checkpoint::record_state_dict(&record, &tags).map_err(save_failed)?;
         let optimizer_name = match final_optimizer {
             Some(tensors) => {
                 let file = checkpoint::optimizer_file_for(path);
@@ -308,7 +308,7 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
                     optimizer,
                     tensors,
                 };
-                checkpoint::save_optimizer_state(&file, &saved).map_err(RunCmdError::Save)?;
+                checkpoint::save_optimizer_state(&file, &saved).map_err(save_failed)?;
                 let name = file.file_name().map(|n| n.to_string_lossy().into_owned());
                 saved_optimizer_state = Some(file);
                 name
@@ -329,7 +329,7 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
             end_step,
             optimizer_name.as_deref(),
         )
-        .map_err(RunCmdError::Save)?;
+        .map_err(save_failed)?;
     }
     Ok(RunOutcome {
         model: opts.model.clone(),
@@ -347,6 +347,10 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
         saved_optimizer_state,
         notes,
     })
+}
+
+fn save_failed(e: CheckpointError) -> RunCmdError {
+    RunCmdError::Save(Box::new(e))
 }
 
 /// Why `config` cannot run `model` at `world_size`, checked before anything starts.
