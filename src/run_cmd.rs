@@ -77,9 +77,13 @@ impl RunCmdError {
 /// What one `lockstep run` did: `--json` prints it as one object.
 #[derive(Clone, Debug, Serialize)]
 pub struct RunOutcome {
+    /// The zoo model trained.
     pub model: String,
+    /// The configuration it trained under.
     pub config: String,
+    /// Ranks (for `single`, ranks' batches per step).
     pub world_size: usize,
+    /// The run seed batches derived from.
     pub seed: u64,
     /// Index of the first step trained (0, or the step a continued checkpoint ended at).
     pub start_step: usize,
