@@ -4,8 +4,8 @@
 
 use lockstep_core::record::RunSpec;
 use lockstep_core::train::{
-    no_sync, single_device_reference, train, Adam, Optimizer, OptimizerConfig, Sgd, TrainConfig,
-    TrainError,
+    no_sync, single_device_reference, train, train_from, Adam, Optimizer, OptimizerConfig, Sgd,
+    TrainConfig, TrainError, TrainStart, MOMENTUM_SUFFIX,
 };
 use lockstep_models::{zoo, ModelError};
 use std::sync::{Arc, Barrier, Mutex};
@@ -328,4 +328,94 @@ fn empty_data_ranks_is_a_config_error() {
     };
     let err = train(model.as_ref(), &cfg, &mut no_sync, None).expect_err("refused");
     assert!(matches!(err, TrainError::InvalidConfig(_)));
+}
+
+fn reference_config(name: &str, steps: usize) -> TrainConfig {
+    TrainConfig {
+        spec: spec(name, 2, steps),
+        optimizer: OptimizerConfig::default(),
+        data_ranks: vec![0, 1],
+        record_grads: false,
+    }
+}
+
+#[test]
+fn training_from_a_saved_step_and_momentum_continues_bitwise() {
+    // Four steps in one go...
+    let whole = zoo::build("mlp", 0, 0).expect("build");
+    let (all, opt_all) = train_from(
+        whole.as_ref(),
+        &reference_config("mlp", 4),
+        &mut no_sync,
+        None,
+        &TrainStart::default(),
+    )
+    .expect("train");
+    // ...against two, then two more from the step and momentum buffers the first two left.
+    let split = zoo::build("mlp", 0, 0).expect("build");
+    let (head, opt_head) = train_from(
+        split.as_ref(),
+        &reference_config("mlp", 2),
+        &mut no_sync,
+        None,
+        &TrainStart::default(),
+    )
+    .expect("train");
+    let state = opt_head.state().expect("SGD exports its state");
+    assert_eq!(state.len(), split.named_parameters().len());
+    assert!(state.iter().all(|(k, _)| k.ends_with(MOMENTUM_SUFFIX)));
+    let start = TrainStart {
+        step: 2,
+        optimizer_state: state,
+    };
+    let (tail, opt_tail) = train_from(
+        split.as_ref(),
+        &reference_config("mlp", 2),
+        &mut no_sync,
+        None,
+        &start,
+    )
+    .expect("train");
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&[head.losses, tail.losses].concat()),
+        bits(&all.losses)
+    );
+    assert_eq!(
+        bits(&[head.grad_norms, tail.grad_norms].concat()),
+        bits(&all.grad_norms)
+    );
+    assert_eq!(tail.params, all.params);
+    let (a, b) = (
+        opt_all.state().expect("state"),
+        opt_tail.state().expect("state"),
+    );
+    assert_eq!(a.len(), b.len());
+    for ((ka, ta), (kb, tb)) in a.iter().zip(&b) {
+        assert_eq!(ka, kb);
+        assert!(ta.equal(tb), "{ka} differs");
+    }
+}
+
+#[test]
+fn sgd_state_keys_must_name_momentum_buffers() {
+    let mut opt = Sgd::new(0.01, 0.9);
+    let bad = vec![(
+        "w".to_owned(),
+        Tensor::zeros([2], (Kind::Float, tch::Device::Cpu)),
+    )];
+    assert!(matches!(
+        opt.load_state(&bad),
+        Err(TrainError::InvalidConfig(m)) if m.contains("momentum_buffer")
+    ));
+    let mut plain = Sgd::new(0.01, 0.0);
+    let state = vec![(
+        format!("w{MOMENTUM_SUFFIX}"),
+        Tensor::zeros([2], (Kind::Float, tch::Device::Cpu)),
+    )];
+    assert!(
+        plain.load_state(&state).is_err(),
+        "plain SGD keeps no state"
+    );
+    assert!(Adam::new(0.1, 0.9, 0.999, 1e-8).state().is_err());
 }
