@@ -154,6 +154,15 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
     for path in [&opts.save_init, &opts.save_final].into_iter().flatten() {
         check_writable(path)?;
     }
+    if let (Some(a), Some(b)) = (&opts.save_init, &opts.save_final) {
+        if a == b {
+            return Err(invalid(format!(
+                "--save-init and --save-final both name {}: the final state would overwrite \
+                 the initial one",
+                a.display()
+            )));
+        }
+    }
     let mut notes = Vec::new();
     let optimizer = OptimizerConfig::default();
 
@@ -169,54 +178,10 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
             opts.world_size
         )));
     }
-    let mut resume: Option<(PathBuf, OptimizerState)> = None;
-    if let Some(init) = &opts.init {
-        let rank_local = probe.tags().rank_local;
-        if !rank_local.is_empty() {
-            return Err(invalid(format!(
-                "model `{}` has per-rank parameters ({}): one state dict cannot start every rank",
-                opts.model,
-                rank_local.join(", ")
-            )));
-        }
-        let info = checkpoint::load_model_state(probe.as_mut(), init)
-            .map_err(|e| invalid(e.to_string()))?;
-        match (&info.optimizer_file, opts.restart) {
-            (Some(file), false) => {
-                if !can_continue(config) {
-                    return Err(invalid(format!(
-                        "{} carries an optimizer state to continue from, but {}; pass --restart \
-                         to start from its weights at step 0 with a fresh optimizer",
-                        init.display(),
-                        why_not_continued(config)
-                    )));
-                }
-                let state = checkpoint::load_optimizer_state(file, probe.as_ref())
-                    .map_err(|e| invalid(e.to_string()))?;
-                if state.optimizer != optimizer {
-                    return Err(invalid(format!(
-                        "{}: saved by optimizer {:?}, but this run steps with {optimizer:?}",
-                        file.display(),
-                        state.optimizer
-                    )));
-                }
-                resume = Some((file.clone(), state));
-            }
-            (Some(_), true) => notes.push(format!(
-                "--restart: starting from {}'s weights at step 0 with a fresh optimizer",
-                init.display()
-            )),
-            (None, _) => {
-                if let Some(step) = info.step.filter(|&s| s > 0) {
-                    notes.push(format!(
-                        "{} holds weights after {step} steps but no optimizer state: starting \
-                         at step 0 with a fresh optimizer",
-                        init.display()
-                    ));
-                }
-            }
-        }
-    }
+    let resume = match &opts.init {
+        Some(init) => check_init(opts, config, probe.as_mut(), init, optimizer, &mut notes)?,
+        None => None,
+    };
     let seed = match (&resume, opts.seed) {
         (Some((_, state)), Some(seed)) if seed != state.seed => {
             notes.push(format!(
@@ -351,6 +316,68 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
         saved_optimizer_state,
         notes,
     })
+}
+
+/// Checks `--init` against the model (`probe`, which it is loaded into) and, when it carries
+/// an optimizer state that is to be continued, that state against the model and the
+/// configuration; returns the optimizer state file and its contents when continuing.
+fn check_init(
+    opts: &RunOptions,
+    config: Config,
+    probe: &mut dyn Model,
+    init: &Path,
+    optimizer: OptimizerConfig,
+    notes: &mut Vec<String>,
+) -> Result<Option<(PathBuf, OptimizerState)>, RunCmdError> {
+    let rank_local = probe.tags().rank_local;
+    if !rank_local.is_empty() {
+        return Err(RunCmdError::Invalid(format!(
+            "model `{}` has per-rank parameters ({}): one state dict cannot start every rank",
+            opts.model,
+            rank_local.join(", ")
+        )));
+    }
+    let info = checkpoint::load_model_state(probe, init)
+        .map_err(|e| RunCmdError::Invalid(e.to_string()))?;
+    match (&info.optimizer_file, opts.restart) {
+        (Some(file), false) => {
+            if !can_continue(config) {
+                return Err(RunCmdError::Invalid(format!(
+                    "{} carries an optimizer state to continue from, but {}; pass --restart \
+                     to start from its weights at step 0 with a fresh optimizer",
+                    init.display(),
+                    why_not_continued(config)
+                )));
+            }
+            let state = checkpoint::load_optimizer_state(file, &*probe)
+                .map_err(|e| RunCmdError::Invalid(e.to_string()))?;
+            if state.optimizer != optimizer {
+                return Err(RunCmdError::Invalid(format!(
+                    "{}: saved by optimizer {:?}, but this run steps with {optimizer:?}",
+                    file.display(),
+                    state.optimizer
+                )));
+            }
+            Ok(Some((file.clone(), state)))
+        }
+        (Some(_), true) => {
+            notes.push(format!(
+                "--restart: starting from {}'s weights at step 0 with a fresh optimizer",
+                init.display()
+            ));
+            Ok(None)
+        }
+        (None, _) => {
+            if let Some(step) = info.step.filter(|&s| s > 0) {
+                notes.push(format!(
+                    "{} holds weights after {step} steps but no optimizer state: starting \
+                     at step 0 with a fresh optimizer",
+                    init.display()
+                ));
+            }
+            Ok(None)
+        }
+    }
 }
 
 fn save_failed(e: CheckpointError) -> RunCmdError {

@@ -437,6 +437,20 @@ fn bad_names_and_sizes_exit_2_listing_what_is_known() {
     }
     // One state dict cannot start every rank of a model whose ranks differ by construction.
     let dir = scratch("moe");
+    let same = dir.join("same.safetensors");
+    let out = lockstep(&[
+        "--model",
+        "nested",
+        "--config",
+        "single",
+        "--save-init",
+        s(&same),
+        "--save-final",
+        s(&same),
+    ]);
+    assert_eq!(out.code, Some(2), "{}", out.stderr);
+    assert!(out.stderr.contains("would overwrite"), "{}", out.stderr);
+    assert!(!same.exists());
     let state = dir.join("moe.safetensors");
     ok(&[
         "--model",
