@@ -179,8 +179,14 @@ impl ParamStore {
 
     /// Loads `path` into the registered tensors in place, all or nothing.
     pub fn load(&self, path: &Path, model: &str) -> Result<(), ModelError> {
-        let file: HashMap<String, Tensor> = Tensor::read_safetensors(path)?.into_iter().collect();
         let shown = path.display().to_string();
+        let file: HashMap<String, Tensor> = Tensor::read_safetensors(path)
+            .map_err(|e| ModelError::UnreadableState {
+                path: shown.clone(),
+                reason: e.to_string(),
+            })?
+            .into_iter()
+            .collect();
         let mut missing = Vec::new();
         let mut misshaped = Vec::new();
         for (name, t) in self.params.iter().chain(&self.buffers) {

@@ -428,6 +428,30 @@ fn load_accepts_pytorch_style_tied_duplicates_only_when_equal() {
 }
 
 #[test]
+fn load_refuses_a_truncated_file_in_words_and_changes_nothing() {
+    let m = build("nested", 0, 0);
+    let path = temp_file("truncated");
+    m.save(&path).expect("save");
+    let bytes = std::fs::read(&path).expect("read");
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).expect("truncate");
+    let mut other = build("nested", 1, 0);
+    let before: Vec<Tensor> = other
+        .named_parameters()
+        .into_iter()
+        .map(|(_, t)| t.detach_copy())
+        .collect();
+    let err = other.load(&path).expect_err("a truncated file");
+    assert!(
+        matches!(err, ModelError::UnreadableState { .. }) && err.to_string().contains("truncated"),
+        "{err}"
+    );
+    for ((name, t), b) in other.named_parameters().into_iter().zip(&before) {
+        assert!(t.equal(b), "{name} changed");
+    }
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
 fn only_per_rank_models_refuse_the_single_device_reference() {
     for name in zoo::names() {
         let m = build(name, 0, 0);
