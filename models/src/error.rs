@@ -32,9 +32,11 @@ pub enum ModelError {
         misshaped: Vec<Misshaped>,
         unexpected: Vec<String>,
     },
-    /// A state file that cannot be read as safetensors (missing, truncated, another format): said in
-    /// words, with the reader's own error kept, rather than as a bare libtorch failure.
-    #[error("{path}: cannot read it as safetensors (missing, truncated or another format): {reason}")]
+    /// A state file that cannot be read as safetensors (missing, truncated, another format):
+    /// said in words, with the reader's own error kept, rather than as a bare libtorch failure.
+    #[error(
+        "{path}: cannot read it as safetensors (missing, truncated or another format): {reason}"
+    )]
     UnreadableState { path: String, reason: String },
     /// A state file stores a tied weight under two names with different values.
     #[error("{path}: tied weight `{alias}` differs from `{canonical}`, but they are one tensor")]
