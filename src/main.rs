@@ -218,6 +218,11 @@ struct MatrixArgs {
     /// Print the summary rows as JSON lines instead of the table.
     #[arg(long)]
     json: bool,
+    /// The backend launched ranks use: cpu (forked ranks), or nccl, which refuses before
+    /// anything runs (exit 2) and says why: it needs the `nccl` feature, one GPU per rank and
+    /// training on CUDA, which the runner does not have yet (docs/gpu.md).
+    #[arg(long, default_value = "cpu", value_parser = parse_backend)]
+    backend: lockstep_core::comm::Backend,
 }
 
 #[derive(Subcommand)]
@@ -447,10 +452,13 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
     };
     opts.fault = args.fault;
     opts.subtests = !args.isolated;
-    let plan = match matrix::plan(&opts).and_then(|plan| {
-        matrix::prepare_out_dir(&args.out)?;
-        Ok(plan)
-    }) {
+    opts.backend = args.backend;
+    let plan = match matrix::check_backend(&opts)
+        .and_then(|()| matrix::plan(&opts))
+        .and_then(|plan| {
+            matrix::prepare_out_dir(&args.out)?;
+            Ok(plan)
+        }) {
         Ok(plan) => plan,
         Err(e) => {
             eprintln!("error: {e}");
@@ -550,6 +558,12 @@ fn run_stress(args: StressArgs) -> Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// `--backend`: the names `lockstep env` lists (cpu, nccl).
+fn parse_backend(text: &str) -> Result<lockstep_core::comm::Backend, String> {
+    text.parse()
+        .map_err(|e: lockstep_core::CommError| e.to_string())
 }
 
 fn parse_fault(text: &str) -> Result<lockstep_core::ddp::Fault, String> {

@@ -230,6 +230,7 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
         record_grads: false,
         optimizer,
         fault: None,
+        backend: lockstep_core::comm::Backend::Cpu,
     };
     let (optimizer_file, resume_state) = match resume {
         Some((file, state)) => (Some(file), state.tensors),

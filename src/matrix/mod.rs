@@ -105,6 +105,13 @@ pub enum MatrixError {
     /// Any other option out of range.
     #[error("invalid option: {0}")]
     InvalidOption(String),
+    /// The backend cannot run here (`--backend nccl` without the feature, the GPUs or CUDA
+    /// training); nothing was run.
+    #[error("the {backend} backend cannot run this matrix here: {}", reasons.join("; "))]
+    BackendUnavailable {
+        backend: &'static str,
+        reasons: Vec<String>,
+    },
     /// The output directory cannot be created or written; checked before anything runs.
     #[error("output directory {}: {source}", path.display())]
     OutDir {
@@ -157,6 +164,7 @@ pub const MIXED_VS_SINGLE_REASON: &str = "mixed precision is checked against DDP
      low-precision backward has no per-element relative bound), so there is no row against \
      single";
 
+mod backend;
 mod configs;
 mod execute;
 mod list;
@@ -165,6 +173,7 @@ mod pipeline;
 mod plan;
 mod result;
 
+pub use backend::*;
 pub use configs::*;
 pub use execute::*;
 pub use list::*;

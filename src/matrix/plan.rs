@@ -26,6 +26,9 @@ pub struct MatrixOptions {
     /// Run a cell's launched configurations in one launch each (subtests); `false` gives
     /// every run a launch of its own (`--isolated`, slower, for bisecting a suspect run).
     pub subtests: bool,
+    /// The backend the launched ranks use (`--backend`); [`check_backend`] refuses NCCL
+    /// before anything runs when this build or machine cannot run it.
+    pub backend: lockstep_core::comm::Backend,
 }
 
 impl Default for MatrixOptions {
@@ -40,6 +43,7 @@ impl Default for MatrixOptions {
             record_grads: true,
             fault: None,
             subtests: true,
+            backend: lockstep_core::comm::Backend::Cpu,
         }
     }
 }
@@ -65,6 +69,8 @@ pub struct Plan {
     pub fault: Option<Fault>,
     /// Whether a cell's launched configurations share one launch (see [`MatrixOptions`]).
     pub subtests: bool,
+    /// The backend launched ranks use (see [`MatrixOptions::backend`]).
+    pub backend: lockstep_core::comm::Backend,
     /// Per model: why it has no single-device reference, if it has none.
     pub(super) blockers: Vec<Option<String>>,
     /// Per (model index, world size, selected pipeline configuration): its validated plan,
@@ -86,6 +92,7 @@ impl Plan {
             record_grads: self.record_grads,
             optimizer: lockstep_core::train::OptimizerConfig::default(),
             fault: self.fault.clone(),
+            backend: self.backend,
         }
     }
 
@@ -369,6 +376,7 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         record_grads: opts.record_grads,
         fault: opts.fault.clone(),
         subtests: opts.subtests,
+        backend: opts.backend,
         blockers,
         pipeline_plans,
         model_parallel_blockers,

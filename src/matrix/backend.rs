@@ -1,0 +1,48 @@
+//! `lockstep matrix --backend nccl`: what an NCCL matrix needs, checked before anything runs,
+//! so a build or machine that cannot run it says why at once instead of failing every row.
+
+use super::*;
+use lockstep_core::comm::Backend;
+
+/// Why the selected backend cannot run these world sizes here, every reason at once; empty
+/// when it can. The CPU backend always can. NCCL needs this build's `nccl` feature, one GPU
+/// per rank of the largest world size (ranks use the device of their `LOCAL_RANK`), and
+/// training on CUDA, which the runner does not do yet ([`crate::runner::NCCL_RUNS_MISSING`]).
+pub fn backend_blockers(backend: Backend, world_sizes: &[usize]) -> Vec<String> {
+    if backend == Backend::Cpu {
+        return Vec::new();
+    }
+    let mut reasons = Vec::new();
+    if !cfg!(feature = "nccl") {
+        reasons.push("this build has no `nccl` feature (rebuild with --features nccl)".into());
+    }
+    let needed = world_sizes
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(DEFAULT_WORLD_SIZE);
+    let found = tch::Cuda::device_count().max(0) as usize;
+    if found < needed {
+        reasons.push(format!(
+            "needs {needed} GPUs (one per rank of world size {needed}), found {found}"
+        ));
+    }
+    reasons.push(crate::runner::NCCL_RUNS_MISSING.into());
+    reasons
+}
+
+/// Refuses `opts` before anything runs when its backend cannot run here
+/// ([`backend_blockers`]): the CLI turns this into exit 2, like any other unusable input.
+pub fn check_backend(opts: &MatrixOptions) -> Result<(), MatrixError> {
+    let reasons = backend_blockers(opts.backend, &opts.world_sizes);
+    if reasons.is_empty() {
+        return Ok(());
+    }
+    Err(MatrixError::BackendUnavailable {
+        backend: match opts.backend {
+            Backend::Cpu => "cpu",
+            Backend::Nccl => "nccl",
+        },
+        reasons,
+    })
+}
