@@ -292,12 +292,25 @@ pub fn run_configs_together(
         Ok(())
     };
     let mut failure = launch_forked(world_size, settings, &body).err();
+    let mut records: Vec<Option<RunRecord>> = outs
+        .iter()
+        .map(|out| {
+            let record = std::fs::read(out)
+                .ok()
+                .and_then(|bytes| serde_json::from_slice::<RunRecord>(&bytes).ok());
+            let _ = std::fs::remove_file(out);
+            record
+        })
+        .collect();
+    // A launch that failed after every configuration's barrier (past its timeout, or a
+    // crash on the way out) did not end cleanly: the last configuration carries it.
+    if failure.is_some() && records.iter().all(Option::is_some) {
+        if let Some(last) = records.last_mut() {
+            *last = None;
+        }
+    }
     let mut results = Vec::with_capacity(configs.len());
-    for (&config, out) in configs.iter().zip(&outs) {
-        let record = std::fs::read(out)
-            .ok()
-            .and_then(|bytes| serde_json::from_slice::<RunRecord>(&bytes).ok());
-        let _ = std::fs::remove_file(out);
+    for (&config, record) in configs.iter().zip(records) {
         results.push(match (record, failure.take()) {
             (Some(record), failure_after) => {
                 failure = failure_after;

@@ -990,8 +990,9 @@ fn a_planted_divisor_bug_fails_the_matrix_with_a_report() {
 #[test]
 fn failed_runs_are_error_rows_of_an_incomplete_report() {
     let scratch = Scratch::new("timeout");
-    // No launch finishes in a microsecond: every DDP and FSDP run times out. (One FSDP
-    // config suffices; each timed-out launch costs most of a second.)
+    // No launch finishes in a microsecond: every DDP and FSDP run times out, each in a
+    // launch of its own (`--isolated`). (One FSDP config suffices; each timed-out launch
+    // costs most of a second.)
     let run = matrix_into(
         &scratch.0,
         &[
@@ -1005,6 +1006,7 @@ fn failed_runs_are_error_rows_of_an_incomplete_report() {
             "1",
             "--timeout",
             "0.000001",
+            "--isolated",
         ],
     );
     assert_eq!(run.code, Some(1), "{}\n{}", run.stdout, run.stderr);
@@ -1296,5 +1298,43 @@ fn a_hang_in_a_shared_launch_is_charged_to_its_configuration_only() {
             .find(|c| c.config == config && c.reference == "single@2")
             .unwrap_or_else(|| panic!("{config} against single"));
         assert!(c.passed, "{config}: {:?}", c.diagnosis);
+    }
+}
+
+/// A shared launch that fails after every configuration finished (here: past an absurd
+/// timeout) did not end cleanly; the last configuration in it carries the failure, the
+/// earlier ones keep their records.
+#[test]
+fn a_shared_launch_failing_after_the_last_barrier_charges_the_last_configuration() {
+    let scratch = Scratch::new("subtest-late");
+    let run = matrix_into(
+        &scratch.0,
+        &[
+            "--models",
+            "nested",
+            "--configs",
+            "fsdp.full_shard",
+            "--world-size",
+            "2",
+            "--steps",
+            "1",
+            "--timeout",
+            "0.000001",
+        ],
+    );
+    assert_eq!(run.code, Some(1), "{}\n{}", run.stdout, run.stderr);
+    let report = read_json(&scratch.0.join("report.json")).unwrap();
+    let errored: Vec<(&str, &str)> = report
+        .errors
+        .iter()
+        .map(|e| (e.config.as_str(), e.reference.as_str()))
+        .collect();
+    // ddp (first in the launch) finished; fsdp.full_shard (last) carries the timeout.
+    assert_eq!(
+        errored,
+        [("fsdp.full_shard@2", "ddp@2"), ("fsdp.full_shard@2", "single@2")]
+    );
+    for e in &report.errors {
+        assert!(e.details.contains("timed out"), "{e:?}");
     }
 }
