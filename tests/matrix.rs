@@ -1332,7 +1332,10 @@ fn a_shared_launch_failing_after_the_last_barrier_charges_the_last_configuration
     // ddp (first in the launch) finished; fsdp.full_shard (last) carries the timeout.
     assert_eq!(
         errored,
-        [("fsdp.full_shard@2", "ddp@2"), ("fsdp.full_shard@2", "single@2")]
+        [
+            ("fsdp.full_shard@2", "ddp@2"),
+            ("fsdp.full_shard@2", "single@2")
+        ]
     );
     for e in &report.errors {
         assert!(e.details.contains("timed out"), "{e:?}");
