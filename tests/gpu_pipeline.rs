@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// Variables that would turn a dry run into a multi-node rank, or change its GPU count.
-const RANK_VARS: [&str; 13] = [
+const RANK_VARS: [&str; 15] = [
     "SLURM_PROCID",
     "SLURM_NTASKS",
     "SLURM_LOCALID",
@@ -23,6 +23,8 @@ const RANK_VARS: [&str; 13] = [
     "LOCKSTEP_GPUS",
     "LOCKSTEP_SECRET",
     "ARTIFACTS",
+    "TORCHELASTIC_RUN_ID",
+    "LOCKSTEP_MASTER_PORT",
 ];
 
 fn repo() -> &'static Path {
