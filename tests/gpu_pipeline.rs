@@ -176,18 +176,21 @@ fn matrix_on_nccl_refuses_before_anything_runs() {
 /// launched locally it needs 2 GPUs. Each rank works on cuda:LOCAL_RANK.
 #[test]
 fn nccl_external_world_all_reduce() {
-    let outcome = Run::new(2).backend("nccl").run(|ctx| {
-        let device = ctx.device();
-        assert_eq!(device, tch::Device::Cuda(ctx.local_rank()));
-        let t = tch::Tensor::from_slice(&[ctx.rank() as f64 + 1.0]).to_device(device);
-        ctx.group().all_reduce(&t, ReduceOp::Sum)?;
-        let n = ctx.world_size() as f64;
-        assert_eq!(
-            t.to_device(tch::Device::Cpu).double_value(&[0]),
-            n * (n + 1.0) / 2.0
-        );
-        Ok::<(), lockstep_core::CommError>(())
-    });
+    let outcome = Run::new(2)
+        .backend("nccl")
+        .test_name("nccl_external_world_all_reduce")
+        .run(|ctx| {
+            let device = ctx.device();
+            assert_eq!(device, tch::Device::Cuda(ctx.local_rank()));
+            let t = tch::Tensor::from_slice(&[ctx.rank() as f64 + 1.0]).to_device(device);
+            ctx.group().all_reduce(&t, ReduceOp::Sum)?;
+            let n = ctx.world_size() as f64;
+            assert_eq!(
+                t.to_device(tch::Device::Cpu).double_value(&[0]),
+                n * (n + 1.0) / 2.0
+            );
+            Ok::<(), lockstep_core::CommError>(())
+        });
     if let Outcome::Skipped(reason) = outcome {
         assert!(
             reason.contains("GPU") || reason.contains("nccl"),
