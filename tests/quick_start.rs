@@ -64,7 +64,8 @@ impl Model for TwoLayer {
     }
     fn forward(&self, batch: &Batch) -> Result<Tensor, ModelError> {
         let h = batch.inputs[0].f_linear::<Tensor>(&self.weight("fc1.weight")?, None)?;
-        Ok(h.f_tanh()?.f_linear::<Tensor>(&self.weight("fc2.weight")?, None)?)
+        Ok(h.f_tanh()?
+            .f_linear::<Tensor>(&self.weight("fc2.weight")?, None)?)
     }
     fn loss_of(&self, batch: &Batch, output: &Tensor) -> Result<Tensor, ModelError> {
         let target = batch.target.as_ref().ok_or(ModelError::InvalidBatch {
