@@ -5,14 +5,21 @@ use serde::Serialize;
 /// The facts `lockstep env` prints.
 #[derive(Debug, Serialize)]
 pub struct EnvReport {
+    /// This crate's version.
     pub lockstep_version: &'static str,
+    /// The libtorch the binary was linked against, read at build time (`unknown` if unread).
     pub libtorch_version: &'static str,
+    /// Whether libtorch sees a CUDA device (a CPU-only libtorch never does).
     pub cuda_available: bool,
+    /// CUDA devices libtorch sees.
     pub gpu_count: i64,
+    /// Whether libtorch can use cuDNN.
     pub cudnn_available: bool,
     /// `available (version)`, or why not.
     pub nccl: String,
+    /// Process-group backends this build can run here (`cpu` always).
     pub backends: Vec<&'static str>,
+    /// Available parallelism reported by the OS (1 if it cannot say).
     pub cpu_threads: usize,
 }
 

@@ -4,6 +4,7 @@
 //! This crate is the `lockstep` command line and the one place that re-exports the
 //! workspace: [`comm`] (process groups and backends), [`harness`] (multi-rank launcher) and
 //! [`models`] (the model zoo).
+#![warn(missing_docs)]
 
 pub mod bench;
 pub mod checkpoint;

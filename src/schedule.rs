@@ -16,6 +16,7 @@ pub struct ScheduleOptions {
     pub schedule: String,
     /// Pipeline ranks `p`.
     pub stages: usize,
+    /// Microbatches per step `m`.
     pub microbatches: usize,
     /// Stages per rank; `None`: the schedule's default.
     pub virtual_stages: Option<usize>,
@@ -28,9 +29,13 @@ pub struct ScheduleOptions {
 /// What `lockstep schedule --json` prints.
 #[derive(Clone, Debug, Serialize)]
 pub struct ScheduleReport {
+    /// The schedule's name (built-in, or as the CSV names it).
     pub schedule: String,
+    /// Pipeline ranks `p`.
     pub ranks: usize,
+    /// Model stages in all: `p` times the virtual stages per rank.
     pub stages: usize,
+    /// Microbatches per step `m`.
     pub microbatches: usize,
     /// `valid` or the validator's message.
     pub verdict: String,
@@ -46,11 +51,15 @@ pub struct ScheduleReport {
 /// Why `lockstep schedule` could not build a schedule at all (bad input: exit 2).
 #[derive(Debug, thiserror::Error)]
 pub enum ScheduleCliError {
+    /// The schedule was rejected by its builder or the CSV parser.
     #[error(transparent)]
     Schedule(#[from] ScheduleError),
+    /// The CSV file could not be read, or the export could not be written.
     #[error("{path}: {source}")]
     Io {
+        /// The file.
         path: String,
+        /// The operating system's error.
         #[source]
         source: std::io::Error,
     },

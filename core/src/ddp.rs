@@ -43,17 +43,22 @@ use tch::{Kind, Tensor};
 /// What DDP can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum DdpError {
+    /// A gradient reduction or broadcast failed.
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// Registering or running a gradient hook failed.
     #[error(transparent)]
     Autograd(#[from] AutogradError),
+    /// The training loop failed.
     #[error(transparent)]
     Train(#[from] TrainError),
+    /// A libtorch call failed.
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
     /// The mixed-precision policy is invalid or cannot be applied to this model.
     #[error(transparent)]
     Precision(#[from] PrecisionError),
+    /// The model or options cannot be wrapped (e.g. no trainable parameters).
     #[error("ddp: {0}")]
     Invalid(String),
 }
@@ -122,6 +127,7 @@ impl std::fmt::Debug for DdpOptions {
 /// One bucket as a communication hook sees it: the flat gradient buffer and where each
 /// parameter's gradient lies in it.
 pub struct GradBucket<'a> {
+    /// The bucket's position in launch order, the same on every rank.
     pub index: usize,
     /// The flat gradients; the hook reduces it in place.
     pub buffer: &'a Tensor,

@@ -5,6 +5,7 @@
 //! hangs and desyncs. `autograd` bridges what tch lacks from libtorch's autograd (custom
 //! functions, hooks, explicit-gradient backward, storage freeing) and builds the
 //! differentiable collectives on it.
+#![warn(missing_docs)]
 
 pub mod autograd;
 pub mod comm;

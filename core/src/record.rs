@@ -12,8 +12,11 @@ use tch::Tensor;
 /// we train in) with the original dtype kept so comparisons can count ULPs in it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct NamedTensor {
+    /// Parameter or capture-point name, the key comparisons match on.
     pub name: String,
+    /// The tensor's dtype before widening; ULP distances are counted in it.
     pub dtype: DType,
+    /// The tensor's shape; `values` holds it flattened in row-major order.
     pub shape: Vec<i64>,
     /// NaN and infinities survive JSON as strings (a diverged run must stay readable).
     #[serde(with = "crate::num::vec")]
@@ -47,17 +50,22 @@ pub struct RunSpec {
     pub model: String,
     /// Parallel configuration name (e.g. `single`, `ddp`, `fsdp.full_shard`).
     pub config: String,
+    /// Ranks the run used (1 for a reference run).
     pub world_size: usize,
+    /// Process-group backend name (`cpu` or `nccl`).
     pub backend: String,
     /// Precision policy name (e.g. `fp32`, `bf16-mixed`).
     pub dtype: String,
+    /// Optimizer steps taken; per-step vectors in the record have this length.
     pub steps: usize,
+    /// The run seed every rank derives its initialization and data from.
     pub seed: u64,
 }
 
 /// The outcome of one run, comparable against any other run of the same model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RunRecord {
+    /// What was run; two records compare only if their models match.
     pub spec: RunSpec,
     /// Global loss per step: the mean of every rank's loss.
     #[serde(with = "crate::num::vec")]
@@ -110,7 +118,9 @@ pub struct CollectiveEntry {
     pub op: String,
     /// Group name (`tp[0,1]`, `world`, ...).
     pub group: String,
+    /// Times the operation was issued in the step.
     pub calls: u64,
+    /// Bytes of the tensors this rank handed to those calls (see `comm::counting`).
     pub bytes: u64,
 }
 

@@ -28,7 +28,12 @@ pub enum TrainError {
     Torch(#[from] TchError),
     /// A parameter got no gradient: synchronizing a partial set would desynchronize ranks.
     #[error("parameter `{name}` has no gradient after backward at step {step}")]
-    MissingGrad { name: String, step: usize },
+    MissingGrad {
+        /// The parameter's name.
+        name: String,
+        /// The step, 0-based.
+        step: usize,
+    },
     /// The run was configured in a way no loop can execute.
     #[error("invalid training config: {0}")]
     InvalidConfig(String),
@@ -39,12 +44,21 @@ pub enum TrainError {
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub enum OptimizerConfig {
     /// `torch.optim.SGD(lr, momentum)` (no dampening, weight decay or Nesterov).
-    Sgd { lr: f64, momentum: f64 },
+    Sgd {
+        /// Learning rate.
+        lr: f64,
+        /// Momentum factor (0 for plain SGD).
+        momentum: f64,
+    },
     /// `torch.optim.Adam(lr, betas, eps)` (no weight decay, no amsgrad).
     Adam {
+        /// Learning rate.
         lr: f64,
+        /// Decay of the first-moment (mean) estimate.
         beta1: f64,
+        /// Decay of the second-moment (uncentered variance) estimate.
         beta2: f64,
+        /// Added to the denominator for numerical stability.
         eps: f64,
     },
 }
@@ -336,6 +350,7 @@ pub fn no_sync(_grads: &[(String, Tensor)]) -> Result<(), TrainError> {
 pub struct TrainConfig {
     /// What the record says was run; `spec.steps` is the number of steps.
     pub spec: RunSpec,
+    /// The optimizer every rank (and the reference) steps with.
     pub optimizer: OptimizerConfig,
     /// The ranks whose batches this process consumes each step; its objective is the mean
     /// of their losses. `[rank]` for a parallel rank, `0..world_size` for the reference.

@@ -7,8 +7,11 @@ use std::time::Duration;
 /// How one rank's process ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum RankEnd {
+    /// Exited with code 0.
     Success,
+    /// Exited with this non-zero code (a failed test body exits with 1).
     ExitCode(i32),
+    /// Killed by this signal number from outside the launcher (a crash, the OOM killer...).
     Signal(i32),
     /// Killed by the launcher because another rank failed first.
     KilledByLauncher,
@@ -50,11 +53,15 @@ pub fn signal_name(sig: i32) -> &'static str {
 /// Everything known about one rank after the launch.
 #[derive(Clone, Debug)]
 pub struct RankReport {
+    /// The rank, 0-based, as in `RANK`.
     pub rank: usize,
+    /// How its process ended.
     pub end: RankEnd,
     /// The rank's own account of its failure (panic message or returned error).
     pub message: Option<String>,
+    /// The last bytes (at most 16 KiB) the rank wrote to stdout.
     pub stdout_tail: String,
+    /// The last bytes (at most 16 KiB) the rank wrote to stderr.
     pub stderr_tail: String,
     /// The rendered flight recorder, collected on a timeout.
     pub flight: Option<String>,
@@ -65,7 +72,9 @@ pub struct RankReport {
 pub struct FailureReport {
     /// The rank that failed first (none for a timeout).
     pub failed_rank: Option<usize>,
+    /// Every rank's report, in rank order.
     pub ranks: Vec<RankReport>,
+    /// The timeout that expired, when the launch failed by timing out.
     pub timeout: Option<Duration>,
     /// On a timeout, what the ranks' flight recorders say together: the desync (a rank
     /// inside a collective its peers never issued), a mismatch, or that they agree.
@@ -144,8 +153,11 @@ pub enum LaunchError {
     /// A rank's process could not be started.
     #[error("cannot start rank {rank} ({program}): {source}")]
     Spawn {
+        /// The rank whose process failed to start.
         rank: usize,
+        /// The executable the launcher tried to run.
         program: String,
+        /// The operating system's error.
         #[source]
         source: std::io::Error,
     },

@@ -45,16 +45,23 @@ const DUMP_GRACE: Duration = Duration::from_secs(2);
 
 /// What a rank's process runs: the program and arguments, before the launcher adds env.
 pub struct RankCommand {
+    /// The executable, usually the current test binary.
     pub program: PathBuf,
+    /// Its arguments, identical for every rank.
     pub args: Vec<String>,
+    /// Extra environment variables; the launcher's own (`RANK`, the store...) are set after.
     pub env: Vec<(String, String)>,
 }
 
 /// Launch settings shared by tests and the CLI.
 #[derive(Clone, Debug)]
 pub struct LaunchOptions {
+    /// Ranks to launch, one process each.
     pub world_size: usize,
+    /// How long the whole run may take before every rank is stopped and its flight
+    /// recorder collected.
     pub timeout: Duration,
+    /// Process-group backend name handed to every rank (`cpu` or `nccl`).
     pub backend: String,
 }
 
@@ -161,13 +168,17 @@ pub fn new_secret() -> String {
 /// Everything a rank needs to join the run the launcher hosts.
 #[derive(Clone, Debug)]
 pub struct RankInfo {
+    /// This rank, 0-based.
     pub rank: usize,
+    /// Ranks in the run.
     pub world_size: usize,
     /// `host:port` of the launcher's store.
     pub store: String,
+    /// The run's random secret: the store rejects clients without it.
     pub secret: String,
     /// Where the rank writes its flight recorder when asked.
     pub run_dir: PathBuf,
+    /// Process-group backend name (`cpu` or `nccl`).
     pub backend: String,
 }
 
@@ -451,6 +462,7 @@ pub fn launch(opts: &LaunchOptions, spawn: RankSpawn<'_>) -> Result<LaunchSummar
 pub struct LaunchSummary {
     /// From the first spawn to the last rank's exit.
     pub elapsed: Duration,
+    /// Every rank's report (all successes), in rank order.
     pub ranks: Vec<RankReport>,
 }
 

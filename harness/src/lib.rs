@@ -19,6 +19,7 @@
 //! `cargo nextest run`. The first failing rank stops the run; the panic names the rank, its
 //! message and its stderr tail; a hang times out (default 300 s) and prints every rank's
 //! flight recorder.
+#![warn(missing_docs)]
 
 mod error;
 pub mod launch;

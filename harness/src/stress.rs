@@ -70,20 +70,30 @@ pub enum StormError {
     /// A collective failed (a mismatch, a lost peer, a timeout).
     #[error("iteration {iteration}, operation {op} ({what}): {source}")]
     Comm {
+        /// The storm iteration, 0-based.
         iteration: usize,
+        /// The operation's index within the iteration.
         op: usize,
+        /// The operation described (collective, group, size).
         what: String,
+        /// The collective's own error.
         #[source]
         source: CommError,
     },
     /// A collective returned wrong values.
     #[error("iteration {iteration}, operation {op} ({what}): wrong result at element {index}: {got} instead of {want}")]
     WrongResult {
+        /// The storm iteration, 0-based.
         iteration: usize,
+        /// The operation's index within the iteration.
         op: usize,
+        /// The operation described (collective, group, size).
         what: String,
+        /// The first wrong element's flat index.
         index: usize,
+        /// The value the collective produced.
         got: f32,
+        /// The value every rank can compute locally.
         want: f32,
     },
     /// The world does not fit a 2 × (N/2) mesh.

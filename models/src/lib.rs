@@ -5,6 +5,7 @@
 //! run and a parallel run see the same weights and the same per-rank data. Parameter names
 //! are the module paths PyTorch would give the equivalent `nn.Module`, so state files and
 //! reports read the same on both sides.
+#![warn(missing_docs)]
 
 mod error;
 mod layers;

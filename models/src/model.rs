@@ -303,6 +303,7 @@ pub struct LayerRun<'a> {
 }
 
 impl<'a> LayerRun<'a> {
+    /// Starts at layer 0, calling `hooks` around each layer.
     pub fn new(hooks: &'a mut dyn LayerHooks) -> Self {
         LayerRun { hooks, next: 0 }
     }

@@ -13,10 +13,15 @@ use tch::{Device, Kind, Tensor};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum BenchOp {
+    /// All-reduce (sum); bus factor 2(n-1)/n.
     AllReduce,
+    /// All-gather; the size counted is the gathered output.
     AllGather,
+    /// Reduce-scatter (sum); the size counted is the full input.
     ReduceScatter,
+    /// Broadcast from rank 0.
     Broadcast,
+    /// All-to-all with equal chunks per peer.
     AllToAll,
 }
 
@@ -45,22 +50,30 @@ impl BenchOp {
 /// One measured point (one JSON line of `bench comm --json`).
 #[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct CommPoint {
+    /// The collective's snake_case name, e.g. `all_reduce`.
     pub op: String,
     /// Message size as nccl-tests counts it (the full tensor; all-gather: the output).
     pub bytes: usize,
+    /// Ranks taking part.
     pub world_size: usize,
     /// Mean seconds per operation (the slowest rank's).
     pub seconds: f64,
+    /// Algorithm bandwidth, `bytes / seconds`, in GB/s (10^9 bytes).
     pub algbw_gbps: f64,
+    /// Bus bandwidth, algbw times [`BenchOp::bus_factor`], in GB/s: comparable across ops.
     pub busbw_gbps: f64,
+    /// Timed iterations the mean is over (warm-up excluded).
     pub iterations: usize,
 }
 
 /// What `bench comm` runs.
 #[derive(Clone, Debug)]
 pub struct CommBenchOptions {
+    /// Ranks to launch, one process each.
     pub world_size: usize,
+    /// Process-group backend name (`cpu` or `nccl`).
     pub backend: String,
+    /// Collectives to measure, each over every size.
     pub ops: Vec<BenchOp>,
     /// Message sizes in bytes (rounded to whole fp32 elements divisible by the world size).
     pub sizes: Vec<usize>,

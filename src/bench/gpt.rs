@@ -14,9 +14,13 @@ use tch::Tensor;
 /// 16, far too small for a step to be more than launch and collective latency).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct GptDims {
+    /// Vocabulary size (embedding and tied output rows).
     pub vocab: i64,
+    /// Hidden width; must divide by `heads`.
     pub dim: i64,
+    /// Attention heads.
     pub heads: i64,
+    /// Decoder blocks.
     pub layers: usize,
     /// Tokens per sequence.
     pub seq: i64,

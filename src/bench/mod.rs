@@ -37,10 +37,13 @@ pub enum BenchError {
     /// The run started but produced no usable figures.
     #[error("benchmark failed: {0}")]
     Failed(String),
+    /// A benchmark rank failed (the launcher's report says which and how).
     #[error("benchmark ranks failed:\n{0}")]
     Launch(#[from] LaunchError),
+    /// The ranks' result files could not be read.
     #[error("reading benchmark results: {0}")]
     Io(#[from] std::io::Error),
+    /// A rank's result file is not the JSON it should be.
     #[error("parsing benchmark results: {0}")]
     Parse(#[from] serde_json::Error),
 }

@@ -53,8 +53,11 @@ pub struct PipelineBenchResult {
     /// The options the figures belong to: schedule, ranks `p`, stages per rank `v` (as the
     /// plan resolved it) and microbatches `m`.
     pub schedule: String,
+    /// Pipeline ranks `p`.
     pub stages: usize,
+    /// Stages per rank `v`, as the plan resolved it.
     pub virtual_stages: usize,
+    /// Microbatches per step `m`.
     pub microbatches: usize,
     /// Median seconds per pipeline step: from the step's first action on any rank to the next
     /// step's, so the gradient reductions, norm and optimizer step between them count.

@@ -22,12 +22,17 @@ pub enum SpawnBenchMode {
 /// The result of `bench spawn`.
 #[derive(Clone, Debug, Serialize)]
 pub struct SpawnResult {
+    /// Ranks launched per repeat.
     pub world_size: usize,
     /// Median over the repeats: spawn, rendezvous, one all_reduce, every rank exited.
     pub seconds: f64,
+    /// Fastest repeat, in seconds.
     pub min_seconds: f64,
+    /// Slowest repeat, in seconds.
     pub max_seconds: f64,
+    /// Launches measured.
     pub repeats: usize,
+    /// How ranks were started.
     pub mode: SpawnBenchMode,
 }
 

@@ -34,6 +34,7 @@ pub enum StepParallel {
 /// What `bench step` runs.
 #[derive(Clone, Debug)]
 pub struct StepBenchOptions {
+    /// Ranks to launch, one process each.
     pub world_size: usize,
     /// `gpt` (the benchmark decoder, sized by `dims`; its mixture-of-experts variant under
     /// `--parallel ep`) or any other zoo model name (as built).
@@ -61,7 +62,9 @@ impl Default for StepBenchOptions {
 /// The result of `bench step` (one JSON object with `--json`).
 #[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct StepResult {
+    /// The model trained (`gpt` for the benchmark decoder, else the zoo name).
     pub model: String,
+    /// Ranks each run used.
     pub world_size: usize,
     /// Median seconds per DDP training step (forward, backward, gradient sync, optimizer).
     pub ddp_seconds: f64,
@@ -88,6 +91,7 @@ pub struct ParallelStepResult {
     pub model: String,
     /// `tp` or `ep`.
     pub parallel: String,
+    /// Ranks each run used.
     pub world_size: usize,
     /// Trainable parameters of the (whole) model.
     pub parameters: i64,

@@ -42,14 +42,22 @@ pub enum CheckpointError {
     /// The file could not be read or written.
     #[error("{what} {path}: {source}")]
     Io {
+        /// The file.
         path: String,
+        /// What was being done, e.g. `reading`, leading the message.
         what: &'static str,
+        /// The operating system's error.
         #[source]
         source: std::io::Error,
     },
     /// Not a well-formed safetensors file (truncated, bad header, bad metadata).
     #[error("{path}: not a usable safetensors file: {reason}")]
-    Malformed { path: String, reason: String },
+    Malformed {
+        /// The file.
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The state does not fit the model (missing, unexpected, misshaped or mistyped keys).
     #[error(transparent)]
     Model(#[from] ModelError),
@@ -62,10 +70,15 @@ pub enum CheckpointError {
         unexpected.join(", ")
     )]
     OptimizerMismatch {
+        /// The optimizer state file.
         path: String,
+        /// The model's zoo name.
         model: String,
+        /// State keys the model's parameters need but the file lacks.
         missing: Vec<String>,
+        /// Keys whose shape or dtype differs, each already described (`key: expected ..., found ...`).
         misshaped: Vec<String>,
+        /// The file's keys no parameter has.
         unexpected: Vec<String>,
     },
     /// A tensor operation failed while converting values.

@@ -50,7 +50,10 @@ pub enum FsdpLayout {
     Flat,
     /// Hybrid shard ([`train_fsdp_hybrid`]): `replicas` replicas of `world / replicas` ranks
     /// each; world sizes that do not split that way are skipped with the reason.
-    Hybrid { replicas: usize },
+    Hybrid {
+        /// Replicas; each shards over `world / replicas` ranks.
+        replicas: usize,
+    },
 }
 
 impl FsdpLayout {
@@ -82,7 +85,10 @@ pub enum DdpCheck {
     /// Under the fp32 dtype table, as an override of the bitwise DDP policy whose reason is
     /// recorded in the row note and in every report: for configurations whose reduction
     /// order differs from DDP's by design.
-    DtypeTable { reason: &'static str },
+    DtypeTable {
+        /// Why the reduction order differs from DDP's, shown in notes and reports.
+        reason: &'static str,
+    },
 }
 
 /// One FSDP configuration of the matrix: a row of [`fsdp_configs`]. Kept as data (not one

@@ -95,13 +95,28 @@ pub const REPORT_FILES: [&str; 4] = ["report.json", "report.md", "junit.xml", "r
 pub enum MatrixError {
     /// A `--models` pattern matched no zoo model.
     #[error("unknown model `{pattern}`; known models: {}", known.join(", "))]
-    UnknownModel { pattern: String, known: Vec<String> },
+    UnknownModel {
+        /// The pattern as given.
+        pattern: String,
+        /// Every zoo model name, for the message.
+        known: Vec<String>,
+    },
     /// A `--configs` pattern matched no configuration.
     #[error("unknown config `{pattern}`; known configs: {}", known.join(", "))]
-    UnknownConfig { pattern: String, known: Vec<String> },
+    UnknownConfig {
+        /// The pattern as given.
+        pattern: String,
+        /// Every configuration name, for the message.
+        known: Vec<String>,
+    },
     /// A world size no run can use (0, too many ranks, or one the model rejects).
     #[error("invalid world size {world_size}: {reason}")]
-    InvalidWorldSize { world_size: usize, reason: String },
+    InvalidWorldSize {
+        /// The world size asked for.
+        world_size: usize,
+        /// Why it cannot be used.
+        reason: String,
+    },
     /// Any other option out of range.
     #[error("invalid option: {0}")]
     InvalidOption(String),
@@ -109,13 +124,17 @@ pub enum MatrixError {
     /// training); nothing was run.
     #[error("the {backend} backend cannot run this matrix here: {}", reasons.join("; "))]
     BackendUnavailable {
+        /// The backend's name, e.g. `nccl`.
         backend: &'static str,
+        /// Every missing requirement, so one message lists them all.
         reasons: Vec<String>,
     },
     /// The output directory cannot be created or written; checked before anything runs.
     #[error("output directory {}: {source}", path.display())]
     OutDir {
+        /// The output directory.
         path: PathBuf,
+        /// The operating system's error.
         #[source]
         source: std::io::Error,
     },

@@ -12,17 +12,30 @@ use lockstep_core::tensor_parallel::check_plan;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ModelParallelKind {
     /// Tensor parallelism of size `tp` (the rest of the world data-parallel replicas).
-    Tensor { tp: usize, sequence_parallel: bool },
+    Tensor {
+        /// Tensor-parallel group size.
+        tp: usize,
+        /// Megatron sequence parallelism between blocks.
+        sequence_parallel: bool,
+    },
     /// Expert parallelism: each MoE layer's experts spread over `ep` ranks, every rank its
     /// own batch (data parallel).
-    Expert { ep: usize, dispatcher: Dispatcher },
+    Expert {
+        /// Ranks each layer's experts are spread over.
+        ep: usize,
+        /// How tokens reach their experts' ranks.
+        dispatcher: Dispatcher,
+    },
 }
 
 /// One tensor- or expert-parallel configuration of the matrix.
 #[derive(Clone, Debug)]
 pub struct ModelParallelConfig {
+    /// The name `--configs` patterns match and result files use.
     pub name: &'static str,
+    /// One line for `lockstep matrix --list`.
     pub description: &'static str,
+    /// What the configuration runs.
     pub kind: ModelParallelKind,
 }
 

@@ -39,12 +39,15 @@ pub const PIPELINE_VS_SINGLE_REASON: &str = "a pipeline accumulates M microbatch
 pub struct PipelineConfig {
     /// `pp.1f1b`, `pp.interleaved_1f1b`...
     pub name: &'static str,
+    /// One line for `lockstep matrix --list`.
     pub description: &'static str,
+    /// The built-in schedule it runs.
     pub schedule: ScheduleKind,
     /// Stages per rank.
     pub virtual_stages: usize,
     /// A `PartitionMethod` in its text form (`uniform`, `parameters`, `type:REGEX`).
     pub partition: &'static str,
+    /// Activation recomputation every `k` layers of a stage; `None` keeps activations.
     pub checkpoint_every: Option<usize>,
     /// Data-parallel replicas (PP×DP).
     pub data_parallel: usize,

@@ -4,6 +4,7 @@
 //! links an executable calls [`link_libtorch`] from its own `build.rs`. It gives binaries an
 //! rpath to libtorch (nobody has to set `LD_LIBRARY_PATH`) and forces `libtorch_cuda` into the
 //! binary with `--no-as-needed` (otherwise `--as-needed` drops it and CUDA is never found).
+#![warn(missing_docs)]
 
 use std::path::PathBuf;
 

@@ -11,17 +11,29 @@ pub enum CommError {
     Mismatch(String),
     /// A peer's connection closed or failed, usually because that rank died.
     #[error("lost rank {rank}: {reason}")]
-    PeerLost { rank: usize, reason: String },
+    PeerLost {
+        /// The rank whose connection was lost.
+        rank: usize,
+        /// What the socket said (closed, reset...).
+        reason: String,
+    },
     /// A wait exceeded its deadline.
     #[error("timed out after {seconds:.1} s waiting for {what}")]
-    Timeout { what: String, seconds: f64 },
+    Timeout {
+        /// What was awaited (a store key, a peer, a collective).
+        what: String,
+        /// The deadline that passed, in seconds.
+        seconds: f64,
+    },
     /// The store refused the connection or answered with an error.
     #[error("store: {0}")]
     Store(String),
     /// A socket or file operation failed.
     #[error("{context}: {source}")]
     Io {
+        /// What was being done (connecting to an address, reading a file...).
         context: String,
+        /// The operating system's error.
         #[source]
         source: std::io::Error,
     },

@@ -33,12 +33,15 @@ pub struct OpRecord {
     pub group: String,
     /// Collective sequence number within the group (point-to-point: per-peer counter).
     pub seq: u64,
+    /// The operation issued.
     pub op: OpKind,
     /// Shapes of the tensors involved (input first, then output where they differ).
     pub shapes: Vec<Vec<i64>>,
+    /// Element type (`None` for a barrier).
     pub dtype: Option<DType>,
     /// Peer for point-to-point operations (group rank).
     pub peer: Option<usize>,
+    /// How far the operation got: what a hang dump reads to find the rank that is stuck.
     pub state: OpState,
     /// Milliseconds since the Unix epoch when the operation was issued.
     pub issued_ms: u128,

@@ -6,13 +6,21 @@ use tch::Kind;
 /// Element types a collective accepts. Mirrors the `tch::Kind`s training code uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum DType {
+    /// `Kind::Float`, 32-bit IEEE float: the usual parameter and gradient type.
     F32,
+    /// `Kind::Double`, 64-bit IEEE float: what reference runs compare in.
     F64,
+    /// `Kind::BFloat16`: reduced in f32 and rounded back, so rank order still matters.
     BF16,
+    /// `Kind::Half`, IEEE binary16: reduced in f32 and rounded back.
     F16,
+    /// `Kind::Int64`: indices, token ids and counters.
     I64,
+    /// `Kind::Int`, 32-bit signed integer.
     I32,
+    /// `Kind::Uint8`, one byte per element.
     U8,
+    /// `Kind::Bool`, one byte per element; reductions are logical (see [`ReduceOp`]).
     Bool,
 }
 
@@ -107,9 +115,13 @@ impl std::fmt::Display for DType {
 /// only). For `Bool`, `Sum` and `Max` are logical or and `Min` is logical and, as in PyTorch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum ReduceOp {
+    /// Element-wise sum, added in rank order so every run gives the same bits.
     Sum,
+    /// The rank-order sum divided once by the group size (floating dtypes only).
     Avg,
+    /// Element-wise maximum (logical or for `Bool`).
     Max,
+    /// Element-wise minimum (logical and for `Bool`).
     Min,
 }
 
@@ -140,13 +152,21 @@ impl std::fmt::Display for ReduceOp {
 /// The collectives and point-to-point operations, as named in errors and flight records.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum OpKind {
+    /// Every rank ends with the reduction of every rank's tensor.
     AllReduce,
+    /// Every rank ends with every rank's tensor, concatenated in rank order.
     AllGather,
+    /// Reduce, then each rank keeps its own shard of the result.
     ReduceScatter,
+    /// One root rank's tensor copied to every rank.
     Broadcast,
+    /// Each rank sends a distinct chunk to every other rank.
     AllToAll,
+    /// No data: returns once every rank has entered.
     Barrier,
+    /// Point-to-point send to one peer.
     Send,
+    /// Point-to-point receive from one peer.
     Recv,
 }
 

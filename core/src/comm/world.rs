@@ -42,7 +42,9 @@ impl std::str::FromStr for Backend {
 /// What a rank needs to join a run.
 #[derive(Clone, Debug)]
 pub struct InitOptions {
+    /// This rank, 0-based.
     pub rank: usize,
+    /// Ranks in the run; every rank must pass the same value.
     pub world_size: usize,
     /// `host:port` of the store.
     pub store_addr: String,
@@ -50,6 +52,7 @@ pub struct InitOptions {
     pub secret: String,
     /// Address this rank listens on for peers (`127.0.0.1` unless multi-node).
     pub listen_host: String,
+    /// Which process-group implementation the world uses.
     pub backend: Backend,
     /// CUDA device for the NCCL backend (usually `LOCAL_RANK`).
     pub device: usize,

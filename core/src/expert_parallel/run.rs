@@ -23,6 +23,7 @@ use tch::Tensor;
 pub struct EpOptions {
     /// Ranks the experts of a layer are spread over; the world is `world / ep` replicas.
     pub ep: usize,
+    /// How tokens reach their experts' ranks (two implementations, cross-checked).
     pub dispatcher: Dispatcher,
     /// `None`: no token is dropped (the zoo's dense layer computes every choice).
     pub capacity_factor: Option<f64>,
@@ -41,18 +42,25 @@ pub enum EpFault {
 /// Everything an expert-parallel run can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum EpError {
+    /// The options cannot run (e.g. an `ep` that does not divide the experts or world).
     #[error("expert parallel: {0}")]
     Invalid(String),
+    /// Routing or dispatching tokens failed.
     #[error(transparent)]
     Moe(#[from] super::moe::MoeError),
+    /// A parallel layer could not be built from the model's layer.
     #[error(transparent)]
     Layers(#[from] crate::tensor_parallel::layers::TensorParallelError),
+    /// Building or running the model failed.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The training loop failed.
     #[error(transparent)]
     Train(#[from] TrainError),
+    /// A collective failed.
     #[error(transparent)]
     Comm(#[from] crate::CommError),
+    /// A libtorch call failed.
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
 }

@@ -22,7 +22,9 @@ use tch::{Kind, Tensor};
 /// A tensor's shape and dtype: what a receiver allocates and what a handshake compares.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorMeta {
+    /// Full shape, batch dimension included.
     pub shape: Vec<i64>,
+    /// Element type.
     pub kind: Kind,
 }
 
@@ -188,8 +190,11 @@ fn depends_on(values: &[Tensor], leaves: &[Tensor]) -> Result<BTreeSet<usize>, P
 /// every schedule's dependencies hold; such an edge carries a one-element token.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StageEdge {
+    /// The producing stage.
     pub from: usize,
+    /// The consuming stage (after `from`).
     pub to: usize,
+    /// Layers whose outputs cross, in order; empty for a token-only chain edge.
     pub layers: Vec<usize>,
 }
 

@@ -53,22 +53,31 @@ pub enum PipelineError {
          {producer} announced {announced}; stage {consumer} expects {expected}"
     )]
     ShapeMismatch {
+        /// The stage that sends the tensors.
         producer: usize,
+        /// The stage that receives them.
         consumer: usize,
+        /// Shapes and dtypes the producer announced.
         announced: String,
+        /// Shapes and dtypes the consumer's model stage takes.
         expected: String,
     },
     /// An action could not run (its inputs are missing: the schedule is wrong).
     #[error("pipeline execution: {0}")]
     Execution(String),
+    /// Building, splitting or running the model failed.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// A send, receive or collective failed.
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// The autograd bridge failed (backward across a stage boundary).
     #[error(transparent)]
     Autograd(#[from] AutogradError),
+    /// The optimizer step or gradient handling failed.
     #[error(transparent)]
     Train(#[from] TrainError),
+    /// A libtorch call failed.
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
 }

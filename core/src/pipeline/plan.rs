@@ -40,11 +40,13 @@ pub enum PipelineFault {
 /// How a pipeline run is configured.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PipelineOptions {
+    /// A built-in schedule or one loaded from CSV.
     pub schedule: ScheduleChoice,
     /// Stages per rank (`v`); built-in schedules only.
     pub virtual_stages: usize,
     /// Microbatches per step (`m`); built-in schedules only.
     pub microbatches: usize,
+    /// How layers are assigned to stages.
     pub partition: PartitionMethod,
     /// Recompute every `k` layers of a stage in backward instead of keeping activations.
     pub checkpoint_every: Option<usize>,
@@ -73,7 +75,9 @@ impl Default for PipelineOptions {
 pub struct PipelinePlan {
     /// Pipeline ranks `p` (world size / data-parallel replicas).
     pub ranks: usize,
+    /// Data-parallel replicas of the whole pipeline (1 for a pure pipeline).
     pub data_parallel: usize,
+    /// Microbatches per step (`m`), from the schedule.
     pub microbatches: usize,
     /// Per stage: its layers.
     pub stages: Vec<Range<usize>>,
@@ -81,6 +85,7 @@ pub struct PipelinePlan {
     pub stage_ranks: Vec<usize>,
     /// The dataflow at the first microbatch's size.
     pub dataflow: Dataflow,
+    /// What crosses between stages under this partition (the edges sends and receives use).
     pub flow: StageFlow,
     /// Lowered (communication inserted) and validated.
     pub schedule: Schedule,

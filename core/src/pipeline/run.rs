@@ -21,8 +21,11 @@ use tch::{Kind, Tensor};
 /// and this rank's measured timeline.
 #[derive(Debug)]
 pub struct PipelineRun {
+    /// Losses, gradients and parameters, comparable against the reference run.
     pub record: RunRecord,
+    /// This rank's timeline, one entry per step.
     pub traces: Vec<RankStepTrace>,
+    /// The plan that was run (stages, schedule, simulation).
     pub plan: PipelinePlan,
 }
 

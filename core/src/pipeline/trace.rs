@@ -13,14 +13,18 @@ pub struct TraceEvent {
     pub compute: bool,
     /// Wall-clock microseconds since the Unix epoch (ranks on one host share the clock).
     pub begin_us: u64,
+    /// How long the action took, in microseconds.
     pub duration_us: u64,
 }
 
 /// One rank's events over one step.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RankStepTrace {
+    /// The global rank that recorded the events.
     pub rank: usize,
+    /// The training step, 0-based.
     pub step: usize,
+    /// The rank's actions in the order they began.
     pub events: Vec<TraceEvent>,
 }
 

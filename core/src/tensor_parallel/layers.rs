@@ -28,8 +28,11 @@ pub enum TensorParallelError {
     Indivisible {
         /// Which tensor was being split.
         what: String,
+        /// The dimension to split.
         dim: i64,
+        /// The tensor's extent along `dim`.
         size: i64,
+        /// The tensor-parallel group size.
         tp: usize,
     },
     /// Tensors whose shapes do not fit together (a weight shard that does not match the

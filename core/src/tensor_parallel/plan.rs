@@ -24,13 +24,16 @@ pub enum TpStyle {
 /// `layers.*.attention.wq`) and its style.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TpRule {
+    /// Module path pattern; it must match at least one module of the model.
     pub pattern: String,
+    /// How the matched modules' parameters are split.
     pub style: TpStyle,
 }
 
 /// A tensor-parallel plan for one model family.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TpPlan {
+    /// The rules in order; a module matched by no rule stays replicated.
     pub rules: Vec<TpRule>,
     /// Hidden states between blocks live on sequence shards (Megatron's SP).
     pub sequence_parallel: bool,
@@ -44,29 +47,52 @@ pub enum Placement {
     /// Whole on every rank, gradient partial (sequence shards): summed over TP.
     PartialGrad,
     /// Split along `dim` into equal contiguous chunks, rank r holding chunk r.
-    Shard { dim: i64 },
+    Shard {
+        /// The split dimension of the parameter tensor.
+        dim: i64,
+    },
 }
 
 /// Why a plan cannot apply.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum TpPlanError {
+    /// A rule whose pattern matches nothing (usually a typo in the path).
     #[error("tensor-parallel plan: pattern `{pattern}` matches no module of model `{model}`")]
-    NoMatch { pattern: String, model: String },
+    NoMatch {
+        /// The rule's pattern.
+        pattern: String,
+        /// The model's zoo name.
+        model: String,
+    },
+    /// A parameter's split dimension does not divide by the TP size.
     #[error(
         "tensor-parallel plan: `{param}` ({style:?}) has {size} along dimension {dim}, which \
          does not divide by the tensor-parallel size {tp}"
     )]
     Indivisible {
+        /// The parameter's full name.
         param: String,
+        /// The style that would split it.
         style: TpStyle,
+        /// The dimension to split.
         dim: i64,
+        /// The parameter's extent along `dim`.
         size: i64,
+        /// The tensor-parallel group size.
         tp: usize,
     },
+    /// Attention heads must split whole across the TP ranks.
     #[error("tensor-parallel plan: layers.*.attention: {heads} attention heads do not divide by the tensor-parallel size {tp}")]
-    Heads { heads: i64, tp: usize },
+    Heads {
+        /// The model's attention head count.
+        heads: i64,
+        /// The tensor-parallel group size.
+        tp: usize,
+    },
+    /// The model (named) has no TP plan.
     #[error("tensor-parallel plan: model `{0}` has no tensor-parallel implementation (zoo gpt, gpt_moe and transformer do)")]
     Unsupported(String),
+    /// The requested TP size is zero or does not divide the world size.
     #[error("tensor-parallel plan: size {0} is not a positive divisor of the world")]
     Size(usize),
 }

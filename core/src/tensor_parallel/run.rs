@@ -22,6 +22,7 @@ use tch::Tensor;
 pub struct TpOptions {
     /// Tensor-parallel size; the world is `tp × (world / tp)` data-parallel replicas.
     pub tp: usize,
+    /// Megatron sequence parallelism: activations between blocks live on sequence shards.
     pub sequence_parallel: bool,
     /// A planted bug (checker tests only).
     pub fault: Option<TpFault>,
@@ -30,20 +31,28 @@ pub struct TpOptions {
 /// Everything a tensor-parallel run can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum TpError {
+    /// The plan does not fit the model or the TP size.
     #[error(transparent)]
     Plan(#[from] TpPlanError),
+    /// A parallel layer could not be built from the model's layer.
     #[error(transparent)]
     Layers(#[from] super::layers::TensorParallelError),
+    /// The options cannot run (e.g. a world the TP size does not divide).
     #[error("tensor parallel: {0}")]
     Invalid(String),
+    /// Building or running the model failed.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The training loop failed.
     #[error(transparent)]
     Train(#[from] TrainError),
+    /// A collective failed.
     #[error(transparent)]
     Comm(#[from] crate::CommError),
+    /// A differentiable collective's autograd bridge failed.
     #[error(transparent)]
     Autograd(#[from] crate::AutogradError),
+    /// A libtorch call failed.
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
 }

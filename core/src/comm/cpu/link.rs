@@ -20,7 +20,9 @@ pub const INLINE_WRITE_MAX: usize = 64 << 10;
 
 /// A received message.
 pub struct Message {
+    /// What the sender said about the message.
     pub header: Header,
+    /// The payload bytes, in the header's dtype (possibly short: see `truncated`).
     pub data: Vec<u8>,
     /// The connection broke before the whole payload arrived; the header is still worth
     /// checking (a peer that gave up on a mismatched collective is named by it).
@@ -102,8 +104,15 @@ impl Inbox {
 /// Bytes a queued write sends. `Borrowed` points into a tensor the issuing operation keeps
 /// alive and unmodified until the write's latch completes.
 pub enum Payload {
+    /// Bytes the write owns (small or temporary buffers).
     Owned(Vec<u8>),
-    Borrowed { ptr: *const u8, len: usize },
+    /// Bytes in a live tensor: no copy, so the issuer must not touch it until the latch.
+    Borrowed {
+        /// Start of the bytes.
+        ptr: *const u8,
+        /// Length in bytes.
+        len: usize,
+    },
 }
 
 // SAFETY: a borrowed payload is only read by the writer thread while the issuing operation

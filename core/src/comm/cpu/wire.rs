@@ -12,16 +12,22 @@ const MAX_DIMS: usize = 6;
 /// Collective traffic and point-to-point traffic live in separate sequence spaces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Channel {
+    /// Collectives: sequenced per group, so every rank agrees on the order.
     Collective = 0,
+    /// Sends and receives: sequenced per pair of ranks.
     PointToPoint = 1,
 }
 
 /// What one message says about itself.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Header {
+    /// Which sequence space `seq` counts in.
     pub channel: Channel,
+    /// The operation the sender is in; a receiver in another op reports a mismatch.
     pub op: OpKind,
+    /// The payload's element type (`None` for a barrier).
     pub dtype: Option<DType>,
+    /// The reduction, for reducing collectives only.
     pub reduce: Option<ReduceOp>,
     /// Collective: the group's sequence number. Point-to-point: the per-pair counter.
     pub seq: u64,
