@@ -300,7 +300,7 @@ fn spawn_rank(
     }
 }
 
-/// Exit code of a forked rank that cannot start threads (see [`threads_start`]).
+/// Exit code of a forked rank that cannot start threads (see `threads_start`).
 pub const BROKEN_FORK_EXIT: i32 = 86;
 
 /// Whether this (freshly forked) process can start a thread. A child inherits every lock

@@ -292,7 +292,7 @@ where
 }
 
 /// Entry point for binaries (like the CLI) whose rank processes were started by
-/// [`crate::launch`]: joins the run and calls `body`, exiting with its outcome.
+/// [`crate::launch()`]: joins the run and calls `body`, exiting with its outcome.
 pub fn rank_main<F, R>(body: F) -> !
 where
     F: Fn(&RankCtx) -> R,

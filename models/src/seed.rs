@@ -42,7 +42,7 @@ pub fn manual_seed(seed: u64) {
     tch::manual_seed(seed as i64);
 }
 
-/// Holds the draw lock for as long as the guard lives; [`reseed`] may be called meanwhile
+/// Holds the draw lock for as long as the guard lives; [`SeedGuard::reseed`] may be called meanwhile
 /// to switch streams (as PyTorch's constructors do mid-way).
 pub struct SeedGuard {
     _lock: MutexGuard<'static, ()>,

@@ -46,9 +46,9 @@ impl Precision {
 /// How an FSDP configuration places its ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FsdpLayout {
-    /// One sharding group over the whole world ([`train_fsdp`]).
+    /// One sharding group over the whole world ([`train_fsdp`](lockstep_core::fsdp::train_fsdp)).
     Flat,
-    /// Hybrid shard ([`train_fsdp_hybrid`]): `replicas` replicas of `world / replicas` ranks
+    /// Hybrid shard ([`train_fsdp_hybrid`](lockstep_core::fsdp::train_fsdp_hybrid)): `replicas` replicas of `world / replicas` ranks
     /// each; world sizes that do not split that way are skipped with the reason.
     Hybrid {
         /// Replicas; each shards over `world / replicas` ranks.

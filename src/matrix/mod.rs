@@ -39,7 +39,7 @@
 //! differ by construction (per-rank experts, BatchNorm statistics) have no single-device
 //! reference; their rows against it are skipped with the model's own reason.
 //!
-//! Parallel runs are launched with [`RankSpawn::Fork`] (the process never touches CUDA), rank
+//! Parallel runs are launched with [`RankSpawn::Fork`](lockstep_harness::RankSpawn::Fork) (the process never touches CUDA), rank
 //! 0 hands its [`RunRecord`] back through a temporary JSON file, and the single-device runs
 //! happen in this process. Nothing is written until every run is done, and stale report
 //! files in the output directory are removed before the first run. A run that fails (a rank

@@ -2,7 +2,7 @@
 //! from a plain `#[test]` run by `cargo nextest run`.
 //!
 //! A [`ParityTest`] names a model (a zoo model, or your type implementing
-//! [`Model`](lockstep_models::Model)), the configurations under test (built-in ones such as
+//! [`Model`]), the configurations under test (built-in ones such as
 //! `ddp` or `fsdp.full_shard.per_layer`, or your own closure that trains the model on every
 //! rank), the references they must agree with (`single`, `ddp`, or another configuration),
 //! world sizes, steps, seed and tolerance policy. [`ParityTest::run`] launches one process

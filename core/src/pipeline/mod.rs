@@ -5,8 +5,8 @@
 //! one probe forward which layer outputs each stage needs from earlier ones ([`dataflow`]),
 //! and builds the schedule as data: per-rank action lists, lowered with their sends and
 //! receives, validated and simulated before any rank starts ([`schedule`]).
-//! [`train_pipeline`] then runs the actions on every rank ([`executor`]): each stage runs the
-//! model's own forward with the other stages' layers substituted ([`stage`]), so no model
+//! [`train_pipeline`] then runs the actions on every rank (`executor`): each stage runs the
+//! model's own forward with the other stages' layers substituted (`stage`), so no model
 //! learns that it is pipelined. Tied weights live on every stage that uses them, start from
 //! the lowest holder's value and have their gradients summed among holders after the last
 //! backward; microbatch losses are scaled so the accumulated gradient is the reference's

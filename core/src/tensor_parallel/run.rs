@@ -1,5 +1,5 @@
 //! Training the zoo decoder under tensor (and sequence) parallelism on one rank: shards cut
-//! from the full parameters every rank builds, the model's forward through [`GptTp`]'s hooks,
+//! from the full parameters every rank builds, the model's forward through `GptTp`'s hooks,
 //! the vocabulary-parallel loss, partial gradients summed over TP, replicas averaged over
 //! data parallelism, the optimizer on this rank's shards, and a record of full tensors.
 
