@@ -58,7 +58,8 @@ pub enum DdpError {
     /// The mixed-precision policy is invalid or cannot be applied to this model.
     #[error(transparent)]
     Precision(#[from] PrecisionError),
-    /// The model or options cannot be wrapped (e.g. no trainable parameters).
+    /// The model or its gradients do not fit DDP (e.g. a parameter with no gradient when its
+    /// bucket is reduced).
     #[error("ddp: {0}")]
     Invalid(String),
 }

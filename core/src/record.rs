@@ -50,7 +50,8 @@ pub struct RunSpec {
     pub model: String,
     /// Parallel configuration name (e.g. `single`, `ddp`, `fsdp.full_shard`).
     pub config: String,
-    /// Ranks the run used (1 for a reference run).
+    /// Ranks whose batches the run trains on (a reference run keeps the world size it
+    /// stands in for, on one process).
     pub world_size: usize,
     /// Process-group backend name (`cpu` or `nccl`).
     pub backend: String,

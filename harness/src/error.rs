@@ -9,7 +9,7 @@ use std::time::Duration;
 pub enum RankEnd {
     /// Exited with code 0.
     Success,
-    /// Exited with this non-zero code (a failed test body exits with 1).
+    /// Exited with this non-zero code (a rank whose body failed exits non-zero).
     ExitCode(i32),
     /// Killed by this signal number from outside the launcher (a crash, the OOM killer...).
     Signal(i32),

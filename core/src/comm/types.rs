@@ -8,11 +8,11 @@ use tch::Kind;
 pub enum DType {
     /// `Kind::Float`, 32-bit IEEE float: the usual parameter and gradient type.
     F32,
-    /// `Kind::Double`, 64-bit IEEE float: what reference runs compare in.
+    /// `Kind::Double`, 64-bit IEEE float.
     F64,
-    /// `Kind::BFloat16`: reduced in f32 and rounded back, so rank order still matters.
+    /// `Kind::BFloat16`: the CPU backend accumulates in f32 and rounds once.
     BF16,
-    /// `Kind::Half`, IEEE binary16: reduced in f32 and rounded back.
+    /// `Kind::Half`, IEEE binary16: the CPU backend accumulates in f32 and rounds once.
     F16,
     /// `Kind::Int64`: indices, token ids and counters.
     I64,
@@ -115,7 +115,8 @@ impl std::fmt::Display for DType {
 /// only). For `Bool`, `Sum` and `Max` are logical or and `Min` is logical and, as in PyTorch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum ReduceOp {
-    /// Element-wise sum, added in rank order so every run gives the same bits.
+    /// Element-wise sum (the CPU backend adds in increasing rank order, so runs are bitwise
+    /// reproducible).
     Sum,
     /// The rank-order sum divided once by the group size (floating dtypes only).
     Avg,

@@ -37,7 +37,8 @@ pub enum TpError {
     /// A parallel layer could not be built from the model's layer.
     #[error(transparent)]
     Layers(#[from] super::layers::TensorParallelError),
-    /// The options cannot run (e.g. a world the TP size does not divide).
+    /// The run cannot go ahead as configured (a sequence length the TP size does not divide, a
+    /// batch without its target).
     #[error("tensor parallel: {0}")]
     Invalid(String),
     /// Building or running the model failed.
