@@ -5,7 +5,7 @@
 //! outputs whose backward calls the backward closure. The backward closure lives in that node
 //! and is dropped exactly once, when the node dies, whether or not backward ran.
 //!
-//! ```no_run
+//! ```
 //! use lockstep_core::autograd::{apply, engine};
 //! use tch::{Kind, Tensor};
 //! # fn main() -> Result<(), lockstep_core::autograd::AutogradError> {
@@ -15,6 +15,7 @@
 //!     Ok(vec![grads[0].as_ref().map(|g| g * 2.0)])
 //! })?;
 //! engine::backward(&[&y[0].sum(Kind::Double)], &[None], false)?;
+//! assert_eq!(Vec::<f64>::try_from(x.grad()).unwrap(), [2.0, 2.0, 2.0]);
 //! # Ok(()) }
 //! ```
 

@@ -3,6 +3,40 @@
 //! [`compare`] judges one [`RunRecord`](lockstep_core::record::RunRecord) against another
 //! under a [`TolerancePolicy`] and returns a [`Comparison`] with every number a report needs.
 //! Reports over many comparisons live in [`crate::report`].
+//!
+//! A DDP run whose one loss is a rounding away from the single-device reference passes under
+//! the dtype's tolerance and fails a bitwise policy, which names the step:
+//!
+//! ```
+//! use lockstep_core::comm::DType;
+//! use lockstep_core::record::{NamedTensor, RunRecord, RunSpec};
+//! use lockstep_harness::parity::{compare, TolerancePolicy};
+//!
+//! let record = |config: &str, loss: f64| {
+//!     let spec = RunSpec {
+//!         model: "mlp".into(),
+//!         config: config.into(),
+//!         world_size: 2,
+//!         backend: "cpu".into(),
+//!         dtype: "fp32".into(),
+//!         steps: 1,
+//!         seed: 0,
+//!     };
+//!     let mut r = RunRecord::start(spec, false);
+//!     r.losses.push(loss);
+//!     r.grad_norms.push(0.5);
+//!     let w = tch::Tensor::from_slice(&[1.0f32, 2.0]);
+//!     r.params.push(NamedTensor::capture("fc.weight", &w).unwrap());
+//!     r
+//! };
+//! let reference = record("single", 0.25);
+//! let ddp = record("ddp", 0.25 + 1e-8);
+//!
+//! assert!(compare(&ddp, &reference, &TolerancePolicy::dtype_table(DType::F32)).passed);
+//! let strict = compare(&ddp, &reference, &TolerancePolicy::bitwise(DType::F32));
+//! assert!(!strict.passed);
+//! assert_eq!(strict.first_failure.unwrap().step, Some(0));
+//! ```
 
 mod compare;
 mod tolerance;

@@ -43,6 +43,19 @@ pub fn names() -> Vec<&'static str> {
 
 /// Builds model `name` for `rank` of a run seeded `seed`: every rank gets the same
 /// parameters except those tagged rank-local.
+///
+/// ```
+/// use lockstep_models::zoo;
+///
+/// // Two builds from one seed hold the same weights and draw the same batches: what lets a
+/// // reference run and every rank of a parallel run train the same model.
+/// let a = zoo::build("mlp", 7, 0)?;
+/// let b = zoo::build("mlp", 7, 0)?;
+/// let (loss_a, loss_b) = (a.loss(&a.input(0, 0)?)?, b.loss(&b.input(0, 0)?)?);
+/// assert_eq!(loss_a.double_value(&[]), loss_b.double_value(&[]));
+/// assert!(zoo::build("no_such_model", 7, 0).is_err());
+/// # Ok::<(), lockstep_models::ModelError>(())
+/// ```
 pub fn build(name: &str, seed: u64, rank: usize) -> Result<Box<dyn Model>, ModelError> {
     match ZOO.iter().find(|(n, _)| *n == name) {
         Some((_, builder)) => builder(seed, rank),
