@@ -393,6 +393,7 @@ pub fn train_builtin(
                 &TpOptions {
                     tp,
                     sequence_parallel,
+                    data_parallel: Default::default(),
                     fault: None,
                 },
             )

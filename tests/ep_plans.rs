@@ -140,6 +140,7 @@ fn opts(ep: usize, dispatcher: Dispatcher) -> EpOptions {
         ep,
         dispatcher,
         capacity_factor: None,
+        data_parallel: Default::default(),
         fault: None,
     }
 }

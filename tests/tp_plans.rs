@@ -35,6 +35,7 @@ fn opts(tp: usize, sequence_parallel: bool) -> TpOptions {
     TpOptions {
         tp,
         sequence_parallel,
+        data_parallel: Default::default(),
         fault: None,
     }
 }

@@ -9,6 +9,7 @@
 
 pub mod autograd;
 pub mod comm;
+pub mod compose;
 pub mod ddp;
 pub mod expert_parallel;
 pub mod fsdp;

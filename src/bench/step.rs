@@ -158,6 +158,7 @@ impl StepRun {
         TpOptions {
             tp: world_size,
             sequence_parallel,
+            data_parallel: Default::default(),
             fault: None,
         }
     }
@@ -167,6 +168,7 @@ impl StepRun {
             ep: world_size,
             dispatcher: Dispatcher::AllToAll,
             capacity_factor: None,
+            data_parallel: Default::default(),
             fault: None,
         }
     }

@@ -68,6 +68,7 @@ impl ModelParallelConfig {
                 &TpOptions {
                     tp,
                     sequence_parallel,
+                    data_parallel: Default::default(),
                     fault: None,
                 },
             )
@@ -87,6 +88,7 @@ impl ModelParallelConfig {
             ep,
             dispatcher,
             capacity_factor: None,
+            data_parallel: Default::default(),
             fault: None,
         }
     }

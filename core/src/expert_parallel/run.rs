@@ -8,13 +8,14 @@
 
 use super::moe::{Dispatcher, MoeConfig};
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
+use crate::compose::{DataParallel, ShardError, ShardedUnit};
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::tensor_parallel::gpt::{ExpertsParallel, GptTp};
 use crate::tensor_parallel::layers::{vocab_parallel_cross_entropy, Reduction};
 use crate::train::{capture, grad_norm, TrainConfig, TrainError};
 use lockstep_models::zoo::GptConfig;
 use lockstep_models::{Model, ModelError};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use tch::Tensor;
 
@@ -27,6 +28,9 @@ pub struct EpOptions {
     pub dispatcher: Dispatcher,
     /// `None`: no token is dropped (the zoo's dense layer computes every choice).
     pub capacity_factor: Option<f64>,
+    /// How the dense (non-expert) parameters are kept over the world: replicated and
+    /// all-reduced (DDP), or sharded (EP×FSDP: one [`ShardedUnit`] over every rank).
+    pub data_parallel: DataParallel,
     /// A planted bug (checker tests only).
     pub fault: Option<EpFault>,
 }
@@ -37,6 +41,9 @@ pub enum EpFault {
     /// Expert gradients counted once per `ep` rank, as if reduced over `ep` as well (EP = 2
     /// doubles them).
     ExpertGradsReducedOverEp,
+    /// EP×FSDP: the experts are sharded over `dp` along with the dense parameters, so a
+    /// gather assembles an expert from different ranks' experts.
+    ExpertsShardedOverDp,
 }
 
 /// Everything an expert-parallel run can fail with.
@@ -60,6 +67,9 @@ pub enum EpError {
     /// A collective failed.
     #[error(transparent)]
     Comm(#[from] crate::CommError),
+    /// Sharding the dense parameters (EP×FSDP) failed.
+    #[error(transparent)]
+    Shard(#[from] ShardError),
     /// A libtorch call failed.
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
@@ -141,6 +151,44 @@ pub fn train_expert_parallel(
         .filter(|(n, _)| mine(n))
         .map(|(n, t)| (n.clone(), t.shallow_clone()))
         .collect();
+    // EP×FSDP: the dense parameters are one unit sharded over the world; experts stay whole
+    // on their rank (their data dimension is edp, reduced below).
+    let in_unit: HashSet<String> = match opts.data_parallel {
+        DataParallel::Replicate => HashSet::new(),
+        DataParallel::Shard => trained
+            .iter()
+            .filter(|(n, _)| {
+                !expert_of.contains_key(n) || opts.fault == Some(EpFault::ExpertsShardedOverDp)
+            })
+            .map(|(n, _)| n.clone())
+            .collect(),
+        DataParallel::HybridShard { .. } => {
+            return Err(EpError::Invalid(
+                "the dense parameters are replicated or sharded over the world, not hybrid".into(),
+            ))
+        }
+    };
+    let mut unit = if in_unit.is_empty() {
+        None
+    } else {
+        let sharded: Vec<(String, Tensor)> = trained
+            .iter()
+            .filter(|(n, _)| in_unit.contains(n))
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        Some(ShardedUnit::new(
+            "ep_dense",
+            sharded,
+            everyone.clone(),
+            None,
+        )?)
+    };
+    // What the optimizer steps besides the unit's shard.
+    let unsharded: Vec<(String, Tensor)> = trained
+        .iter()
+        .filter(|(n, _)| !in_unit.contains(n))
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect();
     let mut hooks = GptTp {
         group: alone,
         tp: 1,
@@ -181,6 +229,9 @@ pub fn train_expert_parallel(
             t.shallow_clone().zero_grad();
         }
         let _ = counts.take();
+        if let Some(u) = unit.as_mut() {
+            u.unshard()?;
+        }
         let batch = model.input(world.rank(), step)?;
         let logits = model.forward_hooked(&batch, &mut hooks)?;
         let target = batch
@@ -195,7 +246,7 @@ pub fn train_expert_parallel(
             Reduction::Mean,
         )?;
         loss.f_backward()?;
-        for (name, t) in &trained {
+        for (name, t) in &unsharded {
             let mut g = t.grad();
             if !g.defined() {
                 g = t.f_zeros_like()?;
@@ -212,10 +263,12 @@ pub fn train_expert_parallel(
                 everyone.all_reduce(&g, ReduceOp::Avg)?;
             }
         }
+        if let Some(u) = unit.as_mut() {
+            u.reduce_grads()?;
+        }
         collectives.push(CollectiveEntry::from_counts(counts.take()));
-        let full = full_tensors(&named, &expert_of, per, ep_rank, ep_group.as_ref(), |t| {
-            t.grad()
-        })?;
+        let local = local_values(&named, unit.as_ref(), |t| t.grad())?;
+        let full = full_tensors(&local, &expert_of, per, ep_rank, ep_group.as_ref())?;
         record.grad_norms.push(grad_norm(&full)?);
         if let Some(all) = record.grads.as_mut() {
             all.push(capture(&full)?);
@@ -223,17 +276,27 @@ pub fn train_expert_parallel(
         let value = Tensor::from_slice(&[loss.f_double_value(&[])?]);
         everyone.all_reduce(&value, ReduceOp::Avg)?;
         record.losses.push(value.f_double_value(&[0])?);
-        optimizer.step(&trained)?;
+        match unit.as_mut() {
+            None => optimizer.step(&unsharded)?,
+            Some(u) => {
+                let mut stepped = unsharded
+                    .iter()
+                    .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                    .collect::<Vec<_>>();
+                stepped.push(u.shard());
+                optimizer.step(&stepped)?;
+                // Freed until the next step's gather; gathered again after the last step.
+                u.reshard()?;
+                if step + 1 == cfg.spec.steps {
+                    u.unshard()?;
+                }
+            }
+        }
     }
+    let _ = counts.take();
     let params = tch::no_grad(|| {
-        full_tensors(
-            &named,
-            &expert_of,
-            per,
-            ep_rank,
-            ep_group.as_ref(),
-            Tensor::shallow_clone,
-        )
+        let local = local_values(&named, unit.as_ref(), Tensor::shallow_clone)?;
+        full_tensors(&local, &expert_of, per, ep_rank, ep_group.as_ref())
     })?;
     record.params = capture(&params)?;
     record.buffers = capture(&model.named_buffers())?;
@@ -241,37 +304,59 @@ pub fn train_expert_parallel(
     Ok(record)
 }
 
-/// Every parameter as a whole model has it: dense ones as they are, each expert's from the
-/// `ep` rank holding it (a broadcast over the `ep` group keeps the bits).
-fn full_tensors(
+/// Every parameter's `value` on this rank (its data or gradient; zeros where undefined),
+/// with the sharded unit's parameters gathered from their shards (the compute tensors may be
+/// freed).
+fn local_values(
     named: &[(String, Tensor)],
-    expert_of: &HashMap<String, usize>,
-    per: usize,
-    ep_rank: usize,
-    ep_group: &dyn ProcessGroup,
+    unit: Option<&ShardedUnit>,
     value: impl Fn(&Tensor) -> Tensor,
 ) -> Result<Vec<(String, Tensor)>, EpError> {
+    let gathered: HashMap<String, Tensor> = match unit {
+        Some(u) => u.full_values(&value)?.into_iter().collect(),
+        None => HashMap::new(),
+    };
     named
         .iter()
         .map(|(name, t)| {
+            if let Some(v) = gathered.get(name) {
+                return Ok((name.clone(), v.shallow_clone()));
+            }
             let v = value(t);
             let v = if v.defined() {
                 v.f_detach_copy()?
             } else {
                 t.f_zeros_like()?
             };
+            Ok((name.clone(), v))
+        })
+        .collect()
+}
+
+/// Every parameter as a whole model has it: dense ones as they are, each expert's from the
+/// `ep` rank holding it (a broadcast over the `ep` group keeps the bits).
+fn full_tensors(
+    local: &[(String, Tensor)],
+    expert_of: &HashMap<String, usize>,
+    per: usize,
+    ep_rank: usize,
+    ep_group: &dyn ProcessGroup,
+) -> Result<Vec<(String, Tensor)>, EpError> {
+    local
+        .iter()
+        .map(|(name, v)| {
             if let Some(&e) = expert_of.get(name) {
                 let owner = e / per;
                 let buf = if owner == ep_rank {
-                    v
+                    v.shallow_clone()
                 } else {
-                    t.f_zeros_like()?
+                    v.f_zeros_like()?
                 };
                 let buf = buf.f_contiguous()?;
                 ep_group.broadcast(&buf, owner)?;
                 return Ok((name.clone(), buf));
             }
-            Ok((name.clone(), v))
+            Ok((name.clone(), v.shallow_clone()))
         })
         .collect()
 }

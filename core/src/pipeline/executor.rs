@@ -15,7 +15,8 @@ use super::trace::TraceEvent;
 use super::PipelineError;
 use crate::autograd::{self, GradOptions};
 use crate::comm::ProcessGroup;
-use lockstep_models::{Batch, Model};
+use lockstep_models::{Batch, LayerHooks, Model};
+use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::Range;
 use std::sync::Arc;
@@ -74,7 +75,21 @@ pub(crate) struct Executor<'a> {
     pub unscaled_loss: bool,
     /// Planted bug: the first stage feeds microbatch 1's inputs as microbatch 0 and back.
     pub swap_first_microbatches: bool,
+    /// Hooks computing the stages' layers (tensor parallelism); `None`: the model's own.
+    pub compute: Option<&'a RefCell<Box<dyn LayerHooks>>>,
+    /// The last stage's loss of a microbatch's output (the vocabulary-parallel loss under
+    /// tensor parallelism); `None`: the model's own.
+    pub loss: Option<&'a LossFn<'a>>,
+    /// What `UNSHARD`, `RESHARD` and `REDUCE_GRAD` do (FSDP over the data dimension);
+    /// `None`: nothing.
+    pub sharding: Option<&'a ShardingFn<'a>>,
 }
+
+/// A stage's loss of a microbatch: (batch, the model's output) to a scalar.
+pub(crate) type LossFn<'a> = dyn Fn(&Batch, &Tensor) -> Result<Tensor, PipelineError> + 'a;
+
+/// Runs one of FSDP's schedule actions (`UNSHARD`, `RESHARD`, `REDUCE_GRAD`) for a stage.
+pub(crate) type ShardingFn<'a> = dyn Fn(&Action) -> Result<(), PipelineError> + 'a;
 
 /// What a step produced on this rank.
 pub(crate) struct StepOutcome {
@@ -175,8 +190,11 @@ impl Executor<'_> {
             )));
         }
         let Some(mb) = action.microbatch else {
-            // UNSHARD / RESHARD / REDUCE_GRAD are reserved for FSDP×PP: nothing to do here.
-            return Ok(());
+            // UNSHARD / RESHARD / REDUCE_GRAD: FSDP's, when the data dimension is sharded.
+            return match self.sharding {
+                Some(run) => run(action),
+                None => Ok(()),
+            };
         };
         if mb >= data.batches.len() {
             return Err(PipelineError::Execution(format!(
@@ -373,6 +391,7 @@ impl Executor<'_> {
             supplied: &slot.inputs,
             metas,
             capture: &capture,
+            compute: self.compute,
         };
         // A checkpointed forward still records its graph and drops it at once (outputs are
         // detached below): kernels may choose another algorithm without gradients (CPU
@@ -428,7 +447,10 @@ impl Executor<'_> {
         output: &Tensor,
         scale: f64,
     ) -> Result<Tensor, PipelineError> {
-        let loss = self.model.loss_of(batch, output)?;
+        let loss = match self.loss {
+            Some(f) => f(batch, output)?,
+            None => self.model.loss_of(batch, output)?,
+        };
         Ok(if self.unscaled_loss {
             loss
         } else {
@@ -651,6 +673,7 @@ impl Executor<'_> {
                 supplied: &supplied,
                 metas,
                 capture: &capture,
+                compute: self.compute,
             };
             let out = run_range(self.model, batch, &run)?;
             let mut outs = Vec::new();

@@ -27,7 +27,7 @@ pub mod trace;
 pub use partition::PartitionMethod;
 pub use plan::{plan_pipeline, PipelineFault, PipelineOptions, PipelinePlan, ScheduleChoice};
 pub use reference::microbatched_reference;
-pub use run::{train_pipeline, PipelineRun};
+pub use run::{train_pipeline, train_pipeline_with, PipelineRun, StageParallel};
 pub use schedule::{ScheduleError, ScheduleKind};
 
 use crate::autograd::AutogradError;
@@ -77,6 +77,9 @@ pub enum PipelineError {
     /// The optimizer step or gradient handling failed.
     #[error(transparent)]
     Train(#[from] TrainError),
+    /// FSDP's sharding of a stage (PP×FSDP) failed.
+    #[error(transparent)]
+    Shard(#[from] crate::compose::ShardError),
     /// A libtorch call failed.
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),

@@ -35,6 +35,9 @@ pub enum PipelineFault {
     DropAction(String),
     /// The first cross-rank edge announces a wrong shape in the per-step handshake.
     WrongShape,
+    /// PP×FSDP: each stage's `REDUCE_GRAD` runs right after its first backward instead of
+    /// after its last, so later microbatches' gradients never reach the shards.
+    ReduceGradBeforeLastMicrobatch,
 }
 
 /// How a pipeline run is configured.

@@ -4,15 +4,20 @@
 
 use super::dataflow::{probe, TensorMeta};
 use super::executor::{Executor, StepData};
+use super::executor::{LossFn, ShardingFn};
 use super::microbatch;
 use super::plan::{plan_pipeline, PipelineFault, PipelineOptions, PipelinePlan};
-use super::schedule::Action;
+use super::schedule::{Action, ActionKind};
 use super::trace::RankStepTrace;
 use super::PipelineError;
-use crate::comm::{DeviceMesh, ProcessGroup, ReduceOp, World};
-use crate::record::RunRecord;
+use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
+use crate::compose::{DataParallel, ShardedUnit};
+use crate::record::{CollectiveEntry, RunRecord};
+use crate::tensor_parallel::gpt::GptTp;
+use crate::tensor_parallel::{check_plan, Placement};
 use crate::train::{capture, grad_norm, TrainConfig};
-use lockstep_models::Model;
+use lockstep_models::{Batch, LayerHooks, Model};
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use tch::{Kind, Tensor};
@@ -29,6 +34,27 @@ pub struct PipelineRun {
     pub plan: PipelinePlan,
 }
 
+/// What runs inside each pipeline stage and across its replicas: tensor parallelism of the
+/// stage's layers (`tp` ranks compute each stage together) and the data dimension
+/// (replicas all-reduce, or FSDP shards each stage's parameters over `dp` through the
+/// schedule's `UNSHARD`, `RESHARD` and `REDUCE_GRAD` actions).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StageParallel {
+    /// Tensor-parallel size inside each stage (1: none).
+    pub tp: usize,
+    /// How replicas keep parameters and reduce gradients.
+    pub data: DataParallel,
+}
+
+impl Default for StageParallel {
+    fn default() -> Self {
+        StageParallel {
+            tp: 1,
+            data: DataParallel::Replicate,
+        }
+    }
+}
+
 /// Trains `model` (built whole on every rank; each rank computes only its stages) through
 /// the pipeline `opts` describes over `world`, for `cfg.spec.steps` steps. The objective is
 /// the reference's: the mean over the world's data ranks of each rank's loss
@@ -39,16 +65,73 @@ pub fn train_pipeline(
     cfg: &TrainConfig,
     opts: &PipelineOptions,
 ) -> Result<PipelineRun, PipelineError> {
+    train_pipeline_with(model, world, cfg, opts, StageParallel::default())
+}
+
+/// A pipeline whose stages are tensor-parallel and whose data dimension is replicated or
+/// sharded ([`StageParallel`]): PP×TP, PP×TP×DP, PP×FSDP. The mesh is `[dp, pp, tp]`; the
+/// pipeline itself spans `world / tp` ranks (`opts.data_parallel` replicas of it). With
+/// `tp = 1` and replicated data this is [`train_pipeline`].
+pub fn train_pipeline_with(
+    model: &dyn Model,
+    world: &World,
+    cfg: &TrainConfig,
+    opts: &PipelineOptions,
+    within: StageParallel,
+) -> Result<PipelineRun, PipelineError> {
     let world_size = world.size();
-    let plan = plan_pipeline(model, world_size, opts)?;
+    let tp = within.tp.max(1);
+    if !world_size.is_multiple_of(tp) {
+        return Err(PipelineError::InvalidPlan(format!(
+            "tensor-parallel size {tp} does not divide world size {world_size}"
+        )));
+    }
+    let plan = plan_pipeline(model, world_size / tp, opts)?;
     let p = plan.ranks;
     let dp = plan.data_parallel;
-    let mesh = DeviceMesh::new(world, &[("dp", dp), ("pp", p)])?;
-    let pp = mesh.group("pp")?;
-    let dpg = mesh.group("dp")?;
-    let rank = mesh.coordinate("pp")?;
-    let replica = mesh.coordinate("dp")?;
-    let global = |d: usize, r: usize| d * p + r;
+    let sharded = match within.data {
+        DataParallel::Replicate => false,
+        DataParallel::Shard => true,
+        DataParallel::HybridShard { .. } => {
+            return Err(PipelineError::InvalidPlan(
+                "a pipeline's replicas are replicated or sharded, not hybrid-sharded".into(),
+            ))
+        }
+    };
+    if sharded && plan.stages.len() != p {
+        return Err(PipelineError::InvalidPlan(format!(
+            "PP×FSDP runs one stage per rank; this schedule places {} stages on {p} ranks",
+            plan.stages.len()
+        )));
+    }
+    let counts = CollectiveCounts::new();
+    let counted = |g: Arc<dyn ProcessGroup>| -> Arc<dyn ProcessGroup> {
+        Arc::new(CountingGroup::new(g, counts.clone()))
+    };
+    // A plain pipeline keeps its historical two-dimensional mesh (and group names).
+    let composed = tp > 1 || sharded;
+    let (pp, dpg, tpg, rank, replica, tp_rank) = if tp > 1 {
+        let mesh = DeviceMesh::new(world, &[("dp", dp), ("pp", p), ("tp", tp)])?;
+        (
+            mesh.group("pp")?,
+            counted(mesh.group("dp")?),
+            Some(counted(mesh.group("tp")?)),
+            mesh.coordinate("pp")?,
+            mesh.coordinate("dp")?,
+            mesh.coordinate("tp")?,
+        )
+    } else {
+        let mesh = DeviceMesh::new(world, &[("dp", dp), ("pp", p)])?;
+        (
+            mesh.group("pp")?,
+            counted(mesh.group("dp")?),
+            None,
+            mesh.coordinate("pp")?,
+            mesh.coordinate("dp")?,
+            0,
+        )
+    };
+    let global = |d: usize, r: usize, t: usize| (d * p + r) * tp + t;
 
     // Groups, created in the same order on every rank.
     let mut edge_groups: HashMap<(usize, usize), Arc<dyn ProcessGroup>> = HashMap::new();
@@ -57,8 +140,9 @@ pub fn train_pipeline(
         if a == b {
             continue;
         }
-        let partition: Vec<Vec<usize>> =
-            (0..dp).map(|d| vec![global(d, a), global(d, b)]).collect();
+        let partition: Vec<Vec<usize>> = (0..dp)
+            .flat_map(|d| (0..tp).map(move |t| vec![global(d, a, t), global(d, b, t)]))
+            .collect();
         if let Some(g) = world.new_groups(&partition, "pp-edge")? {
             edge_groups.insert((e.from, e.to), g);
         }
@@ -74,14 +158,30 @@ pub fn train_pipeline(
     let mut holder_groups: BTreeMap<Vec<usize>, Arc<dyn ProcessGroup>> = BTreeMap::new();
     for set in &holder_sets {
         let partition: Vec<Vec<usize>> = (0..dp)
-            .map(|d| set.iter().map(|&r| global(d, r)).collect())
+            .flat_map(|d| (0..tp).map(move |t| set.iter().map(|&r| global(d, r, t)).collect()))
             .collect();
         if let Some(g) = world.new_groups(&partition, "pp-tied")? {
-            holder_groups.insert(set.clone(), g);
+            holder_groups.insert(set.clone(), counted(g));
         }
     }
 
-    let named = model.named_parameters();
+    // The tensors this rank computes with: the model's own, or its TP shards.
+    let model_params = model.named_parameters();
+    let stage_tp = match &tpg {
+        Some(group) => Some(StageTp::new(model, world_size, tp, tp_rank, group.clone())?),
+        None => None,
+    };
+    let named: Vec<(String, Tensor)> = match &stage_tp {
+        Some(s) => s
+            .local
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect(),
+        None => model_params
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect(),
+    };
     let held: Vec<usize> = (0..named.len())
         .filter(|&i| plan.holders[i].contains(&rank))
         .collect();
@@ -135,10 +235,92 @@ pub fn train_pipeline(
         })
         .collect();
 
+    let data_ranks = plan.data_ranks(replica, world_size);
+    // Every microbatch shape is probed before any parameter is sharded (a probe runs the
+    // model's own forward).
+    let mut metas_by_size: HashMap<Vec<i64>, Arc<Vec<TensorMeta>>> = HashMap::new();
+    let first = microbatch::split(model, &data_ranks, 0, plan.microbatches)?;
+    for b in &first.batches {
+        let key: Vec<i64> = b.inputs.iter().flat_map(|t| t.size()).collect();
+        if let std::collections::hash_map::Entry::Vacant(slot) = metas_by_size.entry(key) {
+            slot.insert(Arc::new(probe(model, b)?.outputs));
+        }
+    }
+
     let mut actions: Vec<Action> = plan.schedule.actions[rank].clone();
     if let Some(PipelineFault::DropAction(label)) = &opts.fault {
         actions.retain(|a| a.to_string() != *label);
     }
+    let held_params: Vec<(String, Tensor)> = held
+        .iter()
+        .map(|&i| (named[i].0.clone(), named[i].1.shallow_clone()))
+        .collect();
+    // PP×FSDP: this rank's stage's parameters, one unit sharded over dp, driven by the
+    // schedule's actions.
+    let unit: Option<RefCell<ShardedUnit>> = if sharded {
+        let stage = plan
+            .stage_ranks
+            .iter()
+            .position(|&r| r == rank)
+            .unwrap_or(0);
+        insert_sharding_actions(
+            &mut actions,
+            stage,
+            opts.fault == Some(PipelineFault::ReduceGradBeforeLastMicrobatch),
+        );
+        Some(RefCell::new(ShardedUnit::new(
+            &format!("stage{stage}"),
+            held_params
+                .iter()
+                .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                .collect(),
+            dpg.clone(),
+            None,
+        )?))
+    } else {
+        None
+    };
+    let reduce_tied = |grads_of: &dyn Fn(&Tensor) -> Tensor| -> Result<(), PipelineError> {
+        // Tied weights: every holder ends with the sum of every holder's part.
+        for &i in &held {
+            let (name, t) = &named[i];
+            let mut g = grads_of(t);
+            if !g.defined() {
+                g = t.f_zeros_like()?;
+                crate::autograd::set_grad(t, Some(&g))?;
+            }
+            let set: Vec<usize> = plan.holders[i].iter().copied().collect();
+            if opts.fault != Some(PipelineFault::SkipTiedReduce) {
+                if let Some(group) = holder_groups.get(&set) {
+                    group.all_reduce(&g, ReduceOp::Sum).map_err(|e| {
+                        PipelineError::Execution(format!("reducing tied `{name}`: {e}"))
+                    })?;
+                }
+            }
+        }
+        Ok(())
+    };
+    let sharding = |action: &Action| -> Result<(), PipelineError> {
+        let Some(unit) = &unit else { return Ok(()) };
+        let mut unit = unit.borrow_mut();
+        match action.kind {
+            ActionKind::Unshard => unit.unshard()?,
+            ActionKind::Reshard => unit.reshard()?,
+            ActionKind::ReduceGrad => {
+                // In DDP's order: tied parts summed across stages, then averaged over dp.
+                reduce_tied(&|t| t.grad())?;
+                unit.reduce_grads()?;
+            }
+            _ => {}
+        }
+        Ok(())
+    };
+    let loss_fn = stage_tp.as_ref().map(|s| {
+        move |batch: &Batch, output: &Tensor| -> Result<Tensor, PipelineError> {
+            s.loss(batch, output)
+        }
+    });
+    let compute = stage_tp.as_ref().map(|s| &s.hooks);
     let executor = Executor {
         model,
         flow: &plan.flow,
@@ -151,28 +333,33 @@ pub fn train_pipeline(
         checkpoint_every: opts.checkpoint_every,
         unscaled_loss: opts.fault == Some(PipelineFault::UnscaledLoss),
         swap_first_microbatches: opts.fault == Some(PipelineFault::SwapMicrobatches),
+        compute,
+        loss: loss_fn.as_ref().map(|f| f as &LossFn<'_>),
+        sharding: unit.as_ref().map(|_| &sharding as &ShardingFn<'_>),
     };
-    let data_ranks = plan.data_ranks(replica, world_size);
     let mut optimizer = cfg.optimizer.build();
-    let held_params: Vec<(String, Tensor)> = held
-        .iter()
-        .map(|&i| (named[i].0.clone(), named[i].1.shallow_clone()))
-        .collect();
-    let mut metas_by_size: HashMap<Vec<i64>, Arc<Vec<TensorMeta>>> = HashMap::new();
     let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
     let mut traces = Vec::new();
+    let mut collectives = Vec::with_capacity(cfg.spec.steps);
     // The f64 buffer the gradient norm squares into, kept across steps (see owned_grad_norm).
     let mut norm_scratch: Option<Tensor> = None;
     for step in 0..cfg.spec.steps {
         for (_, t) in &named {
             t.shallow_clone().zero_grad();
         }
+        let _ = counts.take();
         let split = microbatch::split(model, &data_ranks, step, plan.microbatches)?;
         let mut metas = Vec::with_capacity(split.batches.len());
         for b in &split.batches {
             let key: Vec<i64> = b.inputs.iter().flat_map(|t| t.size()).collect();
             let m = match metas_by_size.get(&key) {
                 Some(m) => m.clone(),
+                None if sharded => {
+                    return Err(PipelineError::InvalidPlan(format!(
+                        "step {step} brings a microbatch of a new shape {key:?}; PP×FSDP \
+                         probes every shape before sharding"
+                    )))
+                }
                 None => {
                     let flow = probe(model, b)?;
                     let m = Arc::new(flow.outputs);
@@ -200,24 +387,10 @@ pub fn train_pipeline(
             step,
             events: outcome.events,
         });
-        // Tied weights: every holder ends with the sum of every holder's part.
-        for &i in &held {
-            let (name, t) = &named[i];
-            let mut g = t.grad();
-            if !g.defined() {
-                g = t.f_zeros_like()?;
-                crate::autograd::set_grad(t, Some(&g))?;
-            }
-            let set: Vec<usize> = plan.holders[i].iter().copied().collect();
-            if opts.fault != Some(PipelineFault::SkipTiedReduce) {
-                if let Some(group) = holder_groups.get(&set) {
-                    group.all_reduce(&g, ReduceOp::Sum).map_err(|e| {
-                        PipelineError::Execution(format!("reducing tied `{name}`: {e}"))
-                    })?;
-                }
-            }
+        if !sharded {
+            reduce_tied(&|t| t.grad())?;
         }
-        if dp > 1 && !held.is_empty() {
+        if dp > 1 && !held.is_empty() && !sharded {
             let grads: Vec<Tensor> = held.iter().map(|&i| named[i].1.grad()).collect();
             let flat = Tensor::f_cat(
                 &grads
@@ -235,7 +408,21 @@ pub fn train_pipeline(
                 offset += n;
             }
         }
-        if let Some(all) = record.grads.as_mut() {
+        collectives.push(CollectiveEntry::from_counts(counts.take()));
+        if composed {
+            let full = full_values(
+                &named,
+                &model_params,
+                unit.as_ref(),
+                stage_tp.as_ref(),
+                |t| t.grad(),
+            )?;
+            let full_grads = gather_owned(&plan, rank, pp.as_ref(), &full, Tensor::shallow_clone)?;
+            record.grad_norms.push(grad_norm(&full_grads)?);
+            if let Some(all) = record.grads.as_mut() {
+                all.push(capture(&full_grads)?);
+            }
+        } else if let Some(all) = record.grads.as_mut() {
             let full_grads = gather_owned(&plan, rank, pp.as_ref(), &named, |t| t.grad())?;
             record.grad_norms.push(grad_norm(&full_grads)?);
             all.push(capture(&full_grads)?);
@@ -254,17 +441,196 @@ pub fn train_pipeline(
             dpg.all_reduce(&loss, ReduceOp::Avg)?;
         }
         record.losses.push(loss.f_double_value(&[0])?);
-        optimizer.step(&held_params)?;
+        match &unit {
+            None => optimizer.step(&held_params)?,
+            Some(u) => optimizer.step(&[u.borrow().shard()])?,
+        }
     }
-    let params =
-        tch::no_grad(|| gather_owned(&plan, rank, pp.as_ref(), &named, Tensor::shallow_clone))?;
+    let _ = counts.take();
+    let params = tch::no_grad(|| -> Result<_, PipelineError> {
+        if composed {
+            let full = full_values(
+                &named,
+                &model_params,
+                unit.as_ref(),
+                stage_tp.as_ref(),
+                Tensor::shallow_clone,
+            )?;
+            gather_owned(&plan, rank, pp.as_ref(), &full, Tensor::shallow_clone)
+        } else {
+            gather_owned(&plan, rank, pp.as_ref(), &named, Tensor::shallow_clone)
+        }
+    })?;
+    if let Some(u) = &unit {
+        // The model holds its trained stage again for whoever reads it next.
+        u.borrow_mut().unshard()?;
+    }
     record.params = capture(&params)?;
     record.buffers = capture(&model.named_buffers())?;
+    if composed {
+        record.collectives = Some(collectives);
+    }
     Ok(PipelineRun {
         record,
         traces,
         plan,
     })
+}
+
+/// Inserts FSDP's actions for this rank's `stage` into its action list: `UNSHARD` before its
+/// first action; `REDUCE_GRAD` and then `RESHARD` after its last (past every send, so the
+/// tied-weight reduction inside `REDUCE_GRAD` never waits on a rank that waits on this one).
+/// `early` plants the bug of reducing right after the first backward.
+fn insert_sharding_actions(actions: &mut Vec<Action>, stage: usize, early: bool) {
+    actions.insert(0, Action::new(stage, ActionKind::Unshard, None));
+    let reduce = Action::new(stage, ActionKind::ReduceGrad, None);
+    let first_backward = actions.iter().position(|a| {
+        a.stage == stage
+            && matches!(
+                a.kind,
+                ActionKind::FullBackward | ActionKind::BackwardWeight
+            )
+    });
+    match (early, first_backward) {
+        (true, Some(i)) => actions.insert(i + 1, reduce),
+        _ => actions.push(reduce),
+    }
+    actions.push(Action::new(stage, ActionKind::Reshard, None));
+}
+
+/// The tensor-parallel side of a PP×TP stage: this rank's TP shards, the hooks that compute
+/// the stage's layers with them, and the vocabulary-parallel loss.
+struct StageTp {
+    /// Every parameter as this rank computes with it (TP shards where the plan splits).
+    local: Vec<(String, Tensor)>,
+    placements: HashMap<String, Placement>,
+    hooks: RefCell<Box<dyn LayerHooks>>,
+    group: Arc<dyn ProcessGroup>,
+    vocab: i64,
+    vocab_start: i64,
+    tp: usize,
+}
+
+impl StageTp {
+    fn new(
+        model: &dyn Model,
+        world_size: usize,
+        tp: usize,
+        rank: usize,
+        group: Arc<dyn ProcessGroup>,
+    ) -> Result<StageTp, PipelineError> {
+        let tp_error =
+            |e: crate::tensor_parallel::TpError| PipelineError::InvalidPlan(e.to_string());
+        let opts = crate::tensor_parallel::TpOptions {
+            tp,
+            sequence_parallel: false,
+            data_parallel: DataParallel::Replicate,
+            fault: None,
+        };
+        let placements = check_plan(model, world_size, &opts).map_err(tp_error)?;
+        let config = model.gpt_config().ok_or_else(|| {
+            PipelineError::InvalidPlan(format!(
+                "PP×TP splits the zoo decoder's stages; `{}` does not report decoder sizes",
+                model.name()
+            ))
+        })?;
+        if model.name() == "gpt_dropout" {
+            return Err(PipelineError::InvalidPlan(
+                "PP×TP does not carry dropout keys per microbatch: use gpt or gpt_moe".into(),
+            ));
+        }
+        let mut local = Vec::new();
+        let mut params = HashMap::new();
+        for (name, t) in model.named_parameters() {
+            let l = match placements.get(&name) {
+                Some(Placement::Shard { dim }) => crate::tensor_parallel::shard(&t, *dim, rank, tp)
+                    .map_err(|e| PipelineError::InvalidPlan(e.to_string()))?,
+                _ => t.shallow_clone(),
+            };
+            params.insert(name.clone(), l.shallow_clone());
+            local.push((name, l));
+        }
+        let hooks: Box<dyn LayerHooks> = Box::new(GptTp {
+            group: group.clone(),
+            tp,
+            rank,
+            params,
+            layer_names: model.layers().into_iter().map(|l| l.name).collect(),
+            config,
+            sequence_parallel: false,
+            fault: None,
+            experts_parallel: None,
+            dropout: 0.0,
+            dropout_keys: Default::default(),
+        });
+        Ok(StageTp {
+            local,
+            placements,
+            hooks: RefCell::new(hooks),
+            group,
+            vocab: config.vocab,
+            vocab_start: rank as i64 * config.vocab / tp as i64,
+            tp,
+        })
+    }
+
+    /// The microbatch's mean loss from this rank's vocabulary slice of the logits.
+    fn loss(&self, batch: &Batch, output: &Tensor) -> Result<Tensor, PipelineError> {
+        let target = batch
+            .target
+            .as_ref()
+            .ok_or_else(|| PipelineError::Execution("the batch has no target".into()))?;
+        crate::tensor_parallel::vocab_parallel_cross_entropy(
+            &output.f_reshape([-1, self.vocab / self.tp as i64])?,
+            &target.f_reshape([-1])?,
+            self.vocab_start,
+            &self.group,
+            crate::tensor_parallel::Reduction::Mean,
+        )
+        .map_err(|e| PipelineError::Execution(e.to_string()))
+    }
+}
+
+/// Every parameter's `value` at its full size on this rank: the sharded unit's gathered over
+/// dp, TP shards gathered over tp, the rest as they are (zeros where undefined: parameters
+/// this rank does not hold, whose owner's values `gather_owned` takes).
+fn full_values(
+    named: &[(String, Tensor)],
+    model_params: &[(String, Tensor)],
+    unit: Option<&RefCell<ShardedUnit>>,
+    stage_tp: Option<&StageTp>,
+    value: impl Fn(&Tensor) -> Tensor,
+) -> Result<Vec<(String, Tensor)>, PipelineError> {
+    let gathered: HashMap<String, Tensor> = match unit {
+        Some(u) => u.borrow().full_values(&value)?.into_iter().collect(),
+        None => HashMap::new(),
+    };
+    named
+        .iter()
+        .zip(model_params)
+        .map(|((name, t), (_, full))| {
+            let v = match gathered.get(name) {
+                Some(v) => v.shallow_clone(),
+                None => {
+                    let v = value(t);
+                    if v.defined() {
+                        v.f_detach()?
+                    } else {
+                        t.f_zeros_like()?
+                    }
+                }
+            };
+            let v = match stage_tp.and_then(|s| s.placements.get(name).map(|p| (s, p))) {
+                Some((s, Placement::Shard { dim })) => {
+                    crate::tensor_parallel::unshard(&v, *dim, s.group.as_ref())
+                        .map_err(|e| PipelineError::Execution(e.to_string()))?
+                }
+                _ => v,
+            };
+            debug_assert_eq!(v.size(), full.size());
+            Ok((name.clone(), v))
+        })
+        .collect()
 }
 
 /// The gradient norm without gathering the gradients: each owner computes its parameters'

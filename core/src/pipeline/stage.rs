@@ -10,6 +10,7 @@
 use super::dataflow::TensorMeta;
 use super::PipelineError;
 use lockstep_models::{Batch, LayerHooks, Model, ModelError};
+use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use tch::Tensor;
@@ -36,6 +37,9 @@ pub(crate) struct RangeRun<'a> {
     pub metas: &'a [TensorMeta],
     /// Layers of the range whose outputs the caller wants back.
     pub capture: &'a BTreeSet<usize>,
+    /// Hooks that compute the range's layers in place of the model's own (a stage's tensor
+    /// parallelism); `None` runs the model's layers.
+    pub compute: Option<&'a RefCell<Box<dyn LayerHooks>>>,
 }
 
 struct RangeHooks<'a> {
@@ -59,10 +63,13 @@ impl LayerHooks for RangeHooks<'_> {
     fn substitute(
         &mut self,
         index: usize,
-        _inputs: &[Tensor],
+        inputs: &[Tensor],
     ) -> Result<Option<Tensor>, ModelError> {
         if self.run.range.contains(&index) {
-            return Ok(None);
+            return match self.run.compute {
+                Some(hooks) => hooks.borrow_mut().substitute(index, inputs),
+                None => Ok(None),
+            };
         }
         if let Some(t) = self.run.supplied.get(&index) {
             return Ok(Some(t.shallow_clone()));

@@ -7,10 +7,11 @@ use super::gpt::{GptTp, TpFault};
 use super::plan::{Placement, TpPlan, TpPlanError};
 use super::transformer::TransformerTp;
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
+use crate::compose::{DataParallel, ShardError, ShardedUnit};
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::train::{capture, grad_norm, TrainConfig, TrainError};
 use lockstep_models::zoo::{GptConfig, TransformerWithSharedParams};
-use lockstep_models::{Batch, LayerHooks, LossReduction, Model, ModelError};
+use lockstep_models::{Batch, LayerHooks, LossReduction, Model, ModelError, NoHooks};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -24,6 +25,9 @@ pub struct TpOptions {
     pub tp: usize,
     /// Megatron sequence parallelism: activations between blocks live on sequence shards.
     pub sequence_parallel: bool,
+    /// How the data dimension (`world / tp` replicas) keeps parameters and reduces
+    /// gradients: replicated (DDP), sharded (FSDP×TP) or hybrid-sharded (HSDP×TP).
+    pub data_parallel: DataParallel,
     /// A planted bug (checker tests only).
     pub fault: Option<TpFault>,
 }
@@ -53,6 +57,9 @@ pub enum TpError {
     /// A differentiable collective's autograd bridge failed.
     #[error(transparent)]
     Autograd(#[from] crate::AutogradError),
+    /// Sharding the data dimension (FSDP×TP) failed.
+    #[error(transparent)]
+    Shard(#[from] ShardError),
     /// A libtorch call failed.
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
@@ -69,6 +76,9 @@ pub fn check_plan(
         return Err(TpPlanError::Size(opts.tp).into());
     }
     let plan = TpPlan::for_model(model.name(), opts.sequence_parallel)?;
+    opts.data_parallel
+        .dims(world_size / opts.tp)
+        .map_err(|e| TpError::Invalid(e.to_string()))?;
     if opts.sequence_parallel {
         let seq = model.input(0, 0)?.inputs.first().map_or(0, |t| t.size()[1]);
         if seq % opts.tp as i64 != 0 {
@@ -103,9 +113,69 @@ fn decoder_config(model: &dyn Model) -> Result<Option<GptConfig>, TpError> {
     }
 }
 
+/// The groups of a tensor-parallel run on its mesh (`[dp, tp]`, or
+/// `[dp_replicate, dp_shard, tp]` under hybrid sharding), every one counted.
+struct TpMesh {
+    tp: Arc<dyn ProcessGroup>,
+    /// The group the data dimension shards over (or all-reduces over, replicated).
+    dp: Arc<dyn ProcessGroup>,
+    /// Hybrid sharding: the group shards are replicated across.
+    replicate: Option<Arc<dyn ProcessGroup>>,
+    /// This rank's TP rank.
+    rank: usize,
+    /// The data-parallel replica this rank trains for (its index in the data dimension).
+    replica: usize,
+}
+
+impl TpMesh {
+    fn new(world: &World, opts: &TpOptions, counts: &CollectiveCounts) -> Result<TpMesh, TpError> {
+        let dp = world.size() / opts.tp;
+        let mut dims = opts
+            .data_parallel
+            .dims(dp)
+            .map_err(|e| TpError::Invalid(e.to_string()))?;
+        dims.push(("tp", opts.tp));
+        let mesh = DeviceMesh::new(world, &dims)?;
+        let counted = |g: Arc<dyn ProcessGroup>| -> Arc<dyn ProcessGroup> {
+            Arc::new(CountingGroup::new(g, counts.clone()))
+        };
+        let (dp_group, replicate) = match opts.data_parallel {
+            DataParallel::HybridShard { .. } => (
+                counted(mesh.group("dp_shard")?),
+                Some(counted(mesh.group("dp_replicate")?)),
+            ),
+            _ => (counted(mesh.group("dp")?), None),
+        };
+        Ok(TpMesh {
+            tp: counted(mesh.group("tp")?),
+            dp: dp_group,
+            replicate,
+            rank: mesh.coordinate("tp")?,
+            replica: world.rank() / opts.tp,
+        })
+    }
+
+    /// Averages `t` over the whole data dimension.
+    fn average_over_data(&self, t: &Tensor) -> Result<(), TpError> {
+        if self.dp.size() > 1 {
+            self.dp.all_reduce(t, ReduceOp::Avg)?;
+        }
+        if let Some(r) = &self.replicate {
+            if r.size() > 1 {
+                r.all_reduce(t, ReduceOp::Avg)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Trains `model` (the zoo `gpt` or `gpt_moe`, built whole on every rank) under tensor
 /// parallelism for `cfg.spec.steps` steps. Each TP group trains on the concatenation of its
-/// replica's share of the world's data ranks, so the objective is the reference's.
+/// replica's share of the world's data ranks, so the objective is the reference's. The data
+/// dimension follows `opts.data_parallel`: under FSDP×TP the tensors a rank computes with
+/// (its TP shards and replicated parameters) are one [`ShardedUnit`] over `dp`, gathered
+/// before forward, their gradients reduce-scattered after backward and freed after the
+/// optimizer steps the shards (TP → FSDP, torchtitan's order).
 pub fn train_tensor_parallel(
     model: &dyn Model,
     world: &World,
@@ -113,16 +183,24 @@ pub fn train_tensor_parallel(
     opts: &TpOptions,
 ) -> Result<RunRecord, TpError> {
     let world_size = world.size();
-    let placements = check_plan(model, world_size, opts)?;
+    // A TP group of one splits nothing: no plan is applied and the model computes its own
+    // layers and loss (as torchtitan skips parallelizing at degree 1), so FSDP×TP at TP = 1
+    // is FSDP and DDP×TP at TP = 1 is DDP.
+    let identity = opts.tp == 1;
+    let placements = if identity {
+        opts.data_parallel
+            .dims(world_size)
+            .map_err(|e| TpError::Invalid(e.to_string()))?;
+        HashMap::new()
+    } else {
+        check_plan(model, world_size, opts)?
+    };
     let tp = opts.tp;
     let dp = world_size / tp;
-    let mesh = DeviceMesh::new(world, &[("dp", dp), ("tp", tp)])?;
     let counts = CollectiveCounts::new();
-    let tp_group: Arc<dyn ProcessGroup> =
-        Arc::new(CountingGroup::new(mesh.group("tp")?, counts.clone()));
-    let dp_group = mesh.group("dp")?;
-    let rank = mesh.coordinate("tp")?;
-    let replica = mesh.coordinate("dp")?;
+    let groups = TpMesh::new(world, opts, &counts)?;
+    let tp_group = groups.tp.clone();
+    let rank = groups.rank;
 
     let named = model.named_parameters();
     let mut params: HashMap<String, Tensor> = HashMap::new();
@@ -135,10 +213,29 @@ pub fn train_tensor_parallel(
         params.insert(name.clone(), local.shallow_clone());
         trained.push((name.clone(), local));
     }
+    let mut unit = match opts.data_parallel {
+        DataParallel::Replicate => None,
+        DataParallel::Shard | DataParallel::HybridShard { .. } => {
+            let sharded: Vec<(String, Tensor)> = trained
+                .iter()
+                .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                .collect();
+            Some(ShardedUnit::new(
+                "tp_local",
+                sharded,
+                groups.dp.clone(),
+                groups.replicate.clone(),
+            )?)
+        }
+    };
     let layer_names: Vec<String> = model.layers().into_iter().map(|l| l.name).collect();
     // The decoder splits its vocabulary (loss parallel); the transformer only its
     // feed-forward layers, so its logits are whole and the model's own loss applies.
-    let decoder = decoder_config(model)?;
+    let decoder = if identity {
+        None
+    } else {
+        decoder_config(model)?
+    };
     let vocab_parallel = decoder.is_some();
     let vocab = decoder.map_or(0, |c| c.vocab);
     let gpt_dropout = if model.name() == "gpt_dropout" {
@@ -147,7 +244,9 @@ pub fn train_tensor_parallel(
         0.0
     };
     let dropout_keys: Rc<RefCell<Vec<i64>>> = Rc::default();
-    let mut hooks: Box<dyn LayerHooks> = if let Some(config) = decoder {
+    let mut hooks: Box<dyn LayerHooks> = if identity {
+        Box::new(NoHooks)
+    } else if let Some(config) = decoder {
         Box::new(GptTp {
             group: tp_group.clone(),
             tp,
@@ -172,7 +271,7 @@ pub fn train_tensor_parallel(
         })
     };
     let per = world_size / dp;
-    let data_ranks: Vec<usize> = (replica * per..(replica + 1) * per).collect();
+    let data_ranks: Vec<usize> = (groups.replica * per..(groups.replica + 1) * per).collect();
     let mut optimizer = cfg.optimizer.build();
     let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
     let mut collectives = Vec::with_capacity(cfg.spec.steps);
@@ -182,6 +281,9 @@ pub fn train_tensor_parallel(
             t.shallow_clone().zero_grad();
         }
         let _ = counts.take();
+        if let Some(u) = unit.as_mut() {
+            u.unshard()?;
+        }
         let batch = global_batch(model, &data_ranks, step)?;
         if gpt_dropout > 0.0 {
             let keys = batch
@@ -222,32 +324,71 @@ pub fn train_tensor_parallel(
                 tp_group.all_reduce(&t.grad(), ReduceOp::Sum)?;
             }
         }
-        collectives.push(CollectiveEntry::from_counts(counts.take()));
-        if dp > 1 {
-            for (_, t) in &trained {
-                dp_group.all_reduce(&t.grad(), ReduceOp::Avg)?;
+        if opts.fault == Some(TpFault::ShardedGradsReducedOverDpTwice) && dp > 1 {
+            for (name, t) in &trained {
+                if matches!(placements.get(name), Some(Placement::Shard { .. })) {
+                    groups.dp.all_reduce(&t.grad(), ReduceOp::Sum)?;
+                }
             }
         }
-        let full_grads = full_tensors(&trained, &placements, tp_group.as_ref(), |t| t.grad())?;
+        let full_grads = match unit.as_mut() {
+            None => {
+                if dp > 1 {
+                    for (_, t) in &trained {
+                        groups.dp.all_reduce(&t.grad(), ReduceOp::Avg)?;
+                    }
+                }
+                collectives.push(CollectiveEntry::from_counts(counts.take()));
+                full_tensors(&trained, &placements, tp_group.as_ref(), |t| t.grad())?
+            }
+            Some(u) => {
+                u.reduce_grads()?;
+                collectives.push(CollectiveEntry::from_counts(counts.take()));
+                let local = u.full_values(|t| t.grad())?;
+                full_tensors(
+                    &local,
+                    &placements,
+                    tp_group.as_ref(),
+                    Tensor::shallow_clone,
+                )?
+            }
+        };
         record.grad_norms.push(grad_norm(&full_grads)?);
         if let Some(all) = record.grads.as_mut() {
             all.push(capture(&full_grads)?);
         }
         let value = Tensor::from_slice(&[loss.f_double_value(&[])?]);
-        if dp > 1 {
-            dp_group.all_reduce(&value, ReduceOp::Avg)?;
-        }
+        groups.average_over_data(&value)?;
         record.losses.push(value.f_double_value(&[0])?);
-        optimizer.step(&trained)?;
+        match unit.as_mut() {
+            None => optimizer.step(&trained)?,
+            Some(u) => {
+                optimizer.step(&[u.shard()])?;
+                // Freed until the next step's gather; after the last step gathered again, so
+                // the model holds its trained values for whoever reads it next.
+                u.reshard()?;
+                if step + 1 == cfg.spec.steps {
+                    u.unshard()?;
+                }
+            }
+        }
     }
     let _ = counts.take();
-    let params = tch::no_grad(|| {
-        full_tensors(
-            &trained,
-            &placements,
-            tp_group.as_ref(),
-            Tensor::shallow_clone,
-        )
+    let params = tch::no_grad(|| -> Result<_, TpError> {
+        match &unit {
+            None => full_tensors(
+                &trained,
+                &placements,
+                tp_group.as_ref(),
+                Tensor::shallow_clone,
+            ),
+            Some(u) => full_tensors(
+                &u.full_values(Tensor::shallow_clone)?,
+                &placements,
+                tp_group.as_ref(),
+                Tensor::shallow_clone,
+            ),
+        }
     })?;
     record.params = capture(&params)?;
     record.buffers = capture(&model.named_buffers())?;

@@ -1,0 +1,318 @@
+//! A composition as data, its named mesh at a world size, and the checks that refuse it
+//! before any rank starts.
+
+use crate::expert_parallel::run::EpError;
+use crate::expert_parallel::{check_expert_plan, Dispatcher, EpOptions};
+use crate::pipeline::{
+    plan_pipeline, PartitionMethod, PipelineError, PipelineOptions, PipelinePlan, ScheduleChoice,
+    ScheduleKind,
+};
+use crate::tensor_parallel::{check_plan, TpError, TpOptions};
+use lockstep_models::Model;
+
+/// How the data dimension of a composition reduces gradients and keeps parameters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum DataParallel {
+    /// Every rank keeps whole parameters; gradients are all-reduced (`Avg`), as DDP does.
+    #[default]
+    Replicate,
+    /// FSDP: parameters are sharded over the data dimension, gathered for compute, and
+    /// gradients reduce-scattered (`Avg`) into the shards.
+    Shard,
+    /// HSDP: sharded within groups of `data / replicas` ranks and replicated across
+    /// `replicas` of them (gradients reduce-scattered, then all-reduced across replicas).
+    HybridShard {
+        /// Replicas of the shard group.
+        replicas: usize,
+    },
+}
+
+impl DataParallel {
+    /// The data dimension's mesh dimensions for `data` ranks: `dp`, or `dp_replicate` and
+    /// `dp_shard` under hybrid sharding (outermost first).
+    pub fn dims(self, data: usize) -> Result<Vec<(&'static str, usize)>, CompositionError> {
+        match self {
+            DataParallel::Replicate | DataParallel::Shard => Ok(vec![("dp", data)]),
+            DataParallel::HybridShard { replicas } => {
+                if replicas == 0 || !data.is_multiple_of(replicas) {
+                    return Err(CompositionError::Mesh(format!(
+                        "hybrid sharding needs {replicas} replicas (dp_replicate) of equal shard \
+                         groups (dp_shard), but the data dimension has {data} ranks"
+                    )));
+                }
+                Ok(vec![
+                    ("dp_replicate", replicas),
+                    ("dp_shard", data / replicas),
+                ])
+            }
+        }
+    }
+
+    /// `ddp`, `fsdp` or `hsdp`, for messages and names.
+    pub fn label(self) -> &'static str {
+        match self {
+            DataParallel::Replicate => "ddp",
+            DataParallel::Shard => "fsdp",
+            DataParallel::HybridShard { .. } => "hsdp",
+        }
+    }
+}
+
+/// A bug planted in the seam between two parallelisms (checker tests only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SeamFault {
+    /// FSDP×TP: the gradients of TP-sharded parameters are also summed over `dp` before
+    /// FSDP's reduce-scatter averages them there: reduced over `dp` twice.
+    ShardedGradsReducedOverDpTwice,
+    /// PP×FSDP: each stage's `REDUCE_GRAD` runs right after its first backward instead of
+    /// after its last, so later microbatches' gradients never reach the shards.
+    ReduceGradBeforeLastMicrobatch,
+    /// EP×FSDP: the experts are sharded over `dp` with the dense parameters, so a gather
+    /// assembles one expert from different ranks' experts.
+    ExpertsShardedOverDp,
+}
+
+/// One composition of parallelisms. Sizes not named here (the data dimension) take the
+/// rest of the world.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Composition {
+    /// Tensor parallelism of size `tp` inside; the data dimension (`world / tp` ranks)
+    /// outside: FSDP×TP, HSDP×TP (mesh `[dp, tp]` or `[dp_replicate, dp_shard, tp]`).
+    TensorData {
+        /// Tensor-parallel size.
+        tp: usize,
+        /// How the data dimension keeps parameters and reduces gradients.
+        data: DataParallel,
+    },
+    /// A pipeline of `pp` ranks whose stages are tensor-parallel of size `tp` (1: none),
+    /// replicated or sharded over the data dimension (`world / (pp·tp)` ranks, at least
+    /// `min_data`): PP×DP, PP×TP, PP×TP×DP, PP×FSDP (mesh `[dp, pp, tp]`).
+    Pipeline {
+        /// Pipeline ranks.
+        pp: usize,
+        /// Tensor-parallel size inside each stage.
+        tp: usize,
+        /// The data dimension.
+        data: DataParallel,
+        /// The pipeline schedule (one stage per rank under FSDP).
+        schedule: ScheduleKind,
+        /// The least data-parallel size the composition is meant for (2 for PP×TP×DP).
+        min_data: usize,
+    },
+    /// Expert parallelism of size `ep`, every rank its own batch; the dense parameters
+    /// replicated or sharded over the whole world (mesh `[edp, ep]`, dense `dp` = world).
+    ExpertData {
+        /// Ranks each MoE layer's experts are spread over.
+        ep: usize,
+        /// How the dense (non-expert) parameters are kept.
+        data: DataParallel,
+    },
+}
+
+/// Why a composition cannot run.
+#[derive(Debug, thiserror::Error)]
+pub enum CompositionError {
+    /// The world does not fit the mesh.
+    #[error("mesh: {0}")]
+    Mesh(String),
+    /// The tensor-parallel plan does not fit.
+    #[error(transparent)]
+    Tp(Box<TpError>),
+    /// The pipeline does not fit, or failed.
+    #[error(transparent)]
+    Pipeline(Box<PipelineError>),
+    /// The expert-parallel plan does not fit, or failed.
+    #[error(transparent)]
+    Ep(Box<EpError>),
+    /// The parallelisms cannot be composed as asked.
+    #[error("composition: {0}")]
+    Invalid(String),
+}
+
+impl From<TpError> for CompositionError {
+    fn from(e: TpError) -> Self {
+        CompositionError::Tp(Box::new(e))
+    }
+}
+
+impl From<PipelineError> for CompositionError {
+    fn from(e: PipelineError) -> Self {
+        CompositionError::Pipeline(Box::new(e))
+    }
+}
+
+impl From<EpError> for CompositionError {
+    fn from(e: EpError) -> Self {
+        CompositionError::Ep(Box::new(e))
+    }
+}
+
+fn shape(dims: &[(&str, usize)]) -> String {
+    let parts: Vec<String> = dims.iter().map(|(n, s)| format!("{n}={s}")).collect();
+    format!("[{}]", parts.join(", "))
+}
+
+impl Composition {
+    /// The named mesh at `world_size` (outermost dimension first), or why the world does not
+    /// fit, naming the dimensions.
+    pub fn mesh(self, world_size: usize) -> Result<Vec<(&'static str, usize)>, CompositionError> {
+        let fixed = |dims: &[(&'static str, usize)]| -> Result<usize, CompositionError> {
+            let product: usize = dims.iter().map(|d| d.1).product();
+            if dims.iter().any(|d| d.1 == 0) || product == 0 {
+                return Err(CompositionError::Mesh(format!(
+                    "a dimension of {} is zero",
+                    shape(dims)
+                )));
+            }
+            if world_size == 0 || !world_size.is_multiple_of(product) {
+                return Err(CompositionError::Mesh(format!(
+                    "world size {world_size} does not fit the mesh {} × dp: their product \
+                     {product} does not divide it",
+                    shape(dims)
+                )));
+            }
+            Ok(world_size / product)
+        };
+        match self {
+            Composition::TensorData { tp, data } => {
+                let dp = fixed(&[("tp", tp)])?;
+                let mut dims = data.dims(dp)?;
+                dims.push(("tp", tp));
+                Ok(dims)
+            }
+            Composition::Pipeline {
+                pp,
+                tp,
+                data,
+                min_data,
+                ..
+            } => {
+                let dp = fixed(&[("pp", pp), ("tp", tp)])?;
+                if dp < min_data {
+                    return Err(CompositionError::Mesh(format!(
+                        "world size {world_size} leaves dp={dp} beside pp={pp}, tp={tp}; this \
+                         composition needs dp ≥ {min_data}"
+                    )));
+                }
+                if matches!(data, DataParallel::HybridShard { .. }) {
+                    return Err(CompositionError::Invalid(
+                        "a pipeline's data dimension is replicated (dp) or sharded (fsdp), not \
+                         hybrid"
+                            .into(),
+                    ));
+                }
+                Ok(vec![("dp", dp), ("pp", pp), ("tp", tp)])
+            }
+            Composition::ExpertData { ep, data } => {
+                let edp = fixed(&[("ep", ep)])?;
+                if matches!(data, DataParallel::HybridShard { .. }) {
+                    return Err(CompositionError::Invalid(
+                        "expert parallelism's dense parameters are replicated (dp) or sharded \
+                         (fsdp) over the world, not hybrid"
+                            .into(),
+                    ));
+                }
+                Ok(vec![("edp", edp), ("ep", ep)])
+            }
+        }
+    }
+
+    /// The mesh at `world_size` as text (`[dp=2, pp=2, tp=2]`), for notes and messages.
+    pub fn mesh_label(self, world_size: usize) -> Result<String, CompositionError> {
+        Ok(shape(&self.mesh(world_size)?))
+    }
+
+    /// The tensor-parallel options a composition's TP part runs with.
+    pub(crate) fn tp_options(tp: usize, data: DataParallel) -> TpOptions {
+        TpOptions {
+            tp,
+            sequence_parallel: false,
+            data_parallel: data,
+            fault: None,
+        }
+    }
+
+    /// The pipeline options at `world_size` (the pipeline's own world is `pp · dp`: TP
+    /// ranks of a stage run it together).
+    pub(crate) fn pipeline_options(
+        pp: usize,
+        dp: usize,
+        schedule: ScheduleKind,
+    ) -> PipelineOptions {
+        PipelineOptions {
+            schedule: ScheduleChoice::Builtin(schedule),
+            virtual_stages: schedule.default_virtual(),
+            microbatches: 2 * pp,
+            partition: PartitionMethod::Uniform,
+            checkpoint_every: None,
+            data_parallel: dp,
+            fault: None,
+        }
+    }
+}
+
+/// Checks before any rank starts that `composition` can train `model` on `world_size`
+/// ranks: the mesh fits, and each parallelism's plan fits the model at its size. Returns the
+/// mesh; every error names the dimensions or the plan that does not fit.
+pub fn check_composition(
+    model: &dyn Model,
+    world_size: usize,
+    composition: Composition,
+) -> Result<Vec<(&'static str, usize)>, CompositionError> {
+    let mesh = composition.mesh(world_size)?;
+    match composition {
+        Composition::TensorData { tp, data } => {
+            if tp > 1 {
+                check_plan(model, world_size, &Composition::tp_options(tp, data))?;
+            }
+        }
+        Composition::Pipeline {
+            pp,
+            tp,
+            data,
+            schedule,
+            ..
+        } => {
+            if tp > 1 {
+                check_plan(model, world_size, &Composition::tp_options(tp, data))?;
+            }
+            let dp = world_size / (pp * tp);
+            let plan = pipeline_plan(model, pp, dp, schedule)?;
+            if data == DataParallel::Shard && plan.stages.len() != pp {
+                return Err(CompositionError::Invalid(format!(
+                    "PP×FSDP runs one stage per rank (each stage's parameters one sharded \
+                     unit); schedule {schedule} places {} stages on {pp} ranks",
+                    plan.stages.len()
+                )));
+            }
+        }
+        Composition::ExpertData { ep, .. } => {
+            check_expert_plan(
+                model,
+                world_size,
+                &EpOptions {
+                    ep,
+                    dispatcher: Dispatcher::AllToAll,
+                    capacity_factor: None,
+                    data_parallel: DataParallel::Replicate,
+                    fault: None,
+                },
+            )?;
+        }
+    }
+    Ok(mesh)
+}
+
+/// The pipeline plan of a composition's pipeline part (`pp · dp` pipeline ranks).
+pub(crate) fn pipeline_plan(
+    model: &dyn Model,
+    pp: usize,
+    dp: usize,
+    schedule: ScheduleKind,
+) -> Result<PipelinePlan, CompositionError> {
+    Ok(plan_pipeline(
+        model,
+        pp * dp,
+        &Composition::pipeline_options(pp, dp, schedule),
+    )?)
+}

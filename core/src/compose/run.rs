@@ -1,0 +1,83 @@
+//! Running a composition: each one is a parallelism's own training loop with its data
+//! dimension (and, for pipelines, the stages' tensor parallelism) given as options.
+
+use super::plan::{check_composition, Composition, CompositionError, SeamFault};
+use crate::comm::World;
+use crate::expert_parallel::{train_expert_parallel, Dispatcher, EpFault, EpOptions};
+use crate::pipeline::{train_pipeline_with, PipelineFault, StageParallel};
+use crate::record::RunRecord;
+use crate::tensor_parallel::{train_tensor_parallel, TpFault};
+use crate::train::TrainConfig;
+use lockstep_models::Model;
+
+/// Trains `model` (built whole on every rank) under `composition` on `world`, with an
+/// optional planted seam bug. The composition is checked first ([`check_composition`]);
+/// a fault that does not belong to the composition is refused.
+pub fn train_composed(
+    model: &dyn Model,
+    world: &World,
+    cfg: &TrainConfig,
+    composition: Composition,
+    fault: Option<SeamFault>,
+) -> Result<RunRecord, CompositionError> {
+    let world_size = world.size();
+    check_composition(model, world_size, composition)?;
+    let misplaced = |f: SeamFault| {
+        CompositionError::Invalid(format!(
+            "the planted fault {f:?} has no seam in {composition:?}"
+        ))
+    };
+    match composition {
+        Composition::TensorData { tp, data } => {
+            let fault = match fault {
+                None => None,
+                Some(SeamFault::ShardedGradsReducedOverDpTwice) => {
+                    Some(TpFault::ShardedGradsReducedOverDpTwice)
+                }
+                Some(f) => return Err(misplaced(f)),
+            };
+            let opts = crate::tensor_parallel::TpOptions {
+                fault,
+                ..Composition::tp_options(tp, data)
+            };
+            Ok(train_tensor_parallel(model, world, cfg, &opts)?)
+        }
+        Composition::Pipeline {
+            pp,
+            tp,
+            data,
+            schedule,
+            ..
+        } => {
+            let fault = match fault {
+                None => None,
+                Some(SeamFault::ReduceGradBeforeLastMicrobatch) => {
+                    Some(PipelineFault::ReduceGradBeforeLastMicrobatch)
+                }
+                Some(f) => return Err(misplaced(f)),
+            };
+            let dp = world_size / (pp * tp);
+            let opts = crate::pipeline::PipelineOptions {
+                fault,
+                ..Composition::pipeline_options(pp, dp, schedule)
+            };
+            let stage = StageParallel { tp, data };
+            Ok(train_pipeline_with(model, world, cfg, &opts, stage)?.record)
+        }
+        Composition::ExpertData { ep, data } => {
+            let fault = match fault {
+                None => None,
+                Some(SeamFault::ExpertsShardedOverDp) => Some(EpFault::ExpertsShardedOverDp),
+                Some(f) => return Err(misplaced(f)),
+            };
+            let opts = EpOptions {
+                ep,
+                dispatcher: Dispatcher::AllToAll,
+                capacity_factor: None,
+                data_parallel: data,
+                fault,
+            };
+            Ok(train_expert_parallel(model, world, cfg, &opts)?)
+        }
+    }
+}

@@ -1,0 +1,412 @@
+//! Compositions on a named mesh against single device and against the simpler composition
+//! each reduces to: FSDP×TP equals TP×DDP bit for bit (a reduce-scatter's elements are the
+//! all-reduce's), PP×FSDP equals PP×DP, EP×FSDP equals EP with replicated dense parameters;
+//! every one agrees with single device under the fp32 table (pipelines under PyTorch's
+//! pipeline tolerance); per-step collective counts are the hand-computed ones; planted seam
+//! bugs are caught; meshes that do not fit are refused before any rank starts.
+
+mod common;
+
+use lockstep_core::comm::DType;
+use lockstep_core::compose::{
+    check_composition, train_composed, Composition, CompositionError, DataParallel, SeamFault,
+};
+use lockstep_core::pipeline::ScheduleKind;
+use lockstep_core::record::RunRecord;
+use lockstep_core::train::{single_device_reference, OptimizerConfig};
+use lockstep_harness::parity::{compare, Override, Tolerance, TolerancePolicy};
+use lockstep_harness::RankCtx;
+use lockstep_models::zoo;
+use rstest::rstest;
+use std::collections::BTreeMap;
+
+const STEPS: usize = 3;
+
+fn run(ctx: &RankCtx, model: &str, c: Composition, fault: Option<SeamFault>) -> RunRecord {
+    let m = zoo::build(model, 0, ctx.rank()).expect("model");
+    let cfg = common::train_config(ctx, model, "composed", "fp32", STEPS);
+    train_composed(m.as_ref(), ctx.world(), &cfg, c, fault).expect("composed run")
+}
+
+fn single(model: &str, world: usize) -> RunRecord {
+    let m = zoo::build(model, 0, 0).expect("model");
+    single_device_reference(m.as_ref(), world, STEPS, OptimizerConfig::default(), true)
+        .expect("reference")
+}
+
+fn fsdp_tp(tp: usize) -> Composition {
+    Composition::TensorData {
+        tp,
+        data: DataParallel::Shard,
+    }
+}
+
+fn pipeline(tp: usize, data: DataParallel) -> Composition {
+    Composition::Pipeline {
+        pp: 2,
+        tp,
+        data,
+        schedule: ScheduleKind::OneFOneB,
+        min_data: 1,
+    }
+}
+
+/// PyTorch's pipeline-test tolerance, which pipelines are held to against single device
+/// (microbatch accumulation reorders sums; see the matrix's `pp.*` rows).
+fn pipeline_policy(row: &str) -> TolerancePolicy {
+    let ov = Override::new(
+        Tolerance::new(1e-5, 4e-5),
+        "a pipeline accumulates microbatch gradients where one process differentiates the \
+         global batch at once",
+    )
+    .expect("override");
+    TolerancePolicy::dtype_table(DType::F32).with_override(row, ov)
+}
+
+fn assert_agree(what: &str, run: &RunRecord, reference: &RunRecord, policy: &TolerancePolicy) {
+    let c = compare(run, reference, policy);
+    assert!(c.passed, "{what}: {}", c.diagnosis.unwrap_or_default());
+}
+
+fn assert_differs(what: &str, run: &RunRecord, reference: &RunRecord) {
+    let c = compare(run, reference, &TolerancePolicy::dtype_table(DType::F32));
+    assert!(!c.passed, "{what}: the planted bug was not caught");
+}
+
+/// FSDP×TP on the 2-D mesh [dp=2, tp=2] equals TP with DDP over dp bit for bit, and agrees
+/// with single device.
+#[rstest]
+fn fsdp_x_tp_equals_tp_x_ddp_bitwise(#[values("gpt", "gpt_moe")] model: &str) {
+    lockstep_harness::run(4, |ctx| {
+        let sharded = run(ctx, model, fsdp_tp(2), None);
+        let replicated = run(
+            ctx,
+            model,
+            Composition::TensorData {
+                tp: 2,
+                data: DataParallel::Replicate,
+            },
+            None,
+        );
+        if ctx.rank() == 0 {
+            assert_agree(
+                "fsdp×tp vs tp×ddp",
+                &sharded,
+                &replicated,
+                &TolerancePolicy::bitwise(DType::F32),
+            );
+            assert_agree(
+                "fsdp×tp vs single",
+                &sharded,
+                &single(model, 4),
+                &TolerancePolicy::dtype_table(DType::F32),
+            );
+        }
+    });
+}
+
+/// With TP = 1, FSDP×TP is FSDP: its sharded unit equals DDP over the same ranks bit for
+/// bit, on the decoder and on a model no TP plan knows.
+#[rstest]
+fn fsdp_x_tp_with_tp_one_equals_ddp_bitwise(#[values("gpt", "nested")] model: &str) {
+    lockstep_harness::run(2, |ctx| {
+        let sharded = run(ctx, model, fsdp_tp(1), None);
+        let m = zoo::build(model, 0, ctx.rank()).expect("model");
+        let cfg = common::train_config(ctx, model, "ddp", "fp32", STEPS);
+        let ddp = lockstep_core::ddp::train_ddp(
+            m.as_ref(),
+            ctx.world().group(),
+            &cfg,
+            Default::default(),
+        )
+        .expect("ddp");
+        if ctx.rank() == 0 {
+            assert_agree(
+                "fsdp×tp(tp=1) vs ddp",
+                &sharded,
+                &ddp,
+                &TolerancePolicy::bitwise(DType::F32),
+            );
+        }
+    });
+}
+
+/// PP×FSDP (each stage one unit sharded over dp through UNSHARD / REDUCE_GRAD / RESHARD)
+/// equals PP×DP bit for bit, tied weights included, and agrees with single device.
+#[rstest]
+fn pp_x_fsdp_equals_pp_x_dp_bitwise(#[values("gpt", "nested", "transformer")] model: &str) {
+    lockstep_harness::run(4, |ctx| {
+        let sharded = run(ctx, model, pipeline(1, DataParallel::Shard), None);
+        let replicated = run(ctx, model, pipeline(1, DataParallel::Replicate), None);
+        if ctx.rank() == 0 {
+            assert_agree(
+                "pp×fsdp vs pp×dp",
+                &sharded,
+                &replicated,
+                &TolerancePolicy::bitwise(DType::F32),
+            );
+            assert_agree(
+                "pp×fsdp vs single",
+                &sharded,
+                &single(model, 4),
+                &pipeline_policy("composed@4"),
+            );
+        }
+    });
+}
+
+/// PP×TP on [dp=1, pp=2, tp=2] agrees with single device.
+#[rstest]
+fn pp_x_tp_agrees_with_single_device(#[values("gpt", "gpt_moe")] model: &str) {
+    lockstep_harness::run(4, |ctx| {
+        let composed = run(ctx, model, pipeline(2, DataParallel::Replicate), None);
+        if ctx.rank() == 0 {
+            assert_agree(
+                "pp×tp vs single",
+                &composed,
+                &single(model, 4),
+                &pipeline_policy("composed@4"),
+            );
+        }
+    });
+}
+
+/// EP×FSDP (experts over ep, the dense parameters sharded over the world) equals EP with
+/// replicated dense parameters bit for bit, and agrees with single device.
+#[rstest]
+fn ep_x_fsdp_equals_ep_bitwise(#[values((2, 2), (2, 4))] case: (usize, usize)) {
+    let (ep, world) = case;
+    lockstep_harness::run(world, |ctx| {
+        let sharded = run(
+            ctx,
+            "gpt_moe",
+            Composition::ExpertData {
+                ep,
+                data: DataParallel::Shard,
+            },
+            None,
+        );
+        let replicated = run(
+            ctx,
+            "gpt_moe",
+            Composition::ExpertData {
+                ep,
+                data: DataParallel::Replicate,
+            },
+            None,
+        );
+        if ctx.rank() == 0 {
+            assert_agree(
+                "ep×fsdp vs ep",
+                &sharded,
+                &replicated,
+                &TolerancePolicy::bitwise(DType::F32),
+            );
+            assert_agree(
+                "ep×fsdp vs single",
+                &sharded,
+                &single("gpt_moe", world),
+                &TolerancePolicy::dtype_table(DType::F32),
+            );
+        }
+    });
+}
+
+/// One step's recorded collectives as (operation, group kind) → calls, the group kind being
+/// the group's name before its member list (`dp`, `tp`, `pp-tied`...).
+fn counts(record: &RunRecord, step: usize) -> BTreeMap<(String, String), u64> {
+    let mut out = BTreeMap::new();
+    for e in &record.collectives.as_ref().expect("collectives recorded")[step] {
+        let kind = e.group.split('[').next().unwrap_or(&e.group).to_owned();
+        *out.entry((e.op.clone(), kind)).or_default() += e.calls;
+    }
+    out
+}
+
+fn expect(pairs: &[(&str, &str, u64)]) -> BTreeMap<(String, String), u64> {
+    pairs
+        .iter()
+        .map(|(op, g, n)| (((*op).to_owned(), (*g).to_owned()), *n))
+        .collect()
+}
+
+/// FSDP×TP, dense decoder (2 blocks) at [dp=2, tp=2]: the TP group's 13 all-reduces (see
+/// tp_plans.rs), and on dp one all-gather (the unit before forward) and one reduce-scatter
+/// (its gradients) — nothing else, every step.
+#[test]
+fn fsdp_x_tp_collective_counts_are_exact() {
+    lockstep_harness::run(4, |ctx| {
+        let record = run(ctx, "gpt", fsdp_tp(2), None);
+        for step in 0..STEPS {
+            assert_eq!(
+                counts(&record, step),
+                expect(&[
+                    ("all_gather", "dp", 1),
+                    ("all_reduce", "tp", 1 + 4 + 3 + 4 + 1),
+                    ("reduce_scatter", "dp", 1),
+                ]),
+                "step {step}"
+            );
+        }
+    });
+}
+
+/// PP×FSDP at [dp=2, pp=2] on `nested` (no tied weights): per stage, one all-gather at
+/// UNSHARD and one reduce-scatter at REDUCE_GRAD on dp; the pipeline's sends are not
+/// collectives. On `gpt`, the tied embedding adds one all-reduce among its two holders.
+#[rstest]
+fn pp_x_fsdp_collective_counts_are_exact(#[values(("nested", 0), ("gpt", 1))] case: (&str, u64)) {
+    let (model, tied) = case;
+    lockstep_harness::run(4, |ctx| {
+        let record = run(ctx, model, pipeline(1, DataParallel::Shard), None);
+        let mut want = expect(&[("all_gather", "dp", 1), ("reduce_scatter", "dp", 1)]);
+        if tied > 0 {
+            want.insert(("all_reduce".into(), "pp-tied".into()), tied);
+        }
+        for step in 0..STEPS {
+            assert_eq!(counts(&record, step), want, "step {step}");
+        }
+    });
+}
+
+/// EP×FSDP at ep = world = 2: the dense unit's all-gather and reduce-scatter over the
+/// world, and EP's own all-to-alls (dispatch and combine, forward and backward, per MoE
+/// layer: 2 layers × 4), with no dense all-reduce left.
+#[test]
+fn ep_x_fsdp_collective_counts_are_exact() {
+    lockstep_harness::run(2, |ctx| {
+        let record = run(
+            ctx,
+            "gpt_moe",
+            Composition::ExpertData {
+                ep: 2,
+                data: DataParallel::Shard,
+            },
+            None,
+        );
+        for step in 0..STEPS {
+            let c = counts(&record, step);
+            assert_eq!(
+                c.get(&("all_gather".into(), "world".into())),
+                Some(&1),
+                "{c:?}"
+            );
+            assert_eq!(
+                c.get(&("reduce_scatter".into(), "world".into())),
+                Some(&1),
+                "{c:?}"
+            );
+            assert_eq!(c.get(&("all_reduce".into(), "world".into())), None, "{c:?}");
+        }
+    });
+}
+
+/// The three seam bugs of the issue, each caught against single device.
+#[test]
+fn planted_seam_bugs_are_caught() {
+    lockstep_harness::run(4, |ctx| {
+        let twice = run(
+            ctx,
+            "gpt",
+            fsdp_tp(2),
+            Some(SeamFault::ShardedGradsReducedOverDpTwice),
+        );
+        let early = run(
+            ctx,
+            "nested",
+            pipeline(1, DataParallel::Shard),
+            Some(SeamFault::ReduceGradBeforeLastMicrobatch),
+        );
+        let experts = run(
+            ctx,
+            "gpt_moe",
+            Composition::ExpertData {
+                ep: 2,
+                data: DataParallel::Shard,
+            },
+            Some(SeamFault::ExpertsShardedOverDp),
+        );
+        if ctx.rank() == 0 {
+            assert_differs("TP shards reduced over dp twice", &twice, &single("gpt", 4));
+            assert_differs("PP×FSDP early REDUCE_GRAD", &early, &single("nested", 4));
+            assert_differs("experts sharded over dp", &experts, &single("gpt_moe", 4));
+        }
+    });
+}
+
+fn refused(model: &str, world: usize, c: Composition) -> String {
+    let m = zoo::build(model, 0, 0).expect("model");
+    match check_composition(m.as_ref(), world, c) {
+        Ok(mesh) => panic!("{c:?} at world {world} was accepted as {mesh:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// Meshes that do not fit the world, and plans that cannot compose, are refused before any
+/// rank starts, naming the dimensions.
+#[test]
+fn invalid_meshes_and_compositions_are_refused_before_spawn() {
+    let msg = refused("gpt", 6, pipeline(2, DataParallel::Replicate));
+    assert!(
+        msg.contains("world size 6") && msg.contains("pp=2") && msg.contains("tp=2"),
+        "{msg}"
+    );
+    let msg = refused(
+        "gpt",
+        4,
+        Composition::Pipeline {
+            pp: 2,
+            tp: 2,
+            data: DataParallel::Replicate,
+            schedule: ScheduleKind::OneFOneB,
+            min_data: 2,
+        },
+    );
+    assert!(msg.contains("dp=1") && msg.contains("dp ≥ 2"), "{msg}");
+    let msg = refused(
+        "gpt",
+        6,
+        Composition::TensorData {
+            tp: 2,
+            data: DataParallel::HybridShard { replicas: 2 },
+        },
+    );
+    assert!(
+        msg.contains("dp_replicate") && msg.contains("3 ranks"),
+        "{msg}"
+    );
+    let msg = refused("gpt", 4, fsdp_tp(3));
+    assert!(
+        msg.contains("world size 4") && msg.contains("tp=3"),
+        "{msg}"
+    );
+    let msg = refused("nested", 4, fsdp_tp(2));
+    assert!(msg.contains("nested"), "{msg}");
+    let msg = refused(
+        "gpt",
+        4,
+        Composition::Pipeline {
+            pp: 2,
+            tp: 1,
+            data: DataParallel::Shard,
+            schedule: ScheduleKind::Interleaved1F1B,
+            min_data: 1,
+        },
+    );
+    assert!(msg.contains("one stage per rank"), "{msg}");
+    let msg = refused(
+        "gpt",
+        4,
+        Composition::ExpertData {
+            ep: 2,
+            data: DataParallel::Shard,
+        },
+    );
+    assert!(msg.contains("gpt_moe"), "{msg}");
+    // The error type names which part refused.
+    let m = zoo::build("gpt", 0, 0).expect("model");
+    assert!(matches!(
+        check_composition(m.as_ref(), 6, fsdp_tp(4)),
+        Err(CompositionError::Mesh(_))
+    ));
+}
