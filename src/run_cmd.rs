@@ -120,8 +120,8 @@ fn why_not_continued(config: Config) -> String {
     } else if config.is_pipeline() {
         "each pipeline rank keeps the optimizer state of its own stages only"
     } else {
-        "tensor- and expert-parallel ranks keep the optimizer state of their own slices of the \
-         weights"
+        "tensor-parallel, expert-parallel and composed ranks keep the optimizer state of their \
+         own slices or shards of the weights"
     };
     format!(
         "{} cannot continue an optimizer state: {how}, and lockstep run does not gather or \
@@ -395,6 +395,9 @@ fn model_blocker(config: Config, model: &dyn Model, world_size: usize) -> Option
     }
     if let Some(p) = config.pipeline_config() {
         return p.plan(model, world_size).err();
+    }
+    if let Some(c) = config.composition_config() {
+        return c.model_blocker(model, world_size);
     }
     None
 }

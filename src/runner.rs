@@ -404,6 +404,16 @@ pub fn train_builtin(
             }
         };
     }
+    if let Some(c) = config.composition_config() {
+        return lockstep_core::compose::train_composed(
+            model,
+            ctx.world(),
+            cfg,
+            c.composition,
+            None,
+        )
+        .map_err(|e| named(&e));
+    }
     if let Some(p) = config.pipeline_config() {
         let opts = p.options(world_size)?;
         return train_pipeline(model, ctx.world(), cfg, &opts)

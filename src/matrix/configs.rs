@@ -318,6 +318,60 @@ impl FsdpId {
     }
 }
 
+/// A cell (model, world sizes from `min_world`) where data-parallel averaging's rounding
+/// alone — DDP itself shows it — compounds past the fp32 table against single device over a
+/// matrix run's steps. Every row against `single` there is held to PyTorch's pipeline-test
+/// tolerance, with the reason recorded in the row note and every report. Kept as data so the
+/// list of such cells stays short, visible and justified.
+#[derive(Clone, Copy, Debug)]
+pub struct DriftOverride {
+    /// The zoo model.
+    pub model: &'static str,
+    /// The smallest world size it applies to.
+    pub min_world: usize,
+    /// Why, with what was measured.
+    pub reason: &'static str,
+}
+
+/// The cells where averaging's rounding alone exceeds the fp32 table (see [`DriftOverride`]).
+pub const DRIFT_OVERRIDES: &[DriftOverride] = &[DriftOverride {
+    model: "transformer",
+    min_world: 8,
+    reason: "at 8 data ranks the transformer's gradients, averaged over ranks where one \
+             process differentiates the global batch, drift past the fp32 table by step 4 \
+             under plain DDP (ddp@8 vs single@8: |Δ| 2.4e-5 on a LayerNorm-fed weight), a \
+             sum-order rounding that SGD with momentum compounds; every row against single \
+             here is held to PyTorch's pipeline-test tolerance, rtol 1e-5 / atol 4e-5",
+}];
+
+/// `policy` for `config` against `reference` on `model` at `world_size`, with the
+/// [`DRIFT_OVERRIDES`] entry for that cell added to rows against `single` (unless the row
+/// has an override of its own already).
+pub fn with_drift_override(
+    policy: Result<TolerancePolicy, String>,
+    model: &str,
+    config: Config,
+    reference: Config,
+    world_size: usize,
+) -> Result<TolerancePolicy, String> {
+    let policy = policy?;
+    let row = config.at(world_size);
+    let drift = DRIFT_OVERRIDES
+        .iter()
+        .find(|d| d.model == model && world_size >= d.min_world);
+    match drift {
+        Some(d) if reference == Config::Single && policy.override_for(&row).is_none() => {
+            let ov = Override::new(
+                Tolerance::new(PIPELINE_GRAD_RTOL, PIPELINE_GRAD_ATOL),
+                d.reason,
+            )
+            .map_err(|e| format!("{row}: {e}"))?;
+            Ok(policy.with_override(&row, ov))
+        }
+        _ => Ok(policy),
+    }
+}
+
 /// A parallel configuration the matrix knows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Config {
@@ -334,6 +388,8 @@ pub enum Config {
     Pipeline(PipelineId),
     /// One row of the tensor- and expert-parallel table.
     ModelParallel(ModelParallelId),
+    /// One row of the compositions table.
+    Composed(CompositionId),
 }
 
 impl Config {
@@ -346,6 +402,7 @@ impl Config {
         all.extend(
             (0..model_parallel_configs().len()).map(|i| Config::ModelParallel(ModelParallelId(i))),
         );
+        all.extend((0..composition_configs().len()).map(|i| Config::Composed(CompositionId(i))));
         all
     }
 
@@ -370,13 +427,18 @@ impl Config {
             Config::Fsdp(id) => id.get().name,
             Config::Pipeline(id) => id.get().name,
             Config::ModelParallel(id) => id.get().name,
+            Config::Composed(id) => id.get().name,
         }
     }
 
     /// The mixed-precision policy it trains under (`None`: fp32).
     pub fn precision(self) -> Option<Precision> {
         match self {
-            Config::Single | Config::Ddp | Config::Pipeline(_) | Config::ModelParallel(_) => None,
+            Config::Single
+            | Config::Ddp
+            | Config::Pipeline(_)
+            | Config::ModelParallel(_)
+            | Config::Composed(_) => None,
             Config::DdpMixed(p) => Some(p),
             Config::Fsdp(id) => id.get().precision,
         }
@@ -422,7 +484,16 @@ impl Config {
             | Config::Ddp
             | Config::DdpMixed(_)
             | Config::Pipeline(_)
-            | Config::ModelParallel(_) => None,
+            | Config::ModelParallel(_)
+            | Config::Composed(_) => None,
+        }
+    }
+
+    /// The composition table row (`None` for the others).
+    pub fn composition_config(self) -> Option<&'static CompositionConfig> {
+        match self {
+            Config::Composed(id) => Some(id.get()),
+            _ => None,
         }
     }
 
@@ -454,6 +525,26 @@ impl Config {
                 "{}; checked against single (fp32 dtype table)",
                 id.get().description
             ),
+            Config::Composed(id) => {
+                let c = id.get();
+                let vs_single = if c.is_pipeline() {
+                    "single (PyTorch's pipeline tolerance, as pp.*)"
+                } else {
+                    "single (fp32 dtype table)"
+                };
+                match c.reduces_to {
+                    None => format!("{}; checked against {vs_single}", c.description),
+                    Some((simpler, DdpCheck::Bitwise)) => format!(
+                        "{}; checked against {vs_single} and {simpler} (bitwise)",
+                        c.description
+                    ),
+                    Some((simpler, DdpCheck::DtypeTable { .. })) => format!(
+                        "{}; checked against {vs_single} and {simpler} (fp32 dtype table, a \
+                         recorded tolerance override)",
+                        c.description
+                    ),
+                }
+            }
             Config::Pipeline(id) => {
                 let p = id.get();
                 format!(
@@ -509,6 +600,9 @@ impl Config {
         if let Some(m) = self.model_parallel_config() {
             return m.world_blocker(world_size);
         }
+        if let Some(c) = self.composition_config() {
+            return c.world_blocker(world_size);
+        }
         self.fsdp_config()
             .and_then(|f| f.layout.shard_size(world_size).err())
     }
@@ -524,6 +618,28 @@ impl Config {
                 "{} is not compared with single: {MIXED_VS_SINGLE_REASON}",
                 self.name()
             )),
+            (Config::Composed(id), Config::Single) if id.get().is_pipeline() => {
+                let ov = Override::new(
+                    Tolerance::new(PIPELINE_GRAD_RTOL, PIPELINE_GRAD_ATOL),
+                    PIPELINE_VS_SINGLE_REASON,
+                )
+                .map_err(|e| format!("{}: {e}", self.name()))?;
+                Ok(
+                    TolerancePolicy::dtype_table(DType::F32)
+                        .with_override(&self.at(world_size), ov),
+                )
+            }
+            (Config::Composed(id), simpler) if id.get().simpler() == Some(simpler) => {
+                let bitwise = TolerancePolicy::bitwise(DType::F32);
+                match id.get().reduces_to.map(|r| r.1) {
+                    Some(DdpCheck::DtypeTable { reason }) => {
+                        let ov = Override::new(Tolerance::for_dtype(DType::F32), reason)
+                            .map_err(|e| format!("{}: {e}", self.name()))?;
+                        Ok(bitwise.with_override(&self.at(world_size), ov))
+                    }
+                    _ => Ok(bitwise),
+                }
+            }
             (Config::Pipeline(_), Config::Single) => {
                 let ov = Override::new(
                     Tolerance::new(PIPELINE_GRAD_RTOL, PIPELINE_GRAD_ATOL),

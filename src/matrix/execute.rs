@@ -96,6 +96,7 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                     .chain(plan.fsdp_launches(world))
                     .chain(plan.pipeline_launches(m, world).into_iter().map(|(c, _)| c))
                     .chain(plan.model_parallel_launches(m, world))
+                    .chain(plan.simpler_references(m, world))
                     .collect();
                 if configs.len() > 1 {
                     let label =
@@ -162,6 +163,7 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
             let model_parallel: Vec<(Config, Result<RunRecord, RunFailed>)> = plan
                 .model_parallel_launches(m, world)
                 .into_iter()
+                .chain(plan.simpler_references(m, world))
                 .map(|c| (c, run_one(c, 1, 1)))
                 .collect();
             let microbatched: Vec<(usize, Result<RunRecord, RunFailed>)> = plan
@@ -267,7 +269,13 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
             let against_config = |config: Config, reference: Config| {
                 (
                     reference.at(world),
-                    config.policy(reference, world),
+                    with_drift_override(
+                        config.policy(reference, world),
+                        model,
+                        config,
+                        reference,
+                        world,
+                    ),
                     config.world_blocker(world),
                 )
             };
@@ -316,11 +324,35 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                             );
                         }
                     }
-                    Config::ModelParallel(_) => {
+                    Config::ModelParallel(_) | Config::Composed(_) => {
                         let run = model_parallel
                             .iter()
                             .find(|(c, _)| *c == config)
                             .map(|(_, r)| r);
+                        let blocked = plan
+                            .model_parallel_blockers
+                            .get(&(m, world, config))
+                            .cloned()
+                            .flatten();
+                        if let Some(simpler) = config
+                            .composition_config()
+                            .and_then(CompositionConfig::simpler)
+                        {
+                            let reference = model_parallel
+                                .iter()
+                                .chain(&pipelines)
+                                .find(|(c, _)| *c == simpler)
+                                .map(|(_, r)| r);
+                            let (name, policy, skip) = against_config(config, simpler);
+                            row(
+                                config,
+                                name,
+                                policy,
+                                skip.or_else(|| blocked.clone()),
+                                run,
+                                reference,
+                            );
+                        }
                         let (name, policy, skip) = against_config(config, Config::Single);
                         let skip = skip.or_else(|| {
                             plan.model_parallel_blockers

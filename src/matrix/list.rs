@@ -19,8 +19,14 @@ pub fn render_list(seed: u64) -> Result<String, MatrixError> {
     for &c in &configs {
         let applies: Vec<&str> = models
             .iter()
-            .filter(|(_, _, single)| match c {
+            .filter(|(name, _, single)| match c {
                 Config::Single | Config::Pipeline(_) | Config::ModelParallel(_) => single.is_none(),
+                // The models the composition serves at world 4 or 8 (its table's sizes).
+                Config::Composed(id) => zoo::build(name, seed, 0).is_ok_and(|m| {
+                    [4, 8]
+                        .iter()
+                        .any(|&w| id.get().model_blocker(m.as_ref(), w).is_none())
+                }),
                 _ => true,
             })
             .map(|(n, _, _)| *n)

@@ -184,6 +184,7 @@ pub const MIXED_VS_SINGLE_REASON: &str = "mixed precision is checked against DDP
      single";
 
 mod backend;
+mod compositions;
 mod configs;
 mod execute;
 mod list;
@@ -193,6 +194,7 @@ mod plan;
 mod result;
 
 pub use backend::*;
+pub use compositions::*;
 pub use configs::*;
 pub use execute::*;
 pub use list::*;

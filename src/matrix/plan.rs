@@ -110,7 +110,8 @@ impl Plan {
                     + self.fsdp_launches(world).len()
                     + self.pipeline_launches(model, world).len()
                     + self.microbatch_references(model, world).len()
-                    + self.model_parallel_launches(model, world).len();
+                    + self.model_parallel_launches(model, world).len()
+                    + self.simpler_references(model, world).len();
             }
         }
         n
@@ -144,19 +145,41 @@ impl Plan {
             .collect()
     }
 
-    /// The selected tensor- and expert-parallel configurations that run model `model` at
-    /// `world_size`, in row order.
+    /// The selected tensor- and expert-parallel configurations and compositions that run
+    /// model `model` at `world_size`, in row order.
     pub(super) fn model_parallel_launches(&self, model: usize, world_size: usize) -> Vec<Config> {
         self.configs
             .iter()
             .copied()
-            .filter(|&c| {
-                matches!(
-                    self.model_parallel_blockers.get(&(model, world_size, c)),
-                    Some(None)
-                )
-            })
+            .filter(|&c| self.runs_here(model, world_size, c))
             .collect()
+    }
+
+    /// The configurations the compositions launched at `world_size` reduce to that are not
+    /// selected themselves: they run once, as references.
+    pub(super) fn simpler_references(&self, model: usize, world_size: usize) -> Vec<Config> {
+        let mut out: Vec<Config> = Vec::new();
+        for c in self.model_parallel_launches(model, world_size) {
+            let Some(simpler) = c.composition_config().and_then(CompositionConfig::simpler) else {
+                continue;
+            };
+            if !self.configs.contains(&simpler)
+                && !out.contains(&simpler)
+                && self.runs_here(model, world_size, simpler)
+            {
+                out.push(simpler);
+            }
+        }
+        out
+    }
+
+    /// Whether tensor/expert-parallel or composed configuration `c` runs model `model` at
+    /// `world_size` (planned, and nothing blocks it).
+    fn runs_here(&self, model: usize, world_size: usize, c: Config) -> bool {
+        matches!(
+            self.model_parallel_blockers.get(&(model, world_size, c)),
+            Some(None)
+        )
     }
 
     /// The distinct microbatch counts of model `model`'s pipeline launches at `world_size`:
@@ -354,15 +377,26 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
     let mut model_parallel_blockers = BTreeMap::new();
     for (m, name) in models.iter().enumerate() {
         for &w in &world_sizes {
-            for &c in &configs {
-                let Some(mp) = c.model_parallel_config() else {
-                    continue;
-                };
-                if c.world_blocker(w).is_some() {
+            // Compositions' simpler configurations run too (as references) when a
+            // selected composition needs them.
+            let simpler = configs
+                .iter()
+                .filter_map(|c| c.composition_config().and_then(CompositionConfig::simpler));
+            let wanted: Vec<Config> = configs.iter().copied().chain(simpler).collect();
+            for c in wanted {
+                if c.world_blocker(w).is_some() || model_parallel_blockers.contains_key(&(m, w, c))
+                {
                     continue;
                 }
                 let model = zoo::build(name, opts.seed, 0)?;
-                model_parallel_blockers.insert((m, w, c), mp.model_blocker(model.as_ref(), w));
+                let blocker = if let Some(mp) = c.model_parallel_config() {
+                    mp.model_blocker(model.as_ref(), w)
+                } else if let Some(comp) = c.composition_config() {
+                    comp.model_blocker(model.as_ref(), w)
+                } else {
+                    continue;
+                };
+                model_parallel_blockers.insert((m, w, c), blocker);
             }
         }
     }

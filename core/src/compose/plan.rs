@@ -274,6 +274,7 @@ pub fn check_composition(
             ..
         } => {
             if tp > 1 {
+                crate::pipeline::run::check_stage_tp(model)?;
                 check_plan(model, world_size, &Composition::tp_options(tp, data))?;
             }
             let dp = world_size / (pp * tp);

@@ -16,6 +16,7 @@ use crate::record::{CollectiveEntry, RunRecord};
 use crate::tensor_parallel::gpt::GptTp;
 use crate::tensor_parallel::{check_plan, Placement};
 use crate::train::{capture, grad_norm, TrainConfig};
+use lockstep_models::zoo::GptConfig;
 use lockstep_models::{Batch, LayerHooks, Model};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
@@ -528,17 +529,7 @@ impl StageTp {
             fault: None,
         };
         let placements = check_plan(model, world_size, &opts).map_err(tp_error)?;
-        let config = model.gpt_config().ok_or_else(|| {
-            PipelineError::InvalidPlan(format!(
-                "PP×TP splits the zoo decoder's stages; `{}` does not report decoder sizes",
-                model.name()
-            ))
-        })?;
-        if model.name() == "gpt_dropout" {
-            return Err(PipelineError::InvalidPlan(
-                "PP×TP does not carry dropout keys per microbatch: use gpt or gpt_moe".into(),
-            ));
-        }
+        let config = check_stage_tp(model)?;
         let mut local = Vec::new();
         let mut params = HashMap::new();
         for (name, t) in model.named_parameters() {
@@ -589,6 +580,26 @@ impl StageTp {
         )
         .map_err(|e| PipelineError::Execution(e.to_string()))
     }
+}
+
+/// Checks that `model`'s stages can be tensor-parallel (PP×TP): the zoo decoder, whose
+/// sizes it reports, without dropout (whose per-sample keys a stage's microbatches do not
+/// carry to the TP hooks). Returns the decoder's sizes.
+pub(crate) fn check_stage_tp(model: &dyn Model) -> Result<GptConfig, PipelineError> {
+    let config = model.gpt_config().ok_or_else(|| {
+        PipelineError::InvalidPlan(format!(
+            "PP×TP splits the zoo decoder's stages (gpt, gpt_moe); `{}` is not one",
+            model.name()
+        ))
+    })?;
+    if model.name() == "gpt_dropout" {
+        return Err(PipelineError::InvalidPlan(
+            "PP×TP does not carry dropout keys per microbatch to the TP hooks: gpt_dropout \
+             cannot run it (gpt and gpt_moe can)"
+                .into(),
+        ));
+    }
+    Ok(config)
 }
 
 /// Every parameter's `value` at its full size on this rank: the sharded unit's gathered over

@@ -1,0 +1,152 @@
+//! The compositions of the matrix (names with `_x_`: `fsdp_x_tp2`, `pp2_x_tp2_x_dp`...), as a
+//! table like [`fsdp_configs`]. Each row is a [`Composition`] on a named mesh whose data
+//! dimension takes the rest of the world, and is judged twice: against `single@N` (the fp32
+//! dtype table; pipelines under PyTorch's pipeline tolerance, as the `pp.*` rows), and
+//! against the simpler configuration it reduces to where there is one — bit for bit where
+//! the math allows (FSDP's reduce-scatter yields DDP's all-reduce elements), else the fp32
+//! table through a recorded override.
+
+use super::*;
+use lockstep_core::compose::{check_composition, Composition, DataParallel};
+use lockstep_core::pipeline::ScheduleKind;
+
+/// Why HSDP×TP is held to the fp32 table against TP×DDP: the override reason in its rows
+/// and reports.
+pub const HSDP_VS_DDP_REASON: &str = "HSDP averages each gradient within its shard group and \
+     then across replicas, where DDP averages over all data ranks at once: the same mean with \
+     another rounding";
+
+/// One composition of the matrix.
+#[derive(Clone, Debug)]
+pub struct CompositionConfig {
+    /// The name `--configs` patterns match (`fsdp_x_tp2`).
+    pub name: &'static str,
+    /// One line for `lockstep matrix --list`.
+    pub description: &'static str,
+    /// What runs.
+    pub composition: Composition,
+    /// The simpler configuration it reduces to, and how it is judged against it.
+    pub reduces_to: Option<(&'static str, DdpCheck)>,
+}
+
+impl CompositionConfig {
+    /// Why this composition cannot run at `world_size` (the mesh does not fit), if it cannot.
+    pub fn world_blocker(&self, world_size: usize) -> Option<String> {
+        self.composition
+            .mesh(world_size)
+            .err()
+            .map(|e| e.to_string())
+    }
+
+    /// Why it cannot run `model` at `world_size`, checked before anything is launched.
+    pub fn model_blocker(&self, model: &dyn Model, world_size: usize) -> Option<String> {
+        if let Some(reason) = model.single_device_reference_blocker() {
+            return Some(format!("no single-device reference: {reason}"));
+        }
+        check_composition(model, world_size, self.composition)
+            .err()
+            .map(|e| e.to_string())
+    }
+
+    /// The configuration it reduces to (`None`: it is checked against single only).
+    pub fn simpler(&self) -> Option<Config> {
+        self.reduces_to.and_then(|(name, _)| Config::by_name(name))
+    }
+
+    /// Whether a pipeline runs (its row against single takes the pipeline tolerance).
+    pub fn is_pipeline(&self) -> bool {
+        matches!(self.composition, Composition::Pipeline { .. })
+    }
+}
+
+/// Every composition, in row order.
+pub fn composition_configs() -> &'static [CompositionConfig] {
+    static TABLE: LazyLock<Vec<CompositionConfig>> = LazyLock::new(|| {
+        let pipeline = |tp, data, min_data| Composition::Pipeline {
+            pp: 2,
+            tp,
+            data,
+            schedule: ScheduleKind::OneFOneB,
+            min_data,
+        };
+        vec![
+            CompositionConfig {
+                name: "fsdp_x_tp2",
+                description: "FSDP×TP on [dp, tp=2]: tensor parallel over 2 ranks, then the \
+                              TP-local parameters one FSDP unit sharded over dp = N/2 (gathered \
+                              before forward, gradients reduce-scattered)",
+                composition: Composition::TensorData {
+                    tp: 2,
+                    data: DataParallel::Shard,
+                },
+                reduces_to: Some(("tp.2", DdpCheck::Bitwise)),
+            },
+            CompositionConfig {
+                name: "hsdp_x_tp2",
+                description: "HSDP×TP on [dp_replicate=2, dp_shard, tp=2]: TP over 2 ranks, \
+                              sharded within dp_shard = N/4, replicated across 2 (world 4 and up)",
+                composition: Composition::TensorData {
+                    tp: 2,
+                    data: DataParallel::HybridShard { replicas: 2 },
+                },
+                reduces_to: Some((
+                    "tp.2",
+                    DdpCheck::DtypeTable {
+                        reason: HSDP_VS_DDP_REASON,
+                    },
+                )),
+            },
+            CompositionConfig {
+                name: "pp2_x_dp",
+                description: "PP×DP on [dp, pp=2]: a 2-stage 1F1B pipeline replicated over \
+                              dp = N/2 ≥ 2, gradients all-reduced",
+                composition: pipeline(1, DataParallel::Replicate, 2),
+                reduces_to: None,
+            },
+            CompositionConfig {
+                name: "pp2_x_tp2",
+                description: "PP×TP on [dp, pp=2, tp=2]: a 2-stage 1F1B pipeline whose stages \
+                              are tensor parallel over 2 ranks (vocabulary-parallel loss on the \
+                              last), replicated over the rest (world 4 and up)",
+                composition: pipeline(2, DataParallel::Replicate, 1),
+                reduces_to: None,
+            },
+            CompositionConfig {
+                name: "pp2_x_tp2_x_dp",
+                description: "PP×TP×DP on [dp, pp=2, tp=2] with dp = N/4 ≥ 2 (world 8 and up)",
+                composition: pipeline(2, DataParallel::Replicate, 2),
+                reduces_to: None,
+            },
+            CompositionConfig {
+                name: "pp2_x_fsdp",
+                description: "PP×FSDP on [dp, pp=2]: each stage's parameters one unit sharded \
+                              over dp = N/2 ≥ 2, driven by the schedule's UNSHARD before the \
+                              first forward, REDUCE_GRAD and RESHARD after the last backward",
+                composition: pipeline(1, DataParallel::Shard, 2),
+                reduces_to: Some(("pp2_x_dp", DdpCheck::Bitwise)),
+            },
+            CompositionConfig {
+                name: "ep2_x_fsdp",
+                description: "EP×FSDP on [edp, ep=2]: gpt_moe's experts spread over 2 ranks, \
+                              the dense parameters one FSDP unit sharded over every rank",
+                composition: Composition::ExpertData {
+                    ep: 2,
+                    data: DataParallel::Shard,
+                },
+                reduces_to: Some(("ep.2", DdpCheck::Bitwise)),
+            },
+        ]
+    });
+    &TABLE
+}
+
+/// Which composition: an index into [`composition_configs`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CompositionId(pub(super) usize);
+
+impl CompositionId {
+    /// The composition's table row.
+    pub fn get(self) -> &'static CompositionConfig {
+        &composition_configs()[self.0]
+    }
+}
