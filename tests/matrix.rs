@@ -345,9 +345,14 @@ fn plan_selects_expands_and_counts_runs() {
     // (no MoE: its ep rows skip); gpt_moe those plus ep.2, ep.2.allgather at 2 and ep.2,
     // ep.4, ep.2.allgather at 4; moe has no single-device reference.
     let model_parallel = 2 * (2 + 3) + (4 + 6);
+    // Compositions: at world 2 only fsdp_x_tp2 (dp = 1) for the three decoders and
+    // ep2_x_fsdp for gpt_moe; at world 4 fsdp_x_tp2, hsdp_x_tp2, pp2_x_dp and pp2_x_fsdp for
+    // the three, pp2_x_tp2 for gpt and gpt_moe (not gpt_dropout) and ep2_x_fsdp for gpt_moe;
+    // their simpler configurations are selected already, so no extra reference runs.
+    let compositions = (3 + 1) + (4 * 3 + 2 + 1);
     assert_eq!(
         plan.run_count(),
-        2 * (3 * (8 + fsdp) + (6 + fsdp)) + pipelines + model_parallel
+        2 * (3 * (8 + fsdp) + (6 + fsdp)) + pipelines + model_parallel + compositions
     );
 
     let fsdp_only = matrix::plan(&MatrixOptions {
@@ -1340,4 +1345,64 @@ fn a_shared_launch_failing_after_the_last_barrier_charges_the_last_configuration
     for e in &report.errors {
         assert!(e.details.contains("timed out"), "{e:?}");
     }
+}
+
+/// Compositions at world 4: every row passes against single and against the simpler
+/// configuration it reduces to, which runs as a reference although not selected; the
+/// world-8-only composition is skipped with the mesh's reason.
+#[test]
+fn composition_rows_pass_against_single_and_their_simpler_configuration() {
+    let plan = matrix::plan(&MatrixOptions {
+        models: vec!["gpt_moe".into(), "nested".into()],
+        configs: vec!["*x*".into()],
+        world_sizes: vec![4],
+        steps: 3,
+        ..MatrixOptions::default()
+    })
+    .unwrap();
+    let result = matrix::run_quietly(&plan);
+    assert_eq!(result.runs, plan.run_count());
+    assert_eq!(result.failed_runs, 0);
+    let find = |model: &str, config: &str, reference: &str| {
+        result
+            .rows
+            .iter()
+            .find(|r| r.model == model && r.config == config && r.reference == reference)
+            .unwrap_or_else(|| panic!("no row {model} {config} vs {reference}"))
+    };
+    for (config, simpler, mode) in [
+        ("fsdp_x_tp2@4", "tp.2@4", "bitwise"),
+        ("hsdp_x_tp2@4", "tp.2@4", "tolerance"),
+        ("pp2_x_fsdp@4", "pp2_x_dp@4", "bitwise"),
+        ("ep2_x_fsdp@4", "ep.2@4", "bitwise"),
+    ] {
+        let row = find("gpt_moe", config, simpler);
+        assert_eq!(row.status, RowStatus::Pass, "{row:?}");
+        assert_eq!(row.mode, mode, "{row:?}");
+        let row = find("gpt_moe", config, "single@4");
+        assert_eq!(row.status, RowStatus::Pass, "{row:?}");
+    }
+    let row = find("gpt_moe", "pp2_x_tp2@4", "single@4");
+    assert_eq!(row.status, RowStatus::Pass, "{row:?}");
+    let row = find("gpt_moe", "pp2_x_tp2_x_dp@4", "single@4");
+    assert_eq!(row.status, RowStatus::Skip, "{row:?}");
+    assert!(
+        row.note.as_deref().is_some_and(|n| n.contains("dp ≥ 2")),
+        "{row:?}"
+    );
+    // nested: no TP plan and no experts, so only the data and pipeline compositions run.
+    assert_eq!(
+        find("nested", "pp2_x_fsdp@4", "pp2_x_dp@4").status,
+        RowStatus::Pass
+    );
+    let row = find("nested", "fsdp_x_tp2@4", "single@4");
+    assert_eq!(row.status, RowStatus::Skip, "{row:?}");
+    assert!(
+        row.note.as_deref().is_some_and(|n| n.contains("nested")),
+        "{row:?}"
+    );
+    assert!(result
+        .rows
+        .iter()
+        .all(|r| r.status == RowStatus::Pass || r.status == RowStatus::Skip));
 }
