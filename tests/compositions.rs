@@ -269,34 +269,52 @@ fn pp_x_fsdp_collective_counts_are_exact(#[values(("nested", 0), ("gpt", 1))] ca
     });
 }
 
-/// EP×FSDP at ep = world = 2: the dense unit's all-gather and reduce-scatter over the
-/// world, and EP's own all-to-alls (dispatch and combine, forward and backward, per MoE
-/// layer: 2 layers × 4), with no dense all-reduce left.
+/// EP×FSDP at ep = world = 2 communicates exactly as EP with replicated dense parameters,
+/// except that the dense parameters' per-parameter all-reduces on the world group become the
+/// unit's one all-gather and one reduce-scatter there; the experts' all-to-alls are
+/// untouched.
 #[test]
 fn ep_x_fsdp_collective_counts_are_exact() {
     lockstep_harness::run(2, |ctx| {
-        let record = run(
-            ctx,
-            "gpt_moe",
-            Composition::ExpertData {
-                ep: 2,
-                data: DataParallel::Shard,
-            },
-            None,
-        );
+        let ep = |data| Composition::ExpertData { ep: 2, data };
+        let sharded = run(ctx, "gpt_moe", ep(DataParallel::Shard), None);
+        let replicated = run(ctx, "gpt_moe", ep(DataParallel::Replicate), None);
+        let m = zoo::build("gpt_moe", 0, 0).expect("model");
+        let tags = m.tags();
+        let dense = m
+            .named_parameters()
+            .iter()
+            .filter(|(n, _)| !tags.is_expert(n))
+            .count() as u64;
         for step in 0..STEPS {
-            let c = counts(&record, step);
+            let mut want = counts(&replicated, step);
+            let key = ("all_reduce".to_owned(), "world".to_owned());
             assert_eq!(
-                c.get(&("all_gather".into(), "world".into())),
-                Some(&1),
-                "{c:?}"
+                want.get(&key),
+                Some(&dense),
+                "EP all-reduces each dense parameter"
             );
-            assert_eq!(
-                c.get(&("reduce_scatter".into(), "world".into())),
-                Some(&1),
-                "{c:?}"
-            );
-            assert_eq!(c.get(&("all_reduce".into(), "world".into())), None, "{c:?}");
+            want.remove(&key);
+            want.insert(("all_gather".into(), "world".into()), 1);
+            want.insert(("reduce_scatter".into(), "world".into()), 1);
+            assert_eq!(counts(&sharded, step), want, "step {step}");
+        }
+    });
+}
+
+/// PP×DP at [dp=2, pp=2]: one all-reduce of each stage's flattened gradients on dp per
+/// step, plus the tied embedding's among its holders on `gpt`.
+#[rstest]
+fn pp_x_dp_collective_counts_are_exact(#[values(("nested", 0), ("gpt", 1))] case: (&str, u64)) {
+    let (model, tied) = case;
+    lockstep_harness::run(4, |ctx| {
+        let record = run(ctx, model, pipeline(1, DataParallel::Replicate), None);
+        let mut want = expect(&[("all_reduce", "dp", 1)]);
+        if tied > 0 {
+            want.insert(("all_reduce".into(), "pp-tied".into()), tied);
+        }
+        for step in 0..STEPS {
+            assert_eq!(counts(&record, step), want, "step {step}");
         }
     });
 }

@@ -68,10 +68,14 @@ fn tensor_parallel_matches_single_device(
     });
 }
 
+/// One step's calls per operation on the TP group.
 fn counts(record: &RunRecord, step: usize) -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();
+    // The TP group's only: data-parallel replicas' reductions run on `dp`.
     for e in &record.collectives.as_ref().expect("collectives recorded")[step] {
-        *out.entry(e.op.clone()).or_default() += e.calls;
+        if e.group.starts_with("tp") {
+            *out.entry(e.op.clone()).or_default() += e.calls;
+        }
     }
     out
 }

@@ -468,9 +468,7 @@ pub fn train_pipeline_with(
     }
     record.params = capture(&params)?;
     record.buffers = capture(&model.named_buffers())?;
-    if composed {
-        record.collectives = Some(collectives);
-    }
+    record.collectives = Some(collectives);
     Ok(PipelineRun {
         record,
         traces,
