@@ -607,6 +607,17 @@ impl Config {
             .and_then(|f| f.layout.shard_size(world_size).err())
     }
 
+    /// A pipeline's policy against `single@N`: the fp32 table with PyTorch's pipeline-test
+    /// tolerance as the row's recorded override ([`PIPELINE_VS_SINGLE_REASON`]).
+    fn pipeline_vs_single(self, world_size: usize) -> Result<TolerancePolicy, String> {
+        let ov = Override::new(
+            Tolerance::new(PIPELINE_GRAD_RTOL, PIPELINE_GRAD_ATOL),
+            PIPELINE_VS_SINGLE_REASON,
+        )
+        .map_err(|e| format!("{}: {e}", self.name()))?;
+        Ok(TolerancePolicy::dtype_table(DType::F32).with_override(&self.at(world_size), ov))
+    }
+
     /// The policy against `reference` at `world_size`: bitwise against a repeat of itself
     /// or against DDP (unless the FSDP row overrides it, with its reason), the fp32 dtype
     /// table against the single-device reference, and no policy for mixed precision against
@@ -619,15 +630,7 @@ impl Config {
                 self.name()
             )),
             (Config::Composed(id), Config::Single) if id.get().is_pipeline() => {
-                let ov = Override::new(
-                    Tolerance::new(PIPELINE_GRAD_RTOL, PIPELINE_GRAD_ATOL),
-                    PIPELINE_VS_SINGLE_REASON,
-                )
-                .map_err(|e| format!("{}: {e}", self.name()))?;
-                Ok(
-                    TolerancePolicy::dtype_table(DType::F32)
-                        .with_override(&self.at(world_size), ov),
-                )
+                self.pipeline_vs_single(world_size)
             }
             (Config::Composed(id), simpler) if id.get().simpler() == Some(simpler) => {
                 let bitwise = TolerancePolicy::bitwise(DType::F32);
@@ -640,17 +643,7 @@ impl Config {
                     _ => Ok(bitwise),
                 }
             }
-            (Config::Pipeline(_), Config::Single) => {
-                let ov = Override::new(
-                    Tolerance::new(PIPELINE_GRAD_RTOL, PIPELINE_GRAD_ATOL),
-                    PIPELINE_VS_SINGLE_REASON,
-                )
-                .map_err(|e| format!("{}: {e}", self.name()))?;
-                Ok(
-                    TolerancePolicy::dtype_table(DType::F32)
-                        .with_override(&self.at(world_size), ov),
-                )
-            }
+            (Config::Pipeline(_), Config::Single) => self.pipeline_vs_single(world_size),
             (_, Config::Single) if self != Config::Single => {
                 Ok(TolerancePolicy::dtype_table(DType::F32))
             }

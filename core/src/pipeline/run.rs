@@ -338,6 +338,18 @@ pub fn train_pipeline_with(
         loss: loss_fn.as_ref().map(|f| f as &LossFn<'_>),
         sharding: unit.as_ref().map(|_| &sharding as &ShardingFn<'_>),
     };
+    // A composed run's record: every parameter's value (data or gradient) at full size on
+    // every rank (gathered over dp and tp, then from its owning stage).
+    let recorded = |value: &dyn Fn(&Tensor) -> Tensor| -> Result<_, PipelineError> {
+        let full = full_values(
+            &named,
+            &model_params,
+            unit.as_ref(),
+            stage_tp.as_ref(),
+            value,
+        )?;
+        gather_owned(&plan, rank, pp.as_ref(), &full, Tensor::shallow_clone)
+    };
     let mut optimizer = cfg.optimizer.build();
     let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
     let mut traces = Vec::new();
@@ -411,14 +423,7 @@ pub fn train_pipeline_with(
         }
         collectives.push(CollectiveEntry::from_counts(counts.take()));
         if composed {
-            let full = full_values(
-                &named,
-                &model_params,
-                unit.as_ref(),
-                stage_tp.as_ref(),
-                |t| t.grad(),
-            )?;
-            let full_grads = gather_owned(&plan, rank, pp.as_ref(), &full, Tensor::shallow_clone)?;
+            let full_grads = recorded(&|t: &Tensor| t.grad())?;
             record.grad_norms.push(grad_norm(&full_grads)?);
             if let Some(all) = record.grads.as_mut() {
                 all.push(capture(&full_grads)?);
@@ -450,14 +455,7 @@ pub fn train_pipeline_with(
     let _ = counts.take();
     let params = tch::no_grad(|| -> Result<_, PipelineError> {
         if composed {
-            let full = full_values(
-                &named,
-                &model_params,
-                unit.as_ref(),
-                stage_tp.as_ref(),
-                Tensor::shallow_clone,
-            )?;
-            gather_owned(&plan, rank, pp.as_ref(), &full, Tensor::shallow_clone)
+            recorded(&Tensor::shallow_clone)
         } else {
             gather_owned(&plan, rank, pp.as_ref(), &named, Tensor::shallow_clone)
         }
