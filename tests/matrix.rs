@@ -1406,3 +1406,23 @@ fn composition_rows_pass_against_single_and_their_simpler_configuration() {
         .iter()
         .all(|r| r.status == RowStatus::Pass || r.status == RowStatus::Skip));
 }
+
+/// Every composition that names a simpler configuration names one that exists and that the
+/// matrix launches beside compositions (a tensor/expert-parallel row or a composition), so
+/// its row against it can never silently vanish.
+#[test]
+fn every_composition_reduces_to_a_known_launchable_configuration() {
+    for c in matrix::composition_configs() {
+        let Some((name, _)) = c.reduces_to else {
+            continue;
+        };
+        let simpler = Config::by_name(name)
+            .unwrap_or_else(|| panic!("{} reduces to unknown `{name}`", c.name));
+        assert_eq!(c.simpler(), Some(simpler));
+        assert!(
+            simpler.model_parallel_config().is_some() || simpler.composition_config().is_some(),
+            "{} reduces to {name}, which the matrix does not launch as a reference",
+            c.name
+        );
+    }
+}

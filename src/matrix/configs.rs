@@ -360,7 +360,11 @@ pub fn with_drift_override(
         .iter()
         .find(|d| d.model == model && world_size >= d.min_world);
     match drift {
-        Some(d) if reference == Config::Single && policy.override_for(&row).is_none() => {
+        Some(d)
+            if reference == Config::Single
+                && config != Config::Single
+                && policy.override_for(&row).is_none() =>
+        {
             let ov = Override::new(
                 Tolerance::new(PIPELINE_GRAD_RTOL, PIPELINE_GRAD_ATOL),
                 d.reason,

@@ -344,11 +344,20 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                                 .find(|(c, _)| *c == simpler)
                                 .map(|(_, r)| r);
                             let (name, policy, skip) = against_config(config, simpler);
+                            let simpler_blocked = simpler
+                                .world_blocker(world)
+                                .or_else(|| {
+                                    plan.model_parallel_blockers
+                                        .get(&(m, world, simpler))
+                                        .cloned()
+                                        .flatten()
+                                })
+                                .map(|reason| format!("{}: {reason}", simpler.name()));
                             row(
                                 config,
                                 name,
                                 policy,
-                                skip.or_else(|| blocked.clone()),
+                                skip.or_else(|| blocked.clone()).or(simpler_blocked),
                                 run,
                                 reference,
                             );

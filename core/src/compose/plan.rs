@@ -260,6 +260,13 @@ pub fn check_composition(
     composition: Composition,
 ) -> Result<Vec<(&'static str, usize)>, CompositionError> {
     let mesh = composition.mesh(world_size)?;
+    if let Some(name) = model.tags().rank_local.first() {
+        return Err(CompositionError::Invalid(format!(
+            "`{}` has rank-local parameters (`{name}`) that no data dimension may average or \
+             shard",
+            model.name()
+        )));
+    }
     match composition {
         Composition::TensorData { tp, data } => {
             if tp > 1 {

@@ -285,13 +285,14 @@ pub fn train_expert_parallel(
                     .collect::<Vec<_>>();
                 stepped.push(u.shard());
                 optimizer.step(&stepped)?;
-                // Freed until the next step's gather; gathered again after the last step.
+                // Freed until the next step's gather.
                 u.reshard()?;
-                if step + 1 == cfg.spec.steps {
-                    u.unshard()?;
-                }
             }
         }
+    }
+    if let Some(u) = unit.as_mut() {
+        // Gathered again: the model's dense parameters hold their trained values.
+        u.unshard()?;
     }
     let _ = counts.take();
     let params = tch::no_grad(|| {

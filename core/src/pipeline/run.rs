@@ -475,9 +475,12 @@ pub fn train_pipeline_with(
 }
 
 /// Inserts FSDP's actions for this rank's `stage` into its action list: `UNSHARD` before its
-/// first action; `REDUCE_GRAD` and then `RESHARD` after its last (past every send, so the
-/// tied-weight reduction inside `REDUCE_GRAD` never waits on a rank that waits on this one).
-/// `early` plants the bug of reducing right after the first backward.
+/// first action; `REDUCE_GRAD` and then `RESHARD` after its last. Past every send, the
+/// tied-weight reduction inside `REDUCE_GRAD` never waits on a rank that waits on this one:
+/// every rank's remaining sends are issued before it, and the backends' sends complete
+/// without the receiver (buffered), so no rank blocks in a send while its peer sits in the
+/// all-reduce. `early` plants the bug of reducing right after the first backward (after that
+/// backward's `SEND_B`, so a model with tied weights is caught, not hung).
 fn insert_sharding_actions(actions: &mut Vec<Action>, stage: usize, early: bool) {
     actions.insert(0, Action::new(stage, ActionKind::Unshard, None));
     let reduce = Action::new(stage, ActionKind::ReduceGrad, None);
@@ -489,7 +492,16 @@ fn insert_sharding_actions(actions: &mut Vec<Action>, stage: usize, early: bool)
             )
     });
     match (early, first_backward) {
-        (true, Some(i)) => actions.insert(i + 1, reduce),
+        (true, Some(i)) => {
+            let microbatch = actions[i].microbatch;
+            let after = actions[i..]
+                .iter()
+                .position(|a| {
+                    a.stage == stage && a.kind == ActionKind::SendB && a.microbatch == microbatch
+                })
+                .map_or(i, |j| i + j);
+            actions.insert(after + 1, reduce);
+        }
         _ => actions.push(reduce),
     }
     actions.push(Action::new(stage, ActionKind::Reshard, None));

@@ -364,14 +364,15 @@ pub fn train_tensor_parallel(
             None => optimizer.step(&trained)?,
             Some(u) => {
                 optimizer.step(&[u.shard()])?;
-                // Freed until the next step's gather; after the last step gathered again, so
-                // the model holds its trained values for whoever reads it next.
+                // Freed until the next step's gather.
                 u.reshard()?;
-                if step + 1 == cfg.spec.steps {
-                    u.unshard()?;
-                }
             }
         }
+    }
+    if let Some(u) = unit.as_mut() {
+        // Gathered again, so the tensors this rank computed with (the model's own
+        // replicated parameters among them) hold their trained values, never freed memory.
+        u.unshard()?;
     }
     let _ = counts.take();
     let params = tch::no_grad(|| -> Result<_, TpError> {
