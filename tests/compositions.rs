@@ -48,6 +48,7 @@ fn pipeline(tp: usize, data: DataParallel) -> Composition {
         data,
         schedule: ScheduleKind::OneFOneB,
         min_data: 1,
+        checkpoint_every: None,
     }
 }
 
@@ -392,6 +393,7 @@ fn invalid_meshes_and_compositions_are_refused_before_spawn() {
             data: DataParallel::Replicate,
             schedule: ScheduleKind::OneFOneB,
             min_data: 2,
+            checkpoint_every: None,
         },
     );
     assert!(msg.contains("dp=1") && msg.contains("dp ≥ 2"), "{msg}");
@@ -423,6 +425,7 @@ fn invalid_meshes_and_compositions_are_refused_before_spawn() {
             data: DataParallel::Shard,
             schedule: ScheduleKind::Interleaved1F1B,
             min_data: 1,
+            checkpoint_every: None,
         },
     );
     assert!(msg.contains("one stage per rank"), "{msg}");
@@ -470,6 +473,7 @@ fn three_dimensional_compositions_at_world_8() {
                 data: DataParallel::Replicate,
                 schedule: ScheduleKind::OneFOneB,
                 min_data: 2,
+                checkpoint_every: None,
             },
             None,
         );
@@ -543,6 +547,40 @@ fn pp_x_tp_collective_counts_are_exact() {
                 want,
                 "rank {} step {step}",
                 ctx.rank()
+            );
+        }
+    });
+}
+
+/// torchtitan's whole order in one pipeline at world 8, on [dp=2, pp=2, tp=2]: each stage
+/// tensor-parallel, activations recomputed every layer in backward, then its TP-local
+/// parameters one FSDP unit over dp. Equal bit for bit to the same pipeline without
+/// checkpointing (recomputation replays the forward exactly) and agreeing with single.
+#[test]
+fn pp_x_tp_x_fsdp_with_activation_checkpointing_at_world_8() {
+    let composed = |checkpoint_every| Composition::Pipeline {
+        pp: 2,
+        tp: 2,
+        data: DataParallel::Shard,
+        schedule: ScheduleKind::OneFOneB,
+        min_data: 2,
+        checkpoint_every,
+    };
+    lockstep_harness::run(8, |ctx| {
+        let checkpointed = run(ctx, "gpt", composed(Some(1)), None);
+        let kept = run(ctx, "gpt", composed(None), None);
+        if ctx.rank() == 0 {
+            assert_agree(
+                "pp×tp×fsdp with AC vs without",
+                &checkpointed,
+                &kept,
+                &TolerancePolicy::bitwise(DType::F32),
+            );
+            assert_agree(
+                "pp×tp×fsdp with AC vs single",
+                &checkpointed,
+                &single("gpt", 8),
+                &pipeline_policy(),
             );
         }
     });

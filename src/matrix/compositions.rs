@@ -68,6 +68,7 @@ pub fn composition_configs() -> &'static [CompositionConfig] {
             data,
             schedule: ScheduleKind::OneFOneB,
             min_data,
+            checkpoint_every: None,
         };
         vec![
             CompositionConfig {
@@ -124,6 +125,22 @@ pub fn composition_configs() -> &'static [CompositionConfig] {
                               first forward, REDUCE_GRAD and RESHARD after the last backward",
                 composition: pipeline(1, DataParallel::Shard, 2),
                 reduces_to: Some(("pp2_x_dp", DdpCheck::Bitwise)),
+            },
+            CompositionConfig {
+                name: "pp2_x_tp2_x_fsdp.ac",
+                description: "torchtitan's whole order on [dp, pp=2, tp=2], dp = N/4 ≥ 2 (world 8 \
+                              and up): 2-stage 1F1B stages tensor parallel over 2 ranks, \
+                              activations recomputed every layer in backward, each stage's \
+                              TP-local parameters one FSDP unit over dp",
+                composition: Composition::Pipeline {
+                    pp: 2,
+                    tp: 2,
+                    data: DataParallel::Shard,
+                    schedule: ScheduleKind::OneFOneB,
+                    min_data: 2,
+                    checkpoint_every: Some(1),
+                },
+                reduces_to: Some(("pp2_x_tp2_x_dp", DdpCheck::Bitwise)),
             },
             CompositionConfig {
                 name: "ep2_x_fsdp",

@@ -98,6 +98,9 @@ pub enum Composition {
         schedule: ScheduleKind,
         /// The least data-parallel size the composition is meant for (2 for PP×TP×DP).
         min_data: usize,
+        /// Activation checkpointing: each stage recomputes every `k` layers in backward
+        /// (between TP and FSDP in torchtitan's order); `None` keeps activations.
+        checkpoint_every: Option<usize>,
     },
     /// Expert parallelism of size `ep`, every rank its own batch; the dense parameters
     /// replicated or sharded over the whole world (mesh `[edp, ep]`, dense `dp` = world).
@@ -238,13 +241,14 @@ impl Composition {
         pp: usize,
         dp: usize,
         schedule: ScheduleKind,
+        checkpoint_every: Option<usize>,
     ) -> PipelineOptions {
         PipelineOptions {
             schedule: ScheduleChoice::Builtin(schedule),
             virtual_stages: schedule.default_virtual(),
             microbatches: 2 * pp,
             partition: PartitionMethod::Uniform,
-            checkpoint_every: None,
+            checkpoint_every,
             data_parallel: dp,
             fault: None,
         }
@@ -278,6 +282,7 @@ pub fn check_composition(
             tp,
             data,
             schedule,
+            checkpoint_every,
             ..
         } => {
             if tp > 1 {
@@ -285,7 +290,7 @@ pub fn check_composition(
                 check_plan(model, world_size, &Composition::tp_options(tp, data))?;
             }
             let dp = world_size / (pp * tp);
-            let plan = pipeline_plan(model, pp, dp, schedule)?;
+            let plan = pipeline_plan(model, pp, dp, schedule, checkpoint_every)?;
             if data == DataParallel::Shard && plan.stages.len() != pp {
                 return Err(CompositionError::Invalid(format!(
                     "PP×FSDP runs one stage per rank (each stage's parameters one sharded \
@@ -317,10 +322,11 @@ pub(crate) fn pipeline_plan(
     pp: usize,
     dp: usize,
     schedule: ScheduleKind,
+    checkpoint_every: Option<usize>,
 ) -> Result<PipelinePlan, CompositionError> {
     Ok(plan_pipeline(
         model,
         pp * dp,
-        &Composition::pipeline_options(pp, dp, schedule),
+        &Composition::pipeline_options(pp, dp, schedule, checkpoint_every),
     )?)
 }

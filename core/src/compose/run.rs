@@ -47,6 +47,7 @@ pub fn train_composed(
             tp,
             data,
             schedule,
+            checkpoint_every,
             ..
         } => {
             let fault = match fault {
@@ -59,7 +60,7 @@ pub fn train_composed(
             let dp = world_size / (pp * tp);
             let opts = crate::pipeline::PipelineOptions {
                 fault,
-                ..Composition::pipeline_options(pp, dp, schedule)
+                ..Composition::pipeline_options(pp, dp, schedule, checkpoint_every)
             };
             let stage = StageParallel { tp, data };
             Ok(train_pipeline_with(model, world, cfg, &opts, stage)?.record)
