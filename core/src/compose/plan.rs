@@ -235,6 +235,18 @@ impl Composition {
         }
     }
 
+    /// The expert-parallel options a composition's EP part runs with (all-to-all dispatch, no
+    /// token dropped).
+    pub(crate) fn ep_options(ep: usize, data: DataParallel) -> EpOptions {
+        EpOptions {
+            ep,
+            dispatcher: Dispatcher::AllToAll,
+            capacity_factor: None,
+            data_parallel: data,
+            fault: None,
+        }
+    }
+
     /// The pipeline options at `world_size` (the pipeline's own world is `pp · dp`: TP
     /// ranks of a stage run it together).
     pub(crate) fn pipeline_options(
@@ -286,7 +298,7 @@ pub fn check_composition(
             ..
         } => {
             if tp > 1 {
-                crate::pipeline::run::check_stage_tp(model)?;
+                crate::pipeline::stage_parallel::check_stage_tp(model)?;
                 check_plan(model, world_size, &Composition::tp_options(tp, data))?;
             }
             let dp = world_size / (pp * tp);
@@ -299,18 +311,8 @@ pub fn check_composition(
                 )));
             }
         }
-        Composition::ExpertData { ep, .. } => {
-            check_expert_plan(
-                model,
-                world_size,
-                &EpOptions {
-                    ep,
-                    dispatcher: Dispatcher::AllToAll,
-                    capacity_factor: None,
-                    data_parallel: DataParallel::Replicate,
-                    fault: None,
-                },
-            )?;
+        Composition::ExpertData { ep, data } => {
+            check_expert_plan(model, world_size, &Composition::ep_options(ep, data))?;
         }
     }
     Ok(mesh)

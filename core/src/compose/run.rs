@@ -3,7 +3,7 @@
 
 use super::plan::{check_composition, Composition, CompositionError, SeamFault};
 use crate::comm::World;
-use crate::expert_parallel::{train_expert_parallel, Dispatcher, EpFault, EpOptions};
+use crate::expert_parallel::{train_expert_parallel, EpFault, EpOptions};
 use crate::pipeline::{train_pipeline_with, PipelineFault, StageParallel};
 use crate::record::RunRecord;
 use crate::tensor_parallel::{train_tensor_parallel, TpFault};
@@ -72,11 +72,8 @@ pub fn train_composed(
                 Some(f) => return Err(misplaced(f)),
             };
             let opts = EpOptions {
-                ep,
-                dispatcher: Dispatcher::AllToAll,
-                capacity_factor: None,
-                data_parallel: data,
                 fault,
+                ..Composition::ep_options(ep, data)
             };
             Ok(train_expert_parallel(model, world, cfg, &opts)?)
         }

@@ -15,6 +15,7 @@
 
 pub mod dataflow;
 mod executor;
+mod handshake;
 pub mod microbatch;
 pub mod partition;
 pub mod plan;
@@ -22,13 +23,15 @@ pub mod reference;
 pub mod run;
 pub mod schedule;
 mod stage;
+pub mod stage_parallel;
 pub mod trace;
 
 pub use partition::PartitionMethod;
 pub use plan::{plan_pipeline, PipelineFault, PipelineOptions, PipelinePlan, ScheduleChoice};
 pub use reference::microbatched_reference;
-pub use run::{train_pipeline, train_pipeline_with, PipelineRun, StageParallel};
+pub use run::{train_pipeline, train_pipeline_with, PipelineRun};
 pub use schedule::{ScheduleError, ScheduleKind};
+pub use stage_parallel::StageParallel;
 
 use crate::autograd::AutogradError;
 use crate::comm::CommError;

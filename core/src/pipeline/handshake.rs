@@ -1,0 +1,118 @@
+//! The per-step shape handshake between stages: producers announce the shapes and dtypes
+//! they will send on every cross-rank edge, consumers check them, before any activation moves.
+
+use super::dataflow::TensorMeta;
+use super::plan::PipelinePlan;
+use super::PipelineError;
+use crate::comm::ProcessGroup;
+use std::collections::HashMap;
+use std::sync::Arc;
+use tch::{Kind, Tensor};
+
+const META_SLOTS: usize = 10;
+
+fn kind_code(kind: Kind) -> i64 {
+    match kind {
+        Kind::Float => 1,
+        Kind::Double => 2,
+        Kind::Half => 3,
+        Kind::BFloat16 => 4,
+        Kind::Int64 => 5,
+        Kind::Int => 6,
+        Kind::Bool => 7,
+        _ => 0,
+    }
+}
+
+fn encode(metas: &[&TensorMeta]) -> Vec<i64> {
+    let mut v = Vec::with_capacity(metas.len() * META_SLOTS);
+    for m in metas {
+        let mut slot = vec![-1i64; META_SLOTS];
+        slot[0] = m.shape.len() as i64;
+        slot[1] = kind_code(m.kind);
+        for (j, d) in m.shape.iter().take(META_SLOTS - 2).enumerate() {
+            slot[2 + j] = *d;
+        }
+        v.extend(slot);
+    }
+    v
+}
+
+/// Producers announce the shapes and dtypes of what they will send on every cross-rank edge;
+/// consumers compare with what they expect and answer. A mismatch fails both sides with a
+/// message naming the two stages, before any activation moves.
+pub(super) fn handshake(
+    plan: &PipelinePlan,
+    rank: usize,
+    groups: &HashMap<(usize, usize), Arc<dyn ProcessGroup>>,
+    metas: &[TensorMeta],
+    plant_wrong_shape: bool,
+) -> Result<(), PipelineError> {
+    let remote: Vec<_> = plan
+        .flow
+        .edges
+        .iter()
+        .filter(|e| plan.stage_ranks[e.from] != plan.stage_ranks[e.to])
+        .collect();
+    let describe = |layers: &[usize], values: &[i64]| -> String {
+        layers
+            .iter()
+            .zip(values.chunks(META_SLOTS))
+            .map(|(k, s)| {
+                let dims: Vec<String> = s[2..2 + (s[0].max(0) as usize).min(META_SLOTS - 2)]
+                    .iter()
+                    .map(i64::to_string)
+                    .collect();
+                format!("layer {k}: dtype#{} [{}]", s[1], dims.join(", "))
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    for (n, e) in remote.iter().enumerate() {
+        if plan.stage_ranks[e.from] == rank && !e.layers.is_empty() {
+            let mut v = encode(&e.layers.iter().map(|&k| &metas[k]).collect::<Vec<_>>());
+            if plant_wrong_shape && n == 0 {
+                v[2] += 1;
+            }
+            groups[&(e.from, e.to)].send(&Tensor::from_slice(&v), 1, 0)?;
+        }
+    }
+    let mut failure = None;
+    for e in &remote {
+        if plan.stage_ranks[e.to] == rank && !e.layers.is_empty() {
+            let expected = encode(&e.layers.iter().map(|&k| &metas[k]).collect::<Vec<_>>());
+            let got = Tensor::f_zeros([expected.len() as i64], (Kind::Int64, tch::Device::Cpu))?;
+            let g = &groups[&(e.from, e.to)];
+            g.recv(&got, 0, 0)?;
+            let got: Vec<i64> = Vec::try_from(&got)?;
+            let ok = got == expected;
+            g.send(&Tensor::from_slice(&[i64::from(ok)]), 0, 1)?;
+            if !ok && failure.is_none() {
+                failure = Some(PipelineError::ShapeMismatch {
+                    producer: e.from,
+                    consumer: e.to,
+                    announced: describe(&e.layers, &got),
+                    expected: describe(&e.layers, &expected),
+                });
+            }
+        }
+    }
+    for e in &remote {
+        if plan.stage_ranks[e.from] == rank && !e.layers.is_empty() {
+            let verdict = Tensor::f_zeros([1], (Kind::Int64, tch::Device::Cpu))?;
+            groups[&(e.from, e.to)].recv(&verdict, 1, 1)?;
+            if verdict.f_int64_value(&[0])? != 1 && failure.is_none() {
+                failure = Some(PipelineError::ShapeMismatch {
+                    producer: e.from,
+                    consumer: e.to,
+                    announced: "(what this stage announced)".into(),
+                    expected: format!("what stage {} expects (see its error)", e.to),
+                });
+            }
+        }
+    }
+    match failure {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}

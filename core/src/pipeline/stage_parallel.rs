@@ -1,0 +1,216 @@
+//! What runs inside a pipeline's stages and across its replicas when parallelisms compose
+//! ([`StageParallel`]): each stage's tensor parallelism (this rank's TP shards, the hooks that
+//! compute the stage's layers with them, the vocabulary-parallel loss), FSDP's schedule
+//! actions for a sharded data dimension, and the full-size values a composed run records.
+
+use super::schedule::{Action, ActionKind};
+use super::PipelineError;
+use crate::comm::ProcessGroup;
+use crate::compose::{DataParallel, ShardedUnit};
+use crate::tensor_parallel::gpt::GptTp;
+use crate::tensor_parallel::{check_plan, Placement};
+use lockstep_models::zoo::GptConfig;
+use lockstep_models::{Batch, LayerHooks, Model};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::Arc;
+use tch::Tensor;
+
+/// What runs inside each pipeline stage and across its replicas: tensor parallelism of the
+/// stage's layers (`tp` ranks compute each stage together) and the data dimension
+/// (replicas all-reduce, or FSDP shards each stage's parameters over `dp` through the
+/// schedule's `UNSHARD`, `RESHARD` and `REDUCE_GRAD` actions).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StageParallel {
+    /// Tensor-parallel size inside each stage (1: none).
+    pub tp: usize,
+    /// How replicas keep parameters and reduce gradients.
+    pub data: DataParallel,
+}
+
+impl Default for StageParallel {
+    fn default() -> Self {
+        StageParallel {
+            tp: 1,
+            data: DataParallel::Replicate,
+        }
+    }
+}
+
+/// Inserts FSDP's actions for this rank's `stage` into its action list: `UNSHARD` before its
+/// first action; `REDUCE_GRAD` and then `RESHARD` after its last. Past every send, the
+/// tied-weight reduction inside `REDUCE_GRAD` never waits on a rank that waits on this one:
+/// every rank's remaining sends are issued before it, and the backends' sends complete
+/// without the receiver (buffered), so no rank blocks in a send while its peer sits in the
+/// all-reduce. `early` plants the bug of reducing right after the first backward (after that
+/// backward's `SEND_B`, so a model with tied weights is caught, not hung).
+pub(super) fn insert_sharding_actions(actions: &mut Vec<Action>, stage: usize, early: bool) {
+    actions.insert(0, Action::new(stage, ActionKind::Unshard, None));
+    let reduce = Action::new(stage, ActionKind::ReduceGrad, None);
+    let first_backward = actions.iter().position(|a| {
+        a.stage == stage
+            && matches!(
+                a.kind,
+                ActionKind::FullBackward | ActionKind::BackwardWeight
+            )
+    });
+    match (early, first_backward) {
+        (true, Some(i)) => {
+            let microbatch = actions[i].microbatch;
+            let after = actions[i..]
+                .iter()
+                .position(|a| {
+                    a.stage == stage && a.kind == ActionKind::SendB && a.microbatch == microbatch
+                })
+                .map_or(i, |j| i + j);
+            actions.insert(after + 1, reduce);
+        }
+        _ => actions.push(reduce),
+    }
+    actions.push(Action::new(stage, ActionKind::Reshard, None));
+}
+
+/// The tensor-parallel side of a PP×TP stage: this rank's TP shards, the hooks that compute
+/// the stage's layers with them, and the vocabulary-parallel loss.
+pub(super) struct StageTp {
+    /// Every parameter as this rank computes with it (TP shards where the plan splits).
+    pub(super) local: Vec<(String, Tensor)>,
+    placements: HashMap<String, Placement>,
+    pub(super) hooks: RefCell<Box<dyn LayerHooks>>,
+    group: Arc<dyn ProcessGroup>,
+    vocab: i64,
+    vocab_start: i64,
+    tp: usize,
+}
+
+impl StageTp {
+    pub(super) fn new(
+        model: &dyn Model,
+        world_size: usize,
+        tp: usize,
+        rank: usize,
+        group: Arc<dyn ProcessGroup>,
+    ) -> Result<StageTp, PipelineError> {
+        let tp_error =
+            |e: crate::tensor_parallel::TpError| PipelineError::InvalidPlan(e.to_string());
+        let opts = crate::tensor_parallel::TpOptions {
+            tp,
+            sequence_parallel: false,
+            data_parallel: DataParallel::Replicate,
+            fault: None,
+        };
+        let placements = check_plan(model, world_size, &opts).map_err(tp_error)?;
+        let config = check_stage_tp(model)?;
+        let mut local = Vec::new();
+        let mut params = HashMap::new();
+        for (name, t) in model.named_parameters() {
+            let l = match placements.get(&name) {
+                Some(Placement::Shard { dim }) => crate::tensor_parallel::shard(&t, *dim, rank, tp)
+                    .map_err(|e| PipelineError::InvalidPlan(e.to_string()))?,
+                _ => t.shallow_clone(),
+            };
+            params.insert(name.clone(), l.shallow_clone());
+            local.push((name, l));
+        }
+        let hooks: Box<dyn LayerHooks> = Box::new(GptTp {
+            group: group.clone(),
+            tp,
+            rank,
+            params,
+            layer_names: model.layers().into_iter().map(|l| l.name).collect(),
+            config,
+            sequence_parallel: false,
+            fault: None,
+            experts_parallel: None,
+            dropout: 0.0,
+            dropout_keys: Default::default(),
+        });
+        Ok(StageTp {
+            local,
+            placements,
+            hooks: RefCell::new(hooks),
+            group,
+            vocab: config.vocab,
+            vocab_start: rank as i64 * config.vocab / tp as i64,
+            tp,
+        })
+    }
+
+    /// The microbatch's mean loss from this rank's vocabulary slice of the logits.
+    pub(super) fn loss(&self, batch: &Batch, output: &Tensor) -> Result<Tensor, PipelineError> {
+        let target = batch
+            .target
+            .as_ref()
+            .ok_or_else(|| PipelineError::Execution("the batch has no target".into()))?;
+        crate::tensor_parallel::vocab_parallel_cross_entropy(
+            &output.f_reshape([-1, self.vocab / self.tp as i64])?,
+            &target.f_reshape([-1])?,
+            self.vocab_start,
+            &self.group,
+            crate::tensor_parallel::Reduction::Mean,
+        )
+        .map_err(|e| PipelineError::Execution(e.to_string()))
+    }
+}
+
+/// Checks that `model`'s stages can be tensor-parallel (PP×TP): the zoo decoder, whose
+/// sizes it reports, without dropout (whose per-sample keys a stage's microbatches do not
+/// carry to the TP hooks). Returns the decoder's sizes.
+pub(crate) fn check_stage_tp(model: &dyn Model) -> Result<GptConfig, PipelineError> {
+    let config = model.gpt_config().ok_or_else(|| {
+        PipelineError::InvalidPlan(format!(
+            "PP×TP splits the zoo decoder's stages (gpt, gpt_moe); `{}` is not one",
+            model.name()
+        ))
+    })?;
+    if model.name() == "gpt_dropout" {
+        return Err(PipelineError::InvalidPlan(
+            "PP×TP does not carry dropout keys per microbatch to the TP hooks: gpt_dropout \
+             cannot run it (gpt and gpt_moe can)"
+                .into(),
+        ));
+    }
+    Ok(config)
+}
+
+/// Every parameter's `value` at its full size on this rank: the sharded unit's gathered over
+/// dp, TP shards gathered over tp, the rest as they are (zeros where undefined: parameters
+/// this rank does not hold, whose owner's values `gather_owned` takes).
+pub(super) fn full_values(
+    named: &[(String, Tensor)],
+    model_params: &[(String, Tensor)],
+    unit: Option<&RefCell<ShardedUnit>>,
+    stage_tp: Option<&StageTp>,
+    value: impl Fn(&Tensor) -> Tensor,
+) -> Result<Vec<(String, Tensor)>, PipelineError> {
+    let gathered: HashMap<String, Tensor> = match unit {
+        Some(u) => u.borrow().full_values(&value)?.into_iter().collect(),
+        None => HashMap::new(),
+    };
+    named
+        .iter()
+        .zip(model_params)
+        .map(|((name, t), (_, full))| {
+            let v = match gathered.get(name) {
+                Some(v) => v.shallow_clone(),
+                None => {
+                    let v = value(t);
+                    if v.defined() {
+                        v.f_detach()?
+                    } else {
+                        t.f_zeros_like()?
+                    }
+                }
+            };
+            let v = match stage_tp.and_then(|s| s.placements.get(name).map(|p| (s, p))) {
+                Some((s, Placement::Shard { dim })) => {
+                    crate::tensor_parallel::unshard(&v, *dim, s.group.as_ref())
+                        .map_err(|e| PipelineError::Execution(e.to_string()))?
+                }
+                _ => v,
+            };
+            debug_assert_eq!(v.size(), full.size());
+            Ok((name.clone(), v))
+        })
+        .collect()
+}
