@@ -11,6 +11,7 @@ pub mod checkpoint;
 pub mod env_report;
 pub mod matrix;
 pub mod parity_test;
+pub mod rank_cmd;
 pub mod run_cmd;
 pub mod runner;
 pub mod schedule;

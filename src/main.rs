@@ -57,6 +57,9 @@ enum Command {
     /// says it is incomplete), 2 on bad
     /// input.
     Matrix(MatrixArgs),
+    /// One exec'd rank of a launched run (started by the launcher, not by hand).
+    #[command(hide = true)]
+    Rank(RankArgs),
     /// Run a matrix selection N times under injected load (busy threads, random message
     /// delays) and count the hangs; exit 1 if any run hung or failed.
     ///
@@ -218,11 +221,42 @@ struct MatrixArgs {
     /// Print the summary rows as JSON lines instead of the table.
     #[arg(long)]
     json: bool,
-    /// The backend launched ranks use: cpu (forked ranks), or nccl, which refuses before
-    /// anything runs (exit 2) and says why: it needs the `nccl` feature, one GPU per rank and
-    /// training on CUDA, which the runner does not have yet (docs/gpu.md).
+    /// The backend launched ranks use: cpu (forked ranks), or nccl: exec'd ranks, each on
+    /// the GPU of its LOCAL_RANK, the single-device reference on GPU 0, for DDP and FSDP
+    /// configurations (the others keep CPU buffers); refused before anything runs (exit 2)
+    /// without the `nccl` feature or one GPU per rank (docs/gpu.md).
     #[arg(long, default_value = "cpu", value_parser = parse_backend)]
     backend: lockstep_core::comm::Backend,
+    /// Exec every rank as a fresh `lockstep rank` process instead of forking (what NCCL
+    /// does); on the CPU backend it checks the exec'd path against the forked one.
+    #[arg(long)]
+    exec_ranks: bool,
+}
+
+/// `lockstep rank`: what the launcher tells every exec'd rank (see `lockstep::rank_cmd`).
+#[derive(clap::Args)]
+struct RankArgs {
+    /// The zoo model.
+    #[arg(long)]
+    model: String,
+    /// The built-in configuration.
+    #[arg(long)]
+    config: String,
+    /// Training steps.
+    #[arg(long)]
+    steps: usize,
+    /// Run seed.
+    #[arg(long)]
+    seed: u64,
+    /// Keep every step's gradients in the record.
+    #[arg(long)]
+    record_grads: bool,
+    /// The backend the ranks communicate over.
+    #[arg(long, value_parser = parse_backend)]
+    backend: lockstep_core::comm::Backend,
+    /// Where rank 0 writes its record.
+    #[arg(long)]
+    out: PathBuf,
 }
 
 #[derive(Subcommand)]
@@ -349,6 +383,15 @@ fn main() -> Result<ExitCode> {
             }
         }
         Command::Matrix(args) => return run_matrix(args),
+        Command::Rank(args) => lockstep::rank_cmd::rank_main(lockstep::rank_cmd::RankRun {
+            model: args.model,
+            config: args.config,
+            steps: args.steps,
+            seed: args.seed,
+            record_grads: args.record_grads,
+            backend: args.backend,
+            out: args.out,
+        }),
         Command::Stress(args) => return run_stress(args),
         Command::Schedule(args) => return run_schedule(args),
         Command::Run(args) => return run_one(args),
@@ -453,6 +496,7 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
     opts.fault = args.fault;
     opts.subtests = !args.isolated;
     opts.backend = args.backend;
+    opts.exec_ranks = args.exec_ranks;
     let plan = match matrix::check_backend(&opts)
         .and_then(|()| matrix::plan(&opts))
         .and_then(|plan| {

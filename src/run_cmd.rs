@@ -231,6 +231,7 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
         optimizer,
         fault: None,
         backend: lockstep_core::comm::Backend::Cpu,
+        exec_ranks: false,
     };
     let (optimizer_file, resume_state) = match resume {
         Some((file, state)) => (Some(file), state.tensors),

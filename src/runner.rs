@@ -17,8 +17,8 @@ use lockstep_core::record::{MemoryStats, RunRecord, RunSpec};
 use lockstep_core::replica::distinct_parameters;
 use lockstep_core::tensor_parallel::{train_tensor_parallel, TpOptions};
 use lockstep_core::train::{single_device_reference, OptimizerConfig, TrainConfig};
-use lockstep_harness::{launch, LaunchError, LaunchOptions, RankCtx, RankSpawn};
-use lockstep_models::{zoo, Model, ModelError};
+use lockstep_harness::{launch, LaunchError, LaunchOptions, RankCommand, RankCtx, RankSpawn};
+use lockstep_models::{zoo, Model, ModelError, OnDevice};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -47,10 +47,15 @@ pub struct RunSettings {
     pub optimizer: OptimizerConfig,
     /// A planted bug for DDP runs (checker tests only).
     pub fault: Option<Fault>,
-    /// The backend launched ranks communicate over, recorded in every run's spec. Only
-    /// [`Backend::Cpu`] can be launched here: NCCL needs exec'd ranks on CUDA models, which
-    /// the runner does not have yet (see docs/gpu.md), and says so instead of forking.
+    /// The backend launched ranks communicate over, recorded in every run's spec. NCCL runs
+    /// exec their ranks (CUDA cannot live in a forked child), each on its `LOCAL_RANK`'s GPU,
+    /// and the single-device reference on GPU 0.
     pub backend: Backend,
+    /// Start ranks as fresh processes of the `lockstep` binary (`lockstep rank`) instead of
+    /// forking the launcher: what NCCL needs (always on there); on the CPU backend it proves
+    /// the exec'd path gives the forked path's bits. Built-in configurations of zoo models
+    /// only.
+    pub exec_ranks: bool,
 }
 
 impl Default for RunSettings {
@@ -63,6 +68,22 @@ impl Default for RunSettings {
             optimizer: OptimizerConfig::default(),
             fault: None,
             backend: Backend::Cpu,
+            exec_ranks: false,
+        }
+    }
+}
+
+impl RunSettings {
+    /// Whether ranks are exec'd rather than forked (NCCL always, CPU on request).
+    pub fn execs_ranks(&self) -> bool {
+        self.exec_ranks || self.backend == Backend::Nccl
+    }
+
+    /// Where the single-device reference computes: GPU 0 under NCCL, else the CPU.
+    pub fn reference_device(&self) -> tch::Device {
+        match self.backend {
+            Backend::Nccl => tch::Device::Cuda(0),
+            Backend::Cpu => tch::Device::Cpu,
         }
     }
 }
@@ -148,6 +169,9 @@ pub fn run_config(
             config.name()
         )));
     }
+    if settings.execs_ranks() {
+        return run_exec(model_name, config, world_size, settings);
+    }
     let dtype = config.precision().map_or("fp32", Precision::label);
     let train = |ctx: &RankCtx, model: &dyn Model, cfg: &TrainConfig| {
         train_builtin(config, ctx, model, cfg, settings)
@@ -171,8 +195,10 @@ pub fn run_single(
     settings: &RunSettings,
 ) -> Result<RunRecord, RunFailed> {
     let built = build(settings.seed, 0).map_err(|e| RunFailed::simple(e.to_string()))?;
+    let built = OnDevice::new(built, settings.reference_device())
+        .map_err(|e| RunFailed::simple(e.to_string()))?;
     let mut record = single_device_reference(
-        built.as_ref(),
+        &built,
         world_size,
         settings.steps,
         settings.optimizer,
@@ -220,16 +246,7 @@ pub fn run_launched(
         Ok(())
     };
     let launched = launch_forked(world_size, settings, &body);
-    let read = std::fs::read(&out);
-    let _ = std::fs::remove_file(&out);
-    launched?;
-    let bytes = read.map_err(|e| RunFailed::simple(format!("reading rank 0's record: {e}")))?;
-    serde_json::from_slice(&bytes).map_err(|e| {
-        RunFailed::simple(format!(
-            "rank 0's record is unreadable ({e}); a non-finite value (a diverged run) cannot be \
-             carried in RunRecord JSON"
-        ))
-    })
+    read_record(&out, launched)
 }
 
 /// Runs built-in configurations `configs` (none of them `single`) of one model at
@@ -251,7 +268,7 @@ pub fn run_configs_together(
     world_size: usize,
     settings: &RunSettings,
 ) -> Vec<Result<RunRecord, RunFailed>> {
-    if configs.len() < 2 || configs.contains(&Config::Single) {
+    if configs.len() < 2 || configs.contains(&Config::Single) || settings.execs_ranks() {
         return configs
             .iter()
             .map(|&c| run_config(model_name, build, c, world_size, settings))
@@ -326,8 +343,101 @@ pub fn run_configs_together(
     results
 }
 
+/// One launch of `world_size` exec'd ranks (`lockstep rank`) training built-in `config` of
+/// zoo model `model_name`; rank 0's record comes back through a scratch file as from forked
+/// ranks.
+fn run_exec(
+    model_name: &str,
+    config: Config,
+    world_size: usize,
+    settings: &RunSettings,
+) -> Result<RunRecord, RunFailed> {
+    if settings.fault.is_some() {
+        return Err(RunFailed::simple(
+            "a planted fault runs in forked ranks only (exec'd ranks take no fault)",
+        ));
+    }
+    if !zoo::names().contains(&model_name) {
+        return Err(RunFailed::simple(format!(
+            "exec'd ranks (NCCL, --exec-ranks) build zoo models only; `{model_name}` is not one"
+        )));
+    }
+    let program = lockstep_program()?;
+    let out = scratch_path(model_name, world_size);
+    let run = crate::rank_cmd::RankRun {
+        model: model_name.to_owned(),
+        config: config.name().to_owned(),
+        steps: settings.steps,
+        seed: settings.seed,
+        record_grads: settings.record_grads,
+        backend: settings.backend,
+        out: out.clone(),
+    };
+    let opts = LaunchOptions {
+        world_size,
+        timeout: settings.timeout,
+        backend: match settings.backend {
+            Backend::Cpu => "cpu",
+            Backend::Nccl => "nccl",
+        }
+        .into(),
+    };
+    let args = run.args();
+    let command = |_rank: usize| RankCommand {
+        program: program.clone(),
+        args: args.clone(),
+        env: Vec::new(),
+    };
+    let launched = launch(&opts, RankSpawn::Exec(&command))
+        .map(drop)
+        .map_err(launch_failed);
+    read_record(&out, launched)
+}
+
+/// The `lockstep` binary exec'd ranks run: `LOCKSTEP_BIN` if set, else this process's own
+/// executable when it is `lockstep`.
+fn lockstep_program() -> Result<PathBuf, RunFailed> {
+    if let Some(path) = std::env::var_os("LOCKSTEP_BIN") {
+        return Ok(PathBuf::from(path));
+    }
+    let exe = std::env::current_exe()
+        .map_err(|e| RunFailed::simple(format!("finding this executable: {e}")))?;
+    if exe.file_stem().is_some_and(|s| s == "lockstep") {
+        Ok(exe)
+    } else {
+        Err(RunFailed::simple(format!(
+            "exec'd ranks run the lockstep binary, and {} is not it: set LOCKSTEP_BIN",
+            exe.display()
+        )))
+    }
+}
+
+/// A failed launch as a [`RunFailed`] carrying the launcher's whole account.
+fn launch_failed(e: LaunchError) -> RunFailed {
+    let details = e.to_string();
+    RunFailed {
+        line: one_line(&details),
+        details,
+        timed_out: matches!(e, LaunchError::Timeout(_)),
+    }
+}
+
+/// Rank 0's record from `out` (removed), unless the launch failed.
+fn read_record(out: &Path, launched: Result<(), RunFailed>) -> Result<RunRecord, RunFailed> {
+    let read = std::fs::read(out);
+    let _ = std::fs::remove_file(out);
+    launched?;
+    let bytes = read.map_err(|e| RunFailed::simple(format!("reading rank 0's record: {e}")))?;
+    serde_json::from_slice(&bytes).map_err(|e| {
+        RunFailed::simple(format!(
+            "rank 0's record is unreadable ({e}); a non-finite value (a diverged run) cannot be \
+             carried in RunRecord JSON"
+        ))
+    })
+}
+
 /// Rank 0's record, written where the launching process reads it back.
-fn hand_back(record: &RunRecord, out: &Path) -> Result<(), String> {
+pub(crate) fn hand_back(record: &RunRecord, out: &Path) -> Result<(), String> {
     let json = serde_json::to_vec(record).map_err(|e| format!("encoding record: {e}"))?;
     std::fs::write(out, json).map_err(|e| format!("writing the record to {}: {e}", out.display()))
 }
@@ -353,21 +463,14 @@ fn launch_forked(
         RankSpawn::Fork(&|info| lockstep_harness::execute_forked_rank(info, body)),
     )
     .map(drop)
-    .map_err(|e: LaunchError| {
-        let details = e.to_string();
-        RunFailed {
-            line: one_line(&details),
-            details,
-            timed_out: matches!(e, LaunchError::Timeout(_)),
-        }
-    })
+    .map_err(launch_failed)
 }
 
-/// What a run on the NCCL backend lacks today, for every refusal to say the same thing.
-pub const NCCL_RUNS_MISSING: &str = "NCCL runs are not supported yet: the zoo models create \
-     their parameters and batches on the CPU only (lockstep-models has no device option), and \
-     the runner forks its ranks (CUDA needs exec'd ones) with no rank entry point in the \
-     lockstep binary to exec; see docs/gpu.md";
+/// Why a training closure (a user's configuration, or subtests sharing one launch) cannot
+/// run on NCCL, for every refusal to say the same thing.
+pub const NCCL_RUNS_MISSING: &str = "a training closure runs in forked ranks, and CUDA cannot \
+     be used in a forked child: on NCCL only built-in configurations of zoo models run, in \
+     exec'd ranks (see docs/gpu.md)";
 
 /// One rank's training under built-in configuration `config` (not `single`). The planted
 /// fault, if any, goes into DDP runs only (mixed precision included): the others are checked

@@ -1426,3 +1426,55 @@ fn every_composition_reduces_to_a_known_launchable_configuration() {
         );
     }
 }
+
+/// Exec'd ranks (`--exec-ranks`: each rank a fresh `lockstep rank` process, what NCCL runs
+/// need) give the forked ranks' bits: every per-step value of every comparison is equal.
+#[test]
+fn exec_ranks_give_the_bits_of_forked_ranks() {
+    let forked = Scratch::new("forked");
+    let exec = Scratch::new("exec");
+    let selection = [
+        "--models",
+        "mlp,gpt",
+        "--configs",
+        "ddp,fsdp.full_shard",
+        "--world-size",
+        "2",
+        "--steps",
+        "3",
+    ];
+    let a = matrix_into(&forked.0, &selection);
+    let mut with_exec = selection.to_vec();
+    with_exec.push("--exec-ranks");
+    let b = matrix_into(&exec.0, &with_exec);
+    assert_eq!(a.code, Some(0), "{}{}", a.stdout, a.stderr);
+    assert_eq!(b.code, Some(0), "{}{}", b.stdout, b.stderr);
+    let fork_report = read_json(&forked.0.join("report.json")).unwrap();
+    let exec_report = read_json(&exec.0.join("report.json")).unwrap();
+    assert!(!fork_report.steps.is_empty());
+    assert_eq!(fork_report.steps, exec_report.steps);
+}
+
+/// On NCCL only the configurations that train on CUDA may be selected: the others are
+/// refused before anything runs, naming them and the selection that works.
+#[test]
+fn nccl_refuses_configurations_that_run_on_the_cpu_only() {
+    let err = matrix::plan(&MatrixOptions {
+        configs: vec!["ddp".into(), "tp.2".into(), "pp2_x_fsdp".into()],
+        backend: lockstep_core::comm::Backend::Nccl,
+        ..MatrixOptions::default()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("tp.2") && err.contains("pp2_x_fsdp"), "{err}");
+    assert!(
+        !err.contains("ddp,") && err.contains("single,ddp*,fsdp.*"),
+        "{err}"
+    );
+    assert!(matrix::plan(&MatrixOptions {
+        configs: vec!["single".into(), "ddp*".into(), "fsdp.*".into()],
+        backend: lockstep_core::comm::Backend::Nccl,
+        ..MatrixOptions::default()
+    })
+    .is_ok());
+}

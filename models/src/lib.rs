@@ -7,6 +7,7 @@
 //! reports read the same on both sides.
 #![warn(missing_docs)]
 
+mod device;
 mod error;
 mod layers;
 pub mod model;
@@ -14,6 +15,7 @@ pub mod seed;
 pub mod store;
 pub mod zoo;
 
+pub use device::OnDevice;
 pub use error::{Misshaped, ModelError};
 pub use model::{
     Batch, ExpertParam, LayerHooks, LayerKind, LayerRun, LayerSpec, LossReduction, Model, NoHooks,

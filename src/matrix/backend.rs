@@ -6,8 +6,8 @@ use lockstep_core::comm::Backend;
 
 /// Why the selected backend cannot run these world sizes here, every reason at once; empty
 /// when it can. The CPU backend always can. NCCL needs this build's `nccl` feature, one GPU
-/// per rank of the largest world size (ranks use the device of their `LOCAL_RANK`), and
-/// training on CUDA, which the runner does not do yet ([`crate::runner::NCCL_RUNS_MISSING`]).
+/// per rank of the largest world size (ranks use the device of their `LOCAL_RANK`); which
+/// configurations it can train is [`check_cuda_configs`]'s rule.
 pub fn backend_blockers(backend: Backend, world_sizes: &[usize]) -> Vec<String> {
     if backend == Backend::Cpu {
         return Vec::new();
@@ -27,8 +27,42 @@ pub fn backend_blockers(backend: Backend, world_sizes: &[usize]) -> Vec<String> 
             "needs {needed} GPUs (one per rank of world size {needed}), found {found}"
         ));
     }
-    reasons.push(crate::runner::NCCL_RUNS_MISSING.into());
     reasons
+}
+
+/// Whether `config` can train on CUDA under NCCL: the single-device reference, DDP and FSDP,
+/// whose loops allocate on their parameters' device. Pipelines, tensor and expert
+/// parallelism and the compositions keep CPU buffers (records, flat shards, routing) and run
+/// on the CPU backend only.
+pub fn runs_on_cuda(config: Config) -> bool {
+    matches!(
+        config,
+        Config::Single | Config::Ddp | Config::DdpMixed(_) | Config::Fsdp(_)
+    )
+}
+
+/// The NCCL selection rule: every selected configuration must run on CUDA ([`runs_on_cuda`]);
+/// the error names those that do not and the selection that works.
+pub fn check_cuda_configs(backend: Backend, configs: &[Config]) -> Result<(), MatrixError> {
+    if backend == Backend::Cpu {
+        return Ok(());
+    }
+    let cpu_only: Vec<&str> = configs
+        .iter()
+        .filter(|&&c| !runs_on_cuda(c))
+        .map(|c| c.name())
+        .collect();
+    if cpu_only.is_empty() {
+        return Ok(());
+    }
+    Err(MatrixError::BackendUnavailable {
+        backend: "nccl",
+        reasons: vec![format!(
+            "{} run on the CPU backend only (their training loops keep CPU buffers); on NCCL \
+             select the single-device reference, DDP and FSDP: --configs 'single,ddp*,fsdp.*'",
+            cpu_only.join(", ")
+        )],
+    })
 }
 
 /// Refuses `opts` before anything runs when its backend cannot run here

@@ -344,6 +344,36 @@ pub const DRIFT_OVERRIDES: &[DriftOverride] = &[DriftOverride {
              here is held to PyTorch's pipeline-test tolerance, rtol 1e-5 / atol 4e-5",
 }];
 
+/// Why FSDP rows are held to the fp32 table against DDP on NCCL: the override reason in
+/// those rows and reports.
+pub const NCCL_FSDP_VS_DDP_REASON: &str = "on NCCL, FSDP's reduce-scatter and DDP's all-reduce \
+     are different collectives whose ring or tree algorithms may add the ranks' gradients in \
+     different orders (the CPU backend adds in rank order in both, which is what makes FSDP \
+     bitwise equal to DDP there): judged under the fp32 dtype table";
+
+/// `policy` with, on the NCCL backend, FSDP's bitwise rows against DDP turned into the fp32
+/// table with [`NCCL_FSDP_VS_DDP_REASON`] recorded.
+pub fn with_backend_override(
+    policy: Result<TolerancePolicy, String>,
+    config: Config,
+    reference: Config,
+    world_size: usize,
+    backend: lockstep_core::comm::Backend,
+) -> Result<TolerancePolicy, String> {
+    let policy = policy?;
+    let row = config.at(world_size);
+    let fsdp_vs_ddp = config.is_fsdp() && config.ddp_reference() == Some(reference);
+    if backend == lockstep_core::comm::Backend::Nccl
+        && fsdp_vs_ddp
+        && policy.override_for(&row).is_none()
+    {
+        let ov = Override::new(Tolerance::for_dtype(DType::F32), NCCL_FSDP_VS_DDP_REASON)
+            .map_err(|e| format!("{row}: {e}"))?;
+        return Ok(policy.with_override(&row, ov));
+    }
+    Ok(policy)
+}
+
 /// `policy` for `config` against `reference` on `model` at `world_size`, with the
 /// [`DRIFT_OVERRIDES`] entry for that cell added to rows against `single` (unless the row
 /// has an override of its own already).

@@ -87,7 +87,7 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
             // (subtests); repeats of references stay fresh launches of their own, since
             // they check that a fresh process reproduces the bits.
             let mut together: BTreeMap<Config, Result<RunRecord, RunFailed>> = BTreeMap::new();
-            if plan.subtests {
+            if plan.subtests && !settings.execs_ranks() {
                 let configs: Vec<Config> = plan
                     .runs_per_cell(m, world)
                     .into_iter()
@@ -269,12 +269,18 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
             let against_config = |config: Config, reference: Config| {
                 (
                     reference.at(world),
-                    with_drift_override(
-                        config.policy(reference, world),
-                        model,
+                    with_backend_override(
+                        with_drift_override(
+                            config.policy(reference, world),
+                            model,
+                            config,
+                            reference,
+                            world,
+                        ),
                         config,
                         reference,
                         world,
+                        plan.backend,
                     ),
                     config.world_blocker(world),
                 )

@@ -29,6 +29,9 @@ pub struct MatrixOptions {
     /// The backend the launched ranks use (`--backend`); [`check_backend`] refuses NCCL
     /// before anything runs when this build or machine cannot run it.
     pub backend: lockstep_core::comm::Backend,
+    /// Exec every rank as a fresh `lockstep rank` process instead of forking (`--exec-ranks`;
+    /// always so under NCCL). One launch per run: no subtests.
+    pub exec_ranks: bool,
 }
 
 impl Default for MatrixOptions {
@@ -44,6 +47,7 @@ impl Default for MatrixOptions {
             fault: None,
             subtests: true,
             backend: lockstep_core::comm::Backend::Cpu,
+            exec_ranks: false,
         }
     }
 }
@@ -71,6 +75,8 @@ pub struct Plan {
     pub subtests: bool,
     /// The backend launched ranks use (see [`MatrixOptions::backend`]).
     pub backend: lockstep_core::comm::Backend,
+    /// Whether ranks are exec'd (see [`MatrixOptions::exec_ranks`]).
+    pub exec_ranks: bool,
     /// Per model: why it has no single-device reference, if it has none.
     pub(super) blockers: Vec<Option<String>>,
     /// Per (model index, world size, selected pipeline configuration): its validated plan,
@@ -93,6 +99,7 @@ impl Plan {
             optimizer: lockstep_core::train::OptimizerConfig::default(),
             fault: self.fault.clone(),
             backend: self.backend,
+            exec_ranks: self.exec_ranks,
         }
     }
 
@@ -309,6 +316,7 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         .into_iter()
         .filter(|c| selected.contains(&c.name()))
         .collect();
+    check_cuda_configs(opts.backend, &configs)?;
     let mut world_sizes = Vec::new();
     for &w in if opts.world_sizes.is_empty() {
         &[DEFAULT_WORLD_SIZE][..]
@@ -411,6 +419,7 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         fault: opts.fault.clone(),
         subtests: opts.subtests,
         backend: opts.backend,
+        exec_ranks: opts.exec_ranks,
         blockers,
         pipeline_plans,
         model_parallel_blockers,

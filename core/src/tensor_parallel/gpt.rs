@@ -100,7 +100,10 @@ impl GptTp {
         } else {
             self.rank as i64
         };
-        let mask = mask.f_narrow(dim, slice * len, len)?.f_to_kind(x.kind())?;
+        let mask = mask
+            .f_narrow(dim, slice * len, len)?
+            .f_to_kind(x.kind())?
+            .f_to_device(x.device())?;
         Ok(x.f_mul(&mask)?)
     }
 

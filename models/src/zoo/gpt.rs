@@ -110,7 +110,7 @@ impl Dropout<'_> {
         let per_sample: Vec<i64> = x.size()[1..].to_vec();
         let mask = seed::dropout_mask(self.keys, self.layer, site, &per_sample, self.p)?;
         // In x's dtype (a low-precision layer stays in it).
-        x.f_mul(&mask.f_to_kind(x.kind())?)
+        x.f_mul(&mask.f_to_kind(x.kind())?.f_to_device(x.device())?)
     }
 }
 

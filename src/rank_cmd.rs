@@ -1,0 +1,112 @@
+//! `lockstep rank` (hidden): the body of one exec'd rank of a built-in configuration run.
+//!
+//! Forking ranks from the launcher is ten times faster to start, but CUDA cannot be used in
+//! a forked child, so runs on the NCCL backend (and, on request, on the CPU backend:
+//! `lockstep matrix --exec-ranks`) start every rank as a fresh process of this binary. Each
+//! joins the run through the launcher's environment, builds its zoo model (on its GPU, the
+//! one of its `LOCAL_RANK`, under NCCL), trains under the configuration, and rank 0 writes
+//! its record where the launching process reads it back — exactly what a forked rank does.
+
+use crate::matrix::Config;
+use crate::runner::{hand_back, run_spec, train_builtin, RunSettings};
+use lockstep_core::comm::Backend;
+use lockstep_core::train::TrainConfig;
+use lockstep_harness::RankCtx;
+use lockstep_models::{zoo, OnDevice};
+use std::path::PathBuf;
+use tch::Device;
+
+/// What an exec'd rank is told on its command line (every rank the same).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankRun {
+    /// The zoo model.
+    pub model: String,
+    /// The built-in configuration (not `single`).
+    pub config: String,
+    /// Training steps.
+    pub steps: usize,
+    /// Run seed.
+    pub seed: u64,
+    /// Keep every step's gradients in the record.
+    pub record_grads: bool,
+    /// The backend the ranks communicate over (NCCL: each rank trains on its GPU).
+    pub backend: Backend,
+    /// Where rank 0 writes its record.
+    pub out: PathBuf,
+}
+
+impl RankRun {
+    /// The arguments `lockstep` is exec'd with for this run.
+    pub fn args(&self) -> Vec<String> {
+        let mut args = vec![
+            "rank".to_owned(),
+            "--model".into(),
+            self.model.clone(),
+            "--config".into(),
+            self.config.clone(),
+            "--steps".into(),
+            self.steps.to_string(),
+            "--seed".into(),
+            self.seed.to_string(),
+            "--backend".into(),
+            match self.backend {
+                Backend::Cpu => "cpu",
+                Backend::Nccl => "nccl",
+            }
+            .into(),
+            "--out".into(),
+            self.out.display().to_string(),
+        ];
+        if self.record_grads {
+            args.push("--record-grads".into());
+        }
+        args
+    }
+
+    /// One rank's work: build, move to its device, train, hand rank 0's record back.
+    pub fn train(&self, ctx: &RankCtx) -> Result<(), String> {
+        let config = Config::by_name(&self.config)
+            .filter(|&c| c != Config::Single)
+            .ok_or_else(|| format!("`{}` is not a launched configuration", self.config))?;
+        let device = match self.backend {
+            Backend::Cpu => Device::Cpu,
+            Backend::Nccl => Device::Cuda(ctx.local_rank()),
+        };
+        let built = zoo::build(&self.model, self.seed, ctx.rank()).map_err(|e| e.to_string())?;
+        let model = OnDevice::new(built, device).map_err(|e| e.to_string())?;
+        let settings = RunSettings {
+            steps: self.steps,
+            seed: self.seed,
+            record_grads: self.record_grads,
+            backend: self.backend,
+            ..RunSettings::default()
+        };
+        let dtype = config
+            .precision()
+            .map_or("fp32", crate::matrix::Precision::label);
+        let spec = run_spec(
+            &self.model,
+            &config.at(ctx.world_size()),
+            ctx.world_size(),
+            dtype,
+            &settings,
+        );
+        let cfg = TrainConfig {
+            spec: spec.clone(),
+            optimizer: settings.optimizer,
+            data_ranks: vec![ctx.rank()],
+            record_grads: self.record_grads,
+        };
+        let mut record = train_builtin(config, ctx, &model, &cfg, &settings)?;
+        if ctx.rank() == 0 {
+            record.spec = spec;
+            hand_back(&record, &self.out)?;
+        }
+        Ok(())
+    }
+}
+
+/// The entry point of `lockstep rank`: joins the launcher's run and trains; never returns.
+pub fn rank_main(run: RankRun) -> ! {
+    lockstep_harness::rank_main(move |ctx: &RankCtx| run.train(ctx))
+}
