@@ -352,9 +352,16 @@ fn run_exec(
     world_size: usize,
     settings: &RunSettings,
 ) -> Result<RunRecord, RunFailed> {
-    if settings.fault.is_some() {
+    // What the rank's command line cannot carry is refused, never dropped: a planted fault
+    // (DDP runs are where it goes) and an optimizer other than the default.
+    if settings.fault.is_some() && matches!(config, Config::Ddp | Config::DdpMixed(_)) {
         return Err(RunFailed::simple(
             "a planted fault runs in forked ranks only (exec'd ranks take no fault)",
+        ));
+    }
+    if settings.optimizer != OptimizerConfig::default() {
+        return Err(RunFailed::simple(
+            "exec'd ranks (NCCL, --exec-ranks) train with the default optimizer only",
         ));
     }
     if !zoo::names().contains(&model_name) {
@@ -364,6 +371,13 @@ fn run_exec(
     }
     let program = lockstep_program()?;
     let out = scratch_path(model_name, world_size);
+    if out.to_str().is_none() {
+        return Err(RunFailed::simple(format!(
+            "exec'd ranks are told their record's path on the command line, and {} is not \
+             UTF-8: set TMPDIR to a UTF-8 path",
+            out.display()
+        )));
+    }
     let run = crate::rank_cmd::RankRun {
         model: model_name.to_owned(),
         config: config.name().to_owned(),
@@ -383,10 +397,16 @@ fn run_exec(
         .into(),
     };
     let args = run.args();
+    // cuBLAS picks reduction orders per call unless its workspace is fixed: the bitwise repeat
+    // rows need the same bits from a fresh process.
+    let env = match settings.backend {
+        Backend::Nccl => vec![("CUBLAS_WORKSPACE_CONFIG".to_owned(), ":4096:8".to_owned())],
+        Backend::Cpu => Vec::new(),
+    };
     let command = |_rank: usize| RankCommand {
         program: program.clone(),
         args: args.clone(),
-        env: Vec::new(),
+        env: env.clone(),
     };
     let launched = launch(&opts, RankSpawn::Exec(&command))
         .map(drop)
@@ -444,7 +464,7 @@ pub(crate) fn hand_back(record: &RunRecord, out: &Path) -> Result<(), String> {
 
 /// Forks `world_size` ranks on the CPU backend, each running `body`; a failed launch comes
 /// back with the launcher's whole account. An NCCL run is refused, not forked: CUDA cannot
-/// be used in a forked child, and nothing here execs a rank body yet.
+/// be used in a forked child (built-in configurations exec their ranks instead: `run_exec`).
 fn launch_forked(
     world_size: usize,
     settings: &RunSettings,

@@ -147,6 +147,10 @@ fn nextest_config_has_the_line_ci_gpu_rewrites() {
 
 #[test]
 fn matrix_on_nccl_refuses_before_anything_runs() {
+    if cfg!(feature = "nccl") && tch::Cuda::device_count() >= 2 {
+        println!("SKIP: this machine can run the NCCL matrix (ci/gpu runs it)");
+        return;
+    }
     let out_dir = scratch("matrix");
     let out = Command::new(env!("CARGO_BIN_EXE_lockstep"))
         .args(["matrix", "--backend", "nccl", "--world-size", "2"])
@@ -155,10 +159,6 @@ fn matrix_on_nccl_refuses_before_anything_runs() {
         .output()
         .expect("run lockstep");
     let stderr = text(&out.stderr);
-    if cfg!(feature = "nccl") && tch::Cuda::device_count() >= 2 {
-        println!("SKIP: this machine can run the NCCL matrix (ci/gpu runs it)");
-        return;
-    }
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(
         stderr.contains("the nccl backend cannot run this matrix here"),

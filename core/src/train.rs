@@ -422,9 +422,11 @@ pub fn train_from(
         // hands back the reduced fp32 gradient in place of the low-precision one backward
         // produced): record what the optimizer will see.
         let grads = gradients(&params, step)?;
-        record
-            .losses
-            .push(global_mean(objective.f_double_value(&[])?, metrics)?);
+        record.losses.push(global_mean(
+            objective.f_double_value(&[])?,
+            objective.device(),
+            metrics,
+        )?);
         record.grad_norms.push(grad_norm(&grads)?);
         if let Some(all) = record.grads.as_mut() {
             all.push(capture(&grads)?);
@@ -509,11 +511,17 @@ pub fn single_device_reference(
     train(model, &cfg, &mut no_sync, None)
 }
 
-fn global_mean(local: f64, group: Option<&dyn ProcessGroup>) -> Result<f64, TrainError> {
+/// The mean of `local` over `group`, reduced on `device` (the training's: NCCL takes CUDA
+/// tensors only; the CPU backend any, with the same bits).
+fn global_mean(
+    local: f64,
+    device: tch::Device,
+    group: Option<&dyn ProcessGroup>,
+) -> Result<f64, TrainError> {
     let Some(group) = group else {
         return Ok(local);
     };
-    let t = Tensor::from_slice(&[local]);
+    let t = Tensor::from_slice(&[local]).f_to_device(device)?;
     group.all_reduce(&t, ReduceOp::Avg)?;
     Ok(t.f_double_value(&[0])?)
 }

@@ -349,10 +349,10 @@ pub const DRIFT_OVERRIDES: &[DriftOverride] = &[DriftOverride {
 pub const NCCL_FSDP_VS_DDP_REASON: &str = "on NCCL, FSDP's reduce-scatter and DDP's all-reduce \
      are different collectives whose ring or tree algorithms may add the ranks' gradients in \
      different orders (the CPU backend adds in rank order in both, which is what makes FSDP \
-     bitwise equal to DDP there): judged under the fp32 dtype table";
+     bitwise equal to DDP there): judged under the dtype table of the row's compute dtype";
 
-/// `policy` with, on the NCCL backend, FSDP's bitwise rows against DDP turned into the fp32
-/// table with [`NCCL_FSDP_VS_DDP_REASON`] recorded.
+/// `policy` with, on the NCCL backend, FSDP's bitwise rows against DDP turned into the
+/// dtype table of the row's compute dtype with [`NCCL_FSDP_VS_DDP_REASON`] recorded.
 pub fn with_backend_override(
     policy: Result<TolerancePolicy, String>,
     config: Config,
@@ -367,7 +367,14 @@ pub fn with_backend_override(
         && fsdp_vs_ddp
         && policy.override_for(&row).is_none()
     {
-        let ov = Override::new(Tolerance::for_dtype(DType::F32), NCCL_FSDP_VS_DDP_REASON)
+        // A rounding difference in an fp32 master can flip a low-precision cast later, so
+        // mixed-precision rows take their compute dtype's table.
+        let dtype = match config.precision() {
+            None => DType::F32,
+            Some(Precision::Bf16) => DType::BF16,
+            Some(Precision::Fp16) => DType::F16,
+        };
+        let ov = Override::new(Tolerance::for_dtype(dtype), NCCL_FSDP_VS_DDP_REASON)
             .map_err(|e| format!("{row}: {e}"))?;
         return Ok(policy.with_override(&row, ov));
     }
@@ -685,8 +692,9 @@ impl Config {
                 let bitwise = TolerancePolicy::bitwise(DType::F32);
                 match id.get().vs_ddp {
                     DdpCheck::Bitwise => Ok(bitwise),
-                    // Only fp32 configurations override (hybrid shard), so the fp32 row of
-                    // the table is the tolerance for every quantity.
+                    // Only fp32 configurations override here (hybrid shard), so the fp32 row
+                    // of the table is the tolerance for every quantity (the NCCL override is
+                    // added apart, by `with_backend_override`).
                     DdpCheck::DtypeTable { reason } => {
                         let ov = Override::new(Tolerance::for_dtype(DType::F32), reason)
                             .map_err(|e| format!("{}: {e}", self.name()))?;
