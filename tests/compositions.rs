@@ -253,15 +253,22 @@ fn fsdp_x_tp_collective_counts_are_exact() {
     });
 }
 
-/// PP×FSDP at [dp=2, pp=2] on `nested` (no tied weights): per stage, one all-gather at
-/// UNSHARD and one reduce-scatter at REDUCE_GRAD on dp; the pipeline's sends are not
-/// collectives. On `gpt`, the tied embedding adds one all-reduce among its two holders.
+/// PP×DP and PP×FSDP at [dp=2, pp=2], per step: PP×DP all-reduces each stage's flattened
+/// gradients on dp once; PP×FSDP all-gathers the stage's unit at UNSHARD and reduce-scatters
+/// it at REDUCE_GRAD on dp. The pipeline's sends are not collectives. On `gpt` the tied
+/// embedding adds one all-reduce among its two holders; `nested` ties nothing.
 #[rstest]
-fn pp_x_fsdp_collective_counts_are_exact(#[values(("nested", 0), ("gpt", 1))] case: (&str, u64)) {
+fn pp_x_data_collective_counts_are_exact(
+    #[values(("nested", 0), ("gpt", 1))] case: (&str, u64),
+    #[values(DataParallel::Replicate, DataParallel::Shard)] data: DataParallel,
+) {
     let (model, tied) = case;
     lockstep_harness::run(4, |ctx| {
-        let record = run(ctx, model, pipeline(1, DataParallel::Shard), None);
-        let mut want = expect(&[("all_gather", "dp", 1), ("reduce_scatter", "dp", 1)]);
+        let record = run(ctx, model, pipeline(1, data), None);
+        let mut want = match data {
+            DataParallel::Shard => expect(&[("all_gather", "dp", 1), ("reduce_scatter", "dp", 1)]),
+            _ => expect(&[("all_reduce", "dp", 1)]),
+        };
         if tied > 0 {
             want.insert(("all_reduce".into(), "pp-tied".into()), tied);
         }
@@ -300,23 +307,6 @@ fn ep_x_fsdp_collective_counts_are_exact() {
             want.insert(("all_gather".into(), "world".into()), 1);
             want.insert(("reduce_scatter".into(), "world".into()), 1);
             assert_eq!(counts(&sharded, step), want, "step {step}");
-        }
-    });
-}
-
-/// PP×DP at [dp=2, pp=2]: one all-reduce of each stage's flattened gradients on dp per
-/// step, plus the tied embedding's among its holders on `gpt`.
-#[rstest]
-fn pp_x_dp_collective_counts_are_exact(#[values(("nested", 0), ("gpt", 1))] case: (&str, u64)) {
-    let (model, tied) = case;
-    lockstep_harness::run(4, |ctx| {
-        let record = run(ctx, model, pipeline(1, DataParallel::Replicate), None);
-        let mut want = expect(&[("all_reduce", "dp", 1)]);
-        if tied > 0 {
-            want.insert(("all_reduce".into(), "pp-tied".into()), tied);
-        }
-        for step in 0..STEPS {
-            assert_eq!(counts(&record, step), want, "step {step}");
         }
     });
 }

@@ -82,7 +82,8 @@ pub struct Plan {
     /// Per (model index, world size, selected pipeline configuration): its validated plan,
     /// or why it cannot serve that model there (its rows are skipped with the reason).
     pub(super) pipeline_plans: BTreeMap<(usize, usize, Config), Result<PipelinePlan, String>>,
-    /// Per (model index, world size, selected tensor/expert-parallel configuration): why it
+    /// Per (model index, world size, tensor/expert-parallel configuration or composition —
+    /// selected, or the simpler configuration a selected composition reduces to): why it
     /// cannot serve that model there, if it cannot.
     pub(super) model_parallel_blockers: BTreeMap<(usize, usize, Config), Option<String>>,
 }

@@ -267,10 +267,10 @@ impl Composition {
     }
 }
 
-/// Checks before any rank starts that `composition` can train `model` on `world_size`
-/// ranks: the mesh fits, and each parallelism's plan fits the model at its size. Returns the
-/// mesh; every error names the dimensions or the plan that does not fit.
-pub fn check_composition(
+/// The part of [`check_composition`] no parallelism's own loop checks: the mesh fits the
+/// world, and the model has no rank-local parameters (which no data dimension may average).
+/// Every rank runs it before training; the plans are the loops' own to check.
+pub(crate) fn check_mesh(
     model: &dyn Model,
     world_size: usize,
     composition: Composition,
@@ -283,6 +283,18 @@ pub fn check_composition(
             model.name()
         )));
     }
+    Ok(mesh)
+}
+
+/// Checks before any rank starts that `composition` can train `model` on `world_size`
+/// ranks: the mesh fits, and each parallelism's plan fits the model at its size. Returns the
+/// mesh; every error names the dimensions or the plan that does not fit.
+pub fn check_composition(
+    model: &dyn Model,
+    world_size: usize,
+    composition: Composition,
+) -> Result<Vec<(&'static str, usize)>, CompositionError> {
+    let mesh = check_mesh(model, world_size, composition)?;
     match composition {
         Composition::TensorData { tp, data } => {
             if tp > 1 {

@@ -1,7 +1,7 @@
 //! Running a composition: each one is a parallelism's own training loop with its data
 //! dimension (and, for pipelines, the stages' tensor parallelism) given as options.
 
-use super::plan::{check_composition, Composition, CompositionError, SeamFault};
+use super::plan::{check_mesh, Composition, CompositionError, SeamFault};
 use crate::comm::World;
 use crate::expert_parallel::{train_expert_parallel, EpFault, EpOptions};
 use crate::pipeline::{train_pipeline_with, PipelineFault, StageParallel};
@@ -11,8 +11,10 @@ use crate::train::TrainConfig;
 use lockstep_models::Model;
 
 /// Trains `model` (built whole on every rank) under `composition` on `world`, with an
-/// optional planted seam bug. The composition is checked first ([`check_composition`]);
-/// a fault that does not belong to the composition is refused.
+/// optional planted seam bug. Each rank checks the mesh and the model's rank-local
+/// parameters first, and each parallelism's loop its own plan (so nothing is planned twice);
+/// [`check_composition`](super::check_composition) checks all of it once before spawn. A
+/// fault that does not belong to the composition is refused.
 pub fn train_composed(
     model: &dyn Model,
     world: &World,
@@ -21,7 +23,7 @@ pub fn train_composed(
     fault: Option<SeamFault>,
 ) -> Result<RunRecord, CompositionError> {
     let world_size = world.size();
-    check_composition(model, world_size, composition)?;
+    check_mesh(model, world_size, composition)?;
     let misplaced = |f: SeamFault| {
         CompositionError::Invalid(format!(
             "the planted fault {f:?} has no seam in {composition:?}"

@@ -11,7 +11,7 @@ use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, Red
 use crate::compose::{DataParallel, ShardError, ShardedUnit};
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::tensor_parallel::gpt::{ExpertsParallel, GptTp};
-use crate::tensor_parallel::layers::{vocab_parallel_cross_entropy, Reduction};
+use crate::tensor_parallel::run::vocab_parallel_loss;
 use crate::train::{capture, grad_norm, TrainConfig, TrainError};
 use lockstep_models::zoo::GptConfig;
 use lockstep_models::{Model, ModelError};
@@ -238,13 +238,7 @@ pub fn train_expert_parallel(
             .target
             .as_ref()
             .ok_or_else(|| EpError::Invalid("the batch has no target".into()))?;
-        let loss = vocab_parallel_cross_entropy(
-            &logits.f_reshape([-1, config.vocab])?,
-            &target.f_reshape([-1])?,
-            0,
-            &hooks.group,
-            Reduction::Mean,
-        )?;
+        let loss = vocab_parallel_loss(&logits, target, config.vocab, 0, &hooks.group)?;
         loss.f_backward()?;
         for (name, t) in &unsharded {
             let mut g = t.grad();

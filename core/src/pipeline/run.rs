@@ -316,8 +316,8 @@ pub fn train_pipeline_with(
         loss: loss_fn.as_ref().map(|f| f as &LossFn<'_>),
         sharding: unit.as_ref().map(|_| &sharding as &ShardingFn<'_>),
     };
-    // A composed run's record: every parameter's value (data or gradient) at full size on
-    // every rank (gathered over dp and tp, then from its owning stage).
+    // The record's view: every parameter's value (data or gradient) at full size on every
+    // rank (gathered over dp and tp when composed, then from its owning stage).
     let recorded = |value: &dyn Fn(&Tensor) -> Tensor| -> Result<_, PipelineError> {
         let full = full_values(
             &named,
@@ -326,7 +326,7 @@ pub fn train_pipeline_with(
             stage_tp.as_ref(),
             value,
         )?;
-        gather_owned(&plan, rank, pp.as_ref(), &full, Tensor::shallow_clone)
+        gather_owned(&plan, rank, pp.as_ref(), &full)
     };
     let mut optimizer = cfg.optimizer.build();
     let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
@@ -400,17 +400,14 @@ pub fn train_pipeline_with(
             }
         }
         collectives.push(CollectiveEntry::from_counts(counts.take()));
-        if composed {
+        if composed || record.grads.is_some() {
             let full_grads = recorded(&|t: &Tensor| t.grad())?;
             record.grad_norms.push(grad_norm(&full_grads)?);
             if let Some(all) = record.grads.as_mut() {
                 all.push(capture(&full_grads)?);
             }
-        } else if let Some(all) = record.grads.as_mut() {
-            let full_grads = gather_owned(&plan, rank, pp.as_ref(), &named, |t| t.grad())?;
-            record.grad_norms.push(grad_norm(&full_grads)?);
-            all.push(capture(&full_grads)?);
         } else {
+            // Only the norm is recorded: computed by the owners, without gathering.
             record.grad_norms.push(owned_grad_norm(
                 &plan,
                 rank,
@@ -431,13 +428,7 @@ pub fn train_pipeline_with(
         }
     }
     let _ = counts.take();
-    let params = tch::no_grad(|| -> Result<_, PipelineError> {
-        if composed {
-            recorded(&Tensor::shallow_clone)
-        } else {
-            gather_owned(&plan, rank, pp.as_ref(), &named, Tensor::shallow_clone)
-        }
-    })?;
+    let params = tch::no_grad(|| -> Result<_, PipelineError> { recorded(&Tensor::shallow_clone) })?;
     if let Some(u) = &unit {
         // The model holds its trained stage again for whoever reads it next.
         u.borrow_mut().unshard()?;
@@ -495,28 +486,24 @@ fn owned_grad_norm(
     Ok(squares.iter().fold(0.0, |sum, s| sum + s).sqrt())
 }
 
-/// Every parameter's `value` as its owner (lowest holder) has it, on every pipeline rank:
-/// one all-gather of flat buffers in which each rank fills the parameters it owns, so the
-/// values arrive bit for bit.
+/// Every tensor of `named` (one per parameter, at full size) as its owner (lowest holder) has
+/// it, on every pipeline rank: one all-gather of flat buffers in which each rank fills the
+/// parameters it owns, so the values arrive bit for bit.
 fn gather_owned(
     plan: &PipelinePlan,
     rank: usize,
     pp: &dyn ProcessGroup,
     named: &[(String, Tensor)],
-    value: impl Fn(&Tensor) -> Tensor,
 ) -> Result<Vec<(String, Tensor)>, PipelineError> {
     let total: i64 = named.iter().map(|(_, t)| t.numel() as i64).sum();
     let local = Tensor::f_zeros([total], (Kind::Float, tch::Device::Cpu))?;
     let mut offset = 0;
     for (i, (_, t)) in named.iter().enumerate() {
         let n = t.numel() as i64;
-        if plan.owner(i) == rank {
-            let v = value(t);
-            if v.defined() {
-                local
-                    .f_narrow(0, offset, n)?
-                    .f_copy_(&v.f_detach()?.f_to_kind(Kind::Float)?.f_view([-1])?)?;
-            }
+        if plan.owner(i) == rank && t.defined() {
+            local
+                .f_narrow(0, offset, n)?
+                .f_copy_(&t.f_detach()?.f_to_kind(Kind::Float)?.f_view([-1])?)?;
         }
         offset += n;
     }

@@ -8,6 +8,7 @@ use super::PipelineError;
 use crate::comm::ProcessGroup;
 use crate::compose::{DataParallel, ShardedUnit};
 use crate::tensor_parallel::gpt::GptTp;
+use crate::tensor_parallel::run::{by_name, local_parameters, vocab_parallel_loss};
 use crate::tensor_parallel::{check_plan, Placement};
 use lockstep_models::zoo::GptConfig;
 use lockstep_models::{Batch, LayerHooks, Model};
@@ -79,8 +80,7 @@ pub(super) struct StageTp {
     pub(super) hooks: RefCell<Box<dyn LayerHooks>>,
     group: Arc<dyn ProcessGroup>,
     vocab: i64,
-    vocab_start: i64,
-    tp: usize,
+    rank: usize,
 }
 
 impl StageTp {
@@ -101,17 +101,9 @@ impl StageTp {
         };
         let placements = check_plan(model, world_size, &opts).map_err(tp_error)?;
         let config = check_stage_tp(model)?;
-        let mut local = Vec::new();
-        let mut params = HashMap::new();
-        for (name, t) in model.named_parameters() {
-            let l = match placements.get(&name) {
-                Some(Placement::Shard { dim }) => crate::tensor_parallel::shard(&t, *dim, rank, tp)
-                    .map_err(|e| PipelineError::InvalidPlan(e.to_string()))?,
-                _ => t.shallow_clone(),
-            };
-            params.insert(name.clone(), l.shallow_clone());
-            local.push((name, l));
-        }
+        let local = local_parameters(model, &placements, rank, tp)
+            .map_err(|e| PipelineError::InvalidPlan(e.to_string()))?;
+        let params = by_name(&local);
         let hooks: Box<dyn LayerHooks> = Box::new(GptTp {
             group: group.clone(),
             tp,
@@ -131,8 +123,7 @@ impl StageTp {
             hooks: RefCell::new(hooks),
             group,
             vocab: config.vocab,
-            vocab_start: rank as i64 * config.vocab / tp as i64,
-            tp,
+            rank,
         })
     }
 
@@ -142,14 +133,8 @@ impl StageTp {
             .target
             .as_ref()
             .ok_or_else(|| PipelineError::Execution("the batch has no target".into()))?;
-        crate::tensor_parallel::vocab_parallel_cross_entropy(
-            &output.f_reshape([-1, self.vocab / self.tp as i64])?,
-            &target.f_reshape([-1])?,
-            self.vocab_start,
-            &self.group,
-            crate::tensor_parallel::Reduction::Mean,
-        )
-        .map_err(|e| PipelineError::Execution(e.to_string()))
+        vocab_parallel_loss(output, target, self.vocab, self.rank, &self.group)
+            .map_err(|e| PipelineError::Execution(e.to_string()))
     }
 }
 

@@ -202,17 +202,8 @@ pub fn train_tensor_parallel(
     let tp_group = groups.tp.clone();
     let rank = groups.rank;
 
-    let named = model.named_parameters();
-    let mut params: HashMap<String, Tensor> = HashMap::new();
-    let mut trained: Vec<(String, Tensor)> = Vec::with_capacity(named.len());
-    for (name, t) in &named {
-        let local = match placements.get(name) {
-            Some(Placement::Shard { dim }) => super::layers::shard(t, *dim, rank, tp)?,
-            _ => t.shallow_clone(),
-        };
-        params.insert(name.clone(), local.shallow_clone());
-        trained.push((name.clone(), local));
-    }
+    let trained = local_parameters(model, &placements, rank, tp)?;
+    let params = by_name(&trained);
     let mut unit = match opts.data_parallel {
         DataParallel::Replicate => None,
         DataParallel::Shard | DataParallel::HybridShard { .. } => {
@@ -275,7 +266,6 @@ pub fn train_tensor_parallel(
     let mut optimizer = cfg.optimizer.build();
     let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
     let mut collectives = Vec::with_capacity(cfg.spec.steps);
-    let vocab_start = rank as i64 * vocab / tp as i64;
     for step in 0..cfg.spec.steps {
         for (_, t) in &trained {
             t.shallow_clone().zero_grad();
@@ -298,14 +288,7 @@ pub fn train_tensor_parallel(
                 .target
                 .as_ref()
                 .ok_or_else(|| TpError::Invalid("the batch has no target".into()))?;
-            let local_vocab = vocab / tp as i64;
-            super::layers::vocab_parallel_cross_entropy(
-                &output.f_reshape([-1, local_vocab])?,
-                &target.f_reshape([-1])?,
-                vocab_start,
-                &tp_group,
-                super::layers::Reduction::Mean,
-            )?
+            vocab_parallel_loss(&output, target, vocab, rank, &tp_group)?
         } else {
             // The reference averages the data ranks' losses: a summed loss over their
             // concatenated batches is divided by their number (a mean is already that).
@@ -395,6 +378,56 @@ pub fn train_tensor_parallel(
     record.buffers = capture(&model.named_buffers())?;
     record.collectives = Some(collectives);
     Ok(record)
+}
+
+/// The tensors this rank computes with under `placements`: each split parameter's shard
+/// along its dimension (a fresh leaf), every other parameter the model's own (a handle), in
+/// `named_parameters` order.
+pub(crate) fn local_parameters(
+    model: &dyn Model,
+    placements: &HashMap<String, Placement>,
+    rank: usize,
+    tp: usize,
+) -> Result<Vec<(String, Tensor)>, super::layers::TensorParallelError> {
+    model
+        .named_parameters()
+        .into_iter()
+        .map(|(name, t)| {
+            let local = match placements.get(&name) {
+                Some(Placement::Shard { dim }) => super::layers::shard(&t, *dim, rank, tp)?,
+                _ => t.shallow_clone(),
+            };
+            Ok((name, local))
+        })
+        .collect()
+}
+
+/// Handles to `params` by name: what the TP hooks compute with.
+pub(crate) fn by_name(params: &[(String, Tensor)]) -> HashMap<String, Tensor> {
+    params
+        .iter()
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect()
+}
+
+/// The decoder's mean loss from TP rank `rank`'s vocabulary slice of the logits (loss
+/// parallel: the full logits never exist), over a `vocab`-token vocabulary split evenly
+/// across `group`.
+pub(crate) fn vocab_parallel_loss(
+    logits: &Tensor,
+    target: &Tensor,
+    vocab: i64,
+    rank: usize,
+    group: &Arc<dyn ProcessGroup>,
+) -> Result<Tensor, super::layers::TensorParallelError> {
+    let tp = group.size() as i64;
+    super::layers::vocab_parallel_cross_entropy(
+        &logits.f_reshape([-1, vocab / tp])?,
+        &target.f_reshape([-1])?,
+        rank as i64 * vocab / tp,
+        group,
+        super::layers::Reduction::Mean,
+    )
 }
 
 /// The replica's batch: its data ranks' batches concatenated along the batch dimension.
