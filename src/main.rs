@@ -231,6 +231,11 @@ struct MatrixArgs {
     /// does); on the CPU backend it checks the exec'd path against the forked one.
     #[arg(long)]
     exec_ranks: bool,
+    /// Write every quantity the fp64 arbiter judges (row, step, quantity, tensor, the run's
+    /// and the fp32 reference's distance to float64, the tensor's scale) to this CSV file:
+    /// the measurements the arbiter's constants come from (docs/parity.md).
+    #[arg(long, value_name = "FILE")]
+    arbiter_log: Option<std::path::PathBuf>,
 }
 
 /// `lockstep rank`: what the launcher tells every exec'd rank (see `lockstep::rank_cmd`).
@@ -497,6 +502,7 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
     opts.subtests = !args.isolated;
     opts.backend = args.backend;
     opts.exec_ranks = args.exec_ranks;
+    opts.arbiter_log = args.arbiter_log;
     let plan = match matrix::check_backend(&opts)
         .and_then(|()| matrix::plan(&opts))
         .and_then(|plan| {

@@ -18,7 +18,7 @@ use lockstep_core::replica::distinct_parameters;
 use lockstep_core::tensor_parallel::{train_tensor_parallel, TpOptions};
 use lockstep_core::train::{single_device_reference, OptimizerConfig, TrainConfig};
 use lockstep_harness::{launch, LaunchError, LaunchOptions, RankCommand, RankCtx, RankSpawn};
-use lockstep_models::{zoo, Model, ModelError, OnDevice};
+use lockstep_models::{decisions, zoo, Model, ModelError, OnDevice};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -212,6 +212,66 @@ pub fn run_single(
         "fp32",
         settings,
     );
+    Ok(record)
+}
+
+/// The float64 shadow of the single-device reference over `world_size` ranks' batches, in
+/// this process on the CPU: the fp64 arbiter's yardstick. The fp32 reference runs again first
+/// to record its discrete decisions (top-k routing), which the shadow then replays, so the
+/// two differ by rounding alone.
+pub fn run_single_f64(
+    model_name: &str,
+    build: &ModelBuilder<'_>,
+    world_size: usize,
+    settings: &RunSettings,
+) -> Result<RunRecord, RunFailed> {
+    let train = |model: Box<dyn Model>| {
+        single_device_reference(
+            model.as_ref(),
+            world_size,
+            settings.steps,
+            settings.optimizer,
+            settings.record_grads,
+        )
+        .map_err(|e| RunFailed::simple(format!("single-device reference: {e}")))
+    };
+    let mut record = shadow_f64(build, settings.seed, train)?;
+    record.spec = run_spec(
+        model_name,
+        &format!("single.f64@{world_size}"),
+        world_size,
+        "fp64",
+        settings,
+    );
+    Ok(record)
+}
+
+/// Runs `train` on a fresh fp32 model recording its decisions, then on a fresh float64 model
+/// replaying them, and returns the float64 record. Errors when the two took a different
+/// number of decisions (the model's control flow depends on values, and the shadow would not
+/// measure rounding).
+pub fn shadow_f64(
+    build: &ModelBuilder<'_>,
+    seed: u64,
+    train: impl Fn(Box<dyn Model>) -> Result<RunRecord, RunFailed>,
+) -> Result<RunRecord, RunFailed> {
+    let fresh = || build(seed, 0).map_err(|e| RunFailed::simple(e.to_string()));
+    let (fp32, tape) = decisions::recording(|| fresh().and_then(&train));
+    fp32?;
+    let wide = OnDevice::in_f64(fresh()?).map_err(|e| {
+        RunFailed::simple(format!("the float64 shadow cannot widen the model: {e}"))
+    })?;
+    let (record, rest) = decisions::replaying(tape, || train(Box::new(wide)));
+    let record = record.map_err(|e| RunFailed {
+        line: format!("float64 shadow: {}", e.line),
+        ..e
+    })?;
+    if rest.exhausted || !rest.is_empty() {
+        return Err(RunFailed::simple(
+            "float64 shadow: the model took a different number of routing decisions in \
+             float64 than in fp32",
+        ));
+    }
     Ok(record)
 }
 

@@ -1,38 +1,72 @@
-//! A zoo model on another device: the NCCL backend's ranks train on their GPU.
+//! A zoo model on another device or in another float dtype: the NCCL backend's ranks train on
+//! their GPU, and the fp64 arbiter's shadow reference trains in float64.
 //!
-//! Every model is built on the CPU (initialization draws the same numbers as PyTorch there),
-//! then [`OnDevice`] moves its parameters and buffers in place — the tensors keep their
-//! identity, so tied weights stay tied and every handle a training loop holds sees the move —
-//! and moves every batch it hands out. The model's forward creates what it needs on its
-//! inputs' device.
+//! Every model is built on the CPU in fp32 (initialization draws the same numbers as PyTorch
+//! there), then [`OnDevice`] moves (or widens) its parameters and buffers in place — the
+//! tensors keep their identity, so tied weights stay tied and every handle a training loop
+//! holds sees the move — and moves every batch it hands out. The model's forward creates what
+//! it needs on its inputs' device and in its inputs' dtype.
 
 use crate::model::{Batch, LayerHooks, LayerSpec, LossReduction, Model};
 use crate::store::ParamStore;
 use crate::ModelError;
-use tch::{Device, Tensor};
+use tch::{Device, Kind, Tensor};
 
-/// `inner` with its parameters, buffers and batches on `device`.
+/// `inner` with its parameters, buffers and batches on `device` (and, for the fp64 shadow,
+/// with every floating-point tensor widened to `float_kind`).
 pub struct OnDevice {
     inner: Box<dyn Model>,
     device: Device,
+    float_kind: Option<Kind>,
 }
 
 impl OnDevice {
     /// Moves `inner`'s parameters and buffers to `device` (a no-op on the CPU).
     pub fn new(inner: Box<dyn Model>, device: Device) -> Result<OnDevice, ModelError> {
-        if device != Device::Cpu {
+        OnDevice::placed(inner, device, None)
+    }
+
+    /// `inner` trained in float64 on the CPU: every floating-point parameter, buffer and batch
+    /// tensor widened (integer tensors, such as token ids, untouched). The fp64 arbiter's shadow
+    /// reference: the same initial values and batches as the fp32 reference, with rounding
+    /// errors some nine orders of magnitude smaller.
+    pub fn in_f64(inner: Box<dyn Model>) -> Result<OnDevice, ModelError> {
+        OnDevice::placed(inner, Device::Cpu, Some(Kind::Double))
+    }
+
+    fn placed(
+        inner: Box<dyn Model>,
+        device: Device,
+        float_kind: Option<Kind>,
+    ) -> Result<OnDevice, ModelError> {
+        let placed = OnDevice {
+            inner,
+            device,
+            float_kind,
+        };
+        if device != Device::Cpu || float_kind.is_some() {
             let _guard = tch::no_grad_guard();
-            for (_, mut t) in inner
+            for (_, mut t) in placed
+                .inner
                 .store()
                 .named_parameters()
                 .into_iter()
-                .chain(inner.store().named_buffers())
+                .chain(placed.inner.store().named_buffers())
             {
-                let moved = t.f_to_device(device)?;
+                let moved = placed.place(&t)?;
                 t.f_set_data(&moved)?;
             }
         }
-        Ok(OnDevice { inner, device })
+        Ok(placed)
+    }
+
+    /// `t` on this device, widened when it is floating point and a float kind is set.
+    fn place(&self, t: &Tensor) -> Result<Tensor, tch::TchError> {
+        let t = t.f_to_device(self.device)?;
+        match self.float_kind {
+            Some(kind) if t.is_floating_point() && t.kind() != kind => t.f_to_kind(kind),
+            _ => Ok(t),
+        }
     }
 
     /// The device it computes on.
@@ -41,19 +75,16 @@ impl OnDevice {
     }
 
     fn moved(&self, batch: Batch) -> Result<Batch, ModelError> {
-        if self.device == Device::Cpu {
+        if self.device == Device::Cpu && self.float_kind.is_none() {
             return Ok(batch);
         }
         Ok(Batch {
             inputs: batch
                 .inputs
                 .iter()
-                .map(|t| t.f_to_device(self.device))
+                .map(|t| self.place(t))
                 .collect::<Result<_, _>>()?,
-            target: batch
-                .target
-                .map(|t| t.f_to_device(self.device))
-                .transpose()?,
+            target: batch.target.map(|t| self.place(&t)).transpose()?,
         })
     }
 }

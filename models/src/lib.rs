@@ -7,6 +7,7 @@
 //! reports read the same on both sides.
 #![warn(missing_docs)]
 
+pub mod decisions;
 mod device;
 mod error;
 mod layers;

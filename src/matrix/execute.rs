@@ -65,6 +65,16 @@ pub fn run_quietly(plan: &Plan) -> MatrixResult {
 fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
     tch::set_num_threads(1);
     let started = Instant::now();
+    // A measurement aid: a log that cannot be created is reported and the matrix goes on.
+    let mut arbiter_log = plan.arbiter_log.as_ref().and_then(|path| {
+        match std::fs::File::create(path) {
+            Ok(f) => Some(std::io::BufWriter::new(f)),
+            Err(e) => {
+                eprintln!("lockstep: cannot write the arbiter log {}: {e}", path.display());
+                None
+            }
+        }
+    });
     let mut progress = Progress {
         bar,
         done: 0,
@@ -166,97 +176,57 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                 .chain(plan.simpler_references(m, world))
                 .map(|c| (c, run_one(c, 1, 1)))
                 .collect();
-            let microbatched: Vec<(usize, Result<RunRecord, RunFailed>)> = plan
+            let mut in_process = |label: String, run: &dyn Fn() -> Result<RunRecord, RunFailed>| {
+                progress.start(&label);
+                let t0 = Instant::now();
+                let outcome = run();
+                result.runs += 1;
+                let err = outcome.as_ref().err().map(|e| e.line.as_str());
+                if err.is_some() {
+                    result.failed_runs += 1;
+                }
+                progress.finish(&label, t0.elapsed(), err);
+                outcome
+            };
+            // (microbatches, fp32 reference, its float64 shadow)
+            type Pair = (Result<RunRecord, RunFailed>, Result<RunRecord, RunFailed>);
+            let microbatched: Vec<(usize, Pair)> = plan
                 .microbatch_references(m, world)
                 .into_iter()
                 .map(|mb| {
-                    let label = format!("{model} {}@{world}", microbatched_name(mb));
-                    progress.start(&label);
-                    let t0 = Instant::now();
-                    let outcome = run_microbatched(model, world, mb, plan);
-                    result.runs += 1;
-                    let err = outcome.as_ref().err().map(|e| e.line.as_str());
-                    if err.is_some() {
-                        result.failed_runs += 1;
-                    }
-                    progress.finish(&label, t0.elapsed(), err);
-                    (mb, outcome)
+                    let name = microbatched_name(mb);
+                    let fp32 = in_process(format!("{model} {name}@{world}"), &|| {
+                        run_microbatched(model, world, mb, plan)
+                    });
+                    let fp64 = in_process(format!("{model} {name}.f64@{world}"), &|| {
+                        run_microbatched_f64(model, world, mb, plan)
+                    });
+                    (mb, (fp32, fp64))
                 })
                 .collect();
-            let mut row =
-                |config: Config,
-                 reference_name: String,
-                 policy: Result<TolerancePolicy, String>,
-                 skip: Option<String>,
-                 run: Option<&Result<RunRecord, RunFailed>>,
-                 against: Option<&Result<RunRecord, RunFailed>>| {
-                    let overridden = policy
-                        .as_ref()
-                        .ok()
-                        .and_then(|p| p.override_for(&config.at(world)))
-                        .map(|o| o.reason().to_owned());
-                    let mut r = Row {
-                        model: model.clone(),
-                        config: config.at(world),
-                        reference: reference_name,
-                        world_size: world,
-                        status: RowStatus::Skip,
-                        mode: match (&policy, &overridden) {
-                            (Ok(p), None) if p.mode() == Mode::Bitwise => "bitwise",
-                            _ => "tolerance",
-                        },
-                        max_abs_err: None,
-                        max_ulp: None,
-                        margin: None,
-                        memory: run.and_then(|r| r.as_ref().ok()).and_then(|r| r.memory),
-                        note: None,
-                        details: None,
-                        timed_out: false,
-                    };
-                    match (skip, run, against, policy) {
-                        (Some(reason), _, _, _) => r.note = Some(reason),
-                        (None, Some(Ok(a)), Some(Ok(b)), Ok(policy)) => {
-                            let c = compare(a, b, &policy);
-                            let overall = c.overall();
-                            r.status = if c.passed {
-                                RowStatus::Pass
-                            } else {
-                                RowStatus::Fail
-                            };
-                            r.max_abs_err = Some(overall.max_abs_err);
-                            r.max_ulp = Some(overall.max_ulp);
-                            r.margin = Some(overall.margin);
-                            let found = match (&c.first_failure, c.structural.first()) {
-                                (Some(f), _) => Some(short_failure(f)),
-                                (None, Some(s)) => Some(s.clone()),
-                                (None, None) => None,
-                            };
-                            r.note = match (found, &c.override_reason) {
-                                (Some(f), Some(o)) => Some(format!("{f}; {OVERRIDE}: {o}")),
-                                (None, Some(o)) => Some(format!("{OVERRIDE}: {o}")),
-                                (found, None) => found,
-                            };
-                            result.comparisons.push(c);
-                        }
-                        (None, Some(Err(e)), _, _) | (None, _, Some(Err(e)), _) => {
-                            r.status = RowStatus::Error;
-                            r.note = Some(e.line.clone());
-                            r.details = Some(e.details.clone());
-                            r.timed_out = e.timed_out;
-                        }
-                        (None, Some(Ok(_)), Some(Ok(_)), Err(e)) => {
-                            r.status = RowStatus::Error;
-                            r.note = Some(e);
-                        }
-                        (None, _, _, _) => {
-                            r.note = Some(match blocker {
-                                Some(reason) => format!("{NO_SINGLE}: {reason}"),
-                                None => "not run".into(),
-                            });
-                        }
-                    }
-                    result.rows.push(r);
+            let single_f64: Option<Result<RunRecord, RunFailed>> =
+                plan.needs_f64(m, world).then(|| {
+                    in_process(format!("{model} single.f64@{world}"), &|| {
+                        runner::run_single_f64(model, &build, world, &settings)
+                    })
+                });
+            let mut row = |config: Config,
+                           reference_name: String,
+                           judge: Judge<'_>,
+                           skip: Option<String>,
+                           run: Option<&Result<RunRecord, RunFailed>>| {
+                let cell = Cell {
+                    model,
+                    world,
+                    blocker: blocker.as_deref(),
                 };
+                let (r, c) =
+                    judge_row(&cell, config, reference_name, judge, skip, run, {
+                        arbiter_log.as_mut().map(|w| w as &mut dyn std::io::Write)
+                    });
+                result.comparisons.extend(c);
+                result.rows.push(r);
+            };
             // The `i`-th run of reference `config` (0: the reference, 1: its repeat).
             let reference = |config: Config, i: usize| {
                 references
@@ -264,71 +234,52 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                     .find(|(c, _)| *c == config)
                     .and_then(|(_, runs)| runs.get(i))
             };
-            // A row against a configuration reference: its policy and skip reason follow
-            // from the configuration.
-            let against_config = |config: Config, reference: Config| {
-                (
-                    reference.at(world),
-                    with_backend_override(
-                        with_drift_override(
-                            config.policy(reference, world),
-                            model,
-                            config,
-                            reference,
-                            world,
-                        ),
+            // A row against a configuration reference under its tolerance policy.
+            let policy_against = |config: Config, reference: Config, against| {
+                Judge::Policy {
+                    policy: with_backend_override(
+                        config.policy(reference, world),
                         config,
                         reference,
                         world,
                         plan.backend,
                     ),
-                    config.world_blocker(world),
-                )
+                    against,
+                }
             };
+            // A row judged by the fp64 arbiter around the single-device reference: with
+            // the reference's own noise, or (mixed precision) the run's own DDP reference's.
+            let arbiter_single = |envelope_of| Judge::Arbiter {
+                fp32: envelope_of,
+                fp64: single_f64.as_ref(),
+            };
+            let single_ref = reference(Config::Single, 0);
             for &config in &plan.configs {
+                let world_skip = config.world_blocker(world);
                 match config {
                     Config::Single | Config::DdpMixed(_) => {
-                        let (name, policy, skip) = against_config(config, config);
-                        row(
-                            config,
-                            name,
-                            policy,
-                            skip,
-                            reference(config, 0),
-                            reference(config, 1),
-                        );
+                        let judge = policy_against(config, config, reference(config, 1));
+                        row(config, config.at(world), judge, world_skip, reference(config, 0));
                     }
                     Config::Ddp => {
                         let ddp = reference(Config::Ddp, 0);
-                        let (name, policy, skip) = against_config(config, Config::Single);
-                        row(
-                            config,
-                            name,
-                            policy,
-                            skip,
-                            ddp,
-                            reference(Config::Single, 0),
-                        );
-                        let (name, policy, skip) = against_config(config, config);
-                        row(config, name, policy, skip, ddp, reference(Config::Ddp, 1));
+                        let judge = arbiter_single(single_ref);
+                        row(config, Config::Single.at(world), judge, world_skip.clone(), ddp);
+                        let judge = policy_against(config, config, reference(Config::Ddp, 1));
+                        row(config, config.at(world), judge, world_skip, ddp);
                     }
                     Config::Fsdp(id) => {
                         let run = fsdp.iter().find(|(c, _)| *c == config).map(|(_, r)| r);
                         let ddp = id.get().ddp_reference();
-                        let (name, policy, skip) = against_config(config, ddp);
-                        row(config, name, policy, skip, run, reference(ddp, 0));
-                        // Mixed precision has no row against single (module doc).
-                        if config.precision().is_none() {
-                            let (name, policy, skip) = against_config(config, Config::Single);
-                            row(
-                                config,
-                                name,
-                                policy,
-                                skip,
-                                run,
-                                reference(Config::Single, 0),
-                            );
-                        }
+                        let judge = policy_against(config, ddp, reference(ddp, 0));
+                        row(config, ddp.at(world), judge, world_skip.clone(), run);
+                        // Mixed precision is judged around its own DDP reference's noise.
+                        let envelope_of = match config.precision() {
+                            None => single_ref,
+                            Some(_) => reference(ddp, 0),
+                        };
+                        let judge = arbiter_single(envelope_of);
+                        row(config, Config::Single.at(world), judge, world_skip, run);
                     }
                     Config::ModelParallel(_) | Config::Composed(_) => {
                         let run = model_parallel
@@ -344,12 +295,11 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                             .composition_config()
                             .and_then(CompositionConfig::simpler)
                         {
-                            let reference = model_parallel
+                            let against = model_parallel
                                 .iter()
                                 .chain(&pipelines)
                                 .find(|(c, _)| *c == simpler)
                                 .map(|(_, r)| r);
-                            let (name, policy, skip) = against_config(config, simpler);
                             let simpler_blocked = simpler
                                 .world_blocker(world)
                                 .or_else(|| {
@@ -359,74 +309,59 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                                         .flatten()
                                 })
                                 .map(|reason| format!("{}: {reason}", simpler.name()));
-                            row(
-                                config,
-                                name,
-                                policy,
-                                skip.or_else(|| blocked.clone()).or(simpler_blocked),
-                                run,
-                                reference,
-                            );
+                            let judge = match config.policy(simpler, world) {
+                                // Not bitwise by the math: the arbiter, with the simpler
+                                // configuration's own noise as the envelope.
+                                Ok(p) if p.override_for(&config.at(world)).is_some()
+                                    && single_f64.is_some() =>
+                                {
+                                    arbiter_single(against)
+                                }
+                                _ => policy_against(config, simpler, against),
+                            };
+                            let skip = world_skip.clone().or_else(|| blocked.clone()).or(simpler_blocked);
+                            row(config, simpler.at(world), judge, skip, run);
                         }
-                        let (name, policy, skip) = against_config(config, Config::Single);
-                        let skip = skip.or_else(|| {
-                            plan.model_parallel_blockers
-                                .get(&(m, world, config))
-                                .cloned()
-                                .flatten()
-                        });
-                        row(
-                            config,
-                            name,
-                            policy,
-                            skip,
-                            run,
-                            reference(Config::Single, 0),
-                        );
+                        let skip = world_skip.or(blocked);
+                        row(config, Config::Single.at(world), arbiter_single(single_ref), skip, run);
                     }
                     Config::Pipeline(id) => {
                         let run = pipelines.iter().find(|(c, _)| *c == config).map(|(_, r)| r);
                         let planned = plan.pipeline_plans.get(&(m, world, config));
-                        let skip = config.world_blocker(world).or_else(|| match planned {
+                        let skip = world_skip.or_else(|| match planned {
                             Some(Err(reason)) => Some(reason.clone()),
                             _ => None,
                         });
-                        let (name, policy, _) = against_config(config, Config::Single);
-                        row(
-                            config,
-                            name,
-                            policy,
-                            skip.clone(),
-                            run,
-                            reference(Config::Single, 0),
-                        );
+                        row(config, Config::Single.at(world), arbiter_single(single_ref), skip.clone(), run);
                         match planned {
                             Some(Ok(p)) if p.data_parallel == 1 => {
                                 let mb = microbatched
                                     .iter()
                                     .find(|(n, _)| *n == p.microbatches)
                                     .map(|(_, r)| r);
-                                let policy = policy_vs_microbatched(&config.at(world), p);
-                                row(
-                                    config,
-                                    format!("{}@{world}", microbatched_name(p.microbatches)),
-                                    policy,
-                                    None,
-                                    run,
-                                    mb,
-                                );
+                                let name = format!("{}@{world}", microbatched_name(p.microbatches));
+                                let judge = match (&p.bitwise_blocker, mb) {
+                                    // Equal by the math only up to summation order: the arbiter
+                                    // around the microbatched reference's own float64 shadow.
+                                    (Some(_), Some((fp32, fp64))) => Judge::Arbiter {
+                                        fp32: Some(fp32),
+                                        fp64: Some(fp64),
+                                    },
+                                    _ => Judge::Policy {
+                                        policy: Ok(TolerancePolicy::bitwise(DType::F32)),
+                                        against: mb.map(|(fp32, _)| fp32),
+                                    },
+                                };
+                                row(config, name, judge, None, run);
                             }
                             Some(Ok(_)) => {}
                             _ => {
                                 let id_m = id.get().ranks(world).map_or(0, |p| 2 * p);
-                                row(
-                                    config,
-                                    format!("{}@{world}", microbatched_name(id_m)),
-                                    Ok(TolerancePolicy::bitwise(DType::F32)),
-                                    skip,
-                                    None,
-                                    None,
-                                );
+                                let judge = Judge::Policy {
+                                    policy: Ok(TolerancePolicy::bitwise(DType::F32)),
+                                    against: None,
+                                };
+                                row(config, format!("{}@{world}", microbatched_name(id_m)), judge, skip, None);
                             }
                         }
                     }
@@ -437,4 +372,133 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
     bar.finish_and_clear();
     result.elapsed = started.elapsed();
     result
+}
+
+/// How a row is judged.
+enum Judge<'a> {
+    /// Under a tolerance policy (bitwise, or a table with a reasoned override) against
+    /// `against`.
+    Policy {
+        policy: Result<TolerancePolicy, String>,
+        against: Option<&'a Result<RunRecord, RunFailed>>,
+    },
+    /// By the fp64 arbiter: the run's distance to `fp64` within the envelope of `fp32`'s.
+    Arbiter {
+        fp32: Option<&'a Result<RunRecord, RunFailed>>,
+        fp64: Option<&'a Result<RunRecord, RunFailed>>,
+    },
+}
+
+/// The matrix cell a row belongs to.
+struct Cell<'a> {
+    model: &'a str,
+    world: usize,
+    /// Why the model has no single-device reference, if it has none.
+    blocker: Option<&'a str>,
+}
+
+/// One row: its verdict and, when values were compared, the comparison behind it.
+fn judge_row(
+    cell: &Cell<'_>,
+    config: Config,
+    reference_name: String,
+    judge: Judge<'_>,
+    skip: Option<String>,
+    run: Option<&Result<RunRecord, RunFailed>>,
+    log: ArbiterLog<'_>,
+) -> (Row, Option<Comparison>) {
+    let row_name = config.at(cell.world);
+    let mode = match &judge {
+        Judge::Arbiter { .. } => "arbiter",
+        Judge::Policy { policy: Ok(p), .. }
+            if p.mode() == Mode::Bitwise && p.override_for(&row_name).is_none() =>
+        {
+            "bitwise"
+        }
+        Judge::Policy { .. } => "tolerance",
+    };
+    let mut r = Row {
+        model: cell.model.to_owned(),
+        config: row_name,
+        reference: reference_name,
+        world_size: cell.world,
+        status: RowStatus::Skip,
+        mode,
+        max_abs_err: None,
+        max_ulp: None,
+        margin: None,
+        memory: run.and_then(|r| r.as_ref().ok()).and_then(|r| r.memory),
+        note: None,
+        details: None,
+        timed_out: false,
+    };
+    if let Some(reason) = skip {
+        r.note = Some(reason);
+        return (r, None);
+    }
+    let (against, extra) = match &judge {
+        Judge::Policy { against, .. } => (*against, None),
+        Judge::Arbiter { fp32, fp64 } => (*fp32, Some(*fp64)),
+    };
+    let failed = [run, against, extra.flatten()]
+        .into_iter()
+        .flatten()
+        .find_map(|o| o.as_ref().err());
+    if let Some(e) = failed {
+        r.status = RowStatus::Error;
+        r.note = Some(e.line.clone());
+        r.details = Some(e.details.clone());
+        r.timed_out = e.timed_out;
+        return (r, None);
+    }
+    fn ok(o: Option<&Result<RunRecord, RunFailed>>) -> Option<&RunRecord> {
+        o.and_then(|o| o.as_ref().ok())
+    }
+    let c = match (judge, ok(run), ok(against)) {
+        (Judge::Policy { policy: Err(e), .. }, Some(_), Some(_)) => {
+            r.status = RowStatus::Error;
+            r.note = Some(e);
+            return (r, None);
+        }
+        (Judge::Policy { policy: Ok(p), .. }, Some(a), Some(b)) => compare(a, b, &p),
+        (Judge::Arbiter { fp64, .. }, Some(a), Some(b)) => match ok(fp64) {
+            Some(wide) => arbitrate(a, b, wide, &ENVELOPE, log),
+            None => {
+                r.note = Some(not_run(cell));
+                return (r, None);
+            }
+        },
+        _ => {
+            r.note = Some(not_run(cell));
+            return (r, None);
+        }
+    };
+    let overall = c.overall();
+    r.status = if c.passed {
+        RowStatus::Pass
+    } else {
+        RowStatus::Fail
+    };
+    r.max_abs_err = Some(overall.max_abs_err);
+    r.max_ulp = Some(overall.max_ulp);
+    r.margin = Some(overall.margin);
+    let found = match (&c.first_failure, c.structural.first()) {
+        (Some(f), _) => Some(short_failure(f)),
+        (None, Some(s)) => Some(s.clone()),
+        (None, None) => None,
+    };
+    r.note = match (found, &c.override_reason) {
+        (Some(f), Some(o)) => Some(format!("{f}; {OVERRIDE}: {o}")),
+        (None, Some(o)) => Some(format!("{OVERRIDE}: {o}")),
+        (found, None) => found,
+    };
+    (r, Some(c))
+}
+
+/// Why a row has nothing to compare: no single-device reference, or a run that never ran.
+fn not_run(cell: &Cell<'_>) -> String {
+    match cell.blocker {
+        Some(reason) => format!("{NO_SINGLE}: {reason}"),
+        None => "not run".into(),
+    }
 }

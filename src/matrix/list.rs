@@ -52,14 +52,21 @@ pub fn render_list(seed: u64) -> Result<String, MatrixError> {
         .collect();
     let _ = writeln!(
         out,
-        "mixed precision ({}): not compared with single: {MIXED_VS_SINGLE_REASON}",
+        "mixed precision ({}): against single by the fp64 arbiter, with their DDP reference \
+         under the same policy as the envelope: {MIXED_VS_SINGLE_REASON}",
         mixed.join(", ")
     );
     let _ = writeln!(
         out,
-        "pipelines (pp.*): microbatches 2p for p pipeline ranks; against single: \
-         {PIPELINE_VS_SINGLE_REASON}; models whose stages a schedule's stage count exceeds are \
-         skipped with the reason"
+        "against single (and single.mbM where a pipeline cannot be bitwise): the fp64 arbiter, \
+         d(run, fp64) <= {} x d(reference, fp64) + {} fp32 ULPs of the tensor's scale \
+         (docs/parity.md)",
+        ENVELOPE.k, ENVELOPE.floor_ulps
+    );
+    let _ = writeln!(
+        out,
+        "pipelines (pp.*): microbatches 2p for p pipeline ranks; models whose stages a \
+         schedule's stage count exceeds are skipped with the reason"
     );
     out.push_str("models:\n");
     for (name, params, blocker) in &models {

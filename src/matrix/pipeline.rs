@@ -18,22 +18,6 @@ use lockstep_core::pipeline::{
     ScheduleKind,
 };
 
-/// PyTorch's pipeline tests hold gradients to rtol 1e-5 / atol 4e-5 against the unsplit
-/// model. `pp.*` rows use it for every quantity where they cannot be bitwise: against
-/// `single@N`, and against `single.mbM@N` when the plan names why not (losses and final
-/// parameters after several steps inherit the gradients' rounding differences).
-pub const PIPELINE_GRAD_RTOL: f64 = 1e-5;
-/// See [`PIPELINE_GRAD_RTOL`].
-pub const PIPELINE_GRAD_ATOL: f64 = 4e-5;
-
-/// Why `pp.*` rows are held to PyTorch's pipeline tolerance against `single@N`: the override
-/// reason in every pipeline row against single and in every report.
-pub const PIPELINE_VS_SINGLE_REASON: &str = "a pipeline accumulates M microbatch gradients \
-     where one process differentiates the global batch at once: the same sum in another \
-     order, whose rounding compounds over the steps (on the transformer, past the fp32 table \
-     by step 4); the row against single.mbM (the same microbatches in one process) isolates \
-     the pipeline itself. Held to PyTorch's pipeline-test tolerance, rtol 1e-5 / atol 4e-5";
-
 /// One pipeline configuration of the matrix.
 #[derive(Clone, Debug)]
 pub struct PipelineConfig {
@@ -211,27 +195,29 @@ pub fn microbatched_name(m: usize) -> String {
     format!("single.mb{m}")
 }
 
-/// How a `pp.*` row is judged against `single.mbM@N`: bitwise, or PyTorch's pipeline
-/// tolerance with the plan's reason recorded as the override.
-pub(super) fn policy_vs_microbatched(
-    row_name: &str,
-    plan: &PipelinePlan,
-) -> Result<TolerancePolicy, String> {
-    let bitwise = TolerancePolicy::bitwise(DType::F32);
-    match &plan.bitwise_blocker {
-        None => Ok(bitwise),
-        Some(reason) => {
-            let reason = format!(
-                "{reason}; held to PyTorch's pipeline-test tolerance (rtol 1e-5 / atol 4e-5)"
-            );
-            let ov = Override::new(
-                Tolerance::new(PIPELINE_GRAD_RTOL, PIPELINE_GRAD_ATOL),
-                &reason,
-            )
-            .map_err(|e| format!("{row_name}: {e}"))?;
-            Ok(bitwise.with_override(row_name, ov))
-        }
-    }
+/// The float64 shadow of the microbatched reference (see [`runner::shadow_f64`]).
+pub(super) fn run_microbatched_f64(
+    model: &str,
+    world_size: usize,
+    microbatches: usize,
+    plan: &Plan,
+) -> Result<RunRecord, RunFailed> {
+    let build = runner::zoo_builder(model);
+    let train = |built: Box<dyn Model>| {
+        microbatched_reference(
+            built.as_ref(),
+            world_size,
+            microbatches,
+            plan.steps,
+            OptimizerConfig::default(),
+            plan.record_grads,
+        )
+        .map_err(|e| RunFailed::simple(format!("microbatched reference: {e}")))
+    };
+    let mut record = runner::shadow_f64(&build, plan.seed, train)?;
+    record.spec.config = format!("{}.f64@{world_size}", microbatched_name(microbatches));
+    record.spec.dtype = "fp64".into();
+    Ok(record)
 }
 
 /// The in-process microbatched reference.

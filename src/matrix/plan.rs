@@ -32,6 +32,10 @@ pub struct MatrixOptions {
     /// Exec every rank as a fresh `lockstep rank` process instead of forking (`--exec-ranks`;
     /// always so under NCCL). One launch per run: no subtests.
     pub exec_ranks: bool,
+    /// Write every quantity the fp64 arbiter judges (row, step, quantity, tensor, both
+    /// distances, scale) to this CSV file (`--arbiter-log`): how the envelope's constants are
+    /// measured (docs/parity.md).
+    pub arbiter_log: Option<PathBuf>,
 }
 
 impl Default for MatrixOptions {
@@ -48,6 +52,7 @@ impl Default for MatrixOptions {
             subtests: true,
             backend: lockstep_core::comm::Backend::Cpu,
             exec_ranks: false,
+            arbiter_log: None,
         }
     }
 }
@@ -77,6 +82,8 @@ pub struct Plan {
     pub backend: lockstep_core::comm::Backend,
     /// Whether ranks are exec'd (see [`MatrixOptions::exec_ranks`]).
     pub exec_ranks: bool,
+    /// Where the arbiter's measurements go (see [`MatrixOptions::arbiter_log`]).
+    pub arbiter_log: Option<PathBuf>,
     /// Per model: why it has no single-device reference, if it has none.
     pub(super) blockers: Vec<Option<String>>,
     /// Per (model index, world size, selected pipeline configuration): its validated plan,
@@ -115,9 +122,10 @@ impl Plan {
                     .map(|(_, runs)| runs)
                     .sum();
                 n += references
+                    + usize::from(self.needs_f64(model, world))
                     + self.fsdp_launches(world).len()
                     + self.pipeline_launches(model, world).len()
-                    + self.microbatch_references(model, world).len()
+                    + 2 * self.microbatch_references(model, world).len()
                     + self.model_parallel_launches(model, world).len()
                     + self.simpler_references(model, world).len();
             }
@@ -212,6 +220,17 @@ impl Plan {
     /// `ddp.<label>` for the FSDP launches under that precision. FSDP launches come on top,
     /// one per selected FSDP configuration that runs at this size; a configuration that
     /// launches nothing there needs no reference.
+    /// Whether the cell runs the single-device reference's float64 shadow: whenever a row is
+    /// judged against `single` by the fp64 arbiter (every selected configuration but the
+    /// references themselves), on models that have a single-device reference.
+    pub(super) fn needs_f64(&self, model: usize, world_size: usize) -> bool {
+        self.blockers[model].is_none()
+            && self
+                .configs
+                .iter()
+                .any(|c| !matches!(c, Config::Single | Config::DdpMixed(_)) && c.world_blocker(world_size).is_none())
+    }
+
     pub(super) fn runs_per_cell(&self, model: usize, world_size: usize) -> Vec<(Config, usize)> {
         let has_single = self.blockers[model].is_none();
         let launches = self.fsdp_launches(world_size);
@@ -421,6 +440,7 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         subtests: opts.subtests,
         backend: opts.backend,
         exec_ranks: opts.exec_ranks,
+        arbiter_log: opts.arbiter_log.clone(),
         blockers,
         pipeline_plans,
         model_parallel_blockers,

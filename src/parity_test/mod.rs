@@ -39,7 +39,7 @@ use crate::runner::{self, ModelBuilder, RunFailed, RunSettings, TrainFn};
 use lockstep_core::comm::DType;
 use lockstep_core::record::RunRecord;
 use lockstep_core::train::{OptimizerConfig, TrainConfig};
-use lockstep_harness::parity::{compare, Override, Tolerance, TolerancePolicy};
+use lockstep_harness::parity::{arbitrate, compare, Override, Tolerance, TolerancePolicy, ENVELOPE};
 use lockstep_harness::report::{self, Report, RunError};
 use lockstep_harness::RankCtx;
 use lockstep_models::{zoo, Model, ModelError};
@@ -275,11 +275,15 @@ impl<'a> ParityTest<'a> {
             }
         }
         // Every policy up front: a pair that cannot be judged fails before anything runs.
+        // Pairs against `single` without a policy or override of the user's are judged by the
+        // fp64 arbiter instead ([`ParityTest::arbiter_envelope`]).
         let mut policies = BTreeMap::new();
         for &world in &self.world_sizes {
             for config in &self.configs {
                 for reference in &references {
-                    if config.name() != reference.name() {
+                    if config.name() != reference.name()
+                        && self.arbiter_envelope(config, reference).is_none()
+                    {
                         let policy = self.policy_for(config, reference, world)?;
                         policies.insert((config.name(), reference.name(), world), policy);
                     }
@@ -300,43 +304,53 @@ impl<'a> ParityTest<'a> {
         let mut errors = Vec::new();
         for &world in &self.world_sizes {
             let mut records: BTreeMap<String, Result<RunRecord, RunFailed>> = BTreeMap::new();
+            let envelopes: Vec<&str> = self
+                .configs
+                .iter()
+                .flat_map(|c| references.iter().filter_map(|r| self.arbiter_envelope(c, r)))
+                .collect();
             let wanted = references
                 .iter()
-                .map(|r| r.name().to_owned())
-                .chain(self.configs.iter().map(|c| c.name().to_owned()));
+                .map(|r| r.name())
+                .chain(self.configs.iter().map(|c| c.name()))
+                .chain(envelopes.iter().copied());
             for name in wanted {
-                if records.contains_key(&name) {
+                if records.contains_key(name) {
                     continue;
                 }
-                let run = self.run_one(&name, model_name, build, world);
-                records.insert(name, run);
+                let run = self.run_one(name, model_name, build, world);
+                records.insert(name.to_owned(), run);
             }
+            let single_f64 = (!envelopes.is_empty())
+                .then(|| runner::run_single_f64(model_name, build, world, &self.settings));
             for config in &self.configs {
                 for reference in &references {
                     let (run_name, ref_name) = (config.name(), reference.name());
                     if run_name == ref_name {
                         continue;
                     }
-                    let row = format!("{run_name}@{world}");
-                    let against = format!("{ref_name}@{world}");
-                    let (Some(run), Some(reference_run), Some(policy)) = (
-                        records.get(run_name),
-                        records.get(ref_name),
-                        policies.get(&(run_name, ref_name, world)),
-                    ) else {
-                        continue;
-                    };
-                    match (run, reference_run) {
-                        (Ok(run), Ok(reference_run)) => {
-                            comparisons.push(compare(run, reference_run, policy));
+                    let judged = match self.arbiter_envelope(config, reference) {
+                        Some(envelope) => {
+                            self.judge_by_arbiter(&records, run_name, envelope, single_f64.as_ref())
                         }
-                        (Err(e), _) | (_, Err(e)) => errors.push(RunError {
+                        None => policies
+                            .get(&(run_name, ref_name, world))
+                            .and_then(|policy| Some((records.get(run_name)?, records.get(ref_name)?, policy)))
+                            .map(|(run, against, policy)| match (run, against) {
+                                (Ok(run), Ok(against)) => Ok(compare(run, against, policy)),
+                                (Err(e), _) | (_, Err(e)) => Err(e.clone()),
+                            }),
+                    };
+                    match judged {
+                        Some(Ok(c)) => comparisons.push(c),
+                        Some(Err(e)) => errors.push(RunError {
                             model: model_name.to_owned(),
-                            config: row,
-                            reference: against,
+                            config: format!("{run_name}@{world}"),
+                            reference: format!("{ref_name}@{world}"),
                             message: e.line.clone(),
                             details: e.details.clone(),
                         }),
+                        None => {}
                     }
                 }
             }
@@ -473,6 +487,61 @@ impl<'a> ParityTest<'a> {
         match Config::by_name(name) {
             Some(config) => runner::run_config(model_name, build, config, world, &self.settings),
             None => Err(RunFailed::simple(format!("unknown configuration `{name}`"))),
+        }
+    }
+
+    /// Whether `config` is judged against `reference` by the fp64 arbiter, and if so whose
+    /// noise is its envelope: the single-device reference's (`single`), or for a mixed-
+    /// precision configuration its DDP reference under the same policy (`ddp.bf16`). Only
+    /// against `single`, and only where the test set no policy or override of its own.
+    fn arbiter_envelope(&self, config: &TestConfig<'_>, reference: &Reference) -> Option<&'static str> {
+        if *reference != Reference::Single
+            || self.policy.is_some()
+            || self.overrides.iter().any(|(name, _, _)| name == config.name())
+        {
+            return None;
+        }
+        match config {
+            TestConfig::Builtin(c) => match c.precision() {
+                Some(p) => Some(p.ddp_name()),
+                None => Some("single"),
+            },
+            TestConfig::Custom { .. } => Some("single"),
+        }
+    }
+
+    /// `run_name`'s record judged by the fp64 arbiter around `envelope`'s noise. A model that
+    /// cannot train in float64 (it builds fp32 tensors of its own in forward) is judged
+    /// under the fp32 table instead, with that reason recorded in the comparison.
+    fn judge_by_arbiter(
+        &self,
+        records: &BTreeMap<String, Result<RunRecord, RunFailed>>,
+        run_name: &str,
+        envelope: &str,
+        fp64: Option<&Result<RunRecord, RunFailed>>,
+    ) -> Option<Result<lockstep_harness::parity::Comparison, RunFailed>> {
+        let run = match records.get(run_name)? {
+            Ok(run) => run,
+            Err(e) => return Some(Err(e.clone())),
+        };
+        let fp32 = match records.get(envelope)? {
+            Ok(r) => r,
+            Err(e) => return Some(Err(e.clone())),
+        };
+        match fp64? {
+            Ok(wide) => Some(Ok(arbitrate(run, fp32, wide, &ENVELOPE, None))),
+            Err(e) => {
+                let reason = format!(
+                    "the fp64 arbiter could not run ({}): judged under the fp32 table",
+                    e.line
+                );
+                let policy = Override::new(Tolerance::for_dtype(DType::F32), &reason)
+                    .map(|ov| TolerancePolicy::dtype_table(DType::F32).with_override(&run.spec.config, ov));
+                match policy {
+                    Ok(policy) => Some(Ok(compare(run, fp32, &policy))),
+                    Err(e) => Some(Err(RunFailed::simple(e.to_string()))),
+                }
+            }
         }
     }
 

@@ -37,7 +37,7 @@ pub fn route(x: &Tensor, router_weight: &Tensor, top_k: i64) -> Result<Routing, 
     let probs = x
         .f_linear::<Tensor>(router_weight, None)?
         .f_softmax(-1, None)?;
-    let (top, experts) = probs.f_topk(top_k, -1, true, true)?;
+    let (top, experts) = lockstep_models::decisions::topk(&probs, top_k)?;
     let gates = top.f_div(&top.f_sum_dim_intlist(-1, true, None)?)?;
     let aux_loss = load_balancing_loss(&probs, &experts)?;
     Ok(Routing {

@@ -2,6 +2,7 @@
 //! person needs to judge the verdict (how far off, relative to what was allowed, and where it
 //! first went wrong).
 
+use super::arbiter::{ArbiterSummary, EnvelopePoint, StepEnvelope};
 use super::tolerance::{looser_dtype, ulp_distance, Check, Mode, Quantity, TolerancePolicy};
 use crate::report::{fmt_num, num};
 use lockstep_core::comm::DType;
@@ -38,6 +39,10 @@ pub struct FailurePoint {
     pub ulp: u64,
     /// The dtype the pair was judged in.
     pub dtype: DType,
+    /// Under the fp64 arbiter: the distances the verdict weighed (`actual` and `expected` are
+    /// then the run's and the float64 shadow's values at the worst element).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub envelope: Option<EnvelopePoint>,
 }
 
 impl fmt::Display for FailurePoint {
@@ -46,12 +51,29 @@ impl fmt::Display for FailurePoint {
         if let Some(t) = &self.tensor {
             write!(f, " `{t}`")?;
         }
-        if let Some(i) = self.index {
-            write!(f, "[{i}]")?;
-        }
         match self.step {
             Some(s) => write!(f, " at step {s}")?,
             None => write!(f, " after the last step")?,
+        }
+        if let Some(e) = &self.envelope {
+            write!(
+                f,
+                ": |run − fp64| {} > {} × |fp32 reference − fp64| {} + floor {} (margin {:.1})",
+                fmt_num(e.run_to_f64),
+                fmt_num(super::arbiter::ENVELOPE.k),
+                fmt_num(e.reference_to_f64),
+                fmt_num(e.floor),
+                e.margin
+            )?;
+            if let Some(i) = self.index {
+                write!(f, "; worst element [{i}]")?;
+            } else {
+                write!(f, ";")?;
+            }
+            return write!(f, " {} vs fp64 {}", self.actual, self.expected);
+        }
+        if let Some(i) = self.index {
+            write!(f, " element [{i}]")?;
         }
         write!(
             f,
@@ -210,6 +232,7 @@ impl Stats {
                     allowed: e.allowed,
                     ulp: e.ulp,
                     dtype,
+                    envelope: None,
                 });
             }
         }
@@ -252,6 +275,10 @@ pub struct ScalarDiff {
     pub margin: f64,
     /// Within tolerance.
     pub passed: bool,
+    /// Under the fp64 arbiter: the distances behind the verdict (`reference` is then the
+    /// float64 shadow's value).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub envelope: Option<EnvelopePoint>,
 }
 
 /// Everything compared at one training step.
@@ -267,6 +294,9 @@ pub struct StepComparison {
     pub grads: Option<Stats>,
     /// Every value of this step passed and both sides have it.
     pub passed: bool,
+    /// Under the fp64 arbiter: the step's distances to float64, run and fp32 reference.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub envelope: Option<StepEnvelope>,
 }
 
 /// The verdict for one final parameter.
@@ -325,6 +355,10 @@ pub struct Comparison {
     /// Absent in reports written before it existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory: Option<MemoryStats>,
+    /// Under the fp64 arbiter (mode `arbiter`): its constants and the quantity that came
+    /// closest to its envelope.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arbiter: Option<ArbiterSummary>,
 }
 
 impl Comparison {
@@ -369,6 +403,7 @@ fn diff_scalar(
         ulp: e.ulp,
         margin: e.margin,
         passed: e.passed,
+        envelope: None,
     }
 }
 
@@ -474,38 +509,9 @@ fn diff_tensors(
 /// compared so the numbers stay informative.
 pub fn compare(run: &RunRecord, reference: &RunRecord, policy: &TolerancePolicy) -> Comparison {
     let config = run.spec.config.as_str();
-    let mut structural = Vec::new();
-    if run.spec.model != reference.spec.model {
-        structural.push(format!(
-            "the run trained model `{}` but the reference trained `{}`",
-            run.spec.model, reference.spec.model
-        ));
-    }
-    for (what, a, b) in [
-        ("loss", run.losses.len(), reference.losses.len()),
-        (
-            "gradient norm",
-            run.grad_norms.len(),
-            reference.grad_norms.len(),
-        ),
-    ] {
-        if a != b {
-            structural.push(format!(
-                "the run recorded {a} {what} steps but the reference {b}"
-            ));
-        }
-    }
+    let mut structural = structural_mismatches(run, reference);
     let grads_pair = match (&run.grads, &reference.grads) {
-        (Some(a), Some(b)) => {
-            if a.len() != b.len() {
-                structural.push(format!(
-                    "the run recorded gradients for {} steps but the reference for {}",
-                    a.len(),
-                    b.len()
-                ));
-            }
-            Some((a, b))
-        }
+        (Some(a), Some(b)) => Some((a, b)),
         _ => None,
     };
 
@@ -601,6 +607,7 @@ pub fn compare(run: &RunRecord, reference: &RunRecord, policy: &TolerancePolicy)
             grad_norm,
             grads,
             passed,
+            envelope: None,
         });
     }
 
@@ -658,5 +665,43 @@ pub fn compare(run: &RunRecord, reference: &RunRecord, policy: &TolerancePolicy)
         param_summaries,
         steps,
         memory: run.memory,
+        arbiter: None,
     }
 }
+
+/// What does not line up between two records before any value is compared: the model, the
+/// per-step series' lengths.
+pub(super) fn structural_mismatches(run: &RunRecord, reference: &RunRecord) -> Vec<String> {
+    let mut structural = Vec::new();
+    if run.spec.model != reference.spec.model {
+        structural.push(format!(
+            "the run trained model `{}` but the reference trained `{}`",
+            run.spec.model, reference.spec.model
+        ));
+    }
+    for (what, a, b) in [
+        ("loss", run.losses.len(), reference.losses.len()),
+        (
+            "gradient norm",
+            run.grad_norms.len(),
+            reference.grad_norms.len(),
+        ),
+    ] {
+        if a != b {
+            structural.push(format!(
+                "the run recorded {a} {what} steps but the reference {b}"
+            ));
+        }
+    }
+    if let (Some(a), Some(b)) = (&run.grads, &reference.grads) {
+        if a.len() != b.len() {
+            structural.push(format!(
+                "the run recorded gradients for {} steps but the reference for {}",
+                a.len(),
+                b.len()
+            ));
+        }
+    }
+    structural
+}
+

@@ -38,8 +38,11 @@
 //! assert_eq!(strict.first_failure.unwrap().step, Some(0));
 //! ```
 
+mod arbiter;
 mod compare;
 mod tolerance;
+
+pub use arbiter::{arbitrate, ArbiterLog, ArbiterSummary, Envelope, EnvelopePoint, StepEnvelope, ENVELOPE};
 
 pub use compare::{
     compare, Comparison, FailurePoint, ParamSummary, ScalarDiff, Stats, StepComparison,

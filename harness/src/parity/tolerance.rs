@@ -93,6 +93,9 @@ pub enum Mode {
     /// Every value identical bit for bit (a signed zero or a NaN payload counts): for
     /// configurations promised to be deterministic against their reference.
     Bitwise,
+    /// The fp64 arbiter ([`arbitrate`](super::arbitrate)): each quantity's distance to a
+    /// float64 shadow of the reference, within a multiple of the fp32 reference's own.
+    Arbiter,
 }
 
 /// What a value being compared is, so overrides can target, say, only gradients.
@@ -284,7 +287,9 @@ impl TolerancePolicy {
         }
         match self.mode {
             Mode::Bitwise => Check::Bitwise,
-            Mode::Tolerance => Check::Close(Tolerance::for_dtype(dtype)),
+            // No policy is built in arbiter mode (arbitrate takes no policy); the table is the
+            // closest meaning should one be deserialized.
+            Mode::Tolerance | Mode::Arbiter => Check::Close(Tolerance::for_dtype(dtype)),
         }
     }
 }

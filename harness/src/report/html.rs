@@ -3,6 +3,7 @@
 
 use super::junit::xml_escape;
 use super::{fmt_kib, fmt_num, fmt_ulp, Report, StepRow};
+use crate::parity::StepEnvelope;
 use std::fmt::Write as _;
 
 const WIDTH: f64 = 600.0;
@@ -313,6 +314,28 @@ fn error_plot(title: &str, steps: &[&StepRow]) -> String {
     svg_plot(title, "abs error (log)", &series, true)
 }
 
+/// The fp64 arbiter's view of a comparison: per step, the run's and the fp32 reference's
+/// largest distance to the float64 shadow (relative to each tensor's magnitude), on a log
+/// scale: a correct run's line follows the reference's, a fault stands above it.
+fn envelope_plot(title: &str, steps: &[&StepRow]) -> String {
+    let series_of = |label: &str, color: &'static str, dashed, pick: fn(&StepEnvelope) -> f64| {
+        Series {
+            label: label.into(),
+            color,
+            dashed,
+            points: steps
+                .iter()
+                .filter_map(|s| s.step.envelope.as_ref().map(|e| (s.step.step as f64, pick(e))))
+                .collect(),
+        }
+    };
+    let series = vec![
+        series_of("run to fp64", "#d62728", false, |e| e.run_to_f64),
+        series_of("fp32 ref to fp64", "#1f77b4", true, |e| e.reference_to_f64),
+    ];
+    svg_plot(title, "rel. distance (log)", &series, true)
+}
+
 const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:2em;color:#222}\
 table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}\
 td.num{text-align:right;font-family:monospace}.pass{color:#176317}.fail{color:#b00020;font-weight:bold}\
@@ -413,12 +436,23 @@ pub fn render_html(report: &Report) -> String {
         if let Some(d) = &c.diagnosis {
             let _ = writeln!(out, "<p class=\"diag\">{}</p>", xml_escape(d));
         }
+        if c.arbiter.is_some() {
+            let _ = writeln!(
+                out,
+                "<p>fp64 arbiter: run / fp32 reference distance to float64 {}</p>",
+                xml_escape(&super::arbiter_cell(c))
+            );
+        }
         if let Some(r) = &c.override_reason {
             let _ = writeln!(out, "<p>Tolerance override: {}</p>", xml_escape(r));
         }
         let steps: Vec<&StepRow> = report.steps_of(c).collect();
         out.push_str(&loss_plot(&format!("loss: {name}"), &steps));
-        out.push_str(&error_plot(&format!("error per step: {name}"), &steps));
+        if c.arbiter.is_some() {
+            out.push_str(&envelope_plot(&format!("distance to fp64 per step: {name}"), &steps));
+        } else {
+            out.push_str(&error_plot(&format!("error per step: {name}"), &steps));
+        }
         out.push_str("</section>\n");
     }
     out.push_str("</body>\n</html>\n");

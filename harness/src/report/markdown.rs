@@ -25,12 +25,12 @@ pub fn render_markdown(report: &Report) -> String {
     let memory = report.has_memory();
     let _ = writeln!(
         out,
-        "| model | config | reference | result | max abs err | max rel err | max ULP | margin | {}first failure |",
+        "| model | config | reference | result | max abs err | max rel err | max ULP | margin | to fp64: run / fp32 ref | {}first failure |",
         if memory { "peak full params (KiB) | shard (KiB) | " } else { "" }
     );
     let _ = writeln!(
         out,
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | {}--- |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- | {}--- |",
         if memory { "---: | ---: | " } else { "" }
     );
     for c in &report.comparisons {
@@ -47,7 +47,7 @@ pub fn render_markdown(report: &Report) -> String {
         };
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {memory_cells}{} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {memory_cells}{} |",
             cell(&c.model),
             cell(&c.config),
             cell(&c.reference),
@@ -56,13 +56,14 @@ pub fn render_markdown(report: &Report) -> String {
             fmt_num(all.max_rel_err),
             fmt_ulp(all.max_ulp),
             fmt_num(all.margin),
+            cell(&super::arbiter_cell(c)),
             cell(failure)
         );
     }
     for e in &report.errors {
         let _ = writeln!(
             out,
-            "| {} | {} | {} | **ERROR** | - | - | - | - | {}{} |",
+            "| {} | {} | {} | **ERROR** | - | - | - | - | - | {}{} |",
             cell(&e.model),
             cell(&e.config),
             cell(&e.reference),

@@ -332,3 +332,19 @@ pub(crate) fn fmt_ulp(u: u64) -> String {
         u.to_string()
     }
 }
+
+/// The arbiter's figures of a comparison judged by it, for a table cell: the run's and the
+/// fp32 reference's distance to float64 where the run came closest to its envelope, and K
+/// (`1.2e-6 / 3.4e-7 (K 16) at grads `w` at step 3`); `-` for other modes.
+pub(crate) fn arbiter_cell(c: &crate::parity::Comparison) -> String {
+    match &c.arbiter {
+        Some(a) => format!(
+            "{} / {} (K {}) at {}",
+            fmt_num(a.worst.run_to_f64),
+            fmt_num(a.worst.reference_to_f64),
+            a.constants.k,
+            a.worst_at
+        ),
+        None => "-".into(),
+    }
+}

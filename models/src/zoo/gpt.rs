@@ -247,7 +247,7 @@ impl Moe {
     /// `x`: (B, T, D).
     fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
         let probs = self.router.forward(x)?.f_softmax(-1, None)?;
-        let (top, idx) = probs.f_topk(self.top_k, -1, true, true)?;
+        let (top, idx) = crate::decisions::topk(&probs, self.top_k)?;
         let top = top.f_div(&top.f_sum_dim_intlist(-1, true, None)?)?;
         let gates = probs.f_zeros_like()?.f_scatter(-1, &idx, &top)?;
         let mut out = x.f_zeros_like()?;

@@ -171,7 +171,7 @@ impl Model for LinearChain {
     }
 
     fn loss_of(&self, _batch: &Batch, output: &Tensor) -> Result<Tensor, ModelError> {
-        Ok(output.f_sum(tch::Kind::Float)?)
+        Ok(output.f_sum(output.kind())?)
     }
 
     fn single_device_reference_blocker(&self) -> Option<String> {

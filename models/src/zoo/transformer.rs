@@ -241,7 +241,7 @@ impl Model for TransformerWithSharedParams {
             });
         };
         let src = embedded.f_narrow(0, 0, src_len)?;
-        let src = (src + &self.vocab_bias).f_add(&self.long_buffer.f_to_kind(Kind::Float)?)?;
+        let src = (src + &self.vocab_bias).f_add(&self.long_buffer.f_to_kind(embedded.kind())?)?;
         let mut tgt = embedded.f_narrow(0, src_len, total - src_len)?;
         if let Some(bn) = &self.bn {
             tgt = run.layer([tgt], |[tgt]| Ok(bn.forward(&tgt)?))?;

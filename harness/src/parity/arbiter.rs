@@ -1,0 +1,524 @@
+//! The fp64 arbiter: a run is judged by how far it is from the same training in float64,
+//! measured against how far the fp32 reference itself is from it.
+//!
+//! For every compared quantity `q` (each step's loss and gradient norm, each step's gradient
+//! tensors, each final parameter and buffer) the run passes where
+//!
+//! ```text
+//! d(run, ref64) ≤ K · d(ref32, ref64) + floor(ref64)
+//! ```
+//!
+//! `ref32` is the reference the run stands in for (the single-device run, the microbatched
+//! run) and `ref64` its float64 shadow: the same initial values, batches and discrete
+//! decisions, trained in float64. `d(ref32, ref64)` is the rounding noise a correct fp32
+//! execution of this training carries at this step and tensor, on this machine, so the bound
+//! follows the noise wherever training amplifies it (a summed loss growing by orders of
+//! magnitude, momentum compounding a one-ULP difference) and tightens wherever it does not.
+//! No per-model or per-step tolerance exists. `d` is the largest elementwise distance of a
+//! tensor; per step, `d(ref32, ref64)` is never taken below what it was for the same quantity
+//! at an earlier step (a reference that lands near float64 by chance at one step, as a
+//! single number such as a gradient norm can, does not make the envelope collapse); `floor` is [`Envelope::floor_ulps`] units of fp32 rounding (2⁻²⁴) of the tensor's
+//! largest fp64 magnitude, for quantities the fp32 reference happens to get exactly. The
+//! constants were chosen from measurements across models, steps, seeds, world sizes and CPU
+//! capabilities (docs/parity.md, "The fp64 arbiter").
+
+use super::compare::{Comparison, FailurePoint, ParamSummary, ScalarDiff, Stats, StepComparison};
+use super::tolerance::{ulp_distance, Mode, Quantity};
+use crate::report::num;
+use lockstep_core::comm::DType;
+use lockstep_core::record::{NamedTensor, RunRecord};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::io::Write;
+
+/// The arbiter's two global constants.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Envelope {
+    /// How many times the fp32 reference's own distance to float64 a run may be.
+    pub k: f64,
+    /// The floor, in units of fp32 rounding (2⁻²⁴) of the quantity's largest fp64 magnitude.
+    pub floor_ulps: f64,
+}
+
+/// The constants every verdict uses (docs/parity.md gives the measurements behind them).
+pub const ENVELOPE: Envelope = Envelope {
+    k: 16.0,
+    floor_ulps: 8.0,
+};
+
+/// fp32's unit roundoff: the floor's unit.
+const F32_ROUNDOFF: f64 = 5.960_464_477_539_063e-8;
+
+/// The distances behind one arbiter verdict.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EnvelopePoint {
+    /// `d(run, ref64)`.
+    #[serde(with = "num")]
+    pub run_to_f64: f64,
+    /// `d(ref32, ref64)`: the fp32 reference's own rounding noise here, or the largest it
+    /// had for this quantity at an earlier step if that is larger (rounding noise
+    /// accumulates; a step where the reference lands close to float64 by chance must not
+    /// make the envelope collapse).
+    #[serde(with = "num")]
+    pub reference_to_f64: f64,
+    /// The floor added to `K · d(ref32, ref64)`.
+    #[serde(with = "num")]
+    pub floor: f64,
+    /// `d(run, ref64) / (K · d(ref32, ref64) + floor)`: at most 1 passes.
+    #[serde(with = "num")]
+    pub margin: f64,
+}
+
+/// What a row judged by the arbiter reports beside its verdict: the constants and where it
+/// came closest to its envelope.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ArbiterSummary {
+    /// The constants the verdict used.
+    pub constants: Envelope,
+    /// The quantity with the largest margin (`loss at step 3`, `grads `w` at step 1`...).
+    pub worst_at: String,
+    /// Its distances.
+    pub worst: EnvelopePoint,
+}
+
+/// One step's distances, each relative to its tensor's fp64 magnitude and the worst over the
+/// step's quantities, so the report can plot how noise and run grow together.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepEnvelope {
+    /// Largest `d(run, ref64) / scale` over the step's quantities.
+    #[serde(with = "num")]
+    pub run_to_f64: f64,
+    /// Largest `d(ref32, ref64) / scale` over the step's quantities.
+    #[serde(with = "num")]
+    pub reference_to_f64: f64,
+    /// Largest margin over the step's quantities.
+    #[serde(with = "num")]
+    pub margin: f64,
+}
+
+impl StepEnvelope {
+    fn fold(&mut self, p: &EnvelopePoint, scale: f64) {
+        let rel = |d: f64| if scale > 0.0 { d / scale } else { d };
+        self.run_to_f64 = self.run_to_f64.max(rel(p.run_to_f64));
+        self.reference_to_f64 = self.reference_to_f64.max(rel(p.reference_to_f64));
+        self.margin = self.margin.max(p.margin);
+    }
+}
+
+/// Every judged quantity's distances, one line each, for measuring the envelope
+/// (`lockstep matrix --arbiter-log FILE`); `None` to keep nothing.
+pub type ArbiterLog<'a> = Option<&'a mut dyn Write>;
+
+/// One quantity's values on the three sides.
+struct Sides<'a> {
+    run: &'a [f64],
+    ref32: &'a [f64],
+    ref64: &'a [f64],
+}
+
+/// The verdict on one quantity.
+struct Verdict {
+    point: EnvelopePoint,
+    /// `d(ref32, ref64)` at this step alone (what the measurement log keeps).
+    raw_reference: f64,
+    scale: f64,
+    worst: usize,
+    passed: bool,
+}
+
+fn max_distance(a: &[f64], b: &[f64]) -> (f64, usize) {
+    let mut worst = (0.0, 0);
+    for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+        let d = if x == y {
+            0.0
+        } else if x.is_finite() && y.is_finite() {
+            (x - y).abs()
+        } else {
+            f64::INFINITY
+        };
+        if d > worst.0 || (d.is_nan() && !worst.0.is_nan()) {
+            worst = (d, i);
+        }
+    }
+    worst
+}
+
+/// `noise_so_far` is the largest `d(ref32, ref64)` this quantity had at earlier steps.
+fn judge(sides: &Sides<'_>, env: &Envelope, noise_so_far: f64) -> Verdict {
+    let (run_to_f64, worst) = max_distance(sides.run, sides.ref64);
+    let (raw_reference, _) = max_distance(sides.ref32, sides.ref64);
+    let reference_to_f64 = raw_reference.max(noise_so_far);
+    let scale = sides
+        .ref64
+        .iter()
+        .filter(|v| v.is_finite())
+        .fold(0.0f64, |m, v| m.max(v.abs()));
+    let floor = env.floor_ulps * F32_ROUNDOFF * scale;
+    let allowed = env.k * reference_to_f64 + floor;
+    let passed = run_to_f64 <= allowed;
+    let margin = if run_to_f64 == 0.0 {
+        0.0
+    } else if allowed == 0.0 {
+        f64::INFINITY
+    } else {
+        run_to_f64 / allowed
+    };
+    Verdict {
+        point: EnvelopePoint {
+            run_to_f64,
+            reference_to_f64,
+            floor,
+            margin,
+        },
+        raw_reference,
+        scale,
+        worst,
+        passed,
+    }
+}
+
+/// Where a quantity sits.
+struct Site<'a> {
+    quantity: Quantity,
+    step: Option<usize>,
+    tensor: Option<&'a str>,
+    dtype: DType,
+}
+
+/// Context shared by every quantity of one arbitration.
+struct Judging<'a, 'w> {
+    env: &'a Envelope,
+    /// Per quantity and tensor, the largest `d(ref32, ref64)` of the steps judged so far.
+    noise_so_far: HashMap<(Quantity, String), f64>,
+    first_failure: Option<FailurePoint>,
+    worst: Option<(String, EnvelopePoint)>,
+    log: ArbiterLog<'w>,
+    row: String,
+}
+
+impl Judging<'_, '_> {
+    fn observe(&mut self, stats: &mut Stats, sides: &Sides<'_>, site: &Site<'_>) -> Verdict {
+        let key = (site.quantity, site.tensor.unwrap_or_default().to_owned());
+        let so_far = match site.step {
+            Some(_) => self.noise_so_far.get(&key).copied().unwrap_or(0.0),
+            None => 0.0,
+        };
+        let v = judge(sides, self.env, so_far);
+        if site.step.is_some() {
+            self.noise_so_far.insert(key, v.point.reference_to_f64);
+        }
+        if self
+            .worst
+            .as_ref()
+            .is_none_or(|(_, w)| v.point.margin > w.margin)
+        {
+            let mut at = site.quantity.to_string();
+            if let Some(t) = site.tensor {
+                at.push_str(&format!(" `{t}`"));
+            }
+            match site.step {
+                Some(s) => at.push_str(&format!(" at step {s}")),
+                None => at.push_str(" after the last step"),
+            }
+            self.worst = Some((at, v.point));
+        }
+        let actual = sides.run.get(v.worst).copied().unwrap_or(f64::NAN);
+        let expected = sides.ref64.get(v.worst).copied().unwrap_or(f64::NAN);
+        let ulp = ulp_distance(actual, expected, site.dtype);
+        stats.compared += 1;
+        stats.max_abs_err = stats.max_abs_err.max(v.point.run_to_f64);
+        if expected != 0.0 && expected.is_finite() {
+            stats.max_rel_err = stats.max_rel_err.max(v.point.run_to_f64 / expected.abs());
+        }
+        stats.max_ulp = stats.max_ulp.max(ulp);
+        stats.margin = stats.margin.max(v.point.margin);
+        if !v.passed {
+            stats.passed = false;
+            let failure = FailurePoint {
+                quantity: site.quantity,
+                step: site.step,
+                tensor: site.tensor.map(str::to_owned),
+                index: site.tensor.map(|_| v.worst),
+                actual,
+                expected,
+                abs_err: v.point.run_to_f64,
+                allowed: Some(self.env.k * v.point.reference_to_f64 + v.point.floor),
+                ulp,
+                dtype: site.dtype,
+                envelope: Some(v.point),
+            };
+            if stats.first_failure.is_none() {
+                stats.first_failure = Some(failure.clone());
+            }
+            if self.first_failure.is_none() {
+                self.first_failure = Some(failure);
+            }
+        }
+        if let Some(log) = self.log.as_mut() {
+            // The log is a measurement aid: a failed write loses a line, never a verdict.
+            let _ = writeln!(
+                log,
+                "{},{},{},{},{:e},{:e},{:e},{}",
+                self.row,
+                site.step.map_or("final".to_owned(), |s| s.to_string()),
+                site.quantity,
+                site.tensor.unwrap_or(""),
+                v.point.run_to_f64,
+                v.raw_reference,
+                v.scale,
+                sides.run.len()
+            );
+        }
+        v
+    }
+}
+
+/// The tensors of `list` by name.
+fn by_name(list: &[NamedTensor]) -> HashMap<&str, &NamedTensor> {
+    list.iter().map(|t| (t.name.as_str(), t)).collect()
+}
+
+/// Judges every tensor of `ref64` present in all three lists; structural gaps (a tensor
+/// missing or misshaped in the run or in the fp32 reference) go to `structural`.
+fn judge_tensors(
+    judging: &mut Judging<'_, '_>,
+    lists: [&[NamedTensor]; 3],
+    at: (Quantity, Option<usize>, &str),
+    structural: &mut Vec<String>,
+    step_env: &mut StepEnvelope,
+) -> (Stats, Vec<ParamSummary>) {
+    let [run, ref32, ref64] = lists;
+    let (quantity, step, what) = at;
+    let (run, ref32) = (by_name(run), by_name(ref32));
+    let mut total = Stats::default();
+    let mut summaries = Vec::new();
+    for want in ref64 {
+        let name = want.name.as_str();
+        let (Some(have), Some(mid)) = (run.get(name), ref32.get(name)) else {
+            structural.push(format!("{what}: `{name}` is missing from the run"));
+            total.passed = false;
+            continue;
+        };
+        if have.values.len() != want.values.len() || mid.values.len() != want.values.len() {
+            structural.push(format!(
+                "{what}: `{name}` has shape {:?} in the run but {:?} in the reference",
+                have.shape, want.shape
+            ));
+            total.passed = false;
+            continue;
+        }
+        let mut stats = Stats::default();
+        let sides = Sides {
+            run: &have.values,
+            ref32: &mid.values,
+            ref64: &want.values,
+        };
+        let site = Site {
+            quantity,
+            step,
+            tensor: Some(name),
+            dtype: have.dtype,
+        };
+        let v = judging.observe(&mut stats, &sides, &site);
+        step_env.fold(&v.point, v.scale);
+        total.merge(&stats);
+        summaries.push(ParamSummary {
+            name: want.name.clone(),
+            dtype: have.dtype,
+            shape: want.shape.clone(),
+            stats,
+        });
+    }
+    let ref64_names: std::collections::HashSet<&str> =
+        ref64.iter().map(|t| t.name.as_str()).collect();
+    for name in run.keys() {
+        if !ref64_names.contains(name) {
+            structural.push(format!("{what}: `{name}` is in the run but not in the reference"));
+            total.passed = false;
+        }
+    }
+    (total, summaries)
+}
+
+/// Judges `run` by the fp64 arbiter: against `ref64` (the float64 shadow of `ref32`) with
+/// `ref32`'s own distance to it as the noise envelope, under `env` ([`ENVELOPE`] unless
+/// measuring). The result reads like any [`Comparison`] (mode [`Mode::Arbiter`]): errors are
+/// distances to float64, margins are distance over envelope, and the first failure names the
+/// step and tensor with both distances. `log` receives one line per judged quantity.
+pub fn arbitrate(
+    run: &RunRecord,
+    ref32: &RunRecord,
+    ref64: &RunRecord,
+    env: &Envelope,
+    log: ArbiterLog<'_>,
+) -> Comparison {
+    let mut structural = super::compare::structural_mismatches(run, ref32);
+    let mut judging = Judging {
+        env,
+        noise_so_far: HashMap::new(),
+        first_failure: None,
+        worst: None,
+        log,
+        row: format!(
+            "{},{},{}",
+            run.spec.model, run.spec.config, ref32.spec.config
+        ),
+    };
+    let mut losses = Stats::default();
+    let mut grad_norms = Stats::default();
+    let both_grads = match (&run.grads, &ref32.grads, &ref64.grads) {
+        (Some(a), Some(b), Some(c)) => Some((a, b, c)),
+        _ => None,
+    };
+    let mut grads_total = both_grads.map(|_| Stats::default());
+    let n_steps = ref64.losses.len();
+    let mut steps = Vec::with_capacity(n_steps);
+    for step in 0..n_steps {
+        let mut step_env = StepEnvelope {
+            run_to_f64: 0.0,
+            reference_to_f64: 0.0,
+            margin: 0.0,
+        };
+        let mut passed = true;
+        let mut scalar = |stats: &mut Stats,
+                          quantity: Quantity,
+                          series: [&Vec<f64>; 3],
+                          judging: &mut Judging<'_, '_>| {
+            let [a, b, c] = series;
+            let (Some(a), Some(b), Some(c)) = (a.get(step), b.get(step), c.get(step)) else {
+                passed = false;
+                return None;
+            };
+            let sides = Sides {
+                run: std::slice::from_ref(a),
+                ref32: std::slice::from_ref(b),
+                ref64: std::slice::from_ref(c),
+            };
+            let site = Site {
+                quantity,
+                step: Some(step),
+                tensor: None,
+                dtype: DType::F32,
+            };
+            let v = judging.observe(stats, &sides, &site);
+            step_env.fold(&v.point, v.scale);
+            passed &= v.passed;
+            Some(ScalarDiff {
+                run: *a,
+                reference: *c,
+                abs_err: v.point.run_to_f64,
+                rel_err: if *c != 0.0 {
+                    v.point.run_to_f64 / c.abs()
+                } else {
+                    0.0
+                },
+                ulp: ulp_distance(*a, *c, DType::F32),
+                margin: v.point.margin,
+                passed: v.passed,
+                envelope: Some(v.point),
+            })
+        };
+        let loss = scalar(
+            &mut losses,
+            Quantity::Loss,
+            [&run.losses, &ref32.losses, &ref64.losses],
+            &mut judging,
+        );
+        let grad_norm = scalar(
+            &mut grad_norms,
+            Quantity::GradNorm,
+            [&run.grad_norms, &ref32.grad_norms, &ref64.grad_norms],
+            &mut judging,
+        );
+        let grads = both_grads.and_then(|(a, b, c)| {
+            let (a, b, c) = (a.get(step)?, b.get(step)?, c.get(step)?);
+            let what = format!("gradients at step {step}");
+            let (stats, _) = judge_tensors(
+                &mut judging,
+                [a, b, c],
+                (Quantity::Grads, Some(step), &what),
+                &mut structural,
+                &mut step_env,
+            );
+            if let Some(total) = grads_total.as_mut() {
+                total.merge(&stats);
+            }
+            Some(stats)
+        });
+        passed &= grads.as_ref().is_none_or(|g| g.passed);
+        steps.push(StepComparison {
+            step,
+            loss,
+            grad_norm,
+            grads,
+            passed,
+            envelope: Some(step_env),
+        });
+    }
+    let state = |r: &RunRecord| -> Vec<NamedTensor> {
+        r.params.iter().chain(&r.buffers).cloned().collect()
+    };
+    let (run_state, ref32_state, ref64_state) = (state(run), state(ref32), state(ref64));
+    let mut final_env = StepEnvelope {
+        run_to_f64: 0.0,
+        reference_to_f64: 0.0,
+        margin: 0.0,
+    };
+    let (params, param_summaries) = judge_tensors(
+        &mut judging,
+        [&run_state, &ref32_state, &ref64_state],
+        (Quantity::Params, None, "final parameters and buffers"),
+        &mut structural,
+        &mut final_env,
+    );
+    let first_failure = judging.first_failure;
+    let worst = judging.worst;
+    let passed = structural.is_empty()
+        && losses.passed
+        && grad_norms.passed
+        && params.passed
+        && grads_total.as_ref().is_none_or(|g| g.passed);
+    let diagnosis = (!passed).then(|| {
+        let mut parts = Vec::new();
+        if !structural.is_empty() {
+            parts.push(format!("structural mismatch: {}", structural.join("; ")));
+        }
+        if let Some(f) = &first_failure {
+            parts.push(format!("first failure: {f}"));
+        }
+        parts.join(". ")
+    });
+    Comparison {
+        model: run.spec.model.clone(),
+        config: run.spec.config.clone(),
+        reference: ref32.spec.config.clone(),
+        run_spec: run.spec.clone(),
+        reference_spec: ref32.spec.clone(),
+        mode: Mode::Arbiter,
+        override_reason: None,
+        passed,
+        diagnosis,
+        structural,
+        first_failure,
+        losses,
+        grad_norms,
+        params,
+        grads: grads_total,
+        param_summaries,
+        steps,
+        memory: run.memory,
+        arbiter: Some(ArbiterSummary {
+            constants: *env,
+            worst_at: worst.as_ref().map_or_else(String::new, |(at, _)| at.clone()),
+            worst: worst.map_or(
+                EnvelopePoint {
+                    run_to_f64: 0.0,
+                    reference_to_f64: 0.0,
+                    floor: 0.0,
+                    margin: 0.0,
+                },
+                |(_, p)| p,
+            ),
+        }),
+    }
+}

@@ -1,0 +1,112 @@
+//! Discrete decisions (top-k routing) that the fp64 arbiter's shadow reference must take
+//! exactly as the fp32 reference took them.
+//!
+//! The arbiter measures rounding: how far the fp32 reference is from the same training in
+//! float64. A router whose two best experts are nearly tied may pick differently in float64,
+//! and the shadow would then measure a different training, not rounding. So the fp32
+//! reference runs under [`recording`], which keeps every choice, and its shadow runs under
+//! [`replaying`] that tape, which makes the same choices (gates are still computed in float64
+//! from the shadow's own probabilities). Outside both, [`topk`] is plain `topk`: parallel runs
+//! decide for themselves, and a near-tie that flips a choice there shows as a failure, which
+//! the tape's smallest gap ([`DecisionTape::min_gap`]) helps explain.
+
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use tch::{TchError, Tensor};
+
+/// The choices one run made, in the order it made them.
+#[derive(Debug, Default)]
+pub struct DecisionTape {
+    choices: VecDeque<Tensor>,
+    /// The smallest gap between the last chosen and the best unchosen probability over every
+    /// decision taken (`f64::INFINITY` when there were none or every expert was chosen).
+    pub min_gap: f64,
+    /// Whether a replay ran out of recorded choices (the runs took different paths).
+    pub exhausted: bool,
+}
+
+impl DecisionTape {
+    /// How many decisions are recorded.
+    pub fn len(&self) -> usize {
+        self.choices.len()
+    }
+
+    /// Whether no decision is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.choices.is_empty()
+    }
+}
+
+enum TapeMode {
+    Off,
+    Record(DecisionTape),
+    Replay(DecisionTape),
+}
+
+thread_local! {
+    static TAPE: RefCell<TapeMode> = const { RefCell::new(TapeMode::Off) };
+}
+
+/// Runs `f`, recording every [`topk`] decision it takes on this thread.
+pub fn recording<R>(f: impl FnOnce() -> R) -> (R, DecisionTape) {
+    let empty = DecisionTape {
+        min_gap: f64::INFINITY,
+        ..DecisionTape::default()
+    };
+    let previous = TAPE.with(|t| t.replace(TapeMode::Record(empty)));
+    let out = f();
+    let tape = match TAPE.with(|t| t.replace(previous)) {
+        TapeMode::Record(tape) => tape,
+        _ => DecisionTape::default(),
+    };
+    (out, tape)
+}
+
+/// Runs `f`, making every [`topk`] decision as `tape` recorded it; returns what is left of the
+/// tape (empty when both runs took the same number of decisions).
+pub fn replaying<R>(tape: DecisionTape, f: impl FnOnce() -> R) -> (R, DecisionTape) {
+    let previous = TAPE.with(|t| t.replace(TapeMode::Replay(tape)));
+    let out = f();
+    let rest = match TAPE.with(|t| t.replace(previous)) {
+        TapeMode::Replay(tape) => tape,
+        _ => DecisionTape::default(),
+    };
+    (out, rest)
+}
+
+/// The `k` largest of `probs` along the last dimension, highest first, with their indices
+/// (`topk(k, -1, largest, sorted)`), or the recorded choice under [`replaying`].
+pub fn topk(probs: &Tensor, k: i64) -> Result<(Tensor, Tensor), TchError> {
+    let replayed = TAPE.with(|t| match &mut *t.borrow_mut() {
+        TapeMode::Replay(tape) => match tape.choices.pop_front() {
+            Some(idx) => Some(Some(idx)),
+            None => {
+                tape.exhausted = true;
+                Some(None)
+            }
+        },
+        _ => None,
+    });
+    if let Some(Some(idx)) = replayed {
+        let idx = idx.f_to_device(probs.device())?;
+        return Ok((probs.f_gather(-1, &idx, false)?, idx));
+    }
+    let (top, idx) = probs.f_topk(k, -1, true, true)?;
+    TAPE.with(|t| -> Result<(), TchError> {
+        if let TapeMode::Record(tape) = &mut *t.borrow_mut() {
+            let experts = probs.size().last().copied().unwrap_or(0);
+            if k < experts {
+                let next = tch::no_grad(|| probs.f_topk(k + 1, -1, true, true))?.0;
+                let gap = next
+                    .f_narrow(-1, k - 1, 1)?
+                    .f_sub(&next.f_narrow(-1, k, 1)?)?
+                    .f_min()?
+                    .f_double_value(&[])?;
+                tape.min_gap = tape.min_gap.min(gap);
+            }
+            tape.choices.push_back(idx.f_detach_copy()?);
+        }
+        Ok(())
+    })?;
+    Ok((top, idx))
+}
