@@ -35,9 +35,7 @@ impl CommHook for ScaleOneElement {
                 let flat = bucket.buffer;
                 let worst = flat.abs().argmax(0, false).int64_value(&[]);
                 let v = flat.double_value(&[worst]);
-                let _ = flat
-                    .narrow(0, worst, 1)
-                    .fill_(v * (1.0 + self.epsilon));
+                let _ = flat.narrow(0, worst, 1).fill_(v * (1.0 + self.epsilon));
             }
         }
         dp.all_reduce(bucket.buffer, ReduceOp::Avg)
@@ -76,7 +74,10 @@ fn the_arbiter_catches_one_scaled_gradient_element(#[case] model: &str, #[case] 
         .world_sizes(&[2])
         .steps(5)
         .config("ddp");
-    let labels: Vec<String> = EPSILONS.iter().map(|e| format!("ddp.scaled.{e:e}")).collect();
+    let labels: Vec<String> = EPSILONS
+        .iter()
+        .map(|e| format!("ddp.scaled.{e:e}"))
+        .collect();
     for (label, &eps) in labels.iter().zip(&EPSILONS) {
         test = test.custom_config(label, faulty_ddp(eps));
     }
@@ -91,7 +92,11 @@ fn the_arbiter_catches_one_scaled_gradient_element(#[case] model: &str, #[case] 
             .map(|c| c.passed)
             .unwrap_or_else(|| panic!("no comparison for {row}:\n{}", outcome.summary()))
     };
-    assert!(verdict("ddp"), "plain DDP must pass:\n{}", outcome.summary());
+    assert!(
+        verdict("ddp"),
+        "plain DDP must pass:\n{}",
+        outcome.summary()
+    );
     let caught: Vec<f64> = labels
         .iter()
         .zip(&EPSILONS)
@@ -106,7 +111,10 @@ fn the_arbiter_catches_one_scaled_gradient_element(#[case] model: &str, #[case] 
         .copied()
         .filter(|&e| smallest.is_some_and(|s| e >= s))
         .collect();
-    assert_eq!(caught, expected, "{model}: detection is not monotone in epsilon");
+    assert_eq!(
+        caught, expected,
+        "{model}: detection is not monotone in epsilon"
+    );
     assert!(
         smallest.is_some_and(|s| s <= bound),
         "{model}: the arbiter caught epsilon >= {smallest:?} only; docs/parity.md records {bound:e}\n{}",

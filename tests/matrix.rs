@@ -85,7 +85,7 @@ fn small_matrix_passes_and_writes_every_report() {
             run.stdout
         );
     }
-    assert!(run.stdout.contains("matrix: 8 runs in "), "{}", run.stdout);
+    assert!(run.stdout.contains("matrix: 10 runs in "), "{}", run.stdout);
     assert!(!run.stdout.contains("FAIL"), "{}", run.stdout);
 
     for file in matrix::REPORT_FILES {
@@ -350,9 +350,12 @@ fn plan_selects_expands_and_counts_runs() {
     // the three, pp2_x_tp2 for gpt and gpt_moe (not gpt_dropout) and ep2_x_fsdp for gpt_moe;
     // their simpler configurations are selected already, so no extra reference runs.
     let compositions = (3 + 1) + (4 * 3 + 2 + 1);
+    // The float64 shadows: one per cell with a single-device reference (3 models × 2 worlds)
+    // and one per microbatched reference (3 models × 2 worlds).
+    let shadows = 3 * 2 + 3 * 2;
     assert_eq!(
         plan.run_count(),
-        2 * (3 * (8 + fsdp) + (6 + fsdp)) + pipelines + model_parallel + compositions
+        2 * (3 * (8 + fsdp) + (6 + fsdp)) + pipelines + model_parallel + compositions + shadows
     );
 
     let fsdp_only = matrix::plan(&MatrixOptions {
@@ -363,9 +366,9 @@ fn plan_selects_expands_and_counts_runs() {
     })
     .unwrap();
     assert_eq!(fsdp_only.configs, Config::fsdp());
-    // nested: 1 single + 1 ddp + 1 ddp.bf16 + 1 ddp.fp16 reference + every fsdp config; moe:
-    // the same without the single-device reference.
-    assert_eq!(fsdp_only.run_count(), (4 + fsdp) + (3 + fsdp));
+    // nested: 1 single and its float64 shadow + 1 ddp + 1 ddp.bf16 + 1 ddp.fp16 reference +
+    // every fsdp config; moe: the same without the single-device reference.
+    assert_eq!(fsdp_only.run_count(), (5 + fsdp) + (3 + fsdp));
 
     // At an odd world size hybrid shard launches nothing, and alone needs no references.
     let odd = |configs: &str| {
@@ -379,7 +382,7 @@ fn plan_selects_expands_and_counts_runs() {
         .run_count()
     };
     assert_eq!(odd("fsdp.hybrid_shard"), 0);
-    assert_eq!(odd("fsdp.*"), 4 + fsdp - 2);
+    assert_eq!(odd("fsdp.*"), 5 + fsdp - 2);
 
     let ddp_only = matrix::plan(&MatrixOptions {
         models: vec!["nested".into()],
@@ -388,8 +391,9 @@ fn plan_selects_expands_and_counts_runs() {
     })
     .unwrap();
     assert_eq!(ddp_only.world_sizes, [matrix::DEFAULT_WORLD_SIZE]);
-    // The single-device reference still runs once: ddp is compared against it.
-    assert_eq!(ddp_only.run_count(), 3);
+    // The single-device reference still runs once, with its float64 shadow: ddp is compared
+    // against it by the fp64 arbiter.
+    assert_eq!(ddp_only.run_count(), 4);
 
     // Mixed precision needs its own DDP reference once, and no single-device reference; a
     // selected `ddp.bf16` runs twice (its repeat), and serves the FSDP configs too.
@@ -403,17 +407,19 @@ fn plan_selects_expands_and_counts_runs() {
         .unwrap()
         .run_count()
     };
-    assert_eq!(count("nested", "fsdp.*.bf16"), 2 * (1 + 3));
-    assert_eq!(count("nested", "fsdp.*.fp16"), 2 * (1 + 1));
+    // (+1 per world: the single-device reference's float64 shadow, for the arbiter's rows
+    // against single; `ddp.bf16` alone has no such row.)
+    assert_eq!(count("nested", "fsdp.*.bf16"), 2 * (1 + 3 + 1));
+    assert_eq!(count("nested", "fsdp.*.fp16"), 2 * (1 + 1 + 1));
     assert_eq!(count("nested", "ddp.bf16"), 2 * 2);
     assert_eq!(
         count("nested", "ddp.bf16,fsdp.full_shard.bf16"),
-        2 * (2 + 1)
+        2 * (2 + 1 + 1)
     );
     assert_eq!(count("nested", "ddp.*"), 2 * (2 + 2));
     assert_eq!(
         count("nested", "fsdp.full_shard,fsdp.full_shard.bf16"),
-        2 * 5
+        2 * (5 + 1)
     );
     assert_eq!(count("moe", "fsdp.*.bf16"), 2 * (1 + 3));
     assert_eq!(count("moe", "ddp.bf16,fsdp.*.bf16"), 2 * (2 + 3));
@@ -618,11 +624,11 @@ fn fsdp_configs_match_ddp_bitwise_and_single_within_tolerance() {
     assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
     let n = FSDP_NAMES.len();
     let fp32 = n - MIXED_NAMES.len();
-    // Per model: one single-device, one DDP, one DDP-bf16 and one DDP-fp16 reference run,
-    // one launch per FSDP config.
+    // Per model: one single-device run and its float64 shadow, one DDP, one DDP-bf16 and one
+    // DDP-fp16 reference run, one launch per FSDP config.
     assert!(
         run.stderr
-            .contains(&format!("matrix: {} runs in ", 2 * (4 + n))),
+            .contains(&format!("matrix: {} runs in ", 2 * (5 + n))),
         "{}",
         run.stderr
     );
@@ -634,8 +640,9 @@ fn fsdp_configs_match_ddp_bitwise_and_single_within_tolerance() {
         .iter()
         .map(|c| (c.model.as_str(), c.config.as_str(), c.reference.as_str()))
         .collect();
-    // fp32 configs against ddp and single; mixed precision against DDP under its policy only.
-    let rows_per_model = 2 * fp32 + MIXED_NAMES.len();
+    // Every config against its DDP reference and against single (mixed precision by the fp64
+    // arbiter with its DDP reference's noise as the envelope).
+    let rows_per_model = 2 * fp32 + 2 * MIXED_NAMES.len();
     assert_eq!(keys.len(), 2 * rows_per_model, "{keys:?}");
     for model in ["nested", "mlp"] {
         for name in FSDP_NAMES {
@@ -643,11 +650,7 @@ fn fsdp_configs_match_ddp_bitwise_and_single_within_tolerance() {
             let mixed = MIXED_NAMES.iter().find(|(n, _)| *n == name);
             let ddp = format!("{}@2", mixed.map_or("ddp", |(_, r)| *r));
             assert!(keys.contains(&(model, &config, &ddp)), "{keys:?}");
-            assert_eq!(
-                keys.contains(&(model, &config, "single@2")),
-                mixed.is_none(),
-                "{keys:?}"
-            );
+            assert!(keys.contains(&(model, &config, "single@2")), "{keys:?}");
             assert!(
                 run.stderr.contains(&format!("{config} ")),
                 "no {config} row:\n{}",
@@ -740,8 +743,8 @@ fn hybrid_shard_runs_on_even_worlds_with_its_reason_and_skips_odd_ones() {
         ],
     );
     assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
-    // World 2 and 4: single + ddp + hybrid each; world 3: nothing runs.
-    assert!(run.stderr.contains("matrix: 6 runs in "), "{}", run.stderr);
+    // World 2 and 4: single, its float64 shadow, ddp and hybrid each; world 3: nothing runs.
+    assert!(run.stderr.contains("matrix: 8 runs in "), "{}", run.stderr);
     let rows: Vec<serde_json::Value> = run
         .stdout
         .lines()
@@ -844,15 +847,28 @@ fn mixed_precision_fsdp_matches_ddp_under_the_same_policy_bitwise() {
         ],
     );
     assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
-    // Per model: ddp.bf16 + ddp.fp16 + 3 FSDP launches.
-    assert!(run.stderr.contains("matrix: 15 runs in "), "{}", run.stderr);
-    assert!(!run.stderr.contains("single@2"), "{}", run.stderr);
-    let rows: Vec<serde_json::Value> = run
+    // Per model: ddp.bf16 + ddp.fp16 + 3 FSDP launches, and for nested (the one model here
+    // with a single-device reference) the float64 shadow of it (no fp32 single run: the
+    // envelope of a mixed-precision row is its DDP reference's noise).
+    assert!(run.stderr.contains("matrix: 16 runs in "), "{}", run.stderr);
+    let all_rows: Vec<serde_json::Value> = run
         .stdout
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
+    let (vs_single, rows): (Vec<_>, Vec<_>) =
+        all_rows.iter().partition(|r| r["reference"] == "single@2");
     assert_eq!(rows.len(), 3 * 3, "{rows:?}");
+    assert_eq!(vs_single.len(), 3 * 3, "{vs_single:?}");
+    for row in &vs_single {
+        if row["model"] == "nested" {
+            assert_eq!(row["status"], "pass", "{row}");
+            assert_eq!(row["mode"], "arbiter", "{row}");
+        } else {
+            // BatchNorm statistics and a per-rank expert: no single-device reference.
+            assert_eq!(row["status"], "skip", "{row}");
+        }
+    }
     for row in &rows {
         let config = row["config"].as_str().unwrap();
         let reference = if config.contains(".fp16@") {
@@ -874,8 +890,12 @@ fn mixed_precision_fsdp_matches_ddp_under_the_same_policy_bitwise() {
     );
     let report = read_json(&scratch.0.join("report.json")).unwrap();
     assert!(report.passed());
-    assert_eq!(report.comparisons.len(), 3 * 3);
-    for c in &report.comparisons {
+    assert_eq!(report.comparisons.len(), 3 * 3 + 3);
+    for c in report
+        .comparisons
+        .iter()
+        .filter(|c| c.reference != "single@2")
+    {
         let label = if c.config.contains(".fp16@") {
             "fp16"
         } else {
@@ -1372,7 +1392,7 @@ fn composition_rows_pass_against_single_and_their_simpler_configuration() {
     };
     for (config, simpler, mode) in [
         ("fsdp_x_tp2@4", "tp.2@4", "bitwise"),
-        ("hsdp_x_tp2@4", "tp.2@4", "tolerance"),
+        ("hsdp_x_tp2@4", "tp.2@4", "arbiter"),
         ("pp2_x_fsdp@4", "pp2_x_dp@4", "bitwise"),
         ("ep2_x_fsdp@4", "ep.2@4", "bitwise"),
     ] {

@@ -598,6 +598,10 @@ impl Config {
     /// is over fp32 values.
     pub fn policy(self, reference: Config, world_size: usize) -> Result<TolerancePolicy, String> {
         match (self, reference) {
+            (Config::DdpMixed(_), Config::Single) => Err(format!(
+                "{} is not compared with single: {MIXED_VS_SINGLE_REASON}",
+                self.name()
+            )),
             (_, Config::Single) if self.precision().is_some() => {
                 Ok(TolerancePolicy::dtype_table(match self.precision() {
                     Some(Precision::Fp16) => DType::F16,

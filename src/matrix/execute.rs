@@ -66,15 +66,19 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
     tch::set_num_threads(1);
     let started = Instant::now();
     // A measurement aid: a log that cannot be created is reported and the matrix goes on.
-    let mut arbiter_log = plan.arbiter_log.as_ref().and_then(|path| {
-        match std::fs::File::create(path) {
-            Ok(f) => Some(std::io::BufWriter::new(f)),
-            Err(e) => {
-                eprintln!("lockstep: cannot write the arbiter log {}: {e}", path.display());
-                None
-            }
-        }
-    });
+    let mut arbiter_log =
+        plan.arbiter_log
+            .as_ref()
+            .and_then(|path| match std::fs::File::create(path) {
+                Ok(f) => Some(std::io::BufWriter::new(f)),
+                Err(e) => {
+                    eprintln!(
+                        "lockstep: cannot write the arbiter log {}: {e}",
+                        path.display()
+                    );
+                    None
+                }
+            });
     let mut progress = Progress {
         bar,
         done: 0,
@@ -220,10 +224,9 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                     world,
                     blocker: blocker.as_deref(),
                 };
-                let (r, c) =
-                    judge_row(&cell, config, reference_name, judge, skip, run, {
-                        arbiter_log.as_mut().map(|w| w as &mut dyn std::io::Write)
-                    });
+                let (r, c) = judge_row(&cell, config, reference_name, judge, skip, run, {
+                    arbiter_log.as_mut().map(|w| w as &mut dyn std::io::Write)
+                });
                 result.comparisons.extend(c);
                 result.rows.push(r);
             };
@@ -235,17 +238,15 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                     .and_then(|(_, runs)| runs.get(i))
             };
             // A row against a configuration reference under its tolerance policy.
-            let policy_against = |config: Config, reference: Config, against| {
-                Judge::Policy {
-                    policy: with_backend_override(
-                        config.policy(reference, world),
-                        config,
-                        reference,
-                        world,
-                        plan.backend,
-                    ),
-                    against,
-                }
+            let policy_against = |config: Config, reference: Config, against| Judge::Policy {
+                policy: with_backend_override(
+                    config.policy(reference, world),
+                    config,
+                    reference,
+                    world,
+                    plan.backend,
+                ),
+                against,
             };
             // A row judged by the fp64 arbiter around the single-device reference: with
             // the reference's own noise, or (mixed precision) the run's own DDP reference's.
@@ -259,12 +260,24 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                 match config {
                     Config::Single | Config::DdpMixed(_) => {
                         let judge = policy_against(config, config, reference(config, 1));
-                        row(config, config.at(world), judge, world_skip, reference(config, 0));
+                        row(
+                            config,
+                            config.at(world),
+                            judge,
+                            world_skip,
+                            reference(config, 0),
+                        );
                     }
                     Config::Ddp => {
                         let ddp = reference(Config::Ddp, 0);
                         let judge = arbiter_single(single_ref);
-                        row(config, Config::Single.at(world), judge, world_skip.clone(), ddp);
+                        row(
+                            config,
+                            Config::Single.at(world),
+                            judge,
+                            world_skip.clone(),
+                            ddp,
+                        );
                         let judge = policy_against(config, config, reference(Config::Ddp, 1));
                         row(config, config.at(world), judge, world_skip, ddp);
                     }
@@ -312,18 +325,28 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                             let judge = match config.policy(simpler, world) {
                                 // Not bitwise by the math: the arbiter, with the simpler
                                 // configuration's own noise as the envelope.
-                                Ok(p) if p.override_for(&config.at(world)).is_some()
-                                    && single_f64.is_some() =>
+                                Ok(p)
+                                    if p.override_for(&config.at(world)).is_some()
+                                        && single_f64.is_some() =>
                                 {
                                     arbiter_single(against)
                                 }
                                 _ => policy_against(config, simpler, against),
                             };
-                            let skip = world_skip.clone().or_else(|| blocked.clone()).or(simpler_blocked);
+                            let skip = world_skip
+                                .clone()
+                                .or_else(|| blocked.clone())
+                                .or(simpler_blocked);
                             row(config, simpler.at(world), judge, skip, run);
                         }
                         let skip = world_skip.or(blocked);
-                        row(config, Config::Single.at(world), arbiter_single(single_ref), skip, run);
+                        row(
+                            config,
+                            Config::Single.at(world),
+                            arbiter_single(single_ref),
+                            skip,
+                            run,
+                        );
                     }
                     Config::Pipeline(id) => {
                         let run = pipelines.iter().find(|(c, _)| *c == config).map(|(_, r)| r);
@@ -332,7 +355,13 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                             Some(Err(reason)) => Some(reason.clone()),
                             _ => None,
                         });
-                        row(config, Config::Single.at(world), arbiter_single(single_ref), skip.clone(), run);
+                        row(
+                            config,
+                            Config::Single.at(world),
+                            arbiter_single(single_ref),
+                            skip.clone(),
+                            run,
+                        );
                         match planned {
                             Some(Ok(p)) if p.data_parallel == 1 => {
                                 let mb = microbatched
@@ -361,7 +390,13 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                                     policy: Ok(TolerancePolicy::bitwise(DType::F32)),
                                     against: None,
                                 };
-                                row(config, format!("{}@{world}", microbatched_name(id_m)), judge, skip, None);
+                                row(
+                                    config,
+                                    format!("{}@{world}", microbatched_name(id_m)),
+                                    judge,
+                                    skip,
+                                    None,
+                                );
                             }
                         }
                     }

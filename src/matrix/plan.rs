@@ -225,10 +225,10 @@ impl Plan {
     /// references themselves), on models that have a single-device reference.
     pub(super) fn needs_f64(&self, model: usize, world_size: usize) -> bool {
         self.blockers[model].is_none()
-            && self
-                .configs
-                .iter()
-                .any(|c| !matches!(c, Config::Single | Config::DdpMixed(_)) && c.world_blocker(world_size).is_none())
+            && self.configs.iter().any(|c| {
+                !matches!(c, Config::Single | Config::DdpMixed(_))
+                    && c.world_blocker(world_size).is_none()
+            })
     }
 
     pub(super) fn runs_per_cell(&self, model: usize, world_size: usize) -> Vec<(Config, usize)> {

@@ -39,7 +39,9 @@ use crate::runner::{self, ModelBuilder, RunFailed, RunSettings, TrainFn};
 use lockstep_core::comm::DType;
 use lockstep_core::record::RunRecord;
 use lockstep_core::train::{OptimizerConfig, TrainConfig};
-use lockstep_harness::parity::{arbitrate, compare, Override, Tolerance, TolerancePolicy, ENVELOPE};
+use lockstep_harness::parity::{
+    arbitrate, compare, Override, Tolerance, TolerancePolicy, ENVELOPE,
+};
 use lockstep_harness::report::{self, Report, RunError};
 use lockstep_harness::RankCtx;
 use lockstep_models::{zoo, Model, ModelError};
@@ -307,7 +309,11 @@ impl<'a> ParityTest<'a> {
             let envelopes: Vec<&str> = self
                 .configs
                 .iter()
-                .flat_map(|c| references.iter().filter_map(|r| self.arbiter_envelope(c, r)))
+                .flat_map(|c| {
+                    references
+                        .iter()
+                        .filter_map(|r| self.arbiter_envelope(c, r))
+                })
                 .collect();
             let wanted = references
                 .iter()
@@ -335,7 +341,9 @@ impl<'a> ParityTest<'a> {
                         }
                         None => policies
                             .get(&(run_name, ref_name, world))
-                            .and_then(|policy| Some((records.get(run_name)?, records.get(ref_name)?, policy)))
+                            .and_then(|policy| {
+                                Some((records.get(run_name)?, records.get(ref_name)?, policy))
+                            })
                             .map(|(run, against, policy)| match (run, against) {
                                 (Ok(run), Ok(against)) => Ok(compare(run, against, policy)),
                                 (Err(e), _) | (_, Err(e)) => Err(e.clone()),
@@ -494,14 +502,23 @@ impl<'a> ParityTest<'a> {
     /// noise is its envelope: the single-device reference's (`single`), or for a mixed-
     /// precision configuration its DDP reference under the same policy (`ddp.bf16`). Only
     /// against `single`, and only where the test set no policy or override of its own.
-    fn arbiter_envelope(&self, config: &TestConfig<'_>, reference: &Reference) -> Option<&'static str> {
+    fn arbiter_envelope(
+        &self,
+        config: &TestConfig<'_>,
+        reference: &Reference,
+    ) -> Option<&'static str> {
         if *reference != Reference::Single
             || self.policy.is_some()
-            || self.overrides.iter().any(|(name, _, _)| name == config.name())
+            || self
+                .overrides
+                .iter()
+                .any(|(name, _, _)| name == config.name())
         {
             return None;
         }
         match config {
+            // DDP under a policy is the envelope itself: refused against single by its policy.
+            TestConfig::Builtin(Config::DdpMixed(_)) => None,
             TestConfig::Builtin(c) => match c.precision() {
                 Some(p) => Some(p.ddp_name()),
                 None => Some("single"),
@@ -535,8 +552,9 @@ impl<'a> ParityTest<'a> {
                     "the fp64 arbiter could not run ({}): judged under the fp32 table",
                     e.line
                 );
-                let policy = Override::new(Tolerance::for_dtype(DType::F32), &reason)
-                    .map(|ov| TolerancePolicy::dtype_table(DType::F32).with_override(&run.spec.config, ov));
+                let policy = Override::new(Tolerance::for_dtype(DType::F32), &reason).map(|ov| {
+                    TolerancePolicy::dtype_table(DType::F32).with_override(&run.spec.config, ov)
+                });
                 match policy {
                     Ok(policy) => Some(Ok(compare(run, fp32, &policy))),
                     Err(e) => Some(Err(RunFailed::simple(e.to_string()))),

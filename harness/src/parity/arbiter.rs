@@ -333,7 +333,9 @@ fn judge_tensors(
         ref64.iter().map(|t| t.name.as_str()).collect();
     for name in run.keys() {
         if !ref64_names.contains(name) {
-            structural.push(format!("{what}: `{name}` is in the run but not in the reference"));
+            structural.push(format!(
+                "{what}: `{name}` is in the run but not in the reference"
+            ));
             total.passed = false;
         }
     }
@@ -491,7 +493,9 @@ pub fn arbitrate(
     Comparison {
         model: run.spec.model.clone(),
         config: run.spec.config.clone(),
-        reference: ref32.spec.config.clone(),
+        // The row is against the training the shadow stands for (`single@4`), whichever fp32
+        // run gave the envelope (a mixed-precision row's is its DDP reference).
+        reference: ref64.spec.config.replace(".f64@", "@"),
         run_spec: run.spec.clone(),
         reference_spec: ref32.spec.clone(),
         mode: Mode::Arbiter,
@@ -509,7 +513,9 @@ pub fn arbitrate(
         memory: run.memory,
         arbiter: Some(ArbiterSummary {
             constants: *env,
-            worst_at: worst.as_ref().map_or_else(String::new, |(at, _)| at.clone()),
+            worst_at: worst
+                .as_ref()
+                .map_or_else(String::new, |(at, _)| at.clone()),
             worst: worst.map_or(
                 EnvelopePoint {
                     run_to_f64: 0.0,

@@ -42,7 +42,9 @@ mod arbiter;
 mod compare;
 mod tolerance;
 
-pub use arbiter::{arbitrate, ArbiterLog, ArbiterSummary, Envelope, EnvelopePoint, StepEnvelope, ENVELOPE};
+pub use arbiter::{
+    arbitrate, ArbiterLog, ArbiterSummary, Envelope, EnvelopePoint, StepEnvelope, ENVELOPE,
+};
 
 pub use compare::{
     compare, Comparison, FailurePoint, ParamSummary, ScalarDiff, Stats, StepComparison,

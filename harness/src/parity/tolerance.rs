@@ -90,7 +90,8 @@ pub fn looser_dtype(a: DType, b: DType) -> DType {
 pub enum Mode {
     /// `|a − b| ≤ atol + rtol·|b|` with the dtype table (or an override).
     Tolerance,
-    /// Every value identical bit for bit (a signed zero or a NaN payload counts): for
+    /// Every value identical bit for bit (a signed zero counts; NaNs are equal whatever their
+    /// payload, which the CPU chooses): for
     /// configurations promised to be deterministic against their reference.
     Bitwise,
     /// The fp64 arbiter ([`arbitrate`](super::arbitrate)): each quantity's distance to a

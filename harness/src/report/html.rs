@@ -318,17 +318,21 @@ fn error_plot(title: &str, steps: &[&StepRow]) -> String {
 /// largest distance to the float64 shadow (relative to each tensor's magnitude), on a log
 /// scale: a correct run's line follows the reference's, a fault stands above it.
 fn envelope_plot(title: &str, steps: &[&StepRow]) -> String {
-    let series_of = |label: &str, color: &'static str, dashed, pick: fn(&StepEnvelope) -> f64| {
-        Series {
+    let series_of =
+        |label: &str, color: &'static str, dashed, pick: fn(&StepEnvelope) -> f64| Series {
             label: label.into(),
             color,
             dashed,
             points: steps
                 .iter()
-                .filter_map(|s| s.step.envelope.as_ref().map(|e| (s.step.step as f64, pick(e))))
+                .filter_map(|s| {
+                    s.step
+                        .envelope
+                        .as_ref()
+                        .map(|e| (s.step.step as f64, pick(e)))
+                })
                 .collect(),
-        }
-    };
+        };
     let series = vec![
         series_of("run to fp64", "#d62728", false, |e| e.run_to_f64),
         series_of("fp32 ref to fp64", "#1f77b4", true, |e| e.reference_to_f64),
@@ -449,7 +453,10 @@ pub fn render_html(report: &Report) -> String {
         let steps: Vec<&StepRow> = report.steps_of(c).collect();
         out.push_str(&loss_plot(&format!("loss: {name}"), &steps));
         if c.arbiter.is_some() {
-            out.push_str(&envelope_plot(&format!("distance to fp64 per step: {name}"), &steps));
+            out.push_str(&envelope_plot(
+                &format!("distance to fp64 per step: {name}"),
+                &steps,
+            ));
         } else {
             out.push_str(&error_plot(&format!("error per step: {name}"), &steps));
         }
