@@ -1498,3 +1498,44 @@ fn nccl_refuses_configurations_that_run_on_the_cpu_only() {
     })
     .is_ok());
 }
+
+/// The verdict does not change with the machine: a representative slice of the matrix (the
+/// models whose rounding compounds most, each kind of parallelism) over 20 steps passes with
+/// libtorch's kernels switched to AVX2 and to its portable default, as it does on this
+/// machine's own (the fp64 arbiter's envelope moves with each machine's rounding;
+/// docs/parity.md). The run is a dev-profile binary, so the slice is kept small.
+#[rstest::rstest]
+#[case::avx2("avx2")]
+#[case::portable("default")]
+fn the_slice_passes_on_other_cpu_kernels_over_20_steps(#[case] capability: &str) {
+    let scratch = Scratch::new(&format!("capability_{capability}"));
+    let out = Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .env("ATEN_CPU_CAPABILITY", capability)
+        .args([
+            "matrix",
+            "--out",
+            scratch.0.to_str().unwrap(),
+            "--models",
+            "nested,transformer,gpt_moe",
+            "--configs",
+            "ddp,fsdp.full_shard,fsdp.hybrid_shard,tp.2,ep.2,pp.1f1b,pp.interleaved_1f1b,fsdp_x_tp2",
+            "--world-size",
+            "2,4",
+            "--steps",
+            "20",
+            "--seed",
+            "1",
+        ])
+        .output()
+        .expect("run the lockstep binary");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!stdout.contains("FAIL"), "{stdout}");
+    let report = std::fs::read_to_string(scratch.0.join("report.json")).unwrap();
+    assert!(report.contains("\"mode\": \"arbiter\""), "no arbiter row");
+}

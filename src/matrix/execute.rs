@@ -465,6 +465,7 @@ fn judge_row(
         memory: run.and_then(|r| r.as_ref().ok()).and_then(|r| r.memory),
         note: None,
         details: None,
+        arbiter: None,
         timed_out: false,
     };
     if let Some(reason) = skip {
@@ -517,6 +518,7 @@ fn judge_row(
     r.max_abs_err = Some(overall.max_abs_err);
     r.max_ulp = Some(overall.max_ulp);
     r.margin = Some(overall.margin);
+    r.arbiter.clone_from(&c.arbiter);
     let found = match (&c.first_failure, c.structural.first()) {
         (Some(f), _) => Some(short_failure(f)),
         (None, Some(s)) => Some(s.clone()),

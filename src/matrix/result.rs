@@ -40,7 +40,8 @@ pub struct Row {
     pub world_size: usize,
     /// Verdict.
     pub status: RowStatus,
-    /// `tolerance` or `bitwise`.
+    /// `bitwise`, `arbiter` (the fp64 arbiter) or `tolerance` (a table with a reasoned
+    /// override).
     pub mode: &'static str,
     /// Largest absolute error over every compared quantity.
     #[serde(with = "report::num::opt")]
@@ -62,6 +63,10 @@ pub struct Row {
     /// diagnosis).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub details: Option<String>,
+    /// For `arbiter` rows: the constants and the quantity that came closest to its envelope,
+    /// with the run's and the fp32 reference's distances to float64 there.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub arbiter: Option<lockstep_harness::parity::ArbiterSummary>,
     /// For `Error` rows: whether the run failed by outliving its timeout (a hang).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub timed_out: bool,
