@@ -9,6 +9,7 @@
 
 mod device;
 mod error;
+pub mod functional;
 mod layers;
 pub mod model;
 pub mod seed;
