@@ -322,23 +322,26 @@ def batches_of(tensors, step, rank):
 
 
 def train(directory):
-    """For every `<model>.init.safetensors` (Lockstep's initial state) with its
-    `<model>.batches.safetensors` (`<step>.<rank>.input.<k>`, `<step>.<rank>.target`, and
-    `steps`, `world_size`), trains the twin as Lockstep's single-device reference does and
-    writes `<model>.trained.safetensors`: `losses` (float32, one per step) and every
-    parameter after the last step, under the state dict's names."""
+    """For every `<run>.init.safetensors` (Lockstep's initial state; `<run>` is a model name,
+    optionally `+adam`) with its `<run>.batches.safetensors` (`<step>.<rank>.input.<k>`,
+    `<step>.<rank>.target`, `steps`, `world_size`, and `adam_lr` for an Adam run), trains
+    the twin as Lockstep's single-device reference does and writes
+    `<run>.trained.safetensors`: `losses` (float32, one per step) and every parameter after
+    the last step, under the state dict's names. The optimizer is `torch.optim.SGD(lr=0.01,
+    momentum=0.9)` (Lockstep's default), or `torch.optim.Adam(lr=adam_lr)` with its default
+    betas and eps; both take their single-tensor path on CPU."""
     torch.set_num_threads(1)
-    for name, make in TWINS.items():
-        init = Path(directory) / f"{name}.init.safetensors"
-        if not init.exists():
-            continue
-        twin = make()
-        state = read_safetensors(init)
-        twin.load_state_dict(state, strict=True)
+    for init in sorted(Path(directory).glob("*.init.safetensors")):
+        run = init.name[: -len(".init.safetensors")]
+        twin = TWINS[run.split("+")[0]]()
+        twin.load_state_dict(read_safetensors(init), strict=True)
         twin.train()
-        data = read_safetensors(Path(directory) / f"{name}.batches.safetensors")
+        data = read_safetensors(Path(directory) / f"{run}.batches.safetensors")
         steps, world = int(data["steps"]), int(data["world_size"])
-        opt = torch.optim.SGD(twin.parameters(), lr=0.01, momentum=0.9)
+        if "adam_lr" in data:
+            opt = torch.optim.Adam(twin.parameters(), lr=float(data["adam_lr"]))
+        else:
+            opt = torch.optim.SGD(twin.parameters(), lr=0.01, momentum=0.9)
         losses = []
         for step in range(steps):
             opt.zero_grad()
@@ -351,8 +354,8 @@ def train(directory):
             opt.step()
         out = {"losses": torch.stack(losses)}
         out.update((k, p.detach()) for k, p in twin.named_parameters())
-        write_safetensors(Path(directory) / f"{name}.trained.safetensors", out)
-        print(f"{name}: trained {steps} steps")
+        write_safetensors(Path(directory) / f"{run}.trained.safetensors", out)
+        print(f"{run}: trained {steps} steps")
 
 
 def _ce_rank(rank, world, directory, store_path):

@@ -1,6 +1,7 @@
 //! Lockstep's references are PyTorch's arithmetic, bit for bit: the single-device reference
 //! of `nested`, `mlp`, `transformer`, `gpt` and `gpt_moe` (world size 2, 5 steps, SGD with
-//! momentum, one thread) ends with exactly the losses and parameters PyTorch 2.13's twins
+//! momentum, one thread; `mlp` and `gpt` with Adam too) ends with exactly the per-step
+//! losses and the parameters PyTorch 2.13's twins
 //! (`examples/pytorch_twins.py train`) reach from the same state and batches, and the
 //! vocabulary-parallel cross-entropy's loss and gradient are exactly those of PyTorch's own
 //! `loss_parallel` on the same shards (`examples/pytorch_twins.py ce`, gloo ranks).
@@ -101,12 +102,24 @@ fn bit_difference(got: &Tensor, want: &Tensor) -> Option<String> {
     Some(format!("differs, max |diff| {diff:e}"))
 }
 
-/// Writes `name`'s initial state and every batch the reference trains on to `dir`, then trains
-/// the reference; returns its losses and the trained model's parameters.
-fn lockstep_side(name: &str, dir: &Path) -> Result<(Vec<f64>, Vec<(String, Tensor)>)> {
+/// A trained reference: its per-step losses and its parameters after the last step.
+type Trained = (Vec<f64>, Vec<(String, Tensor)>);
+
+/// The Adam runs' learning rate (PyTorch's default betas and eps).
+const ADAM_LR: f64 = 0.01;
+
+/// Writes `name`'s initial state and every batch the reference trains on to `dir` under the
+/// run's name (`name`, or `name+adam` with `adam`), then trains the reference; returns its
+/// losses and the trained model's parameters.
+fn lockstep_side(name: &str, adam: bool, dir: &Path) -> Result<Trained> {
     let model = zoo::build(name, SEED, 0)?;
+    let run = if adam {
+        format!("{name}+adam")
+    } else {
+        name.to_owned()
+    };
     save_model_state(
-        &dir.join(format!("{name}.init.safetensors")),
+        &dir.join(format!("{run}.init.safetensors")),
         &model_state_dict(model.as_ref()),
         name,
         0,
@@ -116,6 +129,12 @@ fn lockstep_side(name: &str, dir: &Path) -> Result<(Vec<f64>, Vec<(String, Tenso
         ("steps".to_owned(), Tensor::from(STEPS as i64)),
         ("world_size".to_owned(), Tensor::from(WORLD as i64)),
     ];
+    let optimizer = if adam {
+        batches.push(("adam_lr".to_owned(), Tensor::from(ADAM_LR)));
+        OptimizerConfig::adam(ADAM_LR)
+    } else {
+        OptimizerConfig::default()
+    };
     for step in 0..STEPS {
         for rank in 0..WORLD {
             let batch = model.input(rank, step)?;
@@ -127,14 +146,8 @@ fn lockstep_side(name: &str, dir: &Path) -> Result<(Vec<f64>, Vec<(String, Tenso
             }
         }
     }
-    Tensor::write_safetensors(&batches, dir.join(format!("{name}.batches.safetensors")))?;
-    let record = single_device_reference(
-        model.as_ref(),
-        WORLD,
-        STEPS,
-        OptimizerConfig::default(),
-        false,
-    )?;
+    Tensor::write_safetensors(&batches, dir.join(format!("{run}.batches.safetensors")))?;
+    let record = single_device_reference(model.as_ref(), WORLD, STEPS, optimizer, false)?;
     Ok((record.losses, model.named_parameters()))
 }
 
@@ -150,9 +163,19 @@ fn single_device_reference_is_pytorchs_arithmetic() -> Result<()> {
     let dir = std::env::temp_dir().join(format!("lockstep-twins-train-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
+    // Every model with SGD (Lockstep's default), and two with Adam.
+    let runs = MODELS
+        .iter()
+        .map(|m| (*m, false))
+        .chain([("mlp", true), ("gpt", true)]);
     let mut ours = Vec::new();
-    for name in MODELS {
-        ours.push((name, lockstep_side(name, &dir)?));
+    for (name, adam) in runs {
+        let run = if adam {
+            format!("{name}+adam")
+        } else {
+            name.to_owned()
+        };
+        ours.push((run, lockstep_side(name, adam, &dir)?));
     }
     twins(&python, &site, "train", &dir)?;
 
