@@ -7,15 +7,25 @@ here by hand. Used by tests/run_cli.rs when a Python with torch is available:
 
     python3 examples/pytorch_twins.py check DIR   # strict-load DIR/<model>.lockstep.safetensors
     python3 examples/pytorch_twins.py write DIR   # write DIR/<model>.torch.safetensors
+    python3 examples/pytorch_twins.py train DIR   # DIR/<model>.init + .batches -> .trained
+    python3 examples/pytorch_twins.py ce DIR      # DIR/ce.inputs -> DIR/ce.torch.<rank>
+
+`train` is the proof that Lockstep's single-device reference is PyTorch's arithmetic
+(tests/pytorch_twins.rs): from Lockstep's initial state and Lockstep's batches it trains each
+twin with `torch.optim.SGD(lr=0.01, momentum=0.9)` on one thread, the objective being what
+Lockstep's reference computes (each rank's loss in rank order, summed, divided by the world
+size), and writes the per-step losses and the final parameters for a bitwise comparison.
 """
 
 import json
+import math
 import struct
 import sys
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 
 # --- the twins ---------------------------------------------------------------------------
@@ -35,6 +45,10 @@ class NestedWrappedModule(nn.Module):
 
     def forward(self, x):
         return self.module(x)
+
+    def loss(self, batch):
+        (x,), _ = batch
+        return self(x).sum()
 
 
 class MixtureOfExperts(nn.Module):
@@ -65,6 +79,10 @@ class MlpStack(nn.Module):
     def forward(self, x):
         return self.layers(x)
 
+    def loss(self, batch):
+        (x,), target = batch
+        return F.mse_loss(self(x), target, reduction="sum")
+
 
 class TransformerWithSharedParams(nn.Module):
     """`transformer` (and `transformer_bn` with batch_norm=True): the output projection's
@@ -83,6 +101,21 @@ class TransformerWithSharedParams(nn.Module):
         self.register_buffer("long_buffer", torch.zeros(16, dtype=torch.long))
         self.bn = nn.BatchNorm1d(2) if batch_norm else nn.Identity()
 
+    def forward(self, src_ids, tgt_ids):
+        """PyTorch's `TransformerWithSharedParams.forward` (FSDP's test models)."""
+        src = self.embed_tokens(src_ids)
+        src = src + self.vocab_bias + self.long_buffer.type_as(src)
+        tgt = self.embed_tokens(tgt_ids)
+        tgt = self.bn(tgt)
+        x = self.transformer(src, tgt)
+        return self.output_proj(x)
+
+    def loss(self, batch):
+        """PyTorch's `get_loss`: cross-entropy summed over the target tokens."""
+        (src, tgt), _ = batch
+        output = self(src, tgt)
+        return F.cross_entropy(output.view(-1, output.size(-1)), tgt.view(-1), reduction="sum")
+
 
 class FeedForward(nn.Module):
     """`w2(gelu(w1(x)))`: the dense feed-forward and each expert."""
@@ -92,14 +125,32 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden)
         self.w2 = nn.Linear(hidden, dim)
 
+    def forward(self, x):
+        return self.w2(F.gelu(self.w1(x)))
+
 
 class Attention(nn.Module):
-    def __init__(self, dim):
+    def __init__(self, dim, heads=4):
         super().__init__()
         self.wq = nn.Linear(dim, dim)
         self.wk = nn.Linear(dim, dim)
         self.wv = nn.Linear(dim, dim)
         self.wo = nn.Linear(dim, dim)
+        self.heads = heads
+
+    def forward(self, x):
+        """Causal attention written out (nanoGPT's non-flash path): scores scaled after
+        the product, the future masked with -inf, softmax, weighted sum of values."""
+        b, t, dim = x.shape
+        hd = dim // self.heads
+        q = self.wq(x).view(b, t, self.heads, hd).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.heads, hd).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.heads, hd).transpose(1, 2)
+        future = torch.ones(t, t, dtype=torch.bool).triu(1)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+        probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+        out = (probs @ v).transpose(1, 2).contiguous().view(b, t, dim)
+        return self.wo(out)
 
 
 class MoE(nn.Module):
@@ -109,6 +160,18 @@ class MoE(nn.Module):
         super().__init__()
         self.router = nn.Linear(dim, experts, bias=False)
         self.experts = nn.ModuleList(FeedForward(dim, hidden) for _ in range(experts))
+
+    def forward(self, x, top_k=2):
+        """Dense top-k mixture: every expert runs on every token and is weighted by its gate
+        (0 unless chosen), experts summed in index order."""
+        probs = self.router(x).softmax(-1)
+        top, idx = probs.topk(top_k, -1)
+        top = top / top.sum(-1, keepdim=True)
+        gates = torch.zeros_like(probs).scatter(-1, idx, top)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out = out + expert(x) * gates.narrow(-1, e, 1)
+        return out
 
 
 class Block(nn.Module):
@@ -124,6 +187,11 @@ class Block(nn.Module):
         else:
             self.feed_forward = FeedForward(dim, 4 * dim)
 
+    def forward(self, h):
+        h = h + self.attention(self.attention_norm(h))
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
 
 class Gpt(nn.Module):
     """`gpt`, `gpt_moe` (moe=True) and `gpt_dropout` (same tree, dropout 0.1): vocab 8,
@@ -137,6 +205,19 @@ class Gpt(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
         self.output.weight = self.tok_embeddings.weight
+        self.vocab = vocab
+
+    def forward(self, tokens):
+        t = tokens.size(1)
+        h = self.tok_embeddings(tokens) + self.pos_embeddings(torch.arange(t))
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+    def loss(self, batch):
+        (tokens,), target = batch
+        output = self(tokens)
+        return F.cross_entropy(output.view(-1, self.vocab), target.reshape(-1))
 
 
 TWINS = {
@@ -230,8 +311,101 @@ def write(directory):
         print(f"{name}: written")
 
 
+def batches_of(tensors, step, rank):
+    """Rank `rank`'s batch at `step` from Lockstep's batches file: (inputs, target)."""
+    prefix = f"{step}.{rank}."
+    inputs, k = [], 0
+    while f"{prefix}input.{k}" in tensors:
+        inputs.append(tensors[f"{prefix}input.{k}"])
+        k += 1
+    return inputs, tensors.get(f"{prefix}target")
+
+
+def train(directory):
+    """For every `<run>.init.safetensors` (Lockstep's initial state; `<run>` is a model name,
+    optionally `+adam`) with its `<run>.batches.safetensors` (`<step>.<rank>.input.<k>`,
+    `<step>.<rank>.target`, `steps`, `world_size`, and `adam_lr` for an Adam run), trains
+    the twin as Lockstep's single-device reference does and writes
+    `<run>.trained.safetensors`: `losses` (float32, one per step) and every parameter after
+    the last step, under the state dict's names. The optimizer is `torch.optim.SGD(lr=0.01,
+    momentum=0.9)` (Lockstep's default), or `torch.optim.Adam(lr=adam_lr)` with its default
+    betas and eps; both take their single-tensor path on CPU."""
+    torch.set_num_threads(1)
+    for init in sorted(Path(directory).glob("*.init.safetensors")):
+        run = init.name[: -len(".init.safetensors")]
+        twin = TWINS[run.split("+")[0]]()
+        twin.load_state_dict(read_safetensors(init), strict=True)
+        twin.train()
+        data = read_safetensors(Path(directory) / f"{run}.batches.safetensors")
+        steps, world = int(data["steps"]), int(data["world_size"])
+        if "adam_lr" in data:
+            opt = torch.optim.Adam(twin.parameters(), lr=float(data["adam_lr"]))
+        else:
+            opt = torch.optim.SGD(twin.parameters(), lr=0.01, momentum=0.9)
+        losses = []
+        for step in range(steps):
+            opt.zero_grad()
+            total = twin.loss(batches_of(data, step, 0))
+            for rank in range(1, world):
+                total = total + twin.loss(batches_of(data, step, rank))
+            objective = total / world
+            objective.backward()
+            losses.append(objective.detach().clone())
+            opt.step()
+        out = {"losses": torch.stack(losses)}
+        out.update((k, p.detach()) for k, p in twin.named_parameters())
+        write_safetensors(Path(directory) / f"{run}.trained.safetensors", out)
+        print(f"{run}: trained {steps} steps")
+
+
+def _ce_rank(rank, world, directory, store_path):
+    """One rank of `ce`: PyTorch's own `loss_parallel` on this rank's vocabulary shard."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        data = read_safetensors(Path(directory) / "ce.inputs.safetensors")
+        logits, target = data["logits"], data["target"]
+        scale = float(data["scale"])
+        width = logits.size(1) // world
+        local = logits[:, rank * width:(rank + 1) * width].clone().requires_grad_(True)
+        mesh = init_device_mesh("cpu", (world,))
+        out = {}
+        for reduction in ("mean", "sum"):
+            local.grad = None
+            sharded = DTensor.from_local(local, mesh, [Shard(1)], run_check=False)
+            with loss_parallel():
+                loss = F.cross_entropy(sharded, target, reduction=reduction)
+                (loss * scale).backward()
+            out[f"{reduction}.loss"] = loss.to_local().detach().clone()
+            out[f"{reduction}.grad"] = local.grad.detach().clone()
+        write_safetensors(Path(directory) / f"ce.torch.{rank}.safetensors", out)
+    finally:
+        dist.destroy_process_group()
+
+
+def ce(directory):
+    """Runs PyTorch's vocabulary-parallel cross-entropy (`loss_parallel`) on
+    `ce.inputs.safetensors` (`logits` [N, V], `target` [N], `world`, `scale`) over `world`
+    gloo ranks, each taking its `V/world` columns; rank r writes `ce.torch.<r>.safetensors`
+    with, per reduction (`mean`, `sum`), the loss and its shard's gradient of `loss·scale`."""
+    import tempfile
+    import torch.multiprocessing as mp
+
+    data = read_safetensors(Path(directory) / "ce.inputs.safetensors")
+    world = int(data["world"])
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_ce_rank, args=(world, directory, str(Path(tmp) / "store")), nprocs=world)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in ("check", "write"):
+    commands = {"check": check, "write": write, "train": train, "ce": ce}
+    if len(sys.argv) != 3 or sys.argv[1] not in commands:
         print(__doc__, file=sys.stderr)
         sys.exit(2)
-    {"check": check, "write": write}[sys.argv[1]](sys.argv[2])
+    commands[sys.argv[1]](sys.argv[2])

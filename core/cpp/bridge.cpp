@@ -534,6 +534,45 @@ int lk_tensor_version(const at::Tensor* t, int64_t* version, lk_status* st) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Scaled in-place arithmetic (PyTorch's optimizers)
+// ---------------------------------------------------------------------------------------------
+
+// The ops `torch.optim` steps with, with the scalar argument tch's generated API drops:
+// `t.add_(other, alpha)`, `t.addcmul_(a, b, value)`, `t.addcdiv_(a, b, value)`. Running
+// libtorch's own kernel is the only way to get its rounding (the CPU kernels fuse the
+// multiply-add), which two separate ops cannot reproduce.
+int lk_add_scaled_(const at::Tensor* t, const at::Tensor* other, double alpha, lk_status* st) {
+  LK_TRY
+  TORCH_CHECK(t != nullptr && t->defined() && other != nullptr && other->defined(),
+              "add_: undefined tensor");
+  at::Tensor self = *t;
+  self.add_(*other, alpha);
+  LK_CATCH(st)
+}
+
+int lk_addcmul_(const at::Tensor* t, const at::Tensor* a, const at::Tensor* b, double value,
+                lk_status* st) {
+  LK_TRY
+  TORCH_CHECK(t != nullptr && t->defined() && a != nullptr && a->defined() && b != nullptr &&
+                  b->defined(),
+              "addcmul_: undefined tensor");
+  at::Tensor self = *t;
+  self.addcmul_(*a, *b, value);
+  LK_CATCH(st)
+}
+
+int lk_addcdiv_(const at::Tensor* t, const at::Tensor* a, const at::Tensor* b, double value,
+                lk_status* st) {
+  LK_TRY
+  TORCH_CHECK(t != nullptr && t->defined() && a != nullptr && a->defined() && b != nullptr &&
+                  b->defined(),
+              "addcdiv_: undefined tensor");
+  at::Tensor self = *t;
+  self.addcdiv_(*a, *b, value);
+  LK_CATCH(st)
+}
+
+// ---------------------------------------------------------------------------------------------
 // CUDA stream
 // ---------------------------------------------------------------------------------------------
 

@@ -7,6 +7,8 @@
 //! averaged over its group. The single-device reference trains one process on every rank's
 //! batch with the mean of the per-rank losses as objective, which equals the DDP objective.
 
+use crate::autograd::scaled::{add_scaled_, addcdiv_, addcmul_};
+use crate::autograd::AutogradError;
 use crate::comm::{CommError, ProcessGroup, ReduceOp};
 use crate::record::{NamedTensor, RunRecord, RunSpec};
 use lockstep_models::{LayerHooks, Model, ModelError, NoHooks};
@@ -26,6 +28,9 @@ pub enum TrainError {
     /// A tensor operation (backward, optimizer arithmetic) failed.
     #[error("libtorch: {0}")]
     Torch(#[from] TchError),
+    /// An optimizer op run through the bridge (libtorch's `add_` with `alpha`…) failed.
+    #[error(transparent)]
+    Autograd(#[from] AutogradError),
     /// A parameter got no gradient: synchronizing a partial set would desynchronize ranks.
     #[error("parameter `{name}` has no gradient after backward at step {step}")]
     MissingGrad {
@@ -122,7 +127,8 @@ pub trait Optimizer: Send {
 }
 
 /// `torch.optim.SGD` with momentum: `buf = grad` on the first step, then
-/// `buf = momentum·buf + grad`; `p -= lr·buf`.
+/// `buf = momentum·buf + grad`; `p += (-lr)·buf` rounded once, as libtorch's `add_` with
+/// `alpha` does.
 #[derive(Debug)]
 pub struct Sgd {
     lr: f64,
@@ -142,6 +148,11 @@ impl Sgd {
 }
 
 impl Optimizer for Sgd {
+    /// `torch.optim.SGD`'s single-tensor step, op for op (what it runs on CPU, where the
+    /// default `foreach` path is not taken; the `foreach` kernels' CPU fallback runs the same
+    /// ops): `buf = grad.detach().clone()` on the first step, else
+    /// `buf.mul_(momentum).add_(grad)`; then `param.add_(buf, alpha=-lr)`, one fused
+    /// multiply-add through the bridge.
     fn step(&mut self, params: &[(String, Tensor)]) -> Result<(), TrainError> {
         tch::no_grad(|| {
             for (name, p) in params {
@@ -163,7 +174,7 @@ impl Optimizer for Sgd {
                     self.buffers.insert(name.clone(), buf);
                     update
                 };
-                let _ = p.shallow_clone().f_sub_(&update.f_mul_scalar(self.lr)?)?;
+                add_scaled_(p, &update, -self.lr)?;
             }
             Ok(())
         })
@@ -209,8 +220,8 @@ impl Optimizer for Sgd {
 /// the entry in `optimizer.state[param]`.
 pub const MOMENTUM_SUFFIX: &str = ".momentum_buffer";
 
-/// `torch.optim.Adam`: `m = β1·m + (1-β1)·g`, `v = β2·v + (1-β2)·g²`,
-/// `p -= lr/(1-β1^t) · m / (sqrt(v)/sqrt(1-β2^t) + eps)`.
+/// `torch.optim.Adam`: `m = lerp(m, g, 1-β1)`, `v = β2·v + (1-β2)·g²`,
+/// `p -= lr/(1-β1^t) · m / (sqrt(v)/sqrt(1-β2^t) + eps)`, in PyTorch's ops and order.
 #[derive(Debug)]
 pub struct Adam {
     lr: f64,
@@ -242,6 +253,11 @@ impl Adam {
 }
 
 impl Optimizer for Adam {
+    /// `torch.optim.Adam`'s single-tensor step (`capturable=False`), op for op:
+    /// `exp_avg.lerp_(grad, 1-β1)`, `exp_avg_sq.mul_(β2).addcmul_(grad, grad, value=1-β2)`,
+    /// the bias corrections in f64 with the float step count as Python computes them
+    /// (`β**step`, `bc2**0.5`), `denom = (exp_avg_sq.sqrt() / sqrt(bc2)).add_(eps)`,
+    /// `param.addcdiv_(exp_avg, denom, value=-lr/bc1)`.
     fn step(&mut self, params: &[(String, Tensor)]) -> Result<(), TrainError> {
         tch::no_grad(|| {
             for (name, p) in params {
@@ -263,20 +279,17 @@ impl Optimizer for Adam {
                     mut exp_avg_sq,
                 } = st;
                 step += 1;
-                let _ = exp_avg
-                    .f_mul_scalar_(self.beta1)?
-                    .f_add_(&grad.f_mul_scalar(1.0 - self.beta1)?)?;
-                let _ = exp_avg_sq
-                    .f_mul_scalar_(self.beta2)?
-                    .f_add_(&grad.f_mul(&grad)?.f_mul_scalar(1.0 - self.beta2)?)?;
-                let bias1 = 1.0 - self.beta1.powi(step);
-                let bias2 = 1.0 - self.beta2.powi(step);
-                let denom = exp_avg_sq
-                    .f_sqrt()?
-                    .f_div_scalar(bias2.sqrt())?
-                    .f_add_scalar(self.eps)?;
-                let update = exp_avg.f_div(&denom)?.f_mul_scalar(self.lr / bias1)?;
-                let _ = p.shallow_clone().f_sub_(&update)?;
+                let _ = exp_avg.f_lerp_(&grad, 1.0 - self.beta1)?;
+                let _ = exp_avg_sq.f_mul_scalar_(self.beta2)?;
+                addcmul_(&exp_avg_sq, &grad, &grad, 1.0 - self.beta2)?;
+                // PyTorch keeps the step as a float tensor and raises Python floats to it.
+                let t = f64::from(step);
+                let bias1 = 1.0 - self.beta1.powf(t);
+                let bias2 = 1.0 - self.beta2.powf(t);
+                let step_size = self.lr / bias1;
+                let mut denom = exp_avg_sq.f_sqrt()?.f_div_scalar(bias2.powf(0.5))?;
+                let _ = denom.f_add_scalar_(self.eps)?;
+                addcdiv_(p, &exp_avg, &denom, -step_size)?;
                 self.state.insert(
                     name.clone(),
                     AdamState {

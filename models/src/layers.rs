@@ -1,6 +1,7 @@
 //! Building blocks written with tch ops, registering their parameters under PyTorch's
 //! module paths and drawing their initial values in PyTorch's order.
 
+use crate::functional::{multi_head_attention, AttentionWeights};
 use crate::store::{linear_bias, linear_weight, ones, xavier_uniform_, zeros, ParamStore, F32};
 use tch::{TchError, Tensor};
 
@@ -178,36 +179,25 @@ impl MultiheadAttention {
         v
     }
 
-    /// Attention of `query` (T, B, E) over `memory` (S, B, E), no mask.
-    pub fn forward(&self, query: &Tensor, memory: &Tensor) -> Result<Tensor, TchError> {
-        let w = self.in_proj_weight.f_chunk(3, 0)?;
-        let b = self.in_proj_bias.f_chunk(3, 0)?;
-        let (t, batch, e) = size3(query)?;
-        let s = memory.size()[0];
-        let hd = e / self.heads;
-        let split = |x: Tensor, len: i64| -> Result<Tensor, TchError> {
-            x.f_contiguous()?
-                .f_view([len, batch * self.heads, hd])?
-                .f_transpose(0, 1)
-        };
-        let q = split(query.f_linear(&w[0], Some(&b[0]))?, t)?;
-        let k = split(memory.f_linear(&w[1], Some(&b[1]))?, s)?;
-        let v = split(memory.f_linear(&w[2], Some(&b[2]))?, s)?;
-        let q = q.f_mul_scalar(1.0 / (hd as f64).sqrt())?;
-        let attn = q.f_bmm(&k.f_transpose(1, 2)?)?.f_softmax(-1, None)?;
-        let out = attn
-            .f_bmm(&v)?
-            .f_transpose(0, 1)?
-            .f_contiguous()?
-            .f_view([t, batch, e])?;
-        self.out_proj.forward(&out)
-    }
-}
-
-fn size3(x: &Tensor) -> Result<(i64, i64, i64), TchError> {
-    match x.size()[..] {
-        [a, b, c] => Ok((a, b, c)),
-        ref s => Err(TchError::Shape(format!("expected a 3-d tensor, got {s:?}"))),
+    /// Self-attention of `x` (T, B, E) (PyTorch's `self_attn(x, x, x)`), or attention of
+    /// `x` over `memory` (S, B, E) (`multihead_attn(x, memory, memory)`); no mask.
+    pub fn forward(&self, x: &Tensor, memory: Option<&Tensor>) -> Result<Tensor, TchError> {
+        let bias = self
+            .out_proj
+            .bias
+            .as_ref()
+            .ok_or_else(|| TchError::Shape("out_proj has no bias".into()))?;
+        multi_head_attention(
+            x,
+            memory,
+            AttentionWeights {
+                in_proj_weight: &self.in_proj_weight,
+                in_proj_bias: &self.in_proj_bias,
+                out_proj_weight: &self.out_proj.weight,
+                out_proj_bias: bias,
+                heads: self.heads,
+            },
+        )
     }
 }
 
@@ -268,7 +258,9 @@ impl EncoderLayer {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
-        let x = self.norm1.forward(&(x + self.self_attn.forward(x, x)?))?;
+        let x = self
+            .norm1
+            .forward(&(x + self.self_attn.forward(x, None)?))?;
         self.norm2.forward(&(&x + self.ff.forward(&x)?))
     }
 }
@@ -321,10 +313,12 @@ impl DecoderLayer {
     }
 
     pub fn forward(&self, x: &Tensor, memory: &Tensor) -> Result<Tensor, TchError> {
-        let x = self.norm1.forward(&(x + self.self_attn.forward(x, x)?))?;
+        let x = self
+            .norm1
+            .forward(&(x + self.self_attn.forward(x, None)?))?;
         let x = self
             .norm2
-            .forward(&(&x + self.multihead_attn.forward(&x, memory)?))?;
+            .forward(&(&x + self.multihead_attn.forward(&x, Some(memory))?))?;
         self.norm3.forward(&(&x + self.ff.forward(&x)?))
     }
 }

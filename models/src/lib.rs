@@ -10,6 +10,7 @@
 pub mod decisions;
 mod device;
 mod error;
+pub mod functional;
 mod layers;
 pub mod model;
 pub mod seed;

@@ -140,6 +140,26 @@ extern "C" {
         version: *mut i64,
         st: *mut Status,
     ) -> c_int;
+    pub(crate) fn lk_add_scaled_(
+        t: *const C_tensor,
+        other: *const C_tensor,
+        alpha: f64,
+        st: *mut Status,
+    ) -> c_int;
+    pub(crate) fn lk_addcmul_(
+        t: *const C_tensor,
+        a: *const C_tensor,
+        b: *const C_tensor,
+        value: f64,
+        st: *mut Status,
+    ) -> c_int;
+    pub(crate) fn lk_addcdiv_(
+        t: *const C_tensor,
+        a: *const C_tensor,
+        b: *const C_tensor,
+        value: f64,
+        st: *mut Status,
+    ) -> c_int;
     #[cfg(feature = "nccl")]
     pub(crate) fn lk_current_cuda_stream(
         device: i64,

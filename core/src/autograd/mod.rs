@@ -11,6 +11,8 @@
 //! - [`hooks`]: gradient hooks and post-accumulate-grad hooks, removable through a handle;
 //! - [`engine`]: `backward` with explicit gradients, `grad`, and setting `.grad`;
 //! - [`storage`]: freeing a tensor's storage in place and refilling it later;
+//! - [`scaled`]: in-place `add_`/`addcmul_`/`addcdiv_` with their scalar argument, for
+//!   optimizer steps with PyTorch's rounding;
 //! - [`collectives`]: differentiable collectives (Megatron's mapping table) on any
 //!   [`ProcessGroup`](crate::comm::ProcessGroup);
 //! - `current_cuda_stream` (feature `nccl`): libtorch's current stream, for NCCL work.
@@ -49,6 +51,7 @@ pub mod engine;
 mod ffi;
 pub mod function;
 pub mod hooks;
+pub mod scaled;
 pub mod storage;
 
 pub use engine::{backward, grad, set_grad, GradOptions};

@@ -274,16 +274,23 @@ fn sum_over(group: &TpGroup, t: &Tensor, op: ReduceOp) -> std::result::Result<()
     Ok(())
 }
 
-/// The forward of [`vocab_parallel_cross_entropy`]: the loss, and the gradient of the loss
-/// with respect to this rank's logits per unit of incoming gradient before the mean's `1/N`
-/// (softmax − one-hot on this rank's columns), which backward only scales.
+/// What the forward of [`vocab_parallel_cross_entropy`] leaves for backward, as PyTorch's
+/// `loss_parallel` keeps it: this rank's columns of the log-softmax, and the negated one-hot
+/// of the target on them (`grad_input`: -1 at the target's column on the rank that holds it,
+/// 0 elsewhere).
+struct CrossEntropySaved {
+    log_softmax: Tensor,
+    grad_input: Tensor,
+}
+
+/// The forward of [`vocab_parallel_cross_entropy`]: the loss and what backward needs.
 fn cross_entropy_forward(
     logits: &Tensor,
     target: &Tensor,
     vocab_start: i64,
     group: &TpGroup,
     reduction: Reduction,
-) -> std::result::Result<(Tensor, Tensor), AutogradError> {
+) -> std::result::Result<(Tensor, CrossEntropySaved), AutogradError> {
     let local_vocab = logits.size()[1];
     // 1. The global max of every row, subtracted for a stable exponential.
     let max = logits.f_amax([1], false)?.f_contiguous()?;
@@ -309,19 +316,31 @@ fn cross_entropy_forward(
         .f_sum_dim_intlist(1, false, exp.kind())?
         .f_contiguous()?;
     sum_over(group, &sum_exp, ReduceOp::Sum)?;
-    let per_token = sum_exp.f_log()?.f_sub(&picked)?;
+    let log_sum_exp = sum_exp.f_log()?;
+    // `-(shifted - lse)` is `lse - shifted` exactly: the per-token loss PyTorch's nll_loss
+    // takes from the log-softmax.
+    let per_token = log_sum_exp.f_sub(&picked)?;
     let loss = match reduction {
         Reduction::Mean => per_token.f_mean(per_token.kind())?,
         Reduction::Sum => per_token.f_sum(per_token.kind())?,
     };
-    // softmax − one-hot, on this rank's columns only.
-    let mut grad = exp.f_div(&sum_exp.f_unsqueeze(1)?)?;
-    let minus_hit = outside
-        .f_to_kind(grad.kind())?
+    // PyTorch's `_log_softmax`: `shifted - log(sum_exp)` on this rank's columns.
+    let log_softmax = shifted.f_sub(&log_sum_exp.f_unsqueeze(1)?)?;
+    // `grad_input[arange, masked_target] = mask - 1.0` (`_nll_loss_and_log_softmax_backward`).
+    let update = outside
+        .f_to_kind(log_softmax.kind())?
         .f_sub_scalar(1.0)?
         .f_unsqueeze(1)?;
-    let _ = grad.f_scatter_add_(1, &local_target, &minus_hit)?;
-    Ok((loss, grad))
+    let grad_input = log_softmax
+        .f_zeros_like()?
+        .f_scatter(1, &local_target, &update)?;
+    Ok((
+        loss,
+        CrossEntropySaved {
+            log_softmax,
+            grad_input,
+        },
+    ))
 }
 
 /// Cross-entropy of logits split by vocabulary (`logits_shard`: `[N, V/t]`, columns
@@ -330,9 +349,10 @@ fn cross_entropy_forward(
 ///
 /// Forward all-reduces three `[N]` vectors: the max logit (for stability), the target's
 /// logit (found on exactly one rank) and the sum of exponentials; the loss per token is
-/// `log(sum exp) − target logit` (both shifted by the max). Backward is local: the gradient
-/// of this rank's logits is `softmax − one_hot` on its own columns, times the incoming
-/// gradient (and `1/N` for [`Reduction::Mean`]); it needs no communication.
+/// `log(sum exp) − target logit` (both shifted by the max). Backward is local and is
+/// PyTorch's `loss_parallel` backward op for op: `(one_hot_neg + exp(log_softmax)) · g`,
+/// `g` the incoming gradient (divided by `N` for [`Reduction::Mean`]) on this rank's
+/// columns; it needs no communication.
 pub fn vocab_parallel_cross_entropy(
     logits_shard: &Tensor,
     target: &Tensor,
@@ -359,25 +379,38 @@ pub fn vocab_parallel_cross_entropy(
     let mut out = apply(
         &[logits_shard],
         |ctx, xs| {
-            let (loss, grad) = cross_entropy_forward(xs[0], target, vocab_start, group, reduction)?;
-            ctx.save_for_backward(&[&grad]);
+            let (loss, saved) =
+                cross_entropy_forward(xs[0], target, vocab_start, group, reduction)?;
+            ctx.save_for_backward(&[&saved.log_softmax, &saved.grad_input]);
             Ok(vec![loss])
         },
-        // Backward, beside its forward: scale the saved softmax − one-hot. No communication.
+        // Backward, beside its forward, in PyTorch's `loss_parallel` order: the incoming
+        // gradient divided by the token count (mean), then `(grad_input + exp(log_softmax)) *
+        // grad_output`. No communication.
         move |ctx, grads| {
             let _no_grad = tch::no_grad_guard();
-            let saved = ctx.saved().first().ok_or_else(|| {
-                AutogradError::msg("vocab-parallel cross-entropy: nothing saved for backward")
-            })?;
+            let [log_softmax, grad_input] = ctx.saved() else {
+                return Err(AutogradError::msg(
+                    "vocab-parallel cross-entropy: expected the log-softmax and the one-hot saved",
+                ));
+            };
             let incoming = match grads.into_iter().next().flatten() {
                 Some(g) => g,
                 None => return Ok(vec![None]),
             };
-            let scale = match reduction {
-                Reduction::Mean if n > 0 => incoming.f_div_scalar(n as f64)?,
-                _ => incoming,
+            let grad_output = match reduction {
+                Reduction::Mean => {
+                    // `total_weight = (target != ignore_index).sum().to(x)`: every token here.
+                    let total_weight =
+                        Tensor::f_scalar_tensor(n as f64, (incoming.kind(), incoming.device()))?;
+                    incoming.f_div(&total_weight)?
+                }
+                Reduction::Sum => incoming,
             };
-            Ok(vec![Some(saved.f_mul(&scale)?)])
+            let grad = grad_input
+                .f_add(&log_softmax.f_exp()?)?
+                .f_mul(&grad_output)?;
+            Ok(vec![Some(grad)])
         },
     )?;
     out.pop().ok_or_else(|| {

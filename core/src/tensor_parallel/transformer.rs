@@ -6,6 +6,7 @@
 
 use crate::autograd::collectives::{copy_to_parallel, reduce_from_parallel};
 use crate::comm::ProcessGroup;
+use lockstep_models::functional::{multi_head_attention, AttentionWeights};
 use lockstep_models::{LayerHooks, ModelError};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -43,39 +44,27 @@ impl TransformerTp {
     }
 
     /// `nn.MultiheadAttention` of `query` (T, B, E) over `memory` (S, B, E), replicated.
+    /// The zoo's attention ([`multi_head_attention`], PyTorch's op for op), replicated: self-
+    /// attention with `memory = None`, encoder-decoder attention over `memory` otherwise.
     fn attention(
         &self,
         query: &Tensor,
-        memory: &Tensor,
+        memory: Option<&Tensor>,
         prefix: &str,
     ) -> Result<Tensor, ModelError> {
-        let w = self.p(&format!("{prefix}.in_proj_weight"))?.f_chunk(3, 0)?;
-        let b = self.p(&format!("{prefix}.in_proj_bias"))?.f_chunk(3, 0)?;
-        let (t, batch, e) = (query.size()[0], query.size()[1], query.size()[2]);
-        let s = memory.size()[0];
-        let hd = e / self.heads;
-        let split = |x: Tensor, len: i64| -> Result<Tensor, tch::TchError> {
-            x.f_contiguous()?
-                .f_view([len, batch * self.heads, hd])?
-                .f_transpose(0, 1)
-        };
-        let q = split(query.f_linear(&w[0], Some(&b[0]))?, t)?;
-        let k = split(memory.f_linear(&w[1], Some(&b[1]))?, s)?;
-        let v = split(memory.f_linear(&w[2], Some(&b[2]))?, s)?;
-        let q = q.f_mul_scalar(1.0 / (hd as f64).sqrt())?;
-        let attn = q.f_bmm(&k.f_transpose(1, 2)?)?.f_softmax(-1, None)?;
-        let out = attn
-            .f_bmm(&v)?
-            .f_transpose(0, 1)?
-            .f_contiguous()?
-            .f_view([t, batch, e])?;
-        Ok(out.f_linear(
-            self.p(&format!("{prefix}.out_proj.weight"))?,
-            Some(self.p(&format!("{prefix}.out_proj.bias"))?),
+        Ok(multi_head_attention(
+            query,
+            memory,
+            AttentionWeights {
+                in_proj_weight: self.p(&format!("{prefix}.in_proj_weight"))?,
+                in_proj_bias: self.p(&format!("{prefix}.in_proj_bias"))?,
+                out_proj_weight: self.p(&format!("{prefix}.out_proj.weight"))?,
+                out_proj_bias: self.p(&format!("{prefix}.out_proj.bias"))?,
+                heads: self.heads,
+            },
         )?)
     }
 
-    /// `linear2(relu(linear1(x)))`, column- then row-parallel.
     fn feed_forward(&self, x: &Tensor, prefix: &str) -> Result<Tensor, ModelError> {
         let x = if self.missing_backward_all_reduce {
             x.shallow_clone()
@@ -96,7 +85,7 @@ impl TransformerTp {
 
     fn encoder(&self, x: &Tensor, prefix: &str) -> Result<Tensor, ModelError> {
         let x = self.norm(
-            &x.f_add(&self.attention(x, x, &format!("{prefix}.self_attn"))?)?,
+            &x.f_add(&self.attention(x, None, &format!("{prefix}.self_attn"))?)?,
             &format!("{prefix}.norm1"),
         )?;
         self.norm(
@@ -107,11 +96,11 @@ impl TransformerTp {
 
     fn decoder(&self, x: &Tensor, memory: &Tensor, prefix: &str) -> Result<Tensor, ModelError> {
         let x = self.norm(
-            &x.f_add(&self.attention(x, x, &format!("{prefix}.self_attn"))?)?,
+            &x.f_add(&self.attention(x, None, &format!("{prefix}.self_attn"))?)?,
             &format!("{prefix}.norm1"),
         )?;
         let x = self.norm(
-            &x.f_add(&self.attention(&x, memory, &format!("{prefix}.multihead_attn"))?)?,
+            &x.f_add(&self.attention(&x, Some(memory), &format!("{prefix}.multihead_attn"))?)?,
             &format!("{prefix}.norm2"),
         )?;
         self.norm(
