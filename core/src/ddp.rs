@@ -735,13 +735,17 @@ fn into_train(e: DdpError) -> TrainError {
     }
 }
 
+/// The group each bucket is first all-reduced over, and the replica group of a
+/// hierarchical reduction.
+type ReductionGroups = (Arc<dyn ProcessGroup>, Option<Arc<dyn ProcessGroup>>);
+
 /// The group each bucket is first all-reduced over, and the replica group of a hierarchical
 /// reduction; refuses groups that do not tile `group` (checked before any collective, so
 /// every rank fails alike).
 fn reduction_groups(
     opts: &DdpOptions,
     group: &Arc<dyn ProcessGroup>,
-) -> Result<(Arc<dyn ProcessGroup>, Option<Arc<dyn ProcessGroup>>), DdpError> {
+) -> Result<ReductionGroups, DdpError> {
     match &opts.reduction {
         GradReduction::Flat => Ok((group.clone(), None)),
         GradReduction::Hierarchical { .. } if opts.comm_hook.is_some() => Err(DdpError::Invalid(
