@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 fn main() {
     lockstep_linkage::link_libtorch();
+    lockstep_linkage::export_libtorch_version();
     println!("cargo:rerun-if-changed=cpp/bridge.cpp");
     println!("cargo:rerun-if-env-changed=LOCKSTEP_CXX11_ABI");
 

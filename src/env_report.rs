@@ -8,7 +8,13 @@ pub struct EnvReport {
     /// This crate's version.
     pub lockstep_version: &'static str,
     /// The libtorch the binary was linked against, read at build time (`unknown` if unread).
-    pub libtorch_version: &'static str,
+    pub libtorch_version: String,
+    /// The CPU capability libtorch's kernels dispatch to (`AVX512`, `AVX2`, `DEFAULT`...;
+    /// `ATEN_CPU_CAPABILITY` lowers it), as `torch.backends.cpu.get_cpu_capability()` says.
+    pub cpu_capability: String,
+    /// The intra-op threads every rank and in-process reference computes with
+    /// (`LOCKSTEP_THREADS`, default 1).
+    pub intra_op_threads: usize,
     /// Whether libtorch sees a CUDA device (a CPU-only libtorch never does).
     pub cuda_available: bool,
     /// CUDA devices libtorch sees.
@@ -23,13 +29,17 @@ pub struct EnvReport {
     pub cpu_threads: usize,
 }
 
-/// Probes libtorch and the optional NCCL backend.
+/// Probes libtorch and the optional NCCL backend; the CPU capability, thread count and
+/// libtorch version are what every report records ([`lockstep_harness::report::environment`]).
 pub fn collect() -> EnvReport {
     let mut backends = vec!["cpu"];
     let nccl = nccl_status(&mut backends);
+    let environment = lockstep_harness::report::environment();
     EnvReport {
         lockstep_version: env!("CARGO_PKG_VERSION"),
-        libtorch_version: env!("LOCKSTEP_LIBTORCH_VERSION"),
+        libtorch_version: environment.libtorch_version,
+        cpu_capability: environment.cpu_capability,
+        intra_op_threads: environment.intra_op_threads,
         cuda_available: tch::Cuda::is_available(),
         gpu_count: tch::Cuda::device_count(),
         cudnn_available: tch::Cuda::cudnn_is_available(),
@@ -60,6 +70,8 @@ impl std::fmt::Display for EnvReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(f, "lockstep        {}", self.lockstep_version)?;
         writeln!(f, "libtorch        {}", self.libtorch_version)?;
+        writeln!(f, "cpu capability  {}", self.cpu_capability)?;
+        writeln!(f, "torch threads   {}", self.intra_op_threads)?;
         writeln!(f, "cuda available  {}", self.cuda_available)?;
         writeln!(f, "gpus            {}", self.gpu_count)?;
         writeln!(f, "cudnn           {}", self.cudnn_available)?;

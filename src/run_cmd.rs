@@ -12,7 +12,7 @@
 use crate::checkpoint::{self, CheckpointError, OptimizerState};
 use crate::matrix::{Config, Precision};
 use crate::runner::{self, RunSettings, TrainFn};
-use lockstep_core::ddp::{Ddp, DdpOptions};
+use lockstep_core::ddp::Ddp;
 use lockstep_core::record::RunRecord;
 use lockstep_core::train::{no_sync, train_from, OptimizerConfig, TrainConfig, TrainStart};
 use lockstep_harness::RankCtx;
@@ -105,12 +105,18 @@ pub struct RunOutcome {
     pub saved_optimizer_state: Option<PathBuf>,
     /// Things a user should know (a seed that differs from the checkpoint's...).
     pub notes: Vec<String>,
+    /// Where the numbers were computed (CPU capability, intra-op threads, libtorch), as
+    /// every report records it.
+    pub environment: lockstep_harness::report::Environment,
 }
 
 /// Whether `config` can export and load its optimizer state: the configurations whose
 /// every rank holds the whole model and steps it with one optimizer.
 fn can_continue(config: Config) -> bool {
-    matches!(config, Config::Single | Config::Ddp | Config::DdpMixed(_))
+    matches!(
+        config,
+        Config::Single | Config::Ddp | Config::DdpMixed(_) | Config::DdpHybridOrder
+    )
 }
 
 /// Why `config` cannot continue an optimizer state (for configurations that cannot).
@@ -125,7 +131,7 @@ fn why_not_continued(config: Config) -> String {
     };
     format!(
         "{} cannot continue an optimizer state: {how}, and lockstep run does not gather or \
-         split it (single, ddp, ddp.bf16 and ddp.fp16 can)",
+         split it (single, ddp, ddp.bf16, ddp.fp16 and ddp.hybrid_order can)",
         config.name()
     )
 }
@@ -237,6 +243,13 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
         Some((file, state)) => (Some(file), state.tensors),
         None => (None, Vec::new()),
     };
+    // The ranks' thread count for the reference computed here; one thread in a process
+    // that forks ranks (`lockstep_harness::threads`).
+    if config == Config::Single {
+        lockstep_harness::threads::use_rank_threads();
+    } else {
+        lockstep_harness::threads::use_launcher_threads();
+    }
     let (record, final_optimizer) = if config == Config::Single {
         let (record, state) = run_single(
             &opts.model,
@@ -303,6 +316,7 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
         .map_err(save_failed)?;
     }
     Ok(RunOutcome {
+        environment: lockstep_harness::report::environment(),
         model: opts.model.clone(),
         config: config.name().to_owned(),
         world_size: opts.world_size,
@@ -463,7 +477,7 @@ fn run_single(
     Ok((record, state))
 }
 
-/// A DDP-family run (`ddp`, `ddp.bf16`, `ddp.fp16`) from `start_step`, every rank loading
+/// A DDP-family run (`ddp`, `ddp.bf16`, `ddp.fp16`, `ddp.hybrid_order`) from `start_step`, every rank loading
 /// the optimizer state from `optimizer_file` (when continuing); rank 0 hands its final
 /// optimizer state back through a scratch file.
 fn run_ddp(
@@ -492,10 +506,7 @@ fn run_ddp(
                 }
                 None => Vec::new(),
             };
-            let opts = DdpOptions {
-                mixed_precision: config.precision().map(Precision::policy),
-                ..DdpOptions::default()
-            };
+            let opts = runner::ddp_options(config, ctx)?;
             let group = ctx.group();
             let mut ddp = Ddp::new(model, group.clone(), opts).map_err(|e| e.to_string())?;
             let start = TrainStart {
@@ -558,6 +569,7 @@ pub fn render(outcome: &RunOutcome) -> String {
             (None, _) => String::new(),
         }
     );
+    let _ = writeln!(out, "computed with {}", outcome.environment);
     let _ = writeln!(out, "{:>6}  {:<24}  {:<24}", "step", "loss", "grad norm");
     for (i, (loss, norm)) in outcome.losses.iter().zip(&outcome.grad_norms).enumerate() {
         let _ = writeln!(

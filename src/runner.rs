@@ -9,9 +9,9 @@
 
 use crate::matrix::{Config, ModelParallelKind, Precision};
 use lockstep_core::comm::Backend;
-use lockstep_core::ddp::{train_ddp, DdpOptions, Fault};
+use lockstep_core::ddp::{train_ddp, DdpOptions, Fault, GradReduction};
 use lockstep_core::expert_parallel::train_expert_parallel;
-use lockstep_core::fsdp::{train_fsdp, train_fsdp_hybrid};
+use lockstep_core::fsdp::{hybrid_mesh, train_fsdp, train_fsdp_hybrid};
 use lockstep_core::pipeline::train_pipeline;
 use lockstep_core::record::{MemoryStats, RunRecord, RunSpec};
 use lockstep_core::replica::distinct_parameters;
@@ -187,32 +187,57 @@ pub fn run_config(
     )
 }
 
-/// The single-device reference over `world_size` ranks' batches, in this process.
+/// The single-device reference over `world_size` ranks' batches, computed with the ranks'
+/// thread count ([`in_process_reference`]).
 pub fn run_single(
     model_name: &str,
     build: &ModelBuilder<'_>,
     world_size: usize,
     settings: &RunSettings,
 ) -> Result<RunRecord, RunFailed> {
-    let built = build(settings.seed, 0).map_err(|e| RunFailed::simple(e.to_string()))?;
-    let built = OnDevice::new(built, settings.reference_device())
-        .map_err(|e| RunFailed::simple(e.to_string()))?;
-    let mut record = single_device_reference(
-        &built,
-        world_size,
-        settings.steps,
-        settings.optimizer,
-        settings.record_grads,
-    )
-    .map_err(|e| RunFailed::simple(format!("single-device reference: {e}")))?;
-    record.spec = run_spec(
-        model_name,
-        &Config::Single.at(world_size),
-        world_size,
-        "fp32",
-        settings,
-    );
-    Ok(record)
+    in_process_reference(settings, &|| {
+        let built = build(settings.seed, 0).map_err(|e| RunFailed::simple(e.to_string()))?;
+        let built = OnDevice::new(built, settings.reference_device())
+            .map_err(|e| RunFailed::simple(e.to_string()))?;
+        let mut record = single_device_reference(
+            &built,
+            world_size,
+            settings.steps,
+            settings.optimizer,
+            settings.record_grads,
+        )
+        .map_err(|e| RunFailed::simple(format!("single-device reference: {e}")))?;
+        record.spec = run_spec(
+            model_name,
+            &Config::Single.at(world_size),
+            world_size,
+            "fp32",
+            settings,
+        );
+        Ok(record)
+    })
+}
+
+/// Computes a reference (`reference`, one process's training) with the ranks' intra-op
+/// thread count ([`lockstep_harness::threads`]), so it never depends on the machine's core
+/// count: in this process when that is fork-safe (one thread, the default; or exec'd ranks,
+/// which nothing forks), else in a forked child of its own (a rank of a one-rank launch),
+/// so this process, which forks ranks afterwards, never starts an OpenMP pool.
+pub fn in_process_reference(
+    settings: &RunSettings,
+    reference: &(dyn Fn() -> Result<RunRecord, RunFailed> + Sync),
+) -> Result<RunRecord, RunFailed> {
+    if lockstep_harness::threads::forks_safely_after_reference() || settings.execs_ranks() {
+        lockstep_harness::threads::use_rank_threads();
+        return reference();
+    }
+    let out = scratch_path("reference", 1);
+    let body = |_: &RankCtx| -> Result<(), String> {
+        let record = reference().map_err(|e| e.details)?;
+        hand_back(&record, &out)
+    };
+    let launched = launch_forked(1, settings, &body);
+    read_record(&out, launched)
 }
 
 /// The float64 shadow of the single-device reference over `world_size` ranks' batches, in
@@ -414,7 +439,12 @@ fn run_exec(
 ) -> Result<RunRecord, RunFailed> {
     // What the rank's command line cannot carry is refused, never dropped: a planted fault
     // (DDP runs are where it goes) and an optimizer other than the default.
-    if settings.fault.is_some() && matches!(config, Config::Ddp | Config::DdpMixed(_)) {
+    if settings.fault.is_some()
+        && matches!(
+            config,
+            Config::Ddp | Config::DdpMixed(_) | Config::DdpHybridOrder
+        )
+    {
         return Err(RunFailed::simple(
             "a planted fault runs in forked ranks only (exec'd ranks take no fault)",
         ));
@@ -616,12 +646,35 @@ pub fn train_builtin(
     }
     let opts = DdpOptions {
         fault: settings.fault.clone(),
-        mixed_precision: config.precision().map(Precision::policy),
-        ..DdpOptions::default()
+        ..ddp_options(config, ctx)?
     };
     let mut record = train_ddp(model, ctx.group(), cfg, opts).map_err(|e| named(&e))?;
     record.memory = Some(replica_memory(model));
     Ok(record)
+}
+
+/// The options of DDP-family configuration `config` on this rank (no fault): its
+/// mixed-precision policy, and for `ddp.hybrid_order` hybrid shard's reduction on the very
+/// mesh hybrid shard builds (every rank must call it at the same point: the mesh creates
+/// process groups). `lockstep matrix`, `lockstep run` and exec'd ranks all build DDP here.
+pub fn ddp_options(config: Config, ctx: &RankCtx) -> Result<DdpOptions, String> {
+    let named = |e: &dyn std::fmt::Display| format!("{}: {e}", config.name());
+    let reduction = match config {
+        Config::DdpHybridOrder => {
+            let shard = Config::hybrid_layout()
+                .shard_size(ctx.world_size())?
+                .ok_or_else(|| named(&"the hybrid layout has no shard groups"))?;
+            let mesh = hybrid_mesh(ctx.world(), shard).map_err(|e| named(&e))?;
+            GradReduction::hierarchical(&mesh).map_err(|e| named(&e))?
+        }
+        Config::Ddp | Config::DdpMixed(_) => GradReduction::Flat,
+        _ => return Err(named(&"not a DDP configuration")),
+    };
+    Ok(DdpOptions {
+        mixed_precision: config.precision().map(Precision::policy),
+        reduction,
+        ..DdpOptions::default()
+    })
 }
 
 /// DDP's memory figures, for scale next to FSDP's: every rank keeps the whole model's

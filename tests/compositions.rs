@@ -441,7 +441,9 @@ fn invalid_meshes_and_compositions_are_refused_before_spawn() {
 /// HSDP×TP on [dp_replicate=2, dp_shard=2, tp=2] and PP×TP×DP on [dp=2, pp=2, tp=2]: the
 /// 3-D compositions at world 8 (8 ranks on this machine's cores: correctness, not speed)
 /// agree with single device; HSDP adds one all-reduce across replicas to FSDP's per-step
-/// all-gather and reduce-scatter on the shard group.
+/// all-gather and reduce-scatter on the shard group; and HSDP×TP is bitwise equal to TP with
+/// replicated parameters averaged in HSDP's order (`DataParallel::HybridReplicate`), the
+/// matrix's `tp.2.hybrid_order`.
 #[test]
 fn three_dimensional_compositions_at_world_8() {
     lockstep_harness::run(8, |ctx| {
@@ -466,6 +468,21 @@ fn three_dimensional_compositions_at_world_8() {
                 checkpoint_every: None,
             },
             None,
+        );
+        let ordered = run(
+            ctx,
+            "gpt",
+            Composition::TensorData {
+                tp: 2,
+                data: DataParallel::HybridReplicate { replicas: 2 },
+            },
+            None,
+        );
+        assert_agree(
+            "hsdp×tp vs tp averaged in hsdp's order",
+            &hsdp,
+            &ordered,
+            &TolerancePolicy::bitwise(DType::F32),
         );
         for step in 0..STEPS {
             assert_eq!(

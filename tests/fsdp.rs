@@ -3,11 +3,14 @@
 
 mod common;
 
+use lockstep::matrix::{fsdp_configs, FsdpLayout};
 use lockstep_core::comm::{DType, ReduceOp};
-use lockstep_core::ddp::{train_ddp, DdpOptions};
+use lockstep_core::ddp::{train_ddp, train_ddp_hierarchical, DdpOptions};
 use lockstep_core::fsdp::{
-    train_fsdp, CollectiveCounts, Fsdp, FsdpFault, FsdpOptions, ShardingStrategy, WrapPolicy,
+    hybrid_mesh, train_fsdp, train_fsdp_hybrid, CollectiveCounts, Fsdp, FsdpFault, FsdpOptions,
+    ShardingStrategy, WrapPolicy,
 };
+use lockstep_core::precision::MixedPrecision;
 use lockstep_core::record::RunRecord;
 use lockstep_core::train::{
     single_device_reference, train, OptimizerConfig, StepHooks, TrainConfig,
@@ -84,6 +87,119 @@ fn fsdp_matches_ddp_bitwise(
                 let what = format!("{model} {s:?} {wrap:?}");
                 assert_passes(&compare(&run, &ddp, &bitwise), &what);
             }
+        }
+    });
+}
+
+/// DDP averaging in hybrid shard's order: within the shard groups of `shard` ranks, then
+/// across the replicas, on the same mesh hybrid shard uses.
+fn hierarchical_ddp_run(ctx: &RankCtx, model: &str, shard: usize, opts: DdpOptions) -> RunRecord {
+    let m = zoo::build(model, 0, ctx.rank()).expect("model");
+    let mesh = hybrid_mesh(ctx.world(), shard).expect("mesh");
+    let cfg = config(ctx, model, "ddp.hybrid");
+    train_ddp_hierarchical(m.as_ref(), &mesh, ctx.group(), &cfg, opts).expect("ddp run")
+}
+
+fn hybrid_run(ctx: &RankCtx, model: &str, shard: usize, opts: FsdpOptions) -> RunRecord {
+    let m = zoo::build(model, 0, ctx.rank()).expect("model");
+    let cfg = config(ctx, model, "fsdp.hybrid_shard");
+    train_fsdp_hybrid(m.as_ref(), ctx.world(), ctx.group(), shard, &cfg, opts).expect("hybrid")
+}
+
+/// Every hybrid-shard configuration of the matrix's FSDP table, at world 4 (2 replicas of 2),
+/// against DDP whose reduction averages in hybrid shard's order, bit for bit: the CPU
+/// backend's reduce-scatter and all-reduce share one kernel (rank-order sum, one division),
+/// so averaging a bucket within the shard group and then across replicas computes every
+/// element exactly as hybrid shard's reduce-scatter and replica all-reduce do. (Against flat
+/// DDP the sums associate differently and the bits differ: `hybrid_shard_matches_ddp`.)
+#[rstest]
+fn hybrid_shard_matches_hierarchical_ddp_bitwise(
+    #[values("nested", "transformer", "transformer_bn", "mlp", "gpt", "moe")] model: &str,
+) {
+    let world = 4;
+    lockstep_harness::run(world, |ctx| {
+        let bitwise = TolerancePolicy::bitwise(DType::F32);
+        let hybrids: Vec<_> = fsdp_configs()
+            .iter()
+            .filter(|f| matches!(f.layout, FsdpLayout::Hybrid { .. }))
+            .collect();
+        assert!(hybrids.len() >= 2, "the table lost its hybrid rows");
+        let shard = hybrids[0]
+            .layout
+            .shard_size(world)
+            .expect("fits")
+            .expect("hybrid");
+        let ddp = hierarchical_ddp_run(ctx, model, shard, DdpOptions::default());
+        // BatchNorm statistics are per rank under FSDP and rank 0's under DDP (which
+        // broadcasts buffers), so `transformer_bn` agrees on rank 0, the rank the matrix
+        // compares; every other model agrees on every rank.
+        let judged = ctx.rank() == 0 || model != "transformer_bn";
+        for f in hybrids {
+            assert_eq!(f.layout.shard_size(world), Ok(Some(shard)), "{}", f.name);
+            let run = hybrid_run(ctx, model, shard, f.options.clone());
+            if judged {
+                assert_passes(
+                    &compare(&run, &ddp, &bitwise),
+                    &format!("{model} {}", f.name),
+                );
+            }
+        }
+        // The order matters: flat DDP is not bitwise on the transformer (the motivating
+        // case), which shows the comparison above can see a sum-order difference.
+        if model == "transformer" {
+            let flat = ddp_run(ctx, model);
+            let run = hybrid_run(ctx, model, shard, hybrid_root());
+            assert!(!compare(&run, &flat, &bitwise).passed, "flat DDP bitwise?");
+        }
+    });
+}
+
+fn hybrid_root() -> FsdpOptions {
+    FsdpOptions {
+        strategy: ShardingStrategy::HybridShard,
+        ..FsdpOptions::default()
+    }
+}
+
+/// Other meshes: one replica per rank (shard groups of 1), one replica (shard = world), and
+/// world 2 and 8, root and per-layer units, plus the bf16 policy (reduced in fp32 through
+/// both stages); every one bitwise equal to hierarchical DDP on the same mesh.
+#[rstest]
+fn hybrid_shard_matches_hierarchical_ddp_on_every_mesh(
+    #[values("nested", "transformer")] model: &str,
+    #[values((2, 1), (4, 1), (4, 4), (8, 2), (8, 4))] mesh: (usize, usize),
+) {
+    let (world, shard) = mesh;
+    lockstep_harness::run(world, |ctx| {
+        let bitwise = TolerancePolicy::bitwise(DType::F32);
+        let ddp = hierarchical_ddp_run(ctx, model, shard, DdpOptions::default());
+        for wrap in [WrapPolicy::Root, WrapPolicy::PerLayer] {
+            let opts = FsdpOptions {
+                wrap: wrap.clone(),
+                ..hybrid_root()
+            };
+            let run = hybrid_run(ctx, model, shard, opts);
+            let what = format!("{model} world {world} shard {shard} {wrap:?}");
+            assert_passes(&compare(&run, &ddp, &bitwise), &what);
+        }
+        if world == 4 {
+            let bf16 = MixedPrecision::bf16();
+            let ddp = hierarchical_ddp_run(
+                ctx,
+                model,
+                shard,
+                DdpOptions {
+                    mixed_precision: Some(bf16),
+                    ..DdpOptions::default()
+                },
+            );
+            let opts = FsdpOptions {
+                mixed_precision: Some(bf16),
+                wrap: WrapPolicy::PerLayer,
+                ..hybrid_root()
+            };
+            let run = hybrid_run(ctx, model, shard, opts);
+            assert_passes(&compare(&run, &ddp, &bitwise), &format!("{model} bf16"));
         }
     });
 }

@@ -201,13 +201,35 @@ fn list_prints_configs_and_models() {
     assert!(models_of("fsdp.full_shard.bf16").contains("moe,"));
     assert!(models_of("ddp.bf16").contains("moe,"));
     assert!(!run.stdout.contains("no FSDP mixed precision"));
-    assert!(
-        run.stdout.contains(&format!(
-            "override vs ddp: {}",
-            matrix::HYBRID_VS_DDP_REASON
-        )),
+    // Hybrid shard's reference and why, under each hybrid config; the reference-only
+    // configuration listed apart, never among the selectable ones.
+    assert_eq!(
+        run.stdout
+            .matches(&format!(
+                "against ddp.hybrid_order: {}",
+                matrix::HYBRID_VS_DDP_REASON
+            ))
+            .count(),
+        2,
         "{}",
         run.stdout
+    );
+    assert!(!run.stdout.contains("override vs ddp"), "{}", run.stdout);
+    let references = run
+        .stdout
+        .split("references only")
+        .nth(1)
+        .expect("the references section");
+    assert!(
+        references.contains(&Config::DdpHybridOrder.description())
+            && references.contains("tp.2.hybrid_order"),
+        "{}",
+        run.stdout
+    );
+    assert!(!Config::all().contains(&Config::DdpHybridOrder));
+    assert_eq!(
+        Config::by_name("ddp.hybrid_order"),
+        Some(Config::DdpHybridOrder)
     );
     assert!(run.stdout.contains("models:"), "{}", run.stdout);
     for model in lockstep::models::zoo::names() {
@@ -334,9 +356,10 @@ fn plan_selects_expands_and_counts_runs() {
     assert_eq!(plan.world_sizes, [2, 4]);
     assert_eq!(plan.configs, Config::all());
     let fsdp = Config::fsdp().len();
-    // gpt, gpt_moe and gpt_dropout: 2 single + 2 ddp + 2 ddp.bf16 + 2 ddp.fp16 + every fsdp config per
-    // world size (hybrid runs at 2 and 4); moe (no single-device reference): the 6 ddp runs +
-    // every fsdp config.
+    // gpt, gpt_moe and gpt_dropout: 2 single + 2 ddp + 2 ddp.bf16 + 2 ddp.fp16 + 1
+    // ddp.hybrid_order (hybrid shard's reference, never repeated) + every fsdp config per
+    // world size (hybrid runs at 2 and 4); moe (no single-device reference): the 7 ddp runs
+    // + every fsdp config.
     // Pipelines, per model with a single-device reference (gpt, gpt_moe, gpt_dropout): at world 2 the 10
     // pp configs that fit 2 ranks (all but dp2) and one single.mb4; at world 4 the 5 with one
     // stage per rank (the 2-per-rank ones need 8 layers, the GPT has 6), dp2, and single.mb8.
@@ -348,14 +371,15 @@ fn plan_selects_expands_and_counts_runs() {
     // Compositions: at world 2 only fsdp_x_tp2 (dp = 1) for the three decoders and
     // ep2_x_fsdp for gpt_moe; at world 4 fsdp_x_tp2, hsdp_x_tp2, pp2_x_dp and pp2_x_fsdp for
     // the three, pp2_x_tp2 for gpt and gpt_moe (not gpt_dropout) and ep2_x_fsdp for gpt_moe;
-    // their simpler configurations are selected already, so no extra reference runs.
-    let compositions = (3 + 1) + (4 * 3 + 2 + 1);
+    // their simpler configurations are selected already, except hsdp_x_tp2's
+    // tp.2.hybrid_order (a reference only), which runs once for each of the three.
+    let compositions = (3 + 1) + (4 * 3 + 2 + 1) + 3;
     // The float64 shadows: one per cell with a single-device reference (3 models × 2 worlds)
     // and one per microbatched reference (3 models × 2 worlds).
     let shadows = 3 * 2 + 3 * 2;
     assert_eq!(
         plan.run_count(),
-        2 * (3 * (8 + fsdp) + (6 + fsdp)) + pipelines + model_parallel + compositions + shadows
+        2 * (3 * (9 + fsdp) + (7 + fsdp)) + pipelines + model_parallel + compositions + shadows
     );
 
     let fsdp_only = matrix::plan(&MatrixOptions {
@@ -366,9 +390,10 @@ fn plan_selects_expands_and_counts_runs() {
     })
     .unwrap();
     assert_eq!(fsdp_only.configs, Config::fsdp());
-    // nested: 1 single and its float64 shadow + 1 ddp + 1 ddp.bf16 + 1 ddp.fp16 reference +
-    // every fsdp config; moe: the same without the single-device reference.
-    assert_eq!(fsdp_only.run_count(), (5 + fsdp) + (3 + fsdp));
+    // nested: 1 single and its float64 shadow + 1 ddp + 1 ddp.bf16 + 1 ddp.fp16 + 1
+    // ddp.hybrid_order reference + every fsdp config; moe: the same without the single-device
+    // reference and its shadow.
+    assert_eq!(fsdp_only.run_count(), (6 + fsdp) + (4 + fsdp));
 
     // At an odd world size hybrid shard launches nothing, and alone needs no references.
     let odd = |configs: &str| {
@@ -383,6 +408,17 @@ fn plan_selects_expands_and_counts_runs() {
     };
     assert_eq!(odd("fsdp.hybrid_shard"), 0);
     assert_eq!(odd("fsdp.*"), 5 + fsdp - 2);
+    // At an even one, hybrid shard alone needs single (and its float64 shadow) and its own
+    // DDP reference, once each, and not plain DDP.
+    let hybrid_alone = matrix::plan(&MatrixOptions {
+        models: vec!["nested".into()],
+        configs: vec!["fsdp.hybrid_shard".into()],
+        world_sizes: vec![4],
+        ..MatrixOptions::default()
+    })
+    .unwrap();
+    // single, its shadow, ddp.hybrid_order and the hybrid launch: 4 (5 if plain DDP ran too).
+    assert_eq!(hybrid_alone.run_count(), 4);
 
     let ddp_only = matrix::plan(&MatrixOptions {
         models: vec!["nested".into()],
@@ -527,7 +563,7 @@ fn every_fsdp_config_resolves_by_name_and_fsdp_star_selects_them_all() {
     );
     // Mixed precision: the options carry the policy, and the DDP reference is the same
     // policy's (`ddp.bf16`, itself a config users can select); the rest are fp32 against
-    // `ddp`.
+    // `ddp`, hybrid shard against `ddp.hybrid_order`.
     for c in Config::fsdp() {
         let f = c.fsdp_config().unwrap();
         let expected = MIXED_NAMES.iter().find(|(n, _)| *n == c.name());
@@ -539,7 +575,14 @@ fn every_fsdp_config_resolves_by_name_and_fsdp_star_selects_them_all() {
         );
         assert_eq!(
             c.ddp_reference().map(Config::name),
-            Some(expected.map_or("ddp", |(_, r)| *r)),
+            Some(expected.map_or(
+                if c.name().starts_with("fsdp.hybrid_shard") {
+                    "ddp.hybrid_order"
+                } else {
+                    "ddp"
+                },
+                |(_, r)| *r
+            )),
             "{}",
             c.name()
         );
@@ -579,19 +622,21 @@ fn every_fsdp_config_resolves_by_name_and_fsdp_star_selects_them_all() {
             "fsdp.shard_grad_op.per_layer.bf16"
         ]
     );
-    // Only hybrid shard is judged against DDP by the dtype table, and says why.
+    // Every FSDP config is judged bitwise against its DDP reference: hybrid shard against
+    // DDP averaging in its own two stages, the others against plain DDP (or DDP under
+    // their policy).
     for c in Config::fsdp() {
         let f = c.fsdp_config().unwrap();
         let hybrid = f.options.strategy == ShardingStrategy::HybridShard;
-        assert_eq!(
-            f.vs_ddp,
-            if hybrid {
-                DdpCheck::DtypeTable {
-                    reason: matrix::HYBRID_VS_DDP_REASON,
-                }
-            } else {
-                DdpCheck::Bitwise
-            },
+        assert_eq!(f.vs_ddp, DdpCheck::Bitwise, "{}", c.name());
+        let expected = match (hybrid, f.precision) {
+            (_, Some(p)) => Config::DdpMixed(p),
+            (true, None) => Config::DdpHybridOrder,
+            (false, None) => Config::Ddp,
+        };
+        assert_eq!(c.ddp_reference(), Some(expected), "{}", c.name());
+        assert!(
+            c.policy(expected, 4).unwrap().mode() == lockstep::harness::parity::Mode::Bitwise,
             "{}",
             c.name()
         );
@@ -624,11 +669,11 @@ fn fsdp_configs_match_ddp_bitwise_and_single_within_tolerance() {
     assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
     let n = FSDP_NAMES.len();
     let fp32 = n - MIXED_NAMES.len();
-    // Per model: one single-device run and its float64 shadow, one DDP, one DDP-bf16 and one
-    // DDP-fp16 reference run, one launch per FSDP config.
+    // Per model: one single-device run and its float64 shadow, one DDP, one DDP-bf16, one
+    // DDP-fp16 and one ddp.hybrid_order reference run, one launch per FSDP config.
     assert!(
         run.stderr
-            .contains(&format!("matrix: {} runs in ", 2 * (5 + n))),
+            .contains(&format!("matrix: {} runs in ", 2 * (6 + n))),
         "{}",
         run.stderr
     );
@@ -648,7 +693,12 @@ fn fsdp_configs_match_ddp_bitwise_and_single_within_tolerance() {
         for name in FSDP_NAMES {
             let config = format!("{name}@2");
             let mixed = MIXED_NAMES.iter().find(|(n, _)| *n == name);
-            let ddp = format!("{}@2", mixed.map_or("ddp", |(_, r)| *r));
+            let plain = if name.starts_with("fsdp.hybrid_shard") {
+                "ddp.hybrid_order"
+            } else {
+                "ddp"
+            };
+            let ddp = format!("{}@2", mixed.map_or(plain, |(_, r)| *r));
             assert!(keys.contains(&(model, &config, &ddp)), "{keys:?}");
             assert!(keys.contains(&(model, &config, "single@2")), "{keys:?}");
             assert!(
@@ -658,9 +708,8 @@ fn fsdp_configs_match_ddp_bitwise_and_single_within_tolerance() {
             );
         }
     }
-    // Against DDP the rows are bitwise (hybrid: the dtype table by a recorded override; at
-    // world 2 its shard groups are single ranks, so it is exact too); mixed-precision runs
-    // say their dtype.
+    // Against DDP the rows are bitwise with no override (hybrid against ddp.hybrid_order);
+    // mixed-precision runs say their dtype.
     for c in report
         .comparisons
         .iter()
@@ -673,8 +722,9 @@ fn fsdp_configs_match_ddp_bitwise_and_single_within_tolerance() {
         assert_eq!(c.run_spec.dtype, dtype, "{} {}", c.model, c.config);
         assert_eq!(c.reference_spec.dtype, dtype, "{} {}", c.model, c.config);
         assert_eq!(c.overall().max_abs_err, 0.0, "{} {}", c.model, c.config);
+        assert_eq!(c.override_reason, None, "{} {}", c.model, c.config);
         assert_eq!(
-            c.override_reason.is_some(),
+            c.reference == "ddp.hybrid_order@2",
             c.config.starts_with("fsdp.hybrid_shard"),
             "{} {}",
             c.model,
@@ -725,104 +775,81 @@ fn fsdp_configs_match_ddp_bitwise_and_single_within_tolerance() {
     assert!(html.contains("<th>peak full params (KiB)</th>"));
 }
 
+/// Hybrid shard against `ddp.hybrid_order` (DDP averaging in hybrid shard's two stages):
+/// bitwise, with no tolerance override, on `transformer` at world 4 too, where plain DDP's
+/// rank-order sum differs in the last bits; the reference runs once per cell, plain DDP not
+/// at all; odd worlds skip with the reason and launch nothing.
 #[test]
-fn hybrid_shard_runs_on_even_worlds_with_its_reason_and_skips_odd_ones() {
+fn hybrid_shard_is_bitwise_against_its_order_matched_ddp_and_skips_odd_worlds() {
     let scratch = Scratch::new("hybrid");
     let run = matrix_into(
         &scratch.0,
         &[
             "--models",
-            "nested",
+            "nested,transformer",
             "--configs",
             "fsdp.hybrid_shard",
             "--world-size",
             "2,3,4",
             "--steps",
-            "2",
+            "3",
             "--json",
         ],
     );
     assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
-    // World 2 and 4: single, its float64 shadow, ddp and hybrid each; world 3: nothing runs.
-    assert!(run.stderr.contains("matrix: 8 runs in "), "{}", run.stderr);
+    // World 2 and 4, per model: single, its float64 shadow, ddp.hybrid_order and hybrid;
+    // world 3: nothing runs.
+    assert!(run.stderr.contains("matrix: 16 runs in "), "{}", run.stderr);
     let rows: Vec<serde_json::Value> = run
         .stdout
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    let row = |world: usize, reference: &str| {
+    let row = |model: &str, world: usize, reference: &str| {
         rows.iter()
             .find(|r| {
-                r["config"] == format!("fsdp.hybrid_shard@{world}")
+                r["model"] == model
+                    && r["config"] == format!("fsdp.hybrid_shard@{world}")
                     && r["reference"] == format!("{reference}@{world}")
             })
-            .unwrap_or_else(|| panic!("no @{world} vs {reference} row: {rows:?}"))
+            .unwrap_or_else(|| panic!("no {model} @{world} vs {reference} row: {rows:?}"))
     };
-    let reason_note = format!("tolerance override: {}", matrix::HYBRID_VS_DDP_REASON);
-    for world in [2, 4] {
-        let vs_ddp = row(world, "ddp");
-        assert_eq!(vs_ddp["status"], "pass", "{vs_ddp}");
-        assert_eq!(vs_ddp["mode"], "tolerance", "{vs_ddp}");
-        assert_eq!(vs_ddp["note"], reason_note.as_str(), "{vs_ddp}");
-        let vs_single = row(world, "single");
-        assert_eq!(vs_single["status"], "pass", "{vs_single}");
-        assert!(vs_single["note"].is_null(), "{vs_single}");
+    assert!(!rows.iter().any(|r| r["reference"] == "ddp@4"), "{rows:?}");
+    for model in ["nested", "transformer"] {
+        for world in [2, 4] {
+            let vs_ddp = row(model, world, "ddp.hybrid_order");
+            assert_eq!(vs_ddp["status"], "pass", "{vs_ddp}");
+            assert_eq!(vs_ddp["mode"], "bitwise", "{vs_ddp}");
+            assert_eq!(vs_ddp["max_abs_err"], 0.0, "{vs_ddp}");
+            assert!(vs_ddp["note"].is_null(), "{vs_ddp}");
+            let vs_single = row(model, world, "single");
+            assert_eq!(vs_single["status"], "pass", "{vs_single}");
+            assert!(vs_single["note"].is_null(), "{vs_single}");
+        }
         // Shard groups of world/2 ranks: each rank keeps a 1/(world/2) shard.
-        let m = &vs_ddp["memory"];
-        assert_eq!(
-            m["shard_bytes"].as_u64().unwrap(),
-            496 * 4 / (world as u64 / 2),
-            "{m}"
-        );
+        let m = &row(model, 4, "ddp.hybrid_order")["memory"];
+        let whole = m["model_param_bytes"].as_u64().unwrap();
+        assert!(m["shard_bytes"].as_u64().unwrap() < whole, "{m}");
+        for reference in ["ddp.hybrid_order", "single"] {
+            let skipped = row(model, 3, reference);
+            assert_eq!(skipped["status"], "skip", "{skipped}");
+            assert!(
+                skipped["note"]
+                    .as_str()
+                    .is_some_and(|n| n.contains("world size 3 does not split into 2")),
+                "{skipped}"
+            );
+        }
     }
-    for reference in ["ddp", "single"] {
-        let skipped = row(3, reference);
-        assert_eq!(skipped["status"], "skip", "{skipped}");
-        assert!(
-            skipped["note"]
-                .as_str()
-                .is_some_and(|n| n.contains("world size 3 does not split into 2")),
-            "{skipped}"
-        );
-    }
-    // The table names the override once, with its reason, below the rows.
-    assert!(
-        run.stderr.contains("tolerance override (see below)")
-            && run.stderr.contains(&format!(
-                "tolerance override (fsdp.hybrid_shard vs ddp): {}",
-                matrix::HYBRID_VS_DDP_REASON
-            )),
-        "{}",
-        run.stderr
-    );
-    // So do the reports: the comparison records the reason; Markdown and HTML print it.
+    assert!(!run.stderr.contains("tolerance override"), "{}", run.stderr);
+    // No override anywhere in the reports.
     let report = read_json(&scratch.0.join("report.json")).unwrap();
-    let vs_ddp: Vec<&str> = report
+    assert!(report
         .comparisons
         .iter()
-        .filter(|c| c.reference.starts_with("ddp"))
-        .map(|c| c.config.as_str())
-        .collect();
-    assert_eq!(vs_ddp, ["fsdp.hybrid_shard@2", "fsdp.hybrid_shard@4"]);
-    for c in report.comparisons.iter() {
-        let expected = c
-            .reference
-            .starts_with("ddp")
-            .then_some(matrix::HYBRID_VS_DDP_REASON);
-        assert_eq!(c.override_reason.as_deref(), expected, "{}", c.reference);
-    }
+        .all(|c| c.override_reason.is_none()));
     let md = std::fs::read_to_string(scratch.0.join("report.md")).unwrap();
-    assert!(md.contains(matrix::HYBRID_VS_DDP_REASON), "{md}");
-    let html = std::fs::read_to_string(scratch.0.join("report.html")).unwrap();
-    assert!(html.contains("Tolerance override: hybrid shard averages"));
-    let junit = std::fs::read_to_string(scratch.0.join("junit.xml")).unwrap();
-    assert_eq!(
-        junit
-            .matches("tolerance override in force: hybrid shard averages")
-            .count(),
-        2,
-        "{junit}"
-    );
+    assert!(!md.contains("override"), "{md}");
 }
 
 /// Mixed-precision FSDP at world 2 against DDP under the same policy: bitwise, one DDP
@@ -1392,7 +1419,7 @@ fn composition_rows_pass_against_single_and_their_simpler_configuration() {
     };
     for (config, simpler, mode) in [
         ("fsdp_x_tp2@4", "tp.2@4", "bitwise"),
-        ("hsdp_x_tp2@4", "tp.2@4", "arbiter"),
+        ("hsdp_x_tp2@4", "tp.2.hybrid_order@4", "bitwise"),
         ("pp2_x_fsdp@4", "pp2_x_dp@4", "bitwise"),
         ("ep2_x_fsdp@4", "ep.2@4", "bitwise"),
     ] {

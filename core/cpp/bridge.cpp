@@ -21,6 +21,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/Version.h>
 #include <c10/core/CPUAllocator.h>
 
 #ifdef LOCKSTEP_CUDA
@@ -236,6 +237,16 @@ struct LockstepFunction : public torch::autograd::Function<LockstepFunction> {
 extern "C" {
 
 void lk_free_string(char* s) { std::free(s); }
+
+// The CPU capability ATen's kernels dispatch to ("AVX512", "AVX2", "DEFAULT", ...), what
+// torch.backends.cpu.get_cpu_capability() returns (ATEN_CPU_CAPABILITY honoured). `*out`
+// receives a malloc'd string, freed with lk_free_string.
+int lk_cpu_capability(char** out, lk_status* st) {
+  LK_TRY
+  *out = dup_message(at::get_cpu_capability().c_str());
+  TORCH_CHECK(*out != nullptr, "out of memory copying the CPU capability");
+  LK_CATCH(st)
+}
 
 // Appends a (shallow) copy of `t` to a `variable_list` owned by C++; null means undefined.
 int lk_vec_push(void* vec, const at::Tensor* t, lk_status* st) {

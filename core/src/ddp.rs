@@ -10,7 +10,10 @@
 //!   launches a bucket's asynchronous all-reduce as soon as its last gradient is complete,
 //!   while backward continues. Buckets launch strictly in index order on every rank, so the
 //!   collectives match across ranks whatever the hook order.
-//! * **Average**: `ReduceOp::Avg`, the rank-order sum divided by the world size once.
+//! * **Average**: `ReduceOp::Avg`, the rank-order sum divided by the world size once; or,
+//!   with [`GradReduction::Hierarchical`], hybrid shard's two stages (the average within a
+//!   shard group, then the average of those across replicas), so DDP can be the bitwise
+//!   reference of hybrid-sharded FSDP.
 //! * **Buffers** are broadcast from rank 0 before every forward (PyTorch's default).
 //! * **Communication hooks** replace the per-bucket reduction; [`MarkedReduction`] also
 //!   reduces parameters marked for other groups (tensor or context parallel) there.
@@ -28,7 +31,7 @@
 
 use crate::autograd::{register_post_accumulate_grad_hook, set_grad, AutogradError, HookHandle};
 use crate::comm::work::lock;
-use crate::comm::{CommError, ProcessGroup, ReduceOp, Work};
+use crate::comm::{CommError, DeviceMesh, ProcessGroup, ReduceOp, Work};
 use crate::precision::{
     cast_buffers, low_precision_params, CastInputs, MixedPrecision, PrecisionError,
 };
@@ -97,6 +100,67 @@ pub struct DdpOptions {
     /// Train under this mixed-precision policy (see the module documentation); `None` is
     /// plain fp32 DDP. Needs a model that supports layer hooks.
     pub mixed_precision: Option<MixedPrecision>,
+    /// How each bucket is averaged: one all-reduce over the whole group, or hybrid shard's
+    /// two stages. A hierarchical reduction and a `comm_hook` (which replaces the reduction)
+    /// are refused together.
+    pub reduction: GradReduction,
+}
+
+/// How DDP averages a bucket over the data-parallel ranks.
+///
+/// Float addition is not associative, so the grouping of the sum is part of the result:
+/// [`GradReduction::Flat`] is PyTorch DDP's default (one all-reduce, which the CPU backend
+/// sums in rank order, `((g0+g1)+g2)+g3`), and [`GradReduction::Hierarchical`] is the
+/// grouping hybrid-sharded FSDP uses (`(g0+g1)/2` and `(g2+g3)/2`, then their mean), the
+/// reduction a PyTorch DDP communication hook over two process groups would do. With it DDP
+/// is the bitwise reference of hybrid shard, as flat DDP is of full shard.
+#[derive(Clone, Default)]
+pub enum GradReduction {
+    /// One all-reduce (`Avg`) of every bucket over the whole data-parallel group.
+    #[default]
+    Flat,
+    /// Every bucket all-reduced (`Avg`) within this rank's shard group, from the backward
+    /// hooks, then all-reduced (`Avg`) across the replicas after backward: elementwise
+    /// exactly what hybrid shard's reduce-scatter within the shard group followed by its
+    /// all-reduce across replicas computes (the CPU backend's reduce-scatter and all-reduce
+    /// share one kernel, sum in rank order then divide once).
+    Hierarchical {
+        /// The ranks that would hold the shards of one replica.
+        shard: Arc<dyn ProcessGroup>,
+        /// The ranks holding the same shard in every replica.
+        replicate: Arc<dyn ProcessGroup>,
+    },
+}
+
+impl GradReduction {
+    /// Hybrid shard's reduction on a `[replicate, shard]` mesh (as
+    /// [`hybrid_mesh`](crate::fsdp::hybrid_mesh) builds it), so DDP and hybrid shard use the
+    /// very same groups.
+    pub fn hierarchical(mesh: &DeviceMesh) -> Result<GradReduction, DdpError> {
+        if mesh.names() != ["replicate", "shard"] {
+            return Err(DdpError::Invalid(format!(
+                "the hierarchical reduction needs a mesh with dimensions [replicate, shard], \
+                 not [{}]",
+                mesh.names().join(", ")
+            )));
+        }
+        Ok(GradReduction::Hierarchical {
+            shard: mesh.group("shard")?,
+            replicate: mesh.group("replicate")?,
+        })
+    }
+
+    /// A short name for diagnostics: `flat`, or `hierarchical(shard S x replicas R)`.
+    pub fn label(&self) -> String {
+        match self {
+            GradReduction::Flat => "flat".into(),
+            GradReduction::Hierarchical { shard, replicate } => format!(
+                "hierarchical(shard {} x replicas {})",
+                shard.size(),
+                replicate.size()
+            ),
+        }
+    }
 }
 
 impl Default for DdpOptions {
@@ -108,6 +172,7 @@ impl Default for DdpOptions {
             comm_hook: None,
             fault: None,
             mixed_precision: None,
+            reduction: GradReduction::Flat,
         }
     }
 }
@@ -121,6 +186,7 @@ impl std::fmt::Debug for DdpOptions {
             .field("comm_hook", &self.comm_hook.is_some())
             .field("fault", &self.fault)
             .field("mixed_precision", &self.mixed_precision)
+            .field("reduction", &self.reduction.label())
             .finish()
     }
 }
@@ -213,6 +279,11 @@ struct State {
     next_launch: usize,
     op: ReduceOp,
     group: Arc<dyn ProcessGroup>,
+    /// The group each bucket's (first) all-reduce runs over: `group`, or the shard group of
+    /// a hierarchical reduction.
+    bucket_group: Arc<dyn ProcessGroup>,
+    /// Hierarchical reduction: the group each bucket is averaged over after the first.
+    replicate: Option<Arc<dyn ProcessGroup>>,
 }
 
 impl State {
@@ -243,7 +314,7 @@ impl State {
             }
             self.pack(b)?;
             let work = self
-                .group
+                .bucket_group
                 .all_reduce_async(&self.buckets[b].flat, self.op)?;
             self.buckets[b].work = Some(work);
             self.next_launch += 1;
@@ -352,6 +423,7 @@ impl Ddp {
         opts: DdpOptions,
         precision: Option<(CastInputs, BTreeSet<String>)>,
     ) -> Result<Ddp, DdpError> {
+        let (bucket_group, replicate) = reduction_groups(&opts, &group)?;
         let fault = opts.fault.clone();
         let excluded = |name: &str| match &fault {
             Some(Fault::SkipParameter(p)) if p == name => true,
@@ -417,6 +489,8 @@ impl Ddp {
             next_launch: 0,
             op,
             group,
+            bucket_group,
+            replicate,
         }));
         let mut hooks = Vec::new();
         if opts.overlap && opts.comm_hook.is_none() {
@@ -539,6 +613,13 @@ impl Ddp {
                     work.wait()?;
                 }
             }
+            // Hierarchical: the shard groups' averages, averaged across replicas, in bucket
+            // order on every rank.
+            if let Some(replicate) = &state.replicate {
+                for bucket in &state.buckets {
+                    replicate.all_reduce(&bucket.flat, state.op)?;
+                }
+            }
         }
         let _guard = tch::no_grad_guard();
         let State {
@@ -654,6 +735,40 @@ fn into_train(e: DdpError) -> TrainError {
     }
 }
 
+/// The group each bucket is first all-reduced over, and the replica group of a
+/// hierarchical reduction.
+type ReductionGroups = (Arc<dyn ProcessGroup>, Option<Arc<dyn ProcessGroup>>);
+
+/// The group each bucket is first all-reduced over, and the replica group of a hierarchical
+/// reduction; refuses groups that do not tile `group` (checked before any collective, so
+/// every rank fails alike).
+fn reduction_groups(
+    opts: &DdpOptions,
+    group: &Arc<dyn ProcessGroup>,
+) -> Result<ReductionGroups, DdpError> {
+    match &opts.reduction {
+        GradReduction::Flat => Ok((group.clone(), None)),
+        GradReduction::Hierarchical { .. } if opts.comm_hook.is_some() => Err(DdpError::Invalid(
+            "a communication hook replaces the reduction; set either comm_hook or a \
+             hierarchical reduction, not both"
+                .into(),
+        )),
+        GradReduction::Hierarchical { shard, replicate } => {
+            if shard.size() * replicate.size() != group.size() {
+                return Err(DdpError::Invalid(format!(
+                    "a hierarchical reduction over shard groups of {} and {} replicas covers {} \
+                     ranks, but DDP's group has {}",
+                    shard.size(),
+                    replicate.size(),
+                    shard.size() * replicate.size(),
+                    group.size()
+                )));
+            }
+            Ok((shard.clone(), Some(replicate.clone())))
+        }
+    }
+}
+
 /// Packs parameters, last first, into buckets of one reduction dtype (`reduce_kind` of each
 /// parameter index) and at most `cap` bytes of it (a single larger parameter gets a bucket
 /// of its own).
@@ -717,4 +832,23 @@ pub fn train_ddp(
 ) -> Result<RunRecord, DdpError> {
     let mut ddp = Ddp::new(model, group.clone(), opts)?;
     Ok(train(model, cfg, &mut ddp, Some(group.as_ref()))?)
+}
+
+/// [`train_ddp`] with hybrid shard's reduction ([`GradReduction::Hierarchical`]) on `mesh`, a
+/// `[replicate, shard]` mesh such as [`hybrid_mesh`](crate::fsdp::hybrid_mesh) builds:
+/// parameters and buffers broadcast and losses averaged over `world_group`, gradients
+/// averaged within the shard group, then across replicas. Hybrid shard on the same mesh must
+/// equal it bit for bit on the CPU backend.
+pub fn train_ddp_hierarchical(
+    model: &dyn Model,
+    mesh: &DeviceMesh,
+    world_group: Arc<dyn ProcessGroup>,
+    cfg: &TrainConfig,
+    opts: DdpOptions,
+) -> Result<RunRecord, DdpError> {
+    let opts = DdpOptions {
+        reduction: GradReduction::hierarchical(mesh)?,
+        ..opts
+    };
+    train_ddp(model, world_group, cfg, opts)
 }

@@ -13,6 +13,7 @@ pub mod compose;
 pub mod ddp;
 pub mod expert_parallel;
 pub mod fsdp;
+pub mod machine;
 pub mod num;
 pub mod pipeline;
 pub mod precision;

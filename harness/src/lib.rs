@@ -27,6 +27,7 @@ pub mod parity;
 mod rank;
 pub mod report;
 pub mod stress;
+pub mod threads;
 
 pub use error::{signal_name, FailureReport, LaunchError, RankEnd, RankReport};
 pub use launch::{launch, LaunchOptions, LaunchSummary, RankCommand, RankInfo, RankSpawn};

@@ -177,15 +177,6 @@ fn report_line(text: &str) {
     let _ = writeln!(std::io::stderr(), "{text}");
 }
 
-/// Intra-op threads per rank: `LOCKSTEP_THREADS`, default 1 (ranks already share the cores,
-/// and a forked rank must not enter an OpenMP pool inherited from its launcher).
-fn configure_threads() {
-    let threads = var("LOCKSTEP_THREADS")
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1);
-    tch::set_num_threads(threads);
-}
-
 /// Runs `body` as a launched rank and returns the process exit code: 0 on success, 1 for a
 /// returned error, 101 for a panic. The failure message also goes to the store so the
 /// launcher can quote it exactly.
@@ -195,7 +186,8 @@ where
     R: RankResult,
 {
     let rank = rank_env.opts.rank;
-    configure_threads();
+    // The one thread rule (`crate::threads`), shared with in-process references.
+    crate::threads::use_rank_threads();
     if let Some(dir) = &rank_env.run_dir {
         install_dump_handler(dir.clone(), rank);
     }

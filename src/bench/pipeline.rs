@@ -129,7 +129,7 @@ pub fn run_pipeline(opts: &PipelineBenchOptions) -> Result<PipelineBenchResult, 
         .map_err(|e| BenchError::Invalid(format!("building the decoder: {e}")))?;
     let plan = lockstep_core::pipeline::plan_pipeline(&probe_model, opts.stages, &popts)
         .map_err(|e| BenchError::Invalid(e.to_string()))?;
-    tch::set_num_threads(1);
+    lockstep_harness::threads::use_launcher_threads();
     let out = results_path("pipeline");
     // Warm-up, the timed steps, and one more whose start ends the last timed step.
     let steps = opts.steps + 2;

@@ -207,7 +207,7 @@ fn check_options(opts: &StepBenchOptions) -> Result<(), BenchError> {
 /// `opts.parallel` is ignored (see [`run_parallel_step`]).
 pub fn run_step(opts: &StepBenchOptions) -> Result<StepResult, BenchError> {
     check_options(opts)?;
-    tch::set_num_threads(1);
+    lockstep_harness::threads::use_launcher_threads();
     let ddp = time_steps(opts, StepRun::Ddp)?;
     let fsdp = time_steps(opts, StepRun::FsdpFullShard)?;
     let per_layer = time_steps(opts, StepRun::FsdpPerLayer)?;
@@ -266,7 +266,7 @@ pub fn run_parallel_step(opts: &StepBenchOptions) -> Result<ParallelStepResult, 
     let model = probe.name().to_owned();
     let parameters = probe.num_parameters();
     drop(probe);
-    tch::set_num_threads(1);
+    lockstep_harness::threads::use_launcher_threads();
     let mut runs: Vec<ParallelStepRun> = Vec::with_capacity(configs.len());
     for config in configs {
         let t = time_steps(opts, config)?;

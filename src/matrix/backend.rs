@@ -37,7 +37,11 @@ pub fn backend_blockers(backend: Backend, world_sizes: &[usize]) -> Vec<String> 
 pub fn runs_on_cuda(config: Config) -> bool {
     matches!(
         config,
-        Config::Single | Config::Ddp | Config::DdpMixed(_) | Config::Fsdp(_)
+        Config::Single
+            | Config::Ddp
+            | Config::DdpMixed(_)
+            | Config::DdpHybridOrder
+            | Config::Fsdp(_)
     )
 }
 

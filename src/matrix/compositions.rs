@@ -10,11 +10,11 @@ use super::*;
 use lockstep_core::compose::{check_composition, Composition, DataParallel};
 use lockstep_core::pipeline::ScheduleKind;
 
-/// Why HSDP×TP is held to the fp32 table against TP×DDP: the override reason in its rows
-/// and reports.
-pub const HSDP_VS_DDP_REASON: &str = "HSDP averages each gradient within its shard group and \
-     then across replicas, where DDP averages over all data ranks at once: the same mean with \
-     another rounding";
+/// Why HSDP×TP's reference is `tp.2.hybrid_order`, not `tp.2`: printed by `--list`.
+pub const HSDP_VS_DDP_REASON: &str = "HSDP averages each gradient (and the loss) within its \
+     shard group and then across replicas, where tp.2 averages over all data ranks at once: \
+     the same mean with another rounding. Its reference is tp.2.hybrid_order, tp.2 averaging \
+     in HSDP's two stages on the same mesh, and against it HSDP×TP is bitwise";
 
 /// One composition of the matrix.
 #[derive(Clone, Debug)]
@@ -27,6 +27,9 @@ pub struct CompositionConfig {
     pub composition: Composition,
     /// The simpler configuration it reduces to, and how it is judged against it.
     pub reduces_to: Option<(&'static str, DdpCheck)>,
+    /// Runs only as another composition's simpler configuration: not in [`Config::all`], so
+    /// no pattern selects it and it has no rows of its own.
+    pub reference_only: bool,
 }
 
 impl CompositionConfig {
@@ -81,6 +84,7 @@ pub fn composition_configs() -> &'static [CompositionConfig] {
                     data: DataParallel::Shard,
                 },
                 reduces_to: Some(("tp.2", DdpCheck::Bitwise)),
+                reference_only: false,
             },
             CompositionConfig {
                 name: "hsdp_x_tp2",
@@ -90,12 +94,22 @@ pub fn composition_configs() -> &'static [CompositionConfig] {
                     tp: 2,
                     data: DataParallel::HybridShard { replicas: 2 },
                 },
-                reduces_to: Some((
-                    "tp.2",
-                    DdpCheck::DtypeTable {
-                        reason: HSDP_VS_DDP_REASON,
-                    },
-                )),
+                reduces_to: Some(("tp.2.hybrid_order", DdpCheck::Bitwise)),
+                reference_only: false,
+            },
+            CompositionConfig {
+                name: "tp.2.hybrid_order",
+                description: "tp.2 on [dp_replicate=2, dp_shard, tp=2] with every parameter \
+                              replicated over the data dimension, gradients and losses averaged \
+                              within dp_shard, then across the 2 replicas (HSDP's order): the \
+                              bitwise reference of hsdp_x_tp2 (reference only: runs when it \
+                              does)",
+                composition: Composition::TensorData {
+                    tp: 2,
+                    data: DataParallel::HybridReplicate { replicas: 2 },
+                },
+                reduces_to: None,
+                reference_only: true,
             },
             CompositionConfig {
                 name: "pp2_x_dp",
@@ -103,6 +117,7 @@ pub fn composition_configs() -> &'static [CompositionConfig] {
                               dp = N/2 ≥ 2, gradients all-reduced",
                 composition: pipeline(1, DataParallel::Replicate, 2),
                 reduces_to: None,
+                reference_only: false,
             },
             CompositionConfig {
                 name: "pp2_x_tp2",
@@ -111,12 +126,14 @@ pub fn composition_configs() -> &'static [CompositionConfig] {
                               last), replicated over the rest (world 4 and up)",
                 composition: pipeline(2, DataParallel::Replicate, 1),
                 reduces_to: None,
+                reference_only: false,
             },
             CompositionConfig {
                 name: "pp2_x_tp2_x_dp",
                 description: "PP×TP×DP on [dp, pp=2, tp=2] with dp = N/4 ≥ 2 (world 8 and up)",
                 composition: pipeline(2, DataParallel::Replicate, 2),
                 reduces_to: None,
+                reference_only: false,
             },
             CompositionConfig {
                 name: "pp2_x_fsdp",
@@ -125,6 +142,7 @@ pub fn composition_configs() -> &'static [CompositionConfig] {
                               first forward, REDUCE_GRAD and RESHARD after the last backward",
                 composition: pipeline(1, DataParallel::Shard, 2),
                 reduces_to: Some(("pp2_x_dp", DdpCheck::Bitwise)),
+                reference_only: false,
             },
             CompositionConfig {
                 name: "pp2_x_tp2_x_fsdp.ac",
@@ -141,6 +159,7 @@ pub fn composition_configs() -> &'static [CompositionConfig] {
                     checkpoint_every: Some(1),
                 },
                 reduces_to: Some(("pp2_x_tp2_x_dp", DdpCheck::Bitwise)),
+                reference_only: false,
             },
             CompositionConfig {
                 name: "ep2_x_fsdp",
@@ -151,6 +170,7 @@ pub fn composition_configs() -> &'static [CompositionConfig] {
                     data: DataParallel::Shard,
                 },
                 reduces_to: Some(("ep.2", DdpCheck::Bitwise)),
+                reference_only: false,
             },
         ]
     });

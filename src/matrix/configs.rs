@@ -114,12 +114,14 @@ pub struct FsdpConfig {
 }
 
 impl FsdpConfig {
-    /// The DDP configuration it is compared against: `ddp`, or DDP under the same
-    /// mixed-precision policy.
+    /// The DDP configuration it is compared against: `ddp`, DDP under the same
+    /// mixed-precision policy, or for a hybrid layout `ddp.hybrid_order` (DDP averaging in
+    /// hybrid shard's two stages, [`HYBRID_VS_DDP_REASON`]).
     pub fn ddp_reference(&self) -> Config {
-        match self.precision {
-            None => Config::Ddp,
-            Some(p) => Config::DdpMixed(p),
+        match (self.precision, self.layout) {
+            (Some(p), _) => Config::DdpMixed(p),
+            (None, FsdpLayout::Hybrid { .. }) => Config::DdpHybridOrder,
+            (None, FsdpLayout::Flat) => Config::Ddp,
         }
     }
 }
@@ -158,12 +160,8 @@ pub fn fsdp_configs() -> &'static [FsdpConfig] {
             name,
             description,
             options: with(ShardingStrategy::HybridShard, wrap),
-            layout: FsdpLayout::Hybrid {
-                replicas: HYBRID_REPLICAS,
-            },
-            vs_ddp: DdpCheck::DtypeTable {
-                reason: HYBRID_VS_DDP_REASON,
-            },
+            layout: Config::hybrid_layout(),
+            vs_ddp: DdpCheck::Bitwise,
             precision: None,
         };
         vec![
@@ -365,6 +363,12 @@ pub enum Config {
     /// DDP under a mixed-precision policy: the reference of the FSDP configurations under
     /// the same policy.
     DdpMixed(Precision),
+    /// DDP averaging every bucket in hybrid shard's two stages (within shard groups of
+    /// `N / HYBRID_REPLICAS` ranks, then across the replicas): the bitwise reference of the
+    /// hybrid FSDP configurations ([`HYBRID_VS_DDP_REASON`]). A reference only: not in
+    /// [`Config::all`] (no `--configs` pattern selects it, so it never runs a repeat of its
+    /// own), but [`Config::by_name`] finds it.
+    DdpHybridOrder,
     /// One row of the FSDP table.
     Fsdp(FsdpId),
     /// One row of the pipeline table.
@@ -385,7 +389,11 @@ impl Config {
         all.extend(
             (0..model_parallel_configs().len()).map(|i| Config::ModelParallel(ModelParallelId(i))),
         );
-        all.extend((0..composition_configs().len()).map(|i| Config::Composed(CompositionId(i))));
+        all.extend(
+            (0..composition_configs().len())
+                .filter(|&i| !composition_configs()[i].reference_only)
+                .map(|i| Config::Composed(CompositionId(i))),
+        );
         all
     }
 
@@ -396,9 +404,26 @@ impl Config {
             .collect()
     }
 
-    /// The configuration called `name` exactly, if any.
+    /// The configurations that only ever run as references of others, once, when a
+    /// selected configuration needs them (`ddp.hybrid_order`, `tp.2.hybrid_order`): not in
+    /// [`Config::all`], so no pattern selects them and they never run a repeat of their own.
+    pub fn references_only() -> Vec<Config> {
+        let mut out = vec![Config::DdpHybridOrder];
+        out.extend(
+            (0..composition_configs().len())
+                .filter(|&i| composition_configs()[i].reference_only)
+                .map(|i| Config::Composed(CompositionId(i))),
+        );
+        out
+    }
+
+    /// The configuration called `name` exactly, if any (reference-only ones included, so
+    /// exec'd ranks and `lockstep run` can run them).
     pub fn by_name(name: &str) -> Option<Config> {
-        Config::all().into_iter().find(|c| c.name() == name)
+        Config::all()
+            .into_iter()
+            .chain(Config::references_only())
+            .find(|c| c.name() == name)
     }
 
     /// The name patterns and reports use.
@@ -407,6 +432,7 @@ impl Config {
             Config::Single => "single",
             Config::Ddp => "ddp",
             Config::DdpMixed(p) => p.ddp_name(),
+            Config::DdpHybridOrder => "ddp.hybrid_order",
             Config::Fsdp(id) => id.get().name,
             Config::Pipeline(id) => id.get().name,
             Config::ModelParallel(id) => id.get().name,
@@ -419,6 +445,7 @@ impl Config {
         match self {
             Config::Single
             | Config::Ddp
+            | Config::DdpHybridOrder
             | Config::Pipeline(_)
             | Config::ModelParallel(_)
             | Config::Composed(_) => None,
@@ -466,6 +493,7 @@ impl Config {
             Config::Single
             | Config::Ddp
             | Config::DdpMixed(_)
+            | Config::DdpHybridOrder
             | Config::Pipeline(_)
             | Config::ModelParallel(_)
             | Config::Composed(_) => None,
@@ -497,6 +525,12 @@ impl Config {
                             against single (fp32 dtype table) and a fresh repeat of itself \
                             (bitwise)"
                 .into(),
+            Config::DdpHybridOrder => format!(
+                "DDP whose buckets are averaged as hybrid shard averages: within groups of \
+                 N/{HYBRID_REPLICAS} ranks, then across the {HYBRID_REPLICAS} replicas; the \
+                 reference of the fsdp.hybrid_shard* configs (reference only: runs when one \
+                 of them does); checked through them"
+            ),
             Config::DdpMixed(p) => format!(
                 "DDP under the {label} mixed-precision policy ({label} compute, fp32 reduction \
                  and buffers, BatchNorm in fp32), one forked process per rank: the reference of \
@@ -508,6 +542,7 @@ impl Config {
                 "{}; checked against single (fp32 dtype table)",
                 id.get().description
             ),
+            Config::Composed(id) if id.get().reference_only => id.get().description.to_owned(),
             Config::Composed(id) => {
                 let c = id.get();
                 let vs_single = if c.is_pipeline() {
@@ -586,8 +621,18 @@ impl Config {
         if let Some(c) = self.composition_config() {
             return c.world_blocker(world_size);
         }
+        if self == Config::DdpHybridOrder {
+            return Config::hybrid_layout().shard_size(world_size).err();
+        }
         self.fsdp_config()
             .and_then(|f| f.layout.shard_size(world_size).err())
+    }
+
+    /// The layout of the hybrid FSDP configurations, which `ddp.hybrid_order` mirrors.
+    pub fn hybrid_layout() -> FsdpLayout {
+        FsdpLayout::Hybrid {
+            replicas: HYBRID_REPLICAS,
+        }
     }
 
     /// The tolerance policy against `reference` at `world_size`: bitwise against a repeat of
@@ -622,13 +667,13 @@ impl Config {
             (_, Config::Single) if self != Config::Single => {
                 Ok(TolerancePolicy::dtype_table(DType::F32))
             }
-            (Config::Fsdp(id), Config::Ddp | Config::DdpMixed(_)) => {
+            (Config::Fsdp(id), Config::Ddp | Config::DdpMixed(_) | Config::DdpHybridOrder) => {
                 let bitwise = TolerancePolicy::bitwise(DType::F32);
                 match id.get().vs_ddp {
                     DdpCheck::Bitwise => Ok(bitwise),
-                    // Only fp32 configurations override here (hybrid shard), so the fp32 row
-                    // of the table is the tolerance for every quantity (the NCCL override is
-                    // added apart, by `with_backend_override`).
+                    // Only fp32 configurations may override here, so the fp32 row of the
+                    // table is the tolerance for every quantity (the NCCL override is added
+                    // apart, by `with_backend_override`).
                     DdpCheck::DtypeTable { reason } => {
                         let ov = Override::new(Tolerance::for_dtype(DType::F32), reason)
                             .map_err(|e| format!("{}: {e}", self.name()))?;

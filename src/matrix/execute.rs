@@ -50,8 +50,9 @@ impl Progress<'_> {
 /// and per mixed-precision policy), the FSDP launches, then the comparisons. Run
 /// failures become `Error` rows; the matrix always finishes.
 ///
-/// libtorch is set to one intra-op thread in this process: forked ranks must not inherit an
-/// OpenMP pool, and the zoo's models are too small to gain from more.
+/// libtorch is set to one intra-op thread in this process (forked ranks must not inherit an
+/// OpenMP pool); the references computed here run with the ranks' count
+/// ([`lockstep_harness::threads`]), so no verdict depends on the machine's core count.
 pub fn run(plan: &Plan, bar: &ProgressBar) -> MatrixResult {
     run_logged(plan, bar, true)
 }
@@ -63,7 +64,9 @@ pub fn run_quietly(plan: &Plan) -> MatrixResult {
 }
 
 fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
-    tch::set_num_threads(1);
+    // This process forks every rank: one thread (`lockstep_harness::threads`); references
+    // computed here take the ranks' count through `runner::in_process_reference`.
+    lockstep_harness::threads::use_launcher_threads();
     let started = Instant::now();
     // A measurement aid: a log that cannot be created is reported and the matrix goes on.
     let mut arbiter_log =
@@ -258,7 +261,9 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
             for &config in &plan.configs {
                 let world_skip = config.world_blocker(world);
                 match config {
-                    Config::Single | Config::DdpMixed(_) => {
+                    // `ddp.hybrid_order` is never selected (a reference only); were it, its
+                    // row would be its repeat's, like the other DDP references.
+                    Config::Single | Config::DdpMixed(_) | Config::DdpHybridOrder => {
                         let judge = policy_against(config, config, reference(config, 1));
                         row(
                             config,

@@ -40,10 +40,20 @@ pub fn render_list(seed: u64) -> Result<String, MatrixError> {
                  ranks; other sizes are skipped)",
                 ""
             );
+            let _ = writeln!(
+                out,
+                "  {:<width$}against {}: {HYBRID_VS_DDP_REASON}",
+                "",
+                Config::DdpHybridOrder.name()
+            );
         }
         if let Some(DdpCheck::DtypeTable { reason }) = c.fsdp_config().map(|f| f.vs_ddp) {
             let _ = writeln!(out, "  {:<width$}override vs ddp: {reason}", "");
         }
+    }
+    out.push_str("references only (run when a config above needs them, never selected):\n");
+    for c in Config::references_only() {
+        let _ = writeln!(out, "  {:<width$}{}", c.name(), c.description());
     }
     let mixed: Vec<&str> = configs
         .iter()

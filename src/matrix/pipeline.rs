@@ -227,16 +227,20 @@ pub(super) fn run_microbatched(
     microbatches: usize,
     plan: &Plan,
 ) -> Result<RunRecord, RunFailed> {
-    let built = zoo::build(model, plan.seed, 0).map_err(|e| RunFailed::simple(e.to_string()))?;
-    let mut record = microbatched_reference(
-        built.as_ref(),
-        world_size,
-        microbatches,
-        plan.steps,
-        OptimizerConfig::default(),
-        plan.record_grads,
-    )
-    .map_err(|e| RunFailed::simple(format!("microbatched reference: {e}")))?;
-    record.spec.config = format!("{}@{world_size}", microbatched_name(microbatches));
-    Ok(record)
+    // With the ranks' thread count, like every reference (`runner::in_process_reference`).
+    crate::runner::in_process_reference(&plan.settings(), &|| {
+        let built =
+            zoo::build(model, plan.seed, 0).map_err(|e| RunFailed::simple(e.to_string()))?;
+        let mut record = microbatched_reference(
+            built.as_ref(),
+            world_size,
+            microbatches,
+            plan.steps,
+            OptimizerConfig::default(),
+            plan.record_grads,
+        )
+        .map_err(|e| RunFailed::simple(format!("microbatched reference: {e}")))?;
+        record.spec.config = format!("{}@{world_size}", microbatched_name(microbatches));
+        Ok(record)
+    })
 }

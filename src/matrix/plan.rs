@@ -217,7 +217,8 @@ impl Plan {
     /// selected reference runs twice (its own row checks the repeat); one that is not
     /// selected runs once if a selected configuration needs it: `single` for `ddp` and the
     /// fp32 FSDP launches (if the model has a single-device reference), `ddp` and
-    /// `ddp.<label>` for the FSDP launches under that precision. FSDP launches come on top,
+    /// `ddp.<label>` for the FSDP launches under that precision, `ddp.hybrid_order` (never
+    /// selected: a reference only) for the hybrid ones. FSDP launches come on top,
     /// one per selected FSDP configuration that runs at this size; a configuration that
     /// launches nothing there needs no reference.
     /// Whether the cell runs the single-device reference's float64 shadow: whenever a row is
@@ -265,6 +266,9 @@ impl Plan {
             let ddp = Config::DdpMixed(p);
             cell.push((ddp, runs(ddp, needs_ddp(ddp))));
         }
+        // Reference only: never selected, so it runs once, when a hybrid launch needs it.
+        let hybrid = Config::DdpHybridOrder;
+        cell.push((hybrid, runs(hybrid, needs_ddp(hybrid))));
         cell.retain(|&(_, n)| n > 0);
         cell
     }

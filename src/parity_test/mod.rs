@@ -300,8 +300,9 @@ impl<'a> ParityTest<'a> {
             path: out_dir.clone(),
             reason: e.to_string(),
         })?;
-        // Forked ranks must not inherit an OpenMP pool.
-        tch::set_num_threads(1);
+        // Forked ranks must not inherit an OpenMP pool; references take the ranks' count
+        // (`runner::in_process_reference`).
+        lockstep_harness::threads::use_launcher_threads();
         let mut comparisons = Vec::new();
         let mut errors = Vec::new();
         for &world in &self.world_sizes {

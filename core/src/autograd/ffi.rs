@@ -57,6 +57,7 @@ pub(crate) type PostAccFn = unsafe extern "C" fn(
 
 extern "C" {
     pub(crate) fn lk_free_string(s: *mut c_char);
+    pub(crate) fn lk_cpu_capability(out: *mut *mut c_char, st: *mut Status) -> c_int;
     pub(crate) fn lk_vec_push(vec: *mut c_void, t: *const C_tensor, st: *mut Status) -> c_int;
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn lk_function_apply(
@@ -223,6 +224,25 @@ pub(crate) fn call(f: impl FnOnce(*mut Status) -> c_int) -> Result<(), AutogradE
     let mut st = Status::new();
     let rc = f(&mut st);
     st.check(rc)
+}
+
+/// `at::get_cpu_capability()`: the CPU capability ATen dispatches its kernels to.
+pub(crate) fn cpu_capability() -> Result<String, AutogradError> {
+    let mut out: *mut c_char = std::ptr::null_mut();
+    // SAFETY: `out` is a valid slot; on success the bridge fills it with a malloc'd string.
+    call(|st| unsafe { lk_cpu_capability(&mut out, st) })?;
+    if out.is_null() {
+        return Err(AutogradError::Torch(
+            "the bridge returned no CPU capability".into(),
+        ));
+    }
+    // SAFETY: a NUL-terminated string malloc'd by the bridge, freed once right after.
+    let text = unsafe { CStr::from_ptr(out) }
+        .to_string_lossy()
+        .into_owned();
+    // SAFETY: as above.
+    unsafe { lk_free_string(out) };
+    Ok(text)
 }
 
 /// Drops a `Box<AutogradError>` payload the C++ side discarded.

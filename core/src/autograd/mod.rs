@@ -49,6 +49,7 @@
 pub mod collectives;
 pub mod engine;
 mod ffi;
+pub(crate) use ffi::cpu_capability;
 pub mod function;
 pub mod hooks;
 pub mod scaled;

@@ -25,6 +25,15 @@ pub enum DataParallel {
         /// Replicas of the shard group.
         replicas: usize,
     },
+    /// Replicated like [`DataParallel::Replicate`], but every gradient averaged the way
+    /// [`DataParallel::HybridShard`] averages it: within groups of `data / replicas` ranks,
+    /// then across the `replicas` (on the same `dp_replicate × dp_shard` mesh), so HSDP is
+    /// bitwise equal to it where a flat all-reduce would add the ranks in another order.
+    /// Losses are averaged the same two-stage way.
+    HybridReplicate {
+        /// Replicas of the averaging group.
+        replicas: usize,
+    },
 }
 
 impl DataParallel {
@@ -33,7 +42,7 @@ impl DataParallel {
     pub fn dims(self, data: usize) -> Result<Vec<(&'static str, usize)>, CompositionError> {
         match self {
             DataParallel::Replicate | DataParallel::Shard => Ok(vec![("dp", data)]),
-            DataParallel::HybridShard { replicas } => {
+            DataParallel::HybridShard { replicas } | DataParallel::HybridReplicate { replicas } => {
                 if replicas == 0 || !data.is_multiple_of(replicas) {
                     return Err(CompositionError::Mesh(format!(
                         "hybrid sharding needs {replicas} replicas (dp_replicate) of equal shard \
@@ -48,13 +57,23 @@ impl DataParallel {
         }
     }
 
-    /// `ddp`, `fsdp` or `hsdp`, for messages and names.
+    /// `ddp`, `fsdp`, `hsdp` or `ddp.hybrid_order`, for messages and names.
     pub fn label(self) -> &'static str {
         match self {
             DataParallel::Replicate => "ddp",
             DataParallel::Shard => "fsdp",
             DataParallel::HybridShard { .. } => "hsdp",
+            DataParallel::HybridReplicate { .. } => "ddp.hybrid_order",
         }
+    }
+
+    /// Whether the data dimension is a `dp_replicate × dp_shard` mesh (hybrid sharding, or
+    /// replication averaged in its order).
+    pub fn is_hybrid(self) -> bool {
+        matches!(
+            self,
+            DataParallel::HybridShard { .. } | DataParallel::HybridReplicate { .. }
+        )
     }
 }
 
@@ -197,7 +216,7 @@ impl Composition {
                          composition needs dp ≥ {min_data}"
                     )));
                 }
-                if matches!(data, DataParallel::HybridShard { .. }) {
+                if data.is_hybrid() {
                     return Err(CompositionError::Invalid(
                         "a pipeline's data dimension is replicated (dp) or sharded (fsdp), not \
                          hybrid"
@@ -208,7 +227,7 @@ impl Composition {
             }
             Composition::ExpertData { ep, data } => {
                 let edp = fixed(&[("ep", ep)])?;
-                if matches!(data, DataParallel::HybridShard { .. }) {
+                if data.is_hybrid() {
                     return Err(CompositionError::Invalid(
                         "expert parallelism's dense parameters are replicated (dp) or sharded \
                          (fsdp) over the world, not hybrid"

@@ -162,7 +162,7 @@ pub fn train_expert_parallel(
             })
             .map(|(n, _)| n.clone())
             .collect(),
-        DataParallel::HybridShard { .. } => {
+        DataParallel::HybridShard { .. } | DataParallel::HybridReplicate { .. } => {
             return Err(EpError::Invalid(
                 "the dense parameters are replicated or sharded over the world, not hybrid".into(),
             ))

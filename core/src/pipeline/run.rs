@@ -71,7 +71,7 @@ pub fn train_pipeline_with(
     let sharded = match within.data {
         DataParallel::Replicate => false,
         DataParallel::Shard => true,
-        DataParallel::HybridShard { .. } => {
+        DataParallel::HybridShard { .. } | DataParallel::HybridReplicate { .. } => {
             return Err(PipelineError::InvalidPlan(
                 "a pipeline's replicas are replicated or sharded, not hybrid-sharded".into(),
             ))

@@ -140,7 +140,7 @@ impl TpMesh {
             Arc::new(CountingGroup::new(g, counts.clone()))
         };
         let (dp_group, replicate) = match opts.data_parallel {
-            DataParallel::HybridShard { .. } => (
+            DataParallel::HybridShard { .. } | DataParallel::HybridReplicate { .. } => (
                 counted(mesh.group("dp_shard")?),
                 Some(counted(mesh.group("dp_replicate")?)),
             ),
@@ -205,7 +205,7 @@ pub fn train_tensor_parallel(
     let trained = local_parameters(model, &placements, rank, tp)?;
     let params = by_name(&trained);
     let mut unit = match opts.data_parallel {
-        DataParallel::Replicate => None,
+        DataParallel::Replicate | DataParallel::HybridReplicate { .. } => None,
         DataParallel::Shard | DataParallel::HybridShard { .. } => {
             let sharded: Vec<(String, Tensor)> = trained
                 .iter()
@@ -316,10 +316,9 @@ pub fn train_tensor_parallel(
         }
         let full_grads = match unit.as_mut() {
             None => {
-                if dp > 1 {
-                    for (_, t) in &trained {
-                        groups.dp.all_reduce(&t.grad(), ReduceOp::Avg)?;
-                    }
+                // One average over dp, or hybrid shard's two stages (HybridReplicate).
+                for (_, t) in &trained {
+                    groups.average_over_data(&t.grad())?;
                 }
                 collectives.push(CollectiveEntry::from_counts(counts.take()));
                 full_tensors(&trained, &placements, tp_group.as_ref(), |t| t.grad())?

@@ -356,6 +356,9 @@ pub fn render_html(report: &Report) -> String {
         "<title>Lockstep parity report</title>\n<style>{STYLE}</style>\n</head>\n<body>"
     );
     let _ = writeln!(out, "<h1>Lockstep parity report</h1>");
+    if let Some(line) = report.environment_line() {
+        let _ = writeln!(out, "<p class=\"environment\">{}</p>", xml_escape(&line));
+    }
     let _ = write!(
         out,
         "<p class=\"{}\">{}",

@@ -12,6 +12,9 @@ fn cell(text: &str) -> String {
 pub fn render_markdown(report: &Report) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "# Lockstep parity report\n");
+    if let Some(line) = report.environment_line() {
+        let _ = writeln!(out, "{line}\n");
+    }
     let _ = write!(out, "{}", report.headline());
     if let Some(t) = report.wall_time_seconds {
         let _ = write!(out, "; wall time {t:.2} s");

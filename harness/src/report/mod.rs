@@ -24,6 +24,7 @@ pub(crate) use junit::xml_escape;
 pub use markdown::render_markdown;
 
 use crate::parity::{Comparison, StepComparison};
+pub use lockstep_core::machine::Environment;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -108,6 +109,22 @@ pub struct Report {
     /// The comparisons that could not be made, with why.
     #[serde(default)]
     pub errors: Vec<RunError>,
+    /// Where the numbers were computed (CPU capability, intra-op threads, libtorch): two
+    /// reports that differ here may differ in bits without a bug. Optional, so reports
+    /// written before it existed still read (same schema version).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub environment: Option<Environment>,
+}
+
+/// The [`Environment`] every run of this process is computed in: libtorch's CPU capability
+/// and version, and the intra-op thread count the ranks and in-process references use
+/// ([`crate::threads::rank_threads`]; the launching process itself runs one thread). What
+/// `lockstep env` prints and every report records.
+pub fn environment() -> Environment {
+    Environment {
+        intra_op_threads: crate::threads::rank_threads(),
+        ..lockstep_core::machine::environment()
+    }
 }
 
 fn complete_by_default() -> bool {
@@ -145,6 +162,7 @@ impl Report {
             comparisons: summaries,
             complete: true,
             errors: Vec::new(),
+            environment: Some(environment()),
         }
     }
 
@@ -160,6 +178,19 @@ impl Report {
     pub fn with_wall_time(mut self, elapsed: Duration) -> Self {
         self.wall_time_seconds = Some(elapsed.as_secs_f64());
         self
+    }
+
+    /// The report with `environment` recorded instead of this process's (`None` drops it).
+    pub fn with_environment(mut self, environment: Option<Environment>) -> Self {
+        self.environment = environment;
+        self
+    }
+
+    /// The one line reports open with about where the numbers were computed, if recorded.
+    pub fn environment_line(&self) -> Option<String> {
+        self.environment
+            .as_ref()
+            .map(|e| format!("Computed with {e}."))
     }
 
     /// The per-step records of `c` (matched by model, config and reference).
