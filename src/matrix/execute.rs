@@ -82,336 +82,386 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                     None
                 }
             });
-    let mut progress = Progress {
-        bar,
-        done: 0,
-        total: plan.run_count(),
-        log_runs,
-    };
-    let mut result = MatrixResult {
-        rows: Vec::new(),
-        comparisons: Vec::new(),
-        runs: 0,
-        failed_runs: 0,
-        hung_runs: 0,
-        elapsed: Duration::ZERO,
+    let mut tally = Tally {
+        progress: Progress {
+            bar,
+            done: 0,
+            total: plan.run_count(),
+            log_runs,
+        },
+        result: MatrixResult {
+            rows: Vec::new(),
+            comparisons: Vec::new(),
+            runs: 0,
+            failed_runs: 0,
+            hung_runs: 0,
+            elapsed: Duration::ZERO,
+        },
     };
     for (m, (model, blocker)) in plan.models.iter().zip(&plan.blockers).enumerate() {
         for &world in &plan.world_sizes {
-            let settings = plan.settings();
-            let build = runner::zoo_builder(model);
-            // The first run of every launched configuration of this cell, in one launch
-            // (subtests); repeats of references stay fresh launches of their own, since
-            // they check that a fresh process reproduces the bits.
-            let mut together: BTreeMap<Config, Result<RunRecord, RunFailed>> = BTreeMap::new();
-            if plan.subtests && !settings.execs_ranks() {
-                let configs: Vec<Config> = plan
-                    .runs_per_cell(m, world)
-                    .into_iter()
-                    .map(|(c, _)| c)
-                    .filter(|&c| c != Config::Single)
-                    .chain(plan.fsdp_launches(world))
-                    .chain(plan.pipeline_launches(m, world).into_iter().map(|(c, _)| c))
-                    .chain(plan.model_parallel_launches(m, world))
-                    .chain(plan.simpler_references(m, world))
-                    .collect();
-                if configs.len() > 1 {
-                    let label =
-                        format!("{model} @{world}: {} configs in one launch", configs.len());
-                    progress.start(&label);
-                    let t0 = Instant::now();
-                    let outcomes =
-                        runner::run_configs_together(model, &build, &configs, world, &settings);
-                    let each = t0.elapsed() / configs.len() as u32;
-                    for (config, outcome) in configs.into_iter().zip(outcomes) {
-                        progress.finish(
-                            &format!("{model} {}", config.at(world)),
-                            each,
-                            outcome.as_ref().err().map(|e| e.line.as_str()),
-                        );
-                        together.insert(config, outcome);
-                    }
-                }
+            let runs = run_cell(plan, m, world, &mut tally);
+            let cell = Cell {
+                index: m,
+                model,
+                world,
+                blocker: blocker.as_deref(),
+            };
+            judge_cell(plan, &cell, &runs, &mut tally.result, &mut arbiter_log);
+        }
+    }
+    bar.finish_and_clear();
+    tally.result.elapsed = started.elapsed();
+    tally.result
+}
+
+/// One run's outcome: its record, or why there is none.
+type Outcome = Result<RunRecord, RunFailed>;
+
+/// Progress and the run counters, shared by every run of the matrix.
+struct Tally<'a> {
+    progress: Progress<'a>,
+    result: MatrixResult,
+}
+
+impl Tally<'_> {
+    /// Counts `outcome` (failed and hung runs too).
+    fn count(&mut self, outcome: &Outcome) {
+        self.result.runs += 1;
+        if outcome.is_err() {
+            self.result.failed_runs += 1;
+        }
+        if outcome.as_ref().is_err_and(|e| e.timed_out) {
+            self.result.hung_runs += 1;
+        }
+    }
+
+    /// Runs `run` in this process under `label`, shown and counted.
+    fn in_process(&mut self, label: String, run: impl FnOnce() -> Outcome) -> Outcome {
+        self.progress.start(&label);
+        let t0 = Instant::now();
+        let outcome = run();
+        self.count(&outcome);
+        let err = outcome.as_ref().err().map(|e| e.line.as_str());
+        self.progress.finish(&label, t0.elapsed(), err);
+        outcome
+    }
+}
+
+/// Everything one cell (model × world size) ran, by role.
+struct CellRuns {
+    /// Each reference's runs (the first is the reference, a second its repeat).
+    references: Vec<(Config, Vec<Outcome>)>,
+    fsdp: Vec<(Config, Outcome)>,
+    pipelines: Vec<(Config, Outcome)>,
+    /// Tensor/expert parallelism and compositions, with the simpler configurations they
+    /// reduce to.
+    model_parallel: Vec<(Config, Outcome)>,
+    /// Per microbatch count: the microbatched reference and its float64 shadow.
+    microbatched: Vec<(usize, (Outcome, Outcome))>,
+    /// The single-device reference's float64 shadow, when a row needs it.
+    single_f64: Option<Outcome>,
+}
+
+impl CellRuns {
+    /// The `i`-th run of reference `config` (0: the reference, 1: its repeat).
+    fn reference(&self, config: Config, i: usize) -> Option<&Outcome> {
+        self.references
+            .iter()
+            .find(|(c, _)| *c == config)
+            .and_then(|(_, runs)| runs.get(i))
+    }
+
+    /// The run of launched configuration `config`, wherever it ran.
+    fn launched(&self, config: Config) -> Option<&Outcome> {
+        self.fsdp
+            .iter()
+            .chain(&self.pipelines)
+            .chain(&self.model_parallel)
+            .find(|(c, _)| *c == config)
+            .map(|(_, r)| r)
+    }
+}
+
+/// Runs every run cell `m` × `world` needs: the first run of every launched configuration in
+/// one launch (subtests; repeats of references stay fresh launches of their own, since they
+/// check that a fresh process reproduces the bits), the in-process references and the float64
+/// shadows.
+fn run_cell(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_>) -> CellRuns {
+    let model = plan.models[m].as_str();
+    let settings = plan.settings();
+    let build = runner::zoo_builder(model);
+    let mut together: BTreeMap<Config, Outcome> = BTreeMap::new();
+    if plan.subtests && !settings.execs_ranks() {
+        let configs: Vec<Config> = plan
+            .runs_per_cell(m, world)
+            .into_iter()
+            .map(|(c, _)| c)
+            .filter(|&c| c != Config::Single)
+            .chain(plan.fsdp_launches(world))
+            .chain(plan.pipeline_launches(m, world).into_iter().map(|(c, _)| c))
+            .chain(plan.model_parallel_launches(m, world))
+            .chain(plan.simpler_references(m, world))
+            .collect();
+        if configs.len() > 1 {
+            let label = format!("{model} @{world}: {} configs in one launch", configs.len());
+            tally.progress.start(&label);
+            let t0 = Instant::now();
+            let outcomes = runner::run_configs_together(model, &build, &configs, world, &settings);
+            let each = t0.elapsed() / configs.len() as u32;
+            for (config, outcome) in configs.into_iter().zip(outcomes) {
+                tally.progress.finish(
+                    &format!("{model} {}", config.at(world)),
+                    each,
+                    outcome.as_ref().err().map(|e| e.line.as_str()),
+                );
+                together.insert(config, outcome);
             }
-            let mut run_one = |config: Config, attempt: usize, of: usize| {
+        }
+    }
+    let mut run_one = |config: Config, attempt: usize, of: usize| {
+        let outcome = match together.remove(&config).filter(|_| attempt == 1) {
+            Some(outcome) => {
+                tally.count(&outcome);
+                outcome
+            }
+            None => {
                 let label = if of > 1 {
                     format!("{model} {} (run {attempt}/{of})", config.at(world))
                 } else {
                     format!("{model} {}", config.at(world))
                 };
-                let outcome = match together.remove(&config).filter(|_| attempt == 1) {
-                    Some(outcome) => outcome,
-                    None => {
-                        progress.start(&label);
-                        let t0 = Instant::now();
-                        let outcome = runner::run_config(model, &build, config, world, &settings);
-                        progress.finish(
-                            &label,
-                            t0.elapsed(),
-                            outcome.as_ref().err().map(|e| e.line.as_str()),
-                        );
-                        outcome
-                    }
-                };
-                result.runs += 1;
-                if outcome.is_err() {
-                    result.failed_runs += 1;
-                }
-                if outcome.as_ref().is_err_and(|e| e.timed_out) {
-                    result.hung_runs += 1;
-                }
-                outcome
-            };
-            let references: Vec<(Config, Vec<Result<RunRecord, RunFailed>>)> = plan
-                .runs_per_cell(m, world)
-                .into_iter()
-                .map(|(c, n)| (c, (1..=n).map(|i| run_one(c, i, n)).collect()))
-                .collect();
-            let fsdp: Vec<(Config, Result<RunRecord, RunFailed>)> = plan
-                .fsdp_launches(world)
-                .into_iter()
-                .map(|c| (c, run_one(c, 1, 1)))
-                .collect();
-            let pipelines: Vec<(Config, Result<RunRecord, RunFailed>)> = plan
-                .pipeline_launches(m, world)
-                .into_iter()
-                .map(|(c, _)| (c, run_one(c, 1, 1)))
-                .collect();
-            let model_parallel: Vec<(Config, Result<RunRecord, RunFailed>)> = plan
-                .model_parallel_launches(m, world)
-                .into_iter()
-                .chain(plan.simpler_references(m, world))
-                .map(|c| (c, run_one(c, 1, 1)))
-                .collect();
-            let mut in_process = |label: String, run: &dyn Fn() -> Result<RunRecord, RunFailed>| {
-                progress.start(&label);
-                let t0 = Instant::now();
-                let outcome = run();
-                result.runs += 1;
-                let err = outcome.as_ref().err().map(|e| e.line.as_str());
-                if err.is_some() {
-                    result.failed_runs += 1;
-                }
-                progress.finish(&label, t0.elapsed(), err);
-                outcome
-            };
-            // (microbatches, fp32 reference, its float64 shadow)
-            type Pair = (Result<RunRecord, RunFailed>, Result<RunRecord, RunFailed>);
-            let microbatched: Vec<(usize, Pair)> = plan
-                .microbatch_references(m, world)
-                .into_iter()
-                .map(|mb| {
-                    let name = microbatched_name(mb);
-                    let fp32 = in_process(format!("{model} {name}@{world}"), &|| {
-                        run_microbatched(model, world, mb, plan)
-                    });
-                    let fp64 = in_process(format!("{model} {name}.f64@{world}"), &|| {
-                        run_microbatched_f64(model, world, mb, plan)
-                    });
-                    (mb, (fp32, fp64))
+                tally.in_process(label, || {
+                    runner::run_config(model, &build, config, world, &settings)
                 })
-                .collect();
-            let single_f64: Option<Result<RunRecord, RunFailed>> =
-                plan.needs_f64(m, world).then(|| {
-                    in_process(format!("{model} single.f64@{world}"), &|| {
-                        runner::run_single_f64(model, &build, world, &settings)
-                    })
-                });
-            let mut row = |config: Config,
-                           reference_name: String,
-                           judge: Judge<'_>,
-                           skip: Option<String>,
-                           run: Option<&Result<RunRecord, RunFailed>>| {
-                let cell = Cell {
-                    model,
-                    world,
-                    blocker: blocker.as_deref(),
+            }
+        };
+        outcome
+    };
+    let references = plan
+        .runs_per_cell(m, world)
+        .into_iter()
+        .map(|(c, n)| (c, (1..=n).map(|i| run_one(c, i, n)).collect()))
+        .collect();
+    let mut launch_each = |configs: Vec<Config>| -> Vec<(Config, Outcome)> {
+        configs.into_iter().map(|c| (c, run_one(c, 1, 1))).collect()
+    };
+    let fsdp = launch_each(plan.fsdp_launches(world));
+    let pipelines = launch_each(
+        plan.pipeline_launches(m, world)
+            .into_iter()
+            .map(|(c, _)| c)
+            .collect(),
+    );
+    let mut model_parallel_configs = plan.model_parallel_launches(m, world);
+    model_parallel_configs.extend(plan.simpler_references(m, world));
+    let model_parallel = launch_each(model_parallel_configs);
+    let microbatched = plan
+        .microbatch_references(m, world)
+        .into_iter()
+        .map(|mb| {
+            let name = microbatched_name(mb);
+            let fp32 = tally.in_process(format!("{model} {name}@{world}"), || {
+                run_microbatched(model, world, mb, plan)
+            });
+            let fp64 = tally.in_process(format!("{model} {name}.f64@{world}"), || {
+                run_microbatched_f64(model, world, mb, plan)
+            });
+            (mb, (fp32, fp64))
+        })
+        .collect();
+    let single_f64 = plan.needs_f64(m, world).then(|| {
+        tally.in_process(format!("{model} single.f64@{world}"), || {
+            runner::run_single_f64(model, &build, world, &settings)
+        })
+    });
+    CellRuns {
+        references,
+        fsdp,
+        pipelines,
+        model_parallel,
+        microbatched,
+        single_f64,
+    }
+}
+
+/// Judges every selected configuration of one cell against each of its references, pushing
+/// the rows (and the comparisons behind them) into `result`.
+fn judge_cell(
+    plan: &Plan,
+    cell: &Cell<'_>,
+    runs: &CellRuns,
+    result: &mut MatrixResult,
+    log: &mut Option<std::io::BufWriter<std::fs::File>>,
+) {
+    let world = cell.world;
+    let mut row = |config: Config,
+                   reference_name: String,
+                   judge: Judge<'_>,
+                   skip: Option<String>,
+                   run: Option<&Outcome>| {
+        let log = log.as_mut().map(|w| w as &mut dyn std::io::Write);
+        let (r, c) = judge_row(cell, config, reference_name, judge, skip, run, log);
+        result.comparisons.extend(c);
+        result.rows.push(r);
+    };
+    let policy_against = |config: Config, reference: Config, against| Judge::Policy {
+        policy: with_backend_override(
+            config.policy(reference, world),
+            config,
+            reference,
+            world,
+            plan.backend,
+        ),
+        against,
+    };
+    // The fp64 arbiter around the single-device reference: with the reference's own noise,
+    // or (mixed precision, a simpler configuration) the given run's.
+    let arbiter_single = |envelope_of| Judge::Arbiter {
+        fp32: envelope_of,
+        fp64: runs.single_f64.as_ref(),
+    };
+    let single_ref = runs.reference(Config::Single, 0);
+    let single = Config::Single.at(world);
+    for &config in &plan.configs {
+        let world_skip = config.world_blocker(world);
+        match config {
+            // `ddp.hybrid_order` is never selected (a reference only); were it, its row
+            // would be its repeat's, like the other DDP references.
+            Config::Single | Config::DdpMixed(_) | Config::DdpHybridOrder => {
+                let judge = policy_against(config, config, runs.reference(config, 1));
+                let run = runs.reference(config, 0);
+                row(config, config.at(world), judge, world_skip, run);
+            }
+            Config::Ddp => {
+                let ddp = runs.reference(Config::Ddp, 0);
+                let judge = arbiter_single(single_ref);
+                row(config, single.clone(), judge, world_skip.clone(), ddp);
+                let judge = policy_against(config, config, runs.reference(Config::Ddp, 1));
+                row(config, config.at(world), judge, world_skip, ddp);
+            }
+            Config::Fsdp(id) => {
+                let run = runs.launched(config);
+                let ddp = id.get().ddp_reference();
+                let judge = policy_against(config, ddp, runs.reference(ddp, 0));
+                row(config, ddp.at(world), judge, world_skip.clone(), run);
+                // Mixed precision is judged around its own DDP reference's noise.
+                let envelope_of = match config.precision() {
+                    None => single_ref,
+                    Some(_) => runs.reference(ddp, 0),
                 };
-                let (r, c) = judge_row(&cell, config, reference_name, judge, skip, run, {
-                    arbiter_log.as_mut().map(|w| w as &mut dyn std::io::Write)
-                });
-                result.comparisons.extend(c);
-                result.rows.push(r);
-            };
-            // The `i`-th run of reference `config` (0: the reference, 1: its repeat).
-            let reference = |config: Config, i: usize| {
-                references
-                    .iter()
-                    .find(|(c, _)| *c == config)
-                    .and_then(|(_, runs)| runs.get(i))
-            };
-            // A row against a configuration reference under its tolerance policy.
-            let policy_against = |config: Config, reference: Config, against| Judge::Policy {
-                policy: with_backend_override(
-                    config.policy(reference, world),
+                row(
                     config,
-                    reference,
-                    world,
-                    plan.backend,
-                ),
-                against,
-            };
-            // A row judged by the fp64 arbiter around the single-device reference: with
-            // the reference's own noise, or (mixed precision) the run's own DDP reference's.
-            let arbiter_single = |envelope_of| Judge::Arbiter {
-                fp32: envelope_of,
-                fp64: single_f64.as_ref(),
-            };
-            let single_ref = reference(Config::Single, 0);
-            for &config in &plan.configs {
-                let world_skip = config.world_blocker(world);
-                match config {
-                    // `ddp.hybrid_order` is never selected (a reference only); were it, its
-                    // row would be its repeat's, like the other DDP references.
-                    Config::Single | Config::DdpMixed(_) | Config::DdpHybridOrder => {
-                        let judge = policy_against(config, config, reference(config, 1));
-                        row(
-                            config,
-                            config.at(world),
-                            judge,
-                            world_skip,
-                            reference(config, 0),
-                        );
-                    }
-                    Config::Ddp => {
-                        let ddp = reference(Config::Ddp, 0);
-                        let judge = arbiter_single(single_ref);
-                        row(
-                            config,
-                            Config::Single.at(world),
-                            judge,
-                            world_skip.clone(),
-                            ddp,
-                        );
-                        let judge = policy_against(config, config, reference(Config::Ddp, 1));
-                        row(config, config.at(world), judge, world_skip, ddp);
-                    }
-                    Config::Fsdp(id) => {
-                        let run = fsdp.iter().find(|(c, _)| *c == config).map(|(_, r)| r);
-                        let ddp = id.get().ddp_reference();
-                        let judge = policy_against(config, ddp, reference(ddp, 0));
-                        row(config, ddp.at(world), judge, world_skip.clone(), run);
-                        // Mixed precision is judged around its own DDP reference's noise.
-                        let envelope_of = match config.precision() {
-                            None => single_ref,
-                            Some(_) => reference(ddp, 0),
-                        };
-                        let judge = arbiter_single(envelope_of);
-                        row(config, Config::Single.at(world), judge, world_skip, run);
-                    }
-                    Config::ModelParallel(_) | Config::Composed(_) => {
-                        let run = model_parallel
-                            .iter()
-                            .find(|(c, _)| *c == config)
-                            .map(|(_, r)| r);
-                        let blocked = plan
-                            .model_parallel_blockers
-                            .get(&(m, world, config))
-                            .cloned()
-                            .flatten();
-                        if let Some(simpler) = config
-                            .composition_config()
-                            .and_then(CompositionConfig::simpler)
+                    single.clone(),
+                    arbiter_single(envelope_of),
+                    world_skip,
+                    run,
+                );
+            }
+            Config::ModelParallel(_) | Config::Composed(_) => {
+                let run = runs.launched(config);
+                let blocked = plan
+                    .model_parallel_blockers
+                    .get(&(cell.index, world, config))
+                    .cloned()
+                    .flatten();
+                let skip = world_skip.or(blocked);
+                if let Some(simpler) = config
+                    .composition_config()
+                    .and_then(CompositionConfig::simpler)
+                {
+                    let against = runs.launched(simpler);
+                    let judge = match config.policy(simpler, world) {
+                        // Not bitwise by the math: the arbiter, with the simpler
+                        // configuration's own noise as the envelope.
+                        Ok(p)
+                            if p.override_for(&config.at(world)).is_some()
+                                && runs.single_f64.is_some() =>
                         {
-                            let against = model_parallel
-                                .iter()
-                                .chain(&pipelines)
-                                .find(|(c, _)| *c == simpler)
-                                .map(|(_, r)| r);
-                            let simpler_blocked = simpler
-                                .world_blocker(world)
-                                .or_else(|| {
-                                    plan.model_parallel_blockers
-                                        .get(&(m, world, simpler))
-                                        .cloned()
-                                        .flatten()
-                                })
-                                .map(|reason| format!("{}: {reason}", simpler.name()));
-                            let judge = match config.policy(simpler, world) {
-                                // Not bitwise by the math: the arbiter, with the simpler
-                                // configuration's own noise as the envelope.
-                                Ok(p)
-                                    if p.override_for(&config.at(world)).is_some()
-                                        && single_f64.is_some() =>
-                                {
-                                    arbiter_single(against)
-                                }
-                                _ => policy_against(config, simpler, against),
-                            };
-                            let skip = world_skip
-                                .clone()
-                                .or_else(|| blocked.clone())
-                                .or(simpler_blocked);
-                            row(config, simpler.at(world), judge, skip, run);
+                            arbiter_single(against)
                         }
-                        let skip = world_skip.or(blocked);
-                        row(
-                            config,
-                            Config::Single.at(world),
-                            arbiter_single(single_ref),
-                            skip,
-                            run,
-                        );
-                    }
-                    Config::Pipeline(id) => {
-                        let run = pipelines.iter().find(|(c, _)| *c == config).map(|(_, r)| r);
-                        let planned = plan.pipeline_plans.get(&(m, world, config));
-                        let skip = world_skip.or_else(|| match planned {
-                            Some(Err(reason)) => Some(reason.clone()),
-                            _ => None,
-                        });
-                        row(
-                            config,
-                            Config::Single.at(world),
-                            arbiter_single(single_ref),
-                            skip.clone(),
-                            run,
-                        );
-                        match planned {
-                            Some(Ok(p)) if p.data_parallel == 1 => {
-                                let mb = microbatched
-                                    .iter()
-                                    .find(|(n, _)| *n == p.microbatches)
-                                    .map(|(_, r)| r);
-                                let name = format!("{}@{world}", microbatched_name(p.microbatches));
-                                let judge = match (&p.bitwise_blocker, mb) {
-                                    // Equal by the math only up to summation order: the arbiter
-                                    // around the microbatched reference's own float64 shadow.
-                                    (Some(_), Some((fp32, fp64))) => Judge::Arbiter {
-                                        fp32: Some(fp32),
-                                        fp64: Some(fp64),
-                                    },
-                                    _ => Judge::Policy {
-                                        policy: Ok(TolerancePolicy::bitwise(DType::F32)),
-                                        against: mb.map(|(fp32, _)| fp32),
-                                    },
-                                };
-                                row(config, name, judge, None, run);
-                            }
-                            Some(Ok(_)) => {}
-                            _ => {
-                                let id_m = id.get().ranks(world).map_or(0, |p| 2 * p);
-                                let judge = Judge::Policy {
-                                    policy: Ok(TolerancePolicy::bitwise(DType::F32)),
-                                    against: None,
-                                };
-                                row(
-                                    config,
-                                    format!("{}@{world}", microbatched_name(id_m)),
-                                    judge,
-                                    skip,
-                                    None,
-                                );
-                            }
-                        }
-                    }
+                        _ => policy_against(config, simpler, against),
+                    };
+                    let simpler_skip = simpler_blocker(plan, cell, simpler);
+                    let skip = skip.clone().or(simpler_skip);
+                    row(config, simpler.at(world), judge, skip, run);
                 }
+                row(
+                    config,
+                    single.clone(),
+                    arbiter_single(single_ref),
+                    skip,
+                    run,
+                );
+            }
+            Config::Pipeline(id) => {
+                let run = runs.launched(config);
+                let planned = plan.pipeline_plans.get(&(cell.index, world, config));
+                let skip = world_skip.or_else(|| match planned {
+                    Some(Err(reason)) => Some(reason.clone()),
+                    _ => None,
+                });
+                let judge = arbiter_single(single_ref);
+                row(config, single.clone(), judge, skip.clone(), run);
+                let (name, judge, skip) = match planned {
+                    Some(Ok(p)) if p.data_parallel == 1 => {
+                        let mb = runs
+                            .microbatched
+                            .iter()
+                            .find(|(n, _)| *n == p.microbatches)
+                            .map(|(_, r)| r);
+                        (p.microbatches, vs_microbatched(p, mb), None)
+                    }
+                    // Data-parallel replicas: no microbatched row.
+                    Some(Ok(_)) => continue,
+                    _ => {
+                        let judge = Judge::Policy {
+                            policy: Ok(TolerancePolicy::bitwise(DType::F32)),
+                            against: None,
+                        };
+                        (id.get().ranks(world).map_or(0, |p| 2 * p), judge, skip)
+                    }
+                };
+                row(
+                    config,
+                    format!("{}@{world}", microbatched_name(name)),
+                    judge,
+                    skip,
+                    run,
+                );
             }
         }
     }
-    bar.finish_and_clear();
-    result.elapsed = started.elapsed();
-    result
+}
+
+/// Why the simpler configuration `simpler` cannot serve as a reference in `cell`, if it
+/// cannot.
+fn simpler_blocker(plan: &Plan, cell: &Cell<'_>, simpler: Config) -> Option<String> {
+    simpler
+        .world_blocker(cell.world)
+        .or_else(|| {
+            plan.model_parallel_blockers
+                .get(&(cell.index, cell.world, simpler))
+                .cloned()
+                .flatten()
+        })
+        .map(|reason| format!("{}: {reason}", simpler.name()))
+}
+
+/// How a one-replica pipeline is judged against the microbatched reference `mb`: bitwise
+/// where its plan allows, else (equal by the math only up to summation order) the fp64
+/// arbiter around the microbatched reference's own float64 shadow.
+fn vs_microbatched<'a>(plan: &PipelinePlan, mb: Option<&'a (Outcome, Outcome)>) -> Judge<'a> {
+    match (&plan.bitwise_blocker, mb) {
+        (Some(_), Some((fp32, fp64))) => Judge::Arbiter {
+            fp32: Some(fp32),
+            fp64: Some(fp64),
+        },
+        _ => Judge::Policy {
+            policy: Ok(TolerancePolicy::bitwise(DType::F32)),
+            against: mb.map(|(fp32, _)| fp32),
+        },
+    }
 }
 
 /// How a row is judged.
@@ -431,6 +481,8 @@ enum Judge<'a> {
 
 /// The matrix cell a row belongs to.
 struct Cell<'a> {
+    /// The model's index in the plan.
+    index: usize,
     model: &'a str,
     world: usize,
     /// Why the model has no single-device reference, if it has none.
