@@ -286,11 +286,13 @@ pub fn shadow_f64(
     let wide = OnDevice::in_f64(fresh()?).map_err(|e| {
         RunFailed::simple(format!("the float64 shadow cannot widen the model: {e}"))
     })?;
+    let min_gap = (!tape.is_empty()).then_some(tape.min_gap);
     let (record, rest) = decisions::replaying(tape, || train(Box::new(wide)));
-    let record = record.map_err(|e| RunFailed {
+    let mut record = record.map_err(|e| RunFailed {
         line: format!("float64 shadow: {}", e.line),
         ..e
     })?;
+    record.routing_min_gap = min_gap;
     if rest.exhausted || !rest.is_empty() {
         return Err(RunFailed::simple(
             "float64 shadow: the model took a different number of routing decisions in \

@@ -30,6 +30,7 @@ fn report_with_error(err: f64) -> Report {
         grads: None,
         memory: None,
         collectives: None,
+        routing_min_gap: None,
     };
     let policy = TolerancePolicy::dtype_table(DType::F32);
     Report::new(vec![compare(

@@ -169,6 +169,7 @@ fn hand_rolled(model: &str, world: usize, policy: &MixedPrecision) -> RunRecord 
         grads: Some(Vec::new()),
         memory: None,
         collectives: None,
+        routing_min_gap: None,
     };
     for step in 0..STEPS {
         let mut sums: Vec<Option<Tensor>> = params.iter().map(|_| None).collect();

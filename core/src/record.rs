@@ -92,6 +92,12 @@ pub struct RunRecord {
     /// communicate more than designed. Absent from reports written before it existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub collectives: Option<Vec<Vec<CollectiveEntry>>>,
+    /// For a float64 shadow of a reference that routes tokens: the smallest gap, over every
+    /// top-k decision the fp32 reference took, between the last chosen and the best unchosen
+    /// probability. A run that fails near such a tie may have routed a token differently, which
+    /// its diagnosis then says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routing_min_gap: Option<f64>,
 }
 
 impl RunRecord {
@@ -107,6 +113,7 @@ impl RunRecord {
             grads: record_grads.then(Vec::new),
             memory: None,
             collectives: None,
+            routing_min_gap: None,
         }
     }
 }
@@ -180,6 +187,7 @@ mod tests {
             grads: None,
             memory: None,
             collectives: None,
+            routing_min_gap: None,
         };
         let text = serde_json::to_string(&record).expect("serialize");
         let back: RunRecord = serde_json::from_str(&text).expect("parse");

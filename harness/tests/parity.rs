@@ -43,6 +43,7 @@ fn record(config: &str, losses: &[f64], params: Vec<NamedTensor>) -> RunRecord {
         grads: None,
         memory: None,
         collectives: None,
+        routing_min_gap: None,
     }
 }
 
@@ -782,4 +783,118 @@ fn compare_growth_from_zero_uses_the_floor() {
         compare_reports(&dup, &new, &CompareOptions::default()),
         Err(ReportError::DuplicateComparison { which: "base", .. })
     ));
+}
+
+// ---------------------------------------------------------------- the fp64 arbiter
+
+mod arbiter {
+    use super::*;
+    use lockstep_harness::parity::{arbitrate, Envelope, Mode, ENVELOPE};
+
+    /// A record with one loss per step and one final parameter.
+    fn run(config: &str, losses: &[f64], w: &[f64], dtype: DType) -> RunRecord {
+        record(
+            config,
+            losses,
+            vec![tensor("w", dtype, &[w.len() as i64], w)],
+        )
+    }
+
+    const EXACT: Envelope = Envelope {
+        k: 16.0,
+        floor_ulps: 0.0,
+    };
+
+    #[test]
+    fn a_run_within_k_times_the_references_noise_passes_and_beyond_fails() {
+        let ref64 = run("single.f64@2", &[1.0, 1.0], &[2.0, 3.0], DType::F64);
+        // The fp32 reference is 1e-6 off float64 on the loss and the parameter.
+        let ref32 = run(
+            "single@2",
+            &[1.0 + 1e-6, 1.0 + 1e-6],
+            &[2.0, 3.0 + 1e-6],
+            DType::F32,
+        );
+        let near = run(
+            "ddp@2",
+            &[1.0 - 1.5e-5, 1.0],
+            &[2.0, 3.0 - 1.5e-5],
+            DType::F32,
+        );
+        let c = arbitrate(&near, &ref32, &ref64, &EXACT, None);
+        assert!(c.passed, "{:?}", c.diagnosis);
+        assert_eq!(c.mode, Mode::Arbiter);
+        assert_eq!(c.reference, "single@2", "named after the shadowed training");
+        let far = run("ddp@2", &[1.0, 1.0], &[2.0, 3.0 + 1.7e-5], DType::F32);
+        let c = arbitrate(&far, &ref32, &ref64, &EXACT, None);
+        assert!(!c.passed);
+        let f = c.first_failure.expect("a failure");
+        assert_eq!(
+            (f.quantity, f.tensor.as_deref(), f.index),
+            (Quantity::Params, Some("w"), Some(1))
+        );
+        let e = f.envelope.expect("the distances");
+        assert!((e.run_to_f64 - 1.7e-5).abs() < 1e-12 && (e.reference_to_f64 - 1e-6).abs() < 1e-12);
+        let text = c.diagnosis.expect("a diagnosis");
+        assert!(text.contains("params `w`[1] after the last step"), "{text}");
+        assert!(text.contains("|fp32 reference − fp64|"), "{text}");
+    }
+
+    #[test]
+    fn the_floor_covers_what_the_reference_gets_exactly() {
+        let ref64 = run("single.f64@2", &[1.0], &[1.0], DType::F64);
+        let ref32 = run("single@2", &[1.0], &[1.0], DType::F32);
+        // One fp32 ULP at 1.0 is 2^-23 = 2 units of 2^-24: inside a floor of 8, outside 0.
+        let one_ulp = run("ddp@2", &[1.0], &[next_f32(1.0)], DType::F32);
+        assert!(arbitrate(&one_ulp, &ref32, &ref64, &ENVELOPE, None).passed);
+        assert!(!arbitrate(&one_ulp, &ref32, &ref64, &EXACT, None).passed);
+    }
+
+    #[test]
+    fn the_envelope_never_falls_below_an_earlier_steps_noise() {
+        let ref64 = run("single.f64@2", &[1.0, 1.0], &[1.0], DType::F64);
+        // At step 1 the fp32 reference lands on float64 by chance.
+        let ref32 = run("single@2", &[1.0 + 1e-6, 1.0], &[1.0], DType::F32);
+        let ddp = run("ddp@2", &[1.0, 1.0 + 1e-5], &[1.0], DType::F32);
+        let c = arbitrate(&ddp, &ref32, &ref64, &EXACT, None);
+        assert!(c.passed, "{:?}", c.diagnosis);
+        let step1 = c.steps[1]
+            .loss
+            .as_ref()
+            .and_then(|l| l.envelope)
+            .expect("step 1");
+        assert!((step1.reference_to_f64 - 1e-6).abs() < 1e-12, "{step1:?}");
+    }
+
+    #[test]
+    fn a_nan_run_fails_and_a_routing_near_tie_is_named() {
+        let mut ref64 = run("single.f64@2", &[1.0], &[1.0], DType::F64);
+        ref64.routing_min_gap = Some(3e-7);
+        let ref32 = run("single@2", &[1.0 + 1e-7], &[1.0], DType::F32);
+        let broken = run("ep.2@2", &[f64::NAN], &[1.0], DType::F32);
+        let c = arbitrate(&broken, &ref32, &ref64, &ENVELOPE, None);
+        assert!(!c.passed);
+        let text = c.diagnosis.expect("a diagnosis");
+        assert!(text.contains("loss at step 0"), "{text}");
+        assert!(
+            text.contains("near-tie") && text.contains("3.000e-7"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_log_gets_one_line_per_judged_quantity() {
+        let ref64 = run("single.f64@2", &[1.0, 1.0], &[1.0, 2.0], DType::F64);
+        let ref32 = run("single@2", &[1.0, 1.0], &[1.0, 2.0], DType::F32);
+        let mut log = Vec::new();
+        let _ = arbitrate(&ref32, &ref32, &ref64, &ENVELOPE, Some(&mut log));
+        let text = String::from_utf8(log).expect("utf-8");
+        // Two steps × (loss, grad norm), then the final parameter.
+        assert_eq!(text.lines().count(), 5, "{text}");
+        assert!(
+            text.lines()
+                .all(|l| l.starts_with("nested,single@2,single@2,")),
+            "{text}"
+        );
+    }
 }

@@ -488,6 +488,14 @@ pub fn arbitrate(
         if let Some(f) = &first_failure {
             parts.push(format!("first failure: {f}"));
         }
+        if let Some(gap) = ref64.routing_min_gap {
+            parts.push(format!(
+                "the reference routed tokens by top-k, its closest decision a probability gap \
+                 of {}: if that is within the run's distance to float64, the run may have \
+                 chosen another expert there (a near-tie flipped, not rounding drift)",
+                crate::report::fmt_num(gap)
+            ));
+        }
         parts.join(". ")
     });
     Comparison {
