@@ -30,26 +30,6 @@ const WORLD: usize = 2;
 const STEPS: usize = 5;
 const SEED: u64 = 3;
 
-/// A Python with torch, as `ci/setup-libtorch` installs it (PYTHONPATH into its cache), or
-/// `None` when there is none on this machine.
-fn python_with_torch() -> Option<(String, Option<PathBuf>)> {
-    let cache = std::env::var_os("LOCKSTEP_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("lockstep")))
-        .or_else(|| std::env::var_os("HOME").map(|d| PathBuf::from(d).join(".cache/lockstep")));
-    let site = cache
-        .map(|c| c.join("torch-2.13.0"))
-        .filter(|d| d.join("torch").is_dir());
-    let python = std::env::var("LOCKSTEP_PYTHON").unwrap_or_else(|_| "python3".into());
-    let mut probe = Command::new(&python);
-    probe.args(["-c", "import torch"]);
-    if let Some(site) = &site {
-        probe.env("PYTHONPATH", site);
-    }
-    let found = probe.output().map(|o| o.status.success()).unwrap_or(false);
-    found.then_some((python, site))
-}
-
 /// Runs `pytorch_twins.py COMMAND DIR` and insists it succeeded.
 fn twins(python: &str, site: &Option<PathBuf>, command: &str, dir: &Path) -> Result<()> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/pytorch_twins.py");
@@ -153,7 +133,7 @@ fn lockstep_side(name: &str, adam: bool, dir: &Path) -> Result<Trained> {
 
 #[test]
 fn single_device_reference_is_pytorchs_arithmetic() -> Result<()> {
-    let Some((python, site)) = python_with_torch() else {
+    let Some((python, site)) = common::python_with_torch() else {
         eprintln!("no Python with torch here (ci/setup-libtorch installs one): twins not trained");
         return Ok(());
     };
@@ -224,7 +204,7 @@ fn single_device_reference_is_pytorchs_arithmetic() -> Result<()> {
 /// computes on the same shards over gloo.
 #[rstest]
 fn vocab_parallel_cross_entropy_is_loss_parallels_arithmetic(#[values(1, 2)] tp: usize) {
-    let Some((python, site)) = python_with_torch() else {
+    let Some((python, site)) = common::python_with_torch() else {
         eprintln!("no Python with torch here (ci/setup-libtorch installs one): not compared");
         return;
     };

@@ -4,6 +4,7 @@
 //! `ddp`, the JSON object, and (when a Python with torch is at hand) the zoo's PyTorch twins
 //! loading Lockstep's state and handing theirs back.
 
+mod common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -709,26 +710,6 @@ fn json_is_one_object_with_every_field() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A Python with torch, as `ci/setup-libtorch` installs it (PYTHONPATH into its cache), or
-/// `None` when there is none on this machine.
-fn python_with_torch() -> Option<(String, Option<PathBuf>)> {
-    let cache = std::env::var_os("LOCKSTEP_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("lockstep")))
-        .or_else(|| std::env::var_os("HOME").map(|d| PathBuf::from(d).join(".cache/lockstep")));
-    let site = cache
-        .map(|c| c.join("torch-2.13.0"))
-        .filter(|d| d.join("torch").is_dir());
-    let python = std::env::var("LOCKSTEP_PYTHON").unwrap_or_else(|_| "python3".into());
-    let mut probe = Command::new(&python);
-    probe.args(["-c", "import torch"]);
-    if let Some(site) = &site {
-        probe.env("PYTHONPATH", site);
-    }
-    let found = probe.output().map(|o| o.status.success()).unwrap_or(false);
-    found.then_some((python, site))
-}
-
 fn twins(python: &str, site: &Option<PathBuf>, command: &str, dir: &Path) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/pytorch_twins.py");
     let mut cmd = Command::new(python);
@@ -747,7 +728,7 @@ fn twins(python: &str, site: &Option<PathBuf>, command: &str, dir: &Path) {
 
 #[test]
 fn pytorch_twins_take_lockstep_state_and_hand_theirs_back() {
-    let Some((python, site)) = python_with_torch() else {
+    let Some((python, site)) = common::python_with_torch() else {
         eprintln!("no Python with torch here (ci/setup-libtorch installs one): twin check not run");
         return;
     };

@@ -195,6 +195,24 @@ pub fn microbatched_name(m: usize) -> String {
     format!("single.mb{m}")
 }
 
+/// The microbatched reference of `model` (the plan's steps, seed and default optimizer).
+fn train_microbatched(
+    model: &dyn Model,
+    world_size: usize,
+    microbatches: usize,
+    plan: &Plan,
+) -> Result<RunRecord, RunFailed> {
+    microbatched_reference(
+        model,
+        world_size,
+        microbatches,
+        plan.steps,
+        OptimizerConfig::default(),
+        plan.record_grads,
+    )
+    .map_err(|e| RunFailed::simple(format!("microbatched reference: {e}")))
+}
+
 /// The float64 shadow of the microbatched reference (see [`runner::shadow_f64`]).
 pub(super) fn run_microbatched_f64(
     model: &str,
@@ -203,17 +221,8 @@ pub(super) fn run_microbatched_f64(
     plan: &Plan,
 ) -> Result<RunRecord, RunFailed> {
     let build = runner::zoo_builder(model);
-    let train = |built: Box<dyn Model>| {
-        microbatched_reference(
-            built.as_ref(),
-            world_size,
-            microbatches,
-            plan.steps,
-            OptimizerConfig::default(),
-            plan.record_grads,
-        )
-        .map_err(|e| RunFailed::simple(format!("microbatched reference: {e}")))
-    };
+    let train =
+        |built: Box<dyn Model>| train_microbatched(built.as_ref(), world_size, microbatches, plan);
     let mut record = runner::shadow_f64(&build, plan.seed, train)?;
     record.spec.config = format!("{}.f64@{world_size}", microbatched_name(microbatches));
     record.spec.dtype = "fp64".into();
@@ -231,15 +240,7 @@ pub(super) fn run_microbatched(
     crate::runner::in_process_reference(&plan.settings(), &|| {
         let built =
             zoo::build(model, plan.seed, 0).map_err(|e| RunFailed::simple(e.to_string()))?;
-        let mut record = microbatched_reference(
-            built.as_ref(),
-            world_size,
-            microbatches,
-            plan.steps,
-            OptimizerConfig::default(),
-            plan.record_grads,
-        )
-        .map_err(|e| RunFailed::simple(format!("microbatched reference: {e}")))?;
+        let mut record = train_microbatched(built.as_ref(), world_size, microbatches, plan)?;
         record.spec.config = format!("{}@{world_size}", microbatched_name(microbatches));
         Ok(record)
     })

@@ -357,3 +357,27 @@ impl lockstep_models::Model for Unhooked {
         self.0.loss_of(batch, output)
     }
 }
+
+/// A Python with torch, as `ci/setup-libtorch` installs it (PYTHONPATH into its cache), or
+/// `None` when there is none on this machine.
+pub fn python_with_torch() -> Option<(String, Option<std::path::PathBuf>)> {
+    let cache = std::env::var_os("LOCKSTEP_CACHE")
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("XDG_CACHE_HOME").map(|d| std::path::PathBuf::from(d).join("lockstep"))
+        })
+        .or_else(|| {
+            std::env::var_os("HOME").map(|d| std::path::PathBuf::from(d).join(".cache/lockstep"))
+        });
+    let site = cache
+        .map(|c| c.join("torch-2.13.0"))
+        .filter(|d| d.join("torch").is_dir());
+    let python = std::env::var("LOCKSTEP_PYTHON").unwrap_or_else(|_| "python3".into());
+    let mut probe = std::process::Command::new(&python);
+    probe.args(["-c", "import torch"]);
+    if let Some(site) = &site {
+        probe.env("PYTHONPATH", site);
+    }
+    let found = probe.output().map(|o| o.status.success()).unwrap_or(false);
+    found.then_some((python, site))
+}
