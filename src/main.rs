@@ -50,7 +50,7 @@ enum Command {
     },
     /// Run every model x config at each world size on the CPU backend and check parity.
     ///
-    /// DDP is compared with the single-device reference (fp32 dtype table) and with a fresh
+    /// DDP is compared with the single-device reference (fp64 arbiter) and with a fresh
     /// repeat of itself (bitwise); the single-device reference with a repeat of itself
     /// (bitwise). Writes report.json, report.md, junit.xml and report.html into --out. Exit 1
     /// if a parity check or a run failed (failed runs are the report's errors, and the report

@@ -1,8 +1,7 @@
 //! Compositions on a named mesh against single device and against the simpler composition
 //! each reduces to: FSDP×TP equals TP×DDP bit for bit (a reduce-scatter's elements are the
 //! all-reduce's), PP×FSDP equals PP×DP, EP×FSDP equals EP with replicated dense parameters;
-//! every one agrees with single device under the fp32 table (pipelines under PyTorch's
-//! pipeline tolerance); per-step collective counts are the hand-computed ones; planted seam
+//! every one agrees with single device (within the tolerances this file states); per-step collective counts are the hand-computed ones; planted seam
 //! bugs are caught; meshes that do not fit are refused before any rank starts.
 
 mod common;

@@ -883,6 +883,46 @@ mod arbiter {
     }
 
     #[test]
+    fn where_a_reference_is_not_finite_the_run_must_be_what_the_fp32_reference_is() {
+        // fp32 overflowed where float64 did not: no noise to measure there.
+        let ref64 = run("single.f64@2", &[1.0], &[1e39, 1.0], DType::F64);
+        let ref32 = run("single@2", &[1.0], &[f64::INFINITY, 1.0], DType::F32);
+        let same = run("ddp@2", &[1.0], &[f64::INFINITY, 1.0], DType::F32);
+        assert!(arbitrate(&same, &ref32, &ref64, &ENVELOPE, None).passed);
+        let nan = run("ddp@2", &[1.0], &[f64::NAN, 1.0], DType::F32);
+        let c = arbitrate(&nan, &ref32, &ref64, &ENVELOPE, None);
+        assert!(
+            !c.passed,
+            "a NaN run passed against an overflowed reference"
+        );
+        assert_eq!(c.first_failure.and_then(|f| f.index), Some(0));
+        // Both diverged to NaN at a step: identical NaN steps are not a finding.
+        let ref64 = run("single.f64@2", &[f64::NAN], &[1.0], DType::F64);
+        let ref32 = run("single@2", &[f64::NAN], &[1.0], DType::F32);
+        let both = run("ddp@2", &[f64::NAN], &[1.0], DType::F32);
+        assert!(arbitrate(&both, &ref32, &ref64, &ENVELOPE, None).passed);
+        let finite = run("ddp@2", &[2.0], &[1.0], DType::F32);
+        assert!(!arbitrate(&finite, &ref32, &ref64, &ENVELOPE, None).passed);
+    }
+
+    #[test]
+    fn a_run_without_the_references_gradients_is_a_structural_failure() {
+        let mut ref64 = run("single.f64@2", &[1.0], &[1.0], DType::F64);
+        let mut ref32 = run("single@2", &[1.0], &[1.0], DType::F32);
+        let g = |d| vec![vec![tensor("w", d, &[1], &[0.5])]];
+        ref64.grads = Some(g(DType::F64));
+        ref32.grads = Some(g(DType::F32));
+        let ddp = run("ddp@2", &[1.0], &[1.0], DType::F32);
+        let c = arbitrate(&ddp, &ref32, &ref64, &ENVELOPE, None);
+        assert!(!c.passed);
+        assert!(
+            c.structural.iter().any(|s| s.contains("gradients")),
+            "{:?}",
+            c.structural
+        );
+    }
+
+    #[test]
     fn the_log_gets_one_line_per_judged_quantity() {
         let ref64 = run("single.f64@2", &[1.0, 1.0], &[1.0, 2.0], DType::F64);
         let ref32 = run("single@2", &[1.0, 1.0], &[1.0, 2.0], DType::F32);

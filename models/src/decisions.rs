@@ -47,40 +47,70 @@ thread_local! {
     static TAPE: RefCell<TapeMode> = const { RefCell::new(TapeMode::Off) };
 }
 
+/// Puts `mode` on this thread's tape and gives the previous one back when dropped, so a
+/// panic inside a recording or a replay cannot leave later `topk` calls replaying stale
+/// choices.
+struct TapeGuard {
+    previous: Option<TapeMode>,
+}
+
+impl TapeGuard {
+    fn install(mode: TapeMode) -> TapeGuard {
+        TapeGuard {
+            previous: Some(TAPE.with(|t| t.replace(mode))),
+        }
+    }
+
+    /// Restores the previous mode and returns the tape this guard's mode ended with.
+    fn finish(mut self) -> DecisionTape {
+        let previous = self.previous.take().unwrap_or(TapeMode::Off);
+        match TAPE.with(|t| t.replace(previous)) {
+            TapeMode::Record(tape) | TapeMode::Replay(tape) => tape,
+            TapeMode::Off => DecisionTape::default(),
+        }
+    }
+}
+
+impl Drop for TapeGuard {
+    fn drop(&mut self) {
+        if let Some(previous) = self.previous.take() {
+            TAPE.with(|t| t.replace(previous));
+        }
+    }
+}
+
 /// Runs `f`, recording every [`topk`] decision it takes on this thread.
 pub fn recording<R>(f: impl FnOnce() -> R) -> (R, DecisionTape) {
-    let empty = DecisionTape {
+    let guard = TapeGuard::install(TapeMode::Record(DecisionTape {
         min_gap: f64::INFINITY,
         ..DecisionTape::default()
-    };
-    let previous = TAPE.with(|t| t.replace(TapeMode::Record(empty)));
+    }));
     let out = f();
-    let tape = match TAPE.with(|t| t.replace(previous)) {
-        TapeMode::Record(tape) => tape,
-        _ => DecisionTape::default(),
-    };
-    (out, tape)
+    (out, guard.finish())
 }
 
 /// Runs `f`, making every [`topk`] decision as `tape` recorded it; returns what is left of the
-/// tape (empty when both runs took the same number of decisions).
+/// tape (empty when both runs took the same decisions; `exhausted` when the replay asked for
+/// more, or for one of another shape).
 pub fn replaying<R>(tape: DecisionTape, f: impl FnOnce() -> R) -> (R, DecisionTape) {
-    let previous = TAPE.with(|t| t.replace(TapeMode::Replay(tape)));
+    let guard = TapeGuard::install(TapeMode::Replay(tape));
     let out = f();
-    let rest = match TAPE.with(|t| t.replace(previous)) {
-        TapeMode::Replay(tape) => tape,
-        _ => DecisionTape::default(),
-    };
-    (out, rest)
+    (out, guard.finish())
 }
 
 /// The `k` largest of `probs` along the last dimension, highest first, with their indices
 /// (`topk(k, -1, largest, sorted)`), or the recorded choice under [`replaying`].
 pub fn topk(probs: &Tensor, k: i64) -> Result<(Tensor, Tensor), TchError> {
+    let mut expected = probs.size();
+    if let Some(last) = expected.last_mut() {
+        *last = k;
+    }
     let replayed = TAPE.with(|t| match &mut *t.borrow_mut() {
         TapeMode::Replay(tape) => match tape.choices.pop_front() {
-            Some(idx) => Some(Some(idx)),
-            None => {
+            Some(idx) if idx.size() == expected => Some(Some(idx)),
+            _ => {
+                // Out of choices, or a decision of another shape: the runs took different
+                // paths. Decide afresh and let the caller refuse the shadow.
                 tape.exhausted = true;
                 Some(None)
             }

@@ -1,7 +1,7 @@
 //! The compositions of the matrix (names with `_x_`: `fsdp_x_tp2`, `pp2_x_tp2_x_dp`...), as a
 //! table like [`fsdp_configs`]. Each row is a [`Composition`] on a named mesh whose data
-//! dimension takes the rest of the world, and is judged twice: against `single@N` (the fp32
-//! dtype table; pipelines under PyTorch's pipeline tolerance, as the `pp.*` rows), and
+//! dimension takes the rest of the world, and is judged twice: against `single@N` (the fp64
+//! arbiter, as every row against single), and
 //! against the simpler configuration it reduces to where there is one — bit for bit where
 //! the math allows (FSDP's reduce-scatter yields DDP's all-reduce elements), else the fp32
 //! table through a recorded override.
@@ -56,7 +56,7 @@ impl CompositionConfig {
         self.reduces_to.and_then(|(name, _)| Config::by_name(name))
     }
 
-    /// Whether a pipeline runs (its row against single takes the pipeline tolerance).
+    /// Whether a pipeline runs (its mesh has a `pp` dimension).
     pub fn is_pipeline(&self) -> bool {
         matches!(self.composition, Composition::Pipeline { .. })
     }

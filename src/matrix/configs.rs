@@ -522,7 +522,7 @@ impl Config {
                                bitwise"
                 .into(),
             Config::Ddp => "DDP on the CPU backend, one forked process per rank; checked \
-                            against single (fp32 dtype table) and a fresh repeat of itself \
+                            against single (fp64 arbiter) and a fresh repeat of itself \
                             (bitwise)"
                 .into(),
             Config::DdpHybridOrder => format!(
@@ -534,22 +534,18 @@ impl Config {
             Config::DdpMixed(p) => format!(
                 "DDP under the {label} mixed-precision policy ({label} compute, fp32 reduction \
                  and buffers, BatchNorm in fp32), one forked process per rank: the reference of \
-                 the {label} FSDP configs; checked against a fresh repeat of itself (bitwise), \
-                 not against single (mixed precision)",
+                 the {label} FSDP configs; checked against a fresh repeat of itself (bitwise); \
+                 no row against single (it is the envelope of those configs' rows there)",
                 label = p.label()
             ),
             Config::ModelParallel(id) => format!(
-                "{}; checked against single (fp32 dtype table)",
+                "{}; checked against single (fp64 arbiter)",
                 id.get().description
             ),
             Config::Composed(id) if id.get().reference_only => id.get().description.to_owned(),
             Config::Composed(id) => {
                 let c = id.get();
-                let vs_single = if c.is_pipeline() {
-                    "single (PyTorch's pipeline tolerance, as pp.*)"
-                } else {
-                    "single (fp32 dtype table)"
-                };
+                let vs_single = "single (fp64 arbiter)";
                 match c.reduces_to {
                     None => format!("{}; checked against {vs_single}", c.description),
                     Some((simpler, DdpCheck::Bitwise)) => format!(
@@ -557,8 +553,8 @@ impl Config {
                         c.description
                     ),
                     Some((simpler, DdpCheck::DtypeTable { .. })) => format!(
-                        "{}; checked against {vs_single} and {simpler} (fp32 dtype table, a \
-                         recorded tolerance override)",
+                        "{}; checked against {vs_single} and {simpler} (fp64 arbiter with \
+                         {simpler}'s noise as the envelope)",
                         c.description
                     ),
                 }
@@ -566,10 +562,10 @@ impl Config {
             Config::Pipeline(id) => {
                 let p = id.get();
                 format!(
-                    "{}; microbatches 2p for p pipeline ranks; checked against single (fp32 \
-                     dtype table) and single.mbM (one process, the same M microbatches in order: \
-                     bitwise unless the plan names why not, then the fp32 table as a recorded \
-                     override)",
+                    "{}; microbatches 2p for p pipeline ranks; checked against single (fp64 \
+                     arbiter) and single.mbM (one process, the same M microbatches in order: \
+                     bitwise unless the plan names why not, then the fp64 arbiter around \
+                     single.mbM's own float64 shadow)",
                     p.description
                 )
             }
@@ -584,11 +580,12 @@ impl Config {
                 };
                 match f.precision {
                     None => format!(
-                        "{}; checked against {vs_ddp} and single (fp32 dtype table)",
+                        "{}; checked against {vs_ddp} and single (fp64 arbiter)",
                         f.description
                     ),
                     Some(_) => format!(
-                        "{}; checked against {vs_ddp}, not against single (mixed precision)",
+                        "{}; checked against {vs_ddp} and single (fp64 arbiter, with \
+                         {reference}'s noise as the envelope)",
                         f.description
                     ),
                 }

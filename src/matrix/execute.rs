@@ -264,9 +264,15 @@ fn run_cell(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_>) -> CellR
             let fp32 = tally.in_process(format!("{model} {name}@{world}"), || {
                 run_microbatched(model, world, mb, plan)
             });
-            let fp64 = tally.in_process(format!("{model} {name}.f64@{world}"), || {
-                run_microbatched_f64(model, world, mb, plan)
-            });
+            let fp64 = if plan.microbatch_needs_f64(m, world, mb) {
+                tally.in_process(format!("{model} {name}.f64@{world}"), || {
+                    run_microbatched_f64(model, world, mb, plan)
+                })
+            } else {
+                Err(RunFailed::simple(
+                    "not run: every pipeline using this reference is judged bitwise",
+                ))
+            };
             (mb, (fp32, fp64))
         })
         .collect();
@@ -555,7 +561,12 @@ fn judge_row(
         }
         (Judge::Policy { policy: Ok(p), .. }, Some(a), Some(b)) => compare(a, b, &p),
         (Judge::Arbiter { fp64, .. }, Some(a), Some(b)) => match ok(fp64) {
-            Some(wide) => arbitrate(a, b, wide, &ENVELOPE, log),
+            Some(wide) => {
+                let mut c = arbitrate(a, b, wide, &ENVELOPE, log);
+                // Named after the row: a simpler configuration's envelope keeps its own key.
+                c.reference.clone_from(&r.reference);
+                c
+            }
             None => {
                 r.note = Some(not_run(cell));
                 return (r, None);

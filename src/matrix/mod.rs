@@ -4,13 +4,14 @@
 //! A configuration under test is compared against every reference that applies to it:
 //!
 //! - `ddp@N` against `single@N` (the single-device reference over the same global batch)
-//!   under the fp32 dtype table, and against a second, freshly launched `ddp@N` in bitwise
+//!   by the fp64 arbiter (docs/parity.md: its distance to a float64 shadow of `single@N`
+//!   within 16 times the reference's own), and against a second, freshly launched `ddp@N` in bitwise
 //!   mode: the CPU backend reduces in rank order, so a repeat must be bit-identical;
 //! - `single@N` against a repeat of itself in bitwise mode: a reference that is not
 //!   deterministic would make every verdict against it meaningless;
 //! - every FSDP configuration against `ddp@N` in bitwise mode (FSDP's reduce-scatter yields
-//!   exactly DDP's averaged gradients on the CPU backend) and against `single@N` under the
-//!   fp32 dtype table. Hybrid shard (`fsdp.hybrid_shard*`), whose two-stage average sums in
+//!   exactly DDP's averaged gradients on the CPU backend) and against `single@N` by the fp64
+//!   arbiter. Hybrid shard (`fsdp.hybrid_shard*`), whose two-stage average sums in
 //!   a different order than DDP's all-reduce, is compared bitwise against `ddp.hybrid_order@N`
 //!   instead, DDP averaging each bucket in the same two stages ([`HYBRID_VS_DDP_REASON`]), a
 //!   reference that runs once per cell when a hybrid configuration does and is never

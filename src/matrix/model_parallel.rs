@@ -1,5 +1,5 @@
 //! The tensor- and expert-parallel configurations of the matrix (`tp.*`, `ep.*`), as a table
-//! like [`fsdp_configs`]. Each is judged against `single@N` under the fp32 dtype table: a
+//! like [`fsdp_configs`]. Each is judged against `single@N` by the fp64 arbiter: a
 //! tensor-parallel group computes the global batch's loss exactly as one process, except that
 //! sums split across ranks (the row-parallel reduction, the vocabulary-parallel softmax) add
 //! in another order; expert parallelism trains data-parallel with experts sharded.

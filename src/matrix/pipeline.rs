@@ -3,14 +3,13 @@
 //! data-parallel replicas; microbatches are `2p` for `p` pipeline ranks (the issue's `m ≥ 2p`,
 //! and a multiple of `p` as interleaved schedules need).
 //!
-//! Each `pp.*` row is judged twice: against `single@N` under the fp32 dtype table (a
+//! Each `pp.*` row is judged twice: against `single@N` by the fp64 arbiter (a
 //! pipeline accumulates microbatch gradients, one process computes the global batch at once:
 //! the same sum in another order), and against `single.mbM@N` — one process running the same
 //! `M` microbatches with the same loss scales, backward per microbatch in order — bit for bit
 //! where the math allows. Where it does not (a tied weight used on two stages, a layer output
-//! consumed on several stages, data-parallel averaging) the row is held to the fp32 dtype
-//! table through a tolerance override whose reason, derived from the model's plan, is in the
-//! row note and every report.
+//! consumed on several stages, data-parallel averaging) the row is judged by the fp64 arbiter
+//! around `single.mbM`'s own float64 shadow.
 
 use super::*;
 use lockstep_core::pipeline::{

@@ -125,7 +125,11 @@ impl Plan {
                     + usize::from(self.needs_f64(model, world))
                     + self.fsdp_launches(world).len()
                     + self.pipeline_launches(model, world).len()
-                    + 2 * self.microbatch_references(model, world).len()
+                    + self
+                        .microbatch_references(model, world)
+                        .into_iter()
+                        .map(|mb| 1 + usize::from(self.microbatch_needs_f64(model, world, mb)))
+                        .sum::<usize>()
                     + self.model_parallel_launches(model, world).len()
                     + self.simpler_references(model, world).len();
             }
@@ -212,15 +216,24 @@ impl Plan {
         m
     }
 
-    /// The reference runs for model `model` at one world size, in run order: (configuration,
-    /// runs) for `single`, `ddp` and each `ddp.<label>`, those with no run left out. A
-    /// selected reference runs twice (its own row checks the repeat); one that is not
-    /// selected runs once if a selected configuration needs it: `single` for `ddp` and the
-    /// fp32 FSDP launches (if the model has a single-device reference), `ddp` and
-    /// `ddp.<label>` for the FSDP launches under that precision, `ddp.hybrid_order` (never
-    /// selected: a reference only) for the hybrid ones. FSDP launches come on top,
-    /// one per selected FSDP configuration that runs at this size; a configuration that
-    /// launches nothing there needs no reference.
+    /// Whether the microbatched reference with `microbatches` needs its float64 shadow: some
+    /// one-replica pipeline using it cannot be bitwise (its plan says why) and is judged by
+    /// the fp64 arbiter instead.
+    pub(super) fn microbatch_needs_f64(
+        &self,
+        model: usize,
+        world_size: usize,
+        microbatches: usize,
+    ) -> bool {
+        self.pipeline_launches(model, world_size)
+            .iter()
+            .any(|(_, p)| {
+                p.data_parallel == 1
+                    && p.microbatches == microbatches
+                    && p.bitwise_blocker.is_some()
+            })
+    }
+
     /// Whether the cell runs the single-device reference's float64 shadow: whenever a row is
     /// judged against `single` by the fp64 arbiter (every selected configuration but the
     /// references themselves), on models that have a single-device reference.
@@ -232,6 +245,15 @@ impl Plan {
             })
     }
 
+    /// The reference runs for model `model` at one world size, in run order: (configuration,
+    /// runs) for `single`, `ddp` and each `ddp.<label>`, those with no run left out. A
+    /// selected reference runs twice (its own row checks the repeat); one that is not
+    /// selected runs once if a selected configuration needs it: `single` for `ddp` and the
+    /// fp32 FSDP launches (if the model has a single-device reference), `ddp` and
+    /// `ddp.<label>` for the FSDP launches under that precision, `ddp.hybrid_order` (never
+    /// selected: a reference only) for the hybrid ones. FSDP launches come on top,
+    /// one per selected FSDP configuration that runs at this size; a configuration that
+    /// launches nothing there needs no reference.
     pub(super) fn runs_per_cell(&self, model: usize, world_size: usize) -> Vec<(Config, usize)> {
         let has_single = self.blockers[model].is_none();
         let launches = self.fsdp_launches(world_size);

@@ -121,7 +121,7 @@ pub struct ParityTest<'a> {
 impl<'a> ParityTest<'a> {
     /// A test called `name` (use the test function's name: the report set goes to
     /// `target/lockstep/<name>/`). Defaults: reference `single`, world size 2, 3 steps, seed
-    /// 0, SGD (lr 0.01, momentum 0.9), the fp32 dtype table, a 120 s timeout per launch.
+    /// 0, SGD (lr 0.01, momentum 0.9), the fp64 arbiter against single, a 120 s timeout per launch.
     pub fn new(name: &str) -> Self {
         ParityTest {
             name: name.to_owned(),
@@ -229,9 +229,10 @@ impl<'a> ParityTest<'a> {
         self
     }
 
-    /// Judges every comparison with `policy`. Without it, pairs of built-in configurations
-    /// use the matrix's policy (FSDP against DDP bitwise, anything against `single` under
-    /// the fp32 table) and everything else the fp32 dtype table.
+    /// Judges every comparison with `policy` (which turns the fp64 arbiter off). Without it,
+    /// anything against `single` is judged by the fp64 arbiter, other pairs of built-in
+    /// configurations by the matrix's policy (FSDP against DDP bitwise) and everything else
+    /// by the fp32 dtype table.
     pub fn policy(mut self, policy: Policy) -> Self {
         self.policy = Some(policy);
         self
@@ -337,9 +338,12 @@ impl<'a> ParityTest<'a> {
                         continue;
                     }
                     let judged = match self.arbiter_envelope(config, reference) {
-                        Some(envelope) => {
-                            self.judge_by_arbiter(&records, run_name, envelope, single_f64.as_ref())
-                        }
+                        Some(envelope) => self.judge_by_arbiter(
+                            &records,
+                            (config, world),
+                            envelope,
+                            single_f64.as_ref(),
+                        ),
                         None => policies
                             .get(&(run_name, ref_name, world))
                             .and_then(|policy| {
@@ -534,11 +538,11 @@ impl<'a> ParityTest<'a> {
     fn judge_by_arbiter(
         &self,
         records: &BTreeMap<String, Result<RunRecord, RunFailed>>,
-        run_name: &str,
+        (config, world): (&TestConfig<'_>, usize),
         envelope: &str,
         fp64: Option<&Result<RunRecord, RunFailed>>,
     ) -> Option<Result<lockstep_harness::parity::Comparison, RunFailed>> {
-        let run = match records.get(run_name)? {
+        let run = match records.get(config.name())? {
             Ok(run) => run,
             Err(e) => return Some(Err(e.clone())),
         };
@@ -548,16 +552,27 @@ impl<'a> ParityTest<'a> {
         };
         match fp64? {
             Ok(wide) => Some(Ok(arbitrate(run, fp32, wide, &ENVELOPE, None))),
+            // Against the single-device run itself, under the table of the run's dtype,
+            // with why in the comparison.
             Err(e) => {
+                let single = match records.get("single")? {
+                    Ok(r) => r,
+                    Err(e) => return Some(Err(e.clone())),
+                };
+                let policy = match self.policy_for(config, &Reference::Single, world) {
+                    Ok(p) => p,
+                    Err(e) => return Some(Err(RunFailed::simple(e.to_string()))),
+                };
+                let dtype = policy.scalar_dtype();
                 let reason = format!(
-                    "the fp64 arbiter could not run ({}): judged under the fp32 table",
+                    "the fp64 arbiter could not run ({}): judged under the {dtype} table",
                     e.line
                 );
-                let policy = Override::new(Tolerance::for_dtype(DType::F32), &reason).map(|ov| {
-                    TolerancePolicy::dtype_table(DType::F32).with_override(&run.spec.config, ov)
-                });
-                match policy {
-                    Ok(policy) => Some(Ok(compare(run, fp32, &policy))),
+                match Override::new(Tolerance::for_dtype(dtype), &reason) {
+                    Ok(ov) => {
+                        let policy = policy.with_override(&run.spec.config, ov);
+                        Some(Ok(compare(run, single, &policy)))
+                    }
                     Err(e) => Some(Err(RunFailed::simple(e.to_string()))),
                 }
             }

@@ -67,6 +67,13 @@ pub struct EnvelopePoint {
     /// `d(run, ref64) / (K · d(ref32, ref64) + floor)`: at most 1 passes.
     #[serde(with = "num")]
     pub margin: f64,
+    /// The K the verdict used.
+    #[serde(default = "default_k")]
+    pub k: f64,
+}
+
+fn default_k() -> f64 {
+    ENVELOPE.k
 }
 
 /// What a row judged by the arbiter reports beside its verdict: the constants and where it
@@ -126,33 +133,57 @@ struct Verdict {
     passed: bool,
 }
 
-fn max_distance(a: &[f64], b: &[f64]) -> (f64, usize) {
+/// The largest `|a − b|` over the elements where both references are finite, and its index.
+fn max_distance(a: &[f64], b: &[f64], judged: &[bool]) -> (f64, usize) {
     let mut worst = (0.0, 0);
-    for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+    for (i, ((&x, &y), &judge)) in a.iter().zip(b).zip(judged).enumerate() {
+        if !judge {
+            continue;
+        }
         let d = if x == y {
             0.0
-        } else if x.is_finite() && y.is_finite() {
+        } else if x.is_finite() {
             (x - y).abs()
         } else {
             f64::INFINITY
         };
-        if d > worst.0 || (d.is_nan() && !worst.0.is_nan()) {
+        if d > worst.0 {
             worst = (d, i);
         }
     }
     worst
 }
 
-/// `noise_so_far` is the largest `d(ref32, ref64)` this quantity had at earlier steps.
-fn judge(sides: &Sides<'_>, env: &Envelope, noise_so_far: f64) -> Verdict {
-    let (run_to_f64, worst) = max_distance(sides.run, sides.ref64);
-    let (raw_reference, _) = max_distance(sides.ref32, sides.ref64);
-    let reference_to_f64 = raw_reference.max(noise_so_far);
+/// Where a reference is not finite (an fp32 overflow float64 does not have, a diverged
+/// training) there is no noise to measure: the run must then be what the fp32 reference is
+/// (NaN where it is NaN, the same infinity). Returns the first element where it is not.
+fn non_finite_mismatch(sides: &Sides<'_>, judged: &[bool]) -> Option<usize> {
+    (0..sides.run.len()).find(|&i| {
+        let (run, ref32) = (sides.run[i], sides.ref32[i]);
+        !judged[i] && !(run.to_bits() == ref32.to_bits() || (run.is_nan() && ref32.is_nan()))
+    })
+}
+
+/// `noise_so_far` is the envelope carried from earlier steps for this quantity (see
+/// [`NoiseSoFar`]).
+fn judge(sides: &Sides<'_>, env: &Envelope, noise_so_far: &NoiseSoFar) -> Verdict {
+    let judged: Vec<bool> = sides
+        .ref32
+        .iter()
+        .zip(sides.ref64)
+        .map(|(a, b)| a.is_finite() && b.is_finite())
+        .collect();
+    let (mut run_to_f64, mut worst) = max_distance(sides.run, sides.ref64, &judged);
+    if let Some(i) = non_finite_mismatch(sides, &judged) {
+        (run_to_f64, worst) = (f64::INFINITY, i);
+    }
+    let (raw_reference, _) = max_distance(sides.ref32, sides.ref64, &judged);
     let scale = sides
         .ref64
         .iter()
         .filter(|v| v.is_finite())
         .fold(0.0f64, |m, v| m.max(v.abs()));
+    let reference_to_f64 = raw_reference.max(noise_so_far.at(scale));
     let floor = env.floor_ulps * F32_ROUNDOFF * scale;
     let allowed = env.k * reference_to_f64 + floor;
     let passed = run_to_f64 <= allowed;
@@ -169,11 +200,37 @@ fn judge(sides: &Sides<'_>, env: &Envelope, noise_so_far: f64) -> Verdict {
             reference_to_f64,
             floor,
             margin,
+            k: env.k,
         },
         raw_reference,
         scale,
         worst,
         passed,
+    }
+}
+
+/// The fp32 reference's noise on one quantity at the steps judged so far. Rounding noise
+/// accumulates, so a step where the reference lands near float64 by chance (a single number
+/// such as a gradient norm can) must not make the envelope collapse; but values also shrink
+/// or grow by orders of magnitude over training. The noise carried to a step is therefore the
+/// smaller of the largest absolute noise seen and the largest relative noise seen at this
+/// step's magnitude: it can neither outlast a shrinking quantity nor inflate a growing one.
+#[derive(Clone, Copy, Debug, Default)]
+struct NoiseSoFar {
+    absolute: f64,
+    relative: f64,
+}
+
+impl NoiseSoFar {
+    fn at(&self, scale: f64) -> f64 {
+        self.absolute.min(self.relative * scale)
+    }
+
+    fn observe(&mut self, noise: f64, scale: f64) {
+        self.absolute = self.absolute.max(noise);
+        if scale > 0.0 {
+            self.relative = self.relative.max(noise / scale);
+        }
     }
 }
 
@@ -188,8 +245,8 @@ struct Site<'a> {
 /// Context shared by every quantity of one arbitration.
 struct Judging<'a, 'w> {
     env: &'a Envelope,
-    /// Per quantity and tensor, the largest `d(ref32, ref64)` of the steps judged so far.
-    noise_so_far: HashMap<(Quantity, String), f64>,
+    /// Per quantity and tensor, the fp32 reference's noise at the steps judged so far.
+    noise_so_far: HashMap<(Quantity, String), NoiseSoFar>,
     first_failure: Option<FailurePoint>,
     worst: Option<(String, EnvelopePoint)>,
     log: ArbiterLog<'w>,
@@ -200,12 +257,14 @@ impl Judging<'_, '_> {
     fn observe(&mut self, stats: &mut Stats, sides: &Sides<'_>, site: &Site<'_>) -> Verdict {
         let key = (site.quantity, site.tensor.unwrap_or_default().to_owned());
         let so_far = match site.step {
-            Some(_) => self.noise_so_far.get(&key).copied().unwrap_or(0.0),
-            None => 0.0,
+            Some(_) => self.noise_so_far.get(&key).copied().unwrap_or_default(),
+            None => NoiseSoFar::default(),
         };
-        let v = judge(sides, self.env, so_far);
+        let v = judge(sides, self.env, &so_far);
         if site.step.is_some() {
-            self.noise_so_far.insert(key, v.point.reference_to_f64);
+            let mut noise = so_far;
+            noise.observe(v.raw_reference, v.scale);
+            self.noise_so_far.insert(key, noise);
         }
         if self
             .worst
@@ -295,14 +354,21 @@ fn judge_tensors(
     for want in ref64 {
         let name = want.name.as_str();
         let (Some(have), Some(mid)) = (run.get(name), ref32.get(name)) else {
-            structural.push(format!("{what}: `{name}` is missing from the run"));
+            let side = if run.contains_key(name) {
+                "the fp32 reference"
+            } else {
+                "the run"
+            };
+            structural.push(format!("{what}: `{name}` is missing from {side}"));
             total.passed = false;
             continue;
         };
-        if have.values.len() != want.values.len() || mid.values.len() != want.values.len() {
+        let sized = |t: &NamedTensor| t.shape == want.shape && t.values.len() == want.values.len();
+        if !sized(have) || !sized(mid) {
             structural.push(format!(
-                "{what}: `{name}` has shape {:?} in the run but {:?} in the reference",
-                have.shape, want.shape
+                "{what}: `{name}` has shape {:?} in the run and {:?} in the fp32 reference but \
+                 {:?} in the float64 shadow",
+                have.shape, mid.shape, want.shape
             ));
             total.passed = false;
             continue;
@@ -331,12 +397,14 @@ fn judge_tensors(
     }
     let ref64_names: std::collections::HashSet<&str> =
         ref64.iter().map(|t| t.name.as_str()).collect();
-    for name in run.keys() {
-        if !ref64_names.contains(name) {
-            structural.push(format!(
-                "{what}: `{name}` is in the run but not in the reference"
-            ));
-            total.passed = false;
+    for (side, names) in [("the run", &run), ("the fp32 reference", &ref32)] {
+        for name in names.keys() {
+            if !ref64_names.contains(name) {
+                structural.push(format!(
+                    "{what}: `{name}` is in {side} but not in the float64 shadow"
+                ));
+                total.passed = false;
+            }
         }
     }
     (total, summaries)
@@ -355,6 +423,18 @@ pub fn arbitrate(
     log: ArbiterLog<'_>,
 ) -> Comparison {
     let mut structural = super::compare::structural_mismatches(run, ref32);
+    structural.extend(
+        super::compare::structural_mismatches(ref32, ref64)
+            .into_iter()
+            .map(|s| format!("fp32 reference against its float64 shadow: {s}")),
+    );
+    if run.grads.is_none() && ref32.grads.is_some() {
+        structural.push(
+            "the references recorded per-step gradients but the run did not: its gradients \
+             cannot be judged"
+                .into(),
+        );
+    }
     let mut judging = Judging {
         env,
         noise_so_far: HashMap::new(),
@@ -476,6 +556,7 @@ pub fn arbitrate(
     let first_failure = judging.first_failure;
     let worst = judging.worst;
     let passed = structural.is_empty()
+        && steps.iter().all(|s| s.passed)
         && losses.passed
         && grad_norms.passed
         && params.passed
@@ -530,6 +611,7 @@ pub fn arbitrate(
                     reference_to_f64: 0.0,
                     floor: 0.0,
                     margin: 0.0,
+                    k: env.k,
                 },
                 |(_, p)| p,
             ),

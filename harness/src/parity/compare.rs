@@ -63,7 +63,7 @@ impl fmt::Display for FailurePoint {
                 f,
                 ": |run − fp64| {} > {} × |fp32 reference − fp64| {} + floor {} (margin {:.1})",
                 fmt_num(e.run_to_f64),
-                fmt_num(super::arbiter::ENVELOPE.k),
+                fmt_num(e.k),
                 fmt_num(e.reference_to_f64),
                 fmt_num(e.floor),
                 e.margin
