@@ -896,13 +896,32 @@ mod arbiter {
             "a NaN run passed against an overflowed reference"
         );
         assert_eq!(c.first_failure.and_then(|f| f.index), Some(0));
-        // Both diverged to NaN at a step: identical NaN steps are not a finding.
+        // A reference whose loss is NaN has diverged: from there nothing is judged, and the
+        // comparison says from which step.
         let ref64 = run("single.f64@2", &[f64::NAN], &[1.0], DType::F64);
         let ref32 = run("single@2", &[f64::NAN], &[1.0], DType::F32);
-        let both = run("ddp@2", &[f64::NAN], &[1.0], DType::F32);
-        assert!(arbitrate(&both, &ref32, &ref64, &ENVELOPE, None).passed);
         let finite = run("ddp@2", &[2.0], &[1.0], DType::F32);
-        assert!(!arbitrate(&finite, &ref32, &ref64, &ENVELOPE, None).passed);
+        let c = arbitrate(&finite, &ref32, &ref64, &ENVELOPE, None);
+        assert_eq!(c.arbiter.and_then(|a| a.unjudged_from), Some(0));
+    }
+
+    #[test]
+    fn steps_after_the_reference_overflows_are_not_judged() {
+        let ref64 = run("single.f64@2", &[1.0, 1e40, 1e80], &[1e90], DType::F64);
+        let ref32 = run(
+            "single@2",
+            &[1.0, f64::INFINITY, f64::NAN],
+            &[f64::NAN],
+            DType::F32,
+        );
+        let ddp = run("ddp@2", &[1.0, f64::NEG_INFINITY, 3.0], &[0.0], DType::F32);
+        let c = arbitrate(&ddp, &ref32, &ref64, &ENVELOPE, None);
+        assert!(c.passed, "{:?}", c.diagnosis);
+        assert_eq!(c.steps.len(), 1);
+        assert_eq!(c.arbiter.and_then(|a| a.unjudged_from), Some(1));
+        // Before the overflow, a NaN run still fails.
+        let broken = run("ddp@2", &[f64::NAN, 1.0, 1.0], &[0.0], DType::F32);
+        assert!(!arbitrate(&broken, &ref32, &ref64, &ENVELOPE, None).passed);
     }
 
     #[test]

@@ -86,6 +86,11 @@ pub struct ArbiterSummary {
     pub worst_at: String,
     /// Its distances.
     pub worst: EnvelopePoint,
+    /// The step at which the fp32 reference left fp32's range (a non-finite loss, norm or
+    /// gradient: the training diverged): that step, the later ones and the final state are
+    /// not judged, since the reference no longer stands for the math there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unjudged_from: Option<usize>,
 }
 
 /// One step's distances, each relative to its tensor's fp64 magnitude and the worst over the
@@ -410,6 +415,26 @@ fn judge_tensors(
     (total, summaries)
 }
 
+/// The first step at which the fp32 reference has a non-finite loss, gradient norm or
+/// gradient element, if any.
+fn reference_overflow(ref32: &RunRecord) -> Option<usize> {
+    let steps = ref32.losses.len().max(ref32.grad_norms.len());
+    (0..steps).find(|&s| {
+        let bad = |v: Option<&f64>| v.is_some_and(|v| !v.is_finite());
+        bad(ref32.losses.get(s))
+            || bad(ref32.grad_norms.get(s))
+            || ref32
+                .grads
+                .as_ref()
+                .and_then(|g| g.get(s))
+                .is_some_and(|tensors| {
+                    tensors
+                        .iter()
+                        .any(|t| t.values.iter().any(|v| !v.is_finite()))
+                })
+    })
+}
+
 /// Judges `run` by the fp64 arbiter: against `ref64` (the float64 shadow of `ref32`) with
 /// `ref32`'s own distance to it as the noise envelope, under `env` ([`ENVELOPE`] unless
 /// measuring). The result reads like any [`Comparison`] (mode [`Mode::Arbiter`]): errors are
@@ -453,7 +478,8 @@ pub fn arbitrate(
         _ => None,
     };
     let mut grads_total = both_grads.map(|_| Stats::default());
-    let n_steps = ref64.losses.len();
+    let overflowed = reference_overflow(ref32);
+    let n_steps = ref64.losses.len().min(overflowed.unwrap_or(usize::MAX));
     let mut steps = Vec::with_capacity(n_steps);
     for step in 0..n_steps {
         let mut step_env = StepEnvelope {
@@ -540,7 +566,10 @@ pub fn arbitrate(
     let state = |r: &RunRecord| -> Vec<NamedTensor> {
         r.params.iter().chain(&r.buffers).cloned().collect()
     };
-    let (run_state, ref32_state, ref64_state) = (state(run), state(ref32), state(ref64));
+    let (run_state, ref32_state, ref64_state) = match overflowed {
+        None => (state(run), state(ref32), state(ref64)),
+        Some(_) => (Vec::new(), Vec::new(), Vec::new()),
+    };
     let mut final_env = StepEnvelope {
         run_to_f64: 0.0,
         reference_to_f64: 0.0,
@@ -615,6 +644,7 @@ pub fn arbitrate(
                 },
                 |(_, p)| p,
             ),
+            unjudged_from: overflowed,
         }),
     }
 }

@@ -369,13 +369,21 @@ pub(crate) fn fmt_ulp(u: u64) -> String {
 /// (`1.2e-6 / 3.4e-7 (K 16) at grads `w` at step 3`); `-` for other modes.
 pub(crate) fn arbiter_cell(c: &crate::parity::Comparison) -> String {
     match &c.arbiter {
-        Some(a) => format!(
-            "{} / {} (K {}) at {}",
-            fmt_num(a.worst.run_to_f64),
-            fmt_num(a.worst.reference_to_f64),
-            a.constants.k,
-            a.worst_at
-        ),
+        Some(a) => {
+            let mut cell = format!(
+                "{} / {} (K {}) at {}",
+                fmt_num(a.worst.run_to_f64),
+                fmt_num(a.worst.reference_to_f64),
+                a.constants.k,
+                a.worst_at
+            );
+            if let Some(step) = a.unjudged_from {
+                cell.push_str(&format!(
+                    "; the fp32 reference left fp32's range at step {step}: not judged from there"
+                ));
+            }
+            cell
+        }
         None => "-".into(),
     }
 }
