@@ -157,8 +157,9 @@ struct CellRuns {
     /// Tensor/expert parallelism and compositions, with the simpler configurations they
     /// reduce to.
     model_parallel: Vec<(Config, Outcome)>,
-    /// Per microbatch count: the microbatched reference and its float64 shadow.
-    microbatched: Vec<(usize, (Outcome, Outcome))>,
+    /// Per microbatch count: the microbatched reference and its float64 shadow (run only
+    /// where a pipeline row is judged by the arbiter).
+    microbatched: Vec<(usize, (Outcome, Option<Outcome>))>,
     /// The single-device reference's float64 shadow, when a row needs it.
     single_f64: Option<Outcome>,
 }
@@ -264,15 +265,11 @@ fn run_cell(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_>) -> CellR
             let fp32 = tally.in_process(format!("{model} {name}@{world}"), || {
                 run_microbatched(model, world, mb, plan)
             });
-            let fp64 = if plan.microbatch_needs_f64(m, world, mb) {
+            let fp64 = plan.microbatch_needs_f64(m, world, mb).then(|| {
                 tally.in_process(format!("{model} {name}.f64@{world}"), || {
                     run_microbatched_f64(model, world, mb, plan)
                 })
-            } else {
-                Err(RunFailed::simple(
-                    "not run: every pipeline using this reference is judged bitwise",
-                ))
-            };
+            });
             (mb, (fp32, fp64))
         })
         .collect();
@@ -457,11 +454,14 @@ fn simpler_blocker(plan: &Plan, cell: &Cell<'_>, simpler: Config) -> Option<Stri
 /// How a one-replica pipeline is judged against the microbatched reference `mb`: bitwise
 /// where its plan allows, else (equal by the math only up to summation order) the fp64
 /// arbiter around the microbatched reference's own float64 shadow.
-fn vs_microbatched<'a>(plan: &PipelinePlan, mb: Option<&'a (Outcome, Outcome)>) -> Judge<'a> {
+fn vs_microbatched<'a>(
+    plan: &PipelinePlan,
+    mb: Option<&'a (Outcome, Option<Outcome>)>,
+) -> Judge<'a> {
     match (&plan.bitwise_blocker, mb) {
         (Some(_), Some((fp32, fp64))) => Judge::Arbiter {
             fp32: Some(fp32),
-            fp64: Some(fp64),
+            fp64: fp64.as_ref(),
         },
         _ => Judge::Policy {
             policy: Ok(TolerancePolicy::bitwise(DType::F32)),

@@ -592,13 +592,7 @@ pub fn arbitrate(
         && params.passed
         && grads_total.as_ref().is_none_or(|g| g.passed);
     let diagnosis = (!passed).then(|| {
-        let mut parts = Vec::new();
-        if !structural.is_empty() {
-            parts.push(format!("structural mismatch: {}", structural.join("; ")));
-        }
-        if let Some(f) = &first_failure {
-            parts.push(format!("first failure: {f}"));
-        }
+        let mut parts = super::compare::diagnosis_parts(&structural, first_failure.as_ref());
         if let Some(gap) = ref64.routing_min_gap {
             parts.push(format!(
                 "the reference routed tokens by top-k, its closest decision a probability gap \

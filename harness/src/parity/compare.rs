@@ -635,16 +635,8 @@ pub fn compare(run: &RunRecord, reference: &RunRecord, policy: &TolerancePolicy)
         && params.passed
         && grads_total.as_ref().is_none_or(|g| g.passed);
     let passed = values_passed && structural.is_empty();
-    let diagnosis = (!passed).then(|| {
-        let mut parts = Vec::new();
-        if !structural.is_empty() {
-            parts.push(format!("structural mismatch: {}", structural.join("; ")));
-        }
-        if let Some(f) = &first_failure {
-            parts.push(format!("first failure: {f}"));
-        }
-        parts.join(". ")
-    });
+    let diagnosis =
+        (!passed).then(|| diagnosis_parts(&structural, first_failure.as_ref()).join(". "));
     let override_reason = policy.override_for(config).map(|o| o.reason().to_owned());
     Comparison {
         model: run.spec.model.clone(),
@@ -703,4 +695,20 @@ pub(super) fn structural_mismatches(run: &RunRecord, reference: &RunRecord) -> V
         }
     }
     structural
+}
+
+/// The sentences of a failed comparison's diagnosis: what did not line up, then the first
+/// failing value (the arbiter adds its own after these).
+pub(super) fn diagnosis_parts(
+    structural: &[String],
+    first_failure: Option<&FailurePoint>,
+) -> Vec<String> {
+    let mut parts = Vec::new();
+    if !structural.is_empty() {
+        parts.push(format!("structural mismatch: {}", structural.join("; ")));
+    }
+    if let Some(f) = first_failure {
+        parts.push(format!("first failure: {f}"));
+    }
+    parts
 }
