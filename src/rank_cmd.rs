@@ -96,6 +96,7 @@ impl RankRun {
             optimizer: settings.optimizer,
             data_ranks: vec![ctx.rank()],
             record_grads: self.record_grads,
+            probe: None,
         };
         let mut record = train_builtin(config, ctx, &model, &cfg, &settings)?;
         if ctx.rank() == 0 {

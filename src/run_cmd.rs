@@ -466,6 +466,7 @@ fn run_single(
         optimizer: settings.optimizer,
         data_ranks: (0..world_size).collect(),
         record_grads: settings.record_grads,
+        probe: None,
     };
     let start = TrainStart {
         step: start_step,

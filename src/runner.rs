@@ -324,6 +324,7 @@ pub fn run_launched(
             optimizer: settings.optimizer,
             data_ranks: vec![rank],
             record_grads: settings.record_grads,
+            probe: None,
         };
         let mut record = train(ctx, built.as_ref(), &cfg)?;
         if rank == 0 {
@@ -381,6 +382,7 @@ pub fn run_configs_together(
                 optimizer: settings.optimizer,
                 data_ranks: vec![rank],
                 record_grads: settings.record_grads,
+                probe: None,
             };
             let mut record = train_builtin(config, ctx, built.as_ref(), &cfg, settings)?;
             // No rank starts the next configuration's collectives while another is still

@@ -28,6 +28,7 @@ fn config(ctx: &RankCtx, model: &str, config: &str, record_grads: bool) -> Train
         optimizer: OptimizerConfig::default(),
         data_ranks: vec![ctx.rank()],
         record_grads,
+        probe: None,
     }
 }
 

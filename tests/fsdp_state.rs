@@ -516,6 +516,7 @@ fn clipping_in_the_training_loop_uses_the_recorded_norm() {
             optimizer: OptimizerConfig::default(),
             data_ranks: vec![ctx.rank()],
             record_grads: false,
+            probe: None,
         };
         let record = train(m.as_ref(), &cfg, &mut fsdp, Some(ctx.group().as_ref())).expect("run");
         let last = fsdp.last_total_norm().expect("clipped");

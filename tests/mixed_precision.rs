@@ -41,6 +41,7 @@ fn config(ctx: &RankCtx, model: &str, mp: Option<&MixedPrecision>) -> TrainConfi
         optimizer: OptimizerConfig::default(),
         data_ranks: vec![ctx.rank()],
         record_grads: true,
+        probe: None,
     }
 }
 

@@ -10,6 +10,7 @@
 pub mod autograd;
 pub mod comm;
 pub mod compose;
+pub mod consistency;
 pub mod ddp;
 pub mod expert_parallel;
 pub mod fsdp;

@@ -10,6 +10,7 @@
 use crate::autograd::scaled::{add_scaled_, addcdiv_, addcmul_};
 use crate::autograd::AutogradError;
 use crate::comm::{CommError, ProcessGroup, ReduceOp};
+use crate::consistency::StateProbe;
 use crate::record::{NamedTensor, RunRecord, RunSpec};
 use lockstep_models::{LayerHooks, Model, ModelError, NoHooks};
 use serde::{Deserialize, Serialize};
@@ -370,6 +371,9 @@ pub struct TrainConfig {
     pub data_ranks: Vec<usize>,
     /// Capture every gradient at every step (after synchronization) into the record.
     pub record_grads: bool,
+    /// Where the loop reports, after every step, the state other ranks must hold bit for
+    /// bit (and ticks the step clock); `None` checks nothing. Launchers set it.
+    pub probe: Option<StateProbe>,
 }
 
 /// Where a run picks up instead of step 0 with a fresh optimizer: batches depend on the step
@@ -520,6 +524,7 @@ pub fn single_device_reference(
         optimizer,
         data_ranks: (0..world_size).collect(),
         record_grads,
+        probe: None,
     };
     train(model, &cfg, &mut no_sync, None)
 }

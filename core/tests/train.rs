@@ -177,6 +177,7 @@ fn per_rank_models_refuse_the_single_device_reference_but_train_per_rank() {
             optimizer: learning_optimizer(name),
             data_ranks: vec![0],
             record_grads: false,
+            probe: None,
         };
         let before = held_out(model.as_ref());
         let record = train(model.as_ref(), &cfg, &mut no_sync, None).expect("rank-local run");
@@ -278,6 +279,7 @@ fn averaging_gradients_across_ranks_matches_the_single_device_reference() {
                         optimizer: OptimizerConfig::default(),
                         data_ranks: vec![rank],
                         record_grads: false,
+                        probe: None,
                     };
                     let mut sync = |grads: &[(String, Tensor)]| -> Result<(), TrainError> {
                         group.average(rank, grads);
@@ -325,6 +327,7 @@ fn empty_data_ranks_is_a_config_error() {
         optimizer: OptimizerConfig::default(),
         data_ranks: vec![],
         record_grads: false,
+        probe: None,
     };
     let err = train(model.as_ref(), &cfg, &mut no_sync, None).expect_err("refused");
     assert!(matches!(err, TrainError::InvalidConfig(_)));
@@ -336,6 +339,7 @@ fn reference_config(name: &str, steps: usize) -> TrainConfig {
         optimizer: OptimizerConfig::default(),
         data_ranks: vec![0, 1],
         record_grads: false,
+        probe: None,
     }
 }
 

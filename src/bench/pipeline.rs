@@ -152,6 +152,7 @@ pub fn run_pipeline(opts: &PipelineBenchOptions) -> Result<PipelineBenchResult, 
             optimizer: OptimizerConfig::default(),
             data_ranks: vec![ctx.rank()],
             record_grads: false,
+            probe: None,
         };
         let run = train_pipeline(&model, ctx.world(), &cfg, &popts).map_err(|e| e.to_string())?;
         let mine = RankTraces {

@@ -357,6 +357,7 @@ fn time_steps(opts: &StepBenchOptions, run: StepRun) -> Result<RunTimes, BenchEr
             optimizer: OptimizerConfig::default(),
             data_ranks: vec![rank],
             record_grads: false,
+            probe: None,
         };
         let world = ctx.world_size();
         let recorded = match run {

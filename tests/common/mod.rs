@@ -313,6 +313,7 @@ pub fn train_config(
         optimizer: lockstep_core::train::OptimizerConfig::default(),
         data_ranks: vec![ctx.rank()],
         record_grads: true,
+        probe: None,
     }
 }
 
