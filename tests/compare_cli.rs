@@ -31,6 +31,7 @@ fn report_with_error(err: f64) -> Report {
         memory: None,
         collectives: None,
         routing_min_gap: None,
+        cross_rank: None,
     };
     let policy = TolerancePolicy::dtype_table(DType::F32);
     Report::new(vec![compare(

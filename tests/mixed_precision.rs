@@ -171,6 +171,7 @@ fn hand_rolled(model: &str, world: usize, policy: &MixedPrecision) -> RunRecord 
         memory: None,
         collectives: None,
         routing_min_gap: None,
+        cross_rank: None,
     };
     for step in 0..STEPS {
         let mut sums: Vec<Option<Tensor>> = params.iter().map(|_| None).collect();

@@ -98,6 +98,11 @@ pub struct RunRecord {
     /// its diagnosis then says.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub routing_min_gap: Option<f64>,
+    /// What the launcher found comparing every rank's state digest (see
+    /// [`crate::consistency`]): absent for a reference or a run whose launcher did not check.
+    /// A mismatch fails the run whatever rank 0's numbers say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cross_rank: Option<crate::consistency::CrossRankCheck>,
 }
 
 impl RunRecord {
@@ -114,6 +119,7 @@ impl RunRecord {
             memory: None,
             collectives: None,
             routing_min_gap: None,
+            cross_rank: None,
         }
     }
 }
@@ -188,6 +194,7 @@ mod tests {
             memory: None,
             collectives: None,
             routing_min_gap: None,
+            cross_rank: None,
         };
         let text = serde_json::to_string(&record).expect("serialize");
         let back: RunRecord = serde_json::from_str(&text).expect("parse");
