@@ -8,6 +8,7 @@
 
 pub mod bench;
 pub mod checkpoint;
+pub mod cross_rank;
 pub mod env_report;
 pub mod matrix;
 pub mod parity_test;

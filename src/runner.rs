@@ -7,8 +7,10 @@
 //! rank's error, a crash, a hang past the timeout) comes back as [`RunFailed`] carrying the
 //! launcher's whole account (flight recorders and the desync diagnosis on a timeout).
 
+use crate::cross_rank::{attach_cross_rank, hand_back_digest};
 use crate::matrix::{Config, ModelParallelKind, Precision};
 use lockstep_core::comm::Backend;
+use lockstep_core::consistency::StateProbe;
 use lockstep_core::ddp::{train_ddp, DdpOptions, Fault, GradReduction};
 use lockstep_core::expert_parallel::train_expert_parallel;
 use lockstep_core::fsdp::{hybrid_mesh, train_fsdp, train_fsdp_hybrid};
@@ -237,7 +239,7 @@ pub fn in_process_reference(
         hand_back(&record, &out)
     };
     let launched = launch_forked(1, settings, &body);
-    read_record(&out, launched)
+    read_record(&out, launched, 0)
 }
 
 /// The float64 shadow of the single-device reference over `world_size` ranks' batches, in
@@ -319,14 +321,16 @@ pub fn run_launched(
     let body = |ctx: &RankCtx| -> Result<(), String> {
         let rank = ctx.rank();
         let built = build(settings.seed, rank).map_err(|e| e.to_string())?;
+        let probe = StateProbe::new(rank);
         let cfg = TrainConfig {
             spec: spec.clone(),
             optimizer: settings.optimizer,
             data_ranks: vec![rank],
             record_grads: settings.record_grads,
-            probe: None,
+            probe: Some(probe.clone()),
         };
         let mut record = train(ctx, built.as_ref(), &cfg)?;
+        hand_back_digest(&probe, &out)?;
         if rank == 0 {
             record.spec = spec.clone();
             hand_back(&record, &out)?;
@@ -334,7 +338,7 @@ pub fn run_launched(
         Ok(())
     };
     let launched = launch_forked(world_size, settings, &body);
-    read_record(&out, launched)
+    read_record(&out, launched, world_size)
 }
 
 /// Runs built-in configurations `configs` (none of them `single`) of one model at
@@ -377,14 +381,16 @@ pub fn run_configs_together(
                 dtype,
                 settings,
             );
+            let probe = StateProbe::new(rank);
             let cfg = TrainConfig {
                 spec: spec.clone(),
                 optimizer: settings.optimizer,
                 data_ranks: vec![rank],
                 record_grads: settings.record_grads,
-                probe: None,
+                probe: Some(probe.clone()),
             };
             let mut record = train_builtin(config, ctx, built.as_ref(), &cfg, settings)?;
+            hand_back_digest(&probe, out)?;
             // No rank starts the next configuration's collectives while another is still
             // in this one's, and past this point every rank has finished this one.
             ctx.group()
@@ -401,10 +407,11 @@ pub fn run_configs_together(
     let mut records: Vec<Option<RunRecord>> = outs
         .iter()
         .map(|out| {
-            let record = std::fs::read(out)
+            let mut record = std::fs::read(out)
                 .ok()
                 .and_then(|bytes| serde_json::from_slice::<RunRecord>(&bytes).ok());
             let _ = std::fs::remove_file(out);
+            attach_cross_rank(record.as_mut(), out, world_size);
             record
         })
         .collect();
@@ -505,7 +512,7 @@ fn run_exec(
     let launched = launch(&opts, RankSpawn::Exec(&command))
         .map(drop)
         .map_err(launch_failed);
-    read_record(&out, launched)
+    read_record(&out, launched, world_size)
 }
 
 /// The `lockstep` binary exec'd ranks run: `LOCKSTEP_BIN` if set, else this process's own
@@ -536,18 +543,29 @@ fn launch_failed(e: LaunchError) -> RunFailed {
     }
 }
 
-/// Rank 0's record from `out` (removed), unless the launch failed.
-fn read_record(out: &Path, launched: Result<(), RunFailed>) -> Result<RunRecord, RunFailed> {
+/// Rank 0's record from `out` (removed), unless the launch failed, with the comparison of
+/// the `world_size` ranks' state digests.
+fn read_record(
+    out: &Path,
+    launched: Result<(), RunFailed>,
+    world_size: usize,
+) -> Result<RunRecord, RunFailed> {
     let read = std::fs::read(out);
     let _ = std::fs::remove_file(out);
-    launched?;
-    let bytes = read.map_err(|e| RunFailed::simple(format!("reading rank 0's record: {e}")))?;
-    serde_json::from_slice(&bytes).map_err(|e| {
-        RunFailed::simple(format!(
-            "rank 0's record is unreadable ({e}); a non-finite value (a diverged run) cannot be \
-             carried in RunRecord JSON"
-        ))
-    })
+    let mut record = None;
+    let checked = launched.and_then(|()| {
+        let bytes = read.map_err(|e| RunFailed::simple(format!("reading rank 0's record: {e}")))?;
+        record = Some(serde_json::from_slice::<RunRecord>(&bytes).map_err(|e| {
+            RunFailed::simple(format!(
+                "rank 0's record is unreadable ({e}); a non-finite value (a diverged run) \
+                 cannot be carried in RunRecord JSON"
+            ))
+        })?);
+        Ok(())
+    });
+    attach_cross_rank(record.as_mut(), out, world_size);
+    checked?;
+    record.ok_or_else(|| RunFailed::simple("rank 0 handed back no record"))
 }
 
 /// Rank 0's record, written where the launching process reads it back.

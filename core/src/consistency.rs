@@ -110,14 +110,24 @@ pub struct RankDigest {
 /// the launcher gives one to the training configuration and takes the digest after the run.
 #[derive(Clone, Debug, Default)]
 pub struct StateProbe {
+    rank: usize,
     entries: Arc<Mutex<Vec<DigestEntry>>>,
     clock: StepClock,
 }
 
 impl StateProbe {
-    /// An empty probe with its clock at step 0.
-    pub fn new() -> Self {
-        Self::default()
+    /// An empty probe for global rank `rank`, its clock at step 0.
+    pub fn new(rank: usize) -> Self {
+        StateProbe {
+            rank,
+            ..Self::default()
+        }
+    }
+
+    /// The coordinate of content only this rank holds (a rank-local expert): compared with
+    /// nothing but this rank's own other observations of it.
+    pub fn rank_local(&self) -> String {
+        format!("rank{}", self.rank)
     }
 
     /// The clock the training loop ticks through [`StateProbe::start_step`].
@@ -186,10 +196,10 @@ impl StateProbe {
         Ok(())
     }
 
-    /// The digest so far, for rank `rank`.
-    pub fn digest(&self, rank: usize) -> RankDigest {
+    /// The digest so far.
+    pub fn digest(&self) -> RankDigest {
         RankDigest {
-            rank,
+            rank: self.rank,
             entries: self
                 .entries
                 .lock()
@@ -197,6 +207,24 @@ impl StateProbe {
                 .clone(),
         }
     }
+}
+
+/// Records what an optimizer just stepped, `stepped`, and the optimizer's state (when it
+/// exports one), each under the coordinate `coord` gives its (owner's) name: what every loop
+/// does after its update.
+pub fn observe_stepped(
+    probe: &StateProbe,
+    step: usize,
+    stepped: &[(String, Tensor)],
+    optimizer: &dyn crate::train::Optimizer,
+    coord: &dyn Fn(&str) -> String,
+) -> Result<(), crate::CommError> {
+    probe.observe_all(step, StateKind::Param, stepped, coord)?;
+    // An optimizer that cannot export its state has none to compare.
+    if let Ok(state) = optimizer.state() {
+        probe.observe_optimizer(step, &state, stepped, coord)?;
+    }
+    Ok(())
 }
 
 /// The digest entry of one tensor: its bytes (on the CPU, contiguous) hashed.
@@ -379,7 +407,7 @@ mod tests {
     use super::*;
 
     fn digest_of(rank: usize, values: &[(&str, &str, f32)]) -> RankDigest {
-        let probe = StateProbe::new();
+        let probe = StateProbe::new(rank);
         for (name, coord, v) in values {
             probe
                 .observe(
@@ -391,7 +419,7 @@ mod tests {
                 )
                 .expect("observe");
         }
-        probe.digest(rank)
+        probe.digest()
     }
 
     #[test]
@@ -428,7 +456,7 @@ mod tests {
 
     #[test]
     fn two_observations_on_one_rank_must_agree_too() {
-        let probe = StateProbe::new();
+        let probe = StateProbe::new(0);
         let t = Tensor::from_slice(&[1.0f32]);
         probe
             .observe(3, StateKind::Final, "w", "shard0", &t)
@@ -436,7 +464,7 @@ mod tests {
         probe
             .observe(3, StateKind::Final, "w", "shard0", &(&t + 1.0))
             .expect("observe");
-        let m = check_digests(&[probe.digest(0)])
+        let m = check_digests(&[probe.digest()])
             .mismatch
             .expect("a mismatch");
         assert_eq!(m.differing, vec![0]);

@@ -52,6 +52,7 @@ use crate::autograd::{
 };
 use crate::comm::work::lock;
 use crate::comm::{CommError, DeviceMesh, ProcessGroup};
+use crate::consistency::{observe_stepped, StateKind, StateProbe};
 use crate::precision::{
     cast_buffers, low_precision_params, CastInputs, MixedPrecision, PrecisionError,
 };
@@ -652,17 +653,7 @@ impl Fsdp {
     /// updated flat parameters straight into the model.
     pub fn step(&mut self, optimizer: &mut dyn Optimizer) -> Result<(), FsdpError> {
         let mut core = self.core();
-        let mut params: Vec<(String, Tensor)> = core
-            .units
-            .iter()
-            .enumerate()
-            .map(|(u, unit)| (format!("{FLAT_PARAM_NAME}.{u}"), unit.shard.shallow_clone()))
-            .collect();
-        params.extend(
-            core.ignored
-                .iter()
-                .map(|(n, t)| (n.clone(), t.shallow_clone())),
-        );
+        let params = core.stepped_tensors();
         optimizer.step(&params)?;
         for unit in &mut core.units {
             set_grad(&unit.shard, None)?;
@@ -798,6 +789,35 @@ impl Core {
     }
 
     /// Gathers every unit not gathered yet, in its master dtype.
+    /// What the optimizer steps: each unit's shard (under the flat parameter's name), then
+    /// the ignored parameters.
+    fn stepped_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut params: Vec<(String, Tensor)> = self
+            .units
+            .iter()
+            .enumerate()
+            .map(|(u, unit)| (format!("{FLAT_PARAM_NAME}.{u}"), unit.shard.shallow_clone()))
+            .collect();
+        params.extend(
+            self.ignored
+                .iter()
+                .map(|(n, t)| (n.clone(), t.shallow_clone())),
+        );
+        params
+    }
+
+    /// Which copy of stepped tensor `name` this rank holds: its shard index (none when every
+    /// rank holds the whole flat parameter), or this rank alone for an ignored parameter.
+    fn state_coordinate(&self, name: &str, probe: &StateProbe) -> String {
+        if self.ignored.iter().any(|(n, _)| n == name) {
+            probe.rank_local()
+        } else if self.shard_world == 1 {
+            String::new()
+        } else {
+            format!("shard{}/{}", self.shard_rank, self.shard_world)
+        }
+    }
+
     pub(super) fn unshard_all(&mut self, purpose: Gather) -> Result<(), FsdpError> {
         for u in 0..self.units.len() {
             let kind = self.units[u].kind;
@@ -1081,6 +1101,45 @@ impl StepHooks for Fsdp {
         let peak = core.full_bytes_peak;
         core.unshard_all(Gather::Params).map_err(into_train)?;
         core.full_bytes_peak = peak;
+        Ok(())
+    }
+
+    /// Each unit's shard (with its optimizer state) under its shard coordinate: replicas of
+    /// one shard (hybrid shard's replicate dimension, or every rank under `NoShard`) must
+    /// agree. Ignored (rank-local) parameters are this rank's alone.
+    fn observe_state(
+        &mut self,
+        step: usize,
+        _params: &[(String, Tensor)],
+        optimizer: &dyn Optimizer,
+        _rank_local: &dyn Fn(&str) -> bool,
+        probe: &StateProbe,
+    ) -> Result<(), TrainError> {
+        let core = self.core();
+        let stepped = core.stepped_tensors();
+        let coord = |name: &str| core.state_coordinate(name, probe);
+        Ok(observe_stepped(probe, step, &stepped, optimizer, &coord)?)
+    }
+
+    /// The gathered parameters every rank now holds (replicated), and each unit's gathered
+    /// flat parameter cut at this rank's shard next to the shard itself: the shards and the
+    /// gathered view must be one state.
+    fn observe_final(&mut self, steps: usize, probe: &StateProbe) -> Result<(), TrainError> {
+        let core = self.core();
+        for (u, unit) in core.units.iter().enumerate() {
+            for slot in &unit.slots {
+                probe.observe(steps, StateKind::Final, &slot.name, "", &slot.param)?;
+            }
+            let flat = unit
+                .flatten(|slot| Ok(slot.param.shallow_clone()))
+                .map_err(into_train)?;
+            let len = unit.padded / core.shard_world as i64;
+            let mine = flat.f_narrow(0, core.shard_rank as i64 * len, len)?;
+            let name = format!("{FLAT_PARAM_NAME}.{u}");
+            let coord = core.state_coordinate(&name, probe);
+            probe.observe(steps, StateKind::Final, &name, &coord, &mine)?;
+            probe.observe(steps, StateKind::Final, &name, &coord, &unit.shard)?;
+        }
         Ok(())
     }
 }

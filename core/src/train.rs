@@ -10,7 +10,7 @@
 use crate::autograd::scaled::{add_scaled_, addcdiv_, addcmul_};
 use crate::autograd::AutogradError;
 use crate::comm::{CommError, ProcessGroup, ReduceOp};
-use crate::consistency::StateProbe;
+use crate::consistency::{observe_stepped, StateProbe};
 use crate::record::{NamedTensor, RunRecord, RunSpec};
 use lockstep_models::{LayerHooks, Model, ModelError, NoHooks};
 use serde::{Deserialize, Serialize};
@@ -343,6 +343,50 @@ pub trait StepHooks {
     fn before_record(&mut self) -> Result<(), TrainError> {
         Ok(())
     }
+
+    /// Reports to `probe`, after step `step`'s optimizer update, the state this rank holds
+    /// that other ranks must hold bit for bit ([`crate::consistency`]). The default suits a
+    /// replicating wrapper (DDP, a hand-written gradient all-reduce): every parameter and its
+    /// optimizer state replicated, except those `rank_local` names. A sharding wrapper reports
+    /// its shards instead.
+    fn observe_state(
+        &mut self,
+        step: usize,
+        params: &[(String, Tensor)],
+        optimizer: &dyn Optimizer,
+        rank_local: &dyn Fn(&str) -> bool,
+        probe: &StateProbe,
+    ) -> Result<(), TrainError> {
+        observe_replicated(step, params, optimizer, rank_local, probe)
+    }
+
+    /// Reports to `probe`, after [`StepHooks::before_record`], the full parameters every rank
+    /// now holds, when they are a different view from what [`StepHooks::observe_state`]
+    /// reported (a sharding wrapper's gathered parameters). The default reports nothing.
+    fn observe_final(&mut self, _steps: usize, _probe: &StateProbe) -> Result<(), TrainError> {
+        Ok(())
+    }
+}
+
+/// [`StepHooks::observe_state`] for replicated parameters: each under the empty coordinate,
+/// the `rank_local` ones under this rank's, with the optimizer's state (when it exports one)
+/// under its parameter's.
+pub fn observe_replicated(
+    step: usize,
+    params: &[(String, Tensor)],
+    optimizer: &dyn Optimizer,
+    rank_local: &dyn Fn(&str) -> bool,
+    probe: &StateProbe,
+) -> Result<(), TrainError> {
+    let local = probe.rank_local();
+    let coord = |name: &str| {
+        if rank_local(name) {
+            local.clone()
+        } else {
+            String::new()
+        }
+    };
+    Ok(observe_stepped(probe, step, params, optimizer, &coord)?)
 }
 
 impl<F> StepHooks for F
@@ -423,7 +467,12 @@ pub fn train_from(
         optimizer.load_state(&start.optimizer_state)?;
     }
     let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
+    let tags = model.tags();
+    let rank_local = |name: &str| tags.is_rank_local(name);
     for step in start.step..start.step + cfg.spec.steps {
+        if let Some(probe) = &cfg.probe {
+            probe.start_step(step);
+        }
         for (_, p) in &params {
             p.shallow_clone().zero_grad();
         }
@@ -451,8 +500,14 @@ pub fn train_from(
         if !sync.optimizer_step(optimizer.as_mut(), &params)? {
             optimizer.step(&params)?;
         }
+        if let Some(probe) = &cfg.probe {
+            sync.observe_state(step, &params, optimizer.as_ref(), &rank_local, probe)?;
+        }
     }
     sync.before_record()?;
+    if let Some(probe) = &cfg.probe {
+        sync.observe_final(start.step + cfg.spec.steps, probe)?;
+    }
     record.params = capture(&params)?;
     record.buffers = capture(&model.named_buffers())?;
     Ok((record, optimizer))

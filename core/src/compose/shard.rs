@@ -121,6 +121,16 @@ impl ShardedUnit {
         (self.name.clone(), self.shard.shallow_clone())
     }
 
+    /// Which copy of the content [`ShardedUnit::shard`] is, for the cross-rank check
+    /// ([`crate::consistency`]): its shard index, the same on every replica of it.
+    pub fn shard_coordinate(&self) -> String {
+        if self.group.size() == 1 {
+            String::new()
+        } else {
+            format!("shard{}/{}", self.group.rank(), self.group.size())
+        }
+    }
+
     /// Whether the compute tensors currently hold the full values.
     pub fn is_gathered(&self) -> bool {
         self.gathered

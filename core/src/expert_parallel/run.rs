@@ -9,6 +9,7 @@
 use super::moe::{Dispatcher, MoeConfig};
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
 use crate::compose::{DataParallel, ShardError, ShardedUnit};
+use crate::consistency::{observe_stepped, StateKind};
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::tensor_parallel::gpt::{ExpertsParallel, GptTp};
 use crate::tensor_parallel::run::vocab_parallel_loss;
@@ -225,6 +226,9 @@ pub fn train_expert_parallel(
     };
     let mut collectives = Vec::with_capacity(cfg.spec.steps);
     for step in 0..cfg.spec.steps {
+        if let Some(probe) = &cfg.probe {
+            probe.start_step(step);
+        }
         for (_, t) in &trained {
             t.shallow_clone().zero_grad();
         }
@@ -283,10 +287,32 @@ pub fn train_expert_parallel(
                 u.reshard()?;
             }
         }
+        if let Some(probe) = &cfg.probe {
+            // Experts keep their global names (an expert's replicas must agree); the dense
+            // parameters are replicated, or sharded in the unit.
+            let mut stepped: Vec<(String, Tensor)> = unsharded
+                .iter()
+                .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                .collect();
+            let shard = unit.as_ref().map(|u| (u.shard(), u.shard_coordinate()));
+            if let Some((s, _)) = &shard {
+                stepped.push((s.0.clone(), s.1.shallow_clone()));
+            }
+            let coord = |name: &str| match &shard {
+                Some(((n, _), c)) if n == name => c.clone(),
+                _ => String::new(),
+            };
+            observe_stepped(probe, step, &stepped, optimizer.as_ref(), &coord)?;
+        }
     }
     if let Some(u) = unit.as_mut() {
         // Gathered again: the model's dense parameters hold their trained values.
         u.unshard()?;
+    }
+    if let Some(probe) = &cfg.probe {
+        probe.observe_all(cfg.spec.steps, StateKind::Final, &trained, &|_| {
+            String::new()
+        })?;
     }
     let _ = counts.take();
     let params = tch::no_grad(|| {

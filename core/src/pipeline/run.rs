@@ -14,6 +14,7 @@ use super::trace::RankStepTrace;
 use super::PipelineError;
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
 use crate::compose::{DataParallel, ShardedUnit};
+use crate::consistency::{observe_stepped, StateKind};
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::train::{capture, grad_norm, TrainConfig};
 use lockstep_models::{Batch, Model};
@@ -334,7 +335,21 @@ pub fn train_pipeline_with(
     let mut collectives = Vec::with_capacity(cfg.spec.steps);
     // The f64 buffer the gradient norm squares into, kept across steps (see owned_grad_norm).
     let mut norm_scratch: Option<Tensor> = None;
+    // Tied copies keep one name on every stage that holds them, so they compare; TP shards
+    // say which shard they are; a stage's flat shard its shard index.
+    let tp_coord = |name: &str| {
+        stage_tp
+            .as_ref()
+            .map_or(String::new(), |s| s.coordinate(name))
+    };
+    let tp_part = stage_tp
+        .as_ref()
+        .filter(|_| tp > 1)
+        .map_or(String::new(), |_| format!("tp{tp_rank}/{tp}."));
     for step in 0..cfg.spec.steps {
+        if let Some(probe) = &cfg.probe {
+            probe.start_step(step);
+        }
         for (_, t) in &named {
             t.shallow_clone().zero_grad();
         }
@@ -426,12 +441,25 @@ pub fn train_pipeline_with(
             None => optimizer.step(&held_params)?,
             Some(u) => optimizer.step(&[u.borrow().shard()])?,
         }
+        if let Some(probe) = &cfg.probe {
+            match &unit {
+                None => observe_stepped(probe, step, &held_params, optimizer.as_ref(), &tp_coord)?,
+                Some(u) => {
+                    let u = u.borrow();
+                    let coord = |_: &str| format!("{tp_part}{}", u.shard_coordinate());
+                    observe_stepped(probe, step, &[u.shard()], optimizer.as_ref(), &coord)?;
+                }
+            }
+        }
     }
     let _ = counts.take();
     let params = tch::no_grad(|| -> Result<_, PipelineError> { recorded(&Tensor::shallow_clone) })?;
     if let Some(u) = &unit {
         // The model holds its trained stage again for whoever reads it next.
         u.borrow_mut().unshard()?;
+    }
+    if let Some(probe) = &cfg.probe {
+        probe.observe_all(cfg.spec.steps, StateKind::Final, &held_params, &tp_coord)?;
     }
     record.params = capture(&params)?;
     record.buffers = capture(&model.named_buffers())?;

@@ -8,7 +8,7 @@ use super::PipelineError;
 use crate::comm::ProcessGroup;
 use crate::compose::{DataParallel, ShardedUnit};
 use crate::tensor_parallel::gpt::GptTp;
-use crate::tensor_parallel::run::{by_name, local_parameters, vocab_parallel_loss};
+use crate::tensor_parallel::run::{by_name, local_parameters, tp_coordinate, vocab_parallel_loss};
 use crate::tensor_parallel::{check_plan, Placement};
 use lockstep_models::zoo::GptConfig;
 use lockstep_models::{Batch, LayerHooks, Model};
@@ -84,6 +84,11 @@ pub(super) struct StageTp {
 }
 
 impl StageTp {
+    /// Which copy of TP-local tensor `name` this rank holds, for the cross-rank check.
+    pub(super) fn coordinate(&self, name: &str) -> String {
+        tp_coordinate(&self.placements, name, self.rank, self.group.size())
+    }
+
     pub(super) fn new(
         model: &dyn Model,
         world_size: usize,

@@ -8,6 +8,7 @@ use super::plan::{Placement, TpPlan, TpPlanError};
 use super::transformer::TransformerTp;
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
 use crate::compose::{DataParallel, ShardError, ShardedUnit};
+use crate::consistency::{observe_stepped, StateKind};
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::train::{capture, grad_norm, TrainConfig, TrainError};
 use lockstep_models::zoo::{GptConfig, TransformerWithSharedParams};
@@ -266,7 +267,11 @@ pub fn train_tensor_parallel(
     let mut optimizer = cfg.optimizer.build();
     let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
     let mut collectives = Vec::with_capacity(cfg.spec.steps);
+    let coordinate = |name: &str| tp_coordinate(&placements, name, rank, tp);
     for step in 0..cfg.spec.steps {
+        if let Some(probe) = &cfg.probe {
+            probe.start_step(step);
+        }
         for (_, t) in &trained {
             t.shallow_clone().zero_grad();
         }
@@ -350,11 +355,28 @@ pub fn train_tensor_parallel(
                 u.reshard()?;
             }
         }
+        if let Some(probe) = &cfg.probe {
+            match unit.as_ref() {
+                None => observe_stepped(probe, step, &trained, optimizer.as_ref(), &coordinate)?,
+                Some(u) => {
+                    let tp_part = if tp > 1 {
+                        format!("tp{rank}/{tp}.")
+                    } else {
+                        String::new()
+                    };
+                    let coord = |_: &str| format!("{tp_part}{}", u.shard_coordinate());
+                    observe_stepped(probe, step, &[u.shard()], optimizer.as_ref(), &coord)?;
+                }
+            }
+        }
     }
     if let Some(u) = unit.as_mut() {
         // Gathered again, so the tensors this rank computed with (the model's own
         // replicated parameters among them) hold their trained values, never freed memory.
         u.unshard()?;
+    }
+    if let Some(probe) = &cfg.probe {
+        probe.observe_all(cfg.spec.steps, StateKind::Final, &trained, &coordinate)?;
     }
     let _ = counts.take();
     let params = tch::no_grad(|| -> Result<_, TpError> {
@@ -399,6 +421,20 @@ pub(crate) fn local_parameters(
             Ok((name, local))
         })
         .collect()
+}
+
+/// Which copy of TP-local tensor `name` this rank holds ([`crate::consistency`]): its TP
+/// shard, or none when every TP rank holds it whole (norms, row-parallel biases).
+pub(crate) fn tp_coordinate(
+    placements: &HashMap<String, Placement>,
+    name: &str,
+    rank: usize,
+    tp: usize,
+) -> String {
+    match placements.get(name) {
+        Some(Placement::Shard { .. }) => format!("tp{rank}/{tp}"),
+        _ => String::new(),
+    }
 }
 
 /// Handles to `params` by name: what the TP hooks compute with.

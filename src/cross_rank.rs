@@ -1,0 +1,49 @@
+//! The launcher's side of the cross-rank check ([`lockstep_core::consistency`]): every rank
+//! writes its state digest beside rank 0's record, and the launching process compares them
+//! and attaches the verdict to the record, so a rank that diverged fails the run even when
+//! rank 0's numbers match the reference.
+
+use lockstep_core::consistency::{check_digests, RankDigest, StateProbe};
+use lockstep_core::record::RunRecord;
+use std::path::{Path, PathBuf};
+
+/// Where rank `rank` leaves its digest for the record at `out`.
+fn digest_path(out: &Path, rank: usize) -> PathBuf {
+    let mut name = out.as_os_str().to_owned();
+    name.push(format!(".digest{rank}"));
+    PathBuf::from(name)
+}
+
+/// Writes `probe`'s digest where the launcher of the record at `out` reads it (every rank
+/// calls it after training, before any barrier that ends the run).
+pub fn hand_back_digest(probe: &StateProbe, out: &Path) -> Result<(), String> {
+    let digest = probe.digest();
+    let path = digest_path(out, digest.rank);
+    let json = serde_json::to_vec(&digest).map_err(|e| format!("encoding state digest: {e}"))?;
+    std::fs::write(&path, json)
+        .map_err(|e| format!("writing the state digest to {}: {e}", path.display()))
+}
+
+/// Reads (and removes) the `world_size` digests left for the record at `out` and, when every
+/// rank left one, attaches their comparison to `record`. A digest missing means a rank did
+/// not finish, which the launch has reported already; nothing is attached then.
+pub fn attach_cross_rank(record: Option<&mut RunRecord>, out: &Path, world_size: usize) {
+    if world_size == 0 {
+        return;
+    }
+    let digests: Vec<Option<RankDigest>> = (0..world_size)
+        .map(|rank| {
+            let path = digest_path(out, rank);
+            let read = std::fs::read(&path)
+                .ok()
+                .and_then(|bytes| serde_json::from_slice(&bytes).ok());
+            let _ = std::fs::remove_file(&path);
+            read
+        })
+        .collect();
+    let (Some(record), Some(digests)) = (record, digests.into_iter().collect::<Option<Vec<_>>>())
+    else {
+        return;
+    };
+    record.cross_rank = Some(check_digests(&digests));
+}
