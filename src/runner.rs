@@ -675,6 +675,12 @@ pub fn train_builtin(
     Ok(record)
 }
 
+/// The bucket size of the built-in DDP configurations: small, so that every zoo model past
+/// 8 KiB of parameters reduces in several buckets and the bucket boundaries run in every
+/// matrix (PyTorch's 25 MiB default would give every zoo model one bucket). The CPU backend
+/// reduces each element in rank order whatever the message, so the bits do not depend on it.
+pub const BUILTIN_DDP_BUCKET_BYTES: usize = 8 << 10;
+
 /// The options of DDP-family configuration `config` on this rank (no fault): its
 /// mixed-precision policy, and for `ddp.hybrid_order` hybrid shard's reduction on the very
 /// mesh hybrid shard builds (every rank must call it at the same point: the mesh creates
@@ -695,6 +701,7 @@ pub fn ddp_options(config: Config, ctx: &RankCtx) -> Result<DdpOptions, String> 
     Ok(DdpOptions {
         mixed_precision: config.precision().map(Precision::policy),
         reduction,
+        bucket_cap_bytes: BUILTIN_DDP_BUCKET_BYTES,
         ..DdpOptions::default()
     })
 }

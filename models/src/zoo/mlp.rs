@@ -1,5 +1,9 @@
 //! A stack of linears with deliberately uneven sizes, so sharding on dim 0 leaves ragged
-//! shards at every world size.
+//! shards at every world size. `mlp` is small; `mlp_wide` is the same stack at widths whose
+//! largest weight (≈270 KB) and flat parameter (≈300 KB) take the CPU backend's large-message
+//! paths: past the direct algorithms (64 KiB) and past shared memory's threshold (256 KiB),
+//! with odd sizes everywhere. (The pipelined broadcast's 1 MiB segments are left to
+//! `tests/collectives.rs`: a model that large would dominate the matrix's time in records.)
 
 use crate::layers::Linear;
 use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, LossReduction, Model, NoHooks};
@@ -9,14 +13,20 @@ use crate::LayerRun;
 use crate::ModelError;
 use tch::Tensor;
 
-/// Feature sizes: 7 → 15 → 16 → 17 → 3 (odd, prime and one-off-power-of-two widths).
+/// Feature sizes of `mlp`: 7 → 15 → 16 → 17 → 3 (odd, prime and one-off-power-of-two
+/// widths).
 const SIZES: [i64; 5] = [7, 15, 16, 17, 3];
+/// Feature sizes of `mlp_wide`: 7 → 263 → 257 → 17 → 3 (≈74 K parameters; odd, prime and
+/// one-past-a-power-of-two widths, so no split is even).
+const WIDE_SIZES: [i64; 5] = [7, 263, 257, 17, 3];
 const BATCH: i64 = 5;
 
 /// `nn.Sequential(Linear(7,15), ReLU, Linear(15,16), ReLU, Linear(16,17), ReLU,
 /// Linear(17,3))` regressing a fixed function of its input with a summed squared error.
 #[derive(Debug)]
 pub struct MlpStack {
+    name: &'static str,
+    sizes: [i64; 5],
     rank: usize,
     seed: u64,
     linears: Vec<Linear>,
@@ -24,12 +34,26 @@ pub struct MlpStack {
 }
 
 impl MlpStack {
-    /// Draws every linear, in forward order, from the run's parameter seed.
+    /// `mlp`: draws every linear, in forward order, from the run's parameter seed.
     pub fn new(run_seed: u64, rank: usize) -> Result<Self, ModelError> {
+        Self::with_sizes("mlp", SIZES, run_seed, rank)
+    }
+
+    /// `mlp_wide`: the same stack at widths that make every collective a large message.
+    pub fn wide(run_seed: u64, rank: usize) -> Result<Self, ModelError> {
+        Self::with_sizes("mlp_wide", WIDE_SIZES, run_seed, rank)
+    }
+
+    fn with_sizes(
+        name: &'static str,
+        sizes: [i64; 5],
+        run_seed: u64,
+        rank: usize,
+    ) -> Result<Self, ModelError> {
         let mut store = ParamStore::default();
         let guard = seed::lock_seeded(seed::param_seed(run_seed));
         let mut linears = Vec::new();
-        for (i, w) in SIZES.windows(2).enumerate() {
+        for (i, w) in sizes.windows(2).enumerate() {
             linears.push(Linear::new(
                 &mut store,
                 &format!("layers.{}", 2 * i),
@@ -40,6 +64,8 @@ impl MlpStack {
         }
         drop(guard);
         Ok(MlpStack {
+            name,
+            sizes,
             rank,
             seed: run_seed,
             linears,
@@ -50,7 +76,7 @@ impl MlpStack {
 
 impl Model for MlpStack {
     fn name(&self) -> &str {
-        "mlp"
+        self.name
     }
 
     fn rank(&self) -> usize {
@@ -89,9 +115,12 @@ impl Model for MlpStack {
     /// features, a smooth function the stack can fit.
     fn input(&self, rank: usize, step: usize) -> Result<Batch, ModelError> {
         let x = seed::seeded(seed::batch_seed(self.seed, rank, step), || {
-            Tensor::f_rand([BATCH, SIZES[0]], F32)
+            Tensor::f_rand([BATCH, self.sizes[0]], F32)
         })?;
-        let target = x.f_narrow(1, 0, SIZES[4])?.f_mul_scalar(3.0)?.f_sin()?;
+        let target = x
+            .f_narrow(1, 0, self.sizes[4])?
+            .f_mul_scalar(3.0)?
+            .f_sin()?;
         Ok(Batch {
             inputs: vec![x],
             target: Some(target),
@@ -117,7 +146,7 @@ impl Model for MlpStack {
             .inputs
             .first()
             .ok_or_else(|| ModelError::InvalidBatch {
-                model: "mlp".into(),
+                model: self.name.into(),
                 reason: "expected one input tensor".into(),
             })?
             .shallow_clone();
@@ -139,7 +168,7 @@ impl Model for MlpStack {
             .target
             .as_ref()
             .ok_or_else(|| ModelError::InvalidBatch {
-                model: "mlp".into(),
+                model: self.name.into(),
                 reason: "missing target".into(),
             })?;
         Ok(output.f_mse_loss(target, tch::Reduction::Sum)?)

@@ -26,6 +26,7 @@ const ZOO: &[(&str, Builder)] = &[
         Ok(Box::new(LinearChain::mixture_of_experts(s, r)?))
     }),
     ("mlp", |s, r| Ok(Box::new(MlpStack::new(s, r)?))),
+    ("mlp_wide", |s, r| Ok(Box::new(MlpStack::wide(s, r)?))),
     ("gpt", |s, r| Ok(Box::new(Gpt::new(s, r, false)?))),
     ("gpt_moe", |s, r| Ok(Box::new(Gpt::new(s, r, true)?))),
     ("gpt_dropout", |s, r| {
