@@ -291,6 +291,7 @@ fn spawn_rank(
                 use std::io::Write;
                 let _ = std::io::stdout().flush();
                 let _ = std::io::stderr().flush();
+                flush_coverage();
                 // SAFETY: leave without running the launcher's atexit handlers or destructors.
                 unsafe { libc::_exit(code) }
             }
@@ -653,3 +654,22 @@ pub(crate) fn write_dump(dir: &Path, rank: usize) {
         let _ = std::fs::rename(tmp, path);
     }
 }
+
+/// Under a coverage build (`cargo llvm-cov` sets `cfg(coverage)`), writes this forked rank's
+/// profile before `_exit` skips the handler that would: without it, nothing a forked rank
+/// executes would count towards the coverage docs/matrix.md reports.
+#[cfg(coverage)]
+fn flush_coverage() {
+    extern "C" {
+        fn __llvm_profile_write_file() -> i32;
+    }
+    // SAFETY: the profile runtime is linked into every coverage build; writing the profile
+    // has no precondition.
+    unsafe {
+        __llvm_profile_write_file();
+    }
+}
+
+/// Nothing to flush outside coverage builds.
+#[cfg(not(coverage))]
+fn flush_coverage() {}
