@@ -700,6 +700,9 @@ pub fn ddp_options(config: Config, ctx: &RankCtx) -> Result<DdpOptions, String> 
     };
     Ok(DdpOptions {
         mixed_precision: config.precision().map(Precision::policy),
+        // The reference of hybrid shard reduces after backward, not from backward hooks:
+        // the other DDP path, checked bitwise against every hybrid row.
+        overlap: config != Config::DdpHybridOrder,
         reduction,
         bucket_cap_bytes: BUILTIN_DDP_BUCKET_BYTES,
         ..DdpOptions::default()

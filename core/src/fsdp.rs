@@ -1104,6 +1104,17 @@ impl StepHooks for Fsdp {
         Ok(())
     }
 
+    /// Clips the shards' gradients by the norm FSDP computes over them (the reduced
+    /// gradients are on the shards now, not in the model's `.grad`s).
+    fn clip_gradients(
+        &mut self,
+        max_norm: f64,
+        _total: f64,
+        _grads: &[(String, Tensor)],
+    ) -> Result<(), TrainError> {
+        self.clip_grad_norm(max_norm).map(drop).map_err(into_train)
+    }
+
     /// Each unit's shard (with its optimizer state) under its shard coordinate: replicas of
     /// one shard (hybrid shard's replicate dimension, or every rank under `NoShard`) must
     /// agree. Ignored (rank-local) parameters are this rank's alone.

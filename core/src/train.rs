@@ -344,6 +344,22 @@ pub trait StepHooks {
         Ok(())
     }
 
+    /// Clips this step's gradients for [`Model::max_grad_norm`] `max_norm`, `total` being
+    /// the global gradient norm the record reports and `grads` this rank's full gradients.
+    /// The default scales `grads` ([`clip_coefficient`]); a sharding wrapper clips its shards
+    /// by the norm it computes over them.
+    fn clip_gradients(
+        &mut self,
+        max_norm: f64,
+        total: f64,
+        grads: &[(String, Tensor)],
+    ) -> Result<(), TrainError> {
+        scale_gradients(
+            grads.iter().map(|(_, g)| g),
+            clip_coefficient(max_norm, total),
+        )
+    }
+
     /// Reports to `probe`, after step `step`'s optimizer update, the state this rank holds
     /// that other ranks must hold bit for bit ([`crate::consistency`]). The default suits a
     /// replicating wrapper (DDP, a hand-written gradient all-reduce): every parameter and its
@@ -366,6 +382,28 @@ pub trait StepHooks {
     fn observe_final(&mut self, _steps: usize, _probe: &StateProbe) -> Result<(), TrainError> {
         Ok(())
     }
+}
+
+/// The factor gradient clipping at `max_norm` scales gradients by when their global norm is
+/// `total`: `max_norm / (total + 1e-6)` rounded to fp32 (PyTorch's `clip_grad_norm_` computes
+/// it as an fp32 tensor), or `None` when it is not below 1 and nothing is clipped.
+pub fn clip_coefficient(max_norm: f64, total: f64) -> Option<f64> {
+    let coef = f64::from((max_norm / (total + 1e-6)) as f32);
+    (coef < 1.0).then_some(coef)
+}
+
+/// Multiplies every defined tensor of `grads` in place by `coef` (nothing for `None`).
+pub fn scale_gradients<'a>(
+    grads: impl IntoIterator<Item = &'a Tensor>,
+    coef: Option<f64>,
+) -> Result<(), TrainError> {
+    let Some(coef) = coef else {
+        return Ok(());
+    };
+    for g in grads.into_iter().filter(|g| g.defined()) {
+        let _ = g.shallow_clone().f_mul_scalar_(coef)?;
+    }
+    Ok(())
 }
 
 /// [`StepHooks::observe_state`] for replicated parameters: each under the empty coordinate,
@@ -493,9 +531,13 @@ pub fn train_from(
             objective.device(),
             metrics,
         )?);
-        record.grad_norms.push(grad_norm(&grads)?);
+        let norm = grad_norm(&grads)?;
+        record.grad_norms.push(norm);
         if let Some(all) = record.grads.as_mut() {
             all.push(capture(&grads)?);
+        }
+        if let Some(max_norm) = model.max_grad_norm() {
+            sync.clip_gradients(max_norm, norm, &grads)?;
         }
         if !sync.optimizer_step(optimizer.as_mut(), &params)? {
             optimizer.step(&params)?;

@@ -127,6 +127,9 @@ impl Model for OnDevice {
     fn loss_reduction(&self) -> LossReduction {
         self.inner.loss_reduction()
     }
+    fn max_grad_norm(&self) -> Option<f64> {
+        self.inner.max_grad_norm()
+    }
     fn batch_dim(&self) -> i64 {
         self.inner.batch_dim()
     }

@@ -216,6 +216,14 @@ pub trait Model: Send {
     /// The scalar loss of `output` on `batch` (PyTorch's `get_loss`).
     fn loss_of(&self, batch: &Batch, output: &Tensor) -> Result<Tensor, ModelError>;
 
+    /// The gradient clipping its training recipe uses: every training loop scales the
+    /// step's gradients by `max / (‖g‖ + 1e-6)` (rounded to fp32, as PyTorch's fp32
+    /// `clip_grad_norm_` does) when that is below 1, `‖g‖` the global norm the record reports,
+    /// before the optimizer steps. `None` (the default): no clipping.
+    fn max_grad_norm(&self) -> Option<f64> {
+        None
+    }
+
     /// How [`Model::loss_of`] reduces over samples: a pipeline splitting a batch into
     /// microbatches scales each microbatch's loss by its share of a mean, or not at all for a
     /// sum, so the accumulated gradient is the full batch's.

@@ -13,7 +13,9 @@ use crate::consistency::{observe_stepped, StateKind};
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::tensor_parallel::gpt::{ExpertsParallel, GptTp};
 use crate::tensor_parallel::run::vocab_parallel_loss;
-use crate::train::{capture, grad_norm, TrainConfig, TrainError};
+use crate::train::{
+    capture, clip_coefficient, grad_norm, scale_gradients, TrainConfig, TrainError,
+};
 use lockstep_models::zoo::GptConfig;
 use lockstep_models::{Model, ModelError};
 use std::collections::{HashMap, HashSet};
@@ -267,9 +269,16 @@ pub fn train_expert_parallel(
         collectives.push(CollectiveEntry::from_counts(counts.take()));
         let local = local_values(&named, unit.as_ref(), |t| t.grad())?;
         let full = full_tensors(&local, &expert_of, per, ep_rank, ep_group.as_ref())?;
-        record.grad_norms.push(grad_norm(&full)?);
+        let norm = grad_norm(&full)?;
+        record.grad_norms.push(norm);
         if let Some(all) = record.grads.as_mut() {
             all.push(capture(&full)?);
+        }
+        if let Some(max_norm) = model.max_grad_norm() {
+            // What the optimizer steps: the unsharded gradients and the unit's shard.
+            let mut grads: Vec<Tensor> = unsharded.iter().map(|(_, t)| t.grad()).collect();
+            grads.extend(unit.as_ref().map(|u| u.shard().1.grad()));
+            scale_gradients(&grads, clip_coefficient(max_norm, norm))?;
         }
         let value = Tensor::from_slice(&[loss.f_double_value(&[])?]);
         everyone.all_reduce(&value, ReduceOp::Avg)?;

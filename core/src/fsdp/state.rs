@@ -498,17 +498,15 @@ impl Core {
             sharded = t.f_double_value(&[0])?;
         }
         let total = (sharded + local).sqrt();
-        let coef = max_norm / (total + 1e-6);
-        if coef < 1.0 {
+        let coef = crate::train::clip_coefficient(max_norm, total);
+        if coef.is_some() {
             let mut grads: Vec<Tensor> = Vec::new();
             for unit in &self.units {
                 grads.push(unit.shard.grad());
                 grads.extend(unit.slots.iter().map(|s| s.param.grad()));
             }
             grads.extend(self.ignored.iter().map(|(_, t)| t.grad()));
-            for mut g in grads.into_iter().filter(Tensor::defined) {
-                let _ = g.f_mul_scalar_(coef)?;
-            }
+            crate::train::scale_gradients(&grads, coef)?;
         }
         self.last_total_norm = Some(total);
         Ok(total)

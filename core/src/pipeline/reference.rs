@@ -5,7 +5,7 @@
 use super::microbatch;
 use super::PipelineError;
 use crate::record::{RunRecord, RunSpec};
-use crate::train::{capture, grad_norm, OptimizerConfig};
+use crate::train::{capture, clip_coefficient, grad_norm, scale_gradients, OptimizerConfig};
 use lockstep_models::Model;
 
 /// Trains `model` on `world_size` ranks' batches per step, split into `microbatches`, each
@@ -51,9 +51,16 @@ pub fn microbatched_reference(
             })
             .collect::<Result<_, tch::TchError>>()?;
         record.losses.push(objective);
-        record.grad_norms.push(grad_norm(&grads)?);
+        let norm = grad_norm(&grads)?;
+        record.grad_norms.push(norm);
         if let Some(all) = record.grads.as_mut() {
             all.push(capture(&grads)?);
+        }
+        if let Some(max_norm) = model.max_grad_norm() {
+            scale_gradients(
+                grads.iter().map(|(_, g)| g),
+                clip_coefficient(max_norm, norm),
+            )?;
         }
         opt.step(&params)?;
     }

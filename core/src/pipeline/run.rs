@@ -16,7 +16,7 @@ use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, Red
 use crate::compose::{DataParallel, ShardedUnit};
 use crate::consistency::{observe_stepped, StateKind};
 use crate::record::{CollectiveEntry, RunRecord};
-use crate::train::{capture, grad_norm, TrainConfig};
+use crate::train::{capture, clip_coefficient, grad_norm, scale_gradients, TrainConfig};
 use lockstep_models::{Batch, Model};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
@@ -430,6 +430,17 @@ pub fn train_pipeline_with(
                 &named,
                 &mut norm_scratch,
             )?);
+        }
+        if let (Some(max_norm), Some(&norm)) = (model.max_grad_norm(), record.grad_norms.last()) {
+            // What the optimizer steps: the held parameters' gradients, or the unit's shard.
+            let coef = clip_coefficient(max_norm, norm);
+            match &unit {
+                None => {
+                    let grads: Vec<Tensor> = held_params.iter().map(|(_, t)| t.grad()).collect();
+                    scale_gradients(&grads, coef)?;
+                }
+                Some(u) => scale_gradients([&u.borrow().shard().1.grad()], coef)?,
+            }
         }
         let loss = Tensor::from_slice(&[outcome.objective]);
         pp.all_reduce(&loss, ReduceOp::Sum)?;

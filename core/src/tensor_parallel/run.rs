@@ -10,7 +10,9 @@ use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, Red
 use crate::compose::{DataParallel, ShardError, ShardedUnit};
 use crate::consistency::{observe_stepped, StateKind};
 use crate::record::{CollectiveEntry, RunRecord};
-use crate::train::{capture, grad_norm, TrainConfig, TrainError};
+use crate::train::{
+    capture, clip_coefficient, grad_norm, scale_gradients, TrainConfig, TrainError,
+};
 use lockstep_models::zoo::{GptConfig, TransformerWithSharedParams};
 use lockstep_models::{Batch, LayerHooks, LossReduction, Model, ModelError, NoHooks};
 use std::cell::RefCell;
@@ -340,9 +342,25 @@ pub fn train_tensor_parallel(
                 )?
             }
         };
-        record.grad_norms.push(grad_norm(&full_grads)?);
+        let norm = grad_norm(&full_grads)?;
+        record.grad_norms.push(norm);
         if let Some(all) = record.grads.as_mut() {
             all.push(capture(&full_grads)?);
+        }
+        if let Some(max_norm) = model.max_grad_norm() {
+            // What the optimizer steps: the local tensors' gradients, or the unit's shard.
+            let coef = clip_coefficient(max_norm, norm);
+            match unit.as_ref() {
+                None => scale_gradients(
+                    trained
+                        .iter()
+                        .map(|(_, t)| t.grad())
+                        .collect::<Vec<_>>()
+                        .iter(),
+                    coef,
+                )?,
+                Some(u) => scale_gradients([&u.shard().1.grad()], coef)?,
+            }
         }
         let value = Tensor::from_slice(&[loss.f_double_value(&[])?]);
         groups.average_over_data(&value)?;
