@@ -10,7 +10,7 @@ use lockstep::core::train::{train, Optimizer, StepHooks, TrainConfig, TrainError
 use lockstep::harness::RankCtx;
 use lockstep::models::{zoo, LayerHooks, Model};
 use lockstep::parity_test::ParityTest;
-use lockstep::runner::{run_launched, zoo_builder, RunSettings};
+use lockstep::runner::{run_launched, zoo_builder, RunSettings, TrainFn};
 use tch::Tensor;
 
 /// DDP whose optimizer step, on rank 1 only, leaves `skipped` out: the classic "rank-local
@@ -80,16 +80,7 @@ fn a_rank_one_only_optimizer_bug_fails_a_one_step_test_naming_rank_one() {
 
 /// Runs `train` at world `world` on zoo model `model` and returns the cross-rank verdict's
 /// mismatch text (the launcher's comparison of every rank's digest).
-fn cross_rank_mismatch(
-    model: &str,
-    world: usize,
-    train: &(dyn Fn(
-        &RankCtx,
-        &dyn Model,
-        &TrainConfig,
-    ) -> Result<lockstep::core::record::RunRecord, String>
-          + Sync),
-) -> Option<String> {
+fn cross_rank_mismatch(model: &str, world: usize, train: &TrainFn<'_>) -> Option<String> {
     let settings = RunSettings {
         steps: 1,
         ..RunSettings::default()
