@@ -687,23 +687,33 @@ pub const BUILTIN_DDP_BUCKET_BYTES: usize = 8 << 10;
 /// process groups). `lockstep matrix`, `lockstep run` and exec'd ranks all build DDP here.
 pub fn ddp_options(config: Config, ctx: &RankCtx) -> Result<DdpOptions, String> {
     let named = |e: &dyn std::fmt::Display| format!("{}: {e}", config.name());
-    let reduction = match config {
-        Config::DdpHybridOrder => {
-            let shard = Config::hybrid_layout()
-                .shard_size(ctx.world_size())?
-                .ok_or_else(|| named(&"the hybrid layout has no shard groups"))?;
-            let mesh = hybrid_mesh(ctx.world(), shard).map_err(|e| named(&e))?;
-            GradReduction::hierarchical(&mesh).map_err(|e| named(&e))?
-        }
-        Config::Ddp | Config::DdpMixed(_) => GradReduction::Flat,
-        _ => return Err(named(&"not a DDP configuration")),
-    };
+    let mut opts = builtin_ddp_options(config)?;
+    if config == Config::DdpHybridOrder {
+        let shard = Config::hybrid_layout()
+            .shard_size(ctx.world_size())?
+            .ok_or_else(|| named(&"the hybrid layout has no shard groups"))?;
+        let mesh = hybrid_mesh(ctx.world(), shard).map_err(|e| named(&e))?;
+        opts.reduction = GradReduction::hierarchical(&mesh).map_err(|e| named(&e))?;
+    }
+    Ok(opts)
+}
+
+/// [`ddp_options`] short of the process groups a hierarchical reduction needs (its
+/// `reduction` is `Flat` here): what each built-in DDP configuration chooses, readable
+/// without a launch.
+pub fn builtin_ddp_options(config: Config) -> Result<DdpOptions, String> {
+    if !matches!(
+        config,
+        Config::Ddp | Config::DdpMixed(_) | Config::DdpHybridOrder
+    ) {
+        return Err(format!("{}: not a DDP configuration", config.name()));
+    }
     Ok(DdpOptions {
         mixed_precision: config.precision().map(Precision::policy),
         // The reference of hybrid shard reduces after backward, not from backward hooks:
         // the other DDP path, checked bitwise against every hybrid row.
         overlap: config != Config::DdpHybridOrder,
-        reduction,
+        reduction: GradReduction::Flat,
         bucket_cap_bytes: BUILTIN_DDP_BUCKET_BYTES,
         ..DdpOptions::default()
     })

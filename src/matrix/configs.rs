@@ -273,6 +273,52 @@ pub fn fsdp_configs() -> &'static [FsdpConfig] {
                 "HYBRID_SHARD with one unit per layer",
                 WrapPolicy::PerLayer,
             ),
+            // The rest of strategy × wrapping: every strategy under every wrap policy that
+            // applies to any model (`Explicit` names one model's layers: tests/fsdp_units.rs).
+            flat(
+                "fsdp.shard_grad_op.blocks",
+                "SHARD_GRAD_OP, one unit per transformer block",
+                with(
+                    ShardingStrategy::ShardGradOp,
+                    WrapPolicy::ByKind(BLOCK_KINDS.to_vec()),
+                ),
+            ),
+            flat(
+                "fsdp.shard_grad_op.min_params",
+                "SHARD_GRAD_OP, size-based units of at least 100 parameters",
+                with(
+                    ShardingStrategy::ShardGradOp,
+                    WrapPolicy::MinParams(MIN_PARAMS),
+                ),
+            ),
+            flat(
+                "fsdp.no_shard.per_layer",
+                "NO_SHARD, one unit per layer",
+                with(ShardingStrategy::NoShard, WrapPolicy::PerLayer),
+            ),
+            flat(
+                "fsdp.no_shard.blocks",
+                "NO_SHARD, one unit per transformer block",
+                with(
+                    ShardingStrategy::NoShard,
+                    WrapPolicy::ByKind(BLOCK_KINDS.to_vec()),
+                ),
+            ),
+            flat(
+                "fsdp.no_shard.min_params",
+                "NO_SHARD, size-based units of at least 100 parameters",
+                with(ShardingStrategy::NoShard, WrapPolicy::MinParams(MIN_PARAMS)),
+            ),
+            hybrid(
+                "fsdp.hybrid_shard.blocks",
+                "HYBRID_SHARD, one unit per transformer block",
+                WrapPolicy::ByKind(BLOCK_KINDS.to_vec()),
+            ),
+            hybrid(
+                "fsdp.hybrid_shard.min_params",
+                "HYBRID_SHARD, size-based units of at least 100 parameters",
+                WrapPolicy::MinParams(MIN_PARAMS),
+            ),
             mixed(
                 "fsdp.full_shard.bf16",
                 "FULL_SHARD, one root unit, bf16 mixed precision (bf16 compute, fp32 \

@@ -191,6 +191,8 @@ mod configs;
 mod execute;
 mod list;
 mod model_parallel;
+#[cfg(test)]
+mod option_coverage;
 mod pipeline;
 mod plan;
 mod result;

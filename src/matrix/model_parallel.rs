@@ -37,6 +37,8 @@ pub struct ModelParallelConfig {
     pub description: &'static str,
     /// What the configuration runs.
     pub kind: ModelParallelKind,
+    /// Expert parallelism's capacity factor (`None`: no limit).
+    pub capacity_factor: Option<f64>,
 }
 
 impl ModelParallelConfig {
@@ -87,7 +89,7 @@ impl ModelParallelConfig {
         EpOptions {
             ep,
             dispatcher,
-            capacity_factor: None,
+            capacity_factor: self.capacity_factor,
             data_parallel: Default::default(),
             fault: None,
         }
@@ -104,6 +106,7 @@ pub fn model_parallel_configs() -> &'static [ModelParallelConfig] {
                 tp,
                 sequence_parallel,
             },
+            capacity_factor: None,
         };
         vec![
             tp(
@@ -123,6 +126,7 @@ pub fn model_parallel_configs() -> &'static [ModelParallelConfig] {
                     ep: 2,
                     dispatcher: Dispatcher::AllToAll,
                 },
+                capacity_factor: None,
             },
             ModelParallelConfig {
                 name: "ep.4",
@@ -131,6 +135,7 @@ pub fn model_parallel_configs() -> &'static [ModelParallelConfig] {
                     ep: 4,
                     dispatcher: Dispatcher::AllToAll,
                 },
+                capacity_factor: None,
             },
             ModelParallelConfig {
                 name: "ep.2.allgather",
@@ -141,6 +146,19 @@ pub fn model_parallel_configs() -> &'static [ModelParallelConfig] {
                     ep: 2,
                     dispatcher: Dispatcher::AllGather,
                 },
+                capacity_factor: None,
+            },
+            ModelParallelConfig {
+                name: "ep.2.capacity",
+                description: "ep.2 with a capacity limit (factor 4 = experts / top-k: each \
+                              expert takes at most one choice per token, so the limit runs \
+                              and never drops one; a dropping limit has no single-device \
+                              reference)",
+                kind: ModelParallelKind::Expert {
+                    ep: 2,
+                    dispatcher: Dispatcher::AllToAll,
+                },
+                capacity_factor: Some(4.0),
             },
             tp(
                 "tp.2.sp",
