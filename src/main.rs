@@ -262,6 +262,14 @@ struct RankArgs {
     /// Where rank 0 writes its record.
     #[arg(long)]
     out: PathBuf,
+    /// The optimizer, as JSON (`{"Adam":{"lr":0.001,…}}`); SGD with momentum if absent.
+    #[arg(long, value_parser = parse_optimizer_json)]
+    optimizer: Option<lockstep_core::train::OptimizerConfig>,
+}
+
+/// An optimizer as the JSON exec'd ranks are given.
+fn parse_optimizer_json(s: &str) -> Result<lockstep_core::train::OptimizerConfig, String> {
+    serde_json::from_str(s).map_err(|e| format!("not an optimizer: {e}"))
 }
 
 #[derive(Subcommand)]
@@ -396,6 +404,7 @@ fn main() -> Result<ExitCode> {
             record_grads: args.record_grads,
             backend: args.backend,
             out: args.out,
+            optimizer: args.optimizer.unwrap_or_default(),
         }),
         Command::Stress(args) => return run_stress(args),
         Command::Schedule(args) => return run_schedule(args),

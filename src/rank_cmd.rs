@@ -12,14 +12,14 @@ use crate::matrix::Config;
 use crate::runner::{hand_back, run_spec, train_builtin, RunSettings};
 use lockstep_core::comm::Backend;
 use lockstep_core::consistency::StateProbe;
-use lockstep_core::train::TrainConfig;
+use lockstep_core::train::{OptimizerConfig, TrainConfig};
 use lockstep_harness::RankCtx;
 use lockstep_models::{zoo, OnDevice};
 use std::path::PathBuf;
 use tch::Device;
 
 /// What an exec'd rank is told on its command line (every rank the same).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct RankRun {
     /// The zoo model.
     pub model: String,
@@ -35,6 +35,8 @@ pub struct RankRun {
     pub backend: Backend,
     /// Where rank 0 writes its record.
     pub out: PathBuf,
+    /// The optimizer every rank steps with.
+    pub optimizer: OptimizerConfig,
 }
 
 impl RankRun {
@@ -62,6 +64,12 @@ impl RankRun {
         if self.record_grads {
             args.push("--record-grads".into());
         }
+        if self.optimizer != OptimizerConfig::default() {
+            // A JSON value of the enum: what `--optimizer` parses back, bit for bit.
+            if let Ok(json) = serde_json::to_string(&self.optimizer) {
+                args.extend(["--optimizer".into(), json]);
+            }
+        }
         args
     }
 
@@ -81,6 +89,7 @@ impl RankRun {
             seed: self.seed,
             record_grads: self.record_grads,
             backend: self.backend,
+            optimizer: self.optimizer,
             ..RunSettings::default()
         };
         let dtype = config

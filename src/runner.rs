@@ -460,11 +460,6 @@ fn run_exec(
             "a planted fault runs in forked ranks only (exec'd ranks take no fault)",
         ));
     }
-    if settings.optimizer != OptimizerConfig::default() {
-        return Err(RunFailed::simple(
-            "exec'd ranks (NCCL, --exec-ranks) train with the default optimizer only",
-        ));
-    }
     if !zoo::names().contains(&model_name) {
         return Err(RunFailed::simple(format!(
             "exec'd ranks (NCCL, --exec-ranks) build zoo models only; `{model_name}` is not one"
@@ -487,6 +482,7 @@ fn run_exec(
         record_grads: settings.record_grads,
         backend: settings.backend,
         out: out.clone(),
+        optimizer: settings.optimizer,
     };
     let opts = LaunchOptions {
         world_size,

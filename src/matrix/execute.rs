@@ -190,7 +190,7 @@ impl CellRuns {
 /// shadows.
 fn run_cell(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_>) -> CellRuns {
     let model = plan.models[m].as_str();
-    let settings = plan.settings();
+    let settings = plan.settings_for(model);
     let build = runner::zoo_builder(model);
     let mut together: BTreeMap<Config, Outcome> = BTreeMap::new();
     if plan.subtests && !settings.execs_ranks() {

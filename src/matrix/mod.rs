@@ -58,7 +58,6 @@ use lockstep_core::pipeline::PipelinePlan;
 use lockstep_core::precision::MixedPrecision;
 use lockstep_core::record::{MemoryStats, RunRecord};
 use lockstep_core::tensor_parallel::TpOptions;
-use lockstep_core::train::OptimizerConfig;
 use lockstep_harness::parity::{
     arbitrate, compare, ArbiterLog, Comparison, FailurePoint, Mode, Override, Tolerance,
     TolerancePolicy, ENVELOPE,

@@ -194,7 +194,7 @@ pub fn microbatched_name(m: usize) -> String {
     format!("single.mb{m}")
 }
 
-/// The microbatched reference of `model` (the plan's steps, seed and default optimizer).
+/// The microbatched reference of `model` (the plan's steps, seed and the model's optimizer).
 fn train_microbatched(
     model: &dyn Model,
     world_size: usize,
@@ -206,7 +206,7 @@ fn train_microbatched(
         world_size,
         microbatches,
         plan.steps,
-        OptimizerConfig::default(),
+        optimizer_for(model.name()),
         plan.record_grads,
     )
     .map_err(|e| RunFailed::simple(format!("microbatched reference: {e}")))
@@ -236,7 +236,7 @@ pub(super) fn run_microbatched(
     plan: &Plan,
 ) -> Result<RunRecord, RunFailed> {
     // With the ranks' thread count, like every reference (`runner::in_process_reference`).
-    crate::runner::in_process_reference(&plan.settings(), &|| {
+    crate::runner::in_process_reference(&plan.settings_for(model), &|| {
         let built =
             zoo::build(model, plan.seed, 0).map_err(|e| RunFailed::simple(e.to_string()))?;
         let mut record = train_microbatched(built.as_ref(), world_size, microbatches, plan)?;

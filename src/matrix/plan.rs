@@ -111,6 +111,15 @@ impl Plan {
         }
     }
 
+    /// [`Plan::settings`] for the runs of `model`, with the optimizer the matrix trains it
+    /// with ([`optimizer_for`]).
+    pub fn settings_for(&self, model: &str) -> crate::runner::RunSettings {
+        crate::runner::RunSettings {
+            optimizer: optimizer_for(model),
+            ..self.settings()
+        }
+    }
+
     /// How many training runs the plan performs (single-device ones included).
     pub fn run_count(&self) -> usize {
         let mut n = 0;
@@ -492,4 +501,16 @@ pub fn prepare_out_dir(dir: &Path) -> Result<(), MatrixError> {
         }
     }
     Ok(())
+}
+
+/// The optimizer the matrix trains `model` with: SGD with momentum (gradient scale shows
+/// through it, so divisor bugs cannot hide), except `gpt_dropout`, which trains as GPT
+/// recipes do, with Adam (and gradient clipping, its `Model::max_grad_norm`): Adam's update
+/// runs in every matrix, in every configuration that trains that model.
+pub fn optimizer_for(model: &str) -> lockstep_core::train::OptimizerConfig {
+    if model == "gpt_dropout" {
+        lockstep_core::train::OptimizerConfig::adam(1e-3)
+    } else {
+        lockstep_core::train::OptimizerConfig::default()
+    }
 }

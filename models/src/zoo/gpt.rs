@@ -307,6 +307,9 @@ pub struct Gpt {
     blocks: Vec<Block>,
     norm: LayerNorm,
     store: ParamStore,
+    /// The recipe's gradient clipping ([`Model::max_grad_norm`]); `None` for the zoo's
+    /// decoders but `gpt_dropout`.
+    max_grad_norm: Option<f64>,
 }
 
 impl Gpt {
@@ -375,7 +378,14 @@ impl Gpt {
             blocks,
             norm,
             store,
+            max_grad_norm: None,
         })
+    }
+
+    /// The same decoder trained with gradient clipping at `max_norm`.
+    pub fn with_max_grad_norm(mut self, max_norm: f64) -> Self {
+        self.max_grad_norm = Some(max_norm);
+        self
     }
 
     fn block_names(&self, i: usize) -> Vec<String> {
@@ -428,6 +438,10 @@ impl Model for Gpt {
             (false, true) => "gpt_dropout",
             (false, false) => "gpt",
         }
+    }
+
+    fn max_grad_norm(&self) -> Option<f64> {
+        self.max_grad_norm
     }
 
     fn rank(&self) -> usize {

@@ -19,10 +19,6 @@ const SIZES: [i64; 5] = [7, 15, 16, 17, 3];
 /// Feature sizes of `mlp_wide`: 7 → 263 → 257 → 17 → 3 (≈74 K parameters; odd, prime and
 /// one-past-a-power-of-two widths, so no split is even).
 const WIDE_SIZES: [i64; 5] = [7, 263, 257, 17, 3];
-/// `mlp_wide` trains with gradient clipping at this norm, below its gradient norms, so every
-/// configuration that trains it runs its clipping path (FSDP's sharded `clip_grad_norm`
-/// among them) and every step is clipped.
-const WIDE_MAX_GRAD_NORM: f64 = 0.25;
 const BATCH: i64 = 5;
 
 /// `nn.Sequential(Linear(7,15), ReLU, Linear(15,16), ReLU, Linear(16,17), ReLU,
@@ -31,7 +27,6 @@ const BATCH: i64 = 5;
 pub struct MlpStack {
     name: &'static str,
     sizes: [i64; 5],
-    max_grad_norm: Option<f64>,
     rank: usize,
     seed: u64,
     linears: Vec<Linear>,
@@ -41,24 +36,17 @@ pub struct MlpStack {
 impl MlpStack {
     /// `mlp`: draws every linear, in forward order, from the run's parameter seed.
     pub fn new(run_seed: u64, rank: usize) -> Result<Self, ModelError> {
-        Self::with_sizes("mlp", SIZES, None, run_seed, rank)
+        Self::with_sizes("mlp", SIZES, run_seed, rank)
     }
 
     /// `mlp_wide`: the same stack at widths that make every collective a large message.
     pub fn wide(run_seed: u64, rank: usize) -> Result<Self, ModelError> {
-        Self::with_sizes(
-            "mlp_wide",
-            WIDE_SIZES,
-            Some(WIDE_MAX_GRAD_NORM),
-            run_seed,
-            rank,
-        )
+        Self::with_sizes("mlp_wide", WIDE_SIZES, run_seed, rank)
     }
 
     fn with_sizes(
         name: &'static str,
         sizes: [i64; 5],
-        max_grad_norm: Option<f64>,
         run_seed: u64,
         rank: usize,
     ) -> Result<Self, ModelError> {
@@ -78,7 +66,6 @@ impl MlpStack {
         Ok(MlpStack {
             name,
             sizes,
-            max_grad_norm,
             rank,
             seed: run_seed,
             linears,
@@ -174,10 +161,6 @@ impl Model for MlpStack {
 
     fn loss_reduction(&self) -> LossReduction {
         LossReduction::Sum
-    }
-
-    fn max_grad_norm(&self) -> Option<f64> {
-        self.max_grad_norm
     }
 
     fn loss_of(&self, batch: &Batch, output: &Tensor) -> Result<Tensor, ModelError> {

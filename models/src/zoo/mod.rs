@@ -30,12 +30,22 @@ const ZOO: &[(&str, Builder)] = &[
     ("gpt", |s, r| Ok(Box::new(Gpt::new(s, r, false)?))),
     ("gpt_moe", |s, r| Ok(Box::new(Gpt::new(s, r, true)?))),
     ("gpt_dropout", |s, r| {
-        Ok(Box::new(Gpt::with_dropout(s, r, false, GPT_DROPOUT)?))
+        Ok(Box::new(
+            Gpt::with_dropout(s, r, false, GPT_DROPOUT)?
+                .with_max_grad_norm(GPT_DROPOUT_MAX_GRAD_NORM),
+        ))
     }),
 ];
 
 /// The dropout rate of `gpt_dropout`: high enough that a mask drawn wrongly cannot hide.
 pub const GPT_DROPOUT: f64 = 0.1;
+
+/// `gpt_dropout` trains as GPT recipes do, with gradient clipping: at this norm, below its
+/// gradient norms (≈5.5), so every step of every configuration that trains it clips (FSDP's
+/// sharded `clip_grad_norm`, the TP, EP and pipeline loops' clipping among them). Clipping
+/// normalizes a gradient's scale away, so the zoo's other models stay unclipped to catch
+/// divisor bugs.
+pub const GPT_DROPOUT_MAX_GRAD_NORM: f64 = 2.0;
 
 /// Every model name [`build`] accepts.
 pub fn names() -> Vec<&'static str> {
