@@ -305,14 +305,46 @@ fn fmt_ulp(u: u64) -> String {
     }
 }
 
-/// A short "where" for the table: quantity, tensor and step of the first failure.
-pub(super) fn short_failure(f: &FailurePoint) -> String {
+/// A short "where" for the table: the culprit (a cross-rank mismatch, else the first failing
+/// tensor with its element and step), then the derived scalar it caused, so the row names
+/// what went wrong rather than only a loss or a norm.
+pub(super) fn short_failure(c: &Comparison) -> Option<String> {
+    let mismatch = c.cross_rank.as_ref().and_then(|x| x.mismatch.as_ref());
+    let mut parts: Vec<String> = Vec::new();
+    if let Some(m) = mismatch {
+        parts.push(format!(
+            "cross-rank: {} `{}` @ step {} differs on rank(s) {:?}",
+            m.kind, m.name, m.step, m.differing
+        ));
+    }
+    if let Some(f) = &c.first_failure {
+        parts.push(short_point(f));
+    }
+    if let Some(d) = &c.derived_failure {
+        parts.push(format!("then {}", short_point(d)));
+    }
+    if parts.is_empty() {
+        c.structural.first().cloned()
+    } else {
+        Some(parts.join("; "))
+    }
+}
+
+/// Quantity, tensor, element and step of one failing value.
+fn short_point(f: &FailurePoint) -> String {
     let mut s = f.quantity.to_string();
     if let Some(t) = &f.tensor {
         let _ = write!(s, " {t}");
     }
-    if let Some(i) = f.index {
-        let _ = write!(s, "[{i}]");
+    match (&f.element, f.index) {
+        (Some(e), _) if !e.is_empty() => {
+            let dims: Vec<String> = e.iter().map(usize::to_string).collect();
+            let _ = write!(s, "[{}]", dims.join(","));
+        }
+        (_, Some(i)) if f.tensor.is_some() => {
+            let _ = write!(s, "[{i}]");
+        }
+        _ => {}
     }
     match f.step {
         Some(step) => {

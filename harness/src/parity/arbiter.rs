@@ -22,7 +22,10 @@
 //! constants were chosen from measurements across models, steps, seeds, world sizes and CPU
 //! capabilities (docs/parity.md, "The fp64 arbiter").
 
-use super::compare::{Comparison, FailurePoint, ParamSummary, ScalarDiff, Stats, StepComparison};
+use super::compare::{
+    culprit, diagnosis_parts, fold_summaries, location, unravel, Comparison, FailurePoint,
+    Findings, ParamSummary, ScalarDiff, Stats, StepComparison,
+};
 use super::tolerance::{ulp_distance, Mode, Quantity};
 use crate::report::num;
 use lockstep_core::comm::DType;
@@ -82,7 +85,7 @@ fn default_k() -> f64 {
 pub struct ArbiterSummary {
     /// The constants the verdict used.
     pub constants: Envelope,
-    /// The quantity with the largest margin (`loss at step 3`, `grads `w` at step 1`...).
+    /// The quantity with the largest margin (`loss at step 3`, `gradient of `w` at step 1`...).
     pub worst_at: String,
     /// Its distances.
     pub worst: EnvelopePoint,
@@ -245,6 +248,8 @@ struct Site<'a> {
     quantity: Quantity,
     step: Option<usize>,
     tensor: Option<&'a str>,
+    /// The tensor's shape, to name a failing element per dimension.
+    shape: &'a [i64],
     dtype: DType,
 }
 
@@ -253,7 +258,6 @@ struct Judging<'a, 'w> {
     env: &'a Envelope,
     /// Per quantity and tensor, the fp32 reference's noise at the steps judged so far.
     noise_so_far: HashMap<(Quantity, String), NoiseSoFar>,
-    first_failure: Option<FailurePoint>,
     worst: Option<(String, EnvelopePoint)>,
     log: ArbiterLog<'w>,
     row: String,
@@ -277,14 +281,7 @@ impl Judging<'_, '_> {
             .as_ref()
             .is_none_or(|(_, w)| v.point.margin > w.margin)
         {
-            let mut at = site.quantity.to_string();
-            if let Some(t) = site.tensor {
-                at.push_str(&format!(" `{t}`"));
-            }
-            match site.step {
-                Some(s) => at.push_str(&format!(" at step {s}")),
-                None => at.push_str(" after the last step"),
-            }
+            let at = location(site.quantity, site.tensor, site.step);
             self.worst = Some((at, v.point));
         }
         let actual = sides.run.get(v.worst).copied().unwrap_or(f64::NAN);
@@ -304,6 +301,7 @@ impl Judging<'_, '_> {
                 step: site.step,
                 tensor: site.tensor.map(str::to_owned),
                 index: site.tensor.map(|_| v.worst),
+                element: site.tensor.and_then(|_| unravel(v.worst, site.shape)),
                 actual,
                 expected,
                 abs_err: v.point.run_to_f64,
@@ -313,10 +311,7 @@ impl Judging<'_, '_> {
                 envelope: Some(v.point),
             };
             if stats.first_failure.is_none() {
-                stats.first_failure = Some(failure.clone());
-            }
-            if self.first_failure.is_none() {
-                self.first_failure = Some(failure);
+                stats.first_failure = Some(failure);
             }
         }
         if let Some(log) = self.log.as_mut() {
@@ -389,6 +384,7 @@ fn judge_tensors(
             quantity,
             step,
             tensor: Some(name),
+            shape: &want.shape,
             dtype: have.dtype,
         };
         let v = judging.observe(&mut stats, &sides, &site);
@@ -464,7 +460,6 @@ pub fn arbitrate(
     let mut judging = Judging {
         env,
         noise_so_far: HashMap::new(),
-        first_failure: None,
         worst: None,
         log,
         row: format!(
@@ -479,6 +474,7 @@ pub fn arbitrate(
         _ => None,
     };
     let mut grads_total = both_grads.map(|_| Stats::default());
+    let mut grad_summaries = Vec::new();
     let overflowed = reference_overflow(ref32);
     let n_steps = ref64.losses.len().min(overflowed.unwrap_or(usize::MAX));
     let mut steps = Vec::with_capacity(n_steps);
@@ -507,6 +503,7 @@ pub fn arbitrate(
                 quantity,
                 step: Some(step),
                 tensor: None,
+                shape: &[],
                 dtype: DType::F32,
             };
             let v = judging.observe(stats, &sides, &site);
@@ -542,13 +539,14 @@ pub fn arbitrate(
         let grads = both_grads.and_then(|(a, b, c)| {
             let (a, b, c) = (a.get(step)?, b.get(step)?, c.get(step)?);
             let what = format!("gradients at step {step}");
-            let (stats, _) = judge_tensors(
+            let (stats, per_tensor) = judge_tensors(
                 &mut judging,
                 [a, b, c],
                 (Quantity::Grads, Some(step), &what),
                 &mut structural,
                 &mut step_env,
             );
+            fold_summaries(&mut grad_summaries, per_tensor);
             if let Some(total) = grads_total.as_mut() {
                 total.merge(&stats);
             }
@@ -583,16 +581,25 @@ pub fn arbitrate(
         &mut structural,
         &mut final_env,
     );
-    let first_failure = judging.first_failure;
     let worst = judging.worst;
+    let mismatch = super::compare::cross_rank_mismatch(run);
     let passed = structural.is_empty()
+        && mismatch.is_none()
         && steps.iter().all(|s| s.passed)
         && losses.passed
         && grad_norms.passed
         && params.passed
         && grads_total.as_ref().is_none_or(|g| g.passed);
+    let (first_failure, derived_failure) =
+        culprit(grads_total.as_ref(), &params, &losses, &grad_norms);
     let diagnosis = (!passed).then(|| {
-        let mut parts = super::compare::diagnosis_parts(&structural, first_failure.as_ref());
+        let mut parts = diagnosis_parts(&Findings {
+            structural: &structural,
+            cross_rank: mismatch,
+            first_failure: first_failure.as_ref(),
+            derived_failure: derived_failure.as_ref(),
+            grads_compared: grads_total.is_some(),
+        });
         if let Some(gap) = ref64.routing_min_gap {
             parts.push(format!(
                 "the reference routed tokens by top-k, its closest decision a probability gap \
@@ -617,11 +624,14 @@ pub fn arbitrate(
         diagnosis,
         structural,
         first_failure,
+        derived_failure,
         losses,
         grad_norms,
         params,
         grads: grads_total,
         param_summaries,
+        grad_summaries,
+        cross_rank: run.cross_rank.clone(),
         steps,
         memory: run.memory,
         arbiter: Some(ArbiterSummary {
