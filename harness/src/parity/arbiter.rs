@@ -23,8 +23,8 @@
 //! capabilities (docs/parity.md, "The fp64 arbiter").
 
 use super::compare::{
-    culprit, diagnosis_parts, fold_summaries, location, unravel, Comparison, FailurePoint,
-    Findings, ParamSummary, ScalarDiff, Stats, StepComparison,
+    conclude, fold_summaries, location, unravel, Against, Comparison, FailurePoint, Measured,
+    ParamSummary, ScalarDiff, Stats, StepComparison,
 };
 use super::tolerance::{ulp_distance, Mode, Quantity};
 use crate::report::num;
@@ -333,6 +333,49 @@ impl Judging<'_, '_> {
     }
 }
 
+impl Judging<'_, '_> {
+    /// Judges one step's value of a scalar series (`series`: run, fp32 reference, float64
+    /// shadow); `None` when a side has no value at that step.
+    fn scalar(
+        &mut self,
+        stats: &mut Stats,
+        (quantity, step): (Quantity, usize),
+        series: [&Vec<f64>; 3],
+        step_env: &mut StepEnvelope,
+    ) -> Option<ScalarDiff> {
+        let [a, b, c] = series;
+        let (a, b, c) = (a.get(step)?, b.get(step)?, c.get(step)?);
+        let sides = Sides {
+            run: std::slice::from_ref(a),
+            ref32: std::slice::from_ref(b),
+            ref64: std::slice::from_ref(c),
+        };
+        let site = Site {
+            quantity,
+            step: Some(step),
+            tensor: None,
+            shape: &[],
+            dtype: DType::F32,
+        };
+        let v = self.observe(stats, &sides, &site);
+        step_env.fold(&v.point, v.scale);
+        Some(ScalarDiff {
+            run: *a,
+            reference: *c,
+            abs_err: v.point.run_to_f64,
+            rel_err: if *c != 0.0 {
+                v.point.run_to_f64 / c.abs()
+            } else {
+                0.0
+            },
+            ulp: ulp_distance(*a, *c, DType::F32),
+            margin: v.point.margin,
+            passed: v.passed,
+            envelope: Some(v.point),
+        })
+    }
+}
+
 /// The tensors of `list` by name.
 fn by_name(list: &[NamedTensor]) -> HashMap<&str, &NamedTensor> {
     list.iter().map(|t| (t.name.as_str(), t)).collect()
@@ -484,58 +527,21 @@ pub fn arbitrate(
             reference_to_f64: 0.0,
             margin: 0.0,
         };
-        let mut passed = true;
-        let mut scalar = |stats: &mut Stats,
-                          quantity: Quantity,
-                          series: [&Vec<f64>; 3],
-                          judging: &mut Judging<'_, '_>| {
-            let [a, b, c] = series;
-            let (Some(a), Some(b), Some(c)) = (a.get(step), b.get(step), c.get(step)) else {
-                passed = false;
-                return None;
-            };
-            let sides = Sides {
-                run: std::slice::from_ref(a),
-                ref32: std::slice::from_ref(b),
-                ref64: std::slice::from_ref(c),
-            };
-            let site = Site {
-                quantity,
-                step: Some(step),
-                tensor: None,
-                shape: &[],
-                dtype: DType::F32,
-            };
-            let v = judging.observe(stats, &sides, &site);
-            step_env.fold(&v.point, v.scale);
-            passed &= v.passed;
-            Some(ScalarDiff {
-                run: *a,
-                reference: *c,
-                abs_err: v.point.run_to_f64,
-                rel_err: if *c != 0.0 {
-                    v.point.run_to_f64 / c.abs()
-                } else {
-                    0.0
-                },
-                ulp: ulp_distance(*a, *c, DType::F32),
-                margin: v.point.margin,
-                passed: v.passed,
-                envelope: Some(v.point),
-            })
-        };
-        let loss = scalar(
+        let loss = judging.scalar(
             &mut losses,
-            Quantity::Loss,
+            (Quantity::Loss, step),
             [&run.losses, &ref32.losses, &ref64.losses],
-            &mut judging,
+            &mut step_env,
         );
-        let grad_norm = scalar(
+        let grad_norm = judging.scalar(
             &mut grad_norms,
-            Quantity::GradNorm,
+            (Quantity::GradNorm, step),
             [&run.grad_norms, &ref32.grad_norms, &ref64.grad_norms],
-            &mut judging,
+            &mut step_env,
         );
+        let mut passed = [&loss, &grad_norm]
+            .into_iter()
+            .all(|d| d.as_ref().is_some_and(|d| d.passed));
         let grads = both_grads.and_then(|(a, b, c)| {
             let (a, b, c) = (a.get(step)?, b.get(step)?, c.get(step)?);
             let what = format!("gradients at step {step}");
@@ -581,75 +587,58 @@ pub fn arbitrate(
         &mut structural,
         &mut final_env,
     );
-    let worst = judging.worst;
-    let mismatch = super::compare::cross_rank_mismatch(run);
-    let passed = structural.is_empty()
-        && mismatch.is_none()
-        && steps.iter().all(|s| s.passed)
-        && losses.passed
-        && grad_norms.passed
-        && params.passed
-        && grads_total.as_ref().is_none_or(|g| g.passed);
-    let (first_failure, derived_failure) =
-        culprit(grads_total.as_ref(), &params, &losses, &grad_norms);
-    let diagnosis = (!passed).then(|| {
-        let mut parts = diagnosis_parts(&Findings {
-            structural: &structural,
-            cross_rank: mismatch,
-            first_failure: first_failure.as_ref(),
-            derived_failure: derived_failure.as_ref(),
-            grads_compared: grads_total.is_some(),
-        });
-        if let Some(gap) = ref64.routing_min_gap {
-            parts.push(format!(
-                "the reference routed tokens by top-k, its closest decision a probability gap \
-                 of {}: if that is within the run's distance to float64, the run may have \
-                 chosen another expert there (a near-tie flipped, not rounding drift)",
-                crate::report::fmt_num(gap)
-            ));
-        }
-        parts.join(". ")
+    // A near-tie in the reference's routing may explain a failure better than drift.
+    let near_tie = ref64.routing_min_gap.map(|gap| {
+        format!(
+            "the reference routed tokens by top-k, its closest decision a probability gap of \
+             {}: if that is within the run's distance to float64, the run may have chosen \
+             another expert there (a near-tie flipped, not rounding drift)",
+            crate::report::fmt_num(gap)
+        )
     });
-    Comparison {
-        model: run.spec.model.clone(),
-        config: run.spec.config.clone(),
-        // The row is against the training the shadow stands for (`single@4`), whichever fp32
-        // run gave the envelope (a mixed-precision row's is its DDP reference).
-        reference: ref64.spec.config.replace(".f64@", "@"),
-        run_spec: run.spec.clone(),
-        reference_spec: ref32.spec.clone(),
-        mode: Mode::Arbiter,
-        override_reason: None,
-        passed,
-        diagnosis,
+    let measured = Measured {
         structural,
-        first_failure,
-        derived_failure,
         losses,
         grad_norms,
         params,
         grads: grads_total,
         param_summaries,
         grad_summaries,
-        cross_rank: run.cross_rank.clone(),
         steps,
-        memory: run.memory,
-        arbiter: Some(ArbiterSummary {
-            constants: *env,
-            worst_at: worst
-                .as_ref()
-                .map_or_else(String::new, |(at, _)| at.clone()),
-            worst: worst.map_or(
-                EnvelopePoint {
-                    run_to_f64: 0.0,
-                    reference_to_f64: 0.0,
-                    floor: 0.0,
-                    margin: 0.0,
-                    k: env.k,
-                },
-                |(_, p)| p,
-            ),
-            unjudged_from: overflowed,
-        }),
+    };
+    let against = Against {
+        // The row is against the training the shadow stands for (`single@4`), whichever fp32
+        // run gave the envelope (a mixed-precision row's is its DDP reference).
+        reference: ref64.spec.config.replace(".f64@", "@"),
+        reference_spec: ref32.spec.clone(),
+        mode: Mode::Arbiter,
+        override_reason: None,
+    };
+    let summary = summary(env, judging.worst, overflowed);
+    conclude(run, against, measured, near_tie, Some(summary))
+}
+
+/// The arbiter's figures of a row: its constants, where it came closest to its envelope, and
+/// from which step nothing was judged.
+fn summary(
+    env: &Envelope,
+    worst: Option<(String, EnvelopePoint)>,
+    unjudged_from: Option<usize>,
+) -> ArbiterSummary {
+    let (worst_at, worst) = worst.unwrap_or_else(|| {
+        let none = EnvelopePoint {
+            run_to_f64: 0.0,
+            reference_to_f64: 0.0,
+            floor: 0.0,
+            margin: 0.0,
+            k: env.k,
+        };
+        (String::new(), none)
+    });
+    ArbiterSummary {
+        constants: *env,
+        worst_at,
+        worst,
+        unjudged_from,
     }
 }

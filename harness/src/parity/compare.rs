@@ -691,48 +691,112 @@ pub fn compare(run: &RunRecord, reference: &RunRecord, policy: &TolerancePolicy)
     let (params, param_summaries) =
         diff_tensors(&run_state, &reference_state, &set, &mut structural);
 
-    let values_passed = losses.passed
-        && grad_norms.passed
-        && params.passed
-        && grads_total.as_ref().is_none_or(|g| g.passed);
-    let mismatch = cross_rank_mismatch(run);
-    let passed = values_passed && structural.is_empty() && mismatch.is_none();
-    let (first_failure, derived_failure) =
-        culprit(grads_total.as_ref(), &params, &losses, &grad_norms);
-    let diagnosis = (!passed).then(|| {
-        diagnosis_parts(&Findings {
-            structural: &structural,
-            cross_rank: mismatch,
-            first_failure: first_failure.as_ref(),
-            derived_failure: derived_failure.as_ref(),
-            grads_compared: grads_total.is_some(),
-        })
-        .join(". ")
-    });
-    let override_reason = policy.override_for(config).map(|o| o.reason().to_owned());
-    Comparison {
-        model: run.spec.model.clone(),
-        config: run.spec.config.clone(),
-        reference: reference.spec.config.clone(),
-        run_spec: run.spec.clone(),
-        reference_spec: reference.spec.clone(),
-        mode: policy.mode(),
-        override_reason,
-        passed,
-        diagnosis,
+    let measured = Measured {
         structural,
-        first_failure,
-        derived_failure,
         losses,
         grad_norms,
         params,
         grads: grads_total,
         param_summaries,
         grad_summaries,
-        cross_rank: run.cross_rank.clone(),
         steps,
+    };
+    let against = Against {
+        reference: reference.spec.config.clone(),
+        reference_spec: reference.spec.clone(),
+        mode: policy.mode(),
+        override_reason: policy.override_for(config).map(|o| o.reason().to_owned()),
+    };
+    conclude(run, against, measured, None, None)
+}
+
+/// Everything one comparison measured, before its verdict.
+pub(super) struct Measured {
+    /// Structural mismatches.
+    pub structural: Vec<String>,
+    /// Loss series.
+    pub losses: Stats,
+    /// Gradient-norm series.
+    pub grad_norms: Stats,
+    /// All final parameters and buffers.
+    pub params: Stats,
+    /// All per-step gradients, when compared.
+    pub grads: Option<Stats>,
+    /// Per final parameter and buffer.
+    pub param_summaries: Vec<ParamSummary>,
+    /// Per parameter's gradients over every step.
+    pub grad_summaries: Vec<ParamSummary>,
+    /// Per step.
+    pub steps: Vec<StepComparison>,
+}
+
+/// What the run was judged against, and how.
+pub(super) struct Against {
+    /// The reference's row name.
+    pub reference: String,
+    /// The reference's identity.
+    pub reference_spec: RunSpec,
+    /// How values were judged.
+    pub mode: Mode,
+    /// The override that applied, if any.
+    pub override_reason: Option<String>,
+}
+
+/// The verdict of a measured comparison, the one place the tolerance and arbiter paths decide
+/// it: it passes when every value passed, everything lined up and the ranks agreed; its first
+/// failure is the culprit (see [`culprit`]) and its diagnosis says so ([`diagnosis_parts`],
+/// then `extra`, a sentence of the caller's).
+pub(super) fn conclude(
+    run: &RunRecord,
+    against: Against,
+    m: Measured,
+    extra: Option<String>,
+    arbiter: Option<ArbiterSummary>,
+) -> Comparison {
+    let mismatch = cross_rank_mismatch(run);
+    let passed = m.structural.is_empty()
+        && mismatch.is_none()
+        && m.steps.iter().all(|s| s.passed)
+        && m.losses.passed
+        && m.grad_norms.passed
+        && m.params.passed
+        && m.grads.as_ref().is_none_or(|g| g.passed);
+    let (first_failure, derived_failure) =
+        culprit(m.grads.as_ref(), &m.params, &m.losses, &m.grad_norms);
+    let diagnosis = (!passed).then(|| {
+        let mut parts = diagnosis_parts(&Findings {
+            structural: &m.structural,
+            cross_rank: mismatch,
+            first_failure: first_failure.as_ref(),
+            derived_failure: derived_failure.as_ref(),
+            grads_compared: m.grads.is_some(),
+        });
+        parts.extend(extra);
+        parts.join(". ")
+    });
+    Comparison {
+        model: run.spec.model.clone(),
+        config: run.spec.config.clone(),
+        reference: against.reference,
+        run_spec: run.spec.clone(),
+        reference_spec: against.reference_spec,
+        mode: against.mode,
+        override_reason: against.override_reason,
+        passed,
+        diagnosis,
+        structural: m.structural,
+        first_failure,
+        derived_failure,
+        losses: m.losses,
+        grad_norms: m.grad_norms,
+        params: m.params,
+        grads: m.grads,
+        param_summaries: m.param_summaries,
+        grad_summaries: m.grad_summaries,
+        cross_rank: run.cross_rank.clone(),
+        steps: m.steps,
         memory: run.memory,
-        arbiter: None,
+        arbiter,
     }
 }
 
