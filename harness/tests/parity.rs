@@ -904,6 +904,14 @@ fn reports_carry_the_culprit_and_a_per_parameter_table() {
     assert!(fc0 < embed, "{md}");
     assert!(md.contains("| FAIL at [3,1] | 2.500e-1 |"), "{md}");
 
+    let json: serde_json::Value =
+        serde_json::from_str(&lockstep_harness::report::render_json(&report).unwrap()).unwrap();
+    let c = &json["comparisons"][0];
+    assert_eq!(c["first_failure"]["element"], serde_json::json!([3, 1]));
+    assert_eq!(c["derived_failure"]["quantity"], "grad_norm");
+    assert_eq!(c["grad_summaries"][1]["name"], "fc0.weight");
+    assert_eq!(c["grad_summaries"][1]["stats"]["first_failure"]["step"], 0);
+
     let html = render_html(&report);
     roxmltree::Document::parse_with_options(
         &html,

@@ -354,3 +354,75 @@ fn short_point(f: &FailurePoint) -> String {
     }
     s
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lockstep_core::consistency::{CrossRankCheck, CrossRankMismatch, StateKind};
+    use lockstep_core::record::{NamedTensor, RunSpec};
+
+    /// A run whose `fc0.weight` gradient at step 0 is off in element [1, 0], which shows in
+    /// that step's gradient norm; and its reference.
+    fn pair() -> (RunRecord, RunRecord) {
+        let record = |config: &str, g: f64, norm: f64| {
+            let spec = RunSpec {
+                model: "mlp".into(),
+                config: config.into(),
+                world_size: 2,
+                backend: "cpu".into(),
+                dtype: "fp32".into(),
+                steps: 1,
+                seed: 0,
+            };
+            let mut r = RunRecord::start(spec, true);
+            r.losses.push(1.0);
+            r.grad_norms.push(norm);
+            let t = |values: Vec<f64>| NamedTensor {
+                name: "fc0.weight".into(),
+                dtype: DType::F32,
+                shape: vec![2, 2],
+                values,
+            };
+            r.grads = Some(vec![vec![t(vec![0.5, 0.5, g, 0.5])]]);
+            r.params.push(t(vec![1.0; 4]));
+            r
+        };
+        (record("tp.2@2", 0.25, 2.0), record("single@2", 0.5, 3.0))
+    }
+
+    #[test]
+    fn a_rows_failure_names_the_tensor_element_and_step_then_the_scalar() {
+        let (run, reference) = pair();
+        let c = compare(&run, &reference, &TolerancePolicy::dtype_table(DType::F32));
+        assert_eq!(
+            short_failure(&c).as_deref(),
+            Some("grads fc0.weight[1,0] @ step 0; then grad_norm @ step 0")
+        );
+    }
+
+    #[test]
+    fn a_rows_failure_starts_with_a_cross_rank_mismatch() {
+        let (mut run, reference) = pair();
+        run.cross_rank = Some(CrossRankCheck {
+            ranks: 2,
+            compared: 3,
+            mismatch: Some(CrossRankMismatch {
+                step: 0,
+                kind: StateKind::Param,
+                name: "fc0.weight".into(),
+                coord: String::new(),
+                holders: vec![0, 1],
+                agreeing: vec![0],
+                differing: vec![1],
+                sums: vec![4.0, 4.5],
+                shapes: vec![vec![2, 2], vec![2, 2]],
+            }),
+        });
+        let c = compare(&run, &reference, &TolerancePolicy::dtype_table(DType::F32));
+        let note = short_failure(&c).unwrap_or_default();
+        assert!(
+            note.starts_with("cross-rank: parameter `fc0.weight` @ step 0 differs on rank(s) [1]; grads fc0.weight[1,0]"),
+            "{note}"
+        );
+    }
+}
