@@ -881,6 +881,33 @@ fn the_failing_tensor_its_element_and_step_come_first_then_the_derived_scalar() 
 }
 
 #[test]
+fn within_a_step_gradients_count_in_backward_order_and_an_earlier_step_wins() {
+    let (mut run, reference) = tp_pair();
+    // `embed.weight` (first in model order) is off at step 0 too: backward computed
+    // `fc0.weight`'s gradient first, so that one is the culprit, and tops the table.
+    let grads = run.grads.as_mut().unwrap();
+    grads[0][0].values[2] = 0.75;
+    let c = compare(&run, &reference, &f32_policy());
+    let f = c.first_failure.clone().unwrap();
+    assert_eq!((f.tensor.as_deref(), f.step), (Some("fc0.weight"), Some(0)));
+    let rows = lockstep_harness::report::param_rows(&c);
+    let names: Vec<&str> = rows.iter().map(|r| r.name).collect();
+    assert_eq!(names, ["fc0.weight", "embed.weight", "fc1.weight"]);
+    // Off only at step 1, `fc0.weight` comes after `embed.weight`'s step-0 failure.
+    let (mut run, _) = tp_pair();
+    let grads = run.grads.as_mut().unwrap();
+    grads[0][1].values[7] = 0.5;
+    grads[1][1].values[7] = 0.25;
+    grads[0][0].values[2] = 0.75;
+    let c = compare(&run, &reference, &f32_policy());
+    let f = c.first_failure.clone().unwrap();
+    assert_eq!(
+        (f.tensor.as_deref(), f.step, f.element.as_deref()),
+        (Some("embed.weight"), Some(0), Some(&[1, 0][..]))
+    );
+}
+
+#[test]
 fn reports_carry_the_culprit_and_a_per_parameter_table() {
     let (run, reference) = tp_pair();
     let report = Report::new(vec![compare(&run, &reference, &f32_policy())]);

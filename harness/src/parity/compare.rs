@@ -384,8 +384,9 @@ pub struct Comparison {
     /// Structural mismatches (missing parameters, shapes, step counts).
     pub structural: Vec<String>,
     /// The culprit: the earliest failing tensor by step (per-step gradients when both sides
-    /// recorded them; final parameters and buffers count as after the last step), or, when
-    /// no tensor failed, the earliest failing loss or gradient norm. A tensor is named first
+    /// recorded them, within a step in backward order, last parameter first; final parameters
+    /// and buffers count as after the last step), or, when no tensor failed, the earliest
+    /// failing loss or gradient norm. A tensor is named first
     /// because a loss or norm only says *that* something went wrong, a tensor says *where*.
     pub first_failure: Option<FailurePoint>,
     /// When [`Comparison::first_failure`] is a tensor: the earliest failing loss or gradient
@@ -762,7 +763,7 @@ pub(super) fn conclude(
         && m.params.passed
         && m.grads.as_ref().is_none_or(|g| g.passed);
     let (first_failure, derived_failure) =
-        culprit(m.grads.as_ref(), &m.params, &m.losses, &m.grad_norms);
+        culprit(&m.grad_summaries, &m.params, &m.losses, &m.grad_norms);
     let diagnosis = (!passed).then(|| {
         let mut parts = diagnosis_parts(&Findings {
             structural: &m.structural,
@@ -858,19 +859,27 @@ pub(super) fn fold_summaries(into: &mut Vec<ParamSummary>, step: Vec<ParamSummar
     }
 }
 
-/// The culprit and its symptom of a comparison: the earliest failing tensor (gradients by
-/// step, merged in step order in `grads`; then the final parameters and buffers, after the
-/// last step) and the earliest failing loss or gradient norm (the loss first at one step).
-/// With no failing tensor, the scalar is the culprit and there is no separate symptom.
+/// The culprit and its symptom of a comparison: the earliest failing tensor, and the
+/// earliest failing loss or gradient norm (the loss first at one step). Tensors are ordered
+/// as they are computed: gradients by step and, within a step, from the last parameter to
+/// the first (backward computes them from the output back, so the last parameter off is the
+/// one nearest a backward fault); then the final parameters and buffers, after the last step,
+/// in model order. With no failing tensor the scalar is the culprit and there is no separate
+/// symptom.
 pub(super) fn culprit(
-    grads: Option<&Stats>,
+    grad_summaries: &[ParamSummary],
     params: &Stats,
     losses: &Stats,
     grad_norms: &Stats,
 ) -> (Option<FailurePoint>, Option<FailurePoint>) {
-    let tensor = grads
-        .and_then(|g| g.first_failure.clone())
-        .or_else(|| params.first_failure.clone());
+    // `min_by_key` keeps the first of equals: reversed, the last parameter of the step.
+    let tensor = grad_summaries
+        .iter()
+        .rev()
+        .filter_map(|g| g.stats.first_failure.as_ref())
+        .min_by_key(|f| f.step.unwrap_or(usize::MAX))
+        .or(params.first_failure.as_ref())
+        .cloned();
     let scalar = match (&losses.first_failure, &grad_norms.first_failure) {
         (Some(l), Some(n)) if n.step < l.step => Some(n.clone()),
         (Some(l), _) => Some(l.clone()),

@@ -87,8 +87,9 @@ pub fn param_headers(c: &Comparison) -> [String; 6] {
 }
 
 /// Every parameter and buffer of `c` in the order a person reads them: failing ones first
-/// (earliest failing gradient step first, then those failing only in their final value),
-/// then the passing ones in model order.
+/// (earliest failing gradient step first, within a step last parameter first as backward
+/// computes them, then those failing only in their final value), then the passing ones in
+/// model order: the first row is the diagnosis's culprit.
 pub fn param_rows(c: &Comparison) -> Vec<ParamRow<'_>> {
     let mut rows: Vec<ParamRow<'_>> = c
         .param_summaries
@@ -112,16 +113,26 @@ pub fn param_rows(c: &Comparison) -> Vec<ParamRow<'_>> {
             });
         }
     }
-    let key = |r: &ParamRow<'_>| {
-        let grad_step = r
-            .grads
-            .and_then(|g| g.first_failure.as_ref())
-            .map_or(usize::MAX, |f| f.step.unwrap_or(usize::MAX));
-        (!r.failed(), grad_step)
-    };
-    // A stable sort keeps model order within each group.
-    rows.sort_by_key(key);
-    rows
+    // Within a step, gradients fail in backward order (last parameter first), as the
+    // diagnosis's culprit does; everything else stays in model order.
+    let mut keyed: Vec<(bool, usize, usize, ParamRow<'_>)> = rows
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let grad_step = r
+                .grads
+                .and_then(|g| g.first_failure.as_ref())
+                .map(|f| f.step.unwrap_or(usize::MAX));
+            let within = if grad_step.is_some() {
+                usize::MAX - i
+            } else {
+                i
+            };
+            (!r.failed(), grad_step.unwrap_or(usize::MAX), within, r)
+        })
+        .collect();
+    keyed.sort_by_key(|(passing, step, within, _)| (*passing, *step, *within));
+    keyed.into_iter().map(|(.., r)| r).collect()
 }
 
 /// The line closing a capped table: how many rows were left out and how many of them fail.
