@@ -386,8 +386,8 @@ pub struct Comparison {
     /// The culprit: the earliest failing tensor by step (per-step gradients when both sides
     /// recorded them, within a step in backward order, last parameter first; final parameters
     /// and buffers count as after the last step), or, when no tensor failed, the earliest
-    /// failing loss or gradient norm. A tensor is named first
-    /// because a loss or norm only says *that* something went wrong, a tensor says *where*.
+    /// failing loss or gradient norm. A tensor is named first because a loss or norm only
+    /// says *that* something went wrong, a tensor says *where*.
     pub first_failure: Option<FailurePoint>,
     /// When [`Comparison::first_failure`] is a tensor: the earliest failing loss or gradient
     /// norm (the loss first at one step), the symptom the culprit caused, or `None` when every
