@@ -256,15 +256,18 @@ mod tests {
         }
         assert!(!outcome.passed(), "the planted bug went unnoticed");
         let summary = outcome.summary();
-        // The bias is counted once per rank from the first forward on: the first value off
-        // is the loss at step 0, at both world sizes.
+        // The bias is counted once per rank from the first forward on: every value is off
+        // from step 0, at both world sizes. The diagnosis names the first tensor off as
+        // backward computes them, the planted bias's own gradient, with its element, before
+        // the loss it shows in.
         assert!(
             summary.contains("FAILED my_column_parallel@2 against single@2")
                 && summary.contains("FAILED my_column_parallel@4 against single@4"),
             "{summary}"
         );
         assert!(
-            summary.contains("first failure: loss at step 0"),
+            summary.contains("first failure: gradient of `fc2.bias` at step 0, element [")
+                && summary.contains("; then loss at step 0: "),
             "{summary}"
         );
     }

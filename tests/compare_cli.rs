@@ -103,3 +103,101 @@ fn compare_exit_code_follows_regressions() {
         "an unreadable report is an error, not a regression"
     );
 }
+
+/// A report of one TP-like run (`fc0.weight` [4, 2], `fc1.weight` [1, 4], per-step gradients,
+/// 2 steps) against its reference. With `bug`, the run lost an all-reduce in its backward:
+/// `fc0.weight`'s gradient at step 0 is off in one element, which shows in that step's
+/// gradient norm and in the final value, not in the loss.
+fn tp_report(bug: bool) -> Report {
+    let tensor = |name: &str, shape: &[i64], values: Vec<f64>| NamedTensor {
+        name: name.into(),
+        dtype: DType::F32,
+        shape: shape.to_vec(),
+        values,
+    };
+    let record = |config: &str, bug: bool| {
+        let off = |v: f64, by: f64| if bug { v + by } else { v };
+        let grads = (0..2)
+            .map(|s| {
+                let mut fc0 = vec![0.5; 8];
+                if s == 0 {
+                    fc0[7] = off(0.5, -0.25);
+                }
+                vec![
+                    tensor("fc0.weight", &[4, 2], fc0),
+                    tensor("fc1.weight", &[1, 4], vec![0.125; 4]),
+                ]
+            })
+            .collect();
+        let mut fc0 = vec![1.0; 8];
+        fc0[7] = off(1.0, 0.25);
+        RunRecord {
+            spec: RunSpec {
+                model: "mlp".into(),
+                config: config.into(),
+                world_size: 2,
+                backend: "cpu".into(),
+                dtype: "fp32".into(),
+                steps: 2,
+                seed: 0,
+            },
+            losses: vec![2.0, 1.5],
+            grad_norms: vec![off(3.668, -0.243), 3.1],
+            params: vec![
+                tensor("fc0.weight", &[4, 2], fc0),
+                tensor("fc1.weight", &[1, 4], vec![1.0; 4]),
+            ],
+            buffers: vec![],
+            grads: Some(grads),
+            memory: None,
+            collectives: None,
+            routing_min_gap: None,
+            cross_rank: None,
+        }
+    };
+    let policy = TolerancePolicy::dtype_table(DType::F32);
+    Report::new(vec![compare(
+        &record("tp.2@2", bug),
+        &record("single@2", false),
+        &policy,
+    )])
+}
+
+#[test]
+fn compare_lists_each_regressed_quantity_without_a_factor_from_zero() {
+    let dir = Scratch::new("quantities");
+    let (good, buggy) = (dir.0.join("good.json"), dir.0.join("buggy.json"));
+    write_json(&tp_report(false), &good).unwrap();
+    write_json(&tp_report(true), &buggy).unwrap();
+    let (code, stdout) = run(&good, &buggy, &[]);
+    assert_eq!(code, Some(1), "{stdout}");
+    // Every quantity that regressed has its own line: the gradient norm and the culprit
+    // tensor's gradient and final value; the loss and the healthy tensor did not move.
+    for what in [
+        "grad_norm",
+        "gradient of `fc0.weight`",
+        "final value of `fc0.weight`",
+    ] {
+        let line = stdout
+            .lines()
+            .find(|l| l.contains(what))
+            .unwrap_or_else(|| panic!("no line for {what}:\n{stdout}"));
+        // Their base errors were exactly 0: no growth factor exists, only "new".
+        assert!(line.contains("new (was 0)"), "{line}\n{stdout}");
+    }
+    assert!(!stdout.contains("fc1.weight"), "{stdout}");
+    assert!(
+        !stdout
+            .lines()
+            .any(|l| l.starts_with("  ") && l.contains("loss")),
+        "{stdout}"
+    );
+    // No growth factor anywhere: every base was zero.
+    assert!(
+        !stdout
+            .split_whitespace()
+            .any(|w| w.ends_with('x') && w.starts_with(|c: char| c.is_ascii_digit())),
+        "a growth factor from a zero base:\n{stdout}"
+    );
+    assert!(stdout.contains("CROSSED TOLERANCE"), "{stdout}");
+}

@@ -153,10 +153,15 @@ fn planted_sum_instead_of_average_is_caught() {
         if ctx.rank() == 0 {
             let c = compare(&run, &reference(ctx, "nested", false), &fp32());
             assert!(!c.passed);
-            // Step 0's loss is computed before any update; the doubled gradient shows first
-            // in the step-0 gradient norm.
-            assert_eq!(first_failure(&c).0, Quantity::GradNorm, "{:?}", c.diagnosis);
-            assert_eq!(first_failure(&c).1, Some(0));
+            // Without per-step gradients the culprit seen is a final parameter; step 0's loss
+            // is computed before any update, so the doubled gradient shows first among the
+            // scalars in the step-0 gradient norm, named after it.
+            assert_eq!(first_failure(&c).0, Quantity::Params, "{:?}", c.diagnosis);
+            let derived = c.derived_failure.as_ref().expect("a derived scalar");
+            assert_eq!(
+                (derived.quantity, derived.step),
+                (Quantity::GradNorm, Some(0))
+            );
             let ratio = run.grad_norms[0] / reference(ctx, "nested", false).grad_norms[0];
             assert!(
                 (ratio - 2.0).abs() < 1e-4,

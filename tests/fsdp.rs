@@ -274,9 +274,15 @@ fn planted_sum_instead_of_average_is_caught() {
         let c = compare(&run, &ddp, &TolerancePolicy::bitwise(DType::F32));
         assert!(!c.passed, "a doubled gradient must fail parity");
         let f = c.first_failure.as_ref().expect("a failure point");
-        // Step 0's loss is computed before any update; the doubled gradient shows first in
-        // the step-0 gradient norm.
-        assert_eq!((f.quantity, f.step), (Quantity::GradNorm, Some(0)));
+        assert!(
+            f.tensor.is_some(),
+            "the culprit is a tensor: {:?}",
+            c.diagnosis
+        );
+        // Step 0's loss is computed before any update; the doubled gradient shows first
+        // among the scalars in the step-0 gradient norm, named after the tensor.
+        let d = c.derived_failure.as_ref().expect("a derived scalar");
+        assert_eq!((d.quantity, d.step), (Quantity::GradNorm, Some(0)));
         let ratio = run.grad_norms[0] / ddp.grad_norms[0];
         assert!((ratio - 2.0).abs() < 1e-4, "sum over 2 ranks: {ratio}");
     });

@@ -102,9 +102,9 @@ fn a_user_config_is_judged_and_a_planted_bug_is_named(#[case] freeze_last: bool)
         .expect("a parameter")
         .0;
     assert!(
-        summary.contains(&format!("first failure: params `{frozen}`["))
-            && summary.contains("after the last step")
-            && summary.contains("FAILED my_ddp@2 against single@2")
+        summary.contains(&format!(
+            "first failure: final value of `{frozen}`, element ["
+        )) && summary.contains("FAILED my_ddp@2 against single@2")
             && summary.contains("FAILED my_ddp@2 against ddp@2"),
         "{summary}"
     );

@@ -149,6 +149,12 @@ fn planted_tensor_parallel_bugs_are_caught(
                 &TolerancePolicy::dtype_table(DType::F32),
             );
             assert!(!c.passed, "{fault:?} was not caught");
+            // The diagnosis names the tensor that went wrong (with its step and element)
+            // before the loss or gradient norm it showed in.
+            let text = c.diagnosis.clone().unwrap_or_default();
+            let f = c.first_failure.as_ref().expect("a culprit");
+            assert!(f.tensor.is_some() && f.element.is_some(), "{text}");
+            assert!(text.starts_with("first failure: gradient of `"), "{text}");
         }
     });
 }

@@ -1,6 +1,7 @@
 //! The parity engine, its reports and report comparison, on hand-made records.
 
 use lockstep_core::comm::DType;
+use lockstep_core::consistency::{CrossRankCheck, CrossRankMismatch, StateKind};
 use lockstep_core::record::{MemoryStats, NamedTensor, RunRecord, RunSpec};
 use lockstep_harness::parity::{
     compare, looser_dtype, ulp_distance, Override, ParityError, Quantity, Reason, Tolerance,
@@ -8,7 +9,8 @@ use lockstep_harness::parity::{
 };
 use lockstep_harness::report::{
     compare_reports, read_json, render_html, render_junit, render_markdown, write_all,
-    write_atomic, write_json, CompareOptions, Report, ReportError, RowStatus, SCHEMA_VERSION,
+    write_atomic, write_json, Change, CompareOptions, Report, ReportError, RowStatus,
+    SCHEMA_VERSION,
 };
 use std::time::Duration;
 
@@ -299,9 +301,17 @@ fn first_failing_step_and_tensor() {
     assert_eq!(steps_passed, [true, false, false, true]);
     let diagnosis = c.diagnosis.unwrap();
     assert!(
-        diagnosis.contains("grads `a.bias`[0] at step 1"),
+        diagnosis.starts_with("first failure: gradient of `a.bias` at step 1, element [0]: "),
         "{diagnosis}"
     );
+    // The loss first fails at step 2, after the culprit: named next.
+    assert!(
+        diagnosis.contains("; then loss at step 2: 2.5 vs reference 2"),
+        "{diagnosis}"
+    );
+    let b = &c.param_summaries[1];
+    let f = b.stats.first_failure.as_ref().unwrap();
+    assert_eq!(f.element.as_deref(), Some(&[1, 1][..]), "flat 3 in [2, 2]");
     assert!(c.param_summaries[0].stats.passed && !c.param_summaries[1].stats.passed);
 }
 
@@ -587,8 +597,11 @@ fn junit_parses_with_one_case_per_comparison() {
         .collect();
     assert_eq!(failures.len(), 1);
     let message = failures[0].attribute("message").unwrap();
+    // No per-step gradients: the final value is the first failing tensor, and the loss that
+    // failed before it is said to have.
     assert!(
-        message.contains("first failure: loss at step 1"),
+        message.contains("first failure: final value of `w`, element [1]")
+            && message.contains("the first failing scalar came earlier: loss at step 1"),
         "{message}"
     );
 }
@@ -758,7 +771,7 @@ fn compare_identical_reports_passes() {
         .iter()
         .find(|r| r.config.contains("weird"))
         .unwrap();
-    assert_eq!(nan.growth, Some(1.0), "inf to inf is no growth");
+    assert!(nan.regressed.is_empty(), "inf to inf is no growth");
 }
 
 #[test]
@@ -784,6 +797,335 @@ fn compare_growth_from_zero_uses_the_floor() {
         compare_reports(&dup, &new, &CompareOptions::default()),
         Err(ReportError::DuplicateComparison { which: "base", .. })
     ));
+}
+
+// ---------------------------------------------------------------- diagnoses name the culprit
+
+/// A tensor-parallel-like model: `embed.weight` [2, 2], `fc0.weight` [4, 2], `fc1.weight`
+/// [1, 4], two steps of per-step gradients, as the reference and as a run whose backward
+/// lost an all-reduce: `fc0.weight`'s gradient at step 0 is off in element [3, 1] (flat 7),
+/// which shows in that step's gradient norm (the loss at step 0, computed before any
+/// update, is right) and in the final value.
+fn tp_pair() -> (RunRecord, RunRecord) {
+    let grads = |bad: f64| {
+        (0..2)
+            .map(|s| {
+                let mut fc0 = vec![0.5; 8];
+                if s == 0 {
+                    fc0[7] = bad;
+                }
+                vec![
+                    tensor("embed.weight", DType::F32, &[2, 2], &[0.25; 4]),
+                    tensor("fc0.weight", DType::F32, &[4, 2], &fc0),
+                    tensor("fc1.weight", DType::F32, &[1, 4], &[0.125; 4]),
+                ]
+            })
+            .collect::<Vec<_>>()
+    };
+    let params = |w: f64| {
+        let mut fc0 = vec![1.0; 8];
+        fc0[7] = w;
+        vec![
+            tensor("embed.weight", DType::F32, &[2, 2], &[1.0; 4]),
+            tensor("fc0.weight", DType::F32, &[4, 2], &fc0),
+            tensor("fc1.weight", DType::F32, &[1, 4], &[1.0; 4]),
+        ]
+    };
+    let mut reference = record("single@2", &[2.0, 1.5], params(1.0));
+    reference.grads = Some(grads(0.5));
+    reference.grad_norms = vec![3.668, 3.1];
+    let mut run = record("my_tp@2", &[2.0, 1.5], params(1.25));
+    run.grads = Some(grads(0.25));
+    run.grad_norms = vec![3.425, 3.1];
+    (run, reference)
+}
+
+#[test]
+fn the_failing_tensor_its_element_and_step_come_first_then_the_derived_scalar() {
+    let (run, reference) = tp_pair();
+    let c = compare(&run, &reference, &f32_policy());
+    assert!(!c.passed);
+    let f = c.first_failure.clone().expect("a culprit");
+    assert_eq!(
+        (f.quantity, f.step, f.tensor.as_deref(), f.index),
+        (Quantity::Grads, Some(0), Some("fc0.weight"), Some(7))
+    );
+    assert_eq!(f.element.as_deref(), Some(&[3, 1][..]));
+    let d = c.derived_failure.clone().expect("the derived scalar");
+    assert_eq!((d.quantity, d.step), (Quantity::GradNorm, Some(0)));
+    let text = c.diagnosis.clone().expect("a diagnosis");
+    assert!(
+        text.starts_with(
+            "first failure: gradient of `fc0.weight` at step 0, element [3,1]: 0.25 vs reference \
+             0.5 (|Δ| 2.500e-1 > allowed "
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains(" ULP in f32); then grad_norm at step 0: 3.425 vs reference 3.668"),
+        "{text}"
+    );
+    // The per-parameter verdicts over the run: the culprit's gradients fail from step 0.
+    let g = c
+        .grad_summaries
+        .iter()
+        .find(|g| g.name == "fc0.weight")
+        .unwrap();
+    assert_eq!(g.stats.first_failure.as_ref().and_then(|f| f.step), Some(0));
+    assert_eq!(g.stats.compared, 16, "8 elements over 2 steps");
+    assert!(c
+        .grad_summaries
+        .iter()
+        .filter(|g| g.name != "fc0.weight")
+        .all(|g| g.stats.passed));
+}
+
+#[test]
+fn within_a_step_gradients_count_in_backward_order_and_an_earlier_step_wins() {
+    let (mut run, reference) = tp_pair();
+    // `embed.weight` (first in model order) is off at step 0 too: backward computed
+    // `fc0.weight`'s gradient first, so that one is the culprit, and tops the table.
+    let grads = run.grads.as_mut().unwrap();
+    grads[0][0].values[2] = 0.75;
+    let c = compare(&run, &reference, &f32_policy());
+    let f = c.first_failure.clone().unwrap();
+    assert_eq!((f.tensor.as_deref(), f.step), (Some("fc0.weight"), Some(0)));
+    let rows = lockstep_harness::report::param_rows(&c);
+    let names: Vec<&str> = rows.iter().map(|r| r.name).collect();
+    assert_eq!(names, ["fc0.weight", "embed.weight", "fc1.weight"]);
+    // Off only at step 1, `fc0.weight` comes after `embed.weight`'s step-0 failure.
+    let (mut run, _) = tp_pair();
+    let grads = run.grads.as_mut().unwrap();
+    grads[0][1].values[7] = 0.5;
+    grads[1][1].values[7] = 0.25;
+    grads[0][0].values[2] = 0.75;
+    let c = compare(&run, &reference, &f32_policy());
+    let f = c.first_failure.clone().unwrap();
+    assert_eq!(
+        (f.tensor.as_deref(), f.step, f.element.as_deref()),
+        (Some("embed.weight"), Some(0), Some(&[1, 0][..]))
+    );
+}
+
+#[test]
+fn reports_carry_the_culprit_and_a_per_parameter_table() {
+    let (run, reference) = tp_pair();
+    let report = Report::new(vec![compare(&run, &reference, &f32_policy())]);
+    let md = render_markdown(&report);
+    assert!(
+        md.contains("first failure: gradient of `fc0.weight` at step 0, element [3,1]"),
+        "{md}"
+    );
+    assert!(md.contains("## Per parameter"), "{md}");
+    assert!(
+        md.contains("| parameter | gradient: first failure | gradient: max \\|Δ\\| |"),
+        "{md}"
+    );
+    // The failing parameter first, whatever the model order; passing ones after it.
+    let fc0 = md
+        .find("| `fc0.weight` | step 0 at [3,1] | 2.500e-1 |")
+        .expect(&md);
+    let embed = md
+        .find("| `embed.weight` | — | 0 | 0 | — | 0 | 0 |")
+        .expect(&md);
+    assert!(fc0 < embed, "{md}");
+    assert!(md.contains("| FAIL at [3,1] | 2.500e-1 |"), "{md}");
+
+    let json: serde_json::Value =
+        serde_json::from_str(&lockstep_harness::report::render_json(&report).unwrap()).unwrap();
+    let c = &json["comparisons"][0];
+    assert_eq!(c["first_failure"]["element"], serde_json::json!([3, 1]));
+    assert_eq!(c["derived_failure"]["quantity"], "grad_norm");
+    assert_eq!(c["grad_summaries"][1]["name"], "fc0.weight");
+    assert_eq!(c["grad_summaries"][1]["stats"]["first_failure"]["step"], 0);
+
+    let html = render_html(&report);
+    roxmltree::Document::parse_with_options(
+        &html,
+        roxmltree::ParsingOptions {
+            allow_dtd: true,
+            ..Default::default()
+        },
+    )
+    .expect("well-formed");
+    assert!(html.contains("first failure: gradient of `fc0.weight` at step 0, element [3,1]"));
+    assert!(html.contains("<table class=\"params\">"), "{html}");
+    assert!(
+        html.contains("<tr class=\"fail\"><td>fc0.weight</td><td>step 0 at [3,1]</td>"),
+        "{html}"
+    );
+}
+
+#[test]
+fn a_huge_per_parameter_table_is_capped_failing_rows_first() {
+    let params = |last: f64| {
+        (0..30)
+            .map(|i| {
+                let v = if i == 29 { last } else { 1.0 };
+                tensor(&format!("layer{i}.weight"), DType::F32, &[1], &[v])
+            })
+            .collect::<Vec<_>>()
+    };
+    let c = compare(
+        &record("ddp", &[1.0], params(2.0)),
+        &record("single", &[1.0], params(1.0)),
+        &f32_policy(),
+    );
+    let md = render_markdown(&Report::new(vec![c]));
+    let culprit = md
+        .find("| `layer29.weight` | n/a | n/a | n/a | FAIL at [0] |")
+        .expect(&md);
+    assert!(culprit < md.find("| `layer0.weight` |").expect(&md), "{md}");
+    assert!(md.contains("… 10 more parameters, all passing"), "{md}");
+    assert!(
+        !md.contains("| `layer19.weight` |"),
+        "capped at 20 rows: {md}"
+    );
+}
+
+/// A cross-rank check over 2 ranks that found rank 1's `fc0.weight` different after step 1.
+fn cross_rank_mismatch() -> CrossRankCheck {
+    CrossRankCheck {
+        ranks: 2,
+        compared: 12,
+        mismatch: Some(CrossRankMismatch {
+            step: 1,
+            kind: StateKind::Param,
+            name: "fc0.weight".into(),
+            coord: String::new(),
+            holders: vec![0, 1],
+            agreeing: vec![0],
+            differing: vec![1],
+            sums: vec![8.0, 8.25],
+            shapes: vec![vec![4, 2], vec![4, 2]],
+        }),
+    }
+}
+
+#[test]
+fn a_cross_rank_mismatch_fails_and_is_the_first_failure() {
+    let (_, reference) = tp_pair();
+    let mut run = reference.clone();
+    run.spec.config = "my_tp@2".into();
+    run.cross_rank = Some(cross_rank_mismatch());
+    let c = compare(&run, &reference, &f32_policy());
+    assert!(!c.passed, "rank 0's numbers are right, rank 1's are not");
+    let text = c.diagnosis.clone().expect("a diagnosis");
+    assert!(
+        text.starts_with(
+            "first failure: parameter `fc0.weight` differs across ranks after step 1: rank 1 \
+             differs from rank 0"
+        ),
+        "{text}"
+    );
+    // With value failures too, the mismatch stays first and the values follow.
+    let (mut buggy, _) = tp_pair();
+    buggy.cross_rank = Some(cross_rank_mismatch());
+    let text = compare(&buggy, &reference, &f32_policy())
+        .diagnosis
+        .unwrap();
+    assert!(
+        text.starts_with("first failure: parameter `fc0.weight` differs"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            ". rank 0 against the reference: gradient of `fc0.weight` at step 0, element [3,1]"
+        ),
+        "{text}"
+    );
+
+    let report = Report::new(vec![c]);
+    let md = render_markdown(&report);
+    assert!(
+        md.contains(
+            "cross-rank: MISMATCH: parameter `fc0.weight` differs across ranks after step 1"
+        ),
+        "{md}"
+    );
+    assert!(render_html(&report).contains("cross-rank: MISMATCH: parameter `fc0.weight`"));
+
+    // A clean check passes and says what it covered.
+    run.cross_rank = Some(CrossRankCheck {
+        mismatch: None,
+        ..cross_rank_mismatch()
+    });
+    let c = compare(&run, &reference, &f32_policy());
+    assert!(c.passed, "{:?}", c.diagnosis);
+    let report = Report::new(vec![c]);
+    for text in [render_markdown(&report), render_html(&report)] {
+        assert!(
+            text.contains("cross-rank: 12 tensors compared across 2 ranks, all bitwise equal"),
+            "{text}"
+        );
+    }
+}
+
+#[test]
+fn compare_lists_every_regressed_quantity_and_no_factor_from_zero() {
+    let (buggy, reference) = tp_pair();
+    let mut good = reference.clone();
+    good.spec.config = buggy.spec.config.clone();
+    let policy = f32_policy();
+    let base = Report::new(vec![compare(&good, &reference, &policy)]);
+    let new = Report::new(vec![compare(&buggy, &reference, &policy)]);
+    let result = compare_reports(&base, &new, &CompareOptions::default()).unwrap();
+    let row = &result.rows[0];
+    assert_eq!(row.status, RowStatus::CrossedTolerance);
+    let regressed: Vec<&str> = row.regressed.iter().map(|d| d.what.as_str()).collect();
+    for what in [
+        "grad_norm",
+        "gradient of `fc0.weight`",
+        "final value of `fc0.weight`",
+    ] {
+        assert!(
+            regressed.contains(&what),
+            "{what} missing from {regressed:?}"
+        );
+    }
+    assert!(
+        !regressed.contains(&"loss"),
+        "the loss did not move: {regressed:?}"
+    );
+    assert!(
+        !regressed.contains(&"gradient of `embed.weight`"),
+        "{regressed:?}"
+    );
+    // Every base error was exactly 0: no ratio exists.
+    assert_eq!(row.growth, None);
+    assert!(
+        row.regressed.iter().all(|d| d.change.factor().is_none()),
+        "{regressed:?}"
+    );
+    let table = result.render_table();
+    assert_eq!(table.matches("new (was 0)").count(), 3, "{table}");
+    assert!(!table.contains("e8x") && !table.contains("e9x"), "{table}");
+    assert!(
+        table.contains("  gradient of `fc0.weight`") || table.contains("gradient of `fc0.weight`")
+    );
+}
+
+#[test]
+fn compare_growth_factors_come_only_from_a_measurable_base() {
+    // A subnormal base is noise even below the floor: no factor, "new".
+    let base = Report::new(vec![with_error("sub", 1e-310), with_error("nan", 1e-6)]);
+    let new = Report::new(vec![with_error("sub", 1e-6), with_error("nan", f64::NAN)]);
+    let options = CompareOptions {
+        zero_floor: 0.0,
+        ..CompareOptions::default()
+    };
+    let result = compare_reports(&base, &new, &options).unwrap();
+    let row = |config: &str| result.rows.iter().find(|r| r.config == config).unwrap();
+    assert_eq!(row("sub").status, RowStatus::Grew);
+    assert_eq!(row("sub").growth, None);
+    assert!(matches!(row("sub").change, Some(Change::FromNoise { .. })));
+    assert_eq!(row("nan").change, Some(Change::NonFinite));
+    assert_eq!(row("nan").growth, None);
+    let table = result.render_table();
+    assert!(
+        table.contains("new (was 1.000e-310)") && table.contains("now non-finite"),
+        "{table}"
+    );
 }
 
 // ---------------------------------------------------------------- the fp64 arbiter
@@ -837,8 +1179,67 @@ mod arbiter {
         let e = f.envelope.expect("the distances");
         assert!((e.run_to_f64 - 1.7e-5).abs() < 1e-12 && (e.reference_to_f64 - 1e-6).abs() < 1e-12);
         let text = c.diagnosis.expect("a diagnosis");
-        assert!(text.contains("params `w`[1] after the last step"), "{text}");
+        assert!(
+            text.starts_with("first failure: final value of `w`, element [1]: |run − fp64|"),
+            "{text}"
+        );
         assert!(text.contains("|fp32 reference − fp64|"), "{text}");
+    }
+
+    #[test]
+    fn the_arbiter_names_the_culprit_tensor_first_and_a_cross_rank_mismatch_before_it() {
+        let (mut run, reference) = tp_pair();
+        let mut ref64 = reference.clone();
+        ref64.spec.config = "single.f64@2".into();
+        let c = arbitrate(&run, &reference, &ref64, &ENVELOPE, None);
+        assert!(!c.passed);
+        let f = c.first_failure.clone().expect("a culprit");
+        assert_eq!(
+            (
+                f.quantity,
+                f.step,
+                f.tensor.as_deref(),
+                f.element.as_deref()
+            ),
+            (
+                Quantity::Grads,
+                Some(0),
+                Some("fc0.weight"),
+                Some(&[3, 1][..])
+            )
+        );
+        let text = c.diagnosis.clone().expect("a diagnosis");
+        assert!(
+            text.starts_with(
+                "first failure: gradient of `fc0.weight` at step 0, element [3,1]: |run − fp64| \
+                 2.500e-1 > 1.600e1 × |fp32 reference − fp64| 0 + floor"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("there 0.25 vs fp64 0.5 ("), "{text}");
+        assert!(
+            text.contains("; then grad_norm at step 0: |run − fp64|"),
+            "{text}"
+        );
+        assert!(c
+            .grad_summaries
+            .iter()
+            .any(|g| g.name == "fc0.weight" && !g.stats.passed));
+        let md = render_markdown(&Report::new(vec![c]));
+        assert!(md.contains("gradient: max \\|Δ\\| to fp64"), "{md}");
+
+        run.cross_rank = Some(cross_rank_mismatch());
+        let text = arbitrate(&run, &reference, &ref64, &ENVELOPE, None)
+            .diagnosis
+            .expect("a diagnosis");
+        assert!(
+            text.starts_with("first failure: parameter `fc0.weight` differs across ranks"),
+            "{text}"
+        );
+        // A correct run whose ranks disagree fails under the arbiter too.
+        let mut twin = reference.clone();
+        twin.cross_rank = Some(cross_rank_mismatch());
+        assert!(!arbitrate(&twin, &reference, &ref64, &ENVELOPE, None).passed);
     }
 
     #[test]

@@ -587,11 +587,7 @@ fn judge_row(
     r.max_ulp = Some(overall.max_ulp);
     r.margin = Some(overall.margin);
     r.arbiter.clone_from(&c.arbiter);
-    let found = match (&c.first_failure, c.structural.first()) {
-        (Some(f), _) => Some(short_failure(f)),
-        (None, Some(s)) => Some(s.clone()),
-        (None, None) => None,
-    };
+    let found = short_failure(&c);
     r.note = match (found, &c.override_reason) {
         (Some(f), Some(o)) => Some(format!("{f}; {OVERRIDE}: {o}")),
         (None, Some(o)) => Some(format!("{OVERRIDE}: {o}")),

@@ -305,14 +305,46 @@ fn fmt_ulp(u: u64) -> String {
     }
 }
 
-/// A short "where" for the table: quantity, tensor and step of the first failure.
-pub(super) fn short_failure(f: &FailurePoint) -> String {
+/// A short "where" for the table: the culprit (a cross-rank mismatch, else the first failing
+/// tensor with its element and step), then the derived scalar it caused, so the row names
+/// what went wrong rather than only a loss or a norm.
+pub(super) fn short_failure(c: &Comparison) -> Option<String> {
+    let mismatch = c.cross_rank.as_ref().and_then(|x| x.mismatch.as_ref());
+    let mut parts: Vec<String> = Vec::new();
+    if let Some(m) = mismatch {
+        parts.push(format!(
+            "cross-rank: {} `{}` @ step {} differs on rank(s) {:?}",
+            m.kind, m.name, m.step, m.differing
+        ));
+    }
+    if let Some(f) = &c.first_failure {
+        parts.push(short_point(f));
+    }
+    if let Some(d) = &c.derived_failure {
+        parts.push(format!("then {}", short_point(d)));
+    }
+    if parts.is_empty() {
+        c.structural.first().cloned()
+    } else {
+        Some(parts.join("; "))
+    }
+}
+
+/// Quantity, tensor, element and step of one failing value.
+fn short_point(f: &FailurePoint) -> String {
     let mut s = f.quantity.to_string();
     if let Some(t) = &f.tensor {
         let _ = write!(s, " {t}");
     }
-    if let Some(i) = f.index {
-        let _ = write!(s, "[{i}]");
+    match (&f.element, f.index) {
+        (Some(e), _) if !e.is_empty() => {
+            let dims: Vec<String> = e.iter().map(usize::to_string).collect();
+            let _ = write!(s, "[{}]", dims.join(","));
+        }
+        (_, Some(i)) if f.tensor.is_some() => {
+            let _ = write!(s, "[{i}]");
+        }
+        _ => {}
     }
     match f.step {
         Some(step) => {
@@ -321,4 +353,76 @@ pub(super) fn short_failure(f: &FailurePoint) -> String {
         None => s.push_str(" (final)"),
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lockstep_core::consistency::{CrossRankCheck, CrossRankMismatch, StateKind};
+    use lockstep_core::record::{NamedTensor, RunSpec};
+
+    /// A run whose `fc0.weight` gradient at step 0 is off in element [1, 0], which shows in
+    /// that step's gradient norm; and its reference.
+    fn pair() -> (RunRecord, RunRecord) {
+        let record = |config: &str, g: f64, norm: f64| {
+            let spec = RunSpec {
+                model: "mlp".into(),
+                config: config.into(),
+                world_size: 2,
+                backend: "cpu".into(),
+                dtype: "fp32".into(),
+                steps: 1,
+                seed: 0,
+            };
+            let mut r = RunRecord::start(spec, true);
+            r.losses.push(1.0);
+            r.grad_norms.push(norm);
+            let t = |values: Vec<f64>| NamedTensor {
+                name: "fc0.weight".into(),
+                dtype: DType::F32,
+                shape: vec![2, 2],
+                values,
+            };
+            r.grads = Some(vec![vec![t(vec![0.5, 0.5, g, 0.5])]]);
+            r.params.push(t(vec![1.0; 4]));
+            r
+        };
+        (record("tp.2@2", 0.25, 2.0), record("single@2", 0.5, 3.0))
+    }
+
+    #[test]
+    fn a_rows_failure_names_the_tensor_element_and_step_then_the_scalar() {
+        let (run, reference) = pair();
+        let c = compare(&run, &reference, &TolerancePolicy::dtype_table(DType::F32));
+        assert_eq!(
+            short_failure(&c).as_deref(),
+            Some("grads fc0.weight[1,0] @ step 0; then grad_norm @ step 0")
+        );
+    }
+
+    #[test]
+    fn a_rows_failure_starts_with_a_cross_rank_mismatch() {
+        let (mut run, reference) = pair();
+        run.cross_rank = Some(CrossRankCheck {
+            ranks: 2,
+            compared: 3,
+            mismatch: Some(CrossRankMismatch {
+                step: 0,
+                kind: StateKind::Param,
+                name: "fc0.weight".into(),
+                coord: String::new(),
+                holders: vec![0, 1],
+                agreeing: vec![0],
+                differing: vec![1],
+                sums: vec![4.0, 4.5],
+                shapes: vec![vec![2, 2], vec![2, 2]],
+            }),
+        });
+        let c = compare(&run, &reference, &TolerancePolicy::dtype_table(DType::F32));
+        let note = short_failure(&c).unwrap_or_default();
+        assert!(
+            note.starts_with("cross-rank: parameter `fc0.weight` @ step 0 differs on rank(s) [1]; grads fc0.weight[1,0]"),
+            "{note}"
+        );
+    }
 }

@@ -22,7 +22,10 @@
 //! constants were chosen from measurements across models, steps, seeds, world sizes and CPU
 //! capabilities (docs/parity.md, "The fp64 arbiter").
 
-use super::compare::{Comparison, FailurePoint, ParamSummary, ScalarDiff, Stats, StepComparison};
+use super::compare::{
+    conclude, fold_summaries, location, unravel, Against, Comparison, FailurePoint, Measured,
+    ParamSummary, ScalarDiff, Stats, StepComparison,
+};
 use super::tolerance::{ulp_distance, Mode, Quantity};
 use crate::report::num;
 use lockstep_core::comm::DType;
@@ -82,7 +85,7 @@ fn default_k() -> f64 {
 pub struct ArbiterSummary {
     /// The constants the verdict used.
     pub constants: Envelope,
-    /// The quantity with the largest margin (`loss at step 3`, `grads `w` at step 1`...).
+    /// The quantity with the largest margin (`loss at step 3`, `gradient of `w` at step 1`...).
     pub worst_at: String,
     /// Its distances.
     pub worst: EnvelopePoint,
@@ -245,6 +248,8 @@ struct Site<'a> {
     quantity: Quantity,
     step: Option<usize>,
     tensor: Option<&'a str>,
+    /// The tensor's shape, to name a failing element per dimension.
+    shape: &'a [i64],
     dtype: DType,
 }
 
@@ -253,7 +258,6 @@ struct Judging<'a, 'w> {
     env: &'a Envelope,
     /// Per quantity and tensor, the fp32 reference's noise at the steps judged so far.
     noise_so_far: HashMap<(Quantity, String), NoiseSoFar>,
-    first_failure: Option<FailurePoint>,
     worst: Option<(String, EnvelopePoint)>,
     log: ArbiterLog<'w>,
     row: String,
@@ -277,14 +281,7 @@ impl Judging<'_, '_> {
             .as_ref()
             .is_none_or(|(_, w)| v.point.margin > w.margin)
         {
-            let mut at = site.quantity.to_string();
-            if let Some(t) = site.tensor {
-                at.push_str(&format!(" `{t}`"));
-            }
-            match site.step {
-                Some(s) => at.push_str(&format!(" at step {s}")),
-                None => at.push_str(" after the last step"),
-            }
+            let at = location(site.quantity, site.tensor, site.step);
             self.worst = Some((at, v.point));
         }
         let actual = sides.run.get(v.worst).copied().unwrap_or(f64::NAN);
@@ -304,6 +301,7 @@ impl Judging<'_, '_> {
                 step: site.step,
                 tensor: site.tensor.map(str::to_owned),
                 index: site.tensor.map(|_| v.worst),
+                element: site.tensor.and_then(|_| unravel(v.worst, site.shape)),
                 actual,
                 expected,
                 abs_err: v.point.run_to_f64,
@@ -313,10 +311,7 @@ impl Judging<'_, '_> {
                 envelope: Some(v.point),
             };
             if stats.first_failure.is_none() {
-                stats.first_failure = Some(failure.clone());
-            }
-            if self.first_failure.is_none() {
-                self.first_failure = Some(failure);
+                stats.first_failure = Some(failure);
             }
         }
         if let Some(log) = self.log.as_mut() {
@@ -335,6 +330,49 @@ impl Judging<'_, '_> {
             );
         }
         v
+    }
+}
+
+impl Judging<'_, '_> {
+    /// Judges one step's value of a scalar series (`series`: run, fp32 reference, float64
+    /// shadow); `None` when a side has no value at that step.
+    fn scalar(
+        &mut self,
+        stats: &mut Stats,
+        (quantity, step): (Quantity, usize),
+        series: [&Vec<f64>; 3],
+        step_env: &mut StepEnvelope,
+    ) -> Option<ScalarDiff> {
+        let [a, b, c] = series;
+        let (a, b, c) = (a.get(step)?, b.get(step)?, c.get(step)?);
+        let sides = Sides {
+            run: std::slice::from_ref(a),
+            ref32: std::slice::from_ref(b),
+            ref64: std::slice::from_ref(c),
+        };
+        let site = Site {
+            quantity,
+            step: Some(step),
+            tensor: None,
+            shape: &[],
+            dtype: DType::F32,
+        };
+        let v = self.observe(stats, &sides, &site);
+        step_env.fold(&v.point, v.scale);
+        Some(ScalarDiff {
+            run: *a,
+            reference: *c,
+            abs_err: v.point.run_to_f64,
+            rel_err: if *c != 0.0 {
+                v.point.run_to_f64 / c.abs()
+            } else {
+                0.0
+            },
+            ulp: ulp_distance(*a, *c, DType::F32),
+            margin: v.point.margin,
+            passed: v.passed,
+            envelope: Some(v.point),
+        })
     }
 }
 
@@ -389,6 +427,7 @@ fn judge_tensors(
             quantity,
             step,
             tensor: Some(name),
+            shape: &want.shape,
             dtype: have.dtype,
         };
         let v = judging.observe(&mut stats, &sides, &site);
@@ -464,7 +503,6 @@ pub fn arbitrate(
     let mut judging = Judging {
         env,
         noise_so_far: HashMap::new(),
-        first_failure: None,
         worst: None,
         log,
         row: format!(
@@ -479,6 +517,7 @@ pub fn arbitrate(
         _ => None,
     };
     let mut grads_total = both_grads.map(|_| Stats::default());
+    let mut grad_summaries = Vec::new();
     let overflowed = reference_overflow(ref32);
     let n_steps = ref64.losses.len().min(overflowed.unwrap_or(usize::MAX));
     let mut steps = Vec::with_capacity(n_steps);
@@ -488,67 +527,32 @@ pub fn arbitrate(
             reference_to_f64: 0.0,
             margin: 0.0,
         };
-        let mut passed = true;
-        let mut scalar = |stats: &mut Stats,
-                          quantity: Quantity,
-                          series: [&Vec<f64>; 3],
-                          judging: &mut Judging<'_, '_>| {
-            let [a, b, c] = series;
-            let (Some(a), Some(b), Some(c)) = (a.get(step), b.get(step), c.get(step)) else {
-                passed = false;
-                return None;
-            };
-            let sides = Sides {
-                run: std::slice::from_ref(a),
-                ref32: std::slice::from_ref(b),
-                ref64: std::slice::from_ref(c),
-            };
-            let site = Site {
-                quantity,
-                step: Some(step),
-                tensor: None,
-                dtype: DType::F32,
-            };
-            let v = judging.observe(stats, &sides, &site);
-            step_env.fold(&v.point, v.scale);
-            passed &= v.passed;
-            Some(ScalarDiff {
-                run: *a,
-                reference: *c,
-                abs_err: v.point.run_to_f64,
-                rel_err: if *c != 0.0 {
-                    v.point.run_to_f64 / c.abs()
-                } else {
-                    0.0
-                },
-                ulp: ulp_distance(*a, *c, DType::F32),
-                margin: v.point.margin,
-                passed: v.passed,
-                envelope: Some(v.point),
-            })
-        };
-        let loss = scalar(
+        let loss = judging.scalar(
             &mut losses,
-            Quantity::Loss,
+            (Quantity::Loss, step),
             [&run.losses, &ref32.losses, &ref64.losses],
-            &mut judging,
+            &mut step_env,
         );
-        let grad_norm = scalar(
+        let grad_norm = judging.scalar(
             &mut grad_norms,
-            Quantity::GradNorm,
+            (Quantity::GradNorm, step),
             [&run.grad_norms, &ref32.grad_norms, &ref64.grad_norms],
-            &mut judging,
+            &mut step_env,
         );
+        let mut passed = [&loss, &grad_norm]
+            .into_iter()
+            .all(|d| d.as_ref().is_some_and(|d| d.passed));
         let grads = both_grads.and_then(|(a, b, c)| {
             let (a, b, c) = (a.get(step)?, b.get(step)?, c.get(step)?);
             let what = format!("gradients at step {step}");
-            let (stats, _) = judge_tensors(
+            let (stats, per_tensor) = judge_tensors(
                 &mut judging,
                 [a, b, c],
                 (Quantity::Grads, Some(step), &what),
                 &mut structural,
                 &mut step_env,
             );
+            fold_summaries(&mut grad_summaries, per_tensor);
             if let Some(total) = grads_total.as_mut() {
                 total.merge(&stats);
             }
@@ -583,63 +587,58 @@ pub fn arbitrate(
         &mut structural,
         &mut final_env,
     );
-    let first_failure = judging.first_failure;
-    let worst = judging.worst;
-    let passed = structural.is_empty()
-        && steps.iter().all(|s| s.passed)
-        && losses.passed
-        && grad_norms.passed
-        && params.passed
-        && grads_total.as_ref().is_none_or(|g| g.passed);
-    let diagnosis = (!passed).then(|| {
-        let mut parts = super::compare::diagnosis_parts(&structural, first_failure.as_ref());
-        if let Some(gap) = ref64.routing_min_gap {
-            parts.push(format!(
-                "the reference routed tokens by top-k, its closest decision a probability gap \
-                 of {}: if that is within the run's distance to float64, the run may have \
-                 chosen another expert there (a near-tie flipped, not rounding drift)",
-                crate::report::fmt_num(gap)
-            ));
-        }
-        parts.join(". ")
+    // A near-tie in the reference's routing may explain a failure better than drift.
+    let near_tie = ref64.routing_min_gap.map(|gap| {
+        format!(
+            "the reference routed tokens by top-k, its closest decision a probability gap of \
+             {}: if that is within the run's distance to float64, the run may have chosen \
+             another expert there (a near-tie flipped, not rounding drift)",
+            crate::report::fmt_num(gap)
+        )
     });
-    Comparison {
-        model: run.spec.model.clone(),
-        config: run.spec.config.clone(),
-        // The row is against the training the shadow stands for (`single@4`), whichever fp32
-        // run gave the envelope (a mixed-precision row's is its DDP reference).
-        reference: ref64.spec.config.replace(".f64@", "@"),
-        run_spec: run.spec.clone(),
-        reference_spec: ref32.spec.clone(),
-        mode: Mode::Arbiter,
-        override_reason: None,
-        passed,
-        diagnosis,
+    let measured = Measured {
         structural,
-        first_failure,
         losses,
         grad_norms,
         params,
         grads: grads_total,
         param_summaries,
+        grad_summaries,
         steps,
-        memory: run.memory,
-        arbiter: Some(ArbiterSummary {
-            constants: *env,
-            worst_at: worst
-                .as_ref()
-                .map_or_else(String::new, |(at, _)| at.clone()),
-            worst: worst.map_or(
-                EnvelopePoint {
-                    run_to_f64: 0.0,
-                    reference_to_f64: 0.0,
-                    floor: 0.0,
-                    margin: 0.0,
-                    k: env.k,
-                },
-                |(_, p)| p,
-            ),
-            unjudged_from: overflowed,
-        }),
+    };
+    let against = Against {
+        // The row is against the training the shadow stands for (`single@4`), whichever fp32
+        // run gave the envelope (a mixed-precision row's is its DDP reference).
+        reference: ref64.spec.config.replace(".f64@", "@"),
+        reference_spec: ref32.spec.clone(),
+        mode: Mode::Arbiter,
+        override_reason: None,
+    };
+    let summary = summary(env, judging.worst, overflowed);
+    conclude(run, against, measured, near_tie, Some(summary))
+}
+
+/// The arbiter's figures of a row: its constants, where it came closest to its envelope, and
+/// from which step nothing was judged.
+fn summary(
+    env: &Envelope,
+    worst: Option<(String, EnvelopePoint)>,
+    unjudged_from: Option<usize>,
+) -> ArbiterSummary {
+    let (worst_at, worst) = worst.unwrap_or_else(|| {
+        let none = EnvelopePoint {
+            run_to_f64: 0.0,
+            reference_to_f64: 0.0,
+            floor: 0.0,
+            margin: 0.0,
+            k: env.k,
+        };
+        (String::new(), none)
+    });
+    ArbiterSummary {
+        constants: *env,
+        worst_at,
+        worst,
+        unjudged_from,
     }
 }

@@ -6,6 +6,7 @@ use super::arbiter::{ArbiterSummary, EnvelopePoint, StepEnvelope};
 use super::tolerance::{looser_dtype, ulp_distance, Check, Mode, Quantity, TolerancePolicy};
 use crate::report::{fmt_num, num};
 use lockstep_core::comm::DType;
+use lockstep_core::consistency::{CrossRankCheck, CrossRankMismatch};
 use lockstep_core::record::{MemoryStats, NamedTensor, RunRecord, RunSpec};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -23,6 +24,11 @@ pub struct FailurePoint {
     pub tensor: Option<String>,
     /// Flat element index inside the tensor.
     pub index: Option<usize>,
+    /// The same element as an index per dimension (`[3, 1]` in a `[4, 2]` tensor), so a
+    /// person can find it without unravelling the flat index. Absent in reports written
+    /// before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub element: Option<Vec<usize>>,
     /// The run's value.
     #[serde(with = "num")]
     pub actual: f64,
@@ -47,17 +53,20 @@ pub struct FailurePoint {
 
 impl fmt::Display for FailurePoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.quantity)?;
-        if let Some(t) = &self.tensor {
-            write!(f, " `{t}`")?;
+        f.write_str(&location(self.quantity, self.tensor.as_deref(), self.step))?;
+        match (&self.element, self.index) {
+            (Some(e), _) if !e.is_empty() => {
+                let dims: Vec<String> = e.iter().map(usize::to_string).collect();
+                write!(f, ", element [{}]", dims.join(","))?;
+            }
+            (None, Some(i)) => write!(f, ", element [{i}] (flat)")?,
+            _ => {}
         }
-        if let Some(i) = self.index {
-            write!(f, "[{i}]")?;
-        }
-        match self.step {
-            Some(s) => write!(f, " at step {s}")?,
-            None => write!(f, " after the last step")?,
-        }
+        let ulp = if self.ulp == u64::MAX {
+            "NaN involved".to_owned()
+        } else {
+            format!("{} ULP in {}", self.ulp, self.dtype)
+        };
         if let Some(e) = &self.envelope {
             write!(
                 f,
@@ -68,7 +77,11 @@ impl fmt::Display for FailurePoint {
                 fmt_num(e.floor),
                 e.margin
             )?;
-            return write!(f, "; there {} vs fp64 {}", self.actual, self.expected);
+            return write!(
+                f,
+                "; there {} vs fp64 {} ({ulp})",
+                self.actual, self.expected
+            );
         }
         write!(
             f,
@@ -81,12 +94,44 @@ impl fmt::Display for FailurePoint {
             Some(a) => write!(f, " > allowed {}", fmt_num(a))?,
             None => write!(f, ", bitwise mode")?,
         }
-        if self.ulp == u64::MAX {
-            write!(f, ", NaN involved)")
-        } else {
-            write!(f, ", {} ULP in {})", self.ulp, self.dtype)
-        }
+        write!(f, ", {ulp})")
     }
+}
+
+/// Where a compared value sits, in the words every diagnosis uses: `gradient of `w` at step
+/// 3`, `final value of `w``, `loss at step 0`, `grad_norm at step 0`. Tensors are named by
+/// what they are (a gradient, a parameter's final value) because that is where a person
+/// starts looking for the bug.
+pub fn location(quantity: Quantity, tensor: Option<&str>, step: Option<usize>) -> String {
+    let when = step.map_or_else(
+        || " after the last step".to_owned(),
+        |s| format!(" at step {s}"),
+    );
+    match (quantity, tensor) {
+        (Quantity::Grads, Some(t)) => format!("gradient of `{t}`{when}"),
+        (Quantity::Params, Some(t)) => format!("final value of `{t}`"),
+        (q, Some(t)) => format!("{q} `{t}`{when}"),
+        (q, None) => format!("{q}{when}"),
+    }
+}
+
+/// The per-dimension index of flat (row-major) index `flat` in a tensor of `shape`; `None`
+/// when the shape has a negative dimension or does not hold `flat`.
+pub fn unravel(flat: usize, shape: &[i64]) -> Option<Vec<usize>> {
+    let dims: Vec<usize> = shape
+        .iter()
+        .map(|&d| usize::try_from(d).ok())
+        .collect::<Option<_>>()?;
+    if flat >= dims.iter().product::<usize>() {
+        return None;
+    }
+    let mut rest = flat;
+    let mut index = vec![0; dims.len()];
+    for (slot, &d) in index.iter_mut().zip(&dims).rev() {
+        *slot = rest % d;
+        rest /= d;
+    }
+    Some(index)
 }
 
 /// Error statistics of one series (or one tensor): the worst value of each measure, which
@@ -200,6 +245,8 @@ struct At<'a> {
     quantity: Quantity,
     step: Option<usize>,
     tensor: Option<&'a str>,
+    /// The tensor's shape, to name a failing element per dimension.
+    shape: &'a [i64],
 }
 
 impl Stats {
@@ -226,6 +273,7 @@ impl Stats {
                     step: at.step,
                     tensor: at.tensor.map(str::to_owned),
                     index,
+                    element: at.tensor.and(index).and_then(|i| unravel(i, at.shape)),
                     actual,
                     expected,
                     abs_err: e.abs_err,
@@ -335,9 +383,17 @@ pub struct Comparison {
     pub diagnosis: Option<String>,
     /// Structural mismatches (missing parameters, shapes, step counts).
     pub structural: Vec<String>,
-    /// The first failing value in checking order (step by step: loss, gradient norm,
-    /// gradients; then the final parameters).
+    /// The culprit: the earliest failing tensor by step (per-step gradients when both sides
+    /// recorded them, within a step in backward order, last parameter first; final parameters
+    /// and buffers count as after the last step), or, when no tensor failed, the earliest
+    /// failing loss or gradient norm. A tensor is named first because a loss or norm only
+    /// says *that* something went wrong, a tensor says *where*.
     pub first_failure: Option<FailurePoint>,
+    /// When [`Comparison::first_failure`] is a tensor: the earliest failing loss or gradient
+    /// norm (the loss first at one step), the symptom the culprit caused, or `None` when every
+    /// scalar passed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub derived_failure: Option<FailurePoint>,
     /// Loss series.
     pub losses: Stats,
     /// Gradient-norm series.
@@ -346,8 +402,19 @@ pub struct Comparison {
     pub params: Stats,
     /// All per-step gradients together, when both sides recorded them.
     pub grads: Option<Stats>,
-    /// Per-parameter verdicts.
+    /// Per-parameter (and buffer) verdicts on the final values.
     pub param_summaries: Vec<ParamSummary>,
+    /// Per-parameter verdicts on the gradients over every step (their first failure is the
+    /// earliest failing step), when both sides recorded per-step gradients: what the
+    /// per-parameter table and a report comparison's per-tensor drift read. Absent in
+    /// reports written before it existed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub grad_summaries: Vec<ParamSummary>,
+    /// The run's cross-rank check (every rank's copy of each tensor bitwise equal), when its
+    /// launcher made one: a mismatch fails the comparison and is its first failure, whatever
+    /// rank 0's numbers say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cross_rank: Option<CrossRankCheck>,
     /// Per-step verdicts.
     pub steps: Vec<StepComparison>,
     /// The run's memory figures (rank 0's), when its wrapper measures any: carried so a
@@ -479,6 +546,7 @@ fn diff_tensors(
             quantity,
             step,
             tensor: Some(&want.name),
+            shape: &want.shape,
         };
         let mut stats = Stats::default();
         for (i, (&a, &b)) in have.values.iter().zip(&want.values).enumerate() {
@@ -521,12 +589,7 @@ pub fn compare(run: &RunRecord, reference: &RunRecord, policy: &TolerancePolicy)
     let mut losses = Stats::default();
     let mut grad_norms = Stats::default();
     let mut grads_total = grads_pair.map(|_| Stats::default());
-    let mut first_failure: Option<FailurePoint> = None;
-    let mut note_failure = |f: &Option<FailurePoint>| {
-        if first_failure.is_none() {
-            first_failure.clone_from(f);
-        }
-    };
+    let mut grad_summaries = Vec::new();
 
     let n_steps = [
         run.losses.len(),
@@ -547,6 +610,7 @@ pub fn compare(run: &RunRecord, reference: &RunRecord, policy: &TolerancePolicy)
                     quantity: Quantity::Loss,
                     step: Some(step),
                     tensor: None,
+                    shape: &[],
                 };
                 let d = diff_scalar(&mut losses, a, b, scalar, &loss_check, &at);
                 passed &= d.passed;
@@ -557,13 +621,13 @@ pub fn compare(run: &RunRecord, reference: &RunRecord, policy: &TolerancePolicy)
                 None
             }
         };
-        note_failure(&losses.first_failure);
         let grad_norm = match (run.grad_norms.get(step), reference.grad_norms.get(step)) {
             (Some(&a), Some(&b)) => {
                 let at = At {
                     quantity: Quantity::GradNorm,
                     step: Some(step),
                     tensor: None,
+                    shape: &[],
                 };
                 let d = diff_scalar(&mut grad_norms, a, b, scalar, &norm_check, &at);
                 passed &= d.passed;
@@ -574,7 +638,6 @@ pub fn compare(run: &RunRecord, reference: &RunRecord, policy: &TolerancePolicy)
                 None
             }
         };
-        note_failure(&grad_norms.first_failure);
         let grads = match grads_pair {
             Some((a, b)) => match (a.get(step), b.get(step)) {
                 (Some(a), Some(b)) => {
@@ -586,8 +649,8 @@ pub fn compare(run: &RunRecord, reference: &RunRecord, policy: &TolerancePolicy)
                         policy,
                         config,
                     };
-                    let (stats, _) = diff_tensors(a, b, &set, &mut structural);
-                    note_failure(&stats.first_failure);
+                    let (stats, per_tensor) = diff_tensors(a, b, &set, &mut structural);
+                    fold_summaries(&mut grad_summaries, per_tensor);
                     if let Some(total) = grads_total.as_mut() {
                         total.merge(&stats);
                     }
@@ -628,36 +691,113 @@ pub fn compare(run: &RunRecord, reference: &RunRecord, policy: &TolerancePolicy)
     };
     let (params, param_summaries) =
         diff_tensors(&run_state, &reference_state, &set, &mut structural);
-    note_failure(&params.first_failure);
 
-    let values_passed = losses.passed
-        && grad_norms.passed
-        && params.passed
-        && grads_total.as_ref().is_none_or(|g| g.passed);
-    let passed = values_passed && structural.is_empty();
-    let diagnosis =
-        (!passed).then(|| diagnosis_parts(&structural, first_failure.as_ref()).join(". "));
-    let override_reason = policy.override_for(config).map(|o| o.reason().to_owned());
-    Comparison {
-        model: run.spec.model.clone(),
-        config: run.spec.config.clone(),
-        reference: reference.spec.config.clone(),
-        run_spec: run.spec.clone(),
-        reference_spec: reference.spec.clone(),
-        mode: policy.mode(),
-        override_reason,
-        passed,
-        diagnosis,
+    let measured = Measured {
         structural,
-        first_failure,
         losses,
         grad_norms,
         params,
         grads: grads_total,
         param_summaries,
+        grad_summaries,
         steps,
+    };
+    let against = Against {
+        reference: reference.spec.config.clone(),
+        reference_spec: reference.spec.clone(),
+        mode: policy.mode(),
+        override_reason: policy.override_for(config).map(|o| o.reason().to_owned()),
+    };
+    conclude(run, against, measured, None, None)
+}
+
+/// Everything one comparison measured, before its verdict.
+pub(super) struct Measured {
+    /// Structural mismatches.
+    pub structural: Vec<String>,
+    /// Loss series.
+    pub losses: Stats,
+    /// Gradient-norm series.
+    pub grad_norms: Stats,
+    /// All final parameters and buffers.
+    pub params: Stats,
+    /// All per-step gradients, when compared.
+    pub grads: Option<Stats>,
+    /// Per final parameter and buffer.
+    pub param_summaries: Vec<ParamSummary>,
+    /// Per parameter's gradients over every step.
+    pub grad_summaries: Vec<ParamSummary>,
+    /// Per step.
+    pub steps: Vec<StepComparison>,
+}
+
+/// What the run was judged against, and how.
+pub(super) struct Against {
+    /// The reference's row name.
+    pub reference: String,
+    /// The reference's identity.
+    pub reference_spec: RunSpec,
+    /// How values were judged.
+    pub mode: Mode,
+    /// The override that applied, if any.
+    pub override_reason: Option<String>,
+}
+
+/// The verdict of a measured comparison, the one place the tolerance and arbiter paths decide
+/// it: it passes when every value passed, everything lined up and the ranks agreed; its first
+/// failure is the culprit (see [`culprit`]) and its diagnosis says so ([`diagnosis_parts`],
+/// then `extra`, a sentence of the caller's).
+pub(super) fn conclude(
+    run: &RunRecord,
+    against: Against,
+    m: Measured,
+    extra: Option<String>,
+    arbiter: Option<ArbiterSummary>,
+) -> Comparison {
+    let mismatch = cross_rank_mismatch(run);
+    let passed = m.structural.is_empty()
+        && mismatch.is_none()
+        && m.steps.iter().all(|s| s.passed)
+        && m.losses.passed
+        && m.grad_norms.passed
+        && m.params.passed
+        && m.grads.as_ref().is_none_or(|g| g.passed);
+    let (first_failure, derived_failure) =
+        culprit(&m.grad_summaries, &m.params, &m.losses, &m.grad_norms);
+    let diagnosis = (!passed).then(|| {
+        let mut parts = diagnosis_parts(&Findings {
+            structural: &m.structural,
+            cross_rank: mismatch,
+            first_failure: first_failure.as_ref(),
+            derived_failure: derived_failure.as_ref(),
+            grads_compared: m.grads.is_some(),
+        });
+        parts.extend(extra);
+        parts.join(". ")
+    });
+    Comparison {
+        model: run.spec.model.clone(),
+        config: run.spec.config.clone(),
+        reference: against.reference,
+        run_spec: run.spec.clone(),
+        reference_spec: against.reference_spec,
+        mode: against.mode,
+        override_reason: against.override_reason,
+        passed,
+        diagnosis,
+        structural: m.structural,
+        first_failure,
+        derived_failure,
+        losses: m.losses,
+        grad_norms: m.grad_norms,
+        params: m.params,
+        grads: m.grads,
+        param_summaries: m.param_summaries,
+        grad_summaries: m.grad_summaries,
+        cross_rank: run.cross_rank.clone(),
+        steps: m.steps,
         memory: run.memory,
-        arbiter: None,
+        arbiter,
     }
 }
 
@@ -697,18 +837,112 @@ pub(super) fn structural_mismatches(run: &RunRecord, reference: &RunRecord) -> V
     structural
 }
 
-/// The sentences of a failed comparison's diagnosis: what did not line up, then the first
-/// failing value (the arbiter adds its own after these).
-pub(super) fn diagnosis_parts(
-    structural: &[String],
-    first_failure: Option<&FailurePoint>,
-) -> Vec<String> {
-    let mut parts = Vec::new();
-    if !structural.is_empty() {
-        parts.push(format!("structural mismatch: {}", structural.join("; ")));
+/// The run's cross-rank mismatch, if its launcher checked and found one.
+pub(super) fn cross_rank_mismatch(run: &RunRecord) -> Option<&CrossRankMismatch> {
+    run.cross_rank.as_ref().and_then(|c| c.mismatch.as_ref())
+}
+
+/// Folds one step's per-tensor verdicts into the run's, by name (first seen first): each
+/// tensor's statistics over every step, its first failure the earliest step's.
+pub(super) fn fold_summaries(into: &mut Vec<ParamSummary>, step: Vec<ParamSummary>) {
+    for (i, s) in step.into_iter().enumerate() {
+        // Steps list tensors in the same order, so the same position almost always matches.
+        let slot = if into.get(i).is_some_and(|t| t.name == s.name) {
+            Some(i)
+        } else {
+            into.iter().position(|t| t.name == s.name)
+        };
+        match slot {
+            Some(j) => into[j].stats.merge(&s.stats),
+            None => into.push(s),
+        }
     }
-    if let Some(f) = first_failure {
-        parts.push(format!("first failure: {f}"));
+}
+
+/// The culprit and its symptom of a comparison: the earliest failing tensor, and the
+/// earliest failing loss or gradient norm (the loss first at one step). Tensors are ordered
+/// as they are computed: gradients by step and, within a step, from the last parameter to
+/// the first (backward computes them from the output back, so the last parameter off is the
+/// one nearest a backward fault); then the final parameters and buffers, after the last step,
+/// in model order. With no failing tensor the scalar is the culprit and there is no separate
+/// symptom.
+pub(super) fn culprit(
+    grad_summaries: &[ParamSummary],
+    params: &Stats,
+    losses: &Stats,
+    grad_norms: &Stats,
+) -> (Option<FailurePoint>, Option<FailurePoint>) {
+    // `min_by_key` keeps the first of equals: reversed, the last parameter of the step.
+    let tensor = grad_summaries
+        .iter()
+        .rev()
+        .filter_map(|g| g.stats.first_failure.as_ref())
+        .min_by_key(|f| f.step.unwrap_or(usize::MAX))
+        .or(params.first_failure.as_ref())
+        .cloned();
+    let scalar = match (&losses.first_failure, &grad_norms.first_failure) {
+        (Some(l), Some(n)) if n.step < l.step => Some(n.clone()),
+        (Some(l), _) => Some(l.clone()),
+        (None, n) => n.clone(),
+    };
+    match tensor {
+        Some(t) => (Some(t), scalar),
+        None => (scalar, None),
+    }
+}
+
+/// What a failed comparison found, most specific first: the input of its diagnosis, one
+/// builder for the tolerance and the arbiter paths.
+pub(super) struct Findings<'a> {
+    /// What did not line up.
+    pub structural: &'a [String],
+    /// Two ranks' copies of a tensor that differ: the most specific culprit there is.
+    pub cross_rank: Option<&'a CrossRankMismatch>,
+    /// The comparison's [`Comparison::first_failure`].
+    pub first_failure: Option<&'a FailurePoint>,
+    /// The comparison's [`Comparison::derived_failure`].
+    pub derived_failure: Option<&'a FailurePoint>,
+    /// Whether per-step gradients were compared (else tensors are seen only at the end).
+    pub grads_compared: bool,
+}
+
+/// The sentences of a failed comparison's diagnosis: a cross-rank mismatch first (it names
+/// the tensor, ranks and step), what did not line up, then the culprit tensor with the
+/// derived scalar it caused (the arbiter adds its own sentences after these).
+pub(super) fn diagnosis_parts(findings: &Findings<'_>) -> Vec<String> {
+    let mut parts = Vec::new();
+    if let Some(m) = findings.cross_rank {
+        parts.push(format!("first failure: {m}"));
+    }
+    if !findings.structural.is_empty() {
+        parts.push(format!(
+            "structural mismatch: {}",
+            findings.structural.join("; ")
+        ));
+    }
+    if let Some(f) = findings.first_failure {
+        let label = if findings.cross_rank.is_some() {
+            "rank 0 against the reference"
+        } else {
+            "first failure"
+        };
+        let mut text = format!("{label}: {f}");
+        if let Some(d) = findings.derived_failure {
+            // Final values come after every step.
+            let culprit_step = f.step.unwrap_or(usize::MAX);
+            if d.step.is_some_and(|s| s >= culprit_step) {
+                text.push_str(&format!("; then {d}"));
+            } else {
+                text.push_str(&format!("; the first failing scalar came earlier: {d}"));
+                if !findings.grads_compared {
+                    text.push_str(
+                        " (per-step gradients were not compared, so tensors are seen only after \
+                         the last step)",
+                    );
+                }
+            }
+        }
+        parts.push(text);
     }
     parts
 }

@@ -47,7 +47,8 @@ pub use arbiter::{
 };
 
 pub use compare::{
-    compare, Comparison, FailurePoint, ParamSummary, ScalarDiff, Stats, StepComparison,
+    compare, location, unravel, Comparison, FailurePoint, ParamSummary, ScalarDiff, Stats,
+    StepComparison,
 };
 pub use tolerance::{
     looser_dtype, ulp_distance, Check, Mode, Override, Quantity, Reason, Tolerance, TolerancePolicy,

@@ -6,16 +6,23 @@
 //! **crossed tolerance** (passed before, fails now), or its error **grew** more than the
 //! factor.
 //!
-//! Growth is measured on the maximum absolute error of each quantity (loss, gradient norm,
-//! gradients, final parameters), which does not change meaning when a tolerance policy is
-//! edited between the two reports. Errors at or below `zero_floor` are treated as noise: the
-//! ratio is `new / max(base, zero_floor)`, and growth is flagged only when the new error is
-//! also above the floor. So a bitwise-identical configuration (base error exactly 0) that
-//! now differs by 1e-6 is flagged (1e-6 / 1e-12 ≫ 10), while one going from 0 to 1e-15 is
-//! not. A NaN error counts as infinite.
+//! Growth is measured on the maximum absolute error of every quantity with a drift figure:
+//! the loss, the gradient norm, each parameter's gradients (over the run) and each final
+//! parameter and buffer, which does not change meaning when a tolerance policy is edited
+//! between the two reports. Every quantity that regressed is listed, not only the worst: a
+//! change that moves the loss a little and one gradient a lot must name that gradient.
+//!
+//! A quantity regresses when it passed and now fails, when its error grew by more than the
+//! factor, when its error was noise (at or below `zero_floor`, or subnormal) and no longer
+//! is, or when its error became NaN or infinite. A growth factor is only ever computed from a
+//! base error that is finite and above the floor: a ratio over zero (or over a subnormal)
+//! says nothing but how small the base was, so such a change reads "new (was 0)". So a
+//! bitwise-identical configuration (base error exactly 0) that now differs by 1e-6 is flagged
+//! as new, while one going from 0 to 1e-15 is not. A NaN error counts as infinite; a base
+//! that was already non-finite cannot grow.
 
 use super::{fmt_num, read_json, Report, ReportError, RunError};
-use crate::parity::{Comparison, Quantity};
+use crate::parity::{Comparison, Quantity, Stats};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
@@ -88,6 +95,92 @@ impl std::fmt::Display for RowStatus {
     }
 }
 
+/// How one quantity's error moved between the two reports.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Change {
+    /// `new / base`, both finite and the base above the noise floor: the only case a growth
+    /// factor means anything.
+    Factor(f64),
+    /// The base error was noise (0, subnormal, or at most the floor) and the new one is not:
+    /// no ratio exists ("new (was 0)").
+    FromNoise {
+        /// The base error.
+        base: f64,
+    },
+    /// The new error is NaN or infinite where the base was finite.
+    NonFinite,
+    /// Nothing to measure: both errors are noise, or the base was already non-finite.
+    Unmeasured,
+}
+
+impl Change {
+    /// Whether this change alone is a regression under `factor`.
+    pub fn is_growth(self, factor: f64) -> bool {
+        match self {
+            Change::Factor(g) => g > factor,
+            Change::FromNoise { .. } | Change::NonFinite => true,
+            Change::Unmeasured => false,
+        }
+    }
+
+    /// The ratio, when one exists.
+    pub fn factor(self) -> Option<f64> {
+        match self {
+            Change::Factor(g) => Some(g),
+            _ => None,
+        }
+    }
+
+    /// Orders changes by severity: non-finite, then from noise, then by factor.
+    fn cmp_severity(self, other: Change) -> std::cmp::Ordering {
+        let rank = |c: Change| match c {
+            Change::NonFinite => (3, 0.0),
+            Change::FromNoise { .. } => (2, 0.0),
+            Change::Factor(g) => (1, g),
+            Change::Unmeasured => (0, 0.0),
+        };
+        let (a, b) = (rank(self), rank(other));
+        a.0.cmp(&b.0).then(a.1.total_cmp(&b.1))
+    }
+}
+
+impl std::fmt::Display for Change {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Change::Factor(g) => write!(f, "{}x", fmt_num(*g)),
+            Change::FromNoise { base } if *base == 0.0 => f.write_str("new (was 0)"),
+            Change::FromNoise { base } => write!(f, "new (was {})", fmt_num(*base)),
+            Change::NonFinite => f.write_str("now non-finite"),
+            Change::Unmeasured => f.write_str("-"),
+        }
+    }
+}
+
+/// One quantity with a drift figure in both reports: the loss, the gradient norm, one
+/// parameter's gradients or one final value (or, for reports without per-tensor figures,
+/// all gradients or all final values together).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Drift {
+    /// `loss`, `grad_norm`, ``gradient of `w` ``, ``final value of `w` ``, `grads`, `params`.
+    pub what: String,
+    /// Which series it belongs to.
+    pub quantity: Quantity,
+    /// The tensor, for a per-tensor figure.
+    pub tensor: Option<String>,
+    /// Max abs error in the base report.
+    pub base_err: f64,
+    /// Max abs error in the new report.
+    pub new_err: f64,
+    /// How it moved.
+    pub change: Change,
+    /// Whether it passed in the base report.
+    pub base_passed: bool,
+    /// Whether it passes in the new report.
+    pub new_passed: bool,
+    /// It crossed tolerance or grew (see [`Change::is_growth`]).
+    pub regressed: bool,
+}
+
 /// One configuration across the two reports.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CompareRow {
@@ -97,14 +190,21 @@ pub struct CompareRow {
     pub config: String,
     /// The reference's configuration.
     pub reference: String,
-    /// The quantity whose error grew the most (the one the error columns describe).
+    /// The quantity the error columns describe: the worst regressed one, else the one that
+    /// grew the most.
     pub quantity: Option<Quantity>,
     /// Its max abs error in the base report.
     pub base_err: Option<f64>,
     /// Its max abs error in the new report.
     pub new_err: Option<f64>,
-    /// `new / max(base, zero_floor)`.
+    /// `new / base`, only when the base error is finite and above the noise floor (see
+    /// [`Change`]).
     pub growth: Option<f64>,
+    /// How that quantity moved.
+    pub change: Option<Change>,
+    /// Every quantity that regressed, worst first (the first is the one the columns
+    /// describe).
+    pub regressed: Vec<Drift>,
     /// Verdict in the base report.
     pub base_passed: Option<bool>,
     /// Verdict in the new report.
@@ -136,7 +236,9 @@ impl ReportComparison {
         self.regressions().next().is_some()
     }
 
-    /// A fixed-width table for terminals and CI logs, with a closing verdict line.
+    /// A fixed-width table for terminals and CI logs, with a closing verdict line: one line
+    /// per configuration (its worst regressed quantity), then one indented line per further
+    /// quantity that regressed.
     pub fn render_table(&self) -> String {
         let header = [
             "model",
@@ -149,36 +251,15 @@ impl ReportComparison {
             "base",
             "new",
             "status",
-        ];
-        let opt = |x: Option<f64>| x.map_or_else(|| "-".to_owned(), fmt_num);
-        let verdict = |p: Option<bool>| match p {
-            Some(true) => "pass".to_owned(),
-            Some(false) => "FAIL".to_owned(),
-            None => "-".to_owned(),
-        };
-        let body: Vec<[String; 10]> = self
-            .rows
-            .iter()
-            .map(|r| {
-                [
-                    r.model.clone(),
-                    r.config.clone(),
-                    r.reference.clone(),
-                    r.quantity.map_or_else(|| "-".to_owned(), |q| q.to_string()),
-                    opt(r.base_err),
-                    opt(r.new_err),
-                    r.growth
-                        .map_or_else(|| "-".to_owned(), |g| format!("{}x", fmt_num(g))),
-                    verdict(r.base_passed),
-                    verdict(r.new_passed),
-                    if r.grew && r.status != RowStatus::Grew {
-                        format!("{} (and grew)", r.status)
-                    } else {
-                        r.status.to_string()
-                    },
-                ]
-            })
-            .collect();
+        ]
+        .map(str::to_owned);
+        let mut body: Vec<[String; 10]> = Vec::new();
+        for r in &self.rows {
+            body.push(row_cells(r));
+            for d in r.regressed.iter().skip(1) {
+                body.push(drift_cells(d, self.options.factor));
+            }
+        }
         let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
         for row in &body {
             for (w, cell) in widths.iter_mut().zip(row) {
@@ -186,18 +267,13 @@ impl ReportComparison {
             }
         }
         let mut out = String::new();
-        let line = |cells: &[&str], out: &mut String| {
+        for cells in std::iter::once(&header).chain(&body) {
             let parts: Vec<String> = cells
                 .iter()
                 .zip(&widths)
                 .map(|(c, w)| format!("{c:<w$}"))
                 .collect();
             let _ = writeln!(out, "{}", parts.join("  ").trim_end());
-        };
-        line(&header, &mut out);
-        for row in &body {
-            let cells: Vec<&str> = row.iter().map(String::as_str).collect();
-            line(&cells, &mut out);
         }
         let n = self.regressions().count();
         if n == 0 {
@@ -217,6 +293,64 @@ impl ReportComparison {
         }
         out
     }
+}
+
+fn verdict(p: Option<bool>) -> String {
+    match p {
+        Some(true) => "pass".to_owned(),
+        Some(false) => "FAIL".to_owned(),
+        None => "-".to_owned(),
+    }
+}
+
+fn opt_num(x: Option<f64>) -> String {
+    x.map_or_else(|| "-".to_owned(), fmt_num)
+}
+
+/// The line of one configuration: its worst quantity and its status.
+fn row_cells(r: &CompareRow) -> [String; 10] {
+    let what = r.regressed.first().map_or_else(
+        || r.quantity.map_or_else(|| "-".to_owned(), |q| q.to_string()),
+        |d| d.what.clone(),
+    );
+    [
+        r.model.clone(),
+        r.config.clone(),
+        r.reference.clone(),
+        what,
+        opt_num(r.base_err),
+        opt_num(r.new_err),
+        r.change.map_or_else(|| "-".to_owned(), |c| c.to_string()),
+        verdict(r.base_passed),
+        verdict(r.new_passed),
+        if r.grew && r.status != RowStatus::Grew {
+            format!("{} (and grew)", r.status)
+        } else {
+            r.status.to_string()
+        },
+    ]
+}
+
+/// The indented line of one more regressed quantity under its configuration's line.
+fn drift_cells(d: &Drift, factor: f64) -> [String; 10] {
+    let crossed = d.base_passed && !d.new_passed;
+    let status = match (crossed, d.change.is_growth(factor)) {
+        (true, true) => "crossed tolerance (and grew)",
+        (true, false) => "crossed tolerance",
+        _ => "grew",
+    };
+    [
+        String::new(),
+        String::new(),
+        String::new(),
+        format!("  {}", d.what),
+        fmt_num(d.base_err),
+        fmt_num(d.new_err),
+        d.change.to_string(),
+        verdict(Some(d.base_passed)),
+        verdict(Some(d.new_passed)),
+        status.to_owned(),
+    ]
 }
 
 type Key = (String, String, String);
@@ -246,6 +380,83 @@ fn nan_as_inf(x: f64) -> f64 {
     } else {
         x
     }
+}
+
+/// How an error moved from `base` to `new`, never as a ratio over noise (see [`Change`]).
+fn change(base: f64, new: f64, floor: f64) -> Change {
+    let (base, new) = (nan_as_inf(base), nan_as_inf(new));
+    // Zero and subnormals are noise whatever the floor: a ratio over them is meaningless.
+    let noise = |x: f64| x <= floor || !x.is_normal();
+    if base.is_infinite() {
+        Change::Unmeasured
+    } else if new.is_infinite() {
+        Change::NonFinite
+    } else if !noise(base) {
+        Change::Factor(new / base)
+    } else if noise(new) {
+        Change::Unmeasured
+    } else {
+        Change::FromNoise { base }
+    }
+}
+
+/// Every quantity of one configuration with a drift figure in both reports: loss, gradient
+/// norm, each parameter's gradients and final value (all gradients or all final values
+/// together when a report has no per-tensor figures for them).
+fn drifts(b: &Comparison, n: &Comparison, floor: f64, factor: f64) -> Vec<Drift> {
+    let mut out = Vec::new();
+    let mut push =
+        |what: String, quantity: Quantity, tensor: Option<&str>, bs: &Stats, ns: &Stats| {
+            let change = change(bs.max_abs_err, ns.max_abs_err, floor);
+            out.push(Drift {
+                what,
+                quantity,
+                tensor: tensor.map(str::to_owned),
+                base_err: nan_as_inf(bs.max_abs_err),
+                new_err: nan_as_inf(ns.max_abs_err),
+                change,
+                base_passed: bs.passed,
+                new_passed: ns.passed,
+                regressed: (bs.passed && !ns.passed) || change.is_growth(factor),
+            });
+        };
+    push("loss".into(), Quantity::Loss, None, &b.losses, &n.losses);
+    push(
+        "grad_norm".into(),
+        Quantity::GradNorm,
+        None,
+        &b.grad_norms,
+        &n.grad_norms,
+    );
+    let per_tensor = [
+        (
+            Quantity::Grads,
+            "gradient of",
+            &b.grad_summaries,
+            &n.grad_summaries,
+        ),
+        (
+            Quantity::Params,
+            "final value of",
+            &b.param_summaries,
+            &n.param_summaries,
+        ),
+    ];
+    for (quantity, label, base, new) in per_tensor {
+        if base.is_empty() || new.is_empty() {
+            if let (Some(bs), Some(ns)) = (b.stats(quantity), n.stats(quantity)) {
+                push(quantity.to_string(), quantity, None, bs, ns);
+            }
+            continue;
+        }
+        for ns in new {
+            if let Some(bs) = base.iter().find(|t| t.name == ns.name) {
+                let what = format!("{label} `{}`", ns.name);
+                push(what, quantity, Some(&ns.name), &bs.stats, &ns.stats);
+            }
+        }
+    }
+    out
 }
 
 /// Compares `new` against `base` configuration by configuration.
@@ -281,6 +492,8 @@ pub fn compare_reports(
             base_err: b.map(|b| b.overall().max_abs_err),
             new_err: None,
             growth: None,
+            change: None,
+            regressed: Vec::new(),
             base_passed: b.map(|b| b.passed),
             new_passed: None,
             grew: false,
@@ -301,6 +514,8 @@ pub fn compare_reports(
                 base_err: Some(b.overall().max_abs_err),
                 new_err: None,
                 growth: None,
+                change: None,
+                regressed: Vec::new(),
                 base_passed: Some(b.passed),
                 new_passed: None,
                 grew: false,
@@ -308,31 +523,16 @@ pub fn compare_reports(
             });
             continue;
         };
-        // The quantity with the largest growth describes the row.
-        let mut worst: Option<(Quantity, f64, f64, f64)> = None;
-        for q in Quantity::ALL {
-            let (Some(bs), Some(ns)) = (b.stats(q), n.stats(q)) else {
-                continue;
-            };
-            let (be, ne) = (nan_as_inf(bs.max_abs_err), nan_as_inf(ns.max_abs_err));
-            let growth = if ne <= floor {
-                0.0
-            } else if be.is_infinite() {
-                // Already infinitely wrong (NaN or a non-finite mismatch): staying so is no
-                // growth, and anything finite is an improvement.
-                if ne.is_infinite() {
-                    1.0
-                } else {
-                    0.0
-                }
-            } else {
-                ne / be.max(floor)
-            };
-            if worst.is_none_or(|w| growth > w.3) {
-                worst = Some((q, be, ne, growth));
-            }
-        }
-        let grew = worst.is_some_and(|w| w.2 > floor && w.3 > options.factor);
+        let all = drifts(b, n, floor, options.factor);
+        let mut regressed: Vec<Drift> = all.iter().filter(|d| d.regressed).cloned().collect();
+        // Worst first; a stable sort keeps model order among equals.
+        regressed.sort_by(|x, y| y.change.cmp_severity(x.change));
+        let headline = regressed.first().cloned().or_else(|| {
+            all.iter()
+                .max_by(|x, y| x.change.cmp_severity(y.change))
+                .cloned()
+        });
+        let grew = all.iter().any(|d| d.change.is_growth(options.factor));
         let status = if b.passed && !n.passed {
             RowStatus::CrossedTolerance
         } else if grew {
@@ -348,10 +548,12 @@ pub fn compare_reports(
             model,
             config,
             reference,
-            quantity: worst.map(|w| w.0),
-            base_err: worst.map(|w| w.1),
-            new_err: worst.map(|w| w.2),
-            growth: worst.map(|w| w.3),
+            quantity: headline.as_ref().map(|d| d.quantity),
+            base_err: headline.as_ref().map(|d| d.base_err),
+            new_err: headline.as_ref().map(|d| d.new_err),
+            growth: headline.as_ref().and_then(|d| d.change.factor()),
+            change: headline.as_ref().map(|d| d.change),
+            regressed,
             base_passed: Some(b.passed),
             new_passed: Some(n.passed),
             grew,
@@ -369,6 +571,8 @@ pub fn compare_reports(
                 base_err: None,
                 new_err: Some(n.overall().max_abs_err),
                 growth: None,
+                change: None,
+                regressed: Vec::new(),
                 base_passed: None,
                 new_passed: Some(n.passed),
                 grew: false,

@@ -2,8 +2,9 @@
 //! resources) so it opens offline, as a CI artifact or an e-mail attachment.
 
 use super::junit::xml_escape;
+use super::tensors::{cross_rank_line, more_rows_line, param_headers, param_rows, MAX_PARAM_ROWS};
 use super::{fmt_kib, fmt_num, fmt_ulp, Report, StepRow};
-use crate::parity::StepEnvelope;
+use crate::parity::{Comparison, StepEnvelope};
 use std::fmt::Write as _;
 
 const WIDTH: f64 = 600.0;
@@ -344,7 +345,36 @@ const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:2em;color:#222
 table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}\
 td.num{text-align:right;font-family:monospace}.pass{color:#176317}.fail{color:#b00020;font-weight:bold}\
 section{margin:2em 0;border-top:1px solid #ddd}svg.plot{margin-right:1em}svg text{font-size:11px}\
-svg text.t{font-size:13px;font-weight:bold}svg text.n{font-size:9px;fill:#777}.diag{font-family:monospace;white-space:pre-wrap}";
+svg text.t{font-size:13px;font-weight:bold}svg text.n{font-size:9px;fill:#777}.diag{font-family:monospace;white-space:pre-wrap}\
+table.params{margin:1em 0}tr.fail td{color:#b00020}";
+
+/// The per-parameter table of one comparison (failing parameters first, capped at
+/// [`MAX_PARAM_ROWS`] rows); empty when it compared no tensor.
+fn param_table(c: &Comparison) -> String {
+    let rows = param_rows(c);
+    if rows.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from("<table class=\"params\">\n<tr><th>parameter</th>");
+    for h in param_headers(c) {
+        let _ = write!(out, "<th>{}</th>", xml_escape(&h));
+    }
+    out.push_str("</tr>\n");
+    for r in rows.iter().take(MAX_PARAM_ROWS) {
+        let class = if r.failed() { "fail" } else { "pass" };
+        let _ = write!(out, "<tr class=\"{class}\"><td>{}</td>", xml_escape(r.name));
+        for (i, text) in r.cells().iter().enumerate() {
+            let num = if i % 3 == 0 { "" } else { " class=\"num\"" };
+            let _ = write!(out, "<td{num}>{}</td>", xml_escape(text));
+        }
+        out.push_str("</tr>\n");
+    }
+    out.push_str("</table>\n");
+    if let Some(line) = more_rows_line(&rows) {
+        let _ = writeln!(out, "<p>{}</p>", xml_escape(&line));
+    }
+    out
+}
 
 /// The page: a summary table, then per comparison its verdict, loss curves and errors per
 /// step on a log scale.
@@ -443,6 +473,19 @@ pub fn render_html(report: &Report) -> String {
         if let Some(d) = &c.diagnosis {
             let _ = writeln!(out, "<p class=\"diag\">{}</p>", xml_escape(d));
         }
+        if let Some(line) = cross_rank_line(c) {
+            let class = if c.cross_rank.as_ref().is_some_and(|x| x.mismatch.is_some()) {
+                "fail"
+            } else {
+                "pass"
+            };
+            let _ = writeln!(
+                out,
+                "<p class=\"cross-rank {class}\">{}</p>",
+                xml_escape(&line)
+            );
+        }
+        out.push_str(&param_table(c));
         if c.arbiter.is_some() {
             let _ = writeln!(
                 out,

@@ -1,14 +1,21 @@
 //! The Markdown summary: one table a person reads in a pull request or a CI log.
 
+use super::tensors::{cross_rank_line, more_rows_line, param_headers, param_rows, MAX_PARAM_ROWS};
 use super::{fmt_kib, fmt_num, fmt_ulp, xml_escape, Report};
+use crate::parity::Comparison;
 use std::fmt::Write as _;
+
+/// Up to this many comparisons, every one gets its per-parameter section; beyond (a whole
+/// matrix), only the failing ones, so the summary stays readable (report.html has them all).
+const ALL_SECTIONS_UP_TO: usize = 16;
 
 fn cell(text: &str) -> String {
     text.replace('|', "\\|").replace(['\n', '\r'], " ")
 }
 
-/// The summary table (with memory columns when runs measured memory), with the overrides
-/// and their reasons listed under it.
+/// The summary table (with memory columns when runs measured memory), the per-parameter
+/// sections (culprit, cross-rank check, per-parameter table), and the overrides and their
+/// reasons.
 pub fn render_markdown(report: &Report) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "# Lockstep parity report\n");
@@ -88,6 +95,7 @@ pub fn render_markdown(report: &Report) -> String {
             );
         }
     }
+    render_sections(report, &mut out);
     // Each reason once (a matrix applies one override to many rows), with the rows it
     // governed.
     let mut overrides: Vec<(&str, Vec<String>)> = Vec::new();
@@ -108,4 +116,63 @@ pub fn render_markdown(report: &Report) -> String {
         }
     }
     out
+}
+
+/// One section per comparison (failing ones first; passing ones only in small reports): the
+/// diagnosis, the cross-rank check and the per-parameter table.
+fn render_sections(report: &Report, out: &mut String) {
+    let all = report.comparisons.len() <= ALL_SECTIONS_UP_TO;
+    let shown: Vec<&Comparison> = report
+        .comparisons
+        .iter()
+        .filter(|c| !c.passed)
+        .chain(report.comparisons.iter().filter(|c| all && c.passed))
+        .collect();
+    if shown.is_empty() {
+        return;
+    }
+    let _ = writeln!(out, "\n## Per parameter\n");
+    if !all {
+        let passing = report.comparisons.iter().filter(|c| c.passed).count();
+        let _ = writeln!(
+            out,
+            "Failing comparisons only; the {passing} passing ones are in report.html.\n"
+        );
+    }
+    for c in shown {
+        render_section(c, out);
+    }
+}
+
+/// One comparison's section.
+fn render_section(c: &Comparison, out: &mut String) {
+    let _ = writeln!(
+        out,
+        "### {} / {} vs {}: {}\n",
+        cell(&c.model),
+        cell(&c.config),
+        cell(&c.reference),
+        if c.passed { "pass" } else { "**FAIL**" }
+    );
+    if let Some(d) = &c.diagnosis {
+        let _ = writeln!(out, "{}\n", cell(d));
+    }
+    if let Some(line) = cross_rank_line(c) {
+        let _ = writeln!(out, "{}\n", cell(&line));
+    }
+    let rows = param_rows(c);
+    if rows.is_empty() {
+        return;
+    }
+    let headers = param_headers(c).map(|h| cell(&h));
+    let _ = writeln!(out, "| parameter | {} |", headers.join(" | "));
+    let _ = writeln!(out, "| --- | --- | ---: | ---: | --- | ---: | ---: |");
+    for r in rows.iter().take(MAX_PARAM_ROWS) {
+        let cells = r.cells().map(|c| cell(&c));
+        let _ = writeln!(out, "| `{}` | {} |", cell(r.name), cells.join(" | "));
+    }
+    if let Some(line) = more_rows_line(&rows) {
+        let _ = writeln!(out, "\n{line}");
+    }
+    let _ = writeln!(out);
 }

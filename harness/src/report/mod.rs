@@ -11,17 +11,20 @@ mod html;
 mod json;
 mod junit;
 mod markdown;
+mod tensors;
 pub use lockstep_core::num;
 
 pub use atomic::write_atomic;
 pub use compare::{
-    compare_report_files, compare_reports, CompareOptions, CompareRow, ReportComparison, RowStatus,
+    compare_report_files, compare_reports, Change, CompareOptions, CompareRow, Drift,
+    ReportComparison, RowStatus,
 };
 pub use html::render_html;
 pub use json::{read_json, render_json};
 pub use junit::render_junit;
 pub(crate) use junit::xml_escape;
 pub use markdown::render_markdown;
+pub use tensors::{cross_rank_line, param_rows, ParamRow, MAX_PARAM_ROWS};
 
 use crate::parity::{Comparison, StepComparison};
 pub use lockstep_core::machine::Environment;
@@ -366,7 +369,7 @@ pub(crate) fn fmt_ulp(u: u64) -> String {
 
 /// The arbiter's figures of a comparison judged by it, for a table cell: the run's and the
 /// fp32 reference's distance to float64 where the run came closest to its envelope, and K
-/// (`1.2e-6 / 3.4e-7 (K 16) at grads `w` at step 3`); `-` for other modes.
+/// (`1.2e-6 / 3.4e-7 (K 16) at gradient of `w` at step 3`); `-` for other modes.
 pub(crate) fn arbiter_cell(c: &crate::parity::Comparison) -> String {
     match &c.arbiter {
         Some(a) => {
