@@ -210,7 +210,7 @@ fn list_prints_configs_and_models() {
                 matrix::HYBRID_VS_DDP_REASON
             ))
             .count(),
-        2,
+        4,
         "{}",
         run.stdout
     );
@@ -365,9 +365,10 @@ fn plan_selects_expands_and_counts_runs() {
     // stage per rank (the 2-per-rank ones need 8 layers, the GPT has 6), dp2, and single.mb8.
     let pipelines = 3 * ((10 + 1) + (6 + 1));
     // Tensor and expert parallel: gpt and gpt_dropout tp.2, tp.2.sp at world 2 and tp.2, tp.4, tp.2.sp at 4
-    // (no MoE: its ep rows skip); gpt_moe those plus ep.2, ep.2.allgather at 2 and ep.2,
-    // ep.4, ep.2.allgather at 4; moe has no single-device reference.
-    let model_parallel = 2 * (2 + 3) + (4 + 6);
+    // (no MoE: its ep rows skip); gpt_moe those plus ep.2, ep.2.allgather, ep.2.capacity at
+    // 2 and ep.2, ep.4, ep.2.allgather, ep.2.capacity at 4; moe has no single-device
+    // reference.
+    let model_parallel = 2 * (2 + 3) + (5 + 7);
     // Compositions: at world 2 only fsdp_x_tp2 (dp = 1) for the three decoders and
     // ep2_x_fsdp for gpt_moe; at world 4 fsdp_x_tp2, hsdp_x_tp2, pp2_x_dp and pp2_x_fsdp for
     // the three, pp2_x_tp2 for gpt and gpt_moe (not gpt_dropout) and ep2_x_fsdp for gpt_moe;
@@ -407,7 +408,11 @@ fn plan_selects_expands_and_counts_runs() {
         .run_count()
     };
     assert_eq!(odd("fsdp.hybrid_shard"), 0);
-    assert_eq!(odd("fsdp.*"), 5 + fsdp - 2);
+    let hybrid = Config::fsdp()
+        .iter()
+        .filter(|c| c.name().starts_with("fsdp.hybrid_shard"))
+        .count();
+    assert_eq!(odd("fsdp.*"), 5 + fsdp - hybrid);
     // At an even one, hybrid shard alone needs single (and its float64 shadow) and its own
     // DDP reference, once each, and not plain DDP.
     let hybrid_alone = matrix::plan(&MatrixOptions {
@@ -478,7 +483,7 @@ const MIXED_NAMES: [(&str, &str); 4] = [
 
 /// The FSDP names the matrix must offer: the original four (kept stable for users and CI),
 /// one per FSDP option, then the mixed-precision ones.
-const FSDP_NAMES: [&str; 19] = [
+const FSDP_NAMES: [&str; 26] = [
     "fsdp.full_shard",
     "fsdp.shard_grad_op",
     "fsdp.no_shard",
@@ -494,6 +499,13 @@ const FSDP_NAMES: [&str; 19] = [
     "fsdp.full_shard.no_sync_module_states",
     "fsdp.hybrid_shard",
     "fsdp.hybrid_shard.per_layer",
+    "fsdp.shard_grad_op.blocks",
+    "fsdp.shard_grad_op.min_params",
+    "fsdp.no_shard.per_layer",
+    "fsdp.no_shard.blocks",
+    "fsdp.no_shard.min_params",
+    "fsdp.hybrid_shard.blocks",
+    "fsdp.hybrid_shard.min_params",
     "fsdp.full_shard.bf16",
     "fsdp.full_shard.per_layer.bf16",
     "fsdp.shard_grad_op.per_layer.bf16",
@@ -1256,8 +1268,9 @@ fn tensor_and_expert_parallel_rows_pass() {
         }
     }
     // gpt: tp.2, tp.2.sp @2 and tp.2, tp.4, tp.2.sp @4; gpt_moe: those and ep.2,
-    // ep.2.allgather @2, ep.2, ep.4, ep.2.allgather @4; transformer: tp.2 @2, tp.2, tp.4 @4.
-    assert_eq!(passed, 5 + 10 + 3);
+    // ep.2.allgather, ep.2.capacity @2, ep.2, ep.4, ep.2.allgather, ep.2.capacity @4;
+    // transformer: tp.2 @2, tp.2, tp.4 @4.
+    assert_eq!(passed, 5 + 12 + 3);
 }
 
 /// Subtests: a model's configurations share one launch per world size, and that changes no

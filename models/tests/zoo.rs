@@ -34,6 +34,7 @@ fn zoo_lists_every_model_and_rejects_unknown_names() {
             "transformer_bn",
             "moe",
             "mlp",
+            "mlp_wide",
             "gpt",
             "gpt_moe",
             "gpt_dropout"
