@@ -7,6 +7,13 @@ use lockstep_core::consistency::{check_digests, RankDigest, StateProbe};
 use lockstep_core::record::RunRecord;
 use std::path::{Path, PathBuf};
 
+/// The probe a launched rank trains with: `None` when `LOCKSTEP_CROSS_RANK=0` turns the
+/// check off (to measure what it costs, or for a model too large to hash every step).
+pub fn probe_for(rank: usize) -> Option<StateProbe> {
+    let off = std::env::var("LOCKSTEP_CROSS_RANK").is_ok_and(|v| v == "0");
+    (!off).then(|| StateProbe::new(rank))
+}
+
 /// Where rank `rank` leaves its digest for the record at `out`.
 fn digest_path(out: &Path, rank: usize) -> PathBuf {
     let mut name = out.as_os_str().to_owned();
@@ -16,7 +23,10 @@ fn digest_path(out: &Path, rank: usize) -> PathBuf {
 
 /// Writes `probe`'s digest where the launcher of the record at `out` reads it (every rank
 /// calls it after training, before any barrier that ends the run).
-pub fn hand_back_digest(probe: &StateProbe, out: &Path) -> Result<(), String> {
+pub fn hand_back_digest(probe: Option<&StateProbe>, out: &Path) -> Result<(), String> {
+    let Some(probe) = probe else {
+        return Ok(());
+    };
     let digest = probe.digest();
     let path = digest_path(out, digest.rank);
     let json = serde_json::to_vec(&digest).map_err(|e| format!("encoding state digest: {e}"))?;

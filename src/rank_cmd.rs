@@ -7,11 +7,10 @@
 //! one of its `LOCAL_RANK`, under NCCL), trains under the configuration, and rank 0 writes
 //! its record where the launching process reads it back — exactly what a forked rank does.
 
-use crate::cross_rank::hand_back_digest;
+use crate::cross_rank::{hand_back_digest, probe_for};
 use crate::matrix::Config;
 use crate::runner::{hand_back, run_spec, train_builtin, RunSettings};
 use lockstep_core::comm::Backend;
-use lockstep_core::consistency::StateProbe;
 use lockstep_core::train::{OptimizerConfig, TrainConfig};
 use lockstep_harness::RankCtx;
 use lockstep_models::{zoo, OnDevice};
@@ -102,16 +101,16 @@ impl RankRun {
             dtype,
             &settings,
         );
-        let probe = StateProbe::new(ctx.rank());
+        let probe = probe_for(ctx.rank());
         let cfg = TrainConfig {
             spec: spec.clone(),
             optimizer: settings.optimizer,
             data_ranks: vec![ctx.rank()],
             record_grads: self.record_grads,
-            probe: Some(probe.clone()),
+            probe: probe.clone(),
         };
         let mut record = train_builtin(config, ctx, &model, &cfg, &settings)?;
-        hand_back_digest(&probe, &self.out)?;
+        hand_back_digest(probe.as_ref(), &self.out)?;
         if ctx.rank() == 0 {
             record.spec = spec;
             hand_back(&record, &self.out)?;

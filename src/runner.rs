@@ -7,10 +7,9 @@
 //! rank's error, a crash, a hang past the timeout) comes back as [`RunFailed`] carrying the
 //! launcher's whole account (flight recorders and the desync diagnosis on a timeout).
 
-use crate::cross_rank::{attach_cross_rank, hand_back_digest};
+use crate::cross_rank::{attach_cross_rank, hand_back_digest, probe_for};
 use crate::matrix::{Config, ModelParallelKind, Precision};
 use lockstep_core::comm::Backend;
-use lockstep_core::consistency::StateProbe;
 use lockstep_core::ddp::{train_ddp, DdpOptions, Fault, GradReduction};
 use lockstep_core::expert_parallel::train_expert_parallel;
 use lockstep_core::fsdp::{hybrid_mesh, train_fsdp, train_fsdp_hybrid};
@@ -321,16 +320,16 @@ pub fn run_launched(
     let body = |ctx: &RankCtx| -> Result<(), String> {
         let rank = ctx.rank();
         let built = build(settings.seed, rank).map_err(|e| e.to_string())?;
-        let probe = StateProbe::new(rank);
+        let probe = probe_for(rank);
         let cfg = TrainConfig {
             spec: spec.clone(),
             optimizer: settings.optimizer,
             data_ranks: vec![rank],
             record_grads: settings.record_grads,
-            probe: Some(probe.clone()),
+            probe: probe.clone(),
         };
         let mut record = train(ctx, built.as_ref(), &cfg)?;
-        hand_back_digest(&probe, &out)?;
+        hand_back_digest(probe.as_ref(), &out)?;
         if rank == 0 {
             record.spec = spec.clone();
             hand_back(&record, &out)?;
@@ -381,16 +380,16 @@ pub fn run_configs_together(
                 dtype,
                 settings,
             );
-            let probe = StateProbe::new(rank);
+            let probe = probe_for(rank);
             let cfg = TrainConfig {
                 spec: spec.clone(),
                 optimizer: settings.optimizer,
                 data_ranks: vec![rank],
                 record_grads: settings.record_grads,
-                probe: Some(probe.clone()),
+                probe: probe.clone(),
             };
             let mut record = train_builtin(config, ctx, built.as_ref(), &cfg, settings)?;
-            hand_back_digest(&probe, out)?;
+            hand_back_digest(probe.as_ref(), out)?;
             // No rank starts the next configuration's collectives while another is still
             // in this one's, and past this point every rank has finished this one.
             ctx.group()
