@@ -194,6 +194,7 @@ mod model_parallel;
 mod pipeline;
 mod plan;
 mod result;
+mod sensitivity;
 
 pub use backend::*;
 pub use compositions::*;
@@ -204,3 +205,4 @@ pub use model_parallel::*;
 pub use pipeline::*;
 pub use plan::*;
 pub use result::*;
+pub use sensitivity::*;

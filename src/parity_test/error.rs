@@ -49,4 +49,8 @@ pub enum ParityTestError {
          with `cargo nextest run`, or `cargo test -- --test-threads=1 --nocapture`"
     )]
     NotForkSafe,
+    /// A sensitivity analysis could not run (a configuration fails without a fault, its dry
+    /// run failed).
+    #[error(transparent)]
+    Sensitivity(#[from] crate::sensitivity::SensitivityError),
 }
