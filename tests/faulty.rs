@@ -182,18 +182,15 @@ fn chunked_collectives_rotate_swap_and_skip() {
         // Reduce-scatter: rank 1 contributes its two chunks swapped, so both results change.
         let inj = inject(ctx.rank(), 1, 0, FaultKind::PermutedChunks);
         let out = Tensor::zeros([2], (Kind::Float, tch::Device::Cpu));
-        let input = f32s(&[
-            100.0 * r + 1.0,
-            100.0 * r + 2.0,
-            100.0 * r + 3.0,
-            100.0 * r + 4.0,
-        ]);
+        // Rank 0 contributes [1, 2 | 3, 4], rank 1 [20, 40 | 60, 80] (swapped: [60, 80 | 20, 40]).
+        let scale = if ctx.rank() == 0 { 1.0 } else { 20.0 };
+        let input = f32s(&[scale, 2.0 * scale, 3.0 * scale, 4.0 * scale]);
         inj.wrap(ctx.group())
             .reduce_scatter(&out, &input, ReduceOp::Sum)?;
         let want = if ctx.rank() == 0 {
-            [1.0 + 103.0, 2.0 + 104.0]
+            [1.0 + 60.0, 2.0 + 80.0]
         } else {
-            [3.0 + 101.0, 4.0 + 102.0]
+            [3.0 + 20.0, 4.0 + 40.0]
         };
         ensure!(values(&out) == want, "reduce_scatter: {:?}", values(&out));
         in_step(ctx)

@@ -52,5 +52,11 @@ pub enum ParityTestError {
     /// A sensitivity analysis could not run (a configuration fails without a fault, its dry
     /// run failed).
     #[error(transparent)]
-    Sensitivity(#[from] crate::sensitivity::SensitivityError),
+    Sensitivity(Box<crate::sensitivity::SensitivityError>),
+}
+
+impl From<crate::sensitivity::SensitivityError> for ParityTestError {
+    fn from(e: crate::sensitivity::SensitivityError) -> Self {
+        ParityTestError::Sensitivity(Box::new(e))
+    }
 }
