@@ -8,7 +8,7 @@
 //! ```text
 //! let faults = install_faults(ctx, settings, &mut cfg)?;   // wraps the world's groups
 //! let record = train(ctx, model, &cfg)?;
-//! faults.finish()?;                                        // this rank's log, for the parent
+//! faults.finish(&record)?;                                 // this rank's log, for the parent
 //! ```
 //!
 //! Without a plan in the settings both are no-ops and the configuration is left as it was.
@@ -16,6 +16,7 @@
 use crate::runner::RunSettings;
 use lockstep_core::comm::{FaultInjector, FaultLog, FaultMode};
 use lockstep_core::consistency::StateProbe;
+use lockstep_core::record::RunRecord;
 use lockstep_core::train::TrainConfig;
 use lockstep_harness::RankCtx;
 use std::path::{Path, PathBuf};
@@ -49,17 +50,37 @@ pub struct FaultSession {
 }
 
 impl FaultSession {
-    /// Writes this rank's log (its calls and what became of its fault) where the plan said.
-    /// Nothing to do without a plan.
-    pub fn finish(self) -> Result<(), String> {
+    /// Writes this rank's log (its calls, what became of its fault, and a hash of the final
+    /// state in `record`, this rank's record of the run) where the plan said. Nothing to do
+    /// without a plan.
+    pub fn finish(self, record: &RunRecord) -> Result<(), String> {
         let Some((injector, path)) = self.installed else {
             return Ok(());
         };
-        let json = serde_json::to_vec(&injector.log())
-            .map_err(|e| format!("encoding the fault log: {e}"))?;
+        let log = FaultLog {
+            state_hash: Some(state_hash(record)),
+            ..injector.log()
+        };
+        let json = serde_json::to_vec(&log).map_err(|e| format!("encoding the fault log: {e}"))?;
         std::fs::write(&path, json)
             .map_err(|e| format!("writing the fault log {}: {e}", path.display()))
     }
+}
+
+/// A hash of the final state in a rank's record: every parameter and buffer (names, shapes
+/// and the bits of every value). Losses, norms and per-step gradients are left out: they are
+/// what the rank measured, not what it trained to.
+pub fn state_hash(record: &RunRecord) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for t in record.params.iter().chain(&record.buffers) {
+        t.name.hash(&mut h);
+        t.shape.hash(&mut h);
+        for v in &t.values {
+            v.to_bits().hash(&mut h);
+        }
+    }
+    h.finish()
 }
 
 /// Puts every group this rank's world hands out from now on under one [`FaultInjector`]

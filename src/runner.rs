@@ -333,7 +333,7 @@ pub fn run_launched(
         };
         let faults = crate::faults::install_faults(ctx, settings, &mut cfg)?;
         let mut record = train(ctx, built.as_ref(), &cfg)?;
-        faults.finish()?;
+        faults.finish(&record)?;
         if rank == 0 {
             record.spec = spec.clone();
             hand_back(&record, &out)?;

@@ -165,8 +165,20 @@ pub enum Verdict {
         /// The launcher's first line.
         reason: String,
     },
-    /// Every check passed with the fault in place.
+    /// Every check passed with the fault in place, and the training ended differently: the
+    /// ranks in `diverged` trained to other bits than without the fault.
     Missed {
+        /// What the fault did.
+        detail: String,
+        /// The ranks whose final state (parameters and buffers in their own record) differs
+        /// from the run without a fault. Without rank 0, only a comparison of the ranks'
+        /// states with each other can see it.
+        diverged: Vec<usize>,
+    },
+    /// Every check passed, and so did the training: every rank ended with the bits of the run
+    /// without a fault. The fault changed only what the faulted rank measured (its own
+    /// recorded loss), which nothing compares.
+    Inert {
         /// What the fault did.
         detail: String,
     },
@@ -200,6 +212,7 @@ impl Verdict {
             Verdict::Error { .. } => "error",
             Verdict::Hang { .. } => "hang",
             Verdict::Missed { .. } => "MISSED",
+            Verdict::Inert { .. } => "inert",
             Verdict::NotApplicable { .. } => "n/a",
             Verdict::Same => "same",
             Verdict::Moved { .. } => "MOVED",
@@ -270,7 +283,8 @@ pub struct Miss<'a> {
 
 impl SensitivityReport {
     /// Every site × fault whose verdict is missed (or moved, which means the fault could not
-    /// be placed), the math-changing kinds only when `math_only`.
+    /// be placed), the math-changing kinds only when `math_only`. Inert faults (the training
+    /// ended with the same bits) are not misses: [`SensitivityReport::inert`] lists them.
     pub fn misses(&self, math_only: bool) -> Vec<Miss<'_>> {
         let math = |label: &str| FaultKind::MATH_CHANGING.iter().any(|k| k.label() == label);
         self.sites
@@ -278,6 +292,20 @@ impl SensitivityReport {
             .flat_map(|s| s.faults.iter().map(move |f| (s, f)))
             .filter(|(_, f)| matches!(f.verdict, Verdict::Missed { .. } | Verdict::Moved { .. }))
             .filter(|(_, f)| !math_only || math(f.fault))
+            .map(|(s, f)| Miss {
+                site: &s.site,
+                fault: f.fault,
+                verdict: &f.verdict,
+            })
+            .collect()
+    }
+
+    /// Every site × fault that passed every check without changing the training's outcome.
+    pub fn inert(&self) -> Vec<Miss<'_>> {
+        self.sites
+            .iter()
+            .flat_map(|s| s.faults.iter().map(move |f| (s, f)))
+            .filter(|(_, f)| matches!(f.verdict, Verdict::Inert { .. }))
             .map(|(s, f)| Miss {
                 site: &s.site,
                 fault: f.fault,
@@ -319,6 +347,7 @@ pub fn analyse(
     let base = subject.settings();
     let mut runner = FaultRunner {
         subject,
+        clean: Vec::new(),
         base: &base,
         logs: &logs,
         timeout: opts.timeout,
@@ -435,6 +464,8 @@ impl Drop for LogDir {
 /// Runs the subject under fault plans and turns each run into a verdict.
 struct FaultRunner<'a> {
     subject: &'a dyn Subject,
+    /// Each rank's final-state hash in the run without a fault.
+    clean: Vec<Option<u64>>,
     base: &'a RunSettings,
     logs: &'a LogDir,
     timeout: Duration,
@@ -471,8 +502,10 @@ impl FaultRunner<'_> {
         }
         let world = self.subject.world_size();
         let mut calls = vec![Vec::new(); world];
+        self.clean = vec![None; world];
         for log in logs {
             if log.rank < world {
+                self.clean[log.rank] = log.state_hash;
                 calls[log.rank] = log.calls;
             }
         }
@@ -533,6 +566,21 @@ impl FaultRunner<'_> {
         (Some(PERTURB_DECADES[lo]), best, tried)
     }
 
+    /// The ranks whose final state in `logs` differs from the run without a fault (a rank
+    /// whose hash is missing on either side counts as differing).
+    fn diverged(&self, logs: &[FaultLog]) -> Vec<usize> {
+        (0..self.subject.world_size())
+            .filter(|&rank| {
+                let faulted = logs
+                    .iter()
+                    .find(|l| l.rank == rank)
+                    .and_then(|l| l.state_hash);
+                let clean = self.clean.get(rank).copied().flatten();
+                faulted.is_none() || faulted != clean
+            })
+            .collect()
+    }
+
     /// One run with `kind` at `call`, judged.
     fn verdict(&mut self, call: &CallRecord, kind: FaultKind) -> Verdict {
         let mode = FaultMode::Inject {
@@ -540,6 +588,7 @@ impl FaultRunner<'_> {
             kind,
         };
         let (outcome, logs) = self.run(mode, self.timeout);
+        let diverged = self.diverged(&logs);
         let injection = logs
             .into_iter()
             .find(|l| l.rank == call.rank)
@@ -573,7 +622,8 @@ impl FaultRunner<'_> {
             Some(Injection::Applied { detail, .. }) => detail,
         };
         match self.subject.judge(&outcome) {
-            Judgement::Passed => Verdict::Missed { detail },
+            Judgement::Passed if diverged.is_empty() => Verdict::Inert { detail },
+            Judgement::Passed => Verdict::Missed { detail, diverged },
             Judgement::Failed(by) => Verdict::Caught { by },
             Judgement::RunFailed(e) if e.timed_out => Verdict::Hang { reason: e.line },
             Judgement::RunFailed(e) => Verdict::Error { reason: e.line },

@@ -209,11 +209,16 @@ pub fn sensitivity_matrix(
                     }
                 }
             };
-            entries.push(SensitivityEntry {
+            let entry = SensitivityEntry {
                 config: config.name().to_owned(),
                 world_size: world,
                 outcome,
-            });
+            };
+            if bar.is_hidden() {
+                // No bar where stderr is no terminal (CI logs): a line per configuration.
+                eprint!("{}", render_entry(&entry, &mut Vec::new()));
+            }
+            entries.push(entry);
         }
     }
     Ok(entries)
@@ -238,43 +243,7 @@ pub fn render_sensitivity_matrix(entries: &[SensitivityEntry]) -> String {
     );
     let mut misses = Vec::new();
     for e in entries {
-        match &e.outcome {
-            SensitivityOutcome::Report(r) => {
-                let c = r.counts();
-                let _ = writeln!(
-                    out,
-                    "{:<40} {:>5}  {:<8} {:>5} {:>5} {:>6} {:>6} {:>4} {:>4} {:>5} {:>7.1}",
-                    e.config,
-                    e.world_size,
-                    r.model,
-                    r.sites.len(),
-                    r.runs,
-                    c.caught,
-                    c.missed,
-                    c.not_applicable,
-                    c.same,
-                    c.moved,
-                    r.wall_time_seconds
-                );
-                for m in r.misses(true) {
-                    misses.push(format!(
-                        "  {}@{} on {}: {} {} — {}",
-                        e.config,
-                        e.world_size,
-                        r.model,
-                        m.site.site(),
-                        m.site.describe(),
-                        m.fault
-                    ));
-                }
-            }
-            SensitivityOutcome::Skipped(why) => {
-                let _ = writeln!(out, "{:<40} {:>5}  skip: {why}", e.config, e.world_size);
-            }
-            SensitivityOutcome::Failed(why) => {
-                let _ = writeln!(out, "{:<40} {:>5}  FAILED: {why}", e.config, e.world_size);
-            }
-        }
+        out.push_str(&render_entry(e, &mut misses));
     }
     if misses.is_empty() {
         out.push_str("\nevery math-changing fault was caught at every site\n");
@@ -286,6 +255,58 @@ pub fn render_sensitivity_matrix(entries: &[SensitivityEntry]) -> String {
         }
     }
     out
+}
+
+/// One configuration's line of the summary; its missed math-changing faults are added to
+/// `misses`.
+fn render_entry(e: &SensitivityEntry, misses: &mut Vec<String>) -> String {
+    match &e.outcome {
+        SensitivityOutcome::Report(r) => {
+            let c = r.counts();
+            for m in r.misses(true) {
+                let diverged = match m.verdict {
+                    crate::sensitivity::Verdict::Missed { diverged, .. }
+                        if !diverged.contains(&0) =>
+                    {
+                        let ranks: Vec<String> = diverged.iter().map(usize::to_string).collect();
+                        format!(" (diverges on rank {} only)", ranks.join(","))
+                    }
+                    crate::sensitivity::Verdict::Moved { .. } => " (moved)".to_owned(),
+                    _ => String::new(),
+                };
+                misses.push(format!(
+                    "  {}@{} on {}: {} {} — {}{diverged}",
+                    e.config,
+                    e.world_size,
+                    r.model,
+                    m.site.site(),
+                    m.site.describe(),
+                    m.fault
+                ));
+            }
+            format!(
+                "{:<40} {:>5}  {:<8} {:>5} {:>5} {:>6} {:>6} {:>5} {:>4} {:>4} {:>5} {:>7.1}\n",
+                e.config,
+                e.world_size,
+                r.model,
+                r.sites.len(),
+                r.runs,
+                c.caught,
+                c.missed,
+                c.inert,
+                c.not_applicable,
+                c.same,
+                c.moved,
+                r.wall_time_seconds
+            )
+        }
+        SensitivityOutcome::Skipped(why) => {
+            format!("{:<40} {:>5}  skip: {why}\n", e.config, e.world_size)
+        }
+        SensitivityOutcome::Failed(why) => {
+            format!("{:<40} {:>5}  FAILED: {why}\n", e.config, e.world_size)
+        }
+    }
 }
 
 /// Whether `matrix --sensitivity` passed: every configuration analysed (or skipped for want

@@ -21,6 +21,7 @@ impl SensitivityReport {
                     c.hangs += 1;
                 }
                 Verdict::Missed { .. } => c.missed += 1,
+                Verdict::Inert { .. } => c.inert += 1,
                 Verdict::NotApplicable { .. } => c.not_applicable += 1,
                 Verdict::Same => c.same += 1,
                 Verdict::Moved { .. } => c.moved += 1,
@@ -39,8 +40,10 @@ pub struct Counts {
     pub errors: usize,
     /// Of the caught: runs that hung.
     pub hangs: usize,
-    /// Missed.
+    /// Missed, with an effect on the training's outcome.
     pub missed: usize,
+    /// Passed every check with no effect on the training's outcome.
+    pub inert: usize,
     /// Faults that cannot apply to their call.
     pub not_applicable: usize,
     /// Faults that applied and changed no bit.
@@ -70,16 +73,20 @@ impl std::fmt::Display for SensitivityReport {
         let c = self.counts();
         writeln!(
             f,
-            "\ncaught {} (of which error {}, hang {}), missed {}, n/a {}, same {}, moved {}",
-            c.caught, c.errors, c.hangs, c.missed, c.not_applicable, c.same, c.moved
+            "\ncaught {} (of which error {}, hang {}), missed {}, inert {}, n/a {}, same {}, \
+             moved {}",
+            c.caught, c.errors, c.hangs, c.missed, c.inert, c.not_applicable, c.same, c.moved
         )?;
         let misses = self.misses(false);
         if !misses.is_empty() {
             writeln!(f, "\nmissed (every check passed with the fault in place):")?;
             for m in misses {
                 let what = match m.verdict {
-                    Verdict::Missed { detail } | Verdict::Moved { detail } => detail.as_str(),
-                    _ => "",
+                    Verdict::Missed { detail, diverged } => {
+                        format!("{detail}; {}", diverged_note(diverged))
+                    }
+                    Verdict::Moved { detail } => detail.clone(),
+                    _ => String::new(),
                 };
                 writeln!(
                     f,
@@ -88,6 +95,25 @@ impl std::fmt::Display for SensitivityReport {
                     m.site.describe(),
                     m.fault
                 )?;
+            }
+        }
+        let inert = self.inert();
+        if !inert.is_empty() {
+            writeln!(
+                f,
+                "\ninert (passed, and every rank trained to the bits of the run without a \
+                 fault: only what the faulted rank measured changed):"
+            )?;
+            let mut sites: Vec<(String, Vec<&str>)> = Vec::new();
+            for m in inert {
+                let key = format!("{} {}", m.site.site(), m.site.describe());
+                match sites.iter_mut().find(|(k, _)| *k == key) {
+                    Some((_, faults)) => faults.push(m.fault),
+                    None => sites.push((key, vec![m.fault])),
+                }
+            }
+            for (site, faults) in sites {
+                writeln!(f, "  {site} — {}", faults.join(", "))?;
             }
         }
         let mut told: Vec<&str> = Vec::new();
@@ -117,6 +143,23 @@ impl std::fmt::Display for SensitivityReport {
             writeln!(f, "\nnote: {note}")?;
         }
         Ok(())
+    }
+}
+
+/// Which ranks a missed fault left with other final state than the run without it.
+fn diverged_note(diverged: &[usize]) -> String {
+    let ranks: Vec<String> = diverged.iter().map(usize::to_string).collect();
+    if diverged.contains(&0) {
+        format!(
+            "the final state changed on rank(s) {}, rank 0 included",
+            ranks.join(",")
+        )
+    } else {
+        format!(
+            "rank 0 trained to the bits of the run without a fault, rank(s) {} did not: only \
+             a comparison of the ranks' states can see it",
+            ranks.join(",")
+        )
     }
 }
 

@@ -365,6 +365,11 @@ pub struct FaultLog {
     /// The injected fault's outcome: `None` in record mode, or when the site never came (on
     /// this rank, or at all).
     pub injection: Option<Injection>,
+    /// A hash of the state this rank ended the run with, when the launcher adds one: two runs
+    /// whose ranks all hash equal trained to the same bits, so a fault that changed none of
+    /// them had no effect on the training.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_hash: Option<u64>,
 }
 
 /// A tensor an earlier call produced, kept for [`FaultKind::Stale`] and a receive's
@@ -434,6 +439,7 @@ impl FaultInjector {
             rank: self.rank,
             calls: state.calls.clone(),
             injection: state.injection.clone(),
+            state_hash: None,
         }
     }
 
