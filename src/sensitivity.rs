@@ -13,7 +13,10 @@
 //! treats differently; the ranks in between would repeat them at the cost of a run each.
 //!
 //! Verdicts: *caught* (the comparison failed), *error* and *hang* (the run failed or outlived
-//! the short per-run timeout: also caught, with the reason), *missed*, *n/a* (the fault cannot
+//! the short per-run timeout: also caught, with the reason), *missed* (every check passed
+//! though some rank trained to other bits), *inert* (every check passed and every rank
+//! trained to the bits of the run without the fault: the fault touched nothing the training
+//! depends on, judged by a hash of each rank's final parameters and buffers), *n/a* (the fault cannot
 //! apply to the call: an all-reduce has no peer to mistake), *same* (it applied and changed no
 //! bit: doubling zeros), and *moved* (the faulted run did not issue the recorded call at that
 //! site: the call order is not deterministic, which is itself worth knowing). For
@@ -175,9 +178,10 @@ pub enum Verdict {
         /// states with each other can see it.
         diverged: Vec<usize>,
     },
-    /// Every check passed, and so did the training: every rank ended with the bits of the run
-    /// without a fault. The fault changed only what the faulted rank measured (its own
-    /// recorded loss), which nothing compares.
+    /// Every check passed, and the training did not change: every rank ended with the bits
+    /// of the run without a fault. The fault altered only something the training does not
+    /// depend on (a loss only the faulted rank's own record reads, a broadcast value the rank
+    /// then discards for its shard).
     Inert {
         /// What the fault did.
         detail: String,

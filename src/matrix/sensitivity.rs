@@ -228,7 +228,7 @@ pub fn sensitivity_matrix(
 /// math-changing fault as (configuration, site, fault).
 pub fn render_sensitivity_matrix(entries: &[SensitivityEntry]) -> String {
     let mut out = format!(
-        "{:<40} {:>5}  {:<8} {:>5} {:>5} {:>6} {:>6} {:>4} {:>4} {:>5} {:>7}\n",
+        "{:<40} {:>5}  {:<8} {:>5} {:>5} {:>6} {:>6} {:>5} {:>4} {:>4} {:>5} {:>7}\n",
         "config",
         "world",
         "model",
@@ -236,6 +236,7 @@ pub fn render_sensitivity_matrix(entries: &[SensitivityEntry]) -> String {
         "runs",
         "caught",
         "missed",
+        "inert",
         "n/a",
         "same",
         "moved",
@@ -245,8 +246,25 @@ pub fn render_sensitivity_matrix(entries: &[SensitivityEntry]) -> String {
     for e in entries {
         out.push_str(&render_entry(e, &mut misses));
     }
+    let inert: usize = entries
+        .iter()
+        .filter_map(|e| match &e.outcome {
+            SensitivityOutcome::Report(r) => Some(r.counts().inert),
+            _ => None,
+        })
+        .sum();
+    if inert > 0 {
+        let _ = writeln!(
+            out,
+            "\n{inert} faults were inert: every check passed and every rank trained to the bits \
+             of the run without the fault (a result only the faulted rank's own record reads, \
+             a value the rank then discards); sensitivity.json lists them"
+        );
+    }
     if misses.is_empty() {
-        out.push_str("\nevery math-changing fault was caught at every site\n");
+        out.push_str(
+            "\nevery math-changing fault that changed the training was caught at every site\n",
+        );
     } else {
         let _ = writeln!(out, "\nmissed math-changing faults ({}):", misses.len());
         for m in misses {

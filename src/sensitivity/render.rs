@@ -102,7 +102,7 @@ impl std::fmt::Display for SensitivityReport {
             writeln!(
                 f,
                 "\ninert (passed, and every rank trained to the bits of the run without a \
-                 fault: only what the faulted rank measured changed):"
+                 fault: the fault changed nothing the training depends on):"
             )?;
             let mut sites: Vec<(String, Vec<&str>)> = Vec::new();
             for m in inert {
