@@ -10,12 +10,14 @@ pub mod bench;
 pub mod checkpoint;
 pub mod cross_rank;
 pub mod env_report;
+pub mod faults;
 pub mod matrix;
 pub mod parity_test;
 pub mod rank_cmd;
 pub mod run_cmd;
 pub mod runner;
 pub mod schedule;
+pub mod sensitivity;
 pub mod stress;
 
 pub use lockstep_core as core;

@@ -84,6 +84,17 @@ enum Command {
     /// nested --config ddp --world-size 2 --steps 5 --init model.safetensors --save-final
     /// out.safetensors`.
     Run(RunArgs),
+    /// Prove a configuration's parity check can fail: corrupt one collective call at a time
+    /// (skip, double, zero, wrong peer, permuted chunks, stale, a perturbation, bf16
+    /// rounding) and judge each run as `lockstep matrix` judges the configuration.
+    ///
+    /// A dry run records every call; the sites are the calls of --site-steps (point to point
+    /// on every rank, collectives on their group's first and last rank). Prints a table of
+    /// site x fault (caught / MISSED / error / hang / n/a / same), the smallest perturbation
+    /// caught per site, and writes sensitivity.json and sensitivity.md to --out. Exit 1 when
+    /// a math-changing fault (skip, double, zero, wrong_peer, permuted, stale) was missed, 2
+    /// on bad input. Example: `lockstep sensitivity --model mlp --config ddp --world-size 2`.
+    Sensitivity(SensitivityArgs),
     /// A rank of `bench spawn --mode exec` (started by the launcher, not by hand).
     #[command(name = "__spawn-probe", hide = true)]
     SpawnProbe,
@@ -145,6 +156,52 @@ struct RunArgs {
     #[arg(long, default_value_t = 300.0)]
     timeout: f64,
     /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// What a sensitivity analysis tries (shared by `sensitivity` and `matrix --sensitivity`).
+#[derive(clap::Args)]
+struct FaultArgs {
+    /// Faults to try at every site: skip, double, zero, wrong_peer, permuted, stale, perturb
+    /// (its ε bisected over 1e-1..1e-8), bf16. Default: all of them (`matrix --sensitivity`:
+    /// the six math-changing ones).
+    #[arg(long, value_delimiter = ',')]
+    faults: Vec<String>,
+    /// Steps whose calls are sites. Default: 0,1 (`matrix --sensitivity`: 0).
+    #[arg(long = "site-steps", value_delimiter = ',')]
+    site_steps: Vec<usize>,
+    /// Seconds one faulted run may take before it counts as a hang (caught).
+    #[arg(long = "run-timeout", default_value_t = 20.0)]
+    run_timeout: f64,
+}
+
+#[derive(clap::Args)]
+struct SensitivityArgs {
+    /// The zoo model.
+    #[arg(long)]
+    model: String,
+    /// The configuration (`lockstep matrix --list` names them).
+    #[arg(long)]
+    config: String,
+    /// Ranks.
+    #[arg(long = "world-size", default_value_t = 2)]
+    world_size: usize,
+    /// Training steps per run.
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    /// Run seed for parameters and batches.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[command(flatten)]
+    faults: FaultArgs,
+    /// Seconds the references and the dry run may take.
+    #[arg(long, default_value_t = 300.0)]
+    timeout: f64,
+    /// Directory for sensitivity.json and sensitivity.md (created if missing).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Print the report as JSON instead of the table.
     #[arg(long)]
     json: bool,
 }
@@ -236,6 +293,14 @@ struct MatrixArgs {
     /// the measurements the arbiter's constants come from (docs/parity.md).
     #[arg(long, value_name = "FILE")]
     arbiter_log: Option<std::path::PathBuf>,
+    /// Instead of the matrix: a sensitivity analysis of every selected configuration at
+    /// every world size, each on the first of mlp, gpt, gpt_moe (or of --models) it runs
+    /// on; exit 1 naming every (config, site, fault) where a math-changing fault was missed.
+    /// Writes sensitivity.json to --out.
+    #[arg(long)]
+    sensitivity: bool,
+    #[command(flatten)]
+    faults: FaultArgs,
 }
 
 /// `lockstep rank`: what the launcher tells every exec'd rank (see `lockstep::rank_cmd`).
@@ -409,6 +474,7 @@ fn main() -> Result<ExitCode> {
         Command::Stress(args) => return run_stress(args),
         Command::Schedule(args) => return run_schedule(args),
         Command::Run(args) => return run_one(args),
+        Command::Sensitivity(args) => return run_sensitivity(args),
         Command::SpawnProbe => lockstep::harness::rank_main(bench::spawn_probe),
         Command::Bench { what } => run_bench(what)?,
     }
@@ -512,6 +578,9 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
     opts.backend = args.backend;
     opts.exec_ranks = args.exec_ranks;
     opts.arbiter_log = args.arbiter_log;
+    if args.sensitivity {
+        return run_matrix_sensitivity(&opts, &args.faults, &args.out);
+    }
     let plan = match matrix::check_backend(&opts)
         .and_then(|()| matrix::plan(&opts))
         .and_then(|plan| {
@@ -548,6 +617,145 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
         }
     }
     Ok(if result.passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// The analysis `faults` asks for, over `defaults` where it names nothing; `None` (after
+/// saying why) for an unknown fault or a bad timeout.
+fn sensitivity_options(
+    faults: &FaultArgs,
+    defaults: lockstep::sensitivity::SensitivityOptions,
+) -> Option<lockstep::sensitivity::SensitivityOptions> {
+    let mut opts = defaults;
+    if !faults.faults.is_empty() {
+        let mut kinds = Vec::new();
+        for name in &faults.faults {
+            // `perturb` alone: its ε is bisected anyway.
+            let parsed = match name.as_str() {
+                "perturb" => Ok(lockstep::comm::FaultKind::Perturb(1e-3)),
+                other => other.parse(),
+            };
+            match parsed {
+                Ok(kind) => kinds.push(kind),
+                Err(e) => {
+                    eprintln!("error: invalid option: --faults: {e}");
+                    return None;
+                }
+            }
+        }
+        opts.kinds = kinds;
+    }
+    if !faults.site_steps.is_empty() {
+        opts.site_steps.clone_from(&faults.site_steps);
+    }
+    opts.timeout = match std::time::Duration::try_from_secs_f64(faults.run_timeout) {
+        Ok(t) if !t.is_zero() => t,
+        _ => {
+            eprintln!(
+                "error: invalid option: --run-timeout {}: must be a positive number of seconds",
+                faults.run_timeout
+            );
+            return None;
+        }
+    };
+    Some(opts)
+}
+
+/// `lockstep sensitivity`: exit 0 when every math-changing fault was caught, 1 when one was
+/// missed, 2 on bad input or a configuration that cannot be analysed.
+fn run_sensitivity(args: SensitivityArgs) -> Result<ExitCode> {
+    use lockstep::sensitivity::SensitivityOptions;
+    let selection = SelectionArgs {
+        models: vec![args.model.clone()],
+        configs: vec![args.config.clone()],
+        world_sizes: vec![args.world_size],
+        steps: args.steps,
+        seed: args.seed,
+    };
+    let (Some(opts), Some(analysis)) = (
+        matrix_options(selection, args.timeout),
+        sensitivity_options(&args.faults, SensitivityOptions::default()),
+    ) else {
+        return Ok(ExitCode::from(2));
+    };
+    let bar = lockstep::matrix::progress_bar(1);
+    let report = match lockstep::matrix::sensitivity(
+        &args.model,
+        &args.config,
+        args.world_size,
+        &opts,
+        &analysis,
+        &bar,
+    ) {
+        Ok(r) => r,
+        Err(e) => {
+            bar.finish_and_clear();
+            eprintln!("error: {e}");
+            return Ok(ExitCode::from(2));
+        }
+    };
+    bar.finish_and_clear();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{report}");
+    }
+    if let Some(dir) = &args.out {
+        report
+            .write(dir)
+            .context("writing the sensitivity report")?;
+        eprintln!("report: {}", dir.join("sensitivity.json").display());
+    }
+    Ok(if report.misses(true).is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// `lockstep matrix --sensitivity`: exit 0 when every math-changing fault was caught at every
+/// site of every configuration analysed, 1 otherwise, 2 on bad input.
+fn run_matrix_sensitivity(
+    opts: &lockstep::matrix::MatrixOptions,
+    faults: &FaultArgs,
+    out: &std::path::Path,
+) -> Result<ExitCode> {
+    use lockstep::matrix;
+    let Some(analysis) = sensitivity_options(
+        faults,
+        lockstep::sensitivity::SensitivityOptions::math_changing(),
+    ) else {
+        return Ok(ExitCode::from(2));
+    };
+    if let Err(e) = std::fs::create_dir_all(out) {
+        eprintln!("error: output directory {}: {e}", out.display());
+        return Ok(ExitCode::from(2));
+    }
+    let started = std::time::Instant::now();
+    let bar = matrix::progress_bar(1);
+    let entries = match matrix::sensitivity_matrix(opts, &analysis, &bar) {
+        Ok(entries) => entries,
+        Err(e) => {
+            bar.finish_and_clear();
+            eprintln!("error: {e}");
+            return Ok(ExitCode::from(2));
+        }
+    };
+    bar.finish_and_clear();
+    print!("{}", matrix::render_sensitivity_matrix(&entries));
+    println!(
+        "matrix --sensitivity: {} configurations in {:.1} s",
+        entries.len(),
+        started.elapsed().as_secs_f64()
+    );
+    let path = out.join("sensitivity.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&entries)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    eprintln!("report: {}", path.display());
+    Ok(if matrix::sensitivity_matrix_passed(&entries) {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE

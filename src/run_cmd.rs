@@ -238,6 +238,7 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
         fault: None,
         backend: lockstep_core::comm::Backend::Cpu,
         exec_ranks: false,
+        faults: None,
     };
     let (optimizer_file, resume_state) = match resume {
         Some((file, state)) => (Some(file), state.tensors),

@@ -57,6 +57,10 @@ pub struct RunSettings {
     /// the exec'd path gives the forked path's bits. Built-in configurations of zoo models
     /// only.
     pub exec_ranks: bool,
+    /// Record every collective call, or corrupt one (sensitivity analysis: see
+    /// [`crate::faults`]); applied to every group of every launched rank. Forked ranks only,
+    /// one configuration per launch.
+    pub faults: Option<crate::faults::FaultPlan>,
 }
 
 impl Default for RunSettings {
@@ -70,6 +74,7 @@ impl Default for RunSettings {
             fault: None,
             backend: Backend::Cpu,
             exec_ranks: false,
+            faults: None,
         }
     }
 }
@@ -321,14 +326,16 @@ pub fn run_launched(
         let rank = ctx.rank();
         let built = build(settings.seed, rank).map_err(|e| e.to_string())?;
         let probe = probe_for(rank);
-        let cfg = TrainConfig {
+        let mut cfg = TrainConfig {
             spec: spec.clone(),
             optimizer: settings.optimizer,
             data_ranks: vec![rank],
             record_grads: settings.record_grads,
             probe: probe.clone(),
         };
+        let faults = crate::faults::install_faults(ctx, settings, &mut cfg)?;
         let mut record = train(ctx, built.as_ref(), &cfg)?;
+        faults.finish(&record)?;
         hand_back_digest(probe.as_ref(), &out)?;
         if rank == 0 {
             record.spec = spec.clone();
@@ -359,7 +366,12 @@ pub fn run_configs_together(
     world_size: usize,
     settings: &RunSettings,
 ) -> Vec<Result<RunRecord, RunFailed>> {
-    if configs.len() < 2 || configs.contains(&Config::Single) || settings.execs_ranks() {
+    // A fault plan numbers one configuration's calls: each runs in a launch of its own.
+    if configs.len() < 2
+        || configs.contains(&Config::Single)
+        || settings.execs_ranks()
+        || settings.faults.is_some()
+    {
         return configs
             .iter()
             .map(|&c| run_config(model_name, build, c, world_size, settings))
@@ -457,6 +469,11 @@ fn run_exec(
     {
         return Err(RunFailed::simple(
             "a planted fault runs in forked ranks only (exec'd ranks take no fault)",
+        ));
+    }
+    if settings.faults.is_some() {
+        return Err(RunFailed::simple(
+            "a fault plan runs in forked ranks only (exec'd ranks take no fault plan)",
         ));
     }
     if !zoo::names().contains(&model_name) {

@@ -149,7 +149,7 @@ impl Tally<'_> {
 }
 
 /// Everything one cell (model × world size) ran, by role.
-struct CellRuns {
+pub(super) struct CellRuns {
     /// Each reference's runs (the first is the reference, a second its repeat).
     references: Vec<(Config, Vec<Outcome>)>,
     fsdp: Vec<(Config, Outcome)>,
@@ -171,6 +171,20 @@ impl CellRuns {
             .iter()
             .find(|(c, _)| *c == config)
             .and_then(|(_, runs)| runs.get(i))
+    }
+
+    /// The run that stands for `config` in its own rows (a DDP-family reference's first run,
+    /// a launched configuration's run), to be replaced by a faulted one.
+    fn run_mut(&mut self, config: Config) -> Option<&mut Outcome> {
+        if let Some((_, runs)) = self.references.iter_mut().find(|(c, _)| *c == config) {
+            return runs.first_mut();
+        }
+        self.fsdp
+            .iter_mut()
+            .chain(&mut self.pipelines)
+            .chain(&mut self.model_parallel)
+            .find(|(c, _)| *c == config)
+            .map(|(_, r)| r)
     }
 
     /// The run of launched configuration `config`, wherever it ran.
@@ -285,6 +299,70 @@ fn run_cell(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_>) -> CellR
         model_parallel,
         microbatched,
         single_f64,
+    }
+}
+
+/// A cell run once, whose configuration under test can then be judged with its run replaced
+/// (a faulted run, for a sensitivity analysis) by exactly the matrix's verdict.
+pub(super) struct CellBaseline {
+    plan: Plan,
+    runs: CellRuns,
+}
+
+impl CellBaseline {
+    /// Runs every run of cell (model 0 of `plan`, `world`) quietly.
+    pub(super) fn run(plan: &Plan, world: usize) -> Self {
+        let bar = ProgressBar::hidden();
+        let mut tally = Tally {
+            progress: Progress {
+                bar: &bar,
+                done: 0,
+                total: 0,
+                log_runs: false,
+            },
+            result: MatrixResult {
+                rows: Vec::new(),
+                comparisons: Vec::new(),
+                runs: 0,
+                failed_runs: 0,
+                hung_runs: 0,
+                elapsed: Duration::ZERO,
+            },
+        };
+        let runs = run_cell(plan, 0, world, &mut tally);
+        CellBaseline {
+            plan: plan.clone(),
+            runs,
+        }
+    }
+
+    /// The matrix's rows for `config` at `world`, with `run` standing in for its own run when
+    /// given.
+    pub(super) fn rows(&mut self, config: Config, world: usize, run: Option<Outcome>) -> Vec<Row> {
+        let saved = match (run, self.runs.run_mut(config)) {
+            (Some(run), Some(slot)) => Some(std::mem::replace(slot, run)),
+            _ => None,
+        };
+        let cell = Cell {
+            index: 0,
+            model: &self.plan.models[0],
+            world,
+            blocker: self.plan.blockers[0].as_deref(),
+        };
+        let mut result = MatrixResult {
+            rows: Vec::new(),
+            comparisons: Vec::new(),
+            runs: 0,
+            failed_runs: 0,
+            hung_runs: 0,
+            elapsed: Duration::ZERO,
+        };
+        judge_cell(&self.plan, &cell, &self.runs, &mut result, &mut None);
+        if let (Some(saved), Some(slot)) = (saved, self.runs.run_mut(config)) {
+            *slot = saved;
+        }
+        result.rows.retain(|r| r.config == config.at(world));
+        result.rows
     }
 }
 

@@ -195,6 +195,7 @@ mod option_coverage;
 mod pipeline;
 mod plan;
 mod result;
+mod sensitivity;
 
 pub use backend::*;
 pub use compositions::*;
@@ -205,3 +206,4 @@ pub use model_parallel::*;
 pub use pipeline::*;
 pub use plan::*;
 pub use result::*;
+pub use sensitivity::*;

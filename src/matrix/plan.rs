@@ -108,6 +108,7 @@ impl Plan {
             fault: self.fault.clone(),
             backend: self.backend,
             exec_ranks: self.exec_ranks,
+            faults: None,
         }
     }
 
@@ -118,6 +119,32 @@ impl Plan {
             optimizer: optimizer_for(model),
             ..self.settings()
         }
+    }
+
+    /// Why configuration `config` does not run model `model` (an index into
+    /// [`Plan::models`]) at `world_size`, if it does not: the world size, its pipeline plan,
+    /// or its tensor/expert-parallel or composition blocker.
+    pub fn blocker(&self, model: usize, world_size: usize, config: Config) -> Option<String> {
+        if let Some(reason) = config.world_blocker(world_size) {
+            return Some(reason);
+        }
+        if config.is_pipeline() {
+            return match self.pipeline_plans.get(&(model, world_size, config)) {
+                Some(Ok(_)) => None,
+                Some(Err(reason)) => Some(reason.clone()),
+                None => Some("not planned".into()),
+            };
+        }
+        if config.model_parallel_config().is_some() || config.composition_config().is_some() {
+            return match self
+                .model_parallel_blockers
+                .get(&(model, world_size, config))
+            {
+                Some(blocker) => blocker.clone(),
+                None => Some("not planned".into()),
+            };
+        }
+        None
     }
 
     /// How many training runs the plan performs (single-device ones included).

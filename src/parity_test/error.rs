@@ -49,4 +49,14 @@ pub enum ParityTestError {
          with `cargo nextest run`, or `cargo test -- --test-threads=1 --nocapture`"
     )]
     NotForkSafe,
+    /// A sensitivity analysis could not run (a configuration fails without a fault, its dry
+    /// run failed).
+    #[error(transparent)]
+    Sensitivity(Box<crate::sensitivity::SensitivityError>),
+}
+
+impl From<crate::sensitivity::SensitivityError> for ParityTestError {
+    fn from(e: crate::sensitivity::SensitivityError) -> Self {
+        ParityTestError::Sensitivity(Box::new(e))
+    }
 }

@@ -30,9 +30,11 @@
 
 mod error;
 mod outcome;
+mod sensitivity;
 
 pub use error::ParityTestError;
 pub use outcome::ParityOutcome;
+pub use sensitivity::ParitySensitivity;
 
 use crate::matrix::Config;
 use crate::runner::{self, ModelBuilder, RunFailed, RunSettings, TrainFn};
@@ -40,7 +42,7 @@ use lockstep_core::comm::DType;
 use lockstep_core::record::RunRecord;
 use lockstep_core::train::{OptimizerConfig, TrainConfig};
 use lockstep_harness::parity::{
-    arbitrate, compare, Override, Tolerance, TolerancePolicy, ENVELOPE,
+    arbitrate, compare, Comparison, Override, Tolerance, TolerancePolicy, ENVELOPE,
 };
 use lockstep_harness::report::{self, Report, RunError};
 use lockstep_harness::RankCtx;
@@ -258,6 +260,34 @@ impl<'a> ParityTest<'a> {
     /// runs that fail or disagree are in the [`ParityOutcome`].
     pub fn run(self) -> Result<ParityOutcome, ParityTestError> {
         let started = Instant::now();
+        let prepared = self.prepare()?;
+        let out_dir = self.prepared_out_dir()?;
+        let mut comparisons = Vec::new();
+        let mut errors = Vec::new();
+        for &world in &self.world_sizes {
+            let runs = self.reference_runs(&prepared, world);
+            for config in &self.configs {
+                for judged in self.judge_config(&prepared, config, world, &runs) {
+                    match judged {
+                        Ok(c) => comparisons.push(c),
+                        Err(e) => errors.push(e),
+                    }
+                }
+            }
+        }
+        let report = Report::new(comparisons)
+            .with_wall_time(started.elapsed())
+            .with_errors(errors);
+        let files = report::write_all(&report, &out_dir).map_err(|e| ParityTestError::OutDir {
+            path: out_dir.clone(),
+            reason: e.to_string(),
+        })?;
+        Ok(ParityOutcome::new(self.name, report, files))
+    }
+
+    /// Everything checked and decided before anything runs: the test is runnable, the
+    /// references, and the policy of every pair not judged by the fp64 arbiter.
+    fn prepare(&self) -> Result<Prepared<'_>, ParityTestError> {
         self.check()?;
         let (Some(model_name), Some(build)) = (self.model_name.as_deref(), self.build.as_deref())
         else {
@@ -288,11 +318,27 @@ impl<'a> ParityTest<'a> {
                         && self.arbiter_envelope(config, reference).is_none()
                     {
                         let policy = self.policy_for(config, reference, world)?;
-                        policies.insert((config.name(), reference.name(), world), policy);
+                        policies.insert(
+                            (config.name().to_owned(), reference.name().to_owned(), world),
+                            policy,
+                        );
                     }
                 }
             }
         }
+        // Forked ranks must not inherit an OpenMP pool; references take the ranks' count
+        // (`runner::in_process_reference`).
+        lockstep_harness::threads::use_launcher_threads();
+        Ok(Prepared {
+            model_name,
+            build,
+            references,
+            policies,
+        })
+    }
+
+    /// The report directory, created and emptied of earlier reports.
+    fn prepared_out_dir(&self) -> Result<PathBuf, ParityTestError> {
         let out_dir = self
             .out_dir
             .clone()
@@ -301,81 +347,92 @@ impl<'a> ParityTest<'a> {
             path: out_dir.clone(),
             reason: e.to_string(),
         })?;
-        // Forked ranks must not inherit an OpenMP pool; references take the ranks' count
-        // (`runner::in_process_reference`).
-        lockstep_harness::threads::use_launcher_threads();
-        let mut comparisons = Vec::new();
-        let mut errors = Vec::new();
-        for &world in &self.world_sizes {
-            let mut records: BTreeMap<String, Result<RunRecord, RunFailed>> = BTreeMap::new();
-            let envelopes: Vec<&str> = self
-                .configs
-                .iter()
-                .flat_map(|c| {
-                    references
-                        .iter()
-                        .filter_map(|r| self.arbiter_envelope(c, r))
-                })
-                .collect();
-            let wanted = references
-                .iter()
-                .map(|r| r.name())
-                .chain(self.configs.iter().map(|c| c.name()))
-                .chain(envelopes.iter().copied());
-            for name in wanted {
-                if records.contains_key(name) {
-                    continue;
-                }
-                let run = self.run_one(name, model_name, build, world);
-                records.insert(name.to_owned(), run);
+        Ok(out_dir)
+    }
+
+    /// Every run at `world`: each reference and configuration once, the envelopes the fp64
+    /// arbiter needs, and the float64 shadow when an arbiter judges anything.
+    fn reference_runs(&self, prepared: &Prepared<'_>, world: usize) -> WorldRuns {
+        let mut records: BTreeMap<String, Outcome> = BTreeMap::new();
+        let envelopes: Vec<&str> = self
+            .configs
+            .iter()
+            .flat_map(|c| {
+                prepared
+                    .references
+                    .iter()
+                    .filter_map(|r| self.arbiter_envelope(c, r))
+            })
+            .collect();
+        let wanted = prepared
+            .references
+            .iter()
+            .map(|r| r.name())
+            .chain(self.configs.iter().map(|c| c.name()))
+            .chain(envelopes.iter().copied());
+        for name in wanted {
+            if records.contains_key(name) {
+                continue;
             }
-            let single_f64 = (!envelopes.is_empty())
-                .then(|| runner::run_single_f64(model_name, build, world, &self.settings));
-            for config in &self.configs {
-                for reference in &references {
-                    let (run_name, ref_name) = (config.name(), reference.name());
-                    if run_name == ref_name {
-                        continue;
-                    }
-                    let judged = match self.arbiter_envelope(config, reference) {
-                        Some(envelope) => self.judge_by_arbiter(
-                            &records,
-                            (config, world),
-                            envelope,
-                            single_f64.as_ref(),
-                        ),
-                        None => policies
-                            .get(&(run_name, ref_name, world))
-                            .and_then(|policy| {
-                                Some((records.get(run_name)?, records.get(ref_name)?, policy))
-                            })
-                            .map(|(run, against, policy)| match (run, against) {
-                                (Ok(run), Ok(against)) => Ok(compare(run, against, policy)),
-                                (Err(e), _) | (_, Err(e)) => Err(e.clone()),
-                            }),
-                    };
-                    match judged {
-                        Some(Ok(c)) => comparisons.push(c),
-                        Some(Err(e)) => errors.push(RunError {
-                            model: model_name.to_owned(),
-                            config: format!("{run_name}@{world}"),
-                            reference: format!("{ref_name}@{world}"),
-                            message: e.line.clone(),
-                            details: e.details.clone(),
-                        }),
-                        None => {}
-                    }
-                }
+            let run = self.run_one(name, prepared, world, &self.settings);
+            records.insert(name.to_owned(), run);
+        }
+        let single_f64 = (!envelopes.is_empty()).then(|| {
+            runner::run_single_f64(prepared.model_name, prepared.build, world, &self.settings)
+        });
+        WorldRuns {
+            records,
+            single_f64,
+        }
+    }
+
+    /// `config` at `world` judged against every reference: a comparison per pair, or the
+    /// failed run that prevented it.
+    fn judge_config(
+        &self,
+        prepared: &Prepared<'_>,
+        config: &TestConfig<'_>,
+        world: usize,
+        runs: &WorldRuns,
+    ) -> Vec<Result<Comparison, RunError>> {
+        let records = &runs.records;
+        let mut out = Vec::new();
+        for reference in &prepared.references {
+            let (run_name, ref_name) = (config.name(), reference.name());
+            if run_name == ref_name {
+                continue;
+            }
+            let judged = match self.arbiter_envelope(config, reference) {
+                Some(envelope) => self.judge_by_arbiter(
+                    records,
+                    (config, world),
+                    envelope,
+                    runs.single_f64.as_ref(),
+                ),
+                None => prepared
+                    .policies
+                    .get(&(run_name.to_owned(), ref_name.to_owned(), world))
+                    .and_then(|policy| {
+                        Some((records.get(run_name)?, records.get(ref_name)?, policy))
+                    })
+                    .map(|(run, against, policy)| match (run, against) {
+                        (Ok(run), Ok(against)) => Ok(compare(run, against, policy)),
+                        (Err(e), _) | (_, Err(e)) => Err(e.clone()),
+                    }),
+            };
+            match judged {
+                Some(Ok(c)) => out.push(Ok(c)),
+                Some(Err(e)) => out.push(Err(RunError {
+                    model: prepared.model_name.to_owned(),
+                    config: format!("{run_name}@{world}"),
+                    reference: format!("{ref_name}@{world}"),
+                    message: e.line.clone(),
+                    details: e.details.clone(),
+                })),
+                None => {}
             }
         }
-        let report = Report::new(comparisons)
-            .with_wall_time(started.elapsed())
-            .with_errors(errors);
-        let files = report::write_all(&report, &out_dir).map_err(|e| ParityTestError::OutDir {
-            path: out_dir.clone(),
-            reason: e.to_string(),
-        })?;
-        Ok(ParityOutcome::new(self.name, report, files))
+        out
     }
 
     /// [`ParityTest::run`], then panics unless every comparison passed: the message names
@@ -476,14 +533,15 @@ impl<'a> ParityTest<'a> {
         Ok(())
     }
 
-    /// Runs configuration or reference `name` at `world`.
+    /// Runs configuration or reference `name` at `world` under `settings`.
     fn run_one(
         &self,
         name: &str,
-        model_name: &str,
-        build: &ModelBuilder<'_>,
+        prepared: &Prepared<'_>,
         world: usize,
-    ) -> Result<RunRecord, RunFailed> {
+        settings: &RunSettings,
+    ) -> Outcome {
+        let (model_name, build) = (prepared.model_name, prepared.build);
         if let Some(TestConfig::Custom { train, .. }) =
             self.configs.iter().find(|c| c.name() == name)
         {
@@ -494,11 +552,11 @@ impl<'a> ParityTest<'a> {
                 world,
                 build,
                 train.as_ref(),
-                &self.settings,
+                settings,
             );
         }
         match Config::by_name(name) {
-            Some(config) => runner::run_config(model_name, build, config, world, &self.settings),
+            Some(config) => runner::run_config(model_name, build, config, world, settings),
             None => Err(RunFailed::simple(format!("unknown configuration `{name}`"))),
         }
     }
@@ -608,6 +666,25 @@ impl<'a> ParityTest<'a> {
         }
         Ok(policy)
     }
+}
+
+/// A run's record, or why it has none.
+type Outcome = Result<RunRecord, RunFailed>;
+
+/// What [`ParityTest::prepare`] decided: the model, the references, and the policy of every
+/// (configuration, reference, world size) not judged by the fp64 arbiter.
+struct Prepared<'t> {
+    model_name: &'t str,
+    build: &'t ModelBuilder<'t>,
+    references: Vec<Reference>,
+    policies: BTreeMap<(String, String, usize), TolerancePolicy>,
+}
+
+/// Every run at one world size, by configuration or reference name, and the float64 shadow
+/// of the single-device reference when an arbiter needs it.
+struct WorldRuns {
+    records: BTreeMap<String, Outcome>,
+    single_f64: Option<Outcome>,
 }
 
 /// `target/lockstep/<test>/`, next to the test binary's own target directory.

@@ -32,6 +32,7 @@
 pub mod counting;
 pub mod cpu;
 mod error;
+pub mod faulty;
 pub mod flight;
 mod group;
 mod mesh;
@@ -44,9 +45,13 @@ mod world;
 
 pub use counting::{CollectiveCount, CollectiveCounts, CountMap, CountingGroup};
 pub use error::CommError;
+pub use faulty::{
+    applicability, CallRecord, FaultInjector, FaultKind, FaultLog, FaultMode, FaultSite,
+    FaultyGroup, Injection,
+};
 pub use group::ProcessGroup;
 pub use mesh::DeviceMesh;
 pub use store::{StoreClient, StoreServer};
 pub use types::{DType, OpKind, ReduceOp};
 pub use work::{Completion, Latch, Work};
-pub use world::{default_timeout, Backend, InitOptions, World};
+pub use world::{default_timeout, Backend, GroupWrapper, InitOptions, World};

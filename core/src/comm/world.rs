@@ -95,6 +95,17 @@ pub fn default_timeout() -> Duration {
         .unwrap_or(Duration::from_secs(1800))
 }
 
+/// Wraps a process group in another that delegates to it (a [`crate::comm::FaultyGroup`], a
+/// [`crate::comm::CountingGroup`]): see [`World::set_group_wrapper`].
+pub type GroupWrapper = Arc<dyn Fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup> + Send + Sync>;
+
+/// The wrapper a world applies to the groups it hands out, with the world group wrapped once
+/// (so every caller of [`World::group`] shares one wrapped group and its state).
+struct Wrapping {
+    wrap: GroupWrapper,
+    world: Arc<dyn ProcessGroup>,
+}
+
 /// Incoming peer connections not yet claimed by a group, keyed by (group key, dialer rank).
 struct Router {
     waiting: Mutex<HashMap<(String, usize), TcpStream>>,
@@ -110,6 +121,8 @@ pub struct World {
     router: Arc<Router>,
     groups_created: AtomicU64,
     world: Arc<dyn ProcessGroup>,
+    /// What every group handed out goes through, if anything (fault injection).
+    wrapping: Mutex<Option<Wrapping>>,
     /// The store, when this rank hosts it (external launch, rank 0).
     _hosted_store: Option<StoreServer>,
 }
@@ -163,6 +176,7 @@ impl World {
             router,
             groups_created: AtomicU64::new(0),
             world,
+            wrapping: Mutex::new(None),
             _hosted_store: hosted,
         })
     }
@@ -231,9 +245,35 @@ impl World {
         self.size
     }
 
-    /// The group of all ranks.
+    /// The group of all ranks (through the group wrapper, when one is set).
     pub fn group(&self) -> Arc<dyn ProcessGroup> {
-        self.world.clone()
+        match lock(&self.wrapping).as_ref() {
+            Some(w) => w.world.clone(),
+            None => self.world.clone(),
+        }
+    }
+
+    /// Makes every group this world hands out from now on — [`World::group`], and each group
+    /// [`World::new_group`], [`World::new_groups`] and so every [`crate::comm::DeviceMesh`]
+    /// creates — go through `wrap`, so a launcher can put every collective of every
+    /// parallelism under one wrapper (a fault injector) without changing the training code.
+    /// Groups handed out earlier are not affected; a later call replaces the wrapper.
+    pub fn set_group_wrapper(&self, wrap: GroupWrapper) {
+        let world = wrap(self.world.clone());
+        *lock(&self.wrapping) = Some(Wrapping { wrap, world });
+    }
+
+    /// Stops wrapping the groups handed out from now on.
+    pub fn clear_group_wrapper(&self) {
+        *lock(&self.wrapping) = None;
+    }
+
+    /// `group` through the wrapper, if one is set.
+    fn wrapped(&self, group: Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup> {
+        match lock(&self.wrapping).as_ref() {
+            Some(w) => (w.wrap)(group),
+            None => group,
+        }
     }
 
     /// The run's store, for user-level coordination.
@@ -287,7 +327,8 @@ impl World {
         };
         let name = format!("{label}{ranks:?}").replace(' ', "");
         let key = format!("g{id}:{ranks:?}");
-        connect_group(&self.opts, &self.store, &self.router, &key, &name, ranks).map(Some)
+        let group = connect_group(&self.opts, &self.store, &self.router, &key, &name, ranks)?;
+        Ok(Some(self.wrapped(group)))
     }
 }
 
