@@ -89,14 +89,7 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
             total: plan.run_count(),
             log_runs,
         },
-        result: MatrixResult {
-            rows: Vec::new(),
-            comparisons: Vec::new(),
-            runs: 0,
-            failed_runs: 0,
-            hung_runs: 0,
-            elapsed: Duration::ZERO,
-        },
+        result: MatrixResult::default(),
     };
     for (m, (model, blocker)) in plan.models.iter().zip(&plan.blockers).enumerate() {
         for &world in &plan.world_sizes {
@@ -320,14 +313,7 @@ impl CellBaseline {
                 total: 0,
                 log_runs: false,
             },
-            result: MatrixResult {
-                rows: Vec::new(),
-                comparisons: Vec::new(),
-                runs: 0,
-                failed_runs: 0,
-                hung_runs: 0,
-                elapsed: Duration::ZERO,
-            },
+            result: MatrixResult::default(),
         };
         let runs = run_cell(plan, 0, world, &mut tally);
         CellBaseline {

@@ -75,7 +75,7 @@ pub struct Row {
 pub use crate::runner::RunFailed;
 
 /// Everything a finished matrix produced.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct MatrixResult {
     /// One row per model × config × reference × world size, in run order.
     pub rows: Vec<Row>,
