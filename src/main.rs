@@ -294,7 +294,7 @@ struct MatrixArgs {
     #[arg(long, value_name = "FILE")]
     arbiter_log: Option<std::path::PathBuf>,
     /// Instead of the matrix: a sensitivity analysis of every selected configuration at
-    /// every world size, each on the first of mlp, gpt, gpt_moe (or of --models) it runs
+    /// every world size, each on the first of mlp, gpt, gpt_moe, transformer (or of --models) it runs
     /// on; exit 1 naming every (config, site, fault) where a math-changing fault was missed.
     /// Writes sensitivity.json to --out.
     #[arg(long)]

@@ -368,6 +368,13 @@ pub fn analyse(
             reason,
         });
     }
+    if calls.iter().all(Vec::is_empty) {
+        return Err(SensitivityError::Invalid(format!(
+            "{} made no collective call: a configuration that runs in one process has \
+             nothing to corrupt",
+            subject.config()
+        )));
+    }
     let steps = base.steps;
     let site_steps: Vec<usize> = opts
         .site_steps

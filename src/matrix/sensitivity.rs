@@ -13,8 +13,9 @@ use std::cell::RefCell;
 /// The models `matrix --sensitivity` analyses a configuration on, in order of preference: the
 /// first that the configuration runs at the world size (the smallest zoo model of each
 /// family: `mlp` for data parallelism and pipelines, `gpt` for tensor parallelism and the
-/// compositions, `gpt_moe` for expert parallelism).
-pub const SENSITIVITY_MODELS: [&str; 3] = ["mlp", "gpt", "gpt_moe"];
+/// compositions, `gpt_moe` for expert parallelism, `transformer` for pipelines of more
+/// stages than the others have layers).
+pub const SENSITIVITY_MODELS: [&str; 4] = ["mlp", "gpt", "gpt_moe", "transformer"];
 
 /// One configuration of the matrix under analysis: its cell's references run once, each
 /// faulted run of the configuration then judged by the matrix's rows for it.
