@@ -61,6 +61,10 @@ pub enum StateKind {
     Optimizer,
     /// A full parameter as the run ends (after any gather), the view the record captures.
     Final,
+    /// A parameter as the record a rank's training function returned reports it: a user's
+    /// function is checked by what it reports, since only rank 0's record is compared with
+    /// the references and no probe sees inside it.
+    Reported,
 }
 
 impl std::fmt::Display for StateKind {
@@ -69,6 +73,7 @@ impl std::fmt::Display for StateKind {
             StateKind::Param => "parameter",
             StateKind::Optimizer => "optimizer state",
             StateKind::Final => "final parameter",
+            StateKind::Reported => "reported parameter",
         })
     }
 }
@@ -154,6 +159,22 @@ impl StateProbe {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .push(entry);
+        Ok(())
+    }
+
+    /// Records the parameters `record` reports as [`StateKind::Reported`], each under the
+    /// coordinate `coord` gives its name: every rank that reports a parameter must report the
+    /// same values (a rank that reports none is compared with nothing).
+    pub fn observe_record(
+        &self,
+        record: &crate::record::RunRecord,
+        coord: &dyn Fn(&str) -> String,
+    ) -> Result<(), crate::CommError> {
+        for p in &record.params {
+            let values = Tensor::f_from_slice(&p.values)?.f_reshape(p.shape.as_slice())?;
+            let step = record.spec.steps;
+            self.observe(step, StateKind::Reported, &p.name, &coord(&p.name), &values)?;
+        }
         Ok(())
     }
 
@@ -308,6 +329,7 @@ impl std::fmt::Display for CrossRankMismatch {
         let ranks = |r: &[usize]| r.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
         let when = match self.kind {
             StateKind::Final => "at the end of the run".to_owned(),
+            StateKind::Reported => "in the records the ranks returned".to_owned(),
             _ => format!("after step {}", self.step),
         };
         write!(

@@ -189,14 +189,22 @@ pub fn sensitivity_matrix(
         opts.models.clone()
     };
     let whole = plan(&MatrixOptions {
-        models: candidates,
+        models: candidates.clone(),
         ..opts.clone()
     })?;
     let mut entries = Vec::new();
     for &world in &whole.world_sizes {
         for &config in whole.configs.iter().filter(|&&c| c != Config::Single) {
-            let model =
-                (0..whole.models.len()).find(|&m| whole.blocker(m, world, config).is_none());
+            // In the order of the candidates (the plan keeps zoo order): the cheapest model
+            // that exercises the family's code comes first.
+            let model = candidates
+                .iter()
+                .flat_map(|pattern| {
+                    let models = whole.models.iter().enumerate();
+                    models.filter(move |(_, m)| super::plan::matches(pattern, m))
+                })
+                .map(|(m, _)| m)
+                .find(|&m| whole.blocker(m, world, config).is_none());
             let outcome = match model {
                 None => SensitivityOutcome::Skipped(format!(
                     "runs on none of {} at world size {world}",

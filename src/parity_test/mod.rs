@@ -545,13 +545,28 @@ impl<'a> ParityTest<'a> {
         if let Some(TestConfig::Custom { train, .. }) =
             self.configs.iter().find(|c| c.name() == name)
         {
+            // A user's function is checked across ranks by the record each rank returns.
+            let checked = |ctx: &RankCtx, model: &dyn Model, cfg: &TrainConfig| {
+                let record = train(ctx, model, cfg)?;
+                if let Some(probe) = &cfg.probe {
+                    let tags = model.tags();
+                    let coord = |n: &str| {
+                        let local = tags.is_rank_local(n);
+                        local.then(|| probe.rank_local()).unwrap_or_default()
+                    };
+                    probe
+                        .observe_record(&record, &coord)
+                        .map_err(|e| format!("digesting the returned record: {e}"))?;
+                }
+                Ok(record)
+            };
             return runner::run_launched(
                 model_name,
                 &format!("{name}@{world}"),
                 "fp32",
                 world,
                 build,
-                train.as_ref(),
+                &checked,
                 settings,
             );
         }
