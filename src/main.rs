@@ -858,81 +858,13 @@ fn run_bench(what: BenchCommand) -> Result<()> {
             sizes,
             seconds,
             json,
-        } => {
-            let opts = CommBenchOptions {
-                world_size,
-                backend,
-                ops: if ops.is_empty() {
-                    vec![
-                        BenchOp::AllReduce,
-                        BenchOp::AllGather,
-                        BenchOp::ReduceScatter,
-                        BenchOp::Broadcast,
-                        BenchOp::AllToAll,
-                    ]
-                } else {
-                    ops
-                },
-                sizes: if sizes.is_empty() {
-                    vec![4, 1 << 10, 64 << 10, 1 << 20, 16 << 20]
-                } else {
-                    sizes
-                },
-                seconds_per_point: seconds,
-            };
-            if !json {
-                eprintln!(
-                    "measuring {} collectives x {} sizes on {} ranks ({} backend)...",
-                    opts.ops.len(),
-                    opts.sizes.len(),
-                    opts.world_size,
-                    opts.backend
-                );
-            }
-            let points = bench::run_comm(&opts).context("communication benchmark")?;
-            if json {
-                for p in &points {
-                    println!("{}", serde_json::to_string(p)?);
-                }
-            } else {
-                println!(
-                    "{:<15} {:>12} {:>6} {:>12} {:>12} {:>12}",
-                    "op", "bytes", "world", "latency", "algbw GB/s", "busbw GB/s"
-                );
-                for p in &points {
-                    println!(
-                        "{:<15} {:>12} {:>6} {:>12} {:>12.3} {:>12.3}",
-                        p.op,
-                        p.bytes,
-                        p.world_size,
-                        format_seconds(p.seconds),
-                        p.algbw_gbps,
-                        p.busbw_gbps
-                    );
-                }
-            }
-        }
+        } => bench_comm(backend, world_size, ops, sizes, seconds, json),
         BenchCommand::Spawn {
             world_size,
             repeats,
             mode,
             json,
-        } => {
-            let r = bench::run_spawn(world_size, repeats, mode).context("spawn benchmark")?;
-            if json {
-                println!("{}", serde_json::to_string(&r)?);
-            } else {
-                println!(
-                    "spawn + rendezvous + first all_reduce, {} ranks ({:?}): median {} (min {}, max {}, {} runs)",
-                    r.world_size,
-                    r.mode,
-                    format_seconds(r.seconds),
-                    format_seconds(r.min_seconds),
-                    format_seconds(r.max_seconds),
-                    r.repeats
-                );
-            }
-        }
+        } => bench_spawn(world_size, repeats, mode, json),
         BenchCommand::Pipeline {
             schedule,
             stages,
@@ -941,8 +873,8 @@ fn run_bench(what: BenchCommand) -> Result<()> {
             steps,
             trace,
             json,
-        } => {
-            let opts = bench::PipelineBenchOptions {
+        } => bench_pipeline(
+            bench::PipelineBenchOptions {
                 schedule,
                 stages,
                 microbatches,
@@ -950,119 +882,214 @@ fn run_bench(what: BenchCommand) -> Result<()> {
                 steps,
                 trace,
                 ..bench::PipelineBenchOptions::default()
-            };
-            let r = match bench::run_pipeline(&opts) {
-                Ok(r) => r,
-                // Bad input (an unknown schedule, stages that do not fit the decoder's layers,
-                // microbatches the schedule refuses) exits 2 like `lockstep schedule`, so a
-                // script tells it from a run that failed.
-                Err(bench::BenchError::Invalid(why)) => {
-                    eprintln!("error: pipeline benchmark: {why}");
-                    std::process::exit(2);
-                }
-                Err(e) => return Err(anyhow::Error::new(e).context("pipeline benchmark")),
-            };
-            if json {
-                println!("{}", serde_json::to_string(&r)?);
-            } else {
-                println!(
-                    "pipeline {} p={} v={} m={}, benchmark decoder ({} parameters), median of {} steps",
-                    r.schedule, r.stages, r.virtual_stages, r.microbatches, r.parameters, r.steps
-                );
-                let rows = [
-                    (
-                        "step time, pipeline",
-                        format_seconds(r.pipeline_seconds),
-                        String::new(),
-                    ),
-                    (
-                        "step time, one process on one core",
-                        format_seconds(r.single_seconds),
-                        String::new(),
-                    ),
-                    (
-                        "ratio pipeline / one process",
-                        format!("{:.2}", r.ratio),
-                        String::new(),
-                    ),
-                    (
-                        "bubble, measured",
-                        format!("{:.3}", r.measured_bubble),
-                        String::new(),
-                    ),
-                    (
-                        "bubble, simulated (unit costs)",
-                        format!("{:.3}", r.simulated_bubble),
-                        format!(
-                            "measured differs by {:.1}%",
-                            100.0 * r.bubble_relative_difference_unit_costs
-                        ),
-                    ),
-                    (
-                        "bubble, simulated (measured costs)",
-                        format!("{:.3}", r.simulated_bubble_measured_costs),
-                        format!(
-                            "measured differs by {:.1}%",
-                            100.0 * r.bubble_relative_difference
-                        ),
-                    ),
-                ];
-                for (what, value, note) in rows {
-                    let line = format!("  {what:<36} {value:>10}  {note}");
-                    println!("{}", line.trim_end());
-                }
-            }
-        }
+            },
+            json,
+        ),
         BenchCommand::Step {
             world_size,
             model,
             steps,
             parallel,
             json,
-        } => {
-            let opts = StepBenchOptions {
+        } => bench_step(
+            StepBenchOptions {
                 world_size,
                 model,
                 steps,
                 parallel,
                 ..StepBenchOptions::default()
-            };
-            // Bad input (a world of one, a plan the sizes do not fit) exits 2, as for
-            // `bench pipeline`.
-            let bad_input = |e: bench::BenchError| -> anyhow::Error {
-                if let bench::BenchError::Invalid(why) = &e {
-                    eprintln!("error: step benchmark: {why}");
-                    std::process::exit(2);
-                }
-                anyhow::Error::new(e).context("step benchmark")
-            };
-            if parallel != bench::StepParallel::Fsdp {
-                let r = bench::run_parallel_step(&opts).map_err(bad_input)?;
-                if json {
-                    println!("{}", serde_json::to_string(&r)?);
-                } else {
-                    print_parallel_step(&r);
-                }
-                return Ok(());
-            }
-            let r = bench::run_step(&opts).map_err(bad_input)?;
-            if json {
-                println!("{}", serde_json::to_string(&r)?);
-            } else {
-                println!(
-                    "one training step, {} ({} parameters), {} ranks, median of {}: ddp {}, fsdp full_shard (root unit) {} ({:.2}x ddp), fsdp full_shard per layer {} ({:.2}x ddp)",
-                    r.model,
-                    r.parameters,
-                    r.world_size,
-                    r.steps,
-                    format_seconds(r.ddp_seconds),
-                    format_seconds(r.fsdp_seconds),
-                    r.ratio,
-                    format_seconds(r.fsdp_per_layer_seconds),
-                    r.per_layer_ratio
-                );
-            }
+            },
+            json,
+        ),
+    }
+}
+
+/// `lockstep bench comm`: busbw per collective and size.
+fn bench_comm(
+    backend: String,
+    world_size: usize,
+    ops: Vec<BenchOp>,
+    sizes: Vec<usize>,
+    seconds: f64,
+    json: bool,
+) -> Result<()> {
+    let opts = CommBenchOptions {
+        world_size,
+        backend,
+        ops: if ops.is_empty() {
+            vec![
+                BenchOp::AllReduce,
+                BenchOp::AllGather,
+                BenchOp::ReduceScatter,
+                BenchOp::Broadcast,
+                BenchOp::AllToAll,
+            ]
+        } else {
+            ops
+        },
+        sizes: if sizes.is_empty() {
+            vec![4, 1 << 10, 64 << 10, 1 << 20, 16 << 20]
+        } else {
+            sizes
+        },
+        seconds_per_point: seconds,
+    };
+    if !json {
+        eprintln!(
+            "measuring {} collectives x {} sizes on {} ranks ({} backend)...",
+            opts.ops.len(),
+            opts.sizes.len(),
+            opts.world_size,
+            opts.backend
+        );
+    }
+    let points = bench::run_comm(&opts).context("communication benchmark")?;
+    if json {
+        for p in &points {
+            println!("{}", serde_json::to_string(p)?);
         }
+    } else {
+        println!(
+            "{:<15} {:>12} {:>6} {:>12} {:>12} {:>12}",
+            "op", "bytes", "world", "latency", "algbw GB/s", "busbw GB/s"
+        );
+        for p in &points {
+            println!(
+                "{:<15} {:>12} {:>6} {:>12} {:>12.3} {:>12.3}",
+                p.op,
+                p.bytes,
+                p.world_size,
+                format_seconds(p.seconds),
+                p.algbw_gbps,
+                p.busbw_gbps
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `lockstep bench spawn`: the launcher's start-up cost.
+fn bench_spawn(world_size: usize, repeats: usize, mode: SpawnBenchMode, json: bool) -> Result<()> {
+    let r = bench::run_spawn(world_size, repeats, mode).context("spawn benchmark")?;
+    if json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "spawn + rendezvous + first all_reduce, {} ranks ({:?}): median {} (min {}, max {}, {} runs)",
+            r.world_size,
+            r.mode,
+            format_seconds(r.seconds),
+            format_seconds(r.min_seconds),
+            format_seconds(r.max_seconds),
+            r.repeats
+        );
+    }
+    Ok(())
+}
+
+/// `lockstep bench pipeline`: step time and measured bubble against the simulated one.
+fn bench_pipeline(opts: bench::PipelineBenchOptions, json: bool) -> Result<()> {
+    let r = match bench::run_pipeline(&opts) {
+        Ok(r) => r,
+        // Bad input (an unknown schedule, stages that do not fit the decoder's layers,
+        // microbatches the schedule refuses) exits 2 like `lockstep schedule`, so a
+        // script tells it from a run that failed.
+        Err(bench::BenchError::Invalid(why)) => {
+            eprintln!("error: pipeline benchmark: {why}");
+            std::process::exit(2);
+        }
+        Err(e) => return Err(anyhow::Error::new(e).context("pipeline benchmark")),
+    };
+    if json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "pipeline {} p={} v={} m={}, benchmark decoder ({} parameters), median of {} steps",
+            r.schedule, r.stages, r.virtual_stages, r.microbatches, r.parameters, r.steps
+        );
+        let rows = [
+            (
+                "step time, pipeline",
+                format_seconds(r.pipeline_seconds),
+                String::new(),
+            ),
+            (
+                "step time, one process on one core",
+                format_seconds(r.single_seconds),
+                String::new(),
+            ),
+            (
+                "ratio pipeline / one process",
+                format!("{:.2}", r.ratio),
+                String::new(),
+            ),
+            (
+                "bubble, measured",
+                format!("{:.3}", r.measured_bubble),
+                String::new(),
+            ),
+            (
+                "bubble, simulated (unit costs)",
+                format!("{:.3}", r.simulated_bubble),
+                format!(
+                    "measured differs by {:.1}%",
+                    100.0 * r.bubble_relative_difference_unit_costs
+                ),
+            ),
+            (
+                "bubble, simulated (measured costs)",
+                format!("{:.3}", r.simulated_bubble_measured_costs),
+                format!(
+                    "measured differs by {:.1}%",
+                    100.0 * r.bubble_relative_difference
+                ),
+            ),
+        ];
+        for (what, value, note) in rows {
+            let line = format!("  {what:<36} {value:>10}  {note}");
+            println!("{}", line.trim_end());
+        }
+    }
+    Ok(())
+}
+
+/// `lockstep bench step`: one training step under DDP/FSDP, or a TP/EP plan.
+fn bench_step(opts: StepBenchOptions, json: bool) -> Result<()> {
+    let parallel = opts.parallel;
+    // Bad input (a world of one, a plan the sizes do not fit) exits 2, as for
+    // `bench pipeline`.
+    let bad_input = |e: bench::BenchError| -> anyhow::Error {
+        if let bench::BenchError::Invalid(why) = &e {
+            eprintln!("error: step benchmark: {why}");
+            std::process::exit(2);
+        }
+        anyhow::Error::new(e).context("step benchmark")
+    };
+    if parallel != bench::StepParallel::Fsdp {
+        let r = bench::run_parallel_step(&opts).map_err(bad_input)?;
+        if json {
+            println!("{}", serde_json::to_string(&r)?);
+        } else {
+            print_parallel_step(&r);
+        }
+        return Ok(());
+    }
+    let r = bench::run_step(&opts).map_err(bad_input)?;
+    if json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "one training step, {} ({} parameters), {} ranks, median of {}: ddp {}, fsdp full_shard (root unit) {} ({:.2}x ddp), fsdp full_shard per layer {} ({:.2}x ddp)",
+            r.model,
+            r.parameters,
+            r.world_size,
+            r.steps,
+            format_seconds(r.ddp_seconds),
+            format_seconds(r.fsdp_seconds),
+            r.ratio,
+            format_seconds(r.fsdp_per_layer_seconds),
+            r.per_layer_ratio
+        );
     }
     Ok(())
 }

@@ -136,8 +136,8 @@ fn why_not_continued(config: Config) -> String {
     )
 }
 
-/// Checks everything, runs, writes the requested files and returns what happened.
-pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
+/// The configuration `opts` names, once the options that need no model are checked.
+fn check_options(opts: &RunOptions) -> Result<Config, RunCmdError> {
     let invalid = RunCmdError::Invalid;
     let config = Config::by_name(&opts.config).ok_or_else(|| {
         let known: Vec<&str> = Config::all().into_iter().map(Config::name).collect();
@@ -169,6 +169,13 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
             )));
         }
     }
+    Ok(config)
+}
+
+/// Checks everything, runs, writes the requested files and returns what happened.
+pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
+    let invalid = RunCmdError::Invalid;
+    let config = check_options(opts)?;
     let mut notes = Vec::new();
     let optimizer = OptimizerConfig::default();
 
@@ -188,27 +195,7 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
         Some(init) => check_init(opts, config, probe.as_mut(), init, optimizer, &mut notes)?,
         None => None,
     };
-    let seed = match (&resume, opts.seed) {
-        (Some((_, state)), Some(seed)) if seed != state.seed => {
-            notes.push(format!(
-                "--seed {seed} differs from the checkpoint's seed {}: the continued run sees \
-                 other batches than an uninterrupted one",
-                state.seed
-            ));
-            seed
-        }
-        (Some((_, state)), None) => state.seed,
-        (_, seed) => seed.unwrap_or(0),
-    };
-    if let Some((_, state)) = &resume {
-        if state.world_size != opts.world_size {
-            notes.push(format!(
-                "world size {} differs from the checkpoint's {}: the continued run's global \
-                 batch differs from an uninterrupted one's",
-                opts.world_size, state.world_size
-            ));
-        }
-    }
+    let seed = settle_seed(opts, resume.as_ref().map(|(_, state)| state), &mut notes);
     let start_step = resume.as_ref().map_or(0, |(_, s)| s.step);
     drop(probe);
 
@@ -244,39 +231,14 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
         Some((file, state)) => (Some(file), state.tensors),
         None => (None, Vec::new()),
     };
-    // The ranks' thread count for the reference computed here; one thread in a process
-    // that forks ranks (`lockstep_harness::threads`).
-    if config == Config::Single {
-        lockstep_harness::threads::use_rank_threads();
-    } else {
-        lockstep_harness::threads::use_launcher_threads();
-    }
-    let (record, final_optimizer) = if config == Config::Single {
-        let (record, state) = run_single(
-            &opts.model,
-            &build,
-            opts.world_size,
-            &settings,
-            start_step,
-            resume_state,
-        )?;
-        (record, Some(state))
-    } else if can_continue(config) {
-        let (record, state) = run_ddp(
-            &opts.model,
-            &build,
-            config,
-            opts.world_size,
-            &settings,
-            start_step,
-            optimizer_file.as_deref(),
-        )?;
-        (record, Some(state))
-    } else {
-        let record = runner::run_config(&opts.model, &build, config, opts.world_size, &settings)
-            .map_err(|e| RunCmdError::Failed(e.to_string()))?;
-        (record, None)
-    };
+    let (record, final_optimizer) = train(
+        opts,
+        config,
+        &build,
+        &settings,
+        start_step,
+        (optimizer_file.as_deref(), resume_state),
+    )?;
 
     let mut saved_optimizer_state = None;
     if let Some(path) = &opts.save_final {
@@ -332,6 +294,84 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
         saved_final: opts.save_final.clone(),
         saved_optimizer_state,
         notes,
+    })
+}
+
+/// The run's seed: `--seed`, else the checkpoint's; notes where continuing differs from an
+/// uninterrupted run (another seed, another world size).
+fn settle_seed(
+    opts: &RunOptions,
+    resumed: Option<&OptimizerState>,
+    notes: &mut Vec<String>,
+) -> u64 {
+    let seed = match (resumed, opts.seed) {
+        (Some(state), Some(seed)) if seed != state.seed => {
+            notes.push(format!(
+                "--seed {seed} differs from the checkpoint's seed {}: the continued run sees \
+                 other batches than an uninterrupted one",
+                state.seed
+            ));
+            seed
+        }
+        (Some(state), None) => state.seed,
+        (_, seed) => seed.unwrap_or(0),
+    };
+    if let Some(state) = resumed {
+        if state.world_size != opts.world_size {
+            notes.push(format!(
+                "world size {} differs from the checkpoint's {}: the continued run's global \
+                 batch differs from an uninterrupted one's",
+                opts.world_size, state.world_size
+            ));
+        }
+    }
+    seed
+}
+
+/// Trains `config`: the references in this process, DDP-style configurations continuing
+/// `resume` (an optimizer state file for the ranks, the tensors for `single`), everything
+/// else through the launcher. Returns the record and the final optimizer state when the
+/// configuration can continue one.
+fn train(
+    opts: &RunOptions,
+    config: Config,
+    build: &runner::ModelBuilder<'_>,
+    settings: &RunSettings,
+    start_step: usize,
+    resume: (Option<&Path>, Vec<(String, tch::Tensor)>),
+) -> Result<(RunRecord, Option<Vec<(String, tch::Tensor)>>), RunCmdError> {
+    // The ranks' thread count for the reference computed here; one thread in a process
+    // that forks ranks (`lockstep_harness::threads`).
+    if config == Config::Single {
+        lockstep_harness::threads::use_rank_threads();
+    } else {
+        lockstep_harness::threads::use_launcher_threads();
+    }
+    Ok(if config == Config::Single {
+        let (record, state) = run_single(
+            &opts.model,
+            build,
+            opts.world_size,
+            settings,
+            start_step,
+            resume.1,
+        )?;
+        (record, Some(state))
+    } else if can_continue(config) {
+        let (record, state) = run_ddp(
+            &opts.model,
+            build,
+            config,
+            opts.world_size,
+            settings,
+            start_step,
+            resume.0,
+        )?;
+        (record, Some(state))
+    } else {
+        let record = runner::run_config(&opts.model, build, config, opts.world_size, settings)
+            .map_err(|e| RunCmdError::Failed(e.to_string()))?;
+        (record, None)
     })
 }
 

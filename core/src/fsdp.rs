@@ -391,63 +391,14 @@ impl Fsdp {
         let mut units = Vec::new();
         let mut unit_of_layer = vec![None; layers.len()];
         for planned in plan {
-            let mut slots = Vec::with_capacity(planned.params.len());
-            let mut offset = 0i64;
-            let mut kind = None;
-            for pname in planned.params {
-                let Some(param) = by_name.remove(&pname) else {
-                    continue;
-                };
-                let k = *kind.get_or_insert(param.kind());
-                if param.kind() != k {
-                    return Err(FsdpError::Invalid(format!(
-                        "parameter `{pname}` is {:?} but unit `{}`'s flat parameter is {k:?}",
-                        param.kind(),
-                        planned.name
-                    )));
-                }
-                let bytes = param.numel() * k.elt_size_in_bytes();
-                // Freeing a storage frees every alias: each parameter must own its storage.
-                if !param.is_contiguous() || storage_nbytes(&param)? != bytes {
-                    return Err(FsdpError::Invalid(format!(
-                        "parameter `{pname}` does not own its storage (a view or a shared buffer)"
-                    )));
-                }
-                let numel = param.numel() as i64;
-                slots.push(Slot {
-                    name: pname,
-                    param,
-                    offset,
-                    numel,
-                });
-                offset += numel;
-            }
-            let Some(kind) = kind else { continue };
-            for &l in &planned.layers {
+            let layers_of_unit = planned.layers.clone();
+            let Some(unit) = unit_from_plan(planned, &mut by_name, &isolate, &opts, world)? else {
+                continue;
+            };
+            for &l in &layers_of_unit {
                 unit_of_layer[l] = Some(units.len());
             }
-            let full_precision =
-                !planned.layers.is_empty() && planned.layers.iter().all(|l| isolate.contains(l));
-            let (compute_kind, reduce_kind) = match &opts.mixed_precision {
-                Some(mp) if !full_precision => (mp.param_dtype, mp.reduce_dtype),
-                _ => (kind, kind),
-            };
-            units.push(Unit {
-                name: planned.name,
-                layers: planned.layers,
-                slots,
-                kind,
-                compute_kind,
-                reduce_kind,
-                padded: (offset + world - 1) / world * world,
-                shard: Tensor::new(),
-                residency: Residency::Unsharded,
-                pending_gather: None,
-                alive_bytes: 0,
-                ready: 0,
-                pending_reduce: None,
-                reduced: false,
-            });
+            units.push(unit);
         }
         let ignored_compute = match &opts.mixed_precision {
             Some(mp) => {
@@ -961,6 +912,72 @@ impl Core {
         }
         self.reshard_unit(u)
     }
+}
+
+/// The unit `planned` describes, its parameters taken out of `by_name` (those another unit
+/// took already are skipped): `None` when none is left. Its flat parameter has one dtype and
+/// owns its parameters' storages, padded to a multiple of `world`.
+fn unit_from_plan(
+    planned: wrap::PlannedUnit,
+    by_name: &mut std::collections::HashMap<String, Tensor>,
+    isolate: &[usize],
+    opts: &FsdpOptions,
+    world: i64,
+) -> Result<Option<Unit>, FsdpError> {
+    let mut slots = Vec::with_capacity(planned.params.len());
+    let mut offset = 0i64;
+    let mut kind = None;
+    for pname in planned.params {
+        let Some(param) = by_name.remove(&pname) else {
+            continue;
+        };
+        let k = *kind.get_or_insert(param.kind());
+        if param.kind() != k {
+            return Err(FsdpError::Invalid(format!(
+                "parameter `{pname}` is {:?} but unit `{}`'s flat parameter is {k:?}",
+                param.kind(),
+                planned.name
+            )));
+        }
+        let bytes = param.numel() * k.elt_size_in_bytes();
+        // Freeing a storage frees every alias: each parameter must own its storage.
+        if !param.is_contiguous() || storage_nbytes(&param)? != bytes {
+            return Err(FsdpError::Invalid(format!(
+                "parameter `{pname}` does not own its storage (a view or a shared buffer)"
+            )));
+        }
+        let numel = param.numel() as i64;
+        slots.push(Slot {
+            name: pname,
+            param,
+            offset,
+            numel,
+        });
+        offset += numel;
+    }
+    let Some(kind) = kind else { return Ok(None) };
+    let full_precision =
+        !planned.layers.is_empty() && planned.layers.iter().all(|l| isolate.contains(l));
+    let (compute_kind, reduce_kind) = match &opts.mixed_precision {
+        Some(mp) if !full_precision => (mp.param_dtype, mp.reduce_dtype),
+        _ => (kind, kind),
+    };
+    Ok(Some(Unit {
+        name: planned.name,
+        layers: planned.layers,
+        slots,
+        kind,
+        compute_kind,
+        reduce_kind,
+        padded: (offset + world - 1) / world * world,
+        shard: Tensor::new(),
+        residency: Residency::Unsharded,
+        pending_gather: None,
+        alive_bytes: 0,
+        ready: 0,
+        pending_reduce: None,
+        reduced: false,
+    }))
 }
 
 /// Registers the post-backward hook on every managed parameter.

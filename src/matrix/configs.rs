@@ -126,226 +126,270 @@ impl FsdpConfig {
     }
 }
 
+/// FSDP options with `strategy` and `wrap`, everything else PyTorch's defaults.
+fn with(strategy: ShardingStrategy, wrap: WrapPolicy) -> FsdpOptions {
+    FsdpOptions {
+        strategy,
+        wrap,
+        ..FsdpOptions::default()
+    }
+}
+
+/// A flat (one process group) fp32 row, bitwise equal to DDP.
+fn flat(name: &'static str, description: &'static str, options: FsdpOptions) -> FsdpConfig {
+    FsdpConfig {
+        name,
+        description,
+        options,
+        layout: FsdpLayout::Flat,
+        vs_ddp: DdpCheck::Bitwise,
+        precision: None,
+    }
+}
+
+/// A flat row under a mixed-precision policy, bitwise equal to DDP under the same policy.
+fn mixed(
+    name: &'static str,
+    description: &'static str,
+    options: FsdpOptions,
+    precision: Precision,
+) -> FsdpConfig {
+    FsdpConfig {
+        name,
+        description,
+        options: FsdpOptions {
+            mixed_precision: Some(precision.policy()),
+            ..options
+        },
+        layout: FsdpLayout::Flat,
+        vs_ddp: DdpCheck::Bitwise,
+        precision: Some(precision),
+    }
+}
+
+/// A hybrid-shard row (shards within a replica, replicas averaged), bitwise equal to
+/// `ddp.hybrid_order`.
+fn hybrid(name: &'static str, description: &'static str, wrap: WrapPolicy) -> FsdpConfig {
+    FsdpConfig {
+        name,
+        description,
+        options: with(ShardingStrategy::HybridShard, wrap),
+        layout: Config::hybrid_layout(),
+        vs_ddp: DdpCheck::Bitwise,
+        precision: None,
+    }
+}
+
+/// The rows that came first (their names are kept stable: users and CI jobs select them).
+fn first_fsdp_rows() -> Vec<FsdpConfig> {
+    let full = FsdpOptions::default();
+    let per_layer = with(ShardingStrategy::FullShard, WrapPolicy::PerLayer);
+    vec![
+        flat(
+            "fsdp.full_shard",
+            "FSDP FULL_SHARD, the model as one root unit (ZeRO-3)",
+            full.clone(),
+        ),
+        flat(
+            "fsdp.shard_grad_op",
+            "FSDP SHARD_GRAD_OP, one root unit (full parameters kept from forward to \
+         backward)",
+            with(ShardingStrategy::ShardGradOp, WrapPolicy::Root),
+        ),
+        flat(
+            "fsdp.no_shard",
+            "FSDP NO_SHARD, one root unit (gradients all-reduced through FSDP's path)",
+            with(ShardingStrategy::NoShard, WrapPolicy::Root),
+        ),
+        flat(
+            "fsdp.full_shard.per_layer",
+            "FSDP FULL_SHARD, one unit per layer (tied parameters in the root)",
+            per_layer.clone(),
+        ),
+        flat(
+            "fsdp.shard_grad_op.per_layer",
+            "FSDP SHARD_GRAD_OP, one unit per layer",
+            with(ShardingStrategy::ShardGradOp, WrapPolicy::PerLayer),
+        ),
+        flat(
+            "fsdp.full_shard.per_layer.no_reshard",
+            "FULL_SHARD per layer with reshard_after_forward off (units stay gathered \
+         from forward to backward)",
+            FsdpOptions {
+                reshard_after_forward: false,
+                ..per_layer.clone()
+            },
+        ),
+        flat(
+            "fsdp.full_shard.per_layer.prefetch_post",
+            "FULL_SHARD per layer, backward prefetch in post-backward (BACKWARD_POST)",
+            FsdpOptions {
+                backward_prefetch: BackwardPrefetch::Post,
+                ..per_layer.clone()
+            },
+        ),
+        flat(
+            "fsdp.full_shard.per_layer.no_prefetch",
+            "FULL_SHARD per layer, no backward prefetch",
+            FsdpOptions {
+                backward_prefetch: BackwardPrefetch::None,
+                ..per_layer.clone()
+            },
+        ),
+        flat(
+            "fsdp.full_shard.per_layer.forward_prefetch",
+            "FULL_SHARD per layer, forward prefetch on (next unit gathered when a unit's \
+         forward starts)",
+            FsdpOptions {
+                forward_prefetch: true,
+                ..per_layer.clone()
+            },
+        ),
+        flat(
+            "fsdp.full_shard.blocks",
+            "FULL_SHARD, one unit per transformer block (encoder/decoder layers, \
+         decoder blocks, MoE decoder blocks); the rest, and models without blocks, \
+         in the root",
+            with(
+                ShardingStrategy::FullShard,
+                WrapPolicy::ByKind(BLOCK_KINDS.to_vec()),
+            ),
+        ),
+        flat(
+            "fsdp.full_shard.min_params",
+            "FULL_SHARD, consecutive layers grouped into units of at least 100 parameters \
+         (size-based wrap); a smaller remainder in the root",
+            with(
+                ShardingStrategy::FullShard,
+                WrapPolicy::MinParams(MIN_PARAMS),
+            ),
+        ),
+        flat(
+            "fsdp.full_shard.offload",
+            "FULL_SHARD, one root unit, master shards (gradients, optimizer state) \
+         offloaded to the CPU",
+            FsdpOptions {
+                offload_params: true,
+                ..full.clone()
+            },
+        ),
+        flat(
+            "fsdp.full_shard.no_sync_module_states",
+            "FULL_SHARD, one root unit, without broadcasting rank 0's parameters and \
+         buffers at construction (every rank builds the same model)",
+            FsdpOptions {
+                sync_module_states: false,
+                ..full.clone()
+            },
+        ),
+        hybrid(
+            "fsdp.hybrid_shard",
+            "FSDP HYBRID_SHARD, one root unit: sharded within groups of N/2 ranks, \
+         replicated across 2",
+            WrapPolicy::Root,
+        ),
+        hybrid(
+            "fsdp.hybrid_shard.per_layer",
+            "HYBRID_SHARD with one unit per layer",
+            WrapPolicy::PerLayer,
+        ),
+    ]
+}
+
+/// The rest of strategy × wrapping, so every combination runs.
+fn strategy_wrap_rows() -> Vec<FsdpConfig> {
+    vec![
+        // The rest of strategy × wrapping: every strategy under every wrap policy that
+        // applies to any model (`Explicit` names one model's layers: tests/fsdp_units.rs).
+        flat(
+            "fsdp.shard_grad_op.blocks",
+            "SHARD_GRAD_OP, one unit per transformer block",
+            with(
+                ShardingStrategy::ShardGradOp,
+                WrapPolicy::ByKind(BLOCK_KINDS.to_vec()),
+            ),
+        ),
+        flat(
+            "fsdp.shard_grad_op.min_params",
+            "SHARD_GRAD_OP, size-based units of at least 100 parameters",
+            with(
+                ShardingStrategy::ShardGradOp,
+                WrapPolicy::MinParams(MIN_PARAMS),
+            ),
+        ),
+        flat(
+            "fsdp.no_shard.per_layer",
+            "NO_SHARD, one unit per layer",
+            with(ShardingStrategy::NoShard, WrapPolicy::PerLayer),
+        ),
+        flat(
+            "fsdp.no_shard.blocks",
+            "NO_SHARD, one unit per transformer block",
+            with(
+                ShardingStrategy::NoShard,
+                WrapPolicy::ByKind(BLOCK_KINDS.to_vec()),
+            ),
+        ),
+        flat(
+            "fsdp.no_shard.min_params",
+            "NO_SHARD, size-based units of at least 100 parameters",
+            with(ShardingStrategy::NoShard, WrapPolicy::MinParams(MIN_PARAMS)),
+        ),
+        hybrid(
+            "fsdp.hybrid_shard.blocks",
+            "HYBRID_SHARD, one unit per transformer block",
+            WrapPolicy::ByKind(BLOCK_KINDS.to_vec()),
+        ),
+        hybrid(
+            "fsdp.hybrid_shard.min_params",
+            "HYBRID_SHARD, size-based units of at least 100 parameters",
+            WrapPolicy::MinParams(MIN_PARAMS),
+        ),
+    ]
+}
+
+/// The mixed-precision rows.
+fn mixed_precision_rows() -> Vec<FsdpConfig> {
+    let full = FsdpOptions::default();
+    let per_layer = with(ShardingStrategy::FullShard, WrapPolicy::PerLayer);
+    vec![
+        mixed(
+            "fsdp.full_shard.bf16",
+            "FULL_SHARD, one root unit, bf16 mixed precision (bf16 compute, fp32 \
+         reduction and buffers, BatchNorm in fp32 units)",
+            full,
+            Precision::Bf16,
+        ),
+        mixed(
+            "fsdp.full_shard.per_layer.bf16",
+            "FULL_SHARD per layer, bf16 mixed precision",
+            per_layer.clone(),
+            Precision::Bf16,
+        ),
+        mixed(
+            "fsdp.shard_grad_op.per_layer.bf16",
+            "SHARD_GRAD_OP per layer, bf16 mixed precision",
+            with(ShardingStrategy::ShardGradOp, WrapPolicy::PerLayer),
+            Precision::Bf16,
+        ),
+        mixed(
+            "fsdp.full_shard.per_layer.fp16",
+            "FULL_SHARD per layer, fp16 mixed precision (fp16 compute, fp32 reduction and \
+         buffers, BatchNorm in fp32 units)",
+            per_layer,
+            Precision::Fp16,
+        ),
+    ]
+}
+
 /// Every FSDP configuration, in row order. The first four are the original names, kept
 /// stable because users and CI jobs select them by name; the mixed-precision ones come last.
 pub fn fsdp_configs() -> &'static [FsdpConfig] {
     static TABLE: LazyLock<Vec<FsdpConfig>> = LazyLock::new(|| {
-        let full = FsdpOptions::default();
-        let with = |strategy, wrap| FsdpOptions {
-            strategy,
-            wrap,
-            ..FsdpOptions::default()
-        };
-        let per_layer = with(ShardingStrategy::FullShard, WrapPolicy::PerLayer);
-        let flat = |name, description, options| FsdpConfig {
-            name,
-            description,
-            options,
-            layout: FsdpLayout::Flat,
-            vs_ddp: DdpCheck::Bitwise,
-            precision: None,
-        };
-        let mixed = |name, description, options: FsdpOptions, precision: Precision| FsdpConfig {
-            name,
-            description,
-            options: FsdpOptions {
-                mixed_precision: Some(precision.policy()),
-                ..options
-            },
-            layout: FsdpLayout::Flat,
-            vs_ddp: DdpCheck::Bitwise,
-            precision: Some(precision),
-        };
-        let hybrid = |name, description, wrap| FsdpConfig {
-            name,
-            description,
-            options: with(ShardingStrategy::HybridShard, wrap),
-            layout: Config::hybrid_layout(),
-            vs_ddp: DdpCheck::Bitwise,
-            precision: None,
-        };
-        vec![
-            flat(
-                "fsdp.full_shard",
-                "FSDP FULL_SHARD, the model as one root unit (ZeRO-3)",
-                full.clone(),
-            ),
-            flat(
-                "fsdp.shard_grad_op",
-                "FSDP SHARD_GRAD_OP, one root unit (full parameters kept from forward to \
-                 backward)",
-                with(ShardingStrategy::ShardGradOp, WrapPolicy::Root),
-            ),
-            flat(
-                "fsdp.no_shard",
-                "FSDP NO_SHARD, one root unit (gradients all-reduced through FSDP's path)",
-                with(ShardingStrategy::NoShard, WrapPolicy::Root),
-            ),
-            flat(
-                "fsdp.full_shard.per_layer",
-                "FSDP FULL_SHARD, one unit per layer (tied parameters in the root)",
-                per_layer.clone(),
-            ),
-            flat(
-                "fsdp.shard_grad_op.per_layer",
-                "FSDP SHARD_GRAD_OP, one unit per layer",
-                with(ShardingStrategy::ShardGradOp, WrapPolicy::PerLayer),
-            ),
-            flat(
-                "fsdp.full_shard.per_layer.no_reshard",
-                "FULL_SHARD per layer with reshard_after_forward off (units stay gathered \
-                 from forward to backward)",
-                FsdpOptions {
-                    reshard_after_forward: false,
-                    ..per_layer.clone()
-                },
-            ),
-            flat(
-                "fsdp.full_shard.per_layer.prefetch_post",
-                "FULL_SHARD per layer, backward prefetch in post-backward (BACKWARD_POST)",
-                FsdpOptions {
-                    backward_prefetch: BackwardPrefetch::Post,
-                    ..per_layer.clone()
-                },
-            ),
-            flat(
-                "fsdp.full_shard.per_layer.no_prefetch",
-                "FULL_SHARD per layer, no backward prefetch",
-                FsdpOptions {
-                    backward_prefetch: BackwardPrefetch::None,
-                    ..per_layer.clone()
-                },
-            ),
-            flat(
-                "fsdp.full_shard.per_layer.forward_prefetch",
-                "FULL_SHARD per layer, forward prefetch on (next unit gathered when a unit's \
-                 forward starts)",
-                FsdpOptions {
-                    forward_prefetch: true,
-                    ..per_layer.clone()
-                },
-            ),
-            flat(
-                "fsdp.full_shard.blocks",
-                "FULL_SHARD, one unit per transformer block (encoder/decoder layers, \
-                 decoder blocks, MoE decoder blocks); the rest, and models without blocks, \
-                 in the root",
-                with(
-                    ShardingStrategy::FullShard,
-                    WrapPolicy::ByKind(BLOCK_KINDS.to_vec()),
-                ),
-            ),
-            flat(
-                "fsdp.full_shard.min_params",
-                "FULL_SHARD, consecutive layers grouped into units of at least 100 parameters \
-                 (size-based wrap); a smaller remainder in the root",
-                with(
-                    ShardingStrategy::FullShard,
-                    WrapPolicy::MinParams(MIN_PARAMS),
-                ),
-            ),
-            flat(
-                "fsdp.full_shard.offload",
-                "FULL_SHARD, one root unit, master shards (gradients, optimizer state) \
-                 offloaded to the CPU",
-                FsdpOptions {
-                    offload_params: true,
-                    ..full.clone()
-                },
-            ),
-            flat(
-                "fsdp.full_shard.no_sync_module_states",
-                "FULL_SHARD, one root unit, without broadcasting rank 0's parameters and \
-                 buffers at construction (every rank builds the same model)",
-                FsdpOptions {
-                    sync_module_states: false,
-                    ..full.clone()
-                },
-            ),
-            hybrid(
-                "fsdp.hybrid_shard",
-                "FSDP HYBRID_SHARD, one root unit: sharded within groups of N/2 ranks, \
-                 replicated across 2",
-                WrapPolicy::Root,
-            ),
-            hybrid(
-                "fsdp.hybrid_shard.per_layer",
-                "HYBRID_SHARD with one unit per layer",
-                WrapPolicy::PerLayer,
-            ),
-            // The rest of strategy × wrapping: every strategy under every wrap policy that
-            // applies to any model (`Explicit` names one model's layers: tests/fsdp_units.rs).
-            flat(
-                "fsdp.shard_grad_op.blocks",
-                "SHARD_GRAD_OP, one unit per transformer block",
-                with(
-                    ShardingStrategy::ShardGradOp,
-                    WrapPolicy::ByKind(BLOCK_KINDS.to_vec()),
-                ),
-            ),
-            flat(
-                "fsdp.shard_grad_op.min_params",
-                "SHARD_GRAD_OP, size-based units of at least 100 parameters",
-                with(
-                    ShardingStrategy::ShardGradOp,
-                    WrapPolicy::MinParams(MIN_PARAMS),
-                ),
-            ),
-            flat(
-                "fsdp.no_shard.per_layer",
-                "NO_SHARD, one unit per layer",
-                with(ShardingStrategy::NoShard, WrapPolicy::PerLayer),
-            ),
-            flat(
-                "fsdp.no_shard.blocks",
-                "NO_SHARD, one unit per transformer block",
-                with(
-                    ShardingStrategy::NoShard,
-                    WrapPolicy::ByKind(BLOCK_KINDS.to_vec()),
-                ),
-            ),
-            flat(
-                "fsdp.no_shard.min_params",
-                "NO_SHARD, size-based units of at least 100 parameters",
-                with(ShardingStrategy::NoShard, WrapPolicy::MinParams(MIN_PARAMS)),
-            ),
-            hybrid(
-                "fsdp.hybrid_shard.blocks",
-                "HYBRID_SHARD, one unit per transformer block",
-                WrapPolicy::ByKind(BLOCK_KINDS.to_vec()),
-            ),
-            hybrid(
-                "fsdp.hybrid_shard.min_params",
-                "HYBRID_SHARD, size-based units of at least 100 parameters",
-                WrapPolicy::MinParams(MIN_PARAMS),
-            ),
-            mixed(
-                "fsdp.full_shard.bf16",
-                "FULL_SHARD, one root unit, bf16 mixed precision (bf16 compute, fp32 \
-                 reduction and buffers, BatchNorm in fp32 units)",
-                full,
-                Precision::Bf16,
-            ),
-            mixed(
-                "fsdp.full_shard.per_layer.bf16",
-                "FULL_SHARD per layer, bf16 mixed precision",
-                per_layer.clone(),
-                Precision::Bf16,
-            ),
-            mixed(
-                "fsdp.shard_grad_op.per_layer.bf16",
-                "SHARD_GRAD_OP per layer, bf16 mixed precision",
-                with(ShardingStrategy::ShardGradOp, WrapPolicy::PerLayer),
-                Precision::Bf16,
-            ),
-            mixed(
-                "fsdp.full_shard.per_layer.fp16",
-                "FULL_SHARD per layer, fp16 mixed precision (fp16 compute, fp32 reduction and \
-                 buffers, BatchNorm in fp32 units)",
-                per_layer,
-                Precision::Fp16,
-            ),
-        ]
+        let mut rows = first_fsdp_rows();
+        rows.extend(strategy_wrap_rows());
+        rows.extend(mixed_precision_rows());
+        rows
     });
     &TABLE
 }

@@ -204,6 +204,40 @@ impl MatrixResult {
             let refs: Vec<&str> = row.iter().map(String::as_str).collect();
             line(&mut out, &refs);
         }
+        self.write_notes(&mut out);
+        let passed = self
+            .rows
+            .iter()
+            .filter(|r| r.status == RowStatus::Pass)
+            .count();
+        let failed = self
+            .rows
+            .iter()
+            .filter(|r| r.status == RowStatus::Fail)
+            .count();
+        let skipped = self
+            .rows
+            .iter()
+            .filter(|r| r.status == RowStatus::Skip)
+            .count();
+        let _ = writeln!(
+            out,
+            "\n{passed} passed, {failed} failed, {skipped} skipped, {} run errors",
+            self.failed_runs
+        );
+        let _ = writeln!(
+            out,
+            "matrix: {} runs in {:.1} s",
+            self.runs,
+            self.elapsed.as_secs_f64()
+        );
+        out
+    }
+
+    /// What the table's rows refer to, below it: each model's reason for a skip once, each
+    /// tolerance override's reason once, every failed comparison's diagnosis and every
+    /// failed run's whole account.
+    fn write_notes(&self, out: &mut String) {
         // Each model's reason once per kind of skip.
         let mut explained: Vec<(&str, &str)> = Vec::new();
         for r in &self.rows {
@@ -257,33 +291,6 @@ impl MatrixResult {
                 let _ = writeln!(out, "  {l}");
             }
         }
-        let passed = self
-            .rows
-            .iter()
-            .filter(|r| r.status == RowStatus::Pass)
-            .count();
-        let failed = self
-            .rows
-            .iter()
-            .filter(|r| r.status == RowStatus::Fail)
-            .count();
-        let skipped = self
-            .rows
-            .iter()
-            .filter(|r| r.status == RowStatus::Skip)
-            .count();
-        let _ = writeln!(
-            out,
-            "\n{passed} passed, {failed} failed, {skipped} skipped, {} run errors",
-            self.failed_runs
-        );
-        let _ = writeln!(
-            out,
-            "matrix: {} runs in {:.1} s",
-            self.runs,
-            self.elapsed.as_secs_f64()
-        );
-        out
     }
 }
 
