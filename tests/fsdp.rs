@@ -7,7 +7,7 @@ use lockstep::matrix::{fsdp_configs, FsdpLayout};
 use lockstep_core::comm::{DType, ReduceOp};
 use lockstep_core::ddp::{train_ddp, train_ddp_hierarchical, DdpOptions};
 use lockstep_core::fsdp::{
-    hybrid_mesh, train_fsdp, train_fsdp_hybrid, CollectiveCounts, Fsdp, FsdpFault, FsdpOptions,
+    hybrid_mesh, train_fsdp, train_fsdp_hybrid, Fsdp, FsdpCallCounts, FsdpFault, FsdpOptions,
     ShardingStrategy, WrapPolicy,
 };
 use lockstep_core::precision::MixedPrecision;
@@ -339,7 +339,7 @@ fn collectives_per_step_are_counted() {
             train(m.as_ref(), &cfg, &mut fsdp, Some(ctx.group().as_ref())).expect("run");
             let sharded = s != ShardingStrategy::NoShard;
             let per_step = usize::from(sharded);
-            let expected = CollectiveCounts {
+            let expected = FsdpCallCounts {
                 // One per forward, one more to rebuild full parameters for the record.
                 param_all_gathers: per_step * (STEPS + 1),
                 grad_reduce_scatters: per_step * STEPS,

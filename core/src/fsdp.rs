@@ -26,7 +26,7 @@
 //! * **Record view** (not part of FSDP's math): so the run's record holds the same full
 //!   averaged gradients (and gradient norm) as DDP's, the reduced gradient shards are
 //!   all-gathered back into the model's `.grad`s — one extra all-gather per unit and step
-//!   that real FSDP does not pay, counted apart in [`CollectiveCounts`].
+//!   that real FSDP does not pay, counted apart in [`FsdpCallCounts`].
 //! * **Optimizer step**: through [`StepHooks::optimizer_step`], the run's optimizer steps the
 //!   shards (each under `_fsdp_flat_param.<unit>`) and the ignored parameters.
 //! * **Ignored parameters**: rank-local ones (the experts of `MixtureOfExperts`) are never
@@ -266,9 +266,10 @@ impl Default for FsdpOptions {
 }
 
 /// Collectives FSDP issued since construction (the initial broadcasts and checkpoint
-/// collectives aside), by purpose.
+/// collectives aside), by purpose; [`crate::comm::CollectiveCounts`] is the per-group tally
+/// any wrapped group keeps.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct CollectiveCounts {
+pub struct FsdpCallCounts {
     /// All-gathers of a flat parameter (forward, re-gather for backward, record).
     pub param_all_gathers: usize,
     /// Reduce-scatters of a flat gradient (sharded strategies).
@@ -424,7 +425,7 @@ impl Fsdp {
             compute_device,
             full_bytes_alive: 0,
             full_bytes_peak: 0,
-            counts: CollectiveCounts::default(),
+            counts: FsdpCallCounts::default(),
             buffers: model.named_buffers(),
             order,
             tags,
@@ -577,7 +578,7 @@ impl Fsdp {
     }
 
     /// Collectives issued since construction, by purpose.
-    pub fn collective_counts(&self) -> CollectiveCounts {
+    pub fn collective_counts(&self) -> FsdpCallCounts {
         self.core().counts
     }
 

@@ -232,8 +232,8 @@ impl LayerHooks for CastInputs {
 }
 
 /// Two sets of layer hooks run as nested wrappers: `.0` is the outer one (its `pre_forward`
-/// runs first, its `post_forward` last), `.1` the inner one. FSDP chains its gather/free
-/// hooks with [`CastInputs`] this way; tests chain an observer behind a wrapper's hooks.
+/// runs first, its `post_forward` last), `.1` the inner one: how a test puts an observer
+/// behind a wrapper's hooks (FSDP calls its [`CastInputs`] from its own hooks instead).
 #[derive(Clone, Debug, Default)]
 pub struct Chain<A, B>(pub A, pub B);
 

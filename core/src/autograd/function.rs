@@ -97,11 +97,6 @@ impl BackwardCtx {
     pub fn needs_input_grad(&self, index: usize) -> bool {
         self.needs_input_grad.get(index).copied().unwrap_or(false)
     }
-
-    /// How many inputs the function had (the length backward must return).
-    pub fn num_inputs(&self) -> usize {
-        self.needs_input_grad.len()
-    }
 }
 
 /// Applies a custom function whose backward runs at most once.

@@ -4,7 +4,7 @@
 //! autograd hooks, which all reach this state through one lock.
 
 use super::unit::{PendingGather, PendingReduce, Residency, Unit};
-use super::{CollectiveCounts, FsdpError, FsdpFault, FsdpOptions, ShardingStrategy};
+use super::{FsdpCallCounts, FsdpError, FsdpFault, FsdpOptions, ShardingStrategy};
 use crate::autograd::{free_storage, is_storage_freed, refill_storage, set_grad};
 use crate::comm::{ProcessGroup, ReduceOp};
 use lockstep_models::ParamTags;
@@ -44,7 +44,7 @@ pub(crate) struct Core {
     pub(super) compute_device: Device,
     pub(super) full_bytes_alive: usize,
     pub(super) full_bytes_peak: usize,
-    pub(super) counts: CollectiveCounts,
+    pub(super) counts: FsdpCallCounts,
     /// The model's buffers (not sharded; part of the state dicts).
     pub(super) buffers: Vec<(String, Tensor)>,
     /// Every distinct parameter's name in `named_parameters` order (state dict order).

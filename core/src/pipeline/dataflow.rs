@@ -269,11 +269,6 @@ impl StageFlow {
         self.edges.iter().filter(move |e| e.from == s)
     }
 
-    /// The layers (of any stage) whose outputs stage `s` receives.
-    pub fn received_by(&self, s: usize) -> BTreeSet<usize> {
-        self.inputs_of(s).flat_map(|e| e.layers.clone()).collect()
-    }
-
     /// Why a pipeline cannot reproduce a single-device run with the same microbatch order
     /// bit for bit, if it cannot: a layer output whose gradient gathers contributions from
     /// two or more stages is summed in another order.

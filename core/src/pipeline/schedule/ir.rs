@@ -90,11 +90,6 @@ impl ActionKind {
         )
     }
 
-    /// B or I: the action that produces a stage's input gradient (and so feeds SEND_B).
-    pub fn is_backward_input(self) -> bool {
-        matches!(self, ActionKind::FullBackward | ActionKind::BackwardInput)
-    }
-
     /// Whether the text format carries a microbatch index for this kind.
     pub fn has_microbatch(self) -> bool {
         !matches!(
