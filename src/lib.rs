@@ -8,6 +8,7 @@
 
 pub mod bench;
 pub mod checkpoint;
+pub mod configs;
 pub mod cross_rank;
 pub mod env_report;
 pub mod faults;

@@ -183,13 +183,8 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
     // own later, from the seed settled below.
     let mut probe =
         zoo::build(&opts.model, opts.seed.unwrap_or(0), 0).map_err(|e| invalid(e.to_string()))?;
-    if let Some(reason) = model_blocker(config, probe.as_ref(), opts.world_size) {
-        return Err(invalid(format!(
-            "{} cannot run model `{}` at world size {}: {reason}",
-            config.name(),
-            opts.model,
-            opts.world_size
-        )));
+    if let Some(refusal) = config.refusal(&opts.model, probe.as_ref(), opts.world_size) {
+        return Err(invalid(refusal));
     }
     let resume = match &opts.init {
         Some(init) => check_init(opts, config, probe.as_mut(), init, optimizer, &mut notes)?,
@@ -439,23 +434,6 @@ fn check_init(
 
 fn save_failed(e: CheckpointError) -> RunCmdError {
     RunCmdError::Save(Box::new(e))
-}
-
-/// Why `config` cannot run `model` at `world_size`, checked before anything starts.
-fn model_blocker(config: Config, model: &dyn Model, world_size: usize) -> Option<String> {
-    if config == Config::Single {
-        return model.single_device_reference_blocker();
-    }
-    if let Some(mp) = config.model_parallel_config() {
-        return mp.model_blocker(model, world_size);
-    }
-    if let Some(p) = config.pipeline_config() {
-        return p.plan(model, world_size).err();
-    }
-    if let Some(c) = config.composition_config() {
-        return c.model_blocker(model, world_size);
-    }
-    None
 }
 
 /// An output path must name a file in an existing directory: found out before the run, not

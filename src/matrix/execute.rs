@@ -373,13 +373,7 @@ fn judge_cell(
         result.rows.push(r);
     };
     let policy_against = |config: Config, reference: Config, against| Judge::Policy {
-        policy: with_backend_override(
-            config.policy(reference, world),
-            config,
-            reference,
-            world,
-            plan.backend,
-        ),
+        policy: config.policy_on(reference, world, plan.backend),
         against,
     };
     // The fp64 arbiter around the single-device reference: with the reference's own noise,

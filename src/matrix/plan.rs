@@ -447,7 +447,7 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
                 });
             }
         }
-        blockers.push(Config::Single.blocker(model.as_ref()));
+        blockers.push(model.single_device_reference_blocker());
     }
     let mut pipeline_plans = BTreeMap::new();
     for (m, name) in models.iter().enumerate() {
@@ -478,15 +478,11 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
                 {
                     continue;
                 }
-                let model = zoo::build(name, opts.seed, 0)?;
-                let blocker = if let Some(mp) = c.model_parallel_config() {
-                    mp.model_blocker(model.as_ref(), w)
-                } else if let Some(comp) = c.composition_config() {
-                    comp.model_blocker(model.as_ref(), w)
-                } else {
+                if c.model_parallel_config().is_none() && c.composition_config().is_none() {
                     continue;
-                };
-                model_parallel_blockers.insert((m, w, c), blocker);
+                }
+                let model = zoo::build(name, opts.seed, 0)?;
+                model_parallel_blockers.insert((m, w, c), c.blocker(model.as_ref(), w));
             }
         }
     }

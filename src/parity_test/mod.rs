@@ -307,6 +307,22 @@ impl<'a> ParityTest<'a> {
                 });
             }
         }
+        // Every built-in configuration and reference the catalog refuses on this model, with
+        // the catalog's message, before anything is spawned.
+        let probe = build(self.settings.seed, 0).map_err(ParityTestError::Model)?;
+        let builtins = self.configs.iter().filter_map(|c| match c {
+            TestConfig::Builtin(config) => Some(*config),
+            TestConfig::Custom { .. } => None,
+        });
+        let reference_configs = references.iter().filter_map(|r| Config::by_name(r.name()));
+        for config in builtins.chain(reference_configs) {
+            for &world in &self.world_sizes {
+                if let Some(refusal) = config.refusal(model_name, probe.as_ref(), world) {
+                    return Err(ParityTestError::Invalid(refusal));
+                }
+            }
+        }
+        drop(probe);
         // Every policy up front: a pair that cannot be judged fails before anything runs.
         // Pairs against `single` without a policy or override of the user's are judged by the
         // fp64 arbiter instead ([`ParityTest::arbiter_envelope`]).
@@ -668,7 +684,7 @@ impl<'a> ParityTest<'a> {
             (Some(Policy::Bitwise), _) => TolerancePolicy::bitwise(DType::F32),
             (Some(Policy::DtypeTable(d)), _) => TolerancePolicy::dtype_table(d),
             (None, Some((c, r))) => c
-                .policy(r, world)
+                .policy_on(r, world, self.settings.backend)
                 .map_err(|reason| ParityTestError::Invalid(reason.to_string()))?,
             (None, None) => TolerancePolicy::dtype_table(DType::F32),
         };

@@ -688,12 +688,54 @@ impl Config {
         format!("{}@{world_size}", self.name())
     }
 
-    /// Why this configuration cannot run `model`, if it cannot.
-    pub(super) fn blocker(self, model: &dyn Model) -> Option<String> {
-        match self {
-            Config::Single => model.single_device_reference_blocker(),
-            _ => None,
+    /// Why this configuration cannot train `model` at `world_size`, if it cannot: the one
+    /// check every entry point (the matrix's plan, `ParityTest`, `lockstep run`) makes
+    /// before anything is spawned, so an impossible pair is refused with one message.
+    pub fn blocker(self, model: &dyn Model, world_size: usize) -> Option<String> {
+        if let Some(reason) = self.world_blocker(world_size) {
+            return Some(reason);
         }
+        if self == Config::Single {
+            return model.single_device_reference_blocker();
+        }
+        if let Some(mp) = self.model_parallel_config() {
+            return mp.model_blocker(model, world_size);
+        }
+        if let Some(p) = self.pipeline_config() {
+            return p.plan(model, world_size).err();
+        }
+        if let Some(c) = self.composition_config() {
+            return c.model_blocker(model, world_size);
+        }
+        None
+    }
+
+    /// The refusal every entry point prints for a pair [`Config::blocker`] rejects.
+    pub fn refusal(self, model_name: &str, model: &dyn Model, world_size: usize) -> Option<String> {
+        self.blocker(model, world_size).map(|reason| {
+            format!(
+                "{} cannot run model `{model_name}` at world size {world_size}: {reason}",
+                self.name()
+            )
+        })
+    }
+
+    /// The policy this configuration is judged by against `reference` on `backend`: the
+    /// catalog's policy with the backend's overrides (NCCL's FSDP-vs-DDP rows), the one
+    /// every entry point uses so a pair gets one verdict.
+    pub fn policy_on(
+        self,
+        reference: Config,
+        world_size: usize,
+        backend: lockstep_core::comm::Backend,
+    ) -> Result<TolerancePolicy, String> {
+        with_backend_override(
+            self.policy(reference, world_size),
+            self,
+            reference,
+            world_size,
+            backend,
+        )
     }
 
     /// Why this configuration cannot run at `world_size` (hybrid shard at an odd size), if

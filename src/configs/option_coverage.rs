@@ -9,7 +9,7 @@ use super::*;
 use lockstep_core::compose::{Composition, DataParallel};
 use lockstep_core::ddp::DdpOptions;
 use lockstep_core::expert_parallel::{Dispatcher, EpOptions};
-use lockstep_core::fsdp::{BackwardPrefetch, ShardingStrategy, WrapPolicy};
+use lockstep_core::fsdp::{BackwardPrefetch, FsdpOptions, ShardingStrategy, WrapPolicy};
 use lockstep_core::pipeline::{PartitionMethod, PipelineOptions, ScheduleChoice, ScheduleKind};
 use std::collections::BTreeSet;
 
