@@ -198,4 +198,19 @@ fn bad_specifications_are_refused_before_anything_runs() {
     assert!(mixed.contains("not compared with single"), "{mixed}");
     let zero = err(ParityTest::new("bad").zoo("mlp").config("ddp").steps(0));
     assert!(zero.contains("steps"), "{zero}");
+    // A pair the catalog refuses is refused before spawn, with the message `lockstep run`
+    // and the matrix use (the matrix skips the row with the same reason).
+    let pipeline = err(ParityTest::new("bad")
+        .zoo("mlp")
+        .config("pp.interleaved_1f1b")
+        .world_sizes(&[4]));
+    let refusal = lockstep::configs::Config::by_name("pp.interleaved_1f1b")
+        .expect("a built-in")
+        .refusal(
+            "mlp",
+            lockstep::models::zoo::build("mlp", 0, 0).expect("mlp").as_ref(),
+            4,
+        )
+        .expect("refused");
+    assert!(pipeline.contains(&refusal), "{pipeline}\nvs\n{refusal}");
 }
