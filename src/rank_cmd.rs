@@ -7,8 +7,8 @@
 //! one of its `LOCAL_RANK`, under NCCL), trains under the configuration, and rank 0 writes
 //! its record where the launching process reads it back — exactly what a forked rank does.
 
+use crate::configs::Config;
 use crate::cross_rank::{hand_back_digest, probe_for};
-use crate::matrix::Config;
 use crate::runner::{hand_back, run_spec, train_builtin, RunSettings};
 use lockstep_core::comm::Backend;
 use lockstep_core::train::{OptimizerConfig, TrainConfig};
@@ -93,7 +93,7 @@ impl RankRun {
         };
         let dtype = config
             .precision()
-            .map_or("fp32", crate::matrix::Precision::label);
+            .map_or("fp32", crate::configs::Precision::label);
         let spec = run_spec(
             &self.model,
             &config.at(ctx.world_size()),

@@ -10,7 +10,7 @@
 //! configurations do not).
 
 use crate::checkpoint::{self, CheckpointError, OptimizerState};
-use crate::matrix::{Config, Precision};
+use crate::configs::{Config, Precision};
 use crate::runner::{self, RunSettings, TrainFn};
 use lockstep_core::ddp::Ddp;
 use lockstep_core::record::RunRecord;
@@ -323,6 +323,9 @@ fn settle_seed(
     seed
 }
 
+/// An optimizer's state by entry name, as checkpoints hold it.
+type OptimizerTensors = Vec<(String, tch::Tensor)>;
+
 /// Trains `config`: the references in this process, DDP-style configurations continuing
 /// `resume` (an optimizer state file for the ranks, the tensors for `single`), everything
 /// else through the launcher. Returns the record and the final optimizer state when the
@@ -333,8 +336,8 @@ fn train(
     build: &runner::ModelBuilder<'_>,
     settings: &RunSettings,
     start_step: usize,
-    resume: (Option<&Path>, Vec<(String, tch::Tensor)>),
-) -> Result<(RunRecord, Option<Vec<(String, tch::Tensor)>>), RunCmdError> {
+    resume: (Option<&Path>, OptimizerTensors),
+) -> Result<(RunRecord, Option<OptimizerTensors>), RunCmdError> {
     // The ranks' thread count for the reference computed here; one thread in a process
     // that forks ranks (`lockstep_harness::threads`).
     if config == Config::Single {

@@ -7,8 +7,8 @@
 //! rank's error, a crash, a hang past the timeout) comes back as [`RunFailed`] carrying the
 //! launcher's whole account (flight recorders and the desync diagnosis on a timeout).
 
+use crate::configs::{Config, ModelParallelKind, Precision};
 use crate::cross_rank::{attach_cross_rank, hand_back_digest, probe_for};
-use crate::matrix::{Config, ModelParallelKind, Precision};
 use lockstep_core::comm::Backend;
 use lockstep_core::ddp::{train_ddp, DdpOptions, Fault, GradReduction};
 use lockstep_core::expert_parallel::train_expert_parallel;

@@ -208,7 +208,9 @@ fn bad_specifications_are_refused_before_anything_runs() {
         .expect("a built-in")
         .refusal(
             "mlp",
-            lockstep::models::zoo::build("mlp", 0, 0).expect("mlp").as_ref(),
+            lockstep::models::zoo::build("mlp", 0, 0)
+                .expect("mlp")
+                .as_ref(),
             4,
         )
         .expect("refused");

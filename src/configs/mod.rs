@@ -13,6 +13,10 @@ use lockstep_harness::parity::{Override, Tolerance, TolerancePolicy};
 use lockstep_models::{LayerKind, Model};
 use std::sync::LazyLock;
 
+/// Ranks are processes on this host, each with a full mesh of TCP links to the others; past
+/// this many the run measures the machine, not the parallelism.
+pub const MAX_WORLD_SIZE: usize = 64;
+
 /// Replicas `fsdp.hybrid_shard*` runs: shard groups of `world / 2` ranks. Two is the fewest
 /// that exercise the cross-replica all-reduce, and it fits every even world size.
 pub const HYBRID_REPLICAS: usize = 2;

@@ -70,10 +70,6 @@ use std::time::{Duration, Instant};
 /// fitting a small machine.
 pub const DEFAULT_WORLD_SIZE: usize = 4;
 
-/// Ranks are processes on this host, each with a full mesh of TCP links to the others; past
-/// this many the run measures the machine, not the parallelism.
-pub const MAX_WORLD_SIZE: usize = 64;
-
 /// How a row skipped for want of a single-device reference begins its note.
 const NO_SINGLE: &str = "no single-device reference";
 
@@ -84,7 +80,7 @@ const OVERRIDE: &str = "tolerance override";
 pub const DEFAULT_OUT_DIR: &str = "target/lockstep/matrix";
 
 /// The files a matrix writes (and removes before running, so none is ever stale).
-pub const REPORT_FILES: [&str; 4] = ["report.json", "report.md", "junit.xml", "report.html"];
+pub use lockstep_harness::report::REPORT_FILES;
 
 /// Why a matrix could not be planned, run or written.
 #[derive(Debug, thiserror::Error)]

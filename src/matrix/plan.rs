@@ -508,22 +508,13 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
 /// Creates `dir` and proves it writable with a probe file, before any run starts, and
 /// removes report files a previous matrix left there (so none can pass for this run's).
 pub fn prepare_out_dir(dir: &Path) -> Result<(), MatrixError> {
-    let err = |source| MatrixError::OutDir {
-        path: dir.to_owned(),
-        source,
-    };
-    std::fs::create_dir_all(dir).map_err(err)?;
-    let probe = dir.join(format!(".lockstep-probe-{}", std::process::id()));
-    std::fs::write(&probe, b"probe").map_err(err)?;
-    std::fs::remove_file(&probe).map_err(err)?;
-    for name in REPORT_FILES {
-        match std::fs::remove_file(dir.join(name)) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(err(e)),
-        }
-    }
-    Ok(())
+    report::prepare_dir(dir).map_err(|e| match e {
+        ReportError::Io { source, .. } => MatrixError::OutDir {
+            path: dir.to_owned(),
+            source,
+        },
+        other => MatrixError::Report(other),
+    })
 }
 
 /// The optimizer the matrix trains `model` with: SGD with momentum (gradient scale shows

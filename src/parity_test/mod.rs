@@ -36,7 +36,7 @@ pub use error::ParityTestError;
 pub use outcome::ParityOutcome;
 pub use sensitivity::ParitySensitivity;
 
-use crate::matrix::Config;
+use crate::configs::Config;
 use crate::runner::{self, ModelBuilder, RunFailed, RunSettings, TrainFn};
 use lockstep_core::comm::DType;
 use lockstep_core::record::RunRecord;
@@ -359,7 +359,7 @@ impl<'a> ParityTest<'a> {
             .out_dir
             .clone()
             .unwrap_or_else(|| default_out_dir(&self.name));
-        crate::matrix::prepare_out_dir(&out_dir).map_err(|e| ParityTestError::OutDir {
+        report::prepare_dir(&out_dir).map_err(|e| ParityTestError::OutDir {
             path: out_dir.clone(),
             reason: e.to_string(),
         })?;
@@ -526,10 +526,10 @@ impl<'a> ParityTest<'a> {
             }
         }
         for &world in &self.world_sizes {
-            if world == 0 || world > crate::matrix::MAX_WORLD_SIZE {
+            if world == 0 || world > crate::configs::MAX_WORLD_SIZE {
                 return Err(ParityTestError::Invalid(format!(
                     "world size {world}: must be 1 to {}",
-                    crate::matrix::MAX_WORLD_SIZE
+                    crate::configs::MAX_WORLD_SIZE
                 )));
             }
             for c in &self.configs {
@@ -567,8 +567,11 @@ impl<'a> ParityTest<'a> {
                 if let Some(probe) = &cfg.probe {
                     let tags = model.tags();
                     let coord = |n: &str| {
-                        let local = tags.is_rank_local(n);
-                        local.then(|| probe.rank_local()).unwrap_or_default()
+                        if tags.is_rank_local(n) {
+                            probe.rank_local()
+                        } else {
+                            String::new()
+                        }
                     };
                     probe
                         .observe_record(&record, &coord)

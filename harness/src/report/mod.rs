@@ -319,6 +319,30 @@ pub fn write_html(report: &Report, path: &Path) -> Result<(), ReportError> {
     write_atomic(path, render_html(report).as_bytes())
 }
 
+/// The files [`write_all`] writes into a report directory.
+pub const REPORT_FILES: [&str; 4] = ["report.json", "report.md", "junit.xml", "report.html"];
+
+/// Creates `dir` and proves it writable with a probe file, before any run starts, and
+/// removes the report files an earlier run left there (so none can pass for this run's).
+pub fn prepare_dir(dir: &Path) -> Result<(), ReportError> {
+    let err = |source| ReportError::Io {
+        path: dir.to_owned(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(err)?;
+    let probe = dir.join(format!(".lockstep-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"probe").map_err(err)?;
+    std::fs::remove_file(&probe).map_err(err)?;
+    for name in REPORT_FILES {
+        match std::fs::remove_file(dir.join(name)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(err(e)),
+        }
+    }
+    Ok(())
+}
+
 /// Writes all four formats into the existing directory `dir` (`report.json`, `report.md`,
 /// `junit.xml`, `report.html`). Each file is atomic on its own; the JSON is written last so
 /// its presence means the set is complete.
