@@ -3,6 +3,7 @@
 //! and attaches the verdict to the record, so a rank that diverged fails the run even when
 //! rank 0's numbers match the reference.
 
+use crate::rank_error::{hand_back_json, RankError};
 use lockstep_core::consistency::{check_digests, RankDigest, StateProbe};
 use lockstep_core::record::RunRecord;
 use std::path::{Path, PathBuf};
@@ -23,15 +24,13 @@ fn digest_path(out: &Path, rank: usize) -> PathBuf {
 
 /// Writes `probe`'s digest where the launcher of the record at `out` reads it (every rank
 /// calls it after training, before any barrier that ends the run).
-pub fn hand_back_digest(probe: Option<&StateProbe>, out: &Path) -> Result<(), String> {
+pub fn hand_back_digest(probe: Option<&StateProbe>, out: &Path) -> Result<(), RankError> {
     let Some(probe) = probe else {
         return Ok(());
     };
     let digest = probe.digest();
     let path = digest_path(out, digest.rank);
-    let json = serde_json::to_vec(&digest).map_err(|e| format!("encoding state digest: {e}"))?;
-    std::fs::write(&path, json)
-        .map_err(|e| format!("writing the state digest to {}: {e}", path.display()))
+    hand_back_json("the state digest", &path, &digest)
 }
 
 /// Reads (and removes) the `world_size` digests left for the record at `out` and, when every

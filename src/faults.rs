@@ -6,13 +6,14 @@
 //! A rank body calls [`install_faults`] before training and [`FaultSession::finish`] after:
 //!
 //! ```text
-//! let faults = install_faults(ctx, settings, &mut cfg)?;   // wraps the world's groups
+//! let faults = install_faults(ctx, settings, &mut cfg);   // wraps the world's groups
 //! let record = train(ctx, model, &cfg)?;
 //! faults.finish(&record)?;                                 // this rank's log, for the parent
 //! ```
 //!
 //! Without a plan in the settings both are no-ops and the configuration is left as it was.
 
+use crate::rank_error::{hand_back_json, RankError};
 use crate::runner::RunSettings;
 use lockstep_core::comm::{FaultInjector, FaultLog, FaultMode};
 use lockstep_core::consistency::StateProbe;
@@ -53,7 +54,7 @@ impl FaultSession {
     /// Writes this rank's log (its calls, what became of its fault, and a hash of the final
     /// state in `record`, this rank's record of the run) where the plan said. Nothing to do
     /// without a plan.
-    pub fn finish(self, record: &RunRecord) -> Result<(), String> {
+    pub fn finish(self, record: &RunRecord) -> Result<(), RankError> {
         let Some((injector, path)) = self.installed else {
             return Ok(());
         };
@@ -61,9 +62,7 @@ impl FaultSession {
             state_hash: Some(state_hash(record)),
             ..injector.log()
         };
-        let json = serde_json::to_vec(&log).map_err(|e| format!("encoding the fault log: {e}"))?;
-        std::fs::write(&path, json)
-            .map_err(|e| format!("writing the fault log {}: {e}", path.display()))
+        hand_back_json("the fault log", &path, &log)
     }
 }
 
@@ -91,17 +90,17 @@ pub fn install_faults(
     ctx: &RankCtx,
     settings: &RunSettings,
     cfg: &mut TrainConfig,
-) -> Result<FaultSession, String> {
+) -> FaultSession {
     let Some(plan) = &settings.faults else {
-        return Ok(FaultSession { installed: None });
+        return FaultSession { installed: None };
     };
     // The rank's state probe: the one the training loops tick (and report digests to).
     let probe = cfg.probe.get_or_insert_with(|| StateProbe::new(ctx.rank()));
     let injector = FaultInjector::new(ctx.rank(), plan.mode.clone(), probe.clock());
     ctx.world().set_group_wrapper(injector.wrapper());
-    Ok(FaultSession {
+    FaultSession {
         installed: Some((injector, plan.log_path(ctx.rank()))),
-    })
+    }
 }
 
 /// Every rank's log from `dir` (those that wrote one: a rank that failed may not have), in

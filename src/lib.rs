@@ -15,6 +15,7 @@ pub mod faults;
 pub mod matrix;
 pub mod parity_test;
 pub mod rank_cmd;
+pub mod rank_error;
 pub mod run_cmd;
 pub mod runner;
 pub mod schedule;

@@ -9,6 +9,7 @@
 
 use crate::configs::Config;
 use crate::cross_rank::{hand_back_digest, probe_for};
+use crate::rank_error::RankError;
 use crate::runner::{hand_back, run_spec, train_builtin, RunSettings};
 use lockstep_core::comm::Backend;
 use lockstep_core::train::{OptimizerConfig, TrainConfig};
@@ -73,16 +74,16 @@ impl RankRun {
     }
 
     /// One rank's work: build, move to its device, train, hand rank 0's record back.
-    pub fn train(&self, ctx: &RankCtx) -> Result<(), String> {
+    pub fn train(&self, ctx: &RankCtx) -> Result<(), RankError> {
         let config = Config::by_name(&self.config)
             .filter(|&c| c != Config::Single)
-            .ok_or_else(|| format!("`{}` is not a launched configuration", self.config))?;
+            .ok_or_else(|| RankError::NotLaunched(self.config.clone()))?;
         let device = match self.backend {
             Backend::Cpu => Device::Cpu,
             Backend::Nccl => Device::Cuda(ctx.local_rank()),
         };
-        let built = zoo::build(&self.model, self.seed, ctx.rank()).map_err(|e| e.to_string())?;
-        let model = OnDevice::new(built, device).map_err(|e| e.to_string())?;
+        let built = zoo::build(&self.model, self.seed, ctx.rank())?;
+        let model = OnDevice::new(built, device)?;
         let settings = RunSettings {
             steps: self.steps,
             seed: self.seed,

@@ -9,6 +9,7 @@
 
 use crate::configs::{Config, ModelParallelKind, Precision};
 use crate::cross_rank::{attach_cross_rank, hand_back_digest, probe_for};
+use crate::rank_error::{hand_back_json, RankError};
 use lockstep_core::comm::Backend;
 use lockstep_core::ddp::{train_ddp, DdpOptions, Fault, GradReduction};
 use lockstep_core::expert_parallel::train_expert_parallel;
@@ -238,7 +239,7 @@ pub fn in_process_reference(
         return reference();
     }
     let out = scratch_path("reference", 1);
-    let body = |_: &RankCtx| -> Result<(), String> {
+    let body = |_: &RankCtx| -> Result<(), RankError> {
         let record = reference().map_err(|e| e.details)?;
         hand_back(&record, &out)
     };
@@ -322,9 +323,9 @@ pub fn run_launched(
 ) -> Result<RunRecord, RunFailed> {
     let out = scratch_path(model_name, world_size);
     let spec = run_spec(model_name, config, world_size, dtype, settings);
-    let body = |ctx: &RankCtx| -> Result<(), String> {
+    let body = |ctx: &RankCtx| -> Result<(), RankError> {
         let rank = ctx.rank();
-        let built = build(settings.seed, rank).map_err(|e| e.to_string())?;
+        let built = build(settings.seed, rank)?;
         let probe = probe_for(rank);
         let mut cfg = TrainConfig {
             spec: spec.clone(),
@@ -333,7 +334,7 @@ pub fn run_launched(
             record_grads: settings.record_grads,
             probe: probe.clone(),
         };
-        let faults = crate::faults::install_faults(ctx, settings, &mut cfg)?;
+        let faults = crate::faults::install_faults(ctx, settings, &mut cfg);
         let mut record = train(ctx, built.as_ref(), &cfg)?;
         faults.finish(&record)?;
         hand_back_digest(probe.as_ref(), &out)?;
@@ -380,10 +381,10 @@ pub fn run_configs_together(
     let outs: Vec<PathBuf> = (0..configs.len())
         .map(|i| scratch_path(&format!("{model_name}-{i}"), world_size))
         .collect();
-    let body = |ctx: &RankCtx| -> Result<(), String> {
+    let body = |ctx: &RankCtx| -> Result<(), RankError> {
         let rank = ctx.rank();
         for (&config, out) in configs.iter().zip(&outs) {
-            let built = build(settings.seed, rank).map_err(|e| e.to_string())?;
+            let built = build(settings.seed, rank)?;
             let dtype = config.precision().map_or("fp32", Precision::label);
             let spec = run_spec(
                 model_name,
@@ -404,9 +405,10 @@ pub fn run_configs_together(
             hand_back_digest(probe.as_ref(), out)?;
             // No rank starts the next configuration's collectives while another is still
             // in this one's, and past this point every rank has finished this one.
-            ctx.group()
-                .barrier()
-                .map_err(|e| format!("barrier after {}: {e}", config.name()))?;
+            ctx.group().barrier().map_err(|source| RankError::Comm {
+                what: format!("barrier after {}", config.name()),
+                source,
+            })?;
             if rank == 0 {
                 record.spec = spec;
                 hand_back(&record, out)?;
@@ -581,9 +583,8 @@ fn read_record(
 }
 
 /// Rank 0's record, written where the launching process reads it back.
-pub(crate) fn hand_back(record: &RunRecord, out: &Path) -> Result<(), String> {
-    let json = serde_json::to_vec(record).map_err(|e| format!("encoding record: {e}"))?;
-    std::fs::write(out, json).map_err(|e| format!("writing the record to {}: {e}", out.display()))
+pub(crate) fn hand_back(record: &RunRecord, out: &Path) -> Result<(), RankError> {
+    hand_back_json("the record", out, record)
 }
 
 /// Forks `world_size` ranks on the CPU backend, each running `body`; a failed launch comes
@@ -592,7 +593,7 @@ pub(crate) fn hand_back(record: &RunRecord, out: &Path) -> Result<(), String> {
 fn launch_forked(
     world_size: usize,
     settings: &RunSettings,
-    body: &(dyn Fn(&RankCtx) -> Result<(), String> + Sync),
+    body: &(dyn Fn(&RankCtx) -> Result<(), RankError> + Sync),
 ) -> Result<(), RunFailed> {
     if settings.backend != Backend::Cpu {
         return Err(RunFailed::simple(NCCL_RUNS_MISSING));

@@ -5,6 +5,7 @@
 //! and simulated (the schedule's exact fraction with F = I = W = 1).
 
 use super::{results_path, BenchError, GptDims};
+use crate::rank_error::{hand_back_json, RankError};
 use lockstep_core::pipeline::trace::{chrome_trace, measured_bubble, RankStepTrace};
 use lockstep_core::pipeline::{train_pipeline, PipelineOptions, ScheduleChoice, ScheduleKind};
 use lockstep_core::record::RunSpec;
@@ -142,11 +143,8 @@ pub fn run_pipeline(opts: &PipelineBenchOptions) -> Result<PipelineBenchResult, 
         steps,
         seed: 0,
     };
-    let body = |ctx: &RankCtx| -> Result<(), String> {
-        let model = opts
-            .dims
-            .build(0, ctx.rank(), false)
-            .map_err(|e| e.to_string())?;
+    let body = |ctx: &RankCtx| -> Result<(), RankError> {
+        let model = opts.dims.build(0, ctx.rank(), false)?;
         let cfg = TrainConfig {
             spec: spec(ctx.world_size()),
             optimizer: OptimizerConfig::default(),
@@ -154,15 +152,15 @@ pub fn run_pipeline(opts: &PipelineBenchOptions) -> Result<PipelineBenchResult, 
             record_grads: false,
             probe: None,
         };
-        let run = train_pipeline(&model, ctx.world(), &cfg, &popts).map_err(|e| e.to_string())?;
+        let run = train_pipeline(&model, ctx.world(), &cfg, &popts)
+            .map_err(|e| RankError::Train(e.to_string()))?;
         let mine = RankTraces {
             traces: run.traces,
             simulated_bubble: run.plan.simulation.bubble_fraction,
             virtual_stages: run.plan.stages.len() / run.plan.ranks,
         };
         let path = out.with_extension(format!("rank{}.json", ctx.rank()));
-        let json = serde_json::to_vec(&mine).map_err(|e| e.to_string())?;
-        std::fs::write(&path, json).map_err(|e| format!("writing {}: {e}", path.display()))
+        hand_back_json("the pipeline traces", &path, &mine)
     };
     let launched = launch(
         &LaunchOptions {

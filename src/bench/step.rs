@@ -6,12 +6,13 @@
 
 use super::gpt::Clocked;
 use super::{results_path, BenchError, GptDims};
+use crate::rank_error::{hand_back_json, RankError};
 use lockstep_core::comm::{CollectiveCounts, CountingGroup, ProcessGroup};
 use lockstep_core::expert_parallel::{check_expert_plan, Dispatcher, EpOptions};
 use lockstep_core::record::CollectiveEntry;
 use lockstep_core::tensor_parallel::{check_plan, TpOptions};
 use lockstep_harness::{launch, LaunchOptions, RankCtx, RankSpawn};
-use lockstep_models::Model;
+use lockstep_models::{Model, ModelError};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Duration;
@@ -233,7 +234,7 @@ pub fn run_step(opts: &StepBenchOptions) -> Result<StepResult, BenchError> {
 /// not divide are [`BenchError::Invalid`].
 pub fn run_parallel_step(opts: &StepBenchOptions) -> Result<ParallelStepResult, BenchError> {
     check_options(opts)?;
-    let probe = build_model(opts, 0).map_err(BenchError::Invalid)?;
+    let probe = build_model(opts, 0).map_err(|e| BenchError::Invalid(e.to_string()))?;
     let world = opts.world_size;
     let mut configs = vec![StepRun::Ddp];
     let parallel = match opts.parallel {
@@ -296,17 +297,13 @@ pub fn run_parallel_step(opts: &StepBenchOptions) -> Result<ParallelStepResult, 
 
 /// The model a rank trains: the benchmark decoder at `opts.dims` (its mixture-of-experts
 /// variant under `--parallel ep`) or the zoo model as built.
-fn build_model(opts: &StepBenchOptions, rank: usize) -> Result<Box<dyn Model>, String> {
+fn build_model(opts: &StepBenchOptions, rank: usize) -> Result<Box<dyn Model>, ModelError> {
     let seed = 0;
     if opts.model == "gpt" {
         let moe = opts.parallel == StepParallel::Ep;
-        Ok(Box::new(
-            opts.dims
-                .build(seed, rank, moe)
-                .map_err(|e| e.to_string())?,
-        ))
+        Ok(Box::new(opts.dims.build(seed, rank, moe)?))
     } else {
-        lockstep_models::zoo::build(&opts.model, seed, rank).map_err(|e| e.to_string())
+        lockstep_models::zoo::build(&opts.model, seed, rank)
     }
 }
 
@@ -339,7 +336,7 @@ fn time_steps(opts: &StepBenchOptions, run: StepRun) -> Result<RunTimes, BenchEr
     let out = results_path("step");
     // Warm-up, the timed steps, and one more whose batch request ends the last.
     let steps = opts.steps + 2;
-    let body = |ctx: &RankCtx| -> Result<(), String> {
+    let body = |ctx: &RankCtx| -> Result<(), RankError> {
         let rank = ctx.rank();
         let counts = (run == StepRun::Ddp).then(CollectiveCounts::new);
         let clocked = Clocked::new(build_model(opts, rank)?, counts.clone());
@@ -425,8 +422,7 @@ fn time_steps(opts: &StepBenchOptions, run: StepRun) -> Result<RunTimes, BenchEr
                 parameters: model.num_parameters(),
                 traffic,
             };
-            let json = serde_json::to_vec(&times).map_err(|e| e.to_string())?;
-            std::fs::write(&out, json).map_err(|e| format!("writing results: {e}"))?;
+            hand_back_json("the step times", &out, &times)?;
         }
         Ok(())
     };

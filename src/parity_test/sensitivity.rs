@@ -157,20 +157,19 @@ impl ParityTest<'_> {
         };
         write(&result, &dir).map_err(|reason| ParityTestError::OutDir {
             path: dir.clone(),
-            reason,
+            reason: reason.to_string(),
         })?;
         Ok(result)
     }
 }
 
 /// `sensitivity.json` (every analysis) and `sensitivity.md` (the tables) in `dir`.
-fn write(result: &ParitySensitivity, dir: &std::path::Path) -> Result<(), String> {
-    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
-    let json = serde_json::to_vec_pretty(&result.reports).map_err(|e| e.to_string())?;
-    std::fs::write(dir.join("sensitivity.json"), json).map_err(|e| e.to_string())?;
+fn write(result: &ParitySensitivity, dir: &std::path::Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let json = serde_json::to_vec_pretty(&result.reports)?;
+    std::fs::write(dir.join("sensitivity.json"), json)?;
     std::fs::write(
         dir.join("sensitivity.md"),
         format!("```text\n{result}```\n"),
     )
-    .map_err(|e| e.to_string())
 }
