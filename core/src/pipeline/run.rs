@@ -61,89 +61,22 @@ pub fn train_pipeline_with(
 ) -> Result<PipelineRun, PipelineError> {
     let world_size = world.size();
     let tp = within.tp.max(1);
-    if !world_size.is_multiple_of(tp) {
-        return Err(PipelineError::InvalidPlan(format!(
-            "tensor-parallel size {tp} does not divide world size {world_size}"
-        )));
-    }
-    let plan = plan_pipeline(model, world_size / tp, opts)?;
-    let p = plan.ranks;
+    let (plan, sharded) = plan_within(model, world_size, opts, within)?;
     let dp = plan.data_parallel;
-    let sharded = match within.data {
-        DataParallel::Replicate => false,
-        DataParallel::Shard => true,
-        DataParallel::HybridShard { .. } | DataParallel::HybridReplicate { .. } => {
-            return Err(PipelineError::InvalidPlan(
-                "a pipeline's replicas are replicated or sharded, not hybrid-sharded".into(),
-            ))
-        }
-    };
-    if sharded && plan.stages.len() != p {
-        return Err(PipelineError::InvalidPlan(format!(
-            "PP×FSDP runs one stage per rank; this schedule places {} stages on {p} ranks",
-            plan.stages.len()
-        )));
-    }
     let counts = CollectiveCounts::new();
     let counted = |g: Arc<dyn ProcessGroup>| -> Arc<dyn ProcessGroup> {
         Arc::new(CountingGroup::new(g, counts.clone()))
     };
-    // A plain pipeline keeps its historical two-dimensional mesh (and group names).
     let composed = tp > 1 || sharded;
-    let (pp, dpg, tpg, rank, replica, tp_rank) = if tp > 1 {
-        let mesh = DeviceMesh::new(world, &[("dp", dp), ("pp", p), ("tp", tp)])?;
-        (
-            mesh.group("pp")?,
-            counted(mesh.group("dp")?),
-            Some(counted(mesh.group("tp")?)),
-            mesh.coordinate("pp")?,
-            mesh.coordinate("dp")?,
-            mesh.coordinate("tp")?,
-        )
-    } else {
-        let mesh = DeviceMesh::new(world, &[("dp", dp), ("pp", p)])?;
-        (
-            mesh.group("pp")?,
-            counted(mesh.group("dp")?),
-            None,
-            mesh.coordinate("pp")?,
-            mesh.coordinate("dp")?,
-            0,
-        )
-    };
-    let global = |d: usize, r: usize, t: usize| (d * p + r) * tp + t;
-
-    // Groups, created in the same order on every rank.
-    let mut edge_groups: HashMap<(usize, usize), Arc<dyn ProcessGroup>> = HashMap::new();
-    for e in &plan.flow.edges {
-        let (a, b) = (plan.stage_ranks[e.from], plan.stage_ranks[e.to]);
-        if a == b {
-            continue;
-        }
-        let partition: Vec<Vec<usize>> = (0..dp)
-            .flat_map(|d| (0..tp).map(move |t| vec![global(d, a, t), global(d, b, t)]))
-            .collect();
-        if let Some(g) = world.new_groups(&partition, "pp-edge")? {
-            edge_groups.insert((e.from, e.to), g);
-        }
-    }
-    let mut holder_sets: Vec<Vec<usize>> = plan
-        .holders
-        .iter()
-        .filter(|h| h.len() > 1)
-        .map(|h| h.iter().copied().collect())
-        .collect();
-    holder_sets.sort();
-    holder_sets.dedup();
-    let mut holder_groups: BTreeMap<Vec<usize>, Arc<dyn ProcessGroup>> = BTreeMap::new();
-    for set in &holder_sets {
-        let partition: Vec<Vec<usize>> = (0..dp)
-            .flat_map(|d| (0..tp).map(move |t| set.iter().map(|&r| global(d, r, t)).collect()))
-            .collect();
-        if let Some(g) = world.new_groups(&partition, "pp-tied")? {
-            holder_groups.insert(set.clone(), counted(g));
-        }
-    }
+    let PipelineMesh {
+        pp,
+        dp: dpg,
+        tp: tpg,
+        rank,
+        replica,
+        tp_rank,
+    } = PipelineMesh::new(world, &plan, tp, &counted)?;
+    let (edge_groups, holder_groups) = pipeline_groups(world, &plan, tp, &counted)?;
 
     // The tensors this rank computes with: the model's own, or its TP shards.
     let model_params = model.named_parameters();
@@ -151,81 +84,25 @@ pub fn train_pipeline_with(
         Some(group) => Some(StageTp::new(model, world_size, tp, tp_rank, group.clone())?),
         None => None,
     };
-    let named: Vec<(String, Tensor)> = match &stage_tp {
-        Some(s) => s
-            .local
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect(),
-        None => model_params
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect(),
-    };
+    let local = stage_tp.as_ref().map_or(&model_params, |s| &s.local);
+    let named: Vec<(String, Tensor)> = local
+        .iter()
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect();
     let held: Vec<usize> = (0..named.len())
         .filter(|&i| plan.holders[i].contains(&rank))
         .collect();
-    // A tied weight starts from its lowest holder's value; replicas from replica 0's.
-    tch::no_grad(|| -> Result<(), PipelineError> {
-        for &i in &held {
-            let set: Vec<usize> = plan.holders[i].iter().copied().collect();
-            if let Some(g) = holder_groups.get(&set) {
-                g.broadcast(&named[i].1, 0)?;
-            }
-        }
-        if dp > 1 {
-            for &i in &held {
-                dpg.broadcast(&named[i].1, 0)?;
-            }
-        }
-        Ok(())
-    })?;
+    let replicas = (dp > 1).then_some(dpg.as_ref());
+    broadcast_initial(&plan, &named, &held, &holder_groups, replicas)?;
 
-    let layers = model.layers();
-    let tags = model.tags();
-    let index_of: HashMap<&str, usize> = named
-        .iter()
-        .enumerate()
-        .map(|(i, (n, _))| (n.as_str(), i))
-        .collect();
-    // Each stage differentiates the parameters its layers list, plus those no layer lists
-    // (used by code between layers: every stage that runs that code adds its part).
-    let listed: std::collections::HashSet<&str> = layers
-        .iter()
-        .flat_map(|l| l.params.iter().map(|q| tags.canonical(q)))
-        .collect();
-    let free: Vec<usize> = (0..named.len())
-        .filter(|&i| !listed.contains(named[i].0.as_str()))
-        .collect();
-    let stage_params: Vec<Vec<(usize, Tensor)>> = plan
-        .stages
-        .iter()
-        .map(|r| {
-            let mut ids: Vec<usize> = r
-                .clone()
-                .flat_map(|l| layers[l].params.iter())
-                .filter_map(|q| index_of.get(tags.canonical(q)).copied())
-                .chain(free.iter().copied())
-                .collect();
-            ids.sort_unstable();
-            ids.dedup();
-            ids.into_iter()
-                .map(|i| (i, named[i].1.shallow_clone()))
-                .collect()
-        })
-        .collect();
+    let stage_params = stage_parameters(model, &plan, &named);
 
     let data_ranks = plan.data_ranks(replica, world_size);
     // Every microbatch shape is probed before any parameter is sharded (a probe runs the
     // model's own forward).
     let mut metas_by_size: HashMap<Vec<i64>, Arc<Vec<TensorMeta>>> = HashMap::new();
     let first = microbatch::split(model, &data_ranks, 0, plan.microbatches)?;
-    for b in &first.batches {
-        let key: Vec<i64> = b.inputs.iter().flat_map(|t| t.size()).collect();
-        if let std::collections::hash_map::Entry::Vacant(slot) = metas_by_size.entry(key) {
-            slot.insert(Arc::new(probe(model, b)?.outputs));
-        }
-    }
+    step_metas(model, &first.batches, &mut metas_by_size, false, 0)?;
 
     let mut actions: Vec<Action> = plan.schedule.actions[rank].clone();
     if let Some(PipelineFault::DropAction(label)) = &opts.fault {
@@ -237,45 +114,30 @@ pub fn train_pipeline_with(
         .collect();
     // PP×FSDP: this rank's stage's parameters, one unit sharded over dp, driven by the
     // schedule's actions.
-    let unit: Option<RefCell<ShardedUnit>> = if sharded {
-        let stage = plan
-            .stage_ranks
-            .iter()
-            .position(|&r| r == rank)
-            .unwrap_or(0);
-        insert_sharding_actions(
+    let unit: Option<RefCell<ShardedUnit>> = match sharded {
+        true => Some(RefCell::new(stage_unit(
+            &plan,
+            rank,
             &mut actions,
-            stage,
-            opts.fault == Some(PipelineFault::ReduceGradBeforeLastMicrobatch),
-        );
-        Some(RefCell::new(ShardedUnit::new(
-            &format!("stage{stage}"),
-            held_params
-                .iter()
-                .map(|(n, t)| (n.clone(), t.shallow_clone()))
-                .collect(),
-            dpg.clone(),
-            None,
-        )?))
-    } else {
-        None
+            &held_params,
+            &dpg,
+            opts,
+        )?)),
+        false => None,
     };
-    let reduce_tied = |grads_of: &dyn Fn(&Tensor) -> Tensor| -> Result<(), PipelineError> {
+    let skip_tied = opts.fault == Some(PipelineFault::SkipTiedReduce);
+    let reduce_tied = || -> Result<(), PipelineError> {
         // Tied weights: every holder ends with the sum of every holder's part.
         for &i in &held {
             let (name, t) = &named[i];
-            let mut g = grads_of(t);
-            if !g.defined() {
-                g = t.f_zeros_like()?;
-                crate::autograd::set_grad(t, Some(&g))?;
-            }
-            let set: Vec<usize> = plan.holders[i].iter().copied().collect();
-            if opts.fault != Some(PipelineFault::SkipTiedReduce) {
-                if let Some(group) = holder_groups.get(&set) {
-                    group.all_reduce(&g, ReduceOp::Sum).map_err(|e| {
-                        PipelineError::Execution(format!("reducing tied `{name}`: {e}"))
-                    })?;
-                }
+            let g = grad_or_zeros(t)?;
+            if let Some(group) = holder_groups
+                .get(&holder_set(&plan, i))
+                .filter(|_| !skip_tied)
+            {
+                group.all_reduce(&g, ReduceOp::Sum).map_err(|e| {
+                    PipelineError::Execution(format!("reducing tied `{name}`: {e}"))
+                })?;
             }
         }
         Ok(())
@@ -288,7 +150,7 @@ pub fn train_pipeline_with(
             ActionKind::Reshard => unit.reshard()?,
             ActionKind::ReduceGrad => {
                 // In DDP's order: tied parts summed across stages, then averaged over dp.
-                reduce_tied(&|t| t.grad())?;
+                reduce_tied()?;
                 unit.reduce_grads()?;
             }
             _ => {}
@@ -317,169 +179,518 @@ pub fn train_pipeline_with(
         loss: loss_fn.as_ref().map(|f| f as &LossFn<'_>),
         sharding: unit.as_ref().map(|_| &sharding as &ShardingFn<'_>),
     };
-    // The record's view: every parameter's value (data or gradient) at full size on every
-    // rank (gathered over dp and tp when composed, then from its owning stage).
-    let recorded = |value: &dyn Fn(&Tensor) -> Tensor| -> Result<_, PipelineError> {
-        let full = full_values(
-            &named,
-            &model_params,
-            unit.as_ref(),
-            stage_tp.as_ref(),
-            value,
-        )?;
-        gather_owned(&plan, rank, pp.as_ref(), &full)
-    };
-    let mut optimizer = cfg.optimizer.build();
-    let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
-    let mut traces = Vec::new();
-    let mut collectives = Vec::with_capacity(cfg.spec.steps);
-    // The f64 buffer the gradient norm squares into, kept across steps (see owned_grad_norm).
-    let mut norm_scratch: Option<Tensor> = None;
-    // Tied copies keep one name on every stage that holds them, so they compare; TP shards
-    // say which shard they are; a stage's flat shard its shard index.
-    let tp_coord = |name: &str| {
-        stage_tp
-            .as_ref()
-            .map_or(String::new(), |s| s.coordinate(name))
-    };
     let tp_part = stage_tp
         .as_ref()
         .filter(|_| tp > 1)
         .map_or(String::new(), |_| format!("tp{tp_rank}/{tp}."));
-    for step in 0..cfg.spec.steps {
-        if let Some(probe) = &cfg.probe {
-            probe.start_step(step);
-        }
-        for (_, t) in &named {
-            t.shallow_clone().zero_grad();
-        }
-        let _ = counts.take();
-        let split = microbatch::split(model, &data_ranks, step, plan.microbatches)?;
-        let mut metas = Vec::with_capacity(split.batches.len());
-        for b in &split.batches {
-            let key: Vec<i64> = b.inputs.iter().flat_map(|t| t.size()).collect();
-            let m = match metas_by_size.get(&key) {
-                Some(m) => m.clone(),
-                None if sharded => {
-                    return Err(PipelineError::InvalidPlan(format!(
-                        "step {step} brings a microbatch of a new shape {key:?}; PP×FSDP \
-                         probes every shape before sharding"
-                    )))
-                }
-                None => {
-                    let flow = probe(model, b)?;
-                    let m = Arc::new(flow.outputs);
-                    metas_by_size.insert(key, m.clone());
-                    m
-                }
-            };
-            metas.push(m);
-        }
-        handshake(
-            &plan,
-            rank,
-            &edge_groups,
-            &metas[0],
-            opts.fault == Some(PipelineFault::WrongShape),
-        )?;
-        let data = StepData {
-            batches: split.batches,
-            scales: split.scales,
-            metas,
-        };
-        let outcome = executor.run_step(&actions, &data)?;
-        traces.push(RankStepTrace {
-            rank: world.rank(),
-            step,
-            events: outcome.events,
-        });
-        if !sharded {
-            reduce_tied(&|t| t.grad())?;
-        }
-        if dp > 1 && !held.is_empty() && !sharded {
-            let grads: Vec<Tensor> = held.iter().map(|&i| named[i].1.grad()).collect();
-            let flat = Tensor::f_cat(
-                &grads
-                    .iter()
-                    .map(|g| g.f_view([-1]))
-                    .collect::<Result<Vec<_>, _>>()?,
-                0,
-            )?;
-            dpg.all_reduce(&flat, ReduceOp::Avg)?;
-            let mut offset = 0;
-            for g in &grads {
-                let n = g.numel() as i64;
-                g.shallow_clone()
-                    .f_copy_(&flat.f_narrow(0, offset, n)?.f_view(g.size().as_slice())?)?;
-                offset += n;
-            }
-        }
-        collectives.push(CollectiveEntry::from_counts(counts.take()));
-        if composed || record.grads.is_some() {
-            let full_grads = recorded(&|t: &Tensor| t.grad())?;
-            record.grad_norms.push(grad_norm(&full_grads)?);
-            if let Some(all) = record.grads.as_mut() {
-                all.push(capture(&full_grads)?);
-            }
-        } else {
-            // Only the norm is recorded: computed by the owners, without gathering.
-            record.grad_norms.push(owned_grad_norm(
-                &plan,
-                rank,
-                pp.as_ref(),
-                &named,
-                &mut norm_scratch,
-            )?);
-        }
-        if let (Some(max_norm), Some(&norm)) = (model.max_grad_norm(), record.grad_norms.last()) {
-            // What the optimizer steps: the held parameters' gradients, or the unit's shard.
-            let coef = clip_coefficient(max_norm, norm);
-            match &unit {
-                None => {
-                    let grads: Vec<Tensor> = held_params.iter().map(|(_, t)| t.grad()).collect();
-                    scale_gradients(&grads, coef)?;
-                }
-                Some(u) => scale_gradients([&u.borrow().shard().1.grad()], coef)?,
-            }
-        }
-        let loss = Tensor::from_slice(&[outcome.objective]);
-        pp.all_reduce(&loss, ReduceOp::Sum)?;
-        if dp > 1 {
-            dpg.all_reduce(&loss, ReduceOp::Avg)?;
-        }
-        record.losses.push(loss.f_double_value(&[0])?);
-        match &unit {
-            None => optimizer.step(&held_params)?,
-            Some(u) => optimizer.step(&[u.borrow().shard()])?,
-        }
-        if let Some(probe) = &cfg.probe {
-            match &unit {
-                None => observe_stepped(probe, step, &held_params, optimizer.as_ref(), &tp_coord)?,
-                Some(u) => {
-                    let u = u.borrow();
-                    let coord = |_: &str| format!("{tp_part}{}", u.shard_coordinate());
-                    observe_stepped(probe, step, &[u.shard()], optimizer.as_ref(), &coord)?;
-                }
-            }
-        }
-    }
-    let _ = counts.take();
-    let params = tch::no_grad(|| -> Result<_, PipelineError> { recorded(&Tensor::shallow_clone) })?;
-    if let Some(u) = &unit {
-        // The model holds its trained stage again for whoever reads it next.
-        u.borrow_mut().unshard()?;
-    }
-    if let Some(probe) = &cfg.probe {
-        probe.observe_all(cfg.spec.steps, StateKind::Final, &held_params, &tp_coord)?;
-    }
-    record.params = capture(&params)?;
-    record.buffers = capture(&model.named_buffers())?;
-    record.collectives = Some(collectives);
+    let steps = StepLoop {
+        model,
+        plan: &plan,
+        opts,
+        executor: &executor,
+        actions: &actions,
+        named: &named,
+        held: &held,
+        held_params: &held_params,
+        unit: unit.as_ref(),
+        pp: pp.as_ref(),
+        dp: dpg.as_ref(),
+        edge_groups: &edge_groups,
+        counts: &counts,
+        data_ranks: &data_ranks,
+        rank,
+        global_rank: world.rank(),
+        sharded,
+        composed,
+        reduce_tied: &reduce_tied,
+        model_params: &model_params,
+        stage_tp: stage_tp.as_ref(),
+        tp_part: &tp_part,
+    };
+    let (record, traces) = steps.run(cfg, &mut metas_by_size)?;
+    let record = steps.finish(cfg, record)?;
     Ok(PipelineRun {
         record,
         traces,
         plan,
     })
+}
+
+/// The plan of a pipeline whose stages are `within.tp`-way tensor parallel over
+/// `world_size` ranks, and whether its replicas are sharded (PP×FSDP, one stage per rank).
+fn plan_within(
+    model: &dyn Model,
+    world_size: usize,
+    opts: &PipelineOptions,
+    within: StageParallel,
+) -> Result<(PipelinePlan, bool), PipelineError> {
+    let tp = within.tp.max(1);
+    if !world_size.is_multiple_of(tp) {
+        return Err(PipelineError::InvalidPlan(format!(
+            "tensor-parallel size {tp} does not divide world size {world_size}"
+        )));
+    }
+    let plan = plan_pipeline(model, world_size / tp, opts)?;
+    let sharded = match within.data {
+        DataParallel::Replicate => false,
+        DataParallel::Shard => true,
+        DataParallel::HybridShard { .. } | DataParallel::HybridReplicate { .. } => {
+            return Err(PipelineError::InvalidPlan(
+                "a pipeline's replicas are replicated or sharded, not hybrid-sharded".into(),
+            ))
+        }
+    };
+    if sharded && plan.stages.len() != plan.ranks {
+        return Err(PipelineError::InvalidPlan(format!(
+            "PP×FSDP runs one stage per rank; this schedule places {} stages on {} ranks",
+            plan.stages.len(),
+            plan.ranks
+        )));
+    }
+    Ok((plan, sharded))
+}
+
+/// What one pipeline rank's steps work with, set up once by [`train_pipeline_with`].
+struct StepLoop<'a> {
+    model: &'a dyn Model,
+    plan: &'a PipelinePlan,
+    opts: &'a PipelineOptions,
+    executor: &'a Executor<'a>,
+    actions: &'a [Action],
+    named: &'a [(String, Tensor)],
+    held: &'a [usize],
+    held_params: &'a [(String, Tensor)],
+    unit: Option<&'a RefCell<ShardedUnit>>,
+    pp: &'a dyn ProcessGroup,
+    dp: &'a dyn ProcessGroup,
+    edge_groups: &'a HashMap<(usize, usize), Arc<dyn ProcessGroup>>,
+    counts: &'a CollectiveCounts,
+    data_ranks: &'a [usize],
+    rank: usize,
+    global_rank: usize,
+    sharded: bool,
+    composed: bool,
+    reduce_tied: &'a dyn Fn() -> Result<(), PipelineError>,
+    model_params: &'a [(String, Tensor)],
+    stage_tp: Option<&'a StageTp>,
+    tp_part: &'a str,
+}
+
+impl StepLoop<'_> {
+    /// The record's view: every parameter's value (data or gradient) at full size on every
+    /// rank (gathered over dp and tp when composed, then from its owning stage).
+    fn recorded(
+        &self,
+        value: &dyn Fn(&Tensor) -> Tensor,
+    ) -> Result<Vec<(String, Tensor)>, PipelineError> {
+        let full = full_values(
+            self.named,
+            self.model_params,
+            self.unit,
+            self.stage_tp,
+            value,
+        )?;
+        gather_owned(self.plan, self.rank, self.pp, &full)
+    }
+
+    /// Which copy of `name` this rank holds: tied copies keep one name on every stage that
+    /// holds them, so they compare; TP shards say which shard they are.
+    fn tp_coord(&self, name: &str) -> String {
+        self.stage_tp.map_or(String::new(), |s| s.coordinate(name))
+    }
+
+    /// The record's tail after the last step: the full parameters and buffers, the model
+    /// holding its trained stage again, and the final state for the probe.
+    fn finish(&self, cfg: &TrainConfig, mut record: RunRecord) -> Result<RunRecord, PipelineError> {
+        let _ = self.counts.take();
+        let params = tch::no_grad(|| self.recorded(&Tensor::shallow_clone))?;
+        if let Some(u) = self.unit {
+            // The model holds its trained stage again for whoever reads it next.
+            u.borrow_mut().unshard()?;
+        }
+        if let Some(probe) = &cfg.probe {
+            let coord = |name: &str| self.tp_coord(name);
+            probe.observe_all(cfg.spec.steps, StateKind::Final, self.held_params, &coord)?;
+        }
+        record.params = capture(&params)?;
+        record.buffers = capture(&self.model.named_buffers())?;
+        Ok(record)
+    }
+    /// Every step: the shape handshake, the schedule's actions, tied and replica gradient
+    /// reduction, the record's norm (and gradients), clipping, the loss, the optimizer step
+    /// on what this rank holds, and the state probe. Returns the record (collective counts
+    /// per step included) and this rank's timeline.
+    fn run(
+        &self,
+        cfg: &TrainConfig,
+        metas_by_size: &mut HashMap<Vec<i64>, Arc<Vec<TensorMeta>>>,
+    ) -> Result<(RunRecord, Vec<RankStepTrace>), PipelineError> {
+        let dp = self.plan.data_parallel;
+        let mut optimizer = cfg.optimizer.build();
+        let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
+        let mut traces = Vec::new();
+        let mut collectives = Vec::with_capacity(cfg.spec.steps);
+        // The f64 buffer the gradient norm squares into, kept across steps (owned_grad_norm).
+        let mut norm_scratch: Option<Tensor> = None;
+        for step in 0..cfg.spec.steps {
+            if let Some(probe) = &cfg.probe {
+                probe.start_step(step);
+            }
+            for (_, t) in self.named {
+                t.shallow_clone().zero_grad();
+            }
+            let _ = self.counts.take();
+            let split =
+                microbatch::split(self.model, self.data_ranks, step, self.plan.microbatches)?;
+            let metas = step_metas(
+                self.model,
+                &split.batches,
+                metas_by_size,
+                self.sharded,
+                step,
+            )?;
+            handshake(
+                self.plan,
+                self.rank,
+                self.edge_groups,
+                &metas[0],
+                self.opts.fault == Some(PipelineFault::WrongShape),
+            )?;
+            let data = StepData {
+                batches: split.batches,
+                scales: split.scales,
+                metas,
+            };
+            let outcome = self.executor.run_step(self.actions, &data)?;
+            traces.push(RankStepTrace {
+                rank: self.global_rank,
+                step,
+                events: outcome.events,
+            });
+            if !self.sharded {
+                (self.reduce_tied)()?;
+            }
+            if dp > 1 && !self.held.is_empty() && !self.sharded {
+                let grads: Vec<Tensor> =
+                    self.held.iter().map(|&i| self.named[i].1.grad()).collect();
+                average_flat(&grads, self.dp)?;
+            }
+            collectives.push(CollectiveEntry::from_counts(self.counts.take()));
+            if self.composed || record.grads.is_some() {
+                let full_grads = self.recorded(&|t: &Tensor| t.grad())?;
+                record.grad_norms.push(grad_norm(&full_grads)?);
+                if let Some(all) = record.grads.as_mut() {
+                    all.push(capture(&full_grads)?);
+                }
+            } else {
+                // Only the norm is recorded: computed by the owners, without gathering.
+                record.grad_norms.push(owned_grad_norm(
+                    self.plan,
+                    self.rank,
+                    self.pp,
+                    self.named,
+                    &mut norm_scratch,
+                )?);
+            }
+            if let (Some(max_norm), Some(&norm)) =
+                (self.model.max_grad_norm(), record.grad_norms.last())
+            {
+                // What the optimizer steps: the held parameters' gradients, or the unit's shard.
+                let coef = clip_coefficient(max_norm, norm);
+                let grads: Vec<Tensor> = match self.unit {
+                    None => self.held_params.iter().map(|(_, t)| t.grad()).collect(),
+                    Some(u) => vec![u.borrow().shard().1.grad()],
+                };
+                scale_gradients(&grads, coef)?;
+            }
+            let loss = Tensor::from_slice(&[outcome.objective]);
+            self.pp.all_reduce(&loss, ReduceOp::Sum)?;
+            if dp > 1 {
+                self.dp.all_reduce(&loss, ReduceOp::Avg)?;
+            }
+            record.losses.push(loss.f_double_value(&[0])?);
+            match self.unit {
+                None => optimizer.step(self.held_params)?,
+                Some(u) => optimizer.step(&[u.borrow().shard()])?,
+            }
+            if let Some(probe) = &cfg.probe {
+                match self.unit {
+                    None => observe_stepped(
+                        probe,
+                        step,
+                        self.held_params,
+                        optimizer.as_ref(),
+                        &|name: &str| self.tp_coord(name),
+                    )?,
+                    Some(u) => {
+                        let u = u.borrow();
+                        let coord = |_: &str| format!("{}{}", self.tp_part, u.shard_coordinate());
+                        observe_stepped(probe, step, &[u.shard()], optimizer.as_ref(), &coord)?;
+                    }
+                }
+            }
+        }
+        record.collectives = Some(collectives);
+        Ok((record, traces))
+    }
+}
+
+/// A tied weight starts from its lowest holder's value; replicas (`replicas`, when the
+/// pipeline has several) from replica 0's.
+fn broadcast_initial(
+    plan: &PipelinePlan,
+    named: &[(String, Tensor)],
+    held: &[usize],
+    holder_groups: &BTreeMap<Vec<usize>, Arc<dyn ProcessGroup>>,
+    replicas: Option<&dyn ProcessGroup>,
+) -> Result<(), PipelineError> {
+    let _guard = tch::no_grad_guard();
+    for &i in held {
+        if let Some(g) = holder_groups.get(&holder_set(plan, i)) {
+            g.broadcast(&named[i].1, 0)?;
+        }
+    }
+    if let Some(group) = replicas {
+        for &i in held {
+            group.broadcast(&named[i].1, 0)?;
+        }
+    }
+    Ok(())
+}
+
+/// The ranks holding parameter `i` (several for a tied weight), as its group's key.
+fn holder_set(plan: &PipelinePlan, i: usize) -> Vec<usize> {
+    plan.holders[i].iter().copied().collect()
+}
+
+/// `t`'s gradient, set to zeros first when this stage's backward left it undefined (a tied
+/// copy the stage did not use this step), so every holder takes part in the reduction.
+fn grad_or_zeros(t: &Tensor) -> Result<Tensor, PipelineError> {
+    let g = t.grad();
+    if g.defined() {
+        return Ok(g);
+    }
+    let zeros = t.f_zeros_like()?;
+    crate::autograd::set_grad(t, Some(&zeros))?;
+    Ok(zeros)
+}
+
+/// PP×FSDP: this rank's stage's parameters as one unit sharded over the replicas, and the
+/// schedule's actions extended with its unshard/reshard/reduce steps.
+fn stage_unit(
+    plan: &PipelinePlan,
+    rank: usize,
+    actions: &mut Vec<Action>,
+    held_params: &[(String, Tensor)],
+    dp: &Arc<dyn ProcessGroup>,
+    opts: &PipelineOptions,
+) -> Result<ShardedUnit, PipelineError> {
+    let stage = plan
+        .stage_ranks
+        .iter()
+        .position(|&r| r == rank)
+        .unwrap_or(0);
+    insert_sharding_actions(
+        actions,
+        stage,
+        opts.fault == Some(PipelineFault::ReduceGradBeforeLastMicrobatch),
+    );
+    let params = held_params
+        .iter()
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect();
+    Ok(ShardedUnit::new(
+        &format!("stage{stage}"),
+        params,
+        dp.clone(),
+        None,
+    )?)
+}
+
+/// The pipeline's groups on this rank: the stage-to-stage one (`pp`), the replicas' (`dp`),
+/// the stage's tensor-parallel one when `tp > 1`, and this rank's coordinates.
+struct PipelineMesh {
+    pp: Arc<dyn ProcessGroup>,
+    dp: Arc<dyn ProcessGroup>,
+    tp: Option<Arc<dyn ProcessGroup>>,
+    rank: usize,
+    replica: usize,
+    tp_rank: usize,
+}
+
+impl PipelineMesh {
+    /// `[dp, pp, tp]` over `world` (a plain pipeline keeps its historical two-dimensional
+    /// mesh and group names); `counted` wraps the groups whose traffic the record counts.
+    fn new(
+        world: &World,
+        plan: &PipelinePlan,
+        tp: usize,
+        counted: &dyn Fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup>,
+    ) -> Result<Self, PipelineError> {
+        let (p, dp) = (plan.ranks, plan.data_parallel);
+        if tp > 1 {
+            let mesh = DeviceMesh::new(world, &[("dp", dp), ("pp", p), ("tp", tp)])?;
+            Ok(PipelineMesh {
+                pp: mesh.group("pp")?,
+                dp: counted(mesh.group("dp")?),
+                tp: Some(counted(mesh.group("tp")?)),
+                rank: mesh.coordinate("pp")?,
+                replica: mesh.coordinate("dp")?,
+                tp_rank: mesh.coordinate("tp")?,
+            })
+        } else {
+            let mesh = DeviceMesh::new(world, &[("dp", dp), ("pp", p)])?;
+            Ok(PipelineMesh {
+                pp: mesh.group("pp")?,
+                dp: counted(mesh.group("dp")?),
+                tp: None,
+                rank: mesh.coordinate("pp")?,
+                replica: mesh.coordinate("dp")?,
+                tp_rank: 0,
+            })
+        }
+    }
+}
+
+/// Groups between stages that exchange activations (by edge) and among the stages that hold
+/// one tied weight (by holder set), created in the same order on every rank.
+type StageGroups = (
+    HashMap<(usize, usize), Arc<dyn ProcessGroup>>,
+    BTreeMap<Vec<usize>, Arc<dyn ProcessGroup>>,
+);
+
+/// The edge and tied-weight groups of `plan`, one per (replica, TP rank).
+fn pipeline_groups(
+    world: &World,
+    plan: &PipelinePlan,
+    tp: usize,
+    counted: &dyn Fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup>,
+) -> Result<StageGroups, PipelineError> {
+    let (p, dp) = (plan.ranks, plan.data_parallel);
+    let global = |d: usize, r: usize, t: usize| (d * p + r) * tp + t;
+    let mut edge_groups = HashMap::new();
+    for e in &plan.flow.edges {
+        let (a, b) = (plan.stage_ranks[e.from], plan.stage_ranks[e.to]);
+        if a == b {
+            continue;
+        }
+        let partition: Vec<Vec<usize>> = (0..dp)
+            .flat_map(|d| (0..tp).map(move |t| vec![global(d, a, t), global(d, b, t)]))
+            .collect();
+        if let Some(g) = world.new_groups(&partition, "pp-edge")? {
+            edge_groups.insert((e.from, e.to), g);
+        }
+    }
+    let mut holder_sets: Vec<Vec<usize>> = plan
+        .holders
+        .iter()
+        .filter(|h| h.len() > 1)
+        .map(|h| h.iter().copied().collect())
+        .collect();
+    holder_sets.sort();
+    holder_sets.dedup();
+    let mut holder_groups = BTreeMap::new();
+    for set in &holder_sets {
+        let partition: Vec<Vec<usize>> = (0..dp)
+            .flat_map(|d| (0..tp).map(move |t| set.iter().map(|&r| global(d, r, t)).collect()))
+            .collect();
+        if let Some(g) = world.new_groups(&partition, "pp-tied")? {
+            holder_groups.insert(set.clone(), counted(g));
+        }
+    }
+    Ok((edge_groups, holder_groups))
+}
+
+/// Each stage's parameters (index into `named`, tensor): those its layers list, plus those
+/// no layer lists (used by code between layers: every stage that runs that code adds its
+/// part).
+fn stage_parameters(
+    model: &dyn Model,
+    plan: &PipelinePlan,
+    named: &[(String, Tensor)],
+) -> Vec<Vec<(usize, Tensor)>> {
+    let layers = model.layers();
+    let tags = model.tags();
+    let index_of: HashMap<&str, usize> = named
+        .iter()
+        .enumerate()
+        .map(|(i, (n, _))| (n.as_str(), i))
+        .collect();
+    let listed: std::collections::HashSet<&str> = layers
+        .iter()
+        .flat_map(|l| l.params.iter().map(|q| tags.canonical(q)))
+        .collect();
+    let free: Vec<usize> = (0..named.len())
+        .filter(|&i| !listed.contains(named[i].0.as_str()))
+        .collect();
+    plan.stages
+        .iter()
+        .map(|r| {
+            let mut ids: Vec<usize> = r
+                .clone()
+                .flat_map(|l| layers[l].params.iter())
+                .filter_map(|q| index_of.get(tags.canonical(q)).copied())
+                .chain(free.iter().copied())
+                .collect();
+            ids.sort_unstable();
+            ids.dedup();
+            ids.into_iter()
+                .map(|i| (i, named[i].1.shallow_clone()))
+                .collect()
+        })
+        .collect()
+}
+
+/// The boundary tensors of every microbatch of step `step`, probed once per input shape
+/// (PP×FSDP probes every shape before sharding: a new one is an error there).
+fn step_metas(
+    model: &dyn Model,
+    batches: &[Batch],
+    metas_by_size: &mut HashMap<Vec<i64>, Arc<Vec<TensorMeta>>>,
+    sharded: bool,
+    step: usize,
+) -> Result<Vec<Arc<Vec<TensorMeta>>>, PipelineError> {
+    let mut metas = Vec::with_capacity(batches.len());
+    for b in batches {
+        let key: Vec<i64> = b.inputs.iter().flat_map(|t| t.size()).collect();
+        let m = match metas_by_size.get(&key) {
+            Some(m) => m.clone(),
+            None if sharded => {
+                return Err(PipelineError::InvalidPlan(format!(
+                    "step {step} brings a microbatch of a new shape {key:?}; PP×FSDP \
+                     probes every shape before sharding"
+                )))
+            }
+            None => {
+                let m = Arc::new(probe(model, b)?.outputs);
+                metas_by_size.insert(key, m.clone());
+                m
+            }
+        };
+        metas.push(m);
+    }
+    Ok(metas)
+}
+
+/// Averages `grads` over `group` in one all-reduce of their concatenation (DDP's single
+/// bucket), copied back in place.
+fn average_flat(grads: &[Tensor], group: &dyn ProcessGroup) -> Result<(), PipelineError> {
+    let flat = Tensor::f_cat(
+        &grads
+            .iter()
+            .map(|g| g.f_view([-1]))
+            .collect::<Result<Vec<_>, _>>()?,
+        0,
+    )?;
+    group.all_reduce(&flat, ReduceOp::Avg)?;
+    let mut offset = 0;
+    for g in grads {
+        let n = g.numel() as i64;
+        g.shallow_clone()
+            .f_copy_(&flat.f_narrow(0, offset, n)?.f_view(g.size().as_slice())?)?;
+        offset += n;
+    }
+    Ok(())
 }
 
 /// The gradient norm without gathering the gradients: each owner computes its parameters'
