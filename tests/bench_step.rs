@@ -151,7 +151,7 @@ fn parallel_step_refuses_bad_input() {
         ),
         (
             tiny(StepParallel::Tp, 2, "mlp"),
-            "no tensor-parallel implementation",
+            "has no parallel plan",
         ),
     ] {
         let err = bench::run_parallel_step(&opts).unwrap_err();

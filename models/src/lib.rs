@@ -13,6 +13,7 @@ mod error;
 pub mod functional;
 mod layers;
 pub mod model;
+pub mod plan;
 pub mod seed;
 pub mod store;
 pub mod zoo;
@@ -20,7 +21,11 @@ pub mod zoo;
 pub use device::OnDevice;
 pub use error::{Misshaped, ModelError};
 pub use model::{
-    Batch, ExpertParam, LayerHooks, LayerKind, LayerRun, LayerSpec, LossReduction, Model, NoHooks,
-    ParamTags, SharedGroup,
+    Batch, ExpertParam, LayerHooks, LayerKind, LayerRun, LayerSpec, LossReduction, Model, MoeSpec,
+    NoHooks, ParamTags, SharedGroup,
 };
+/// The module-level side of [`LayerHooks`] (`linear`, `embedding`, `layer_norm`, `moe`,
+/// `dropout`, `cross_entropy`): one hooks object offers both levels.
+pub use model::LayerHooks as ModuleHooks;
+pub use plan::{ParallelPlan, ParallelStyle, PlanRule};
 pub use store::ParamStore;

@@ -2,22 +2,24 @@
 //! trains on its own batch (data parallel), attention and router are replicated and averaged
 //! like DDP, each rank holds `E / ep` experts of every MoE layer, token-choices travel to
 //! their experts through a dispatcher, and expert gradients are summed over the
-//! expert-data-parallel group only and divided by the world size. The sizes (experts, top-k,
-//! heads, vocabulary) are the model's own ([`Model::gpt_config`]), so the decoder trains
-//! expert-parallel at any size; every step's collectives are counted into the run record.
+//! expert-data-parallel group only and divided by the world size. The model's own forward
+//! runs; its plan's [`ParallelStyle::Expert`] modules run through the expert-parallel
+//! dispatch ([`PlanHooks`]), sized by what the model passes them, so any model whose plan
+//! names its mixtures trains expert-parallel; every step's collectives are counted into the
+//! run record.
 
-use super::moe::{Dispatcher, MoeConfig};
+use super::moe::Dispatcher;
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
 use crate::compose::{DataParallel, ShardError, ShardedUnit};
 use crate::consistency::{observe_stepped, StateKind};
 use crate::record::{CollectiveEntry, RunRecord};
-use crate::tensor_parallel::gpt::{ExpertsParallel, GptTp};
-use crate::tensor_parallel::run::vocab_parallel_loss;
+use crate::tensor_parallel::hooks::{ExpertsParallel, PlanHooks};
+use crate::tensor_parallel::run::aliases;
 use crate::train::{
     capture, clip_coefficient, grad_norm, scale_gradients, TrainConfig, TrainError,
 };
-use lockstep_models::zoo::GptConfig;
-use lockstep_models::{Model, ModelError};
+use lockstep_models::plan::ParallelStyle;
+use lockstep_models::{Model, ModelError, ParallelPlan};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use tch::Tensor;
@@ -78,21 +80,24 @@ pub enum EpError {
     Torch(#[from] tch::TchError),
 }
 
-/// Checks before any rank starts that `model` can run expert-parallel at `world_size`;
-/// returns the decoder's sizes.
+/// Checks before any rank starts that `model` can run expert-parallel at `world_size`: its
+/// plan names a mixture of experts ([`ParallelStyle::Expert`]) whose experts divide by the
+/// expert-parallel size. Returns the plan and the experts per mixture.
 pub fn check_expert_plan(
     model: &dyn Model,
     world_size: usize,
     opts: &EpOptions,
-) -> Result<GptConfig, EpError> {
-    let config = match (model.name(), model.gpt_config()) {
-        ("gpt_moe", Some(config)) => config,
-        _ => {
-            return Err(EpError::Invalid(format!(
-                "model `{}` has no mixture-of-experts layer to shard (the decoder gpt_moe has)",
-                model.name()
-            )))
-        }
+) -> Result<(ParallelPlan, usize), EpError> {
+    let plan = model
+        .parallel_plan(false)
+        .filter(|p| p.rules.iter().any(|r| r.style == ParallelStyle::Expert));
+    let experts = model.tags().experts.iter().map(|e| e.expert + 1).max();
+    let (Some(plan), Some(experts)) = (plan, experts) else {
+        return Err(EpError::Invalid(format!(
+            "model `{}` has no mixture-of-experts layer to distribute (its parallel plan \
+             names none with the Expert style, or it tags no expert parameters)",
+            model.name()
+        )));
     };
     if opts.ep == 0 || world_size == 0 || !world_size.is_multiple_of(opts.ep) {
         return Err(EpError::Invalid(format!(
@@ -100,17 +105,16 @@ pub fn check_expert_plan(
             opts.ep
         )));
     }
-    if !config.experts.is_multiple_of(opts.ep) {
+    if !experts.is_multiple_of(opts.ep) {
         return Err(EpError::Invalid(format!(
-            "layers.*.moe: {} experts do not divide over an expert-parallel group of {}",
-            config.experts, opts.ep
+            "{experts} experts do not divide over an expert-parallel group of {}",
+            opts.ep
         )));
     }
-    Ok(config)
+    Ok((plan, experts))
 }
 
-/// Trains `model` (the zoo `gpt_moe` at any size, built whole on every rank)
-/// expert-parallel. `RunRecord.collectives` holds each step's training collectives on this
+/// Trains `model` (built whole on every rank) expert-parallel by its plan. `RunRecord.collectives` holds each step's training collectives on this
 /// rank (dispatch forward and backward, gradient reductions); the broadcasts that assemble
 /// full gradients for the record's norm and the loss average are record keeping, not counted.
 pub fn train_expert_parallel(
@@ -120,7 +124,7 @@ pub fn train_expert_parallel(
     opts: &EpOptions,
 ) -> Result<RunRecord, EpError> {
     let world_size = world.size();
-    let config = check_expert_plan(model, world_size, opts)?;
+    let (plan, experts) = check_expert_plan(model, world_size, opts)?;
     let ep = opts.ep;
     let mesh = DeviceMesh::new(world, &[("edp", world_size / ep), ("ep", ep)])?;
     let counts = CollectiveCounts::new();
@@ -135,7 +139,7 @@ pub fn train_expert_parallel(
         .new_groups(&singles, "ep-self")?
         .ok_or_else(|| EpError::Invalid("no single-rank group".into()))?;
     let ep_rank = mesh.coordinate("ep")?;
-    let per = config.experts / ep;
+    let per = experts / ep;
     let first = ep_rank * per;
     let tags = model.tags();
     let expert_of: HashMap<String, usize> = tags
@@ -192,33 +196,16 @@ pub fn train_expert_parallel(
         .filter(|(n, _)| !in_unit.contains(n))
         .map(|(n, t)| (n.clone(), t.shallow_clone()))
         .collect();
-    let mut hooks = GptTp {
-        group: alone,
-        tp: 1,
-        rank: 0,
-        params: named
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect(),
-        layer_names: model.layers().into_iter().map(|l| l.name).collect(),
-        config,
-        sequence_parallel: false,
-        fault: None,
-        experts_parallel: Some(ExpertsParallel {
+    // The plan's other rules apply on a TP group of one (every tensor whole): the same
+    // functions, so EP runs the model as TP does.
+    let mut hooks = PlanHooks::new(alone, 0, &named, &aliases(model), plan, &model.layers())
+        .with_experts(ExpertsParallel {
             group: ep_group.clone(),
             dispatcher: opts.dispatcher,
-            config: MoeConfig {
-                num_experts: config.experts,
-                top_k: config.top_k,
-                capacity_factor: opts.capacity_factor,
-                aux_loss_coef: 0.0,
-            },
+            capacity_factor: opts.capacity_factor,
             first,
             per,
-        }),
-        dropout: 0.0,
-        dropout_keys: Default::default(),
-    };
+        });
     let mut optimizer = cfg.optimizer.build();
     let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
     let expert_scale = if opts.fault == Some(EpFault::ExpertGradsReducedOverEp) {
@@ -240,11 +227,7 @@ pub fn train_expert_parallel(
         }
         let batch = model.input(world.rank(), step)?;
         let logits = model.forward_hooked(&batch, &mut hooks)?;
-        let target = batch
-            .target
-            .as_ref()
-            .ok_or_else(|| EpError::Invalid("the batch has no target".into()))?;
-        let loss = vocab_parallel_loss(&logits, target, config.vocab, 0, &hooks.group)?;
+        let loss = model.loss_of_hooked(&batch, &logits, &mut hooks)?;
         loss.f_backward()?;
         for (name, t) in &unsharded {
             let mut g = t.grad();
