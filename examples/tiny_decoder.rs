@@ -15,8 +15,8 @@
 //! ```
 
 use lockstep::models::{
-    decisions, seed, Batch, LayerHooks, LayerKind, LayerRun, LayerSpec, Model, ModelError,
-    MoeSpec, NoHooks, ParallelPlan, ParallelStyle, ParamStore,
+    decisions, seed, Batch, LayerHooks, LayerKind, LayerRun, LayerSpec, Model, ModelError, MoeSpec,
+    NoHooks, ParallelPlan, ParallelStyle, ParamStore,
 };
 use lockstep::parity_test::{ParityOutcome, ParityTest, ParityTestError};
 use tch::{Device, Kind, Tensor};
@@ -45,7 +45,8 @@ impl TinyDecoder {
     pub fn new(run_seed: u64, rank: usize, moe: bool) -> Result<Self, ModelError> {
         let mut store = ParamStore::default();
         let f = (Kind::Float, Device::Cpu);
-        let mut shapes: Vec<(String, Vec<i64>, bool)> = vec![("embed.weight".into(), vec![VOCAB, DIM], true)];
+        let mut shapes: Vec<(String, Vec<i64>, bool)> =
+            vec![("embed.weight".into(), vec![VOCAB, DIM], true)];
         let linear = |v: &mut Vec<(String, Vec<i64>, bool)>, p: &str, out: i64, inp: i64| {
             v.push((format!("{p}.weight"), vec![out, inp], true));
             v.push((format!("{p}.bias"), vec![out], false));
@@ -60,7 +61,11 @@ impl TinyDecoder {
             shapes.push((format!("{p}.norm2.weight"), vec![DIM], false));
             shapes.push((format!("{p}.norm2.bias"), vec![DIM], false));
             if moe {
-                shapes.push((format!("{p}.moe.router.weight"), vec![EXPERTS as i64, DIM], true));
+                shapes.push((
+                    format!("{p}.moe.router.weight"),
+                    vec![EXPERTS as i64, DIM],
+                    true,
+                ));
                 for e in 0..EXPERTS {
                     linear(&mut shapes, &format!("{p}.moe.experts.{e}.w1"), HIDDEN, DIM);
                     linear(&mut shapes, &format!("{p}.moe.experts.{e}.w2"), DIM, HIDDEN);
@@ -106,20 +111,28 @@ impl TinyDecoder {
     }
 
     fn p(&self, name: &str) -> Result<Tensor, ModelError> {
-        self.store.get(name).ok_or_else(|| ModelError::InvalidConfig {
-            model: self.name().to_owned(),
-            reason: format!("no parameter {name}"),
-        })
+        self.store
+            .get(name)
+            .ok_or_else(|| ModelError::InvalidConfig {
+                model: self.name().to_owned(),
+                reason: format!("no parameter {name}"),
+            })
     }
 
     /// The linear at `path` through the hooks.
     fn linear(&self, m: &mut dyn LayerHooks, path: &str, x: &Tensor) -> Result<Tensor, ModelError> {
-        let (w, b) = (self.p(&format!("{path}.weight"))?, self.p(&format!("{path}.bias")).ok());
+        let (w, b) = (
+            self.p(&format!("{path}.weight"))?,
+            self.p(&format!("{path}.bias")).ok(),
+        );
         m.linear(path, x, &w, b.as_ref())
     }
 
     fn norm(&self, m: &mut dyn LayerHooks, path: &str, x: &Tensor) -> Result<Tensor, ModelError> {
-        let (w, b) = (self.p(&format!("{path}.weight"))?, self.p(&format!("{path}.bias"))?);
+        let (w, b) = (
+            self.p(&format!("{path}.weight"))?,
+            self.p(&format!("{path}.bias"))?,
+        );
         m.layer_norm(path, x, &w, &b, 1e-5)
     }
 
@@ -138,14 +151,20 @@ impl TinyDecoder {
             .f_mul_scalar(1.0 / (hd as f64).sqrt())?
             .f_masked_fill(&future, f64::NEG_INFINITY)?
             .f_softmax(-1, None)?;
-        let out = probs.f_matmul(&v)?.f_transpose(1, 2)?.f_contiguous()?.f_view([b, t, -1])?;
+        let out = probs
+            .f_matmul(&v)?
+            .f_transpose(1, 2)?
+            .f_contiguous()?
+            .f_view([b, t, -1])?;
         self.linear(m, &format!("{p}.o"), &out)
     }
 
     /// The mixture computed densely (every expert on every token, weighted by its gate):
     /// the single-device form expert parallelism distributes.
     fn dense_moe(&self, p: &str, x: &Tensor) -> Result<Tensor, ModelError> {
-        let probs = x.f_linear::<Tensor>(&self.p(&format!("{p}.router.weight"))?, None)?.f_softmax(-1, None)?;
+        let probs = x
+            .f_linear::<Tensor>(&self.p(&format!("{p}.router.weight"))?, None)?
+            .f_softmax(-1, None)?;
         let (top, idx) = decisions::topk(&probs, TOP_K)?;
         let top = top.f_div(&top.f_sum_dim_intlist(-1, true, None)?)?;
         let gates = probs.f_zeros_like()?.f_scatter(-1, &idx, &top)?;
@@ -153,7 +172,9 @@ impl TinyDecoder {
         for e in 0..EXPERTS {
             let ex = format!("{p}.experts.{e}");
             let w = |s: &str| self.p(&format!("{ex}.{s}"));
-            let h = x.f_linear(&w("w1.weight")?, Some(&w("w1.bias")?))?.f_gelu("none")?;
+            let h = x
+                .f_linear(&w("w1.weight")?, Some(&w("w1.bias")?))?
+                .f_gelu("none")?;
             let y = h.f_linear(&w("w2.weight")?, Some(&w("w2.bias")?))?;
             out = out.f_add(&y.f_mul(&gates.f_narrow(-1, e as i64, 1)?)?)?;
         }
@@ -166,7 +187,10 @@ impl TinyDecoder {
         let h = h.f_add(&self.attention(m, &format!("{p}.attn"), &a)?)?;
         let f = self.norm(m, &format!("{p}.norm2"), &h)?;
         let ff = if self.moe {
-            let spec = MoeSpec { experts: EXPERTS, top_k: TOP_K };
+            let spec = MoeSpec {
+                experts: EXPERTS,
+                top_k: TOP_K,
+            };
             let path = format!("{p}.moe");
             m.moe(&path, &f, spec, &|x: &Tensor| self.dense_moe(&path, x))?
         } else {
@@ -205,8 +229,16 @@ impl Model for TinyDecoder {
                 .map(|(n, _)| n.clone())
                 .collect()
         };
-        let spec = |name: &str, kind| LayerSpec { name: name.into(), kind, params: under(name) };
-        let block = if self.moe { LayerKind::MoeDecoderBlock } else { LayerKind::DecoderBlock };
+        let spec = |name: &str, kind| LayerSpec {
+            name: name.into(),
+            kind,
+            params: under(name),
+        };
+        let block = if self.moe {
+            LayerKind::MoeDecoderBlock
+        } else {
+            LayerKind::DecoderBlock
+        };
         let mut v = vec![spec("embed", LayerKind::Embedding)];
         v.extend((0..BLOCKS).map(|i| spec(&format!("blocks.{i}"), block)));
         v.push(spec("norm", LayerKind::LayerNorm));
@@ -218,7 +250,10 @@ impl Model for TinyDecoder {
     fn input(&self, rank: usize, step: usize) -> Result<Batch, ModelError> {
         let opts = (Kind::Int64, Device::Cpu);
         let (start, stride) = seed::seeded(seed::batch_seed(self.seed, rank, step), || {
-            (Tensor::randint(VOCAB, [BATCH, 1], opts), Tensor::randint(3, [BATCH, 1], opts) + 1)
+            (
+                Tensor::randint(VOCAB, [BATCH, 1], opts),
+                Tensor::randint(3, [BATCH, 1], opts) + 1,
+            )
         });
         let tokens = (Tensor::arange(SEQ + 1, opts).unsqueeze(0) * stride + start).remainder(VOCAB);
         Ok(Batch {
@@ -235,14 +270,23 @@ impl Model for TinyDecoder {
         true
     }
 
-    fn forward_hooked(&self, batch: &Batch, hooks: &mut dyn LayerHooks) -> Result<Tensor, ModelError> {
-        let tokens = batch.inputs.first().ok_or_else(|| ModelError::InvalidBatch {
-            model: self.name().to_owned(),
-            reason: "expected token ids".into(),
-        })?;
+    fn forward_hooked(
+        &self,
+        batch: &Batch,
+        hooks: &mut dyn LayerHooks,
+    ) -> Result<Tensor, ModelError> {
+        let tokens = batch
+            .inputs
+            .first()
+            .ok_or_else(|| ModelError::InvalidBatch {
+                model: self.name().to_owned(),
+                reason: "expected token ids".into(),
+            })?;
         let embed = self.p("embed.weight")?;
         let mut run = LayerRun::new(hooks);
-        let mut h = run.layer_hooked([tokens.shallow_clone()], |m, [ids]| m.embedding("embed", &ids, &embed))?;
+        let mut h = run.layer_hooked([tokens.shallow_clone()], |m, [ids]| {
+            m.embedding("embed", &ids, &embed)
+        })?;
         for i in 0..BLOCKS {
             h = run.layer_hooked([h], |m, [h]| self.block(m, i, &h))?;
         }
@@ -256,13 +300,25 @@ impl Model for TinyDecoder {
 
     /// The loss through the `head` module's cross-entropy hook: loss parallel when the plan
     /// splits the head by vocabulary (then `output` is this rank's slice of the logits).
-    fn loss_of_hooked(&self, batch: &Batch, output: &Tensor, hooks: &mut dyn LayerHooks) -> Result<Tensor, ModelError> {
-        let target = batch.target.as_ref().ok_or_else(|| ModelError::InvalidBatch {
-            model: self.name().to_owned(),
-            reason: "no target".into(),
-        })?;
+    fn loss_of_hooked(
+        &self,
+        batch: &Batch,
+        output: &Tensor,
+        hooks: &mut dyn LayerHooks,
+    ) -> Result<Tensor, ModelError> {
+        let target = batch
+            .target
+            .as_ref()
+            .ok_or_else(|| ModelError::InvalidBatch {
+                model: self.name().to_owned(),
+                reason: "no target".into(),
+            })?;
         let columns = output.size().last().copied().unwrap_or(VOCAB);
-        hooks.cross_entropy("head", &output.f_reshape([-1, columns])?, &target.f_reshape([-1])?)
+        hooks.cross_entropy(
+            "head",
+            &output.f_reshape([-1, columns])?,
+            &target.f_reshape([-1])?,
+        )
     }
 
     /// The plan: vocabulary-parallel embedding and head (loss parallel), attention split by
@@ -280,9 +336,13 @@ impl Model for TinyDecoder {
             .rule("blocks.*.attn.v", Colwise)
             .rule("blocks.*.attn.o", Rowwise);
         plan = if self.moe {
-            plan.rule("blocks.*.moe", if sequence_parallel { Sequence } else { Expert })
+            plan.rule(
+                "blocks.*.moe",
+                if sequence_parallel { Sequence } else { Expert },
+            )
         } else {
-            plan.rule("blocks.*.mlp.up", Colwise).rule("blocks.*.mlp.down", Rowwise)
+            plan.rule("blocks.*.mlp.up", Colwise)
+                .rule("blocks.*.mlp.down", Rowwise)
         };
         if sequence_parallel {
             plan = plan
@@ -298,7 +358,9 @@ impl Model for TinyDecoder {
 /// against one process (the fp64 arbiter).
 pub fn check_tensor_parallel(test: &str) -> Result<ParityOutcome, ParityTestError> {
     ParityTest::new(test)
-        .model("tiny_decoder", |seed, rank| TinyDecoder::new(seed, rank, false))
+        .model("tiny_decoder", |seed, rank| {
+            TinyDecoder::new(seed, rank, false)
+        })
         .config("tp.2")
         .config("tp.2.sp")
         .config("fsdp_x_tp2")
@@ -311,7 +373,9 @@ pub fn check_tensor_parallel(test: &str) -> Result<ParityOutcome, ParityTestErro
 /// The mixture-of-experts variant under `ep.2` (and `tp.2`) at world 2, against one process.
 pub fn check_expert_parallel(test: &str) -> Result<ParityOutcome, ParityTestError> {
     ParityTest::new(test)
-        .model("tiny_decoder_moe", |seed, rank| TinyDecoder::new(seed, rank, true))
+        .model("tiny_decoder_moe", |seed, rank| {
+            TinyDecoder::new(seed, rank, true)
+        })
         .config("ep.2")
         .config("tp.2")
         .world_sizes(&[2])

@@ -20,12 +20,12 @@ pub mod zoo;
 
 pub use device::OnDevice;
 pub use error::{Misshaped, ModelError};
+/// The module-level side of [`LayerHooks`] (`linear`, `embedding`, `layer_norm`, `moe`,
+/// `dropout`, `cross_entropy`): one hooks object offers both levels.
+pub use model::LayerHooks as ModuleHooks;
 pub use model::{
     Batch, ExpertParam, LayerHooks, LayerKind, LayerRun, LayerSpec, LossReduction, Model, MoeSpec,
     NoHooks, ParamTags, SharedGroup,
 };
-/// The module-level side of [`LayerHooks`] (`linear`, `embedding`, `layer_norm`, `moe`,
-/// `dropout`, `cross_entropy`): one hooks object offers both levels.
-pub use model::LayerHooks as ModuleHooks;
 pub use plan::{ParallelPlan, ParallelStyle, PlanRule};
 pub use store::ParamStore;

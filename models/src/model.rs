@@ -165,7 +165,12 @@ pub trait LayerHooks {
     }
 
     /// The rows of `weight` at `ids`, for the embedding at `path`.
-    fn embedding(&mut self, path: &str, ids: &Tensor, weight: &Tensor) -> Result<Tensor, ModelError> {
+    fn embedding(
+        &mut self,
+        path: &str,
+        ids: &Tensor,
+        weight: &Tensor,
+    ) -> Result<Tensor, ModelError> {
         let _ = path;
         Ok(Tensor::f_embedding(weight, ids, -1, false, false)?)
     }
@@ -220,13 +225,7 @@ pub trait LayerHooks {
         target: &Tensor,
     ) -> Result<Tensor, ModelError> {
         let _ = path;
-        Ok(logits.f_cross_entropy_loss::<Tensor>(
-            target,
-            None,
-            tch::Reduction::Mean,
-            -100,
-            0.0,
-        )?)
+        Ok(logits.f_cross_entropy_loss::<Tensor>(target, None, tch::Reduction::Mean, -100, 0.0)?)
     }
 }
 

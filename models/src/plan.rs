@@ -95,12 +95,9 @@ impl ParallelPlan {
     /// Whether any rule splits something across a tensor-parallel group (experts and
     /// replicated rules do not).
     pub fn splits_tensors(&self) -> bool {
-        self.rules.iter().any(|r| {
-            !matches!(
-                r.style,
-                ParallelStyle::Expert | ParallelStyle::Replicated
-            )
-        })
+        self.rules
+            .iter()
+            .any(|r| !matches!(r.style, ParallelStyle::Expert | ParallelStyle::Replicated))
     }
 }
 

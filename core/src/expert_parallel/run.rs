@@ -158,44 +158,7 @@ pub fn train_expert_parallel(
         .filter(|(n, _)| mine(n))
         .map(|(n, t)| (n.clone(), t.shallow_clone()))
         .collect();
-    // EP×FSDP: the dense parameters are one unit sharded over the world; experts stay whole
-    // on their rank (their data dimension is edp, reduced below).
-    let in_unit: HashSet<String> = match opts.data_parallel {
-        DataParallel::Replicate => HashSet::new(),
-        DataParallel::Shard => trained
-            .iter()
-            .filter(|(n, _)| {
-                !expert_of.contains_key(n) || opts.fault == Some(EpFault::ExpertsShardedOverDp)
-            })
-            .map(|(n, _)| n.clone())
-            .collect(),
-        DataParallel::HybridShard { .. } | DataParallel::HybridReplicate { .. } => {
-            return Err(EpError::Invalid(
-                "the dense parameters are replicated or sharded over the world, not hybrid".into(),
-            ))
-        }
-    };
-    let mut unit = if in_unit.is_empty() {
-        None
-    } else {
-        let sharded: Vec<(String, Tensor)> = trained
-            .iter()
-            .filter(|(n, _)| in_unit.contains(n))
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect();
-        Some(ShardedUnit::new(
-            "ep_dense",
-            sharded,
-            everyone.clone(),
-            None,
-        )?)
-    };
-    // What the optimizer steps besides the unit's shard.
-    let unsharded: Vec<(String, Tensor)> = trained
-        .iter()
-        .filter(|(n, _)| !in_unit.contains(n))
-        .map(|(n, t)| (n.clone(), t.shallow_clone()))
-        .collect();
+    let (mut unit, unsharded) = split_dense(&trained, &expert_of, opts, &everyone)?;
     // The plan's other rules apply on a TP group of one (every tensor whole): the same
     // functions, so EP runs the model as TP does.
     let mut hooks = PlanHooks::new(alone, 0, &named, &aliases(model), plan, &model.layers())
@@ -229,23 +192,7 @@ pub fn train_expert_parallel(
         let logits = model.forward_hooked(&batch, &mut hooks)?;
         let loss = model.loss_of_hooked(&batch, &logits, &mut hooks)?;
         loss.f_backward()?;
-        for (name, t) in &unsharded {
-            let mut g = t.grad();
-            if !g.defined() {
-                g = t.f_zeros_like()?;
-                crate::autograd::set_grad(t, Some(&g))
-                    .map_err(|e| EpError::Invalid(e.to_string()))?;
-            }
-            if expert_of.contains_key(name) {
-                // A group of one (ep = world) has nothing to sum: no collective.
-                if edp_group.size() > 1 {
-                    edp_group.all_reduce(&g, ReduceOp::Sum)?;
-                }
-                let _ = g.f_mul_scalar_(expert_scale)?;
-            } else {
-                everyone.all_reduce(&g, ReduceOp::Avg)?;
-            }
-        }
+        reduce_grads(&unsharded, &expert_of, &edp_group, &everyone, expert_scale)?;
         if let Some(u) = unit.as_mut() {
             u.reduce_grads()?;
         }
@@ -280,21 +227,7 @@ pub fn train_expert_parallel(
             }
         }
         if let Some(probe) = &cfg.probe {
-            // Experts keep their global names (an expert's replicas must agree); the dense
-            // parameters are replicated, or sharded in the unit.
-            let mut stepped: Vec<(String, Tensor)> = unsharded
-                .iter()
-                .map(|(n, t)| (n.clone(), t.shallow_clone()))
-                .collect();
-            let shard = unit.as_ref().map(|u| (u.shard(), u.shard_coordinate()));
-            if let Some((s, _)) = &shard {
-                stepped.push((s.0.clone(), s.1.shallow_clone()));
-            }
-            let coord = |name: &str| match &shard {
-                Some(((n, _), c)) if n == name => c.clone(),
-                _ => String::new(),
-            };
-            observe_stepped(probe, step, &stepped, optimizer.as_ref(), &coord)?;
+            observe(probe, step, &unsharded, unit.as_ref(), optimizer.as_ref())?;
         }
     }
     if let Some(u) = unit.as_mut() {
@@ -315,6 +248,105 @@ pub fn train_expert_parallel(
     record.buffers = capture(&model.named_buffers())?;
     record.collectives = Some(collectives);
     Ok(record)
+}
+
+/// EP×FSDP: the dense parameters become one unit sharded over the world (experts stay whole
+/// on their rank: their data dimension is edp). Returns the unit and what the optimizer steps
+/// besides its shard.
+#[allow(clippy::type_complexity)]
+fn split_dense(
+    trained: &[(String, Tensor)],
+    expert_of: &HashMap<String, usize>,
+    opts: &EpOptions,
+    everyone: &Arc<dyn ProcessGroup>,
+) -> Result<(Option<ShardedUnit>, Vec<(String, Tensor)>), EpError> {
+    let in_unit: HashSet<String> = match opts.data_parallel {
+        DataParallel::Replicate => HashSet::new(),
+        DataParallel::Shard => trained
+            .iter()
+            .filter(|(n, _)| {
+                !expert_of.contains_key(n) || opts.fault == Some(EpFault::ExpertsShardedOverDp)
+            })
+            .map(|(n, _)| n.clone())
+            .collect(),
+        DataParallel::HybridShard { .. } | DataParallel::HybridReplicate { .. } => {
+            return Err(EpError::Invalid(
+                "the dense parameters are replicated or sharded over the world, not hybrid".into(),
+            ))
+        }
+    };
+    let pick = |inside: bool| -> Vec<(String, Tensor)> {
+        trained
+            .iter()
+            .filter(|(n, _)| in_unit.contains(n) == inside)
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect()
+    };
+    let unit = if in_unit.is_empty() {
+        None
+    } else {
+        Some(ShardedUnit::new(
+            "ep_dense",
+            pick(true),
+            everyone.clone(),
+            None,
+        )?)
+    };
+    Ok((unit, pick(false)))
+}
+
+/// Reduces the gradients of the tensors outside the unit: experts summed over `edp` (the
+/// ranks holding the same experts) and scaled by `expert_scale`, dense ones averaged over the
+/// world.
+fn reduce_grads(
+    unsharded: &[(String, Tensor)],
+    expert_of: &HashMap<String, usize>,
+    edp_group: &Arc<dyn ProcessGroup>,
+    everyone: &Arc<dyn ProcessGroup>,
+    expert_scale: f64,
+) -> Result<(), EpError> {
+    for (name, t) in unsharded {
+        let mut g = t.grad();
+        if !g.defined() {
+            g = t.f_zeros_like()?;
+            crate::autograd::set_grad(t, Some(&g)).map_err(|e| EpError::Invalid(e.to_string()))?;
+        }
+        if expert_of.contains_key(name) {
+            // A group of one (ep = world) has nothing to sum: no collective.
+            if edp_group.size() > 1 {
+                edp_group.all_reduce(&g, ReduceOp::Sum)?;
+            }
+            let _ = g.f_mul_scalar_(expert_scale)?;
+        } else {
+            everyone.all_reduce(&g, ReduceOp::Avg)?;
+        }
+    }
+    Ok(())
+}
+
+/// The cross-rank check's view of a step: experts under their global names (an expert's
+/// replicas must agree), the dense parameters replicated or sharded in the unit.
+fn observe(
+    probe: &crate::consistency::StateProbe,
+    step: usize,
+    unsharded: &[(String, Tensor)],
+    unit: Option<&ShardedUnit>,
+    optimizer: &dyn crate::train::Optimizer,
+) -> Result<(), EpError> {
+    let mut stepped: Vec<(String, Tensor)> = unsharded
+        .iter()
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect();
+    let shard = unit.map(|u| (u.shard(), u.shard_coordinate()));
+    if let Some((s, _)) = &shard {
+        stepped.push((s.0.clone(), s.1.shallow_clone()));
+    }
+    let coord = |name: &str| match &shard {
+        Some(((n, _), c)) if n == name => c.clone(),
+        _ => String::new(),
+    };
+    observe_stepped(probe, step, &stepped, optimizer, &coord)?;
+    Ok(())
 }
 
 /// Every parameter's `value` on this rank (its data or gradient; zeros where undefined),

@@ -93,7 +93,12 @@ impl LayerHooks for RangeHooks<'_> {
         }
     }
 
-    fn embedding(&mut self, path: &str, ids: &Tensor, weight: &Tensor) -> Result<Tensor, ModelError> {
+    fn embedding(
+        &mut self,
+        path: &str,
+        ids: &Tensor,
+        weight: &Tensor,
+    ) -> Result<Tensor, ModelError> {
         match self.run.compute {
             Some(hooks) => hooks.borrow_mut().embedding(path, ids, weight),
             None => NoHooks.embedding(path, ids, weight),

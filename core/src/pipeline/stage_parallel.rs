@@ -103,8 +103,8 @@ impl StageTp {
             fault: None,
         };
         let placements = check_plan(model, world_size, &opts).map_err(tp_error)?;
-        let plan = model_plan(model, &opts)
-            .map_err(|e| PipelineError::InvalidPlan(e.to_string()))?;
+        let plan =
+            model_plan(model, &opts).map_err(|e| PipelineError::InvalidPlan(e.to_string()))?;
         let local = local_parameters(model, &placements, rank, tp)
             .map_err(|e| PipelineError::InvalidPlan(e.to_string()))?;
         let hooks = PlanHooks::new(

@@ -232,7 +232,11 @@ fn same_tensor(a: &Tensor, b: &Tensor) -> bool {
 }
 
 impl LayerHooks for PlanHooks {
-    fn pre_forward(&mut self, index: usize, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, ModelError> {
+    fn pre_forward(
+        &mut self,
+        index: usize,
+        inputs: Vec<Tensor>,
+    ) -> Result<Vec<Tensor>, ModelError> {
         if index == 0 {
             self.sharded = false;
             self.entry = None;
@@ -291,7 +295,12 @@ impl LayerHooks for PlanHooks {
         }
     }
 
-    fn embedding(&mut self, path: &str, ids: &Tensor, weight: &Tensor) -> Result<Tensor, ModelError> {
+    fn embedding(
+        &mut self,
+        path: &str,
+        ids: &Tensor,
+        weight: &Tensor,
+    ) -> Result<Tensor, ModelError> {
         let local = self.params.get(&format!("{path}.weight")).unwrap_or(weight);
         if self.plan.style_of(path) == Some(ParallelStyle::Vocab) {
             let start = self.rank as i64 * local.size()[0];
@@ -368,8 +377,14 @@ impl LayerHooks for PlanHooks {
     ) -> Result<Tensor, ModelError> {
         if self.plan.style_of(path) == Some(ParallelStyle::Vocab) {
             let start = self.rank as i64 * logits.size().last().copied().unwrap_or(0);
-            return vocab_parallel_cross_entropy(logits, target, start, &self.group, Reduction::Mean)
-                .map_err(hook_err);
+            return vocab_parallel_cross_entropy(
+                logits,
+                target,
+                start,
+                &self.group,
+                Reduction::Mean,
+            )
+            .map_err(hook_err);
         }
         Ok(logits.f_cross_entropy_loss::<Tensor>(target, None, tch::Reduction::Mean, -100, 0.0)?)
     }

@@ -126,7 +126,8 @@ pub fn placements(
         .map(|(n, _)| (n.clone(), Placement::Replicated))
         .collect();
     // Every name a parameter is used under, with its tensor.
-    let mut names: Vec<(String, &tch::Tensor)> = params.iter().map(|(n, t)| (n.clone(), t)).collect();
+    let mut names: Vec<(String, &tch::Tensor)> =
+        params.iter().map(|(n, t)| (n.clone(), t)).collect();
     for group in &tags.shared {
         if let Some((_, t)) = params.iter().find(|(n, _)| *n == group.canonical) {
             names.extend(group.aliases.iter().map(|a| (a.clone(), t)));
@@ -174,9 +175,11 @@ pub fn placements(
         }
     }
     // A rule for a parameter-free module (a dropout site) cannot be checked against names.
-    let unused = plan.rules.iter().zip(&used).find(|(r, used)| {
-        !**used && !matches!(r.style, ParallelStyle::ShardedDropout { .. })
-    });
+    let unused = plan
+        .rules
+        .iter()
+        .zip(&used)
+        .find(|(r, used)| !**used && !matches!(r.style, ParallelStyle::ShardedDropout { .. }));
     if let Some((rule, _)) = unused {
         return Err(TpPlanError::NoMatch {
             pattern: rule.pattern.clone(),

@@ -456,7 +456,12 @@ impl<'a> TpRun<'a> {
                     .collect(),
                 Some(u) => u.full_values(Tensor::shallow_clone)?,
             };
-            full_tensors(&local, &self.placements, group.as_ref(), Tensor::shallow_clone)
+            full_tensors(
+                &local,
+                &self.placements,
+                group.as_ref(),
+                Tensor::shallow_clone,
+            )
         })?;
         record.params = capture(&params)?;
         record.buffers = capture(&self.model.named_buffers())?;

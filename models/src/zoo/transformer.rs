@@ -3,9 +3,9 @@
 
 use crate::layers::{BatchNorm1d, DecoderLayer, EncoderLayer, LayerNorm, Linear};
 use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, LossReduction, Model, NoHooks};
+use crate::plan::{ParallelPlan, ParallelStyle};
 use crate::seed;
 use crate::store::{linear_weight, normal, ParamStore, F32};
-use crate::plan::{ParallelPlan, ParallelStyle};
 use crate::LayerRun;
 use crate::ModelError;
 use tch::{Kind, Tensor};
