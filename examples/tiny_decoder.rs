@@ -14,6 +14,7 @@
 //! cargo run --example tiny_decoder      # runs the parity tests and prints the verdicts
 //! ```
 
+use lockstep::core::tensor_parallel::{train_tensor_parallel_with_plan, TpOptions};
 use lockstep::models::{
     decisions, seed, Batch, LayerHooks, LayerKind, LayerRun, LayerSpec, Model, ModelError, MoeSpec,
     NoHooks, ParallelPlan, ParallelStyle, ParamStore,
@@ -354,8 +355,20 @@ impl Model for TinyDecoder {
     }
 }
 
-/// The dense decoder under `tp.2`, `tp.2.sp`, `fsdp_x_tp2` and `pp2_x_tp2` at world 4, each
-/// against one process (the fp64 arbiter).
+/// A plan a user passes instead of the model's own: only the attention split (whole heads per
+/// rank), the MLP, embedding and head replicated (so the model's own loss applies).
+pub fn attention_only_plan() -> ParallelPlan {
+    ParallelPlan::new(false)
+        .with_heads(HEADS)
+        .rule("blocks.*.attn.q", ParallelStyle::Colwise)
+        .rule("blocks.*.attn.k", ParallelStyle::Colwise)
+        .rule("blocks.*.attn.v", ParallelStyle::Colwise)
+        .rule("blocks.*.attn.o", ParallelStyle::Rowwise)
+}
+
+/// The dense decoder under `tp.2`, `tp.2.sp`, `fsdp_x_tp2` and `pp2_x_tp2` from its own plan,
+/// and under TP 2 with [`attention_only_plan`] passed by the user, at world 4, each against
+/// one process (the fp64 arbiter).
 pub fn check_tensor_parallel(test: &str) -> Result<ParityOutcome, ParityTestError> {
     ParityTest::new(test)
         .model("tiny_decoder", |seed, rank| {
@@ -365,6 +378,17 @@ pub fn check_tensor_parallel(test: &str) -> Result<ParityOutcome, ParityTestErro
         .config("tp.2.sp")
         .config("fsdp_x_tp2")
         .config("pp2_x_tp2")
+        .custom_config("tp.2.attention_only", |ctx, model, cfg| {
+            let opts = TpOptions {
+                tp: 2,
+                sequence_parallel: false,
+                data_parallel: Default::default(),
+                fault: None,
+            };
+            let plan = attention_only_plan();
+            train_tensor_parallel_with_plan(model, ctx.world(), cfg, &opts, &plan)
+                .map_err(|e| e.to_string())
+        })
         .world_sizes(&[4])
         .steps(3)
         .run()

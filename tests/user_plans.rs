@@ -11,8 +11,13 @@ fn user_decoder_under_tp_sp_fsdp_and_pp_matches_single_device() {
         tiny_decoder::check_tensor_parallel("user_decoder_tp").expect("the parity test runs");
     print!("{}", outcome.summary());
     outcome.assert_passed();
-    // 4 configurations against single at world 4 (FSDP×TP against tp.2 as well).
-    assert!(outcome.report.comparisons.len() >= 4);
+    // 5 configurations (one with the user's own plan) against single at world 4.
+    assert_eq!(outcome.report.comparisons.len(), 5);
+    assert!(outcome
+        .report
+        .comparisons
+        .iter()
+        .all(|c| c.passed && c.reference.starts_with("single")));
 }
 
 #[test]
@@ -21,5 +26,5 @@ fn user_moe_decoder_under_ep_matches_single_device() {
         tiny_decoder::check_expert_parallel("user_decoder_ep").expect("the parity test runs");
     print!("{}", outcome.summary());
     outcome.assert_passed();
-    assert!(outcome.report.comparisons.len() >= 2);
+    assert_eq!(outcome.report.comparisons.len(), 2);
 }
