@@ -88,9 +88,17 @@ pub fn check_expert_plan(
     world_size: usize,
     opts: &EpOptions,
 ) -> Result<(ParallelPlan, usize), EpError> {
-    let plan = model
-        .parallel_plan(false)
-        .filter(|p| p.rules.iter().any(|r| r.style == ParallelStyle::Expert));
+    check_expert_plan_with(model, world_size, opts, model.parallel_plan(false))
+}
+
+/// [`check_expert_plan`] for a plan the caller passes (`None`: the model has none).
+pub fn check_expert_plan_with(
+    model: &dyn Model,
+    world_size: usize,
+    opts: &EpOptions,
+    plan: Option<ParallelPlan>,
+) -> Result<(ParallelPlan, usize), EpError> {
+    let plan = plan.filter(|p| p.rules.iter().any(|r| r.style == ParallelStyle::Expert));
     let experts = model.tags().experts.iter().map(|e| e.expert + 1).max();
     let (Some(plan), Some(experts)) = (plan, experts) else {
         return Err(EpError::Invalid(format!(
@@ -123,8 +131,20 @@ pub fn train_expert_parallel(
     cfg: &TrainConfig,
     opts: &EpOptions,
 ) -> Result<RunRecord, EpError> {
+    train_expert_parallel_with_plan(model, world, cfg, opts, model.parallel_plan(false))
+}
+
+/// [`train_expert_parallel`] by a plan the caller passes: its `Expert` modules are
+/// distributed, its other rules apply on a TP group of one.
+pub fn train_expert_parallel_with_plan(
+    model: &dyn Model,
+    world: &World,
+    cfg: &TrainConfig,
+    opts: &EpOptions,
+    plan: Option<ParallelPlan>,
+) -> Result<RunRecord, EpError> {
     let world_size = world.size();
-    let (plan, experts) = check_expert_plan(model, world_size, opts)?;
+    let (plan, experts) = check_expert_plan_with(model, world_size, opts, plan)?;
     let ep = opts.ep;
     let mesh = DeviceMesh::new(world, &[("edp", world_size / ep), ("ep", ep)])?;
     let counts = CollectiveCounts::new();
