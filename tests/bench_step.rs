@@ -149,10 +149,7 @@ fn parallel_step_refuses_bad_input() {
             tiny(StepParallel::Ep, 2, "nested"),
             "no mixture-of-experts layer",
         ),
-        (
-            tiny(StepParallel::Tp, 2, "mlp"),
-            "no tensor-parallel implementation",
-        ),
+        (tiny(StepParallel::Tp, 2, "mlp"), "has no parallel plan"),
     ] {
         let err = bench::run_parallel_step(&opts).unwrap_err();
         assert!(matches!(err, bench::BenchError::Invalid(_)), "{err}");

@@ -426,7 +426,7 @@ fn invalid_meshes_and_compositions_are_refused_before_spawn() {
             data: DataParallel::Shard,
         },
     );
-    assert!(msg.contains("gpt_moe"), "{msg}");
+    assert!(msg.contains("no mixture-of-experts layer"), "{msg}");
     let msg = refused("moe", 2, fsdp_tp(1));
     assert!(msg.contains("rank-local"), "{msg}");
     // The error type names which part refused.

@@ -371,10 +371,10 @@ fn plan_selects_expands_and_counts_runs() {
     let model_parallel = 2 * (2 + 3) + (5 + 7);
     // Compositions: at world 2 only fsdp_x_tp2 (dp = 1) for the three decoders and
     // ep2_x_fsdp for gpt_moe; at world 4 fsdp_x_tp2, hsdp_x_tp2, pp2_x_dp and pp2_x_fsdp for
-    // the three, pp2_x_tp2 for gpt and gpt_moe (not gpt_dropout) and ep2_x_fsdp for gpt_moe;
-    // their simpler configurations are selected already, except hsdp_x_tp2's
-    // tp.2.hybrid_order (a reference only), which runs once for each of the three.
-    let compositions = (3 + 1) + (4 * 3 + 2 + 1) + 3;
+    // the three, pp2_x_tp2 for the three (gpt_dropout's keys reach the stages' module hooks)
+    // and ep2_x_fsdp for gpt_moe; their simpler configurations are selected already, except
+    // hsdp_x_tp2's tp.2.hybrid_order (a reference only), which runs once for each of the three.
+    let compositions = (3 + 1) + (4 * 3 + 3 + 1) + 3;
     // The float64 shadows: one per cell with a single-device reference (3 models × 2 worlds)
     // and one per microbatched reference (3 models × 2 worlds).
     let shadows = 3 * 2 + 3 * 2;

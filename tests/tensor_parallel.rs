@@ -112,6 +112,7 @@ fn column_parallel_linear_matches_single_device(
         let opts = ColumnOptions {
             gather_output,
             sequence_parallel,
+            ..Default::default()
         };
         let y = column_parallel_linear(&x_in, &ws, Some(&bs), &group, opts)?;
         if gather_output {
@@ -173,6 +174,7 @@ fn row_parallel_linear_matches_single_device(
         let opts = RowOptions {
             input_is_parallel,
             sequence_parallel,
+            ..Default::default()
         };
         let y = row_parallel_linear(&x_in, &ws, Some(&bias), &group, opts)?;
         if sequence_parallel {
@@ -233,12 +235,14 @@ fn mlp(ctx: &RankCtx, sequence_parallel: bool, planted: bool) -> Result<()> {
         let opts = ColumnOptions {
             gather_output: false,
             sequence_parallel,
+            ..Default::default()
         };
         column_parallel_linear(&x_in, &w1s, Some(&b1s), &group, opts)?
     };
     let opts = RowOptions {
         input_is_parallel: true,
         sequence_parallel,
+        ..Default::default()
     };
     let y = row_parallel_linear(&h.tanh(), &w2s, Some(&b2), &group, opts)?;
     let (want_y, want_x, probe) = if sequence_parallel {
@@ -402,6 +406,7 @@ fn counting_group_counts_exactly(#[values(2, 4)] tp: usize) {
         let row = RowOptions {
             input_is_parallel: true,
             sequence_parallel: false,
+            ..Default::default()
         };
         let y = row_parallel_linear(&h, &w2, None, &group, row)?;
         expect_counts(
@@ -424,11 +429,13 @@ fn counting_group_counts_exactly(#[values(2, 4)] tp: usize) {
         let sp_col = ColumnOptions {
             gather_output: false,
             sequence_parallel: true,
+            ..Default::default()
         };
         let h = column_parallel_linear(&xs, &w1, None, &group, sp_col)?;
         let sp_row = RowOptions {
             input_is_parallel: true,
             sequence_parallel: true,
+            ..Default::default()
         };
         let y = row_parallel_linear(&h, &w2, None, &group, sp_row)?;
         let shard_bytes = out_bytes / tp as u64;
@@ -768,6 +775,7 @@ fn bad_layer_shapes_are_rejected() {
         let sp = RowOptions {
             input_is_parallel: false,
             sequence_parallel: true,
+            ..Default::default()
         };
         expect_err(
             "sequence of 3 over 2 ranks",

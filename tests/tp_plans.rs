@@ -7,7 +7,7 @@ mod common;
 use lockstep_core::comm::DType;
 use lockstep_core::record::RunRecord;
 use lockstep_core::tensor_parallel::{
-    check_plan, train_tensor_parallel, TpFault, TpOptions, TpPlan, TpPlanError, TpRule, TpStyle,
+    check_plan, placements, train_tensor_parallel, TpFault, TpOptions, TpPlanError, TpRule, TpStyle,
 };
 use lockstep_core::train::{single_device_reference, OptimizerConfig};
 use lockstep_harness::parity::{compare, TolerancePolicy};
@@ -178,20 +178,19 @@ fn bad_plans_are_rejected_before_any_rank_starts() {
     let e = check_plan(mlp.as_ref(), 2, &opts(2, false))
         .unwrap_err()
         .to_string();
-    assert!(e.contains("no tensor-parallel implementation"), "{e}");
-    let mut plan = TpPlan::gpt_dense(false);
+    assert!(e.contains("has no parallel plan"), "{e}");
+    let mut plan = gpt.parallel_plan(false).expect("gpt's plan");
     plan.rules.push(TpRule {
         pattern: "layers.*.attention.wz".into(),
         style: TpStyle::Colwise,
     });
-    let e = plan.placements(gpt.as_ref(), 2, Some(4)).unwrap_err();
+    let e = placements(&plan, gpt.as_ref(), 2).unwrap_err();
     assert!(matches!(e, TpPlanError::NoMatch { .. }), "{e}");
     assert!(e.to_string().contains("layers.*.attention.wz"), "{e}");
     // Vocabulary 8 over 16 ranks does not divide.
-    let e = TpPlan::gpt_dense(false)
-        .placements(gpt.as_ref(), 16, Some(16))
-        .unwrap_err()
-        .to_string();
+    let mut plan = gpt.parallel_plan(false).expect("gpt's plan");
+    plan.heads = Some(16);
+    let e = placements(&plan, gpt.as_ref(), 16).unwrap_err().to_string();
     assert!(
         e.contains("does not divide by the tensor-parallel size 16"),
         "{e}"

@@ -136,7 +136,15 @@ impl Model for OnDevice {
     fn single_device_reference_blocker(&self) -> Option<String> {
         self.inner.single_device_reference_blocker()
     }
-    fn gpt_config(&self) -> Option<crate::zoo::GptConfig> {
-        self.inner.gpt_config()
+    fn parallel_plan(&self, sequence_parallel: bool) -> Option<crate::plan::ParallelPlan> {
+        self.inner.parallel_plan(sequence_parallel)
+    }
+    fn loss_of_hooked(
+        &self,
+        batch: &Batch,
+        output: &Tensor,
+        hooks: &mut dyn crate::LayerHooks,
+    ) -> Result<Tensor, ModelError> {
+        self.inner.loss_of_hooked(batch, output, hooks)
     }
 }

@@ -2,7 +2,9 @@
 //! module paths and drawing their initial values in PyTorch's order.
 
 use crate::functional::{multi_head_attention, AttentionWeights};
+use crate::model::LayerHooks;
 use crate::store::{linear_bias, linear_weight, ones, xavier_uniform_, zeros, ParamStore, F32};
+use crate::ModelError;
 use tch::{TchError, Tensor};
 
 /// Joins module paths the way PyTorch names submodules.
@@ -19,6 +21,8 @@ pub(crate) fn path(prefix: &str, name: &str) -> String {
 pub(crate) struct Linear {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
+    /// The module path its hooks name it by.
+    pub path: String,
 }
 
 impl Linear {
@@ -39,11 +43,20 @@ impl Linear {
         } else {
             None
         };
-        Ok(Linear { weight, bias })
+        Ok(Linear {
+            weight,
+            bias,
+            path: prefix.to_owned(),
+        })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
         x.f_linear(&self.weight, self.bias.as_ref())
+    }
+
+    /// The linear through the module hooks (what a parallel plan may split).
+    pub fn call(&self, m: &mut dyn LayerHooks, x: &Tensor) -> Result<Tensor, ModelError> {
+        m.linear(&self.path, x, &self.weight, self.bias.as_ref())
     }
 
     pub fn names(prefix: &str, bias: bool) -> Vec<String> {
@@ -61,13 +74,24 @@ pub(crate) struct LayerNorm {
     pub weight: Tensor,
     pub bias: Tensor,
     dim: i64,
+    path: String,
 }
 
 impl LayerNorm {
     pub fn new(store: &mut ParamStore, prefix: &str, dim: i64) -> Result<Self, TchError> {
         let weight = store.param(&path(prefix, "weight"), || ones(&[dim]))?;
         let bias = store.param(&path(prefix, "bias"), || zeros(&[dim]))?;
-        Ok(LayerNorm { weight, bias, dim })
+        Ok(LayerNorm {
+            weight,
+            bias,
+            dim,
+            path: prefix.to_owned(),
+        })
+    }
+
+    /// The norm through the module hooks (sequence parallelism runs it on shards).
+    pub fn call(&self, m: &mut dyn LayerHooks, x: &Tensor) -> Result<Tensor, ModelError> {
+        m.layer_norm(&self.path, x, &self.weight, &self.bias, 1e-5)
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
@@ -216,8 +240,9 @@ impl FeedForward {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
-        self.linear2.forward(&self.linear1.forward(x)?.f_relu()?)
+    fn forward(&self, m: &mut dyn LayerHooks, x: &Tensor) -> Result<Tensor, ModelError> {
+        let h = self.linear1.call(m, x)?.f_relu()?;
+        self.linear2.call(m, &h)
     }
 }
 
@@ -257,11 +282,11 @@ impl EncoderLayer {
         v
     }
 
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+    pub fn forward(&self, m: &mut dyn LayerHooks, x: &Tensor) -> Result<Tensor, ModelError> {
         let x = self
             .norm1
             .forward(&(x + self.self_attn.forward(x, None)?))?;
-        self.norm2.forward(&(&x + self.ff.forward(&x)?))
+        Ok(self.norm2.forward(&(&x + self.ff.forward(m, &x)?))?)
     }
 }
 
@@ -312,13 +337,18 @@ impl DecoderLayer {
         v
     }
 
-    pub fn forward(&self, x: &Tensor, memory: &Tensor) -> Result<Tensor, TchError> {
+    pub fn forward(
+        &self,
+        m: &mut dyn LayerHooks,
+        x: &Tensor,
+        memory: &Tensor,
+    ) -> Result<Tensor, ModelError> {
         let x = self
             .norm1
             .forward(&(x + self.self_attn.forward(x, None)?))?;
         let x = self
             .norm2
             .forward(&(&x + self.multihead_attn.forward(&x, Some(memory))?))?;
-        self.norm3.forward(&(&x + self.ff.forward(&x)?))
+        Ok(self.norm3.forward(&(&x + self.ff.forward(m, &x)?))?)
     }
 }

@@ -13,14 +13,19 @@ mod error;
 pub mod functional;
 mod layers;
 pub mod model;
+pub mod plan;
 pub mod seed;
 pub mod store;
 pub mod zoo;
 
 pub use device::OnDevice;
 pub use error::{Misshaped, ModelError};
+/// The module-level side of [`LayerHooks`] (`linear`, `embedding`, `layer_norm`, `moe`,
+/// `dropout`, `cross_entropy`): one hooks object offers both levels.
+pub use model::LayerHooks as ModuleHooks;
 pub use model::{
-    Batch, ExpertParam, LayerHooks, LayerKind, LayerRun, LayerSpec, LossReduction, Model, NoHooks,
-    ParamTags, SharedGroup,
+    Batch, ExpertParam, LayerHooks, LayerKind, LayerRun, LayerSpec, LossReduction, Model, MoeSpec,
+    NoHooks, ParamTags, SharedGroup,
 };
+pub use plan::{ParallelPlan, ParallelStyle, PlanRule};
 pub use store::ParamStore;

@@ -145,6 +145,100 @@ pub trait LayerHooks {
         let _ = (index, inputs);
         Ok(None)
     }
+
+    // Module-level hooks: a model calls these where its forward uses a parametrized module,
+    // naming it by its module path and passing the parameters it would use. The defaults run
+    // the plain op; a parallel plan's hooks run the module's parallel form instead, with this
+    // rank's shards of the parameters (looked up by the path), so the model's own forward
+    // runs under any plan. The path is what plan rules match.
+
+    /// `x · weightᵀ + bias` for the linear at `path`.
+    fn linear(
+        &mut self,
+        path: &str,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor, ModelError> {
+        let _ = path;
+        Ok(x.f_linear(weight, bias)?)
+    }
+
+    /// The rows of `weight` at `ids`, for the embedding at `path`.
+    fn embedding(
+        &mut self,
+        path: &str,
+        ids: &Tensor,
+        weight: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        let _ = path;
+        Ok(Tensor::f_embedding(weight, ids, -1, false, false)?)
+    }
+
+    /// LayerNorm over the trailing dimensions of `weight`'s shape, for the norm at `path`.
+    fn layer_norm(
+        &mut self,
+        path: &str,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f64,
+    ) -> Result<Tensor, ModelError> {
+        let _ = path;
+        Ok(x.f_layer_norm(weight.size(), Some(weight), Some(bias), eps, false)?)
+    }
+
+    /// The mixture-of-experts module at `path` on `x`: `dense` is the model's own computation
+    /// (every expert local); an expert-parallel plan runs the experts where they live instead.
+    fn moe(
+        &mut self,
+        path: &str,
+        x: &Tensor,
+        spec: MoeSpec,
+        dense: &dyn Fn(&Tensor) -> Result<Tensor, ModelError>,
+    ) -> Result<Tensor, ModelError> {
+        let _ = (path, spec);
+        dense(x)
+    }
+
+    /// Dropout at `path`: `x` times the mask `mask(per_sample_shape)` draws (batch first, one
+    /// mask per sample, already scaled by `1 / (1 - p)`). A plan that splits `x` draws the
+    /// full mask and keeps its slice, so the masks are a single device's.
+    fn dropout(
+        &mut self,
+        path: &str,
+        x: &Tensor,
+        mask: &dyn Fn(&[i64]) -> Result<Tensor, ModelError>,
+    ) -> Result<Tensor, ModelError> {
+        let _ = path;
+        let mask = mask(&x.size()[1..])?;
+        Ok(x.f_mul(&mask.f_to_kind(x.kind())?.f_to_device(x.device())?)?)
+    }
+
+    /// The mean cross-entropy of `logits` (`[N, V]`) against `target` (`[N]`), the logits
+    /// coming from the module at `path`: a vocabulary-parallel plan computes it on this
+    /// rank's vocabulary slice (loss parallel).
+    fn cross_entropy(
+        &mut self,
+        path: &str,
+        logits: &Tensor,
+        target: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        let _ = path;
+        Ok(logits.f_cross_entropy_loss::<Tensor>(target, None, tch::Reduction::Mean, -100, 0.0)?)
+    }
+}
+
+/// The shape of a mixture-of-experts module, as a plan distributing its experts needs it.
+/// Its parameters follow one naming: `{path}.router.weight` (`[E, D]`, no bias) and
+/// `{path}.experts.{e}.w1` / `.w2` (weight and bias) for expert `e`, computing
+/// `w2(gelu(w1 x))` weighted by its renormalized top-k gate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeSpec {
+    /// Experts of the module.
+    pub experts: usize,
+    /// Experts each token is routed to.
+    pub top_k: i64,
 }
 
 /// Hooks that change nothing: what plain [`Model::forward`] runs with.
@@ -210,7 +304,20 @@ pub trait Model: Send {
     /// Forward through `hooks` and loss on `batch`.
     fn loss_hooked(&self, batch: &Batch, hooks: &mut dyn LayerHooks) -> Result<Tensor, ModelError> {
         let output = self.forward_hooked(batch, hooks)?;
-        self.loss_of(batch, &output)
+        self.loss_of_hooked(batch, &output, hooks)
+    }
+
+    /// [`Model::loss_of`] with its loss module called through `hooks`
+    /// ([`LayerHooks::cross_entropy`]), so a vocabulary-parallel plan can compute it on
+    /// split logits. The default ignores the hooks.
+    fn loss_of_hooked(
+        &self,
+        batch: &Batch,
+        output: &Tensor,
+        hooks: &mut dyn LayerHooks,
+    ) -> Result<Tensor, ModelError> {
+        let _ = hooks;
+        self.loss_of(batch, output)
     }
 
     /// The scalar loss of `output` on `batch` (PyTorch's `get_loss`).
@@ -244,10 +351,12 @@ pub trait Model: Send {
         None
     }
 
-    /// The decoder's sizes when this model is the zoo's GPT-style decoder (at any size):
-    /// tensor- and expert-parallel plans split heads, vocabulary and experts by these instead
-    /// of assuming the zoo's. Wrappers forward it; `None` for every other model.
-    fn gpt_config(&self) -> Option<crate::zoo::GptConfig> {
+    /// The plan tensor, sequence and expert parallelism apply to this model when the user
+    /// passes none (`None`: the model cannot be split; such configurations are refused). Its
+    /// rules name the modules the forward passes to its hooks ([`LayerHooks::linear`]...).
+    /// Wrappers forward it.
+    fn parallel_plan(&self, sequence_parallel: bool) -> Option<crate::plan::ParallelPlan> {
+        let _ = sequence_parallel;
         None
     }
 
@@ -323,6 +432,16 @@ impl<'a> LayerRun<'a> {
         inputs: [Tensor; N],
         compute: impl FnOnce([Tensor; N]) -> Result<Tensor, ModelError>,
     ) -> Result<Tensor, ModelError> {
+        self.layer_hooked(inputs, |_, inputs| compute(inputs))
+    }
+
+    /// [`LayerRun::layer`] whose `compute` calls its modules through the hooks
+    /// ([`LayerHooks::linear`]...), so a parallel plan can run them split.
+    pub fn layer_hooked<const N: usize>(
+        &mut self,
+        inputs: [Tensor; N],
+        compute: impl FnOnce(&mut dyn LayerHooks, [Tensor; N]) -> Result<Tensor, ModelError>,
+    ) -> Result<Tensor, ModelError> {
         let index = self.next;
         self.next += 1;
         let returned = self.hooks.pre_forward(index, inputs.into())?;
@@ -334,8 +453,14 @@ impl<'a> LayerRun<'a> {
         })?;
         let output = match self.hooks.substitute(index, &inputs)? {
             Some(stand_in) => stand_in,
-            None => compute(inputs)?,
+            None => compute(&mut *self.hooks, inputs)?,
         };
         self.hooks.post_forward(index, output)
+    }
+
+    /// The hooks, for module calls between layers (a dropout on the sum of two layers'
+    /// outputs).
+    pub fn hooks(&mut self) -> &mut dyn LayerHooks {
+        &mut *self.hooks
     }
 }

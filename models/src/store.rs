@@ -116,7 +116,9 @@ impl ParamStore {
         }
     }
 
-    pub(crate) fn tag_expert(&mut self, name: &str, expert: usize) {
+    /// Marks parameter `name` as belonging to expert `expert` of its mixture: expert
+    /// parallelism places it on the rank holding that expert.
+    pub fn tag_expert(&mut self, name: &str, expert: usize) {
         self.tags.experts.push(ExpertParam {
             name: name.to_owned(),
             expert,

@@ -183,8 +183,16 @@ impl lockstep_models::Model for Clocked {
     fn single_device_reference_blocker(&self) -> Option<String> {
         self.inner.single_device_reference_blocker()
     }
-    fn gpt_config(&self) -> Option<lockstep_models::zoo::GptConfig> {
-        self.inner.gpt_config()
+    fn parallel_plan(&self, sequence_parallel: bool) -> Option<lockstep_models::ParallelPlan> {
+        self.inner.parallel_plan(sequence_parallel)
+    }
+    fn loss_of_hooked(
+        &self,
+        batch: &lockstep_models::Batch,
+        output: &Tensor,
+        hooks: &mut dyn lockstep_models::LayerHooks,
+    ) -> Result<Tensor, lockstep_models::ModelError> {
+        self.inner.loss_of_hooked(batch, output, hooks)
     }
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         self.inner.named_parameters()

@@ -20,7 +20,13 @@ pub fn render_list(seed: u64) -> Result<String, MatrixError> {
         let applies: Vec<&str> = models
             .iter()
             .filter(|(name, _, single)| match c {
-                Config::Single | Config::Pipeline(_) | Config::ModelParallel(_) => single.is_none(),
+                Config::Single | Config::Pipeline(_) => single.is_none(),
+                // The models whose plan fits at world 2 or 4 (`tp.2` on `mlp` is refused).
+                Config::ModelParallel(id) => zoo::build(name, seed, 0).is_ok_and(|m| {
+                    [2, 4]
+                        .iter()
+                        .any(|&w| id.get().model_blocker(m.as_ref(), w).is_none())
+                }),
                 // The models the composition serves at world 4 or 8 (its table's sizes).
                 Config::Composed(id) => zoo::build(name, seed, 0).is_ok_and(|m| {
                     [4, 8]

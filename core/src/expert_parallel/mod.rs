@@ -38,4 +38,7 @@ pub use moe::{
     experts_per_rank, moe_forward, Dispatcher, EpGroup, ExpertParams, MoeConfig, MoeOutput,
 };
 pub use router::{capacity, check_top_k, keep_mask, load_balancing_loss, route, Routing};
-pub use run::{check_expert_plan, train_expert_parallel, EpFault, EpOptions};
+pub use run::{
+    check_expert_plan, check_expert_plan_with, train_expert_parallel,
+    train_expert_parallel_with_plan, EpFault, EpOptions,
+};

@@ -2,22 +2,24 @@
 //! trains on its own batch (data parallel), attention and router are replicated and averaged
 //! like DDP, each rank holds `E / ep` experts of every MoE layer, token-choices travel to
 //! their experts through a dispatcher, and expert gradients are summed over the
-//! expert-data-parallel group only and divided by the world size. The sizes (experts, top-k,
-//! heads, vocabulary) are the model's own ([`Model::gpt_config`]), so the decoder trains
-//! expert-parallel at any size; every step's collectives are counted into the run record.
+//! expert-data-parallel group only and divided by the world size. The model's own forward
+//! runs; its plan's [`ParallelStyle::Expert`] modules run through the expert-parallel
+//! dispatch ([`PlanHooks`]), sized by what the model passes them, so any model whose plan
+//! names its mixtures trains expert-parallel; every step's collectives are counted into the
+//! run record.
 
-use super::moe::{Dispatcher, MoeConfig};
+use super::moe::Dispatcher;
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
 use crate::compose::{DataParallel, ShardError, ShardedUnit};
 use crate::consistency::{observe_stepped, StateKind};
 use crate::record::{CollectiveEntry, RunRecord};
-use crate::tensor_parallel::gpt::{ExpertsParallel, GptTp};
-use crate::tensor_parallel::run::vocab_parallel_loss;
+use crate::tensor_parallel::hooks::{ExpertsParallel, PlanHooks};
+use crate::tensor_parallel::run::aliases;
 use crate::train::{
     capture, clip_coefficient, grad_norm, scale_gradients, TrainConfig, TrainError,
 };
-use lockstep_models::zoo::GptConfig;
-use lockstep_models::{Model, ModelError};
+use lockstep_models::plan::ParallelStyle;
+use lockstep_models::{Model, ModelError, ParallelPlan};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use tch::Tensor;
@@ -78,21 +80,32 @@ pub enum EpError {
     Torch(#[from] tch::TchError),
 }
 
-/// Checks before any rank starts that `model` can run expert-parallel at `world_size`;
-/// returns the decoder's sizes.
+/// Checks before any rank starts that `model` can run expert-parallel at `world_size`: its
+/// plan names a mixture of experts ([`ParallelStyle::Expert`]) whose experts divide by the
+/// expert-parallel size. Returns the plan and the experts per mixture.
 pub fn check_expert_plan(
     model: &dyn Model,
     world_size: usize,
     opts: &EpOptions,
-) -> Result<GptConfig, EpError> {
-    let config = match (model.name(), model.gpt_config()) {
-        ("gpt_moe", Some(config)) => config,
-        _ => {
-            return Err(EpError::Invalid(format!(
-                "model `{}` has no mixture-of-experts layer to shard (the decoder gpt_moe has)",
-                model.name()
-            )))
-        }
+) -> Result<(ParallelPlan, usize), EpError> {
+    check_expert_plan_with(model, world_size, opts, model.parallel_plan(false))
+}
+
+/// [`check_expert_plan`] for a plan the caller passes (`None`: the model has none).
+pub fn check_expert_plan_with(
+    model: &dyn Model,
+    world_size: usize,
+    opts: &EpOptions,
+    plan: Option<ParallelPlan>,
+) -> Result<(ParallelPlan, usize), EpError> {
+    let plan = plan.filter(|p| p.rules.iter().any(|r| r.style == ParallelStyle::Expert));
+    let experts = model.tags().experts.iter().map(|e| e.expert + 1).max();
+    let (Some(plan), Some(experts)) = (plan, experts) else {
+        return Err(EpError::Invalid(format!(
+            "model `{}` has no mixture-of-experts layer to distribute (its parallel plan \
+             names none with the Expert style, or it tags no expert parameters)",
+            model.name()
+        )));
     };
     if opts.ep == 0 || world_size == 0 || !world_size.is_multiple_of(opts.ep) {
         return Err(EpError::Invalid(format!(
@@ -100,17 +113,16 @@ pub fn check_expert_plan(
             opts.ep
         )));
     }
-    if !config.experts.is_multiple_of(opts.ep) {
+    if !experts.is_multiple_of(opts.ep) {
         return Err(EpError::Invalid(format!(
-            "layers.*.moe: {} experts do not divide over an expert-parallel group of {}",
-            config.experts, opts.ep
+            "{experts} experts do not divide over an expert-parallel group of {}",
+            opts.ep
         )));
     }
-    Ok(config)
+    Ok((plan, experts))
 }
 
-/// Trains `model` (the zoo `gpt_moe` at any size, built whole on every rank)
-/// expert-parallel. `RunRecord.collectives` holds each step's training collectives on this
+/// Trains `model` (built whole on every rank) expert-parallel by its plan. `RunRecord.collectives` holds each step's training collectives on this
 /// rank (dispatch forward and backward, gradient reductions); the broadcasts that assemble
 /// full gradients for the record's norm and the loss average are record keeping, not counted.
 pub fn train_expert_parallel(
@@ -119,8 +131,20 @@ pub fn train_expert_parallel(
     cfg: &TrainConfig,
     opts: &EpOptions,
 ) -> Result<RunRecord, EpError> {
+    train_expert_parallel_with_plan(model, world, cfg, opts, model.parallel_plan(false))
+}
+
+/// [`train_expert_parallel`] by a plan the caller passes: its `Expert` modules are
+/// distributed, its other rules apply on a TP group of one.
+pub fn train_expert_parallel_with_plan(
+    model: &dyn Model,
+    world: &World,
+    cfg: &TrainConfig,
+    opts: &EpOptions,
+    plan: Option<ParallelPlan>,
+) -> Result<RunRecord, EpError> {
     let world_size = world.size();
-    let config = check_expert_plan(model, world_size, opts)?;
+    let (plan, experts) = check_expert_plan_with(model, world_size, opts, plan)?;
     let ep = opts.ep;
     let mesh = DeviceMesh::new(world, &[("edp", world_size / ep), ("ep", ep)])?;
     let counts = CollectiveCounts::new();
@@ -135,7 +159,7 @@ pub fn train_expert_parallel(
         .new_groups(&singles, "ep-self")?
         .ok_or_else(|| EpError::Invalid("no single-rank group".into()))?;
     let ep_rank = mesh.coordinate("ep")?;
-    let per = config.experts / ep;
+    let per = experts / ep;
     let first = ep_rank * per;
     let tags = model.tags();
     let expert_of: HashMap<String, usize> = tags
@@ -154,71 +178,17 @@ pub fn train_expert_parallel(
         .filter(|(n, _)| mine(n))
         .map(|(n, t)| (n.clone(), t.shallow_clone()))
         .collect();
-    // EP×FSDP: the dense parameters are one unit sharded over the world; experts stay whole
-    // on their rank (their data dimension is edp, reduced below).
-    let in_unit: HashSet<String> = match opts.data_parallel {
-        DataParallel::Replicate => HashSet::new(),
-        DataParallel::Shard => trained
-            .iter()
-            .filter(|(n, _)| {
-                !expert_of.contains_key(n) || opts.fault == Some(EpFault::ExpertsShardedOverDp)
-            })
-            .map(|(n, _)| n.clone())
-            .collect(),
-        DataParallel::HybridShard { .. } | DataParallel::HybridReplicate { .. } => {
-            return Err(EpError::Invalid(
-                "the dense parameters are replicated or sharded over the world, not hybrid".into(),
-            ))
-        }
-    };
-    let mut unit = if in_unit.is_empty() {
-        None
-    } else {
-        let sharded: Vec<(String, Tensor)> = trained
-            .iter()
-            .filter(|(n, _)| in_unit.contains(n))
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect();
-        Some(ShardedUnit::new(
-            "ep_dense",
-            sharded,
-            everyone.clone(),
-            None,
-        )?)
-    };
-    // What the optimizer steps besides the unit's shard.
-    let unsharded: Vec<(String, Tensor)> = trained
-        .iter()
-        .filter(|(n, _)| !in_unit.contains(n))
-        .map(|(n, t)| (n.clone(), t.shallow_clone()))
-        .collect();
-    let mut hooks = GptTp {
-        group: alone,
-        tp: 1,
-        rank: 0,
-        params: named
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect(),
-        layer_names: model.layers().into_iter().map(|l| l.name).collect(),
-        config,
-        sequence_parallel: false,
-        fault: None,
-        experts_parallel: Some(ExpertsParallel {
+    let (mut unit, unsharded) = split_dense(&trained, &expert_of, opts, &everyone)?;
+    // The plan's other rules apply on a TP group of one (every tensor whole): the same
+    // functions, so EP runs the model as TP does.
+    let mut hooks = PlanHooks::new(alone, 0, &named, &aliases(model), plan, &model.layers())
+        .with_experts(ExpertsParallel {
             group: ep_group.clone(),
             dispatcher: opts.dispatcher,
-            config: MoeConfig {
-                num_experts: config.experts,
-                top_k: config.top_k,
-                capacity_factor: opts.capacity_factor,
-                aux_loss_coef: 0.0,
-            },
+            capacity_factor: opts.capacity_factor,
             first,
             per,
-        }),
-        dropout: 0.0,
-        dropout_keys: Default::default(),
-    };
+        });
     let mut optimizer = cfg.optimizer.build();
     let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
     let expert_scale = if opts.fault == Some(EpFault::ExpertGradsReducedOverEp) {
@@ -240,29 +210,9 @@ pub fn train_expert_parallel(
         }
         let batch = model.input(world.rank(), step)?;
         let logits = model.forward_hooked(&batch, &mut hooks)?;
-        let target = batch
-            .target
-            .as_ref()
-            .ok_or_else(|| EpError::Invalid("the batch has no target".into()))?;
-        let loss = vocab_parallel_loss(&logits, target, config.vocab, 0, &hooks.group)?;
+        let loss = model.loss_of_hooked(&batch, &logits, &mut hooks)?;
         loss.f_backward()?;
-        for (name, t) in &unsharded {
-            let mut g = t.grad();
-            if !g.defined() {
-                g = t.f_zeros_like()?;
-                crate::autograd::set_grad(t, Some(&g))
-                    .map_err(|e| EpError::Invalid(e.to_string()))?;
-            }
-            if expert_of.contains_key(name) {
-                // A group of one (ep = world) has nothing to sum: no collective.
-                if edp_group.size() > 1 {
-                    edp_group.all_reduce(&g, ReduceOp::Sum)?;
-                }
-                let _ = g.f_mul_scalar_(expert_scale)?;
-            } else {
-                everyone.all_reduce(&g, ReduceOp::Avg)?;
-            }
-        }
+        reduce_grads(&unsharded, &expert_of, &edp_group, &everyone, expert_scale)?;
         if let Some(u) = unit.as_mut() {
             u.reduce_grads()?;
         }
@@ -297,21 +247,7 @@ pub fn train_expert_parallel(
             }
         }
         if let Some(probe) = &cfg.probe {
-            // Experts keep their global names (an expert's replicas must agree); the dense
-            // parameters are replicated, or sharded in the unit.
-            let mut stepped: Vec<(String, Tensor)> = unsharded
-                .iter()
-                .map(|(n, t)| (n.clone(), t.shallow_clone()))
-                .collect();
-            let shard = unit.as_ref().map(|u| (u.shard(), u.shard_coordinate()));
-            if let Some((s, _)) = &shard {
-                stepped.push((s.0.clone(), s.1.shallow_clone()));
-            }
-            let coord = |name: &str| match &shard {
-                Some(((n, _), c)) if n == name => c.clone(),
-                _ => String::new(),
-            };
-            observe_stepped(probe, step, &stepped, optimizer.as_ref(), &coord)?;
+            observe(probe, step, &unsharded, unit.as_ref(), optimizer.as_ref())?;
         }
     }
     if let Some(u) = unit.as_mut() {
@@ -332,6 +268,105 @@ pub fn train_expert_parallel(
     record.buffers = capture(&model.named_buffers())?;
     record.collectives = Some(collectives);
     Ok(record)
+}
+
+/// EP×FSDP: the dense parameters become one unit sharded over the world (experts stay whole
+/// on their rank: their data dimension is edp). Returns the unit and what the optimizer steps
+/// besides its shard.
+#[allow(clippy::type_complexity)]
+fn split_dense(
+    trained: &[(String, Tensor)],
+    expert_of: &HashMap<String, usize>,
+    opts: &EpOptions,
+    everyone: &Arc<dyn ProcessGroup>,
+) -> Result<(Option<ShardedUnit>, Vec<(String, Tensor)>), EpError> {
+    let in_unit: HashSet<String> = match opts.data_parallel {
+        DataParallel::Replicate => HashSet::new(),
+        DataParallel::Shard => trained
+            .iter()
+            .filter(|(n, _)| {
+                !expert_of.contains_key(n) || opts.fault == Some(EpFault::ExpertsShardedOverDp)
+            })
+            .map(|(n, _)| n.clone())
+            .collect(),
+        DataParallel::HybridShard { .. } | DataParallel::HybridReplicate { .. } => {
+            return Err(EpError::Invalid(
+                "the dense parameters are replicated or sharded over the world, not hybrid".into(),
+            ))
+        }
+    };
+    let pick = |inside: bool| -> Vec<(String, Tensor)> {
+        trained
+            .iter()
+            .filter(|(n, _)| in_unit.contains(n) == inside)
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect()
+    };
+    let unit = if in_unit.is_empty() {
+        None
+    } else {
+        Some(ShardedUnit::new(
+            "ep_dense",
+            pick(true),
+            everyone.clone(),
+            None,
+        )?)
+    };
+    Ok((unit, pick(false)))
+}
+
+/// Reduces the gradients of the tensors outside the unit: experts summed over `edp` (the
+/// ranks holding the same experts) and scaled by `expert_scale`, dense ones averaged over the
+/// world.
+fn reduce_grads(
+    unsharded: &[(String, Tensor)],
+    expert_of: &HashMap<String, usize>,
+    edp_group: &Arc<dyn ProcessGroup>,
+    everyone: &Arc<dyn ProcessGroup>,
+    expert_scale: f64,
+) -> Result<(), EpError> {
+    for (name, t) in unsharded {
+        let mut g = t.grad();
+        if !g.defined() {
+            g = t.f_zeros_like()?;
+            crate::autograd::set_grad(t, Some(&g)).map_err(|e| EpError::Invalid(e.to_string()))?;
+        }
+        if expert_of.contains_key(name) {
+            // A group of one (ep = world) has nothing to sum: no collective.
+            if edp_group.size() > 1 {
+                edp_group.all_reduce(&g, ReduceOp::Sum)?;
+            }
+            let _ = g.f_mul_scalar_(expert_scale)?;
+        } else {
+            everyone.all_reduce(&g, ReduceOp::Avg)?;
+        }
+    }
+    Ok(())
+}
+
+/// The cross-rank check's view of a step: experts under their global names (an expert's
+/// replicas must agree), the dense parameters replicated or sharded in the unit.
+fn observe(
+    probe: &crate::consistency::StateProbe,
+    step: usize,
+    unsharded: &[(String, Tensor)],
+    unit: Option<&ShardedUnit>,
+    optimizer: &dyn crate::train::Optimizer,
+) -> Result<(), EpError> {
+    let mut stepped: Vec<(String, Tensor)> = unsharded
+        .iter()
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect();
+    let shard = unit.map(|u| (u.shard(), u.shard_coordinate()));
+    if let Some((s, _)) = &shard {
+        stepped.push((s.0.clone(), s.1.shallow_clone()));
+    }
+    let coord = |name: &str| match &shard {
+        Some(((n, _), c)) if n == name => c.clone(),
+        _ => String::new(),
+    };
+    observe_stepped(probe, step, &stepped, optimizer, &coord)?;
+    Ok(())
 }
 
 /// Every parameter's `value` on this rank (its data or gradient; zeros where undefined),

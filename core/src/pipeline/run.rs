@@ -159,7 +159,7 @@ pub fn train_pipeline_with(
     };
     let loss_fn = stage_tp.as_ref().map(|s| {
         move |batch: &Batch, output: &Tensor| -> Result<Tensor, PipelineError> {
-            s.loss(batch, output)
+            s.loss(model, batch, output)
         }
     });
     let compute = stage_tp.as_ref().map(|s| &s.hooks);

@@ -9,7 +9,7 @@
 
 use super::dataflow::TensorMeta;
 use super::PipelineError;
-use lockstep_models::{Batch, LayerHooks, Model, ModelError};
+use lockstep_models::{Batch, LayerHooks, Model, ModelError, MoeSpec, NoHooks};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
@@ -78,6 +78,70 @@ impl LayerHooks for RangeHooks<'_> {
             ModelError::Hook(format!("layer {index} has no recorded output shape").into())
         })?;
         Ok(Some(meta.zeros()?))
+    }
+
+    fn linear(
+        &mut self,
+        path: &str,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor, ModelError> {
+        match self.run.compute {
+            Some(hooks) => hooks.borrow_mut().linear(path, x, weight, bias),
+            None => NoHooks.linear(path, x, weight, bias),
+        }
+    }
+
+    fn embedding(
+        &mut self,
+        path: &str,
+        ids: &Tensor,
+        weight: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        match self.run.compute {
+            Some(hooks) => hooks.borrow_mut().embedding(path, ids, weight),
+            None => NoHooks.embedding(path, ids, weight),
+        }
+    }
+
+    fn layer_norm(
+        &mut self,
+        path: &str,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f64,
+    ) -> Result<Tensor, ModelError> {
+        match self.run.compute {
+            Some(hooks) => hooks.borrow_mut().layer_norm(path, x, weight, bias, eps),
+            None => NoHooks.layer_norm(path, x, weight, bias, eps),
+        }
+    }
+
+    fn moe(
+        &mut self,
+        path: &str,
+        x: &Tensor,
+        spec: MoeSpec,
+        dense: &dyn Fn(&Tensor) -> Result<Tensor, ModelError>,
+    ) -> Result<Tensor, ModelError> {
+        match self.run.compute {
+            Some(hooks) => hooks.borrow_mut().moe(path, x, spec, dense),
+            None => dense(x),
+        }
+    }
+
+    fn dropout(
+        &mut self,
+        path: &str,
+        x: &Tensor,
+        mask: &dyn Fn(&[i64]) -> Result<Tensor, ModelError>,
+    ) -> Result<Tensor, ModelError> {
+        match self.run.compute {
+            Some(hooks) => hooks.borrow_mut().dropout(path, x, mask),
+            None => NoHooks.dropout(path, x, mask),
+        }
     }
 
     fn post_forward(&mut self, index: usize, output: Tensor) -> Result<Tensor, ModelError> {

@@ -7,10 +7,9 @@ use super::schedule::{Action, ActionKind};
 use super::PipelineError;
 use crate::comm::ProcessGroup;
 use crate::compose::{DataParallel, ShardedUnit};
-use crate::tensor_parallel::gpt::GptTp;
-use crate::tensor_parallel::run::{by_name, local_parameters, tp_coordinate, vocab_parallel_loss};
-use crate::tensor_parallel::{check_plan, Placement};
-use lockstep_models::zoo::GptConfig;
+use crate::tensor_parallel::hooks::PlanHooks;
+use crate::tensor_parallel::run::{aliases, local_parameters, tp_coordinate};
+use crate::tensor_parallel::{check_plan, model_plan, Placement};
 use lockstep_models::{Batch, LayerHooks, Model};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -71,15 +70,14 @@ pub(super) fn insert_sharding_actions(actions: &mut Vec<Action>, stage: usize, e
     actions.push(Action::new(stage, ActionKind::Reshard, None));
 }
 
-/// The tensor-parallel side of a PP×TP stage: this rank's TP shards, the hooks that compute
-/// the stage's layers with them, and the vocabulary-parallel loss.
+/// The tensor-parallel side of a PP×TP stage: this rank's TP shards and the hooks that run
+/// the stage's modules with them by the model's plan (the loss too: loss parallel).
 pub(super) struct StageTp {
     /// Every parameter as this rank computes with it (TP shards where the plan splits).
     pub(super) local: Vec<(String, Tensor)>,
     placements: HashMap<String, Placement>,
     pub(super) hooks: RefCell<Box<dyn LayerHooks>>,
     group: Arc<dyn ProcessGroup>,
-    vocab: i64,
     rank: usize,
 }
 
@@ -105,62 +103,60 @@ impl StageTp {
             fault: None,
         };
         let placements = check_plan(model, world_size, &opts).map_err(tp_error)?;
-        let config = check_stage_tp(model)?;
+        let plan =
+            model_plan(model, &opts).map_err(|e| PipelineError::InvalidPlan(e.to_string()))?;
         let local = local_parameters(model, &placements, rank, tp)
             .map_err(|e| PipelineError::InvalidPlan(e.to_string()))?;
-        let params = by_name(&local);
-        let hooks: Box<dyn LayerHooks> = Box::new(GptTp {
-            group: group.clone(),
-            tp,
+        let hooks = PlanHooks::new(
+            group.clone(),
             rank,
-            params,
-            layer_names: model.layers().into_iter().map(|l| l.name).collect(),
-            config,
-            sequence_parallel: false,
-            fault: None,
-            experts_parallel: None,
-            dropout: 0.0,
-            dropout_keys: Default::default(),
-        });
+            &local,
+            &aliases(model),
+            plan,
+            &model.layers(),
+        );
         Ok(StageTp {
             local,
             placements,
-            hooks: RefCell::new(hooks),
+            hooks: RefCell::new(Box::new(hooks)),
             group,
-            vocab: config.vocab,
             rank,
         })
     }
 
-    /// The microbatch's mean loss from this rank's vocabulary slice of the logits.
-    pub(super) fn loss(&self, batch: &Batch, output: &Tensor) -> Result<Tensor, PipelineError> {
-        let target = batch
-            .target
-            .as_ref()
-            .ok_or_else(|| PipelineError::Execution("the batch has no target".into()))?;
-        vocab_parallel_loss(output, target, self.vocab, self.rank, &self.group)
-            .map_err(|e| PipelineError::Execution(e.to_string()))
+    /// The microbatch's loss through the plan's hooks (this rank's vocabulary slice of the
+    /// logits under a vocabulary-parallel plan).
+    pub(super) fn loss(
+        &self,
+        model: &dyn Model,
+        batch: &Batch,
+        output: &Tensor,
+    ) -> Result<Tensor, PipelineError> {
+        let mut hooks = self.hooks.borrow_mut();
+        Ok(model.loss_of_hooked(batch, output, hooks.as_mut())?)
     }
 }
 
-/// Checks that `model`'s stages can be tensor-parallel (PP×TP): the zoo decoder, whose
-/// sizes it reports, without dropout (whose per-sample keys a stage's microbatches do not
-/// carry to the TP hooks). Returns the decoder's sizes.
-pub(crate) fn check_stage_tp(model: &dyn Model) -> Result<GptConfig, PipelineError> {
-    let config = model.gpt_config().ok_or_else(|| {
-        PipelineError::InvalidPlan(format!(
-            "PP×TP splits the zoo decoder's stages (gpt, gpt_moe); `{}` is not one",
+/// Checks that `model`'s stages can be tensor-parallel (PP×TP): it offers a plan
+/// ([`Model::parallel_plan`]) and runs its layers through hooks.
+pub(crate) fn check_stage_tp(model: &dyn Model) -> Result<(), PipelineError> {
+    if model.parallel_plan(false).is_none() || !model.supports_layer_hooks() {
+        return Err(PipelineError::InvalidPlan(format!(
+            "PP×TP splits stages by the model's parallel plan through its layer and module \
+             hooks; `{}` offers no plan",
             model.name()
-        ))
-    })?;
-    if model.name() == "gpt_dropout" {
-        return Err(PipelineError::InvalidPlan(
-            "PP×TP does not carry dropout keys per microbatch to the TP hooks: gpt_dropout \
-             cannot run it (gpt and gpt_moe can)"
-                .into(),
-        ));
+        )));
     }
-    Ok(config)
+    if model.batch_dim() != 0 {
+        // Not yet supported: a sequence-first model's microbatches (cut along dim 1) fail
+        // inside the stages' tensor-parallel layers.
+        return Err(PipelineError::InvalidPlan(format!(
+            "PP×TP runs batch-first models (microbatches cut along dim 0); `{}` is sequence \
+             first",
+            model.name()
+        )));
+    }
+    Ok(())
 }
 
 /// Every parameter's `value` at its full size on this rank: the sharded unit's gathered over

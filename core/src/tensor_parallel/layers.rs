@@ -64,6 +64,9 @@ pub struct ColumnOptions {
     /// The input arrives split along dim 0 (the sequence, Megatron's SP) and is all-gathered
     /// on entry; backward reduce-scatters its gradient back onto the sequence shards.
     pub sequence_parallel: bool,
+    /// The input already went through [`enter_column`] (one entry shared by several
+    /// column-parallel linears of the same input, as q, k and v share one): no collective.
+    pub entered: bool,
 }
 
 /// How a row-parallel linear treats its input and output.
@@ -75,6 +78,9 @@ pub struct RowOptions {
     /// Leave the output split along dim 0 (the sequence, Megatron's SP): the partial sums are
     /// reduce-scattered instead of all-reduced.
     pub sequence_parallel: bool,
+    /// Under sequence parallelism, the partial output is batch first `(B, T, …)`: it is made
+    /// sequence first before the reduce-scatter, so the result is the `(T/t, B, …)` shard.
+    pub batch_first: bool,
 }
 
 /// How per-token losses become the loss.
@@ -142,6 +148,18 @@ fn check_bias(bias: Option<&Tensor>, out: i64, what: &str) -> Result<()> {
     }
 }
 
+/// Enters a column-parallel region: `copy_to_parallel` (identity forward, all-reduce of the
+/// gradient backward) or, under sequence parallelism, `all_gather_sequence` of the dim-0
+/// shards (reduce-scatter backward). Several column-parallel linears of one input share one
+/// entry, so its gradient is reduced once.
+pub fn enter_column(x: &Tensor, group: &TpGroup, sequence_parallel: bool) -> Result<Tensor> {
+    if sequence_parallel {
+        Ok(all_gather_sequence(x, group)?)
+    } else {
+        Ok(copy_to_parallel(x, group)?)
+    }
+}
+
 /// A linear whose weight is split by output features (`weight_shard`: `[out/t, in]`, bias
 /// `[out/t]`): every rank computes its slice of the output features from the full input.
 ///
@@ -168,10 +186,10 @@ pub fn column_parallel_linear(
         )));
     }
     check_bias(bias_shard, out_local, "column-parallel bias shard")?;
-    let input = if opts.sequence_parallel {
-        all_gather_sequence(x, group)?
+    let input = if opts.entered {
+        x.shallow_clone()
     } else {
-        copy_to_parallel(x, group)?
+        enter_column(x, group, opts.sequence_parallel)?
     };
     let y = input.f_linear(weight_shard, bias_shard)?;
     if opts.gather_output {
@@ -227,6 +245,11 @@ pub fn row_parallel_linear(
     };
     let partial = input.f_linear::<Tensor>(weight_shard, None)?;
     let y = if opts.sequence_parallel {
+        let partial = if opts.batch_first {
+            partial.f_transpose(0, 1)?.f_contiguous()?
+        } else {
+            partial
+        };
         chunk(&partial, 0, tp, "row-parallel output (sequence-parallel)")?;
         reduce_scatter_sequence(&partial, group)?
     } else {

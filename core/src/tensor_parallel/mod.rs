@@ -23,20 +23,22 @@
 //! Megatron's MLP: one all-reduce forward, one backward. To see what code communicates,
 //! wrap its group in a [`CountingGroup`](crate::comm::CountingGroup).
 
-pub mod gpt;
+pub mod hooks;
 pub mod layers;
 pub mod plan;
 pub mod rng;
 pub mod run;
-mod transformer;
 
 pub use layers::{
-    check_divisible, column_parallel_linear, row_parallel_linear, shard, unshard,
+    check_divisible, column_parallel_linear, enter_column, row_parallel_linear, shard, unshard,
     vocab_parallel_cross_entropy, vocab_parallel_embedding, ColumnOptions, Reduction, RowOptions,
     TensorParallelError, TpGroup,
 };
 pub use rng::{RngTracker, Stream};
 
-pub use gpt::TpFault;
-pub use plan::{Placement, TpPlan, TpPlanError, TpRule, TpStyle};
-pub use run::{check_plan, train_tensor_parallel, TpError, TpOptions};
+pub use hooks::TpFault;
+pub use plan::{placements, Placement, TpPlan, TpPlanError, TpRule, TpStyle};
+pub use run::{
+    check_plan, check_plan_with, model_plan, train_tensor_parallel,
+    train_tensor_parallel_with_plan, TpError, TpOptions,
+};

@@ -1,11 +1,11 @@
-//! Training the zoo decoder under tensor (and sequence) parallelism on one rank: shards cut
-//! from the full parameters every rank builds, the model's forward through `GptTp`'s hooks,
-//! the vocabulary-parallel loss, partial gradients summed over TP, replicas averaged over
-//! data parallelism, the optimizer on this rank's shards, and a record of full tensors.
+//! Training a model under its tensor (and sequence) parallel plan on one rank: shards cut
+//! from the full parameters every rank builds, the model's own forward through the plan's
+//! module hooks ([`PlanHooks`]), its loss through the same hooks (loss parallel), partial
+//! gradients summed over TP, replicas averaged over data parallelism, the optimizer on this
+//! rank's shards, and a record of full tensors.
 
-use super::gpt::{GptTp, TpFault};
-use super::plan::{Placement, TpPlan, TpPlanError};
-use super::transformer::TransformerTp;
+use super::hooks::{PlanHooks, TpFault};
+use super::plan::{placements, Placement, TpPlan, TpPlanError};
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
 use crate::compose::{DataParallel, ShardError, ShardedUnit};
 use crate::consistency::{observe_stepped, StateKind};
@@ -13,11 +13,8 @@ use crate::record::{CollectiveEntry, RunRecord};
 use crate::train::{
     capture, clip_coefficient, grad_norm, scale_gradients, TrainConfig, TrainError,
 };
-use lockstep_models::zoo::{GptConfig, TransformerWithSharedParams};
 use lockstep_models::{Batch, LayerHooks, LossReduction, Model, ModelError, NoHooks};
-use std::cell::RefCell;
 use std::collections::HashMap;
-use std::rc::Rc;
 use std::sync::Arc;
 use tch::Tensor;
 
@@ -68,17 +65,38 @@ pub enum TpError {
     Torch(#[from] tch::TchError),
 }
 
-/// Checks, before any rank starts, that the plan for `model` fits `world_size` ranks at TP
+/// The plan `model` offers for `opts` (its [`Model::parallel_plan`]), or the one clear
+/// refusal of a model that offers none.
+pub fn model_plan(model: &dyn Model, opts: &TpOptions) -> Result<TpPlan, TpPlanError> {
+    match model.parallel_plan(opts.sequence_parallel) {
+        Some(plan) => Ok(plan),
+        None if opts.sequence_parallel && model.parallel_plan(false).is_some() => Err(
+            TpPlanError::Unsupported(format!("{} with sequence parallelism", model.name())),
+        ),
+        None => Err(TpPlanError::Unsupported(model.name().to_owned())),
+    }
+}
+
+/// Checks, before any rank starts, that the model's own plan fits `world_size` ranks at TP
 /// size `opts.tp`; returns every parameter's placement.
 pub fn check_plan(
     model: &dyn Model,
     world_size: usize,
     opts: &TpOptions,
 ) -> Result<HashMap<String, Placement>, TpError> {
+    check_plan_with(model, world_size, opts, &model_plan(model, opts)?)
+}
+
+/// [`check_plan`] for a plan the caller passes (a user's, or the model's edited).
+pub fn check_plan_with(
+    model: &dyn Model,
+    world_size: usize,
+    opts: &TpOptions,
+    plan: &TpPlan,
+) -> Result<HashMap<String, Placement>, TpError> {
     if opts.tp == 0 || world_size == 0 || !world_size.is_multiple_of(opts.tp) {
         return Err(TpPlanError::Size(opts.tp).into());
     }
-    let plan = TpPlan::for_model(model.name(), opts.sequence_parallel)?;
     opts.data_parallel
         .dims(world_size / opts.tp)
         .map_err(|e| TpError::Invalid(e.to_string()))?;
@@ -92,28 +110,7 @@ pub fn check_plan(
             )));
         }
     }
-    let heads = decoder_config(model)?.map(|c| c.heads);
-    Ok(plan
-        .placements(model, opts.tp, heads)?
-        .into_iter()
-        .collect())
-}
-
-/// The sizes of a decoder whose plan splits attention heads and the vocabulary (`None` for
-/// the transformer, whose plan splits its feed-forward only): read from the model, so the
-/// zoo's decoder at any size fits, and a decoder that does not report them is refused.
-fn decoder_config(model: &dyn Model) -> Result<Option<GptConfig>, TpError> {
-    if model.name() == "transformer" {
-        return Ok(None);
-    }
-    match model.gpt_config() {
-        Some(config) => Ok(Some(config)),
-        None => Err(TpPlanError::Unsupported(format!(
-            "{} (it does not report its decoder sizes: Model::gpt_config)",
-            model.name()
-        ))
-        .into()),
-    }
+    Ok(placements(plan, model, opts.tp)?.into_iter().collect())
 }
 
 /// The groups of a tensor-parallel run on its mesh (`[dp, tp]`, or
@@ -172,201 +169,236 @@ impl TpMesh {
     }
 }
 
-/// Trains `model` (the zoo `gpt` or `gpt_moe`, built whole on every rank) under tensor
-/// parallelism for `cfg.spec.steps` steps. Each TP group trains on the concatenation of its
-/// replica's share of the world's data ranks, so the objective is the reference's. The data
-/// dimension follows `opts.data_parallel`: under FSDP×TP the tensors a rank computes with
-/// (its TP shards and replicated parameters) are one [`ShardedUnit`] over `dp`, gathered
-/// before forward, their gradients reduce-scattered after backward and freed after the
-/// optimizer steps the shards (TP → FSDP, torchtitan's order).
+/// Trains `model` (built whole on every rank) under its own plan ([`Model::parallel_plan`])
+/// for `cfg.spec.steps` steps; see [`train_tensor_parallel_with_plan`].
 pub fn train_tensor_parallel(
     model: &dyn Model,
     world: &World,
     cfg: &TrainConfig,
     opts: &TpOptions,
 ) -> Result<RunRecord, TpError> {
-    let world_size = world.size();
     // A TP group of one splits nothing: no plan is applied and the model computes its own
     // layers and loss (as torchtitan skips parallelizing at degree 1), so FSDP×TP at TP = 1
     // is FSDP and DDP×TP at TP = 1 is DDP.
-    let identity = opts.tp == 1;
-    let placements = if identity {
-        opts.data_parallel
-            .dims(world_size)
-            .map_err(|e| TpError::Invalid(e.to_string()))?;
-        HashMap::new()
+    let plan = if opts.tp == 1 {
+        TpPlan::default()
     } else {
-        check_plan(model, world_size, opts)?
+        model_plan(model, opts)?
     };
-    let tp = opts.tp;
-    let dp = world_size / tp;
-    let counts = CollectiveCounts::new();
-    let groups = TpMesh::new(world, opts, &counts)?;
-    let tp_group = groups.tp.clone();
-    let rank = groups.rank;
+    train_tensor_parallel_with_plan(model, world, cfg, opts, &plan)
+}
 
-    let trained = local_parameters(model, &placements, rank, tp)?;
-    let params = by_name(&trained);
-    let mut unit = match opts.data_parallel {
-        DataParallel::Replicate | DataParallel::HybridReplicate { .. } => None,
-        DataParallel::Shard | DataParallel::HybridShard { .. } => {
-            let sharded: Vec<(String, Tensor)> = trained
-                .iter()
-                .map(|(n, t)| (n.clone(), t.shallow_clone()))
-                .collect();
-            Some(ShardedUnit::new(
-                "tp_local",
-                sharded,
-                groups.dp.clone(),
-                groups.replicate.clone(),
-            )?)
-        }
-    };
-    let layer_names: Vec<String> = model.layers().into_iter().map(|l| l.name).collect();
-    // The decoder splits its vocabulary (loss parallel); the transformer only its
-    // feed-forward layers, so its logits are whole and the model's own loss applies.
-    let decoder = if identity {
-        None
-    } else {
-        decoder_config(model)?
-    };
-    let vocab_parallel = decoder.is_some();
-    let vocab = decoder.map_or(0, |c| c.vocab);
-    let gpt_dropout = if model.name() == "gpt_dropout" {
-        lockstep_models::zoo::GPT_DROPOUT
-    } else {
-        0.0
-    };
-    let dropout_keys: Rc<RefCell<Vec<i64>>> = Rc::default();
-    let mut hooks: Box<dyn LayerHooks> = if identity {
-        Box::new(NoHooks)
-    } else if let Some(config) = decoder {
-        Box::new(GptTp {
-            group: tp_group.clone(),
-            tp,
-            rank,
-            params,
-            layer_names,
-            config,
-            sequence_parallel: opts.sequence_parallel,
-            fault: opts.fault,
-            experts_parallel: None,
-            dropout: gpt_dropout,
-            dropout_keys: dropout_keys.clone(),
-        })
-    } else {
-        Box::new(TransformerTp {
-            group: tp_group.clone(),
-            params,
-            layer_names,
-            dim: TransformerWithSharedParams::DIM,
-            heads: TransformerWithSharedParams::HEADS,
-            missing_backward_all_reduce: opts.fault == Some(TpFault::MissingBackwardAllReduce),
-        })
-    };
-    let per = world_size / dp;
-    let data_ranks: Vec<usize> = (groups.replica * per..(groups.replica + 1) * per).collect();
+/// Trains `model` under tensor parallelism by `plan`. Each TP group trains on the
+/// concatenation of its replica's share of the world's data ranks, so the objective is the
+/// reference's. The data dimension follows `opts.data_parallel`: under FSDP×TP the tensors a
+/// rank computes with (its TP shards and replicated parameters) are one [`ShardedUnit`] over
+/// `dp`, gathered before forward, their gradients reduce-scattered after backward and freed
+/// after the optimizer steps the shards (TP → FSDP, torchtitan's order).
+pub fn train_tensor_parallel_with_plan(
+    model: &dyn Model,
+    world: &World,
+    cfg: &TrainConfig,
+    opts: &TpOptions,
+    plan: &TpPlan,
+) -> Result<RunRecord, TpError> {
+    let mut run = TpRun::new(model, world, opts, plan)?;
     let mut optimizer = cfg.optimizer.build();
     let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
     let mut collectives = Vec::with_capacity(cfg.spec.steps);
-    let coordinate = |name: &str| tp_coordinate(&placements, name, rank, tp);
     for step in 0..cfg.spec.steps {
-        if let Some(probe) = &cfg.probe {
-            probe.start_step(step);
-        }
-        for (_, t) in &trained {
-            t.shallow_clone().zero_grad();
-        }
-        let _ = counts.take();
-        if let Some(u) = unit.as_mut() {
-            u.unshard()?;
-        }
-        let batch = global_batch(model, &data_ranks, step)?;
-        if gpt_dropout > 0.0 {
-            let keys = batch
-                .inputs
-                .get(1)
-                .ok_or_else(|| TpError::Invalid("the batch carries no dropout keys".into()))?;
-            *dropout_keys.borrow_mut() = Vec::<i64>::try_from(keys)?;
-        }
-        let output = model.forward_hooked(&batch, hooks.as_mut())?;
-        let loss = if vocab_parallel {
-            let target = batch
-                .target
-                .as_ref()
-                .ok_or_else(|| TpError::Invalid("the batch has no target".into()))?;
-            vocab_parallel_loss(&output, target, vocab, rank, &tp_group)?
+        run.step(step, cfg, optimizer.as_mut(), &mut record, &mut collectives)?;
+    }
+    run.finish(cfg, record, collectives)
+}
+
+/// One rank's tensor-parallel run: its groups, its tensors, the hooks applying the plan.
+struct TpRun<'a> {
+    model: &'a dyn Model,
+    opts: &'a TpOptions,
+    groups: TpMesh,
+    counts: CollectiveCounts,
+    placements: HashMap<String, Placement>,
+    /// What this rank computes with (shards where the plan splits).
+    trained: Vec<(String, Tensor)>,
+    /// FSDP×TP: `trained` as one unit sharded over the data dimension.
+    unit: Option<ShardedUnit>,
+    hooks: Box<dyn LayerHooks>,
+    /// The data ranks whose batches this replica trains on.
+    data_ranks: Vec<usize>,
+    /// Size of the data dimension.
+    dp: usize,
+}
+
+impl<'a> TpRun<'a> {
+    fn new(
+        model: &'a dyn Model,
+        world: &World,
+        opts: &'a TpOptions,
+        plan: &TpPlan,
+    ) -> Result<Self, TpError> {
+        let world_size = world.size();
+        let identity = opts.tp == 1;
+        let placements = if identity {
+            opts.data_parallel
+                .dims(world_size)
+                .map_err(|e| TpError::Invalid(e.to_string()))?;
+            HashMap::new()
         } else {
-            // The reference averages the data ranks' losses: a summed loss over their
-            // concatenated batches is divided by their number (a mean is already that).
-            let loss = model.loss_of(&batch, &output)?;
-            match model.loss_reduction() {
-                LossReduction::Mean => loss,
-                LossReduction::Sum => loss.f_div_scalar(data_ranks.len() as f64)?,
-            }
+            check_plan_with(model, world_size, opts, plan)?
         };
-        loss.f_backward()?;
+        let counts = CollectiveCounts::new();
+        let groups = TpMesh::new(world, opts, &counts)?;
+        let trained = local_parameters(model, &placements, groups.rank, opts.tp)?;
+        let unit = match opts.data_parallel {
+            DataParallel::Replicate | DataParallel::HybridReplicate { .. } => None,
+            DataParallel::Shard | DataParallel::HybridShard { .. } => Some(ShardedUnit::new(
+                "tp_local",
+                trained
+                    .iter()
+                    .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                    .collect(),
+                groups.dp.clone(),
+                groups.replicate.clone(),
+            )?),
+        };
+        let hooks: Box<dyn LayerHooks> = if identity {
+            Box::new(NoHooks)
+        } else {
+            let hooks = PlanHooks::new(
+                groups.tp.clone(),
+                groups.rank,
+                &trained,
+                &aliases(model),
+                plan.clone(),
+                &model.layers(),
+            );
+            Box::new(hooks.with_fault(opts.fault))
+        };
+        let dp = world_size / opts.tp;
+        let per = world_size / dp;
+        let data_ranks = (groups.replica * per..(groups.replica + 1) * per).collect();
+        Ok(TpRun {
+            model,
+            opts,
+            groups,
+            counts,
+            placements,
+            trained,
+            unit,
+            hooks,
+            data_ranks,
+            dp,
+        })
+    }
+
+    /// Which copy of `name` this rank holds, for the cross-rank check.
+    fn coordinate(&self, name: &str) -> String {
+        tp_coordinate(&self.placements, name, self.groups.rank, self.opts.tp)
+    }
+
+    /// The replica's loss: the model's own forward and loss through the plan's hooks (a
+    /// summed loss over the data ranks' concatenated batches divided by their number, so it
+    /// is the reference's average).
+    fn loss(&mut self, batch: &Batch) -> Result<Tensor, TpError> {
+        let output = self.model.forward_hooked(batch, self.hooks.as_mut())?;
+        let loss = self
+            .model
+            .loss_of_hooked(batch, &output, self.hooks.as_mut())?;
+        Ok(match self.model.loss_reduction() {
+            LossReduction::Mean => loss,
+            LossReduction::Sum => loss.f_div_scalar(self.data_ranks.len() as f64)?,
+        })
+    }
+
+    /// Sums partial gradients over TP, reduces over the data dimension, and returns the full
+    /// gradients (for the record's norm).
+    fn reduce(
+        &mut self,
+        collectives: &mut Vec<Vec<CollectiveEntry>>,
+    ) -> Result<Vec<(String, Tensor)>, TpError> {
+        let tp_group = self.groups.tp.clone();
         // Gradients of parameters used on sequence shards are partial: sum them over TP.
-        for (name, t) in &trained {
-            if placements.get(name) == Some(&Placement::PartialGrad)
-                && opts.fault != Some(TpFault::SkipSequenceGradReduce)
+        for (name, t) in &self.trained {
+            if self.placements.get(name) == Some(&Placement::PartialGrad)
+                && self.opts.fault != Some(TpFault::SkipSequenceGradReduce)
             {
                 tp_group.all_reduce(&t.grad(), ReduceOp::Sum)?;
             }
         }
-        if opts.fault == Some(TpFault::ShardedGradsReducedOverDpTwice) && dp > 1 {
-            for (name, t) in &trained {
-                if matches!(placements.get(name), Some(Placement::Shard { .. })) {
-                    groups.dp.all_reduce(&t.grad(), ReduceOp::Sum)?;
+        if self.opts.fault == Some(TpFault::ShardedGradsReducedOverDpTwice) && self.dp > 1 {
+            for (name, t) in &self.trained {
+                if matches!(self.placements.get(name), Some(Placement::Shard { .. })) {
+                    self.groups.dp.all_reduce(&t.grad(), ReduceOp::Sum)?;
                 }
             }
         }
-        let full_grads = match unit.as_mut() {
+        match self.unit.as_mut() {
             None => {
                 // One average over dp, or hybrid shard's two stages (HybridReplicate).
-                for (_, t) in &trained {
-                    groups.average_over_data(&t.grad())?;
+                for (_, t) in &self.trained {
+                    self.groups.average_over_data(&t.grad())?;
                 }
-                collectives.push(CollectiveEntry::from_counts(counts.take()));
-                full_tensors(&trained, &placements, tp_group.as_ref(), |t| t.grad())?
+                collectives.push(CollectiveEntry::from_counts(self.counts.take()));
+                full_tensors(&self.trained, &self.placements, tp_group.as_ref(), |t| {
+                    t.grad()
+                })
             }
             Some(u) => {
                 u.reduce_grads()?;
-                collectives.push(CollectiveEntry::from_counts(counts.take()));
+                collectives.push(CollectiveEntry::from_counts(self.counts.take()));
                 let local = u.full_values(|t| t.grad())?;
                 full_tensors(
                     &local,
-                    &placements,
+                    &self.placements,
                     tp_group.as_ref(),
                     Tensor::shallow_clone,
-                )?
+                )
             }
-        };
+        }
+    }
+
+    /// One training step.
+    fn step(
+        &mut self,
+        step: usize,
+        cfg: &TrainConfig,
+        optimizer: &mut dyn crate::train::Optimizer,
+        record: &mut RunRecord,
+        collectives: &mut Vec<Vec<CollectiveEntry>>,
+    ) -> Result<(), TpError> {
+        if let Some(probe) = &cfg.probe {
+            probe.start_step(step);
+        }
+        for (_, t) in &self.trained {
+            t.shallow_clone().zero_grad();
+        }
+        let _ = self.counts.take();
+        if let Some(u) = self.unit.as_mut() {
+            u.unshard()?;
+        }
+        let batch = global_batch(self.model, &self.data_ranks, step)?;
+        let loss = self.loss(&batch)?;
+        loss.f_backward()?;
+        let full_grads = self.reduce(collectives)?;
         let norm = grad_norm(&full_grads)?;
         record.grad_norms.push(norm);
         if let Some(all) = record.grads.as_mut() {
             all.push(capture(&full_grads)?);
         }
-        if let Some(max_norm) = model.max_grad_norm() {
+        if let Some(max_norm) = self.model.max_grad_norm() {
             // What the optimizer steps: the local tensors' gradients, or the unit's shard.
             let coef = clip_coefficient(max_norm, norm);
-            match unit.as_ref() {
-                None => scale_gradients(
-                    trained
-                        .iter()
-                        .map(|(_, t)| t.grad())
-                        .collect::<Vec<_>>()
-                        .iter(),
-                    coef,
-                )?,
-                Some(u) => scale_gradients([&u.shard().1.grad()], coef)?,
-            }
+            let grads: Vec<Tensor> = match self.unit.as_ref() {
+                None => self.trained.iter().map(|(_, t)| t.grad()).collect(),
+                Some(u) => vec![u.shard().1.grad()],
+            };
+            scale_gradients(grads.iter(), coef)?;
         }
         let value = Tensor::from_slice(&[loss.f_double_value(&[])?]);
-        groups.average_over_data(&value)?;
+        self.groups.average_over_data(&value)?;
         record.losses.push(value.f_double_value(&[0])?);
-        match unit.as_mut() {
-            None => optimizer.step(&trained)?,
+        match self.unit.as_mut() {
+            None => optimizer.step(&self.trained)?,
             Some(u) => {
                 optimizer.step(&[u.shard()])?;
                 // Freed until the next step's gather.
@@ -374,49 +406,68 @@ pub fn train_tensor_parallel(
             }
         }
         if let Some(probe) = &cfg.probe {
-            match unit.as_ref() {
-                None => observe_stepped(probe, step, &trained, optimizer.as_ref(), &coordinate)?,
+            match self.unit.as_ref() {
+                None => observe_stepped(probe, step, &self.trained, optimizer, &|n: &str| {
+                    self.coordinate(n)
+                })?,
                 Some(u) => {
+                    let (rank, tp) = (self.groups.rank, self.opts.tp);
                     let tp_part = if tp > 1 {
                         format!("tp{rank}/{tp}.")
                     } else {
                         String::new()
                     };
                     let coord = |_: &str| format!("{tp_part}{}", u.shard_coordinate());
-                    observe_stepped(probe, step, &[u.shard()], optimizer.as_ref(), &coord)?;
+                    observe_stepped(probe, step, &[u.shard()], optimizer, &coord)?;
                 }
             }
         }
+        Ok(())
     }
-    if let Some(u) = unit.as_mut() {
-        // Gathered again, so the tensors this rank computed with (the model's own
-        // replicated parameters among them) hold their trained values, never freed memory.
-        u.unshard()?;
-    }
-    if let Some(probe) = &cfg.probe {
-        probe.observe_all(cfg.spec.steps, StateKind::Final, &trained, &coordinate)?;
-    }
-    let _ = counts.take();
-    let params = tch::no_grad(|| -> Result<_, TpError> {
-        match &unit {
-            None => full_tensors(
-                &trained,
-                &placements,
-                tp_group.as_ref(),
-                Tensor::shallow_clone,
-            ),
-            Some(u) => full_tensors(
-                &u.full_values(Tensor::shallow_clone)?,
-                &placements,
-                tp_group.as_ref(),
-                Tensor::shallow_clone,
-            ),
+
+    /// The record's final parameters (full tensors) and buffers.
+    fn finish(
+        mut self,
+        cfg: &TrainConfig,
+        mut record: RunRecord,
+        collectives: Vec<Vec<CollectiveEntry>>,
+    ) -> Result<RunRecord, TpError> {
+        if let Some(u) = self.unit.as_mut() {
+            // Gathered again, so the tensors this rank computed with (the model's own
+            // replicated parameters among them) hold their trained values, never freed memory.
+            u.unshard()?;
         }
-    })?;
-    record.params = capture(&params)?;
-    record.buffers = capture(&model.named_buffers())?;
-    record.collectives = Some(collectives);
-    Ok(record)
+        if let Some(probe) = &cfg.probe {
+            probe.observe_all(
+                cfg.spec.steps,
+                StateKind::Final,
+                &self.trained,
+                &|n: &str| self.coordinate(n),
+            )?;
+        }
+        let _ = self.counts.take();
+        let group = self.groups.tp.clone();
+        let params = tch::no_grad(|| -> Result<_, TpError> {
+            let local = match &self.unit {
+                None => self
+                    .trained
+                    .iter()
+                    .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                    .collect(),
+                Some(u) => u.full_values(Tensor::shallow_clone)?,
+            };
+            full_tensors(
+                &local,
+                &self.placements,
+                group.as_ref(),
+                Tensor::shallow_clone,
+            )
+        })?;
+        record.params = capture(&params)?;
+        record.buffers = capture(&self.model.named_buffers())?;
+        record.collectives = Some(collectives);
+        Ok(record)
+    }
 }
 
 /// The tensors this rank computes with under `placements`: each split parameter's shard
@@ -455,32 +506,14 @@ pub(crate) fn tp_coordinate(
     }
 }
 
-/// Handles to `params` by name: what the TP hooks compute with.
-pub(crate) fn by_name(params: &[(String, Tensor)]) -> HashMap<String, Tensor> {
-    params
+/// The tied aliases of `model` with their canonical names, for the hooks' lookups.
+pub(crate) fn aliases(model: &dyn Model) -> Vec<(String, String)> {
+    model
+        .tags()
+        .shared
         .iter()
-        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .flat_map(|g| g.aliases.iter().map(|a| (a.clone(), g.canonical.clone())))
         .collect()
-}
-
-/// The decoder's mean loss from TP rank `rank`'s vocabulary slice of the logits (loss
-/// parallel: the full logits never exist), over a `vocab`-token vocabulary split evenly
-/// across `group`.
-pub(crate) fn vocab_parallel_loss(
-    logits: &Tensor,
-    target: &Tensor,
-    vocab: i64,
-    rank: usize,
-    group: &Arc<dyn ProcessGroup>,
-) -> Result<Tensor, super::layers::TensorParallelError> {
-    let tp = group.size() as i64;
-    super::layers::vocab_parallel_cross_entropy(
-        &logits.f_reshape([-1, vocab / tp])?,
-        &target.f_reshape([-1])?,
-        rank as i64 * vocab / tp,
-        group,
-        super::layers::Reduction::Mean,
-    )
 }
 
 /// The replica's batch: its data ranks' batches concatenated along the batch dimension.

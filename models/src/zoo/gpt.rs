@@ -3,7 +3,8 @@
 //! projection tied to the token embedding.
 
 use crate::layers::{path, LayerNorm, Linear};
-use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, Model, NoHooks};
+use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, Model, MoeSpec, NoHooks};
+use crate::plan::{ParallelPlan, ParallelStyle};
 use crate::seed;
 use crate::store::{normal, ParamStore};
 use crate::LayerRun;
@@ -11,8 +12,8 @@ use crate::ModelError;
 use tch::{Kind, TchError, Tensor};
 
 /// Sizes of the decoder: the zoo's models use [`GptConfig::ZOO`]; benchmarks build the same
-/// decoder larger. Parallel plans read them from the model ([`Model::gpt_config`]) instead of
-/// assuming the zoo's, so they apply at any size.
+/// decoder larger. The model's parallel plan ([`Model::parallel_plan`]) is written against
+/// its module names, so it applies at any size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GptConfig {
     /// Vocabulary size: what a vocabulary-parallel plan splits.
@@ -96,34 +97,42 @@ impl GptConfig {
 /// Dropout of one forward: each sample's mask keys, the rate, and the layer drawing (sites
 /// within a layer: 0 the embedding sum, 1 the attention probabilities, 2 the feed-forward's
 /// hidden activations). Masks come from [`seed::dropout_mask`], per sample, so any split of
-/// the batch draws the same ones.
+/// the batch draws the same ones; the module hooks apply them (a plan that splits the
+/// activation keeps its slice of the full mask).
 #[derive(Clone, Copy, Debug)]
-pub struct Dropout<'a> {
-    pub keys: &'a [i64],
-    pub p: f64,
-    pub layer: u64,
+struct Dropout<'a> {
+    keys: &'a [i64],
+    p: f64,
+    layer: u64,
 }
 
 impl Dropout<'_> {
-    /// `x` (B, ...) times the keep-mask of site `site`.
-    pub fn apply(&self, x: &Tensor, site: u64) -> Result<Tensor, TchError> {
-        let per_sample: Vec<i64> = x.size()[1..].to_vec();
-        let mask = seed::dropout_mask(self.keys, self.layer, site, &per_sample, self.p)?;
-        // In x's dtype (a low-precision layer stays in it).
-        x.f_mul(&mask.f_to_kind(x.kind())?.f_to_device(x.device())?)
+    /// `x` (B, ...) through the dropout hook at `path`, with the keep-masks of site `site`.
+    fn apply(
+        &self,
+        m: &mut dyn LayerHooks,
+        path: &str,
+        x: &Tensor,
+        site: u64,
+    ) -> Result<Tensor, ModelError> {
+        let (keys, layer, p) = (self.keys, self.layer, self.p);
+        m.dropout(path, x, &|per_sample: &[i64]| {
+            Ok(seed::dropout_mask(keys, layer, site, per_sample, p)?)
+        })
     }
 }
 
 /// Causal self-attention with separate q/k/v/o projections (so tensor parallelism can split
-/// heads column-wise and the output row-wise).
+/// heads column-wise and the output row-wise). Heads are reshaped by head size (`-1` heads),
+/// so column-split projections simply carry fewer local heads.
 #[derive(Debug)]
 struct Attention {
     wq: Linear,
     wk: Linear,
     wv: Linear,
     wo: Linear,
-    dim: i64,
-    heads: i64,
+    head_dim: i64,
+    path: String,
 }
 
 impl Attention {
@@ -136,34 +145,41 @@ impl Attention {
             wk: Linear::new(store, &path(prefix, "wk"), d, d, true)?,
             wv: Linear::new(store, &path(prefix, "wv"), d, d, true)?,
             wo: Linear::new(store, &path(prefix, "wo"), d, d, true)?,
-            dim: d,
-            heads: cfg.heads,
+            head_dim: d / cfg.heads,
+            path: prefix.to_owned(),
         })
     }
 
-    /// `x`: (B, T, D).
-    fn forward(&self, x: &Tensor, drop: Option<Dropout<'_>>) -> Result<Tensor, TchError> {
-        let (b, t) = (x.size()[0], x.size()[1]);
-        let hd = self.dim / self.heads;
-        let heads = |y: Tensor| y.f_view([b, t, self.heads, hd])?.f_transpose(1, 2);
-        let q = heads(self.wq.forward(x)?)?;
-        let k = heads(self.wk.forward(x)?)?;
-        let v = heads(self.wv.forward(x)?)?;
-        let future = Tensor::f_ones([t, t], (Kind::Bool, x.device()))?.f_triu(1)?;
+    /// `x`: (B, T, D) (or whatever layout the hooks give the projections: their outputs are
+    /// batch first).
+    fn forward(
+        &self,
+        m: &mut dyn LayerHooks,
+        x: &Tensor,
+        drop: Option<Dropout<'_>>,
+    ) -> Result<Tensor, ModelError> {
+        let hd = self.head_dim;
+        let q = self.wq.call(m, x)?;
+        let (b, t) = (q.size()[0], q.size()[1]);
+        let heads = |y: Tensor| y.f_view([b, t, -1, hd])?.f_transpose(1, 2);
+        let q = heads(q)?;
+        let k = heads(self.wk.call(m, x)?)?;
+        let v = heads(self.wv.call(m, x)?)?;
+        let future = Tensor::f_ones([t, t], (Kind::Bool, q.device()))?.f_triu(1)?;
         let scores = q
             .f_matmul(&k.f_transpose(-2, -1)?)?
             .f_mul_scalar(1.0 / (hd as f64).sqrt())?
             .f_masked_fill(&future, f64::NEG_INFINITY)?;
         let mut probs = scores.f_softmax(-1, None)?;
         if let Some(d) = drop {
-            probs = d.apply(&probs, 1)?;
+            probs = d.apply(m, &path(&self.path, "dropout"), &probs, 1)?;
         }
         let out = probs
             .f_matmul(&v)?
             .f_transpose(1, 2)?
             .f_contiguous()?
-            .f_view([b, t, self.dim])?;
-        self.wo.forward(&out)
+            .f_view([b, t, -1])?;
+        self.wo.call(m, &out)
     }
 }
 
@@ -172,6 +188,7 @@ impl Attention {
 struct Mlp {
     w1: Linear,
     w2: Linear,
+    path: String,
 }
 
 impl Mlp {
@@ -179,6 +196,7 @@ impl Mlp {
         Ok(Mlp {
             w1: Linear::new(store, &path(prefix, "w1"), dim, hidden, true)?,
             w2: Linear::new(store, &path(prefix, "w2"), hidden, dim, true)?,
+            path: prefix.to_owned(),
         })
     }
 
@@ -188,16 +206,23 @@ impl Mlp {
         v
     }
 
+    /// An expert: plain ops (the mixture's hook decides where experts run).
     fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
-        self.forward_dropped(x, None)
+        self.w2.forward(&self.w1.forward(x)?.f_gelu("none")?)
     }
 
-    fn forward_dropped(&self, x: &Tensor, drop: Option<Dropout<'_>>) -> Result<Tensor, TchError> {
-        let mut h = self.w1.forward(x)?.f_gelu("none")?;
+    /// The dense feed-forward through the module hooks.
+    fn forward_hooked(
+        &self,
+        m: &mut dyn LayerHooks,
+        x: &Tensor,
+        drop: Option<Dropout<'_>>,
+    ) -> Result<Tensor, ModelError> {
+        let mut h = self.w1.call(m, x)?.f_gelu("none")?;
         if let Some(d) = drop {
-            h = d.apply(&h, 2)?;
+            h = d.apply(m, &path(&self.path, "dropout"), &h, 2)?;
         }
-        self.w2.forward(&h)
+        self.w2.call(m, &h)
     }
 }
 
@@ -210,6 +235,7 @@ struct Moe {
     router: Linear,
     experts: Vec<Mlp>,
     top_k: i64,
+    path: String,
 }
 
 impl Moe {
@@ -233,6 +259,7 @@ impl Moe {
             router,
             experts,
             top_k: cfg.top_k,
+            path: prefix.to_owned(),
         })
     }
 
@@ -244,8 +271,8 @@ impl Moe {
         v
     }
 
-    /// `x`: (B, T, D).
-    fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+    /// `x`: (B, T, D) (or any token-wise layout).
+    fn dense(&self, x: &Tensor) -> Result<Tensor, TchError> {
         let probs = self.router.forward(x)?.f_softmax(-1, None)?;
         let (top, idx) = crate::decisions::topk(&probs, self.top_k)?;
         let top = top.f_div(&top.f_sum_dim_intlist(-1, true, None)?)?;
@@ -256,6 +283,15 @@ impl Moe {
             out = out.f_add(&expert.forward(x)?.f_mul(&g)?)?;
         }
         Ok(out)
+    }
+
+    /// The mixture through its module hook (expert parallelism runs it distributed).
+    fn forward(&self, m: &mut dyn LayerHooks, x: &Tensor) -> Result<Tensor, ModelError> {
+        let spec = MoeSpec {
+            experts: self.experts.len(),
+            top_k: self.top_k,
+        };
+        m.moe(&self.path, x, spec, &|x: &Tensor| Ok(self.dense(x)?))
     }
 }
 
@@ -275,18 +311,20 @@ struct Block {
 
 impl Block {
     /// Pre-norm attention then feed-forward, each with its residual add.
-    fn forward(&self, h: &Tensor, drop: Option<Dropout<'_>>) -> Result<Tensor, TchError> {
-        let h = h.f_add(
-            &self
-                .attention
-                .forward(&self.attention_norm.forward(h)?, drop)?,
-        )?;
-        let normed = self.ffn_norm.forward(&h)?;
+    fn forward(
+        &self,
+        m: &mut dyn LayerHooks,
+        h: &Tensor,
+        drop: Option<Dropout<'_>>,
+    ) -> Result<Tensor, ModelError> {
+        let normed = self.attention_norm.call(m, h)?;
+        let h = h.f_add(&self.attention.forward(m, &normed, drop)?)?;
+        let normed = self.ffn_norm.call(m, &h)?;
         let ff = match &self.ffn {
-            Ffn::Dense(mlp) => mlp.forward_dropped(&normed, drop)?,
-            Ffn::Moe(moe) => moe.forward(&normed)?,
+            Ffn::Dense(mlp) => mlp.forward_hooked(m, &normed, drop)?,
+            Ffn::Moe(moe) => moe.forward(m, &normed)?,
         };
-        h.f_add(&ff)
+        Ok(h.f_add(&ff)?)
     }
 }
 
@@ -456,10 +494,6 @@ impl Model for Gpt {
         &self.store
     }
 
-    fn gpt_config(&self) -> Option<GptConfig> {
-        Some(self.config)
-    }
-
     fn layers(&self) -> Vec<LayerSpec> {
         let mut layers = vec![
             LayerSpec {
@@ -559,24 +593,12 @@ impl Model for Gpt {
             });
         }
         let mut run = LayerRun::new(hooks);
-        let tok = run.layer([tokens.shallow_clone()], |[tokens]| {
-            Ok(Tensor::f_embedding(
-                &self.tok_embeddings,
-                &tokens,
-                -1,
-                false,
-                false,
-            )?)
+        let tok = run.layer_hooked([tokens.shallow_clone()], |m, [tokens]| {
+            m.embedding("tok_embeddings", &tokens, &self.tok_embeddings)
         })?;
         let pos = Tensor::f_arange(t, (Kind::Int64, tokens.device()))?;
-        let pos = run.layer([pos], |[pos]| {
-            Ok(Tensor::f_embedding(
-                &self.pos_embeddings,
-                &pos,
-                -1,
-                false,
-                false,
-            )?)
+        let pos = run.layer_hooked([pos], |m, [pos]| {
+            m.embedding("pos_embeddings", &pos, &self.pos_embeddings)
         })?;
         let keys = self.dropout_keys(batch)?;
         let drop = |layer: u64| {
@@ -588,19 +610,30 @@ impl Model for Gpt {
         };
         let mut h = tok.f_add(&pos)?;
         if let Some(d) = drop(0) {
-            h = d.apply(&h, 0)?;
+            h = d.apply(run.hooks(), "dropout", &h, 0)?;
         }
         for (i, block) in self.blocks.iter().enumerate() {
-            h = run.layer([h], |[h]| Ok(block.forward(&h, drop(i as u64 + 1))?))?;
+            h = run.layer_hooked([h], |m, [h]| block.forward(m, &h, drop(i as u64 + 1)))?;
         }
-        let h = run.layer([h], |[h]| Ok(self.norm.forward(&h)?))?;
-        run.layer([h], |[h]| {
-            Ok(h.f_linear::<Tensor>(&self.tok_embeddings, None)?)
+        let h = run.layer_hooked([h], |m, [h]| self.norm.call(m, &h))?;
+        run.layer_hooked([h], |m, [h]| {
+            m.linear("output", &h, &self.tok_embeddings, None)
         })
     }
 
     /// Next-token cross-entropy, mean over every token.
     fn loss_of(&self, batch: &Batch, output: &Tensor) -> Result<Tensor, ModelError> {
+        self.loss_of_hooked(batch, output, &mut NoHooks)
+    }
+
+    /// The loss through the `output` module's cross-entropy hook (loss parallel under a
+    /// vocabulary-parallel plan: `output` then holds this rank's vocabulary slice).
+    fn loss_of_hooked(
+        &self,
+        batch: &Batch,
+        output: &Tensor,
+        hooks: &mut dyn LayerHooks,
+    ) -> Result<Tensor, ModelError> {
         let target = batch
             .target
             .as_ref()
@@ -608,14 +641,50 @@ impl Model for Gpt {
                 model: self.name().to_owned(),
                 reason: "missing target tokens".into(),
             })?;
-        Ok(output
-            .f_view([-1, self.config.vocab])?
-            .f_cross_entropy_loss::<Tensor>(
-                &target.f_reshape([-1])?,
-                None,
-                tch::Reduction::Mean,
-                -100,
-                0.0,
-            )?)
+        let columns = output.size().last().copied().unwrap_or(self.config.vocab);
+        hooks.cross_entropy(
+            "output",
+            &output.f_view([-1, columns])?,
+            &target.f_reshape([-1])?,
+        )
+    }
+
+    /// torchtitan's decoder plan: vocabulary-parallel token embedding and tied output
+    /// projection (loss parallel), attention split by heads (q, k, v column-wise, output
+    /// row-wise), the dense feed-forward column- then row-wise (its dropout sliced along the
+    /// hidden features, the attention dropout along the heads); experts replicated (expert
+    /// parallelism distributes them). Under sequence parallelism the norms (and, token-wise,
+    /// the mixture of experts) run on sequence shards.
+    fn parallel_plan(&self, sequence_parallel: bool) -> Option<ParallelPlan> {
+        use ParallelStyle::*;
+        let mut plan = ParallelPlan::new(sequence_parallel)
+            .with_heads(self.config.heads)
+            .rule("tok_embeddings", Vocab)
+            .rule("output", Vocab)
+            .rule("layers.*.attention.wq", Colwise)
+            .rule("layers.*.attention.wk", Colwise)
+            .rule("layers.*.attention.wv", Colwise)
+            .rule("layers.*.attention.wo", Rowwise);
+        if self.dropout > 0.0 {
+            plan = plan.rule("layers.*.attention.dropout", ShardedDropout { dim: 1 });
+        }
+        if self.moe {
+            let style = if sequence_parallel { Sequence } else { Expert };
+            plan = plan.rule("layers.*.moe", style);
+        } else {
+            plan = plan
+                .rule("layers.*.feed_forward.w1", Colwise)
+                .rule("layers.*.feed_forward.w2", Rowwise);
+            if self.dropout > 0.0 {
+                plan = plan.rule("layers.*.feed_forward.dropout", ShardedDropout { dim: -1 });
+            }
+        }
+        if sequence_parallel {
+            plan = plan
+                .rule("layers.*.attention_norm", Sequence)
+                .rule("layers.*.ffn_norm", Sequence)
+                .rule("norm", Sequence);
+        }
+        Some(plan)
     }
 }

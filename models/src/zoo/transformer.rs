@@ -3,6 +3,7 @@
 
 use crate::layers::{BatchNorm1d, DecoderLayer, EncoderLayer, LayerNorm, Linear};
 use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, LossReduction, Model, NoHooks};
+use crate::plan::{ParallelPlan, ParallelStyle};
 use crate::seed;
 use crate::store::{linear_weight, normal, ParamStore, F32};
 use crate::LayerRun;
@@ -248,15 +249,15 @@ impl Model for TransformerWithSharedParams {
         }
         let mut memory = src;
         for layer in &self.encoder {
-            memory = run.layer([memory], |[memory]| Ok(layer.forward(&memory)?))?;
+            memory = run.layer_hooked([memory], |m, [memory]| layer.forward(m, &memory))?;
         }
         let memory = run.layer([memory], |[memory]| {
             Ok(self.encoder_norm.forward(&memory)?)
         })?;
         let mut x = tgt;
         for layer in &self.decoder {
-            x = run.layer([x, memory.shallow_clone()], |[x, memory]| {
-                Ok(layer.forward(&x, &memory)?)
+            x = run.layer_hooked([x, memory.shallow_clone()], |m, [x, memory]| {
+                layer.forward(m, &x, &memory)
             })?;
         }
         let x = run.layer([x], |[x]| Ok(self.decoder_norm.forward(&x)?))?;
@@ -290,6 +291,28 @@ impl Model for TransformerWithSharedParams {
             -100,
             0.0,
         )?)
+    }
+
+    /// Every encoder and decoder layer's feed-forward split, `linear1` column-wise and
+    /// `linear2` row-wise (attention, embedding and the tied output stay whole; the model's
+    /// own summed loss applies). No sequence-parallel plan, and none with BatchNorm.
+    fn parallel_plan(&self, sequence_parallel: bool) -> Option<ParallelPlan> {
+        if sequence_parallel || self.bn.is_some() {
+            return None;
+        }
+        let mut plan = ParallelPlan::new(false);
+        for stack in ["encoder", "decoder"] {
+            plan = plan
+                .rule(
+                    &format!("transformer.{stack}.layers.*.linear1"),
+                    ParallelStyle::Colwise,
+                )
+                .rule(
+                    &format!("transformer.{stack}.layers.*.linear2"),
+                    ParallelStyle::Rowwise,
+                );
+        }
+        Some(plan)
     }
 
     fn single_device_reference_blocker(&self) -> Option<String> {
