@@ -17,6 +17,7 @@ pub mod rank_cmd;
 pub mod run_cmd;
 pub mod runner;
 pub mod schedule;
+pub mod self_exec;
 pub mod sensitivity;
 pub mod stress;
 

@@ -42,11 +42,11 @@ pub enum ParityTestError {
         /// What went wrong.
         reason: String,
     },
-    /// Ranks are forked from the test process, which is unsafe in a multi-threaded
-    /// `cargo test` run.
+    /// A sensitivity analysis plants its faults in forked ranks, which is unsafe in a
+    /// multi-threaded `cargo test` run (plain parity tests exec their ranks there instead).
     #[error(
-        "parity tests fork one process per rank, which needs one test per process: run them \
-         with `cargo nextest run`, or `cargo test -- --test-threads=1 --nocapture`"
+        "a sensitivity analysis forks one process per rank, which needs one test per process: \
+         run it with `cargo nextest run`, or `cargo test -- --test-threads=1 --nocapture`"
     )]
     NotForkSafe,
     /// A sensitivity analysis could not run (a configuration fails without a fault, its dry

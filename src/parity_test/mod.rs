@@ -275,6 +275,8 @@ impl<'a> ParityTest<'a> {
                 }
             }
         }
+        // An exec'd rank that gets here never found its launch: it must not pass as one.
+        crate::self_exec::exit_if_unmatched();
         let report = Report::new(comparisons)
             .with_wall_time(started.elapsed())
             .with_errors(errors);
@@ -343,6 +345,10 @@ impl<'a> ParityTest<'a> {
             .out_dir
             .clone()
             .unwrap_or_else(|| default_out_dir(&self.name));
+        if crate::self_exec::serving().is_some() {
+            // An exec'd rank writes no report: the launcher's directory stays as it is.
+            return Ok(out_dir);
+        }
         crate::matrix::prepare_out_dir(&out_dir).map_err(|e| ParityTestError::OutDir {
             path: out_dir.clone(),
             reason: e.to_string(),
@@ -526,9 +532,6 @@ impl<'a> ParityTest<'a> {
                     }
                 }
             }
-        }
-        if !lockstep_harness::fork_is_safe_here() {
-            return Err(ParityTestError::NotForkSafe);
         }
         Ok(())
     }

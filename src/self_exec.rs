@@ -1,0 +1,178 @@
+//! Parity tests under plain `cargo test`: ranks started by re-executing the test binary.
+//!
+//! Forking a rank from a process in which other threads run (libtest's other tests) can hand
+//! the child a lock held forever, so where fork is not safe
+//! ([`lockstep_harness::fork_is_safe_here`]) a launch of forked ranks becomes a launch of
+//! exec'd ones: each rank is the test binary re-run with the test's exact name
+//! (`NAME --exact --nocapture --test-threads 1`), told by [`LAUNCH`] which launch of the
+//! test it is a rank of. The re-run test executes the same code from the start; every launch
+//! it reaches before its own is skipped (no process is started, no reference computed), and
+//! at its own it joins the launcher's run as a rank and exits. Launches are named by what
+//! they run and how many launches of that name the test made before (a test that makes the
+//! same launches in the same order, which a test that does not branch on a run's outcome
+//! does), so a rank finds its launch whatever the tests around it do.
+//!
+//! Slower than fork (each rank loads libtorch afresh: about 0.4 s of CPU per rank here) and
+//! complete: any test body that runs under `cargo nextest run` runs here.
+
+use crate::runner::RunFailed;
+use lockstep_harness::{launch, LaunchOptions, RankCommand, RankCtx, RankSpawn};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+/// Set in an exec'd rank's environment: the name of the launch (`label#n`) it belongs to.
+pub const LAUNCH: &str = "LOCKSTEP_PARITY_LAUNCH";
+/// Set in an exec'd rank's environment: where rank 0 writes its record (the launcher's
+/// scratch path, which the re-run test cannot derive itself).
+pub const RECORD: &str = "LOCKSTEP_PARITY_RECORD";
+
+thread_local! {
+    /// How many launches of each label this thread (one test) has made so far.
+    static LAUNCHES: RefCell<HashMap<String, usize>> = RefCell::new(HashMap::new());
+}
+
+/// The next launch name for `label` on this thread: `label#0`, `label#1`, ...
+fn next_name(label: &str) -> String {
+    LAUNCHES.with(|l| {
+        let mut l = l.borrow_mut();
+        let n = l.entry(label.to_owned()).or_insert(0);
+        let name = format!("{label}#{n}");
+        *n += 1;
+        name
+    })
+}
+
+/// The launch this process is an exec'd rank of, if it is one.
+pub fn serving() -> Option<String> {
+    std::env::var(LAUNCH).ok()
+}
+
+/// Where an exec'd rank's launcher reads rank 0's record, if this process is such a rank.
+pub fn record_path() -> Option<PathBuf> {
+    serving()?;
+    std::env::var_os(RECORD).map(PathBuf::from)
+}
+
+/// Whether launches from this thread exec their ranks: exec wherever fork is not safe (a
+/// multi-threaded `cargo test`). On a test's own thread `LOCKSTEP_SPAWN=exec|fork` decides
+/// when set (a program's main thread, such as `lockstep matrix`, always forks: it has no
+/// test to re-run).
+pub fn execs_here() -> Result<bool, RunFailed> {
+    let on_test_thread = std::thread::current().name().is_some_and(|n| n != "main");
+    if !on_test_thread {
+        return Ok(!lockstep_harness::fork_is_safe_here());
+    }
+    match std::env::var("LOCKSTEP_SPAWN").ok().as_deref() {
+        Some("exec") => Ok(true),
+        Some("fork") => Ok(false),
+        Some(other) => Err(RunFailed::simple(format!(
+            "LOCKSTEP_SPAWN={other:?}: expected exec or fork"
+        ))),
+        None => Ok(!lockstep_harness::fork_is_safe_here()),
+    }
+}
+
+/// Why a launch was not made in an exec'd rank (it belongs to another launch).
+const SKIPPED: &str = "skipped: this process is an exec'd rank of another launch";
+
+/// Where fork is not safe, or in an exec'd rank, runs a launch of `world_size` ranks named
+/// `label` without forking and returns its outcome; `None` means fork (the caller does).
+///
+/// In the launcher: starts every rank as a re-run of this test ([`RECORD`] set to `out`).
+/// In an exec'd rank: runs `body` as this rank when this is its launch (never returns),
+/// else returns at once with the launch skipped.
+pub fn launch_without_fork(
+    world_size: usize,
+    timeout: std::time::Duration,
+    label: &str,
+    out: &std::path::Path,
+    faults: bool,
+    body: &(dyn Fn(&RankCtx) -> Result<(), String> + Sync),
+) -> Option<Result<(), RunFailed>> {
+    if let Some(want) = serving() {
+        if next_name(label) == want {
+            lockstep_harness::rank_main(|ctx: &RankCtx| body(ctx));
+        }
+        return Some(Err(RunFailed::simple(SKIPPED)));
+    }
+    match execs_here() {
+        Ok(false) => return None,
+        Ok(true) => {}
+        Err(e) => return Some(Err(e)),
+    }
+    let name = next_name(label);
+    Some(exec_launch(world_size, timeout, &name, out, faults))
+}
+
+/// Starts `world_size` re-runs of the current test as the ranks of launch `name`.
+fn exec_launch(
+    world_size: usize,
+    timeout: std::time::Duration,
+    name: &str,
+    out: &std::path::Path,
+    faults: bool,
+) -> Result<(), RunFailed> {
+    if faults {
+        return Err(RunFailed::simple(
+            "a fault plan (sensitivity analysis) runs in forked ranks only: run the test \
+             with `cargo nextest run`, or `cargo test -- --test-threads=1 --nocapture`",
+        ));
+    }
+    let test = std::thread::current()
+        .name()
+        .filter(|n| *n != "main")
+        .map(str::to_owned)
+        .ok_or_else(|| {
+            RunFailed::simple(
+                "ranks are exec'd as re-runs of the running test, and this thread is not a \
+                 test's (its name is not the test's): call the parity test from the test \
+                 function's own thread, or run under `cargo nextest run`",
+            )
+        })?;
+    let program = std::env::current_exe()
+        .map_err(|e| RunFailed::simple(format!("cannot find the test binary: {e}")))?;
+    let out = out.to_str().ok_or_else(|| {
+        RunFailed::simple(format!(
+            "exec'd ranks are told their record's path in the environment, and {} is not \
+             UTF-8: set TMPDIR to a UTF-8 path",
+            out.display()
+        ))
+    })?;
+    let command = |_rank: usize| RankCommand {
+        program: program.clone(),
+        args: vec![
+            test.clone(),
+            "--exact".into(),
+            "--nocapture".into(),
+            "--test-threads".into(),
+            "1".into(),
+        ],
+        env: vec![
+            (LAUNCH.to_owned(), name.to_owned()),
+            (RECORD.to_owned(), out.to_owned()),
+        ],
+    };
+    let opts = LaunchOptions {
+        world_size,
+        timeout,
+        backend: "cpu".into(),
+    };
+    launch(&opts, RankSpawn::Exec(&command))
+        .map(drop)
+        .map_err(crate::runner::launch_failed)
+}
+
+/// Ends an exec'd rank that reached the end of its test without finding its launch (the
+/// test made other launches when re-run): exits with code 3 and says why, rather than
+/// passing as a rank that never joined.
+pub fn exit_if_unmatched() {
+    if let Some(want) = serving() {
+        eprintln!(
+            "lockstep: this exec'd rank re-ran its test and never reached launch `{want}`: \
+             the test made different launches when re-run (does it branch on a run's \
+             outcome?); run it with `cargo nextest run`, where ranks are forked"
+        );
+        std::process::exit(3);
+    }
+}
