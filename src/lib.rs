@@ -20,6 +20,7 @@ pub mod schedule;
 pub mod self_exec;
 pub mod sensitivity;
 pub mod stress;
+pub mod suggest;
 
 pub use lockstep_core as core;
 pub use lockstep_core::comm;

@@ -70,9 +70,10 @@ enum Command {
     /// the bubble fraction, and the validator's verdict; exit 1 if it is invalid or
     /// deadlocks, 2 on bad input.
     ///
-    /// Example: `lockstep schedule --schedule interleaved-1f1b --stages 4 --microbatches 8
-    /// --virtual 2`. Schedules: gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zb,
-    /// zbv, dualpipev; or `--csv FILE` (one row per rank, PyTorch's action notation).
+    /// Example: `lockstep schedule --schedule interleaved_1f1b --pipeline-ranks 4
+    /// --microbatches 8 --virtual 2`. Schedules (the `pp.*` configurations' spelling; hyphens
+    /// work too): gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb, zbv, dualpipev;
+    /// or `--csv FILE` (one row per rank, PyTorch's action notation).
     Schedule(ScheduleArgs),
     /// Train one model x config from a PyTorch state dict or from its seed, and write the
     /// initial and final full state dicts under PyTorch's names; exit 1 if the run failed, 2
@@ -211,8 +212,8 @@ struct ScheduleArgs {
     /// A built-in schedule (ignored with --csv).
     #[arg(long, default_value = "1f1b")]
     schedule: String,
-    /// Pipeline ranks.
-    #[arg(long, default_value_t = 4)]
+    /// Pipeline ranks (processes); each holds `--virtual` stages. `--stages` is the old name.
+    #[arg(long = "pipeline-ranks", alias = "stages", default_value_t = 4)]
     stages: usize,
     /// Microbatches per step.
     #[arg(long, default_value_t = 8)]
@@ -342,14 +343,14 @@ enum BenchCommand {
     /// Train the benchmark decoder through a pipeline: step time against one process on one
     /// core, and the measured bubble against the schedule's simulated one.
     ///
-    /// Example: `lockstep bench pipeline --schedule 1f1b --stages 2 --microbatches 8`.
+    /// Example: `lockstep bench pipeline --schedule 1f1b --pipeline-ranks 2 --microbatches 8`.
     Pipeline {
-        /// A built-in schedule (gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zb,
-        /// zbv, dualpipev).
+        /// A built-in schedule (gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb,
+        /// zbv, dualpipev; hyphens work too).
         #[arg(long, default_value = "1f1b")]
         schedule: String,
-        /// Pipeline ranks (processes).
-        #[arg(long, default_value_t = 2)]
+        /// Pipeline ranks (processes). `--stages` is the old name.
+        #[arg(long = "pipeline-ranks", alias = "stages", default_value_t = 2)]
         stages: usize,
         #[arg(long, default_value_t = 8)]
         microbatches: usize,
@@ -605,10 +606,10 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
     }
     match result.write_report(&args.out) {
         Ok(files) if result.failed_runs > 0 => eprintln!(
-            "report: {} (INCOMPLETE: {} of {} runs failed; their rows are errors)",
+            "report: {} (INCOMPLETE: {} of {} failed; their rows are errors)",
             files.json.display(),
             result.failed_runs,
-            result.runs
+            lockstep_harness::report::plural(result.runs, "run")
         ),
         Ok(files) => eprintln!("report: {}", files.json.display()),
         Err(e) => {
@@ -747,8 +748,8 @@ fn run_matrix_sensitivity(
     bar.finish_and_clear();
     print!("{}", matrix::render_sensitivity_matrix(&entries));
     println!(
-        "matrix --sensitivity: {} configurations in {:.1} s",
-        entries.len(),
+        "matrix --sensitivity: {} in {:.1} s",
+        lockstep_harness::report::plural(entries.len(), "configuration"),
         started.elapsed().as_secs_f64()
     );
     let path = out.join("sensitivity.json");

@@ -142,8 +142,9 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
     let config = Config::by_name(&opts.config).ok_or_else(|| {
         let known: Vec<&str> = Config::all().into_iter().map(Config::name).collect();
         invalid(format!(
-            "unknown config `{}`; known configs: {}",
+            "unknown config `{}`{}; known configs: {}",
             opts.config,
+            crate::suggest::did_you_mean(&opts.config, &known),
             known.join(", ")
         ))
     })?;

@@ -175,6 +175,11 @@ pub fn run_config(
             config.name()
         )));
     }
+    let probe = build(settings.seed, 0).map_err(|e| RunFailed::simple(e.to_string()))?;
+    if let Some(reason) = config.blocker(probe.as_ref()) {
+        return Err(RunFailed::simple(reason));
+    }
+    drop(probe);
     if settings.execs_ranks() {
         return run_exec(model_name, config, world_size, settings);
     }

@@ -156,10 +156,19 @@ fn bad_specifications_are_refused_before_anything_runs() {
     let err = |t: ParityTest<'_>| t.run().expect_err("refused").to_string();
     let unknown = err(ParityTest::new("bad").zoo("mlp").config("fsdp.fulll_shard"));
     assert!(
-        unknown.contains("unknown configuration fsdp.fulll_shard")
-            && unknown.contains("fsdp.full_shard"),
+        unknown.contains("unknown configuration `fsdp.fulll_shard`; did you mean `fsdp.full_shard`?"),
         "{unknown}"
     );
+    // `.unwrap()` on the error shows the whole message, not a bare variant name.
+    let debug = format!(
+        "{:?}",
+        ParityTest::new("bad")
+            .zoo("mlp")
+            .config("dpp")
+            .run()
+            .expect_err("refused")
+    );
+    assert!(debug.contains("did you mean `ddp`?"), "{debug}");
     assert!(matches!(
         ParityTest::new("bad").config("ddp").run(),
         Err(ParityTestError::NoModel)
@@ -198,4 +207,29 @@ fn bad_specifications_are_refused_before_anything_runs() {
     assert!(mixed.contains("not compared with single"), "{mixed}");
     let zero = err(ParityTest::new("bad").zoo("mlp").config("ddp").steps(0));
     assert!(zero.contains("steps"), "{zero}");
+}
+
+/// `assert_parity` panics at the caller's line (the user's test), not inside Lockstep.
+#[test]
+fn assert_parity_panics_at_the_callers_line() {
+    use std::sync::{Arc, Mutex};
+    let seen: Arc<Mutex<Option<(String, u32)>>> = Arc::default();
+    let hook_seen = Arc::clone(&seen);
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if let Some(loc) = info.location() {
+            *hook_seen.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some((loc.file().to_owned(), loc.line()));
+        }
+    }));
+    let line = line!() + 2;
+    let result = std::panic::catch_unwind(|| {
+        ParityTest::new("bad").zoo("mlp").config("dpp").assert_parity();
+    });
+    std::panic::set_hook(previous);
+    assert!(result.is_err(), "an unknown configuration must fail the test");
+    let seen = seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let (file, at) = seen.expect("the panic had a location");
+    assert!(file.ends_with("parity_api.rs"), "{file}:{at}");
+    assert_eq!(at, line);
 }

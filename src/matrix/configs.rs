@@ -644,10 +644,28 @@ impl Config {
         format!("{}@{world_size}", self.name())
     }
 
-    /// Why this configuration cannot run `model`, if it cannot.
-    pub(super) fn blocker(self, model: &dyn Model) -> Option<String> {
+    /// Why this configuration cannot run `model`, if it cannot: a model without a
+    /// single-device reference for `single`; for an FSDP configuration that wraps per layer,
+    /// a model without layer hooks, whose units FSDP would all gather before forward (so the
+    /// row would silently not be per layer).
+    pub fn blocker(self, model: &dyn Model) -> Option<String> {
         match self {
             Config::Single => model.single_device_reference_blocker(),
+            _ if self
+                .fsdp_config()
+                .is_some_and(|f| matches!(f.options.wrap, WrapPolicy::PerLayer))
+                && !model.supports_layer_hooks() =>
+            {
+                Some(format!(
+                    "{} gathers and frees one layer's unit at a time, which needs layer hooks: \
+                     model `{}` does not implement `Model::supports_layer_hooks` and \
+                     `Model::forward_hooked`, so every unit would be gathered before forward; \
+                     implement them (see examples/user_model.rs) or use a configuration \
+                     without `.per_layer`",
+                    self.name(),
+                    model.name()
+                ))
+            }
             _ => None,
         }
     }

@@ -2,8 +2,9 @@
 
 use std::path::PathBuf;
 
-/// A parity test that cannot run as written: each variant names what to fix.
-#[derive(Debug, thiserror::Error)]
+/// A parity test that cannot run as written: each variant names what to fix. Its `Debug` is
+/// its message, so `.unwrap()` and `.expect(..)` in a test print what to fix.
+#[derive(thiserror::Error)]
 pub enum ParityTestError {
     /// Neither [`zoo`](super::ParityTest::zoo) nor [`model`](super::ParityTest::model) was
     /// called.
@@ -13,7 +14,11 @@ pub enum ParityTestError {
     #[error("no configuration under test: call .config(\"ddp\") or .custom_config(...)")]
     NoConfig,
     /// A configuration name that is neither built in nor defined by the test.
-    #[error("unknown configuration {}; known built-in configurations: {}", names.join(", "), known.join(", "))]
+    #[error(
+        "unknown configuration {}; known built-in configurations: {}",
+        names.iter().map(|n| format!("`{n}`{}", crate::suggest::did_you_mean(n, known))).collect::<Vec<_>>().join(", "),
+        known.join(", ")
+    )]
     UnknownConfig {
         /// The names asked for.
         names: Vec<String>,
@@ -58,5 +63,12 @@ pub enum ParityTestError {
 impl From<crate::sensitivity::SensitivityError> for ParityTestError {
     fn from(e: crate::sensitivity::SensitivityError) -> Self {
         ParityTestError::Sensitivity(Box::new(e))
+    }
+}
+
+impl std::fmt::Debug for ParityTestError {
+    /// The full message (as `Display`): a test's `.unwrap()` shows what to fix.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
     }
 }

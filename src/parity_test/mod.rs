@@ -149,9 +149,12 @@ impl<'a> ParityTest<'a> {
     }
 
     /// Tests your own model: `build(seed, rank)` makes one rank's instance. Every rank and
-    /// the reference call it, so parameters must depend on the seed only (seed libtorch with
-    /// `tch::manual_seed(seed as i64)` before drawing them), and `Model::input(rank, step)`
-    /// must give every process the same batch for the same rank and step.
+    /// the reference call it, so parameters must depend on the seed only: draw them inside
+    /// `lockstep::models::seed::seeded(seed::param_seed(seed), || ...)`, which seeds libtorch
+    /// and holds a lock so another test's thread cannot draw in between (a bare
+    /// `tch::manual_seed` can be interleaved under `cargo test`). `Model::input(rank, step)`
+    /// must give every process the same batch for the same rank and step: draw it inside
+    /// `seed::seeded(seed::batch_seed(seed, rank, step), || ...)`.
     pub fn model<M, F>(mut self, name: &str, build: F) -> Self
     where
         M: Model + 'static,
@@ -300,8 +303,15 @@ impl<'a> ParityTest<'a> {
         } else {
             self.references.clone()
         };
+        let probe = build(self.settings.seed, 0).map_err(ParityTestError::Model)?;
+        for config in &self.configs {
+            if let TestConfig::Builtin(c) = config {
+                if let Some(reason) = c.blocker(probe.as_ref()) {
+                    return Err(ParityTestError::Invalid(reason));
+                }
+            }
+        }
         if references.contains(&Reference::Single) {
-            let probe = build(self.settings.seed, 0).map_err(ParityTestError::Model)?;
             if let Some(reason) = probe.single_device_reference_blocker() {
                 return Err(ParityTestError::NoSingleDeviceReference {
                     model: model_name.to_owned(),
@@ -456,6 +466,7 @@ impl<'a> ParityTest<'a> {
     ///     .steps(2)
     ///     .assert_parity();
     /// ```
+    #[track_caller]
     pub fn assert_parity(self) {
         match self.run() {
             Ok(outcome) => outcome.assert_passed(),
