@@ -20,6 +20,25 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Set up your own crate for parity tests (run it in the crate): `.cargo/config.toml`
+    /// pointing LIBTORCH at libtorch, a `build.rs` linking tests with an rpath to it, and
+    /// `lockstep`, `tch` and `lockstep-linkage` in Cargo.toml. Then `cargo test` works.
+    ///
+    /// Example: `cargo run --manifest-path ~/lockstep/Cargo.toml -- setup`.
+    Setup {
+        /// The crate to set up (the directory holding its Cargo.toml).
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+        /// libtorch's root (default: $LIBTORCH, else the libtorch lockstep was built with).
+        #[arg(long)]
+        libtorch: Option<PathBuf>,
+        /// The lockstep checkout to depend on (default: the one this binary was built from).
+        #[arg(long)]
+        lockstep: Option<PathBuf>,
+        /// Resolve `tch` from the local registry cache only (`cargo add --offline`).
+        #[arg(long)]
+        offline: bool,
+    },
     /// Print libtorch, CUDA, GPU and NCCL availability and the built backends.
     Env {
         /// Print one JSON object instead of a table.
@@ -451,6 +470,44 @@ fn main() -> Result<ExitCode> {
             print!("{}", result.render_table());
             if result.has_regression() {
                 return Ok(ExitCode::FAILURE);
+            }
+        }
+        Command::Setup {
+            dir,
+            libtorch,
+            lockstep,
+            offline,
+        } => {
+            use lockstep::setup_cmd;
+            let Some(libtorch) = libtorch
+                .or_else(|| std::env::var_os("LIBTORCH").map(PathBuf::from))
+                .or_else(setup_cmd::built_libtorch)
+            else {
+                eprintln!("error: no libtorch known: pass --libtorch DIR or set LIBTORCH");
+                return Ok(ExitCode::from(2));
+            };
+            let opts = setup_cmd::SetupOptions {
+                dir,
+                lockstep: lockstep.unwrap_or_else(setup_cmd::built_checkout),
+                libtorch,
+                offline,
+            };
+            match setup_cmd::setup(&opts) {
+                Ok(report) => {
+                    for change in &report.changes {
+                        println!("set up: {change}");
+                    }
+                    for todo in &report.todo {
+                        println!("to do: {todo}");
+                    }
+                    if report.changes.is_empty() && report.todo.is_empty() {
+                        println!("already set up: nothing to change");
+                    }
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return Ok(ExitCode::from(2));
+                }
             }
         }
         Command::Env { json } => {

@@ -33,16 +33,19 @@ mod outcome;
 mod sensitivity;
 
 pub use error::ParityTestError;
+/// The dtype rows of [`Policy::DtypeTable`], here so a test needs one import path.
+pub use lockstep_core::comm::DType;
+/// The tolerance of [`ParityTest::tolerance_override`], here so a test needs one import path.
+pub use lockstep_harness::parity::Tolerance;
 pub use outcome::ParityOutcome;
 pub use sensitivity::ParitySensitivity;
 
 use crate::matrix::Config;
 use crate::runner::{self, ModelBuilder, RunFailed, RunSettings, TrainFn};
-use lockstep_core::comm::DType;
 use lockstep_core::record::RunRecord;
 use lockstep_core::train::{OptimizerConfig, TrainConfig};
 use lockstep_harness::parity::{
-    arbitrate, compare, Comparison, Override, Tolerance, TolerancePolicy, ENVELOPE,
+    arbitrate, compare, Comparison, Override, TolerancePolicy, ENVELOPE,
 };
 use lockstep_harness::report::{self, Report, RunError};
 use lockstep_harness::RankCtx;
