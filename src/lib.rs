@@ -18,8 +18,8 @@ pub mod run_cmd;
 pub mod runner;
 pub mod schedule;
 pub mod self_exec;
-pub mod setup_cmd;
 pub mod sensitivity;
+pub mod setup_cmd;
 pub mod stress;
 pub mod suggest;
 

@@ -131,7 +131,10 @@ fn write_config(dir: &Path, libtorch: &Path, report: &mut SetupReport) -> Result
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
         Err(e) => return Err(io(&path)(e)),
     };
-    let line = format!("LIBTORCH = {}", toml_string(&libtorch.display().to_string()));
+    let line = format!(
+        "LIBTORCH = {}",
+        toml_string(&libtorch.display().to_string())
+    );
     let has_libtorch = text
         .lines()
         .any(|l| l.trim_start().starts_with("LIBTORCH") && l.contains('='));
@@ -164,9 +167,11 @@ fn write_config(dir: &Path, libtorch: &Path, report: &mut SetupReport) -> Result
     };
     std::fs::create_dir_all(&cargo_dir).map_err(io(&cargo_dir))?;
     std::fs::write(&path, updated).map_err(io(&path))?;
-    report
-        .changes
-        .push(format!("{}: LIBTORCH = {}", path.display(), libtorch.display()));
+    report.changes.push(format!(
+        "{}: LIBTORCH = {}",
+        path.display(),
+        libtorch.display()
+    ));
     Ok(())
 }
 

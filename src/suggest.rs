@@ -41,9 +41,17 @@ mod tests {
 
     #[test]
     fn a_typo_gets_the_nearest_name_and_nonsense_gets_none() {
-        let known = ["ddp", "fsdp.full_shard", "fsdp.full_shard.per_layer", "tp.2"];
+        let known = [
+            "ddp",
+            "fsdp.full_shard",
+            "fsdp.full_shard.per_layer",
+            "tp.2",
+        ];
         assert_eq!(closest("fsdp.fulll_shard", &known), Some("fsdp.full_shard"));
-        assert_eq!(closest("fsdp.full_shard.perlayer", &known), Some("fsdp.full_shard.per_layer"));
+        assert_eq!(
+            closest("fsdp.full_shard.perlayer", &known),
+            Some("fsdp.full_shard.per_layer")
+        );
         assert_eq!(closest("dpp", &known), Some("ddp"));
         assert_eq!(closest("pipeline", &known), None);
         assert_eq!(

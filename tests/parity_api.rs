@@ -156,7 +156,8 @@ fn bad_specifications_are_refused_before_anything_runs() {
     let err = |t: ParityTest<'_>| t.run().expect_err("refused").to_string();
     let unknown = err(ParityTest::new("bad").zoo("mlp").config("fsdp.fulll_shard"));
     assert!(
-        unknown.contains("unknown configuration `fsdp.fulll_shard`; did you mean `fsdp.full_shard`?"),
+        unknown
+            .contains("unknown configuration `fsdp.fulll_shard`; did you mean `fsdp.full_shard`?"),
         "{unknown}"
     );
     // `.unwrap()` on the error shows the whole message, not a bare variant name.
@@ -224,10 +225,16 @@ fn assert_parity_panics_at_the_callers_line() {
     }));
     let line = line!() + 2;
     let result = std::panic::catch_unwind(|| {
-        ParityTest::new("bad").zoo("mlp").config("dpp").assert_parity();
+        ParityTest::new("bad")
+            .zoo("mlp")
+            .config("dpp")
+            .assert_parity();
     });
     std::panic::set_hook(previous);
-    assert!(result.is_err(), "an unknown configuration must fail the test");
+    assert!(
+        result.is_err(),
+        "an unknown configuration must fail the test"
+    );
     let seen = seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let (file, at) = seen.expect("the panic had a location");
     assert!(file.ends_with("parity_api.rs"), "{file}:{at}");
