@@ -7,19 +7,45 @@
 //! (`NAME --exact --nocapture --test-threads 1`), told by [`LAUNCH`] which launch of the
 //! test it is a rank of. The re-run test executes the same code from the start; every launch
 //! it reaches before its own is skipped (no process is started, no reference computed), and
-//! at its own it joins the launcher's run as a rank and exits. Launches are named by what
-//! they run and how many launches of that name the test made before (a test that makes the
-//! same launches in the same order, which a test that does not branch on a run's outcome
-//! does), so a rank finds its launch whatever the tests around it do.
+//! at its own it joins the launcher's run as a rank and exits. A parity test the re-run
+//! reaches before the one holding its launch passes with an empty report (the launcher
+//! judges it), so a test may hold several `assert_parity` calls. Launches are named by what
+//! they run and how many launches of that name the test made before, so a rank finds its
+//! launch as long as the test makes the same launches in the same order when re-run: a test
+//! that asserts a parity test *fails* and then runs another, or chooses what to run from an
+//! outcome, does not (its rank fails saying so: run it under nextest, or split it).
 //!
-//! Slower than fork (each rank loads libtorch afresh: about 0.4 s of CPU per rank here) and
-//! complete: any test body that runs under `cargo nextest run` runs here.
+//! Slower than fork (each rank loads libtorch afresh: about 0.4 s of CPU per rank here).
 
 use crate::runner::RunFailed;
 use lockstep_harness::{launch, LaunchOptions, RankCommand, RankCtx, RankSpawn};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Once;
+
+/// Whether this exec'd rank found its launch (checked when the process exits).
+static MATCHED: AtomicBool = AtomicBool::new(false);
+/// Registers [`exit_unmatched`] once per exec'd rank.
+static AT_EXIT: Once = Once::new();
+
+/// Runs when an exec'd rank's process exits: a rank that re-ran its whole test without
+/// finding its launch would otherwise exit 0 as if it had served, leaving its peers waiting
+/// at rendezvous; it exits 3 with why instead.
+extern "C" fn exit_unmatched() {
+    if MATCHED.load(Ordering::SeqCst) {
+        return;
+    }
+    let want = serving().unwrap_or_default();
+    eprintln!(
+        "lockstep: this exec'd rank re-ran its test and never reached launch `{want}`: the \
+         test made different launches when re-run (does it choose what to run from a run's \
+         outcome?); run it with `cargo nextest run`, where ranks are forked"
+    );
+    // SAFETY: `_exit` ends the process at once; nothing after it runs.
+    unsafe { libc::_exit(3) }
+}
 
 /// Set in an exec'd rank's environment: the name of the launch (`label#n`) it belongs to.
 pub const LAUNCH: &str = "LOCKSTEP_PARITY_LAUNCH";
@@ -91,7 +117,14 @@ pub fn launch_without_fork(
     body: &(dyn Fn(&RankCtx) -> Result<(), String> + Sync),
 ) -> Option<Result<(), RunFailed>> {
     if let Some(want) = serving() {
+        AT_EXIT.call_once(|| {
+            // SAFETY: registers a plain `extern "C"` function with no captured state.
+            unsafe {
+                libc::atexit(exit_unmatched);
+            }
+        });
         if next_name(label) == want {
+            MATCHED.store(true, Ordering::SeqCst);
             lockstep_harness::rank_main(|ctx: &RankCtx| body(ctx));
         }
         return Some(Err(RunFailed::simple(SKIPPED)));
@@ -161,18 +194,4 @@ fn exec_launch(
     launch(&opts, RankSpawn::Exec(&command))
         .map(drop)
         .map_err(crate::runner::launch_failed)
-}
-
-/// Ends an exec'd rank that reached the end of its test without finding its launch (the
-/// test made other launches when re-run): exits with code 3 and says why, rather than
-/// passing as a rank that never joined.
-pub fn exit_if_unmatched() {
-    if let Some(want) = serving() {
-        eprintln!(
-            "lockstep: this exec'd rank re-ran its test and never reached launch `{want}`: \
-             the test made different launches when re-run (does it branch on a run's \
-             outcome?); run it with `cargo nextest run`, where ranks are forked"
-        );
-        std::process::exit(3);
-    }
 }

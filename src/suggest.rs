@@ -26,11 +26,11 @@ pub fn closest<'a, S: AsRef<str>>(name: &str, known: &'a [S]) -> Option<&'a str>
         .map(|(k, _)| k)
 }
 
-/// `"; did you mean `x`?"` for the closest known name, or nothing: appended to an
+/// `" (did you mean `x`?)"` for the closest known name, or nothing: appended to an
 /// "unknown name" message.
 pub fn did_you_mean<S: AsRef<str>>(name: &str, known: &[S]) -> String {
     match closest(name, known) {
-        Some(k) if k != name => format!("; did you mean `{k}`?"),
+        Some(k) if k != name => format!(" (did you mean `{k}`?)"),
         _ => String::new(),
     }
 }
@@ -56,7 +56,7 @@ mod tests {
         assert_eq!(closest("pipeline", &known), None);
         assert_eq!(
             did_you_mean("fsdp.fulll_shard", &known),
-            "; did you mean `fsdp.full_shard`?"
+            " (did you mean `fsdp.full_shard`?)"
         );
         assert_eq!(did_you_mean("zzz", &known), "");
     }

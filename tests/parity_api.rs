@@ -157,7 +157,7 @@ fn bad_specifications_are_refused_before_anything_runs() {
     let unknown = err(ParityTest::new("bad").zoo("mlp").config("fsdp.fulll_shard"));
     assert!(
         unknown
-            .contains("unknown configuration `fsdp.fulll_shard`; did you mean `fsdp.full_shard`?"),
+            .contains("unknown configuration `fsdp.fulll_shard` (did you mean `fsdp.full_shard`?)"),
         "{unknown}"
     );
     // `.unwrap()` on the error shows the whole message, not a bare variant name.
@@ -244,4 +244,21 @@ fn assert_parity_panics_at_the_callers_line() {
         first < at && at < last,
         "{file}:{at} not in {first}..{last}"
     );
+}
+
+/// Two parity tests in one test function, under any runner: under plain `cargo test` each
+/// exec'd rank re-runs the test, passes through the first parity test and finds its launch
+/// in the second.
+#[test]
+fn two_parity_tests_in_one_test_function() {
+    ParityTest::new("two_parity_tests_in_one_test_function_a")
+        .zoo("mlp")
+        .config("ddp")
+        .steps(1)
+        .assert_parity();
+    ParityTest::new("two_parity_tests_in_one_test_function_b")
+        .zoo("mlp")
+        .config("fsdp.full_shard")
+        .steps(1)
+        .assert_parity();
 }

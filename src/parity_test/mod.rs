@@ -281,8 +281,21 @@ impl<'a> ParityTest<'a> {
                 }
             }
         }
-        // An exec'd rank that gets here never found its launch: it must not pass as one.
-        crate::self_exec::exit_if_unmatched();
+        if crate::self_exec::serving().is_some() {
+            // An exec'd rank re-running its test passes this parity test by (its launches
+            // were skipped; the launcher judges them) and writes no report, so the test
+            // goes on to the parity test that holds its own launch.
+            return Ok(ParityOutcome::new(
+                self.name,
+                Report::new(Vec::new()),
+                report::ReportFiles {
+                    json: out_dir.join("report.json"),
+                    markdown: out_dir.join("report.md"),
+                    junit: out_dir.join("junit.xml"),
+                    html: out_dir.join("report.html"),
+                },
+            ));
+        }
         let report = Report::new(comparisons)
             .with_wall_time(started.elapsed())
             .with_errors(errors);
