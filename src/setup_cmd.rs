@@ -4,7 +4,7 @@
 //! build must find libtorch (`torch-sys` reads `LIBTORCH`), and the test binaries must find
 //! `libtorch_cpu.so` when they run. Link arguments do not propagate from a library to its
 //! dependents, so the crate links its own binaries with an rpath, from a `build.rs` calling
-//! [`lockstep_linkage::link_libtorch`] (the helper every crate of this workspace uses).
+//! `lockstep_linkage::link_libtorch()` (the helper every crate of this workspace uses).
 //! That was chosen over an rpath in `build.rustflags`: rustflags change the fingerprint of
 //! every dependency, so `torch-sys` and `tch` would be rebuilt (minutes), and they are
 //! dropped silently when `RUSTFLAGS` is set; a build script touches only the user's crate.
