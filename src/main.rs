@@ -4,6 +4,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use lockstep::bench::{self, BenchOp, CommBenchOptions, SpawnBenchMode, StepBenchOptions};
 use lockstep::harness::report::{compare_report_files, CompareOptions};
+use lockstep_harness::report::plural;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -869,10 +870,10 @@ fn run_stress(args: StressArgs) -> Result<ExitCode> {
         max_send_delay: std::time::Duration::from_micros(args.send_delay_us),
     };
     eprintln!(
-        "stress: {} runs per iteration, {} iterations, {} busy threads, send delays up to {} us, timeout {:.0} s",
-        plan.run_count(),
-        stress.repeat,
-        stress.busy_threads,
+        "stress: {} per iteration, {}, {}, send delays up to {} us, timeout {:.0} s",
+        plural(plan.run_count(), "run"),
+        plural(stress.repeat, "iteration"),
+        plural(stress.busy_threads, "busy thread"),
         args.send_delay_us,
         args.timeout
     );
@@ -940,10 +941,10 @@ fn run_bench(what: BenchCommand) -> Result<()> {
             };
             if !json {
                 eprintln!(
-                    "measuring {} collectives x {} sizes on {} ranks ({} backend)...",
-                    opts.ops.len(),
-                    opts.sizes.len(),
-                    opts.world_size,
+                    "measuring {} x {} on {} ({} backend)...",
+                    plural(opts.ops.len(), "collective"),
+                    plural(opts.sizes.len(), "size"),
+                    plural(opts.world_size, "rank"),
                     opts.backend
                 );
             }
@@ -981,13 +982,13 @@ fn run_bench(what: BenchCommand) -> Result<()> {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
                 println!(
-                    "spawn + rendezvous + first all_reduce, {} ranks ({:?}): median {} (min {}, max {}, {} runs)",
-                    r.world_size,
+                    "spawn + rendezvous + first all_reduce, {} ({:?}): median {} (min {}, max {}, {})",
+                    plural(r.world_size, "rank"),
                     r.mode,
                     format_seconds(r.seconds),
                     format_seconds(r.min_seconds),
                     format_seconds(r.max_seconds),
-                    r.repeats
+                    plural(r.repeats, "run")
                 );
             }
         }
@@ -1024,8 +1025,13 @@ fn run_bench(what: BenchCommand) -> Result<()> {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
                 println!(
-                    "pipeline {} p={} v={} m={}, benchmark decoder ({} parameters), median of {} steps",
-                    r.schedule, r.stages, r.virtual_stages, r.microbatches, r.parameters, r.steps
+                    "pipeline {} p={} v={} m={}, benchmark decoder ({} parameters), median of {}",
+                    r.schedule,
+                    r.stages,
+                    r.virtual_stages,
+                    r.microbatches,
+                    r.parameters,
+                    plural(r.steps, "step")
                 );
                 let rows = [
                     (
@@ -1128,8 +1134,11 @@ fn run_bench(what: BenchCommand) -> Result<()> {
 /// `bench step --parallel tp|ep` as a small table: one row per configuration.
 fn print_parallel_step(r: &bench::ParallelStepResult) {
     println!(
-        "one training step, {} ({} parameters), {} ranks, median of {} steps; bytes and calls per step on rank 0",
-        r.model, r.parameters, r.world_size, r.steps
+        "one training step, {} ({} parameters), {}, median of {}; bytes and calls per step on rank 0",
+        r.model,
+        r.parameters,
+        plural(r.world_size, "rank"),
+        plural(r.steps, "step")
     );
     println!(
         "  {:<8} {:>10} {:>8} {:>12} {:>8}",

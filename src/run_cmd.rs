@@ -388,9 +388,10 @@ fn check_init(
         (None, _) => {
             if let Some(step) = info.step.filter(|&s| s > 0) {
                 notes.push(format!(
-                    "{} holds weights after {step} steps but no optimizer state: starting \
-                     at step 0 with a fresh optimizer",
-                    init.display()
+                    "{} holds weights after {} but no optimizer state: starting at step 0 \
+                     with a fresh optimizer",
+                    init.display(),
+                    lockstep_harness::report::plural(step, "step")
                 ));
             }
             Ok(None)
@@ -559,11 +560,11 @@ pub fn render(outcome: &RunOutcome) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{} x {}@{}: {} steps from step {} (seed {}){}",
+        "{} x {}@{}: {} from step {} (seed {}){}",
         outcome.model,
         outcome.config,
         outcome.world_size,
-        outcome.steps,
+        lockstep_harness::report::plural(outcome.steps, "step"),
         outcome.start_step,
         outcome.seed,
         match (&outcome.init, outcome.resumed) {
