@@ -493,13 +493,8 @@ fn run_ddp(
     start_step: usize,
     optimizer_file: Option<&Path>,
 ) -> Result<(RunRecord, Vec<(String, tch::Tensor)>), RunCmdError> {
-    let scratch = std::env::temp_dir().join(format!(
-        "lockstep-run-optim-{}-{:x}.safetensors",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    ));
+    // Named the same in an exec'd rank re-running a test (`crate::self_exec`).
+    let scratch = crate::self_exec::scratch_file("run-optim", "safetensors");
     let train =
         |ctx: &RankCtx, model: &dyn Model, cfg: &TrainConfig| -> Result<RunRecord, String> {
             let optimizer_state = match optimizer_file {

@@ -53,9 +53,46 @@ pub const LAUNCH: &str = "LOCKSTEP_PARITY_LAUNCH";
 /// scratch path, which the re-run test cannot derive itself).
 pub const RECORD: &str = "LOCKSTEP_PARITY_RECORD";
 
+/// Set in an exec'd rank's environment: the launcher's pid and test name, from which
+/// [`scratch_file`] names the files the launcher shares with its ranks.
+pub const OWNER: &str = "LOCKSTEP_PARITY_OWNER";
+
 thread_local! {
     /// How many launches of each label this thread (one test) has made so far.
     static LAUNCHES: RefCell<HashMap<String, usize>> = RefCell::new(HashMap::new());
+    /// How many scratch files of each tag this thread (one test) has named so far.
+    static SCRATCH: RefCell<HashMap<String, usize>> = RefCell::new(HashMap::new());
+}
+
+/// This launcher's pid and test (thread) name: what [`OWNER`] carries to its ranks.
+fn owner() -> String {
+    format!(
+        "{}/{}",
+        std::process::id(),
+        std::thread::current().name().unwrap_or("main")
+    )
+}
+
+/// A scratch file a launch's ranks write and its launcher reads (rank 0's optimizer state,
+/// say): the same path in the launcher and in every exec'd rank re-running its test, since
+/// it is named from the launcher's pid and test and how many files of `tag` the test named
+/// before; unique per process, test thread and call.
+pub fn scratch_file(tag: &str, ext: &str) -> PathBuf {
+    use std::hash::{Hash, Hasher};
+    let n = SCRATCH.with(|s| {
+        let mut s = s.borrow_mut();
+        let n = s.entry(tag.to_owned()).or_insert(0);
+        *n += 1;
+        *n - 1
+    });
+    let owner = match serving() {
+        Some(_) => std::env::var(OWNER).unwrap_or_else(|_| owner()),
+        None => owner(),
+    };
+    // `DefaultHasher::new()` has fixed keys: every process hashes the owner alike.
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    owner.hash(&mut h);
+    std::env::temp_dir().join(format!("lockstep-{tag}-{:016x}-{n}.{ext}", h.finish()))
 }
 
 /// The next launch name for `label` on this thread: `label#0`, `label#1`, ...
@@ -172,6 +209,7 @@ fn exec_launch(
             out.display()
         ))
     })?;
+    let owner = owner();
     let command = |_rank: usize| RankCommand {
         program: program.clone(),
         args: vec![
@@ -184,6 +222,7 @@ fn exec_launch(
         env: vec![
             (LAUNCH.to_owned(), name.to_owned()),
             (RECORD.to_owned(), out.to_owned()),
+            (OWNER.to_owned(), owner.clone()),
         ],
     };
     let opts = LaunchOptions {
