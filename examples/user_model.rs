@@ -7,7 +7,9 @@
 //! cargo nextest run --example user_model
 //! ```
 
-use lockstep::models::{seed, Batch, LayerKind, LayerSpec, Model, ModelError, ParamStore};
+use lockstep::models::{
+    seed, Batch, LayerHooks, LayerKind, LayerRun, LayerSpec, Model, ModelError, NoHooks, ParamStore,
+};
 use lockstep::parity_test::{ParityOutcome, ParityTest, ParityTestError, Reference};
 use tch::{Kind, Tensor};
 
@@ -103,16 +105,35 @@ impl Model for Regressor {
     }
 
     fn forward(&self, batch: &Batch) -> Result<Tensor, ModelError> {
-        let x = &batch.inputs[0];
-        let h = x.f_linear(&self.fc1.0, Some(&self.fc1.1))?.f_relu()?;
-        let h = h.f_layer_norm(
-            [HIDDEN],
-            Some(&self.norm.0),
-            Some(&self.norm.1),
-            1e-5,
-            false,
-        )?;
-        Ok(h.f_linear(&self.fc2.0, Some(&self.fc2.1))?)
+        self.forward_hooked(batch, &mut NoHooks)
+    }
+
+    /// Per-layer FSDP gathers each layer's parameters just before it runs: the model says it
+    /// calls the hooks around every layer of `layers()`, in order.
+    fn supports_layer_hooks(&self) -> bool {
+        true
+    }
+
+    /// `forward`, each layer of `layers()` run between its hooks (`LayerRun` counts them).
+    fn forward_hooked(
+        &self,
+        batch: &Batch,
+        hooks: &mut dyn LayerHooks,
+    ) -> Result<Tensor, ModelError> {
+        let mut run = LayerRun::new(hooks);
+        let x = batch.inputs[0].shallow_clone();
+        let h = run.layer([x], |[x]| Ok(x.f_linear(&self.fc1.0, Some(&self.fc1.1))?))?;
+        let h = h.f_relu()?;
+        let h = run.layer([h], |[h]| {
+            Ok(h.f_layer_norm(
+                [HIDDEN],
+                Some(&self.norm.0),
+                Some(&self.norm.1),
+                1e-5,
+                false,
+            )?)
+        })?;
+        run.layer([h], |[h]| Ok(h.f_linear(&self.fc2.0, Some(&self.fc2.1))?))
     }
 
     fn loss_of(&self, batch: &Batch, output: &Tensor) -> Result<Tensor, ModelError> {

@@ -19,8 +19,11 @@ pub mod rank_error;
 pub mod run_cmd;
 pub mod runner;
 pub mod schedule;
+pub mod self_exec;
 pub mod sensitivity;
+pub mod setup_cmd;
 pub mod stress;
+pub mod suggest;
 
 pub use lockstep_core as core;
 pub use lockstep_core::comm;

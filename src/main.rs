@@ -4,6 +4,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use lockstep::bench::{self, BenchOp, CommBenchOptions, SpawnBenchMode, StepBenchOptions};
 use lockstep::harness::report::{compare_report_files, CompareOptions};
+use lockstep_harness::report::plural;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -20,6 +21,25 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Set up your own crate for parity tests (run it in the crate): `.cargo/config.toml`
+    /// pointing LIBTORCH at libtorch, a `build.rs` linking tests with an rpath to it, and
+    /// `lockstep`, `tch` and `lockstep-linkage` in Cargo.toml. Then `cargo test` works.
+    ///
+    /// Example: `cargo run --manifest-path ~/lockstep/Cargo.toml -- setup`.
+    Setup {
+        /// The crate to set up (the directory holding its Cargo.toml).
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+        /// libtorch's root (default: $LIBTORCH, else the libtorch lockstep was built with).
+        #[arg(long)]
+        libtorch: Option<PathBuf>,
+        /// The lockstep checkout to depend on (default: the one this binary was built from).
+        #[arg(long)]
+        lockstep: Option<PathBuf>,
+        /// Resolve `tch` from the local registry cache only (`cargo add --offline`).
+        #[arg(long)]
+        offline: bool,
+    },
     /// Print libtorch, CUDA, GPU and NCCL availability and the built backends.
     Env {
         /// Print one JSON object instead of a table.
@@ -70,9 +90,10 @@ enum Command {
     /// the bubble fraction, and the validator's verdict; exit 1 if it is invalid or
     /// deadlocks, 2 on bad input.
     ///
-    /// Example: `lockstep schedule --schedule interleaved-1f1b --stages 4 --microbatches 8
-    /// --virtual 2`. Schedules: gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zb,
-    /// zbv, dualpipev; or `--csv FILE` (one row per rank, PyTorch's action notation).
+    /// Example: `lockstep schedule --schedule interleaved_1f1b --pipeline-ranks 4
+    /// --microbatches 8 --virtual 2`. Schedules (the `pp.*` configurations' spelling; hyphens
+    /// work too): gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb, zbv, dualpipev;
+    /// or `--csv FILE` (one row per rank, PyTorch's action notation).
     Schedule(ScheduleArgs),
     /// Train one model x config from a PyTorch state dict or from its seed, and write the
     /// initial and final full state dicts under PyTorch's names; exit 1 if the run failed, 2
@@ -211,8 +232,8 @@ struct ScheduleArgs {
     /// A built-in schedule (ignored with --csv).
     #[arg(long, default_value = "1f1b")]
     schedule: String,
-    /// Pipeline ranks.
-    #[arg(long, default_value_t = 4)]
+    /// Pipeline ranks (processes); each holds `--virtual` stages. `--stages` is the old name.
+    #[arg(long = "pipeline-ranks", alias = "stages", default_value_t = 4)]
     stages: usize,
     /// Microbatches per step.
     #[arg(long, default_value_t = 8)]
@@ -342,14 +363,14 @@ enum BenchCommand {
     /// Train the benchmark decoder through a pipeline: step time against one process on one
     /// core, and the measured bubble against the schedule's simulated one.
     ///
-    /// Example: `lockstep bench pipeline --schedule 1f1b --stages 2 --microbatches 8`.
+    /// Example: `lockstep bench pipeline --schedule 1f1b --pipeline-ranks 2 --microbatches 8`.
     Pipeline {
-        /// A built-in schedule (gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zb,
-        /// zbv, dualpipev).
+        /// A built-in schedule (gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb,
+        /// zbv, dualpipev; hyphens work too).
         #[arg(long, default_value = "1f1b")]
         schedule: String,
-        /// Pipeline ranks (processes).
-        #[arg(long, default_value_t = 2)]
+        /// Pipeline ranks (processes). `--stages` is the old name.
+        #[arg(long = "pipeline-ranks", alias = "stages", default_value_t = 2)]
         stages: usize,
         #[arg(long, default_value_t = 8)]
         microbatches: usize,
@@ -450,6 +471,44 @@ fn main() -> Result<ExitCode> {
             print!("{}", result.render_table());
             if result.has_regression() {
                 return Ok(ExitCode::FAILURE);
+            }
+        }
+        Command::Setup {
+            dir,
+            libtorch,
+            lockstep,
+            offline,
+        } => {
+            use lockstep::setup_cmd;
+            let Some(libtorch) = libtorch
+                .or_else(|| std::env::var_os("LIBTORCH").map(PathBuf::from))
+                .or_else(setup_cmd::built_libtorch)
+            else {
+                eprintln!("error: no libtorch known: pass --libtorch DIR or set LIBTORCH");
+                return Ok(ExitCode::from(2));
+            };
+            let opts = setup_cmd::SetupOptions {
+                dir,
+                lockstep: lockstep.unwrap_or_else(setup_cmd::built_checkout),
+                libtorch,
+                offline,
+            };
+            match setup_cmd::setup(&opts) {
+                Ok(report) => {
+                    for change in &report.changes {
+                        println!("set up: {change}");
+                    }
+                    for todo in &report.todo {
+                        println!("to do: {todo}");
+                    }
+                    if report.changes.is_empty() && report.todo.is_empty() {
+                        println!("already set up: nothing to change");
+                    }
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return Ok(ExitCode::from(2));
+                }
             }
         }
         Command::Env { json } => {
@@ -605,10 +664,10 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
     }
     match result.write_report(&args.out) {
         Ok(files) if result.failed_runs > 0 => eprintln!(
-            "report: {} (INCOMPLETE: {} of {} runs failed; their rows are errors)",
+            "report: {} (INCOMPLETE: {} of {} failed; their rows are errors)",
             files.json.display(),
             result.failed_runs,
-            result.runs
+            lockstep_harness::report::plural(result.runs, "run")
         ),
         Ok(files) => eprintln!("report: {}", files.json.display()),
         Err(e) => {
@@ -747,8 +806,8 @@ fn run_matrix_sensitivity(
     bar.finish_and_clear();
     print!("{}", matrix::render_sensitivity_matrix(&entries));
     println!(
-        "matrix --sensitivity: {} configurations in {:.1} s",
-        entries.len(),
+        "matrix --sensitivity: {} in {:.1} s",
+        lockstep_harness::report::plural(entries.len(), "configuration"),
         started.elapsed().as_secs_f64()
     );
     let path = out.join("sensitivity.json");
@@ -811,10 +870,10 @@ fn run_stress(args: StressArgs) -> Result<ExitCode> {
         max_send_delay: std::time::Duration::from_micros(args.send_delay_us),
     };
     eprintln!(
-        "stress: {} runs per iteration, {} iterations, {} busy threads, send delays up to {} us, timeout {:.0} s",
-        plan.run_count(),
-        stress.repeat,
-        stress.busy_threads,
+        "stress: {} per iteration, {}, {}, send delays up to {} us, timeout {:.0} s",
+        plural(plan.run_count(), "run"),
+        plural(stress.repeat, "iteration"),
+        plural(stress.busy_threads, "busy thread"),
         args.send_delay_us,
         args.timeout
     );
@@ -936,10 +995,10 @@ fn bench_comm(
     };
     if !json {
         eprintln!(
-            "measuring {} collectives x {} sizes on {} ranks ({} backend)...",
-            opts.ops.len(),
-            opts.sizes.len(),
-            opts.world_size,
+            "measuring {} x {} on {} ({} backend)...",
+            plural(opts.ops.len(), "collective"),
+            plural(opts.sizes.len(), "size"),
+            plural(opts.world_size, "rank"),
             opts.backend
         );
     }
@@ -975,13 +1034,13 @@ fn bench_spawn(world_size: usize, repeats: usize, mode: SpawnBenchMode, json: bo
         println!("{}", serde_json::to_string(&r)?);
     } else {
         println!(
-            "spawn + rendezvous + first all_reduce, {} ranks ({:?}): median {} (min {}, max {}, {} runs)",
-            r.world_size,
+            "spawn + rendezvous + first all_reduce, {} ({:?}): median {} (min {}, max {}, {})",
+            plural(r.world_size, "rank"),
             r.mode,
             format_seconds(r.seconds),
             format_seconds(r.min_seconds),
             format_seconds(r.max_seconds),
-            r.repeats
+            plural(r.repeats, "run")
         );
     }
     Ok(())
@@ -1004,8 +1063,13 @@ fn bench_pipeline(opts: bench::PipelineBenchOptions, json: bool) -> Result<()> {
         println!("{}", serde_json::to_string(&r)?);
     } else {
         println!(
-            "pipeline {} p={} v={} m={}, benchmark decoder ({} parameters), median of {} steps",
-            r.schedule, r.stages, r.virtual_stages, r.microbatches, r.parameters, r.steps
+            "pipeline {} p={} v={} m={}, benchmark decoder ({} parameters), median of {}",
+            r.schedule,
+            r.stages,
+            r.virtual_stages,
+            r.microbatches,
+            r.parameters,
+            plural(r.steps, "step")
         );
         let rows = [
             (
@@ -1097,8 +1161,11 @@ fn bench_step(opts: StepBenchOptions, json: bool) -> Result<()> {
 /// `bench step --parallel tp|ep` as a small table: one row per configuration.
 fn print_parallel_step(r: &bench::ParallelStepResult) {
     println!(
-        "one training step, {} ({} parameters), {} ranks, median of {} steps; bytes and calls per step on rank 0",
-        r.model, r.parameters, r.world_size, r.steps
+        "one training step, {} ({} parameters), {}, median of {}; bytes and calls per step on rank 0",
+        r.model,
+        r.parameters,
+        plural(r.world_size, "rank"),
+        plural(r.steps, "step")
     );
     println!(
         "  {:<8} {:>10} {:>8} {:>12} {:>8}",

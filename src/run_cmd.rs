@@ -142,8 +142,9 @@ fn check_options(opts: &RunOptions) -> Result<Config, RunCmdError> {
     let config = Config::by_name(&opts.config).ok_or_else(|| {
         let known: Vec<&str> = Config::all().into_iter().map(Config::name).collect();
         invalid(format!(
-            "unknown config `{}`; known configs: {}",
+            "unknown config `{}`{}; known configs: {}",
             opts.config,
+            crate::suggest::did_you_mean(&opts.config, &known),
             known.join(", ")
         ))
     })?;
@@ -425,9 +426,10 @@ fn check_init(
         (None, _) => {
             if let Some(step) = info.step.filter(|&s| s > 0) {
                 notes.push(format!(
-                    "{} holds weights after {step} steps but no optimizer state: starting \
-                     at step 0 with a fresh optimizer",
-                    init.display()
+                    "{} holds weights after {} but no optimizer state: starting at step 0 \
+                     with a fresh optimizer",
+                    init.display(),
+                    lockstep_harness::report::plural(step, "step")
                 ));
             }
             Ok(None)
@@ -512,13 +514,8 @@ fn run_ddp(
     start_step: usize,
     optimizer_file: Option<&Path>,
 ) -> Result<(RunRecord, Vec<(String, tch::Tensor)>), RunCmdError> {
-    let scratch = std::env::temp_dir().join(format!(
-        "lockstep-run-optim-{}-{:x}.safetensors",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    ));
+    // Named the same in an exec'd rank re-running a test (`crate::self_exec`).
+    let scratch = crate::self_exec::scratch_file("run-optim", "safetensors");
     let train =
         |ctx: &RankCtx, model: &dyn Model, cfg: &TrainConfig| -> Result<RunRecord, String> {
             let optimizer_state = match optimizer_file {
@@ -579,11 +576,11 @@ pub fn render(outcome: &RunOutcome) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{} x {}@{}: {} steps from step {} (seed {}){}",
+        "{} x {}@{}: {} from step {} (seed {}){}",
         outcome.model,
         outcome.config,
         outcome.world_size,
-        outcome.steps,
+        lockstep_harness::report::plural(outcome.steps, "step"),
         outcome.start_step,
         outcome.seed,
         match (&outcome.init, outcome.resumed) {

@@ -176,6 +176,11 @@ pub fn run_config(
             config.name()
         )));
     }
+    let probe = build(settings.seed, 0).map_err(|e| RunFailed::simple(e.to_string()))?;
+    if let Some(reason) = config.blocker(probe.as_ref(), world_size) {
+        return Err(RunFailed::simple(reason));
+    }
+    drop(probe);
     if settings.execs_ranks() {
         return run_exec(model_name, config, world_size, settings);
     }
@@ -235,6 +240,10 @@ pub fn in_process_reference(
     reference: &(dyn Fn() -> Result<RunRecord, RunFailed> + Sync),
 ) -> Result<RunRecord, RunFailed> {
     if lockstep_harness::threads::forks_safely_after_reference() || settings.execs_ranks() {
+        // An exec'd rank of a parity test re-runs the test only to reach its own launch.
+        if crate::self_exec::serving().is_some() {
+            return Err(RunFailed::simple("not computed in an exec'd rank"));
+        }
         lockstep_harness::threads::use_rank_threads();
         return reference();
     }
@@ -243,7 +252,7 @@ pub fn in_process_reference(
         let record = reference().map_err(|e| e.details)?;
         hand_back(&record, &out)
     };
-    let launched = launch_forked(1, settings, &body);
+    let launched = launch_forked(1, settings, "reference", &out, &body);
     read_record(&out, launched, 0)
 }
 
@@ -257,6 +266,9 @@ pub fn run_single_f64(
     world_size: usize,
     settings: &RunSettings,
 ) -> Result<RunRecord, RunFailed> {
+    if crate::self_exec::serving().is_some() {
+        return Err(RunFailed::simple("not computed in an exec'd rank"));
+    }
     let train = |model: Box<dyn Model>| {
         single_device_reference(
             model.as_ref(),
@@ -344,7 +356,8 @@ pub fn run_launched(
         }
         Ok(())
     };
-    let launched = launch_forked(world_size, settings, &body);
+    let label = format!("{model_name}/{config}");
+    let launched = launch_forked(world_size, settings, &label, &out, &body);
     read_record(&out, launched, world_size)
 }
 
@@ -372,6 +385,8 @@ pub fn run_configs_together(
         || configs.contains(&Config::Single)
         || settings.execs_ranks()
         || settings.faults.is_some()
+        || crate::self_exec::serving().is_some()
+        || crate::self_exec::execs_here().unwrap_or(true)
     {
         return configs
             .iter()
@@ -416,7 +431,8 @@ pub fn run_configs_together(
         }
         Ok(())
     };
-    let mut failure = launch_forked(world_size, settings, &body).err();
+    let label = format!("{model_name}/subtests@{world_size}");
+    let mut failure = launch_forked(world_size, settings, &label, &outs[0], &body).err();
     let mut records: Vec<Option<RunRecord>> = outs
         .iter()
         .map(|out| {
@@ -548,7 +564,7 @@ fn lockstep_program() -> Result<PathBuf, RunFailed> {
 }
 
 /// A failed launch as a [`RunFailed`] carrying the launcher's whole account.
-fn launch_failed(e: LaunchError) -> RunFailed {
+pub(crate) fn launch_failed(e: LaunchError) -> RunFailed {
     let details = e.to_string();
     RunFailed {
         line: one_line(&details),
@@ -590,13 +606,28 @@ pub(crate) fn hand_back(record: &RunRecord, out: &Path) -> Result<(), RankError>
 /// Forks `world_size` ranks on the CPU backend, each running `body`; a failed launch comes
 /// back with the launcher's whole account. An NCCL run is refused, not forked: CUDA cannot
 /// be used in a forked child (built-in configurations exec their ranks instead: `run_exec`).
+/// Where fork is not safe (a multi-threaded `cargo test`), the ranks are re-runs of the
+/// calling test instead ([`crate::self_exec`]; `label` names the launch for them, `out` is
+/// where rank 0 writes its record).
 fn launch_forked(
     world_size: usize,
     settings: &RunSettings,
+    label: &str,
+    out: &Path,
     body: &(dyn Fn(&RankCtx) -> Result<(), RankError> + Sync),
 ) -> Result<(), RunFailed> {
     if settings.backend != Backend::Cpu {
         return Err(RunFailed::simple(NCCL_RUNS_MISSING));
+    }
+    if let Some(launched) = crate::self_exec::launch_without_fork(
+        world_size,
+        settings.timeout,
+        label,
+        out,
+        settings.faults.is_some(),
+        body,
+    ) {
+        return launched;
     }
     let opts = LaunchOptions {
         world_size,
@@ -759,6 +790,10 @@ pub fn one_line(text: &str) -> String {
 }
 
 fn scratch_path(model: &str, world_size: usize) -> PathBuf {
+    // An exec'd rank writes where its launcher reads, whichever launch it computes this for.
+    if let Some(path) = crate::self_exec::record_path() {
+        return path;
+    }
     let nonce = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());

@@ -132,8 +132,11 @@ pub fn run_schedule(opts: &ScheduleOptions) -> Result<ScheduleReport, ScheduleCl
 /// The human rendering: header, table, bubble, verdict.
 pub fn render_schedule(report: &ScheduleReport) -> String {
     let mut out = format!(
-        "schedule {}: {} ranks, {} stages, {} microbatches\n\n",
-        report.schedule, report.ranks, report.stages, report.microbatches
+        "schedule {}: {}, {}, {}\n\n",
+        report.schedule,
+        lockstep_harness::report::plural(report.ranks, "rank"),
+        lockstep_harness::report::plural(report.stages, "stage"),
+        lockstep_harness::report::plural(report.microbatches, "microbatch")
     );
     if let Some(sim) = &report.simulation {
         out.push_str(&render_table(sim, Some(160)));

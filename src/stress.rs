@@ -58,9 +58,9 @@ impl StressOutcome {
         }
         let _ = writeln!(
             out,
-            "stress: {} iterations, {} runs in {:.1} s: hangs found = {}, other run errors = {}, parity failures = {}",
-            self.iterations,
-            self.runs,
+            "stress: {}, {} in {:.1} s: hangs found = {}, other run errors = {}, parity failures = {}",
+            lockstep_harness::report::plural(self.iterations, "iteration"),
+            lockstep_harness::report::plural(self.runs, "run"),
             self.elapsed.as_secs_f64(),
             self.hangs,
             self.errors,
@@ -141,13 +141,13 @@ pub fn run(plan: &Plan, opts: &StressOptions, mut progress: impl FnMut(&str)) ->
             ));
         }
         progress(&format!(
-            "[{i}/{}] {} runs in {:.1} s: {} hung, {} failed, {} parity failures",
+            "[{i}/{}] {} in {:.1} s: {} hung, {} failed, {}",
             opts.repeat,
-            result.runs,
+            lockstep_harness::report::plural(result.runs, "run"),
             result.elapsed.as_secs_f64(),
             result.hung_runs,
             result.failed_runs - result.hung_runs,
-            failures
+            lockstep_harness::report::plural(failures, "parity failure")
         ));
     }
     chaos::set_max_delay(Duration::ZERO);

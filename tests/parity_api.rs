@@ -156,10 +156,20 @@ fn bad_specifications_are_refused_before_anything_runs() {
     let err = |t: ParityTest<'_>| t.run().expect_err("refused").to_string();
     let unknown = err(ParityTest::new("bad").zoo("mlp").config("fsdp.fulll_shard"));
     assert!(
-        unknown.contains("unknown configuration fsdp.fulll_shard")
-            && unknown.contains("fsdp.full_shard"),
+        unknown
+            .contains("unknown configuration `fsdp.fulll_shard` (did you mean `fsdp.full_shard`?)"),
         "{unknown}"
     );
+    // `.unwrap()` on the error shows the whole message, not a bare variant name.
+    let debug = format!(
+        "{:?}",
+        ParityTest::new("bad")
+            .zoo("mlp")
+            .config("dpp")
+            .run()
+            .expect_err("refused")
+    );
+    assert!(debug.contains("did you mean `ddp`?"), "{debug}");
     assert!(matches!(
         ParityTest::new("bad").config("ddp").run(),
         Err(ParityTestError::NoModel)
@@ -215,4 +225,57 @@ fn bad_specifications_are_refused_before_anything_runs() {
         )
         .expect("refused");
     assert!(pipeline.contains(&refusal), "{pipeline}\nvs\n{refusal}");
+}
+
+/// `assert_parity` panics at the caller's line (the user's test), not inside Lockstep.
+#[test]
+fn assert_parity_panics_at_the_callers_line() {
+    use std::sync::{Arc, Mutex};
+    let seen: Arc<Mutex<Option<(String, u32)>>> = Arc::default();
+    let hook_seen = Arc::clone(&seen);
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if let Some(loc) = info.location() {
+            *hook_seen.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some((loc.file().to_owned(), loc.line()));
+        }
+    }));
+    let first = line!();
+    let result = std::panic::catch_unwind(|| {
+        ParityTest::new("bad")
+            .zoo("mlp")
+            .config("dpp")
+            .assert_parity();
+    });
+    let last = line!();
+    std::panic::set_hook(previous);
+    assert!(
+        result.is_err(),
+        "an unknown configuration must fail the test"
+    );
+    let seen = seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let (file, at) = seen.expect("the panic had a location");
+    assert!(file.ends_with("parity_api.rs"), "{file}:{at}");
+    // The `.assert_parity()` call's line, within the test: not a line of Lockstep's.
+    assert!(
+        first < at && at < last,
+        "{file}:{at} not in {first}..{last}"
+    );
+}
+
+/// Two parity tests in one test function, under any runner: under plain `cargo test` each
+/// exec'd rank re-runs the test, passes through the first parity test and finds its launch
+/// in the second.
+#[test]
+fn two_parity_tests_in_one_test_function() {
+    ParityTest::new("two_parity_tests_in_one_test_function_a")
+        .zoo("mlp")
+        .config("ddp")
+        .steps(1)
+        .assert_parity();
+    ParityTest::new("two_parity_tests_in_one_test_function_b")
+        .zoo("mlp")
+        .config("fsdp.full_shard")
+        .steps(1)
+        .assert_parity();
 }

@@ -49,7 +49,7 @@ impl Model for TwoLayer {
         &self.store
     }
     fn layers(&self) -> Vec<LayerSpec> {
-        Vec::new() // list them to use per-layer FSDP wrapping or pipelines
+        Vec::new() // list them (and run them between hooks) for per-layer FSDP or pipelines
     }
     /// Rank `rank`'s batch at `step`: the same in every process that asks.
     fn input(&self, rank: usize, step: usize) -> Result<Batch, ModelError> {
@@ -102,5 +102,22 @@ fn readme_shows_this_file() {
         readme.contains(&expected),
         "README.md's quick start differs from tests/quick_start.rs; paste this into its \
          ```rust block:\n{expected}"
+    );
+}
+
+/// Per-layer FSDP needs a model that runs its layers between hooks; one without them
+/// (`TwoLayer` above) is refused with the reason, not run with every unit gathered before
+/// forward under a per-layer name.
+#[test]
+fn per_layer_fsdp_without_layer_hooks_is_refused() {
+    let err = ParityTest::new("per_layer_fsdp_without_layer_hooks_is_refused")
+        .model("two_layer", TwoLayer::new)
+        .config("fsdp.full_shard.per_layer")
+        .run()
+        .expect_err("refused before anything runs");
+    let text = err.to_string();
+    assert!(
+        text.contains("fsdp.full_shard.per_layer") && text.contains("supports_layer_hooks"),
+        "{text}"
     );
 }

@@ -160,3 +160,29 @@ fn bad_input_is_exit_2_naming_the_rule() {
     assert_eq!(run.code, Some(2));
     assert!(run.stderr.contains("multiple"), "{}", run.stderr);
 }
+
+/// Schedules take the `pp.*` configurations' spelling (`interleaved_1f1b`) and the hyphenated
+/// one, and print the configuration spelling; `--pipeline-ranks` is `--stages` named for what
+/// it is, and the old name still works.
+#[test]
+fn both_spellings_and_both_rank_options_are_accepted() {
+    for (schedule, ranks_flag) in [
+        ("interleaved_1f1b", "--pipeline-ranks"),
+        ("interleaved-1f1b", "--stages"),
+    ] {
+        let run = lockstep(&[
+            "schedule",
+            "--schedule",
+            schedule,
+            ranks_flag,
+            "2",
+            "--microbatches",
+            "4",
+            "--json",
+        ]);
+        assert_eq!(run.code, Some(0), "{schedule} {ranks_flag}: {}", run.stderr);
+        let v: serde_json::Value = serde_json::from_str(&run.stdout).expect("JSON");
+        assert_eq!(v["schedule"], "interleaved_1f1b", "{}", run.stdout);
+        assert_eq!(v["ranks"], 2, "{}", run.stdout);
+    }
+}

@@ -94,7 +94,9 @@ pub enum SpawnMode {
     Exec,
 }
 
-/// Runs `body` on `world_size` ranks with the defaults; panics with the failure report.
+/// Runs `body` on `world_size` ranks with the defaults; panics with the failure report (at
+/// the caller's line).
+#[track_caller]
 pub fn run<F, R>(world_size: usize, body: F)
 where
     F: Fn(&RankCtx) -> R,
@@ -152,6 +154,8 @@ impl Run {
 
     /// Runs `body` on every rank and panics with the failure report if a rank fails. Returns
     /// in the launcher (the test process) once every rank is done or the run was skipped.
+    /// The panic points at the caller's line.
+    #[track_caller]
     pub fn run<F, R>(self, body: F) -> Outcome
     where
         F: Fn(&RankCtx) -> R,

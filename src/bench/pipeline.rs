@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 /// What `bench pipeline` runs.
 #[derive(Clone, Debug)]
 pub struct PipelineBenchOptions {
-    /// A built-in schedule's name (`1f1b`, `gpipe`, `interleaved-1f1b`, ...).
+    /// A built-in schedule's name (`1f1b`, `gpipe`, `interleaved_1f1b`, ...).
     pub schedule: String,
     /// Pipeline ranks (processes).
     pub stages: usize,

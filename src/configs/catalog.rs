@@ -690,10 +690,26 @@ impl Config {
 
     /// Why this configuration cannot train `model` at `world_size`, if it cannot: the one
     /// check every entry point (the matrix's plan, `ParityTest`, `lockstep run`) makes
-    /// before anything is spawned, so an impossible pair is refused with one message.
+    /// before anything is spawned, so an impossible pair is refused with one message. An
+    /// FSDP configuration that wraps per layer needs a model with layer hooks (without
+    /// them every unit would be gathered before forward: silently not per layer).
     pub fn blocker(self, model: &dyn Model, world_size: usize) -> Option<String> {
         if let Some(reason) = self.world_blocker(world_size) {
             return Some(reason);
+        }
+        let per_layer = self
+            .fsdp_config()
+            .is_some_and(|f| matches!(f.options.wrap, WrapPolicy::PerLayer));
+        if per_layer && !model.supports_layer_hooks() {
+            return Some(format!(
+                "{} gathers and frees one layer's unit at a time, which needs layer hooks: \
+                 model `{}` does not implement `Model::supports_layer_hooks` and \
+                 `Model::forward_hooked`, so every unit would be gathered before forward; \
+                 implement them (see examples/user_model.rs) or use a configuration \
+                 without `.per_layer`",
+                self.name(),
+                model.name()
+            ));
         }
         if self == Config::Single {
             return model.single_device_reference_blocker();

@@ -86,7 +86,7 @@ pub use lockstep_harness::report::REPORT_FILES;
 #[derive(Debug, thiserror::Error)]
 pub enum MatrixError {
     /// A `--models` pattern matched no zoo model.
-    #[error("unknown model `{pattern}`; known models: {}", known.join(", "))]
+    #[error("unknown model `{pattern}`{}; known models: {}", crate::suggest::did_you_mean(pattern, known), known.join(", "))]
     UnknownModel {
         /// The pattern as given.
         pattern: String,
@@ -94,7 +94,7 @@ pub enum MatrixError {
         known: Vec<String>,
     },
     /// A `--configs` pattern matched no configuration.
-    #[error("unknown config `{pattern}`; known configs: {}", known.join(", "))]
+    #[error("unknown config `{pattern}`{}; known configs: {}", crate::suggest::did_you_mean(pattern, known), known.join(", "))]
     UnknownConfig {
         /// The pattern as given.
         pattern: String,

@@ -222,13 +222,13 @@ impl MatrixResult {
             .count();
         let _ = writeln!(
             out,
-            "\n{passed} passed, {failed} failed, {skipped} skipped, {} run errors",
-            self.failed_runs
+            "\n{passed} passed, {failed} failed, {skipped} skipped, {}",
+            lockstep_harness::report::plural(self.failed_runs, "run error")
         );
         let _ = writeln!(
             out,
-            "matrix: {} runs in {:.1} s",
-            self.runs,
+            "matrix: {} in {:.1} s",
+            lockstep_harness::report::plural(self.runs, "run"),
             self.elapsed.as_secs_f64()
         );
         out

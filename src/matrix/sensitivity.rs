@@ -265,9 +265,11 @@ pub fn render_sensitivity_matrix(entries: &[SensitivityEntry]) -> String {
     if inert > 0 {
         let _ = writeln!(
             out,
-            "\n{inert} faults were inert: every check passed and every rank trained to the bits \
+            "\n{} {} inert: every check passed and every rank trained to the bits \
              of the run without the fault (a result only the faulted rank's own record reads, \
-             a value the rank then discards); sensitivity.json lists them"
+             a value the rank then discards); sensitivity.json lists them",
+            lockstep_harness::report::plural(inert, "fault"),
+            if inert == 1 { "was" } else { "were" }
         );
     }
     if misses.is_empty() {

@@ -2,8 +2,9 @@
 
 use std::path::PathBuf;
 
-/// A parity test that cannot run as written: each variant names what to fix.
-#[derive(Debug, thiserror::Error)]
+/// A parity test that cannot run as written: each variant names what to fix. Its `Debug` is
+/// its message, so `.unwrap()` and `.expect(..)` in a test print what to fix.
+#[derive(thiserror::Error)]
 pub enum ParityTestError {
     /// Neither [`zoo`](super::ParityTest::zoo) nor [`model`](super::ParityTest::model) was
     /// called.
@@ -13,7 +14,11 @@ pub enum ParityTestError {
     #[error("no configuration under test: call .config(\"ddp\") or .custom_config(...)")]
     NoConfig,
     /// A configuration name that is neither built in nor defined by the test.
-    #[error("unknown configuration {}; known built-in configurations: {}", names.join(", "), known.join(", "))]
+    #[error(
+        "unknown configuration {}; known built-in configurations: {}",
+        names.iter().map(|n| format!("`{n}`{}", crate::suggest::did_you_mean(n, known))).collect::<Vec<_>>().join(", "),
+        known.join(", ")
+    )]
     UnknownConfig {
         /// The names asked for.
         names: Vec<String>,
@@ -42,11 +47,11 @@ pub enum ParityTestError {
         /// What went wrong.
         reason: String,
     },
-    /// Ranks are forked from the test process, which is unsafe in a multi-threaded
-    /// `cargo test` run.
+    /// A sensitivity analysis plants its faults in forked ranks, which is unsafe in a
+    /// multi-threaded `cargo test` run (plain parity tests exec their ranks there instead).
     #[error(
-        "parity tests fork one process per rank, which needs one test per process: run them \
-         with `cargo nextest run`, or `cargo test -- --test-threads=1 --nocapture`"
+        "a sensitivity analysis forks one process per rank, which needs one test per process: \
+         run it with `cargo nextest run`, or `cargo test -- --test-threads=1 --nocapture`"
     )]
     NotForkSafe,
     /// A sensitivity analysis could not run (a configuration fails without a fault, its dry
@@ -58,5 +63,12 @@ pub enum ParityTestError {
 impl From<crate::sensitivity::SensitivityError> for ParityTestError {
     fn from(e: crate::sensitivity::SensitivityError) -> Self {
         ParityTestError::Sensitivity(Box::new(e))
+    }
+}
+
+impl std::fmt::Debug for ParityTestError {
+    /// The full message (as `Display`): a test's `.unwrap()` shows what to fix.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
     }
 }

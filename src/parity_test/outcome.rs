@@ -66,7 +66,9 @@ impl ParityOutcome {
         out
     }
 
-    /// Panics with [`ParityOutcome::summary`] unless the test passed.
+    /// Panics with [`ParityOutcome::summary`] unless the test passed; the panic points at
+    /// the caller's line (the user's test), not into Lockstep.
+    #[track_caller]
     pub fn assert_passed(&self) {
         if !self.passed() {
             panic!("{}", self.summary());

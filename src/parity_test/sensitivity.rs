@@ -128,6 +128,10 @@ impl ParityTest<'_> {
         self,
         opts: &SensitivityOptions,
     ) -> Result<ParitySensitivity, ParityTestError> {
+        // Faults are planted in forked ranks only (exec'd ranks take no fault plan).
+        if !lockstep_harness::fork_is_safe_here() {
+            return Err(ParityTestError::NotForkSafe);
+        }
         let prepared = self.prepare()?;
         let mut reports = Vec::new();
         for &world in &self.world_sizes {

@@ -57,16 +57,15 @@ impl std::fmt::Display for SensitivityReport {
         let steps: Vec<String> = self.site_steps.iter().map(usize::to_string).collect();
         writeln!(
             f,
-            "sensitivity of {}@{} on {}: {} steps; sites of step {} ({} of {} recorded calls); \
-             {} runs in {:.1} s",
+            "sensitivity of {}@{} on {}: {}; sites of step {} ({} of {}); {} in {:.1} s",
             self.config,
             self.world_size,
             self.model,
-            self.steps,
+            lockstep_harness::report::plural(self.steps, "step"),
             steps.join(", "),
             self.sites.len(),
-            self.calls_recorded,
-            self.runs,
+            lockstep_harness::report::plural(self.calls_recorded, "recorded call"),
+            lockstep_harness::report::plural(self.runs, "run"),
             self.wall_time_seconds
         )?;
         f.write_str(&self.table())?;

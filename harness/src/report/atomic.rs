@@ -28,6 +28,15 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ReportError> {
         .tempfile_in(dir)
         .map_err(io)?;
     tmp.write_all(bytes).map_err(io)?;
+    // The temporary file is created 0600; a report is for everyone who can read the
+    // directory (CI artifact uploaders, other users of the machine), like any file cargo
+    // writes under target/.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        tmp.as_file()
+            .set_permissions(std::fs::Permissions::from_mode(0o644))
+            .map_err(io)?;
+    }
     tmp.as_file().sync_all().map_err(io)?;
     tmp.persist(path).map_err(|e| io(e.error))?;
     // Make the rename itself durable. Opening a directory for fsync is not possible on every
@@ -36,4 +45,19 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ReportError> {
         let _ = d.sync_all();
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::write_atomic;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn reports_are_readable_by_everyone() {
+        let dir = tempfile::tempdir().expect("scratch dir");
+        let path = dir.path().join("report.json");
+        write_atomic(&path, b"{}").expect("written");
+        let mode = std::fs::metadata(&path).expect("stat").permissions().mode();
+        assert_eq!(mode & 0o777, 0o644, "{mode:o}");
+    }
 }

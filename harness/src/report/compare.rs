@@ -279,15 +279,16 @@ impl ReportComparison {
         if n == 0 {
             let _ = writeln!(
                 out,
-                "no regression ({} configurations, factor {}x)",
-                self.rows.len(),
+                "no regression ({}, factor {}x)",
+                super::plural(self.rows.len(), "configuration"),
                 self.options.factor
             );
         } else {
             let _ = writeln!(
                 out,
-                "{n} regression(s) among {} configurations (factor {}x)",
-                self.rows.len(),
+                "{} among {} (factor {}x)",
+                super::plural(n, "regression"),
+                super::plural(self.rows.len(), "configuration"),
                 self.options.factor
             );
         }

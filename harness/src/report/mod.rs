@@ -213,16 +213,19 @@ impl Report {
     pub fn headline(&self) -> String {
         let s = &self.summary;
         let counts = format!(
-            "{} comparisons: {} passed, {} failed",
-            s.comparisons, s.passed, s.failed
+            "{}: {} passed, {} failed",
+            plural(s.comparisons, "comparison"),
+            s.passed,
+            s.failed
         );
         if self.errors.is_empty() {
             counts
         } else {
             format!(
-                "INCOMPLETE: {} comparisons could not be made because their runs failed (listed \
-                 as errors). {counts}, {} errors",
-                s.errors, s.errors
+                "INCOMPLETE: {} could not be made because their runs failed (listed as \
+                 errors). {counts}, {}",
+                plural(s.errors, "comparison"),
+                plural(s.errors, "error")
             )
         }
     }
@@ -358,6 +361,26 @@ pub fn write_all(report: &Report, dir: &Path) -> Result<ReportFiles, ReportError
     write_html(report, &files.html)?;
     write_json(report, &files.json)?;
     Ok(files)
+}
+
+/// `n` and `noun`, in the plural unless `n` is 1 (`1 comparison`, `2 comparisons`): every
+/// count printed with a noun goes through it, so no output says "1 comparisons". Nouns
+/// ending in s, x, ch or sh take "es".
+///
+/// ```
+/// use lockstep_harness::report::plural;
+/// assert_eq!(plural(1, "comparison"), "1 comparison");
+/// assert_eq!(plural(0, "comparison"), "0 comparisons");
+/// assert_eq!(plural(2, "microbatch"), "2 microbatches");
+/// ```
+pub fn plural(n: usize, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else if ["s", "x", "ch", "sh"].iter().any(|e| noun.ends_with(e)) {
+        format!("{n} {noun}es")
+    } else {
+        format!("{n} {noun}s")
+    }
 }
 
 /// Formats a number for people: `0`, `NaN`, `inf`, or three significant digits.

@@ -158,12 +158,14 @@ pub fn cross_rank_line(c: &Comparison) -> Option<String> {
     let check = c.cross_rank.as_ref()?;
     Some(match &check.mismatch {
         None => format!(
-            "cross-rank: {} tensors compared across {} ranks, all bitwise equal",
-            check.compared, check.ranks
+            "cross-rank: {} compared across {}, all bitwise equal",
+            super::plural(check.compared, "tensor"),
+            super::plural(check.ranks, "rank")
         ),
         Some(m) => format!(
-            "cross-rank: MISMATCH: {m} ({} tensors compared across {} ranks)",
-            check.compared, check.ranks
+            "cross-rank: MISMATCH: {m} ({} compared across {})",
+            super::plural(check.compared, "tensor"),
+            super::plural(check.ranks, "rank")
         ),
     })
 }

@@ -13,7 +13,7 @@ pub enum ScheduleError {
     /// microbatches): `rule` says which of the schedule's rules is broken.
     #[error("{schedule} {rule}")]
     InvalidConfig {
-        /// The schedule's name (`interleaved-1f1b`).
+        /// The schedule's name (`interleaved_1f1b`).
         schedule: String,
         /// The broken rule, with the offending numbers.
         rule: String,

@@ -23,13 +23,13 @@ pub enum ScheduleKind {
     #[serde(rename = "1f1b")]
     OneFOneB,
     /// Megatron's interleaved (depth-first) 1F1B over `v` looped stages per rank.
-    #[serde(rename = "interleaved-1f1b")]
+    #[serde(rename = "interleaved_1f1b", alias = "interleaved-1f1b")]
     Interleaved1F1B,
     /// Breadth-first: all microbatches of one local stage before the next.
-    #[serde(rename = "looped-bfs")]
+    #[serde(rename = "looped_bfs", alias = "looped-bfs")]
     LoopedBfs,
     /// Interleaved 1F1B with the backward split into I and W (ZB-H1 style: W fills bubbles).
-    #[serde(rename = "interleaved-zb")]
+    #[serde(rename = "interleaved_zb", alias = "interleaved-zb")]
     InterleavedZeroBubble,
     /// Zero-bubble V: two stages per rank in a V, backward split into I and W.
     #[serde(rename = "zbv")]
@@ -54,14 +54,15 @@ impl ScheduleKind {
         ]
     }
 
-    /// The name used on the command line, in CSV plans and in error messages.
+    /// The name used on the command line, in CSV plans and in error messages: the spelling
+    /// of the `pp.*` configurations (`interleaved_1f1b`), so one name works everywhere.
     pub fn name(self) -> &'static str {
         match self {
             ScheduleKind::GPipe => "gpipe",
             ScheduleKind::OneFOneB => "1f1b",
-            ScheduleKind::Interleaved1F1B => "interleaved-1f1b",
-            ScheduleKind::LoopedBfs => "looped-bfs",
-            ScheduleKind::InterleavedZeroBubble => "interleaved-zb",
+            ScheduleKind::Interleaved1F1B => "interleaved_1f1b",
+            ScheduleKind::LoopedBfs => "looped_bfs",
+            ScheduleKind::InterleavedZeroBubble => "interleaved_zb",
             ScheduleKind::Zbv => "zbv",
             ScheduleKind::DualPipeV => "dualpipev",
         }
@@ -140,9 +141,10 @@ impl fmt::Display for ScheduleKind {
 impl FromStr for ScheduleKind {
     type Err = ScheduleError;
 
-    /// Accepts the names of [`ScheduleKind::name`], case-insensitively.
+    /// Accepts the names of [`ScheduleKind::name`], case-insensitively, with hyphens or
+    /// underscores (`interleaved-1f1b` is `interleaved_1f1b`).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let want = s.trim().to_ascii_lowercase();
+        let want = s.trim().to_ascii_lowercase().replace('-', "_");
         ScheduleKind::all()
             .into_iter()
             .find(|k| k.name() == want)
@@ -262,14 +264,14 @@ mod tests {
                 4,
                 2,
                 6,
-                "interleaved-1f1b needs microbatches (6) to be a multiple of ranks (4)",
+                "interleaved_1f1b needs microbatches (6) to be a multiple of ranks (4)",
             ),
             (
                 ScheduleKind::InterleavedZeroBubble,
                 4,
                 2,
                 2,
-                "interleaved-zb needs microbatches (2) to be a multiple of ranks (4)",
+                "interleaved_zb needs microbatches (2) to be a multiple of ranks (4)",
             ),
             (
                 ScheduleKind::OneFOneB,
@@ -318,7 +320,7 @@ mod tests {
                 0,
                 2,
                 4,
-                "looped-bfs needs at least one rank",
+                "looped_bfs needs at least one rank",
             ),
             (
                 ScheduleKind::GPipe,
@@ -332,7 +334,7 @@ mod tests {
                 2,
                 0,
                 4,
-                "looped-bfs needs at least one stage per rank",
+                "looped_bfs needs at least one stage per rank",
             ),
         ] {
             let e = generate(kind, p, v, m).unwrap_err();

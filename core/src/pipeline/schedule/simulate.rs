@@ -521,7 +521,7 @@ mod tests {
                     assert!(x < base, "{kind} p={p} m={m}: {x} vs 1f1b {base}");
                 }
                 let zb = sim(ScheduleKind::InterleavedZeroBubble, p, 2, m).bubble_fraction;
-                assert!(zb < inter, "interleaved-zb p={p} m={m}: {zb} vs {inter}");
+                assert!(zb < inter, "interleaved_zb p={p} m={m}: {zb} vs {inter}");
             }
         }
     }
