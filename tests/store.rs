@@ -329,8 +329,7 @@ mod rendezvous {
         let err1 = one
             .join()
             .unwrap()
-            .err()
-            .expect("rank 1 fails too")
+            .expect_err("rank 1 fails too")
             .to_string();
         assert!(err1.contains("rank(s) [2] of 3"), "{err1}");
     }

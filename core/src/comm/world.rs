@@ -780,7 +780,7 @@ fn connect_group(
     // Dial every lower rank first, then wait for the higher ranks to dial us.
     for (peer, &global) in ranks.iter().enumerate().take(me) {
         let addr = &peers[global].addr;
-        streams[peer] = Some(dial(&addr, &opts.secret, key, opts.rank, deadline)?);
+        streams[peer] = Some(dial(addr, &opts.secret, key, opts.rank, deadline)?);
     }
     for (peer, &global) in ranks.iter().enumerate().skip(me + 1) {
         let mut waiting = lock(&router.waiting);
