@@ -136,6 +136,7 @@ struct TwoHosts {
 impl TwoHosts {
     /// Hosts `10.77.0.1` and `10.77.0.2`; the namespaces are named after this process.
     fn create() -> Result<TwoHosts, String> {
+        remove_orphans();
         let pid = std::process::id();
         let hosts = TwoHosts {
             names: [format!("lkst{pid}a"), format!("lkst{pid}b")],
@@ -152,6 +153,26 @@ impl TwoHosts {
             ip(&["-n", ns, "link", "set", "lo", "up"])?;
         }
         Ok(hosts)
+    }
+}
+
+/// Deletes the namespaces of earlier runs of this test whose process is gone (killed before
+/// its drop could run), so a hard kill never leaves them behind for long.
+fn remove_orphans() {
+    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
+        return;
+    };
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let name = line.split_whitespace().next().unwrap_or_default();
+        let Some(pid) = name
+            .strip_prefix("lkst")
+            .and_then(|rest| rest.strip_suffix(['a', 'b']))
+        else {
+            continue;
+        };
+        if pid.parse::<u32>().is_ok() && !std::path::Path::new("/proc").join(pid).exists() {
+            let _ = ip(&["netns", "del", name]);
+        }
     }
 }
 
@@ -274,7 +295,7 @@ fn two_hosts_under_torchrun() {
 
     // A wrong secret on host B: its ranks fail at once naming it; host A's name the
     // missing ranks within the rendezvous timeout.
-    let rendezvous = [("LOCKSTEP_RENDEZVOUS_TIMEOUT_SECS", "5")];
+    let rendezvous = [("LOCKSTEP_RENDEZVOUS_TIMEOUT_SECS", "6")];
     let started = Instant::now();
     let [a, b] = launch_both(
         &hosts,
