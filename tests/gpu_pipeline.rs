@@ -180,6 +180,7 @@ fn matrix_on_nccl_refuses_before_anything_runs() {
 fn nccl_external_world_all_reduce() {
     let outcome = Run::new(2)
         .backend("nccl")
+        .any_world_size()
         .test_name("nccl_external_world_all_reduce")
         .run(|ctx| {
             let device = ctx.device();

@@ -578,16 +578,35 @@ fn external_launch_runs_body_in_process() {
         // A rank started by the parent below: RANK/WORLD_SIZE/MASTER_* describe the run.
         let expected_rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
         let pid = std::process::id();
-        lockstep_harness::run(2, |ctx| {
-            // External mode runs the body here, in this very process.
-            assert_eq!(std::process::id(), pid, "the body ran in another process");
-            assert_eq!(ctx.rank(), expected_rank);
-            assert_eq!(ctx.world_size(), 2);
-            let t = Tensor::from_slice(&[ctx.rank() as f32 + 1.0, 5.0]);
-            ctx.group().all_reduce(&t, ReduceOp::Sum)?;
-            assert_eq!(Vec::<f32>::try_from(&t).unwrap(), vec![3.0, 10.0]);
-            Ok::<(), CommError>(())
+        // Several runs in one process (as several tests would be): each gets its own key
+        // namespace on the one store rank 0 keeps, so none sees another's addresses.
+        for round in 0..3 {
+            lockstep_harness::run(2, |ctx| {
+                // External mode runs the body here, in this very process.
+                assert_eq!(std::process::id(), pid, "the body ran in another process");
+                assert_eq!(ctx.rank(), expected_rank);
+                assert_eq!(ctx.world_size(), 2);
+                // Nothing set LOCKSTEP_HOST: the published address is loopback's, reachable.
+                let addr = ctx.world().peer_address(1 - ctx.rank()).unwrap_or_default();
+                assert!(addr.starts_with("127.0.0.1:"), "peer published {addr}");
+                assert!(ctx.world().shares_host(&[0, 1]));
+                let t = Tensor::from_slice(&[ctx.rank() as f32 + 1.0, 5.0 + round as f32]);
+                ctx.group().all_reduce(&t, ReduceOp::Sum)?;
+                assert_eq!(
+                    Vec::<f32>::try_from(&t).unwrap(),
+                    vec![3.0, 10.0 + 2.0 * round as f32]
+                );
+                Ok::<(), CommError>(())
+            });
+        }
+        // A test declaring another world size is skipped, not indexed out of bounds.
+        let outcome = Run::new(4).run(|_ctx| -> Result<(), CommError> {
+            panic!("a 4-rank body ran in a 2-rank launch")
         });
+        match outcome {
+            Outcome::Skipped(reason) => assert!(reason.contains("world size 4"), "{reason}"),
+            Outcome::Passed(_) => panic!("the mismatched test was not skipped"),
+        }
         println!("external rank {expected_rank} done");
         return;
     }

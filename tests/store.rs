@@ -249,3 +249,151 @@ fn values_are_independent_across_servers() {
     // Each server only knows its own secret.
     assert!(StoreClient::connect(b.addr(), SECRET, CONNECT).is_err());
 }
+
+/// A server that is not a Lockstep store (torchrun's TCPStore on `MASTER_PORT`, any other
+/// service): one that reads and never answers, and one that answers with other bytes.
+#[test]
+fn a_foreign_server_is_named_not_a_lockstep_store() {
+    use std::io::{Read, Write};
+    for answers in [false, true] {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            let mut buf = [0u8; 64];
+            let _ = conn.read(&mut buf);
+            if answers {
+                let _ = conn.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n");
+            } else {
+                std::thread::sleep(Duration::from_secs(7));
+            }
+        });
+        let started = Instant::now();
+        let err = match StoreClient::connect(addr, SECRET, CONNECT) {
+            Ok(_) => panic!("a foreign server was taken for a store"),
+            Err(e) => e,
+        };
+        let text = err.to_string();
+        assert!(text.contains("is not a Lockstep store"), "{text}");
+        assert!(text.contains("LOCKSTEP_STORE_PORT"), "{text}");
+        assert!(!text.contains("wrong run secret"), "{text}");
+        assert!(
+            started.elapsed() < Duration::from_secs(6),
+            "{:?}",
+            started.elapsed()
+        );
+        if answers {
+            server.join().unwrap();
+        }
+    }
+}
+
+/// The client's local address is the interface that reaches the store (what a rank
+/// publishes for its peers by default).
+#[test]
+fn the_client_knows_its_local_address() {
+    let server = server();
+    let c = client(&server);
+    let local = c
+        .local_addr()
+        .expect("connected socket has a local address");
+    assert!(local.ip().is_loopback(), "{local}");
+}
+
+mod rendezvous {
+    use lockstep_core::comm::{host_identity, ExternalLaunch, InitOptions, StoreServer, World};
+    use std::collections::HashMap;
+    use std::time::{Duration, Instant};
+
+    /// A rank that never arrives is named within the rendezvous timeout, not the (much
+    /// longer) collective timeout.
+    #[test]
+    fn a_missing_rank_is_named_within_the_rendezvous_timeout() {
+        let store = StoreServer::start("127.0.0.1:0", "s").unwrap();
+        let mut opts = InitOptions::local(0, 3, store.addr().to_string(), "s");
+        opts.rendezvous_timeout = Duration::from_millis(500);
+        opts.timeout = Duration::from_secs(600);
+        let other = {
+            let mut o = opts.clone();
+            o.rank = 1;
+            o
+        };
+        let one = std::thread::spawn(move || World::init(other).map(|_| ()));
+        let started = Instant::now();
+        let err = match World::init(opts) {
+            Ok(_) => panic!("a world with a missing rank was built"),
+            Err(e) => e.to_string(),
+        };
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert!(err.contains("rank(s) [2] of 3"), "{err}");
+        let err1 = one
+            .join()
+            .unwrap()
+            .expect_err("rank 1 fails too")
+            .to_string();
+        assert!(err1.contains("rank(s) [2] of 3"), "{err1}");
+    }
+
+    /// Ranks that joined one run for different tests are told so, with both names.
+    #[test]
+    fn ranks_running_different_tests_are_named() {
+        let store = StoreServer::start("127.0.0.1:0", "s").unwrap();
+        let opts = |rank: usize, label: &str| {
+            let mut o = InitOptions::local(rank, 2, store.addr().to_string(), "s");
+            o.run_label = label.into();
+            o.rendezvous_timeout = Duration::from_secs(10);
+            o
+        };
+        let b = opts(1, "test_b");
+        let other = std::thread::spawn(move || World::init(b).map(|_| ()));
+        let err = World::init(opts(0, "test_a"))
+            .err()
+            .expect("labels differ")
+            .to_string();
+        assert!(
+            err.contains("\"test_b\"") && err.contains("\"test_a\""),
+            "{err}"
+        );
+        assert!(other.join().unwrap().is_err());
+    }
+
+    #[test]
+    fn torchrun_moves_the_store_off_master_port() {
+        let vars = |extra: &[(&str, &str)]| {
+            let mut m: HashMap<String, String> = [
+                ("RANK", "1"),
+                ("WORLD_SIZE", "4"),
+                ("MASTER_ADDR", "10.0.0.1"),
+                ("MASTER_PORT", "29500"),
+            ]
+            .iter()
+            .chain(extra)
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+            for (k, v) in extra {
+                m.insert(k.to_string(), v.to_string());
+            }
+            m
+        };
+        let plain = vars(&[]);
+        let launch = ExternalLaunch::from_vars(|k| plain.get(k).cloned(), false).unwrap();
+        assert_eq!((launch.store_port, launch.local_rank), (29500, 0));
+        assert_eq!(launch.store_bind(), "0.0.0.0:29500");
+        let launch = ExternalLaunch::from_vars(|k| plain.get(k).cloned(), true).unwrap();
+        assert_eq!(launch.store_port, 29501);
+        let chosen = vars(&[("LOCKSTEP_STORE_PORT", "31000")]);
+        let launch = ExternalLaunch::from_vars(|k| chosen.get(k).cloned(), true).unwrap();
+        assert_eq!(launch.store_port, 31000);
+        let bad = vars(&[("MASTER_PORT", "http")]);
+        let err = ExternalLaunch::from_vars(|k| bad.get(k).cloned(), true).unwrap_err();
+        assert!(err.to_string().contains("MASTER_PORT"), "{err}");
+    }
+
+    #[test]
+    fn host_identity_includes_the_network_namespace() {
+        let id = host_identity();
+        if std::path::Path::new("/proc/self/ns/net").exists() {
+            assert!(id.contains("net:["), "{id}");
+        }
+    }
+}

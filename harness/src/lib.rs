@@ -56,6 +56,7 @@ pub struct Run {
     backend: String,
     name: Option<String>,
     spawn: Option<SpawnMode>,
+    any_world_size: bool,
 }
 
 /// Whether this test process runs one test with uncaptured output (see `Run::spawn_mode`).
@@ -115,7 +116,15 @@ impl Run {
             backend: "cpu".into(),
             name: None,
             spawn: None,
+            any_world_size: false,
         }
+    }
+
+    /// Under an external launch, run at whatever `WORLD_SIZE` the launcher chose instead of
+    /// skipping when it differs from the declared size (for bodies written for any size).
+    pub fn any_world_size(mut self) -> Self {
+        self.any_world_size = true;
+        self
     }
 
     /// How long the whole run may take before it is declared hung.
@@ -187,7 +196,12 @@ impl Run {
         if let Some(rank_env) = rank::RankEnv::for_test(&name) {
             rank::run_rank(rank_env, &body);
         }
-        if let Some(rank_env) = rank::RankEnv::external() {
+        if let Some(rank_env) = rank::RankEnv::external(&name) {
+            if let Some(reason) = self.external_size_mismatch() {
+                println!("SKIP: {reason}");
+                eprintln!("SKIP: {reason}");
+                return Ok(Outcome::Skipped(reason));
+            }
             rank::run_external(rank_env, &body);
             return Ok(Outcome::Passed(LaunchSummary {
                 elapsed: Duration::ZERO,
@@ -248,6 +262,24 @@ impl Run {
             None if self.backend == "nccl" => Ok(SpawnMode::Exec),
             None if fork_is_safe() => Ok(SpawnMode::Fork),
             None => Ok(SpawnMode::Exec),
+        }
+    }
+
+    /// Why an externally launched test cannot run at the launch's `WORLD_SIZE`: it declared
+    /// another size (every rank sees the same `WORLD_SIZE`, so all skip alike and no run
+    /// number is used up).
+    fn external_size_mismatch(&self) -> Option<String> {
+        if self.any_world_size {
+            return None;
+        }
+        let launched = std::env::var("WORLD_SIZE").ok()?;
+        match launched.trim().parse::<usize>() {
+            Ok(n) if n == self.world_size => None,
+            _ => Some(format!(
+                "this test declares world size {}, but the external launch has WORLD_SIZE={launched} \
+                 (Run::any_world_size runs a body at any size)",
+                self.world_size
+            )),
         }
     }
 

@@ -135,8 +135,8 @@ impl RankEnv {
     }
 
     /// Set when torchrun/SLURM-style variables describe this process (and the harness did not
-    /// launch it).
-    pub(crate) fn external() -> Option<RankEnv> {
+    /// launch it); `label` (the test name) is checked against every other rank's.
+    pub(crate) fn external(label: &str) -> Option<RankEnv> {
         if var(env::RANK).is_some() {
             return None;
         }
@@ -144,8 +144,10 @@ impl RankEnv {
             var(v)?;
         }
         let local_rank = var("LOCAL_RANK").and_then(|v| v.parse().ok()).unwrap_or(0);
+        let mut opts = InitOptions::local(0, 1, String::new(), String::new());
+        opts.run_label = label.to_owned();
         Some(RankEnv {
-            opts: InitOptions::local(0, 1, String::new(), String::new()),
+            opts,
             local_rank,
             run_dir: None,
             external: true,
@@ -158,7 +160,7 @@ impl RankEnv {
                 .map(|b| b.parse())
                 .transpose()?
                 .unwrap_or(Backend::Cpu);
-            World::from_env(backend)
+            World::from_env_for(backend, &self.opts.run_label)
         } else {
             World::init(self.opts.clone())
         }
@@ -249,6 +251,9 @@ where
     F: Fn(&RankCtx) -> R + ?Sized,
     R: RankResult,
 {
+    // The same thread rule as a launched rank's (an external launcher may set
+    // OMP_NUM_THREADS or nothing at all).
+    crate::threads::use_rank_threads();
     let world = match rank_env.join() {
         Ok(w) => w,
         Err(e) => panic!("cannot join the externally launched run: {e}"),

@@ -54,4 +54,7 @@ pub use mesh::DeviceMesh;
 pub use store::{StoreClient, StoreServer};
 pub use types::{DType, OpKind, ReduceOp};
 pub use work::{Completion, Latch, Work};
-pub use world::{default_timeout, Backend, GroupWrapper, InitOptions, World};
+pub use world::{
+    default_rendezvous_timeout, default_timeout, host_identity, torchelastic_in_env, Backend,
+    ExternalLaunch, GroupWrapper, InitOptions, World, RENDEZVOUS_TIMEOUT_VAR, STORE_PORT_VAR,
+};

@@ -15,7 +15,14 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 const MAGIC: &[u8; 8] = b"LKSTORE1";
+/// What the server answers first, so a client can tell a Lockstep store from any other
+/// service listening on the port (torchrun's own TCPStore on `MASTER_PORT`).
+const REPLY_MAGIC: &[u8; 8] = b"LKSTORE+";
 const ACCEPTED: u8 = 0xA5;
+const REFUSED: u8 = 0x5A;
+/// How long a client waits for the server's handshake reply before deciding that what
+/// listens there is not a Lockstep store (a foreign server usually waits for more input).
+const HANDSHAKE_REPLY: Duration = Duration::from_secs(5);
 
 #[derive(Clone, Copy)]
 #[repr(u8)]
@@ -172,12 +179,15 @@ fn serve_client(stream: TcpStream, shared: &Shared, secret: &str) {
         return;
     };
     if offered != secret.as_bytes() {
-        let _ = write_bytes(&mut writer, b"refused: wrong run secret");
+        let _ = writer.write_all(REPLY_MAGIC);
+        let _ = writer.write_all(&[REFUSED]);
+        let _ = write_bytes(&mut writer, b"wrong run secret");
         let _ = writer.flush();
         return;
     }
     if writer
-        .write_all(&[ACCEPTED])
+        .write_all(REPLY_MAGIC)
+        .and_then(|_| writer.write_all(&[ACCEPTED]))
         .and_then(|_| writer.flush())
         .is_err()
     {
@@ -265,6 +275,36 @@ fn serve_request(reader: &mut impl Read, shared: &Shared) -> std::io::Result<Vec
     Ok(reply)
 }
 
+/// Reads the server's handshake reply: a Lockstep store answers with [`REPLY_MAGIC`] and
+/// a status. Anything else (silence, a close, other bytes) means another service listens on
+/// that port, which is named as such rather than reported as a wrong secret.
+fn read_reply(reader: &mut impl Read, addr: SocketAddr) -> Result<(), CommError> {
+    let mut magic = [0u8; 8];
+    let mut status = [0u8; 1];
+    if reader.read_exact(&mut magic).is_err()
+        || &magic != REPLY_MAGIC
+        || reader.read_exact(&mut status).is_err()
+    {
+        return Err(CommError::Store(format!(
+            "{addr} is not a Lockstep store: it did not answer the Lockstep handshake (is \
+             MASTER_PORT torchrun's own store? set LOCKSTEP_STORE_PORT to a free port)"
+        )));
+    }
+    match status[0] {
+        ACCEPTED => Ok(()),
+        REFUSED => {
+            let why = read_bytes(reader).unwrap_or_default();
+            Err(CommError::Store(format!(
+                "store at {addr} refused the connection: {}",
+                String::from_utf8_lossy(&why)
+            )))
+        }
+        other => Err(CommError::Store(format!(
+            "store at {addr} answered the handshake with unknown status {other}"
+        ))),
+    }
+}
+
 fn read_bytes(reader: &mut impl Read) -> std::io::Result<Vec<u8>> {
     let mut len = [0u8; 4];
     reader.read_exact(&mut len)?;
@@ -288,6 +328,7 @@ fn write_bytes(writer: &mut impl Write, bytes: &[u8]) -> std::io::Result<()> {
 /// A connection to the store. Cheap to share: requests are serialized on one socket.
 pub struct StoreClient {
     addr: SocketAddr,
+    local: Option<SocketAddr>,
     conn: Mutex<(BufReader<TcpStream>, BufWriter<TcpStream>)>,
     timeout: Duration,
 }
@@ -323,31 +364,45 @@ impl StoreClient {
         let read_half = stream
             .try_clone()
             .map_err(|e| CommError::io("store: clone socket", e))?;
+        read_half
+            .set_read_timeout(Some(HANDSHAKE_REPLY))
+            .map_err(|e| CommError::io("store: set read timeout", e))?;
+        let local = stream.local_addr().ok();
         let mut reader = BufReader::new(read_half);
         let mut writer = BufWriter::new(stream);
         let io = |e| CommError::io(format!("store: handshake with {addr}"), e);
         writer.write_all(MAGIC).map_err(io)?;
         write_bytes(&mut writer, secret.as_bytes()).map_err(io)?;
         writer.flush().map_err(io)?;
-        let mut status = [0u8; 1];
-        match reader.read_exact(&mut status) {
-            Ok(()) if status[0] == ACCEPTED => {}
-            _ => {
-                return Err(CommError::Store(format!(
-                    "store at {addr} refused the connection: wrong run secret"
-                )))
-            }
-        }
+        read_reply(&mut reader, addr)?;
+        reader
+            .get_ref()
+            .set_read_timeout(None)
+            .map_err(|e| CommError::io("store: clear read timeout", e))?;
         Ok(StoreClient {
             addr,
+            local,
             conn: Mutex::new((reader, writer)),
             timeout,
         })
     }
 
+    /// Sets the default timeout of blocking gets (a client connected within a short
+    /// rendezvous timeout keeps the longer collective one for its later gets).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
     /// The server's address.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// This end of the connection: the address of the interface that reaches the store,
+    /// which is what a rank publishes for its peers when nothing else says otherwise.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.local
     }
 
     /// The default timeout of blocking gets.
