@@ -239,11 +239,6 @@ impl Composition {
         }
     }
 
-    /// The mesh at `world_size` as text (`[dp=2, pp=2, tp=2]`), for notes and messages.
-    pub fn mesh_label(self, world_size: usize) -> Result<String, CompositionError> {
-        Ok(shape(&self.mesh(world_size)?))
-    }
-
     /// The tensor-parallel options a composition's TP part runs with.
     pub(crate) fn tp_options(tp: usize, data: DataParallel) -> TpOptions {
         TpOptions {

@@ -131,11 +131,6 @@ impl ShardedUnit {
         }
     }
 
-    /// Whether the compute tensors currently hold the full values.
-    pub fn is_gathered(&self) -> bool {
-        self.gathered
-    }
-
     /// Makes the compute tensors hold the current full values: one all-gather of the shards
     /// over the group (none if it is gathered already).
     pub fn unshard(&mut self) -> Result<(), ShardError> {
