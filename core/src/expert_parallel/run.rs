@@ -4,7 +4,7 @@
 //! their experts through a dispatcher, and expert gradients are summed over the
 //! expert-data-parallel group only and divided by the world size. The model's own forward
 //! runs; its plan's [`ParallelStyle::Expert`] modules run through the expert-parallel
-//! dispatch ([`PlanHooks`]), sized by what the model passes them, so any model whose plan
+//! dispatch (`PlanHooks`), sized by what the model passes them, so any model whose plan
 //! names its mixtures trains expert-parallel; every step's collectives are counted into the
 //! run record.
 

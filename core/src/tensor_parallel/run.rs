@@ -1,6 +1,6 @@
 //! Training a model under its tensor (and sequence) parallel plan on one rank: shards cut
 //! from the full parameters every rank builds, the model's own forward through the plan's
-//! module hooks ([`PlanHooks`]), its loss through the same hooks (loss parallel), partial
+//! module hooks (`PlanHooks`), its loss through the same hooks (loss parallel), partial
 //! gradients summed over TP, replicas averaged over data parallelism, the optimizer on this
 //! rank's shards, and a record of full tensors.
 
