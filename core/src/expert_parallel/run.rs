@@ -11,15 +11,16 @@
 use super::moe::Dispatcher;
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
 use crate::compose::{DataParallel, ShardError, ShardedUnit};
-use crate::consistency::{observe_stepped, StateKind};
+use crate::consistency::{observe_stepped, StateKind, StateProbe};
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::tensor_parallel::hooks::{ExpertsParallel, PlanHooks};
 use crate::tensor_parallel::run::aliases;
 use crate::train::{
-    capture, clip_coefficient, grad_norm, scale_gradients, TrainConfig, TrainError,
+    clip_coefficient, grad_norm, scale_gradients, train_from, GradientView, Optimizer, StepHooks,
+    StepLoss, TrainConfig, TrainError, TrainStart,
 };
 use lockstep_models::plan::ParallelStyle;
-use lockstep_models::{Model, ModelError, ParallelPlan};
+use lockstep_models::{LayerHooks, Model, ModelError, ParallelPlan};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use tch::Tensor;
@@ -143,131 +144,281 @@ pub fn train_expert_parallel_with_plan(
     opts: &EpOptions,
     plan: Option<ParallelPlan>,
 ) -> Result<RunRecord, EpError> {
-    let world_size = world.size();
-    let (plan, experts) = check_expert_plan_with(model, world_size, opts, plan)?;
-    let ep = opts.ep;
-    let mesh = DeviceMesh::new(world, &[("edp", world_size / ep), ("ep", ep)])?;
-    let counts = CollectiveCounts::new();
-    let counted = |g: Arc<dyn ProcessGroup>| -> Arc<dyn ProcessGroup> {
-        Arc::new(CountingGroup::new(g, counts.clone()))
-    };
-    let ep_group = counted(mesh.group("ep")?);
-    let edp_group = counted(mesh.group("edp")?);
-    let everyone = counted(world.group());
-    let singles: Vec<Vec<usize>> = (0..world_size).map(|r| vec![r]).collect();
-    let alone = world
-        .new_groups(&singles, "ep-self")?
-        .ok_or_else(|| EpError::Invalid("no single-rank group".into()))?;
-    let ep_rank = mesh.coordinate("ep")?;
-    let per = experts / ep;
-    let first = ep_rank * per;
-    let tags = model.tags();
-    let expert_of: HashMap<String, usize> = tags
-        .experts
-        .iter()
-        .map(|e| (e.name.clone(), e.expert))
-        .collect();
-    let named = model.named_parameters();
-    let mine = |name: &str| {
-        expert_of
-            .get(name)
-            .is_none_or(|&e| (first..first + per).contains(&e))
-    };
-    let trained: Vec<(String, Tensor)> = named
-        .iter()
-        .filter(|(n, _)| mine(n))
-        .map(|(n, t)| (n.clone(), t.shallow_clone()))
-        .collect();
-    let (mut unit, unsharded) = split_dense(&trained, &expert_of, opts, &everyone)?;
-    // The plan's other rules apply on a TP group of one (every tensor whole): the same
-    // functions, so EP runs the model as TP does.
-    let mut hooks = PlanHooks::new(alone, 0, &named, &aliases(model), plan, &model.layers())
-        .with_experts(ExpertsParallel {
-            group: ep_group.clone(),
-            dispatcher: opts.dispatcher,
-            capacity_factor: opts.capacity_factor,
-            first,
+    let mut run = EpRun::new(model, world, opts, plan)?;
+    train_from(model, cfg, &mut run, None, &TrainStart::default())
+        .map(|(record, _)| record)
+        .map_err(TrainError::into_strategy)
+}
+
+/// One rank's expert-parallel run: its groups, the experts it holds, the dense parameters'
+/// unit under EP×FSDP, and the plan's hooks with the dispatcher.
+struct EpRun {
+    rank: usize,
+    counts: CollectiveCounts,
+    ep_group: Arc<dyn ProcessGroup>,
+    edp_group: Arc<dyn ProcessGroup>,
+    everyone: Arc<dyn ProcessGroup>,
+    ep_rank: usize,
+    /// Experts per rank.
+    per: usize,
+    expert_of: HashMap<String, usize>,
+    /// Every parameter of the whole model (the record's names).
+    named: Vec<(String, Tensor)>,
+    /// What this rank trains: the dense parameters and its own experts.
+    trained: Vec<(String, Tensor)>,
+    /// EP×FSDP: the dense parameters as one unit sharded over the world.
+    unit: Option<ShardedUnit>,
+    /// What the optimizer steps besides the unit's shard.
+    unsharded: Vec<(String, Tensor)>,
+    hooks: PlanHooks,
+    /// What an expert's summed gradient is scaled by (1 / world; a planted fault's other).
+    expert_scale: f64,
+}
+
+impl EpRun {
+    fn new(
+        model: &dyn Model,
+        world: &World,
+        opts: &EpOptions,
+        plan: Option<ParallelPlan>,
+    ) -> Result<EpRun, EpError> {
+        let world_size = world.size();
+        let (plan, experts) = check_expert_plan_with(model, world_size, opts, plan)?;
+        let ep = opts.ep;
+        let mesh = DeviceMesh::new(world, &[("edp", world_size / ep), ("ep", ep)])?;
+        let counts = CollectiveCounts::new();
+        let counted = |g: Arc<dyn ProcessGroup>| -> Arc<dyn ProcessGroup> {
+            Arc::new(CountingGroup::new(g, counts.clone()))
+        };
+        let ep_group = counted(mesh.group("ep")?);
+        let edp_group = counted(mesh.group("edp")?);
+        let everyone = counted(world.group());
+        let singles: Vec<Vec<usize>> = (0..world_size).map(|r| vec![r]).collect();
+        let alone = world
+            .new_groups(&singles, "ep-self")?
+            .ok_or_else(|| EpError::Invalid("no single-rank group".into()))?;
+        let ep_rank = mesh.coordinate("ep")?;
+        let per = experts / ep;
+        let first = ep_rank * per;
+        let expert_of: HashMap<String, usize> = model
+            .tags()
+            .experts
+            .iter()
+            .map(|e| (e.name.clone(), e.expert))
+            .collect();
+        let named = model.named_parameters();
+        let mine = |name: &str| {
+            expert_of
+                .get(name)
+                .is_none_or(|&e| (first..first + per).contains(&e))
+        };
+        let trained: Vec<(String, Tensor)> = named
+            .iter()
+            .filter(|(n, _)| mine(n))
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        let (unit, unsharded) = split_dense(&trained, &expert_of, opts, &everyone)?;
+        // The plan's other rules apply on a TP group of one (every tensor whole): the same
+        // functions, so EP runs the model as TP does.
+        let hooks = PlanHooks::new(alone, 0, &named, &aliases(model), plan, &model.layers())
+            .with_experts(ExpertsParallel {
+                group: ep_group.clone(),
+                dispatcher: opts.dispatcher,
+                capacity_factor: opts.capacity_factor,
+                first,
+                per,
+            });
+        let expert_scale = if opts.fault == Some(EpFault::ExpertGradsReducedOverEp) {
+            ep as f64 / world_size as f64
+        } else {
+            1.0 / world_size as f64
+        };
+        Ok(EpRun {
+            rank: world.rank(),
+            counts,
+            ep_group,
+            edp_group,
+            everyone,
+            ep_rank,
             per,
-        });
-    let mut optimizer = cfg.optimizer.build();
-    let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
-    let expert_scale = if opts.fault == Some(EpFault::ExpertGradsReducedOverEp) {
-        ep as f64 / world_size as f64
-    } else {
-        1.0 / world_size as f64
-    };
-    let mut collectives = Vec::with_capacity(cfg.spec.steps);
-    for step in 0..cfg.spec.steps {
-        if let Some(probe) = &cfg.probe {
-            probe.start_step(step);
+            expert_of,
+            named,
+            trained,
+            unit,
+            unsharded,
+            hooks,
+            expert_scale,
+        })
+    }
+
+    /// Every parameter at full size from this rank's `value` of it: the unit's gathered, each
+    /// expert's from the rank holding it.
+    fn full(&self, value: impl Fn(&Tensor) -> Tensor) -> Result<Vec<(String, Tensor)>, EpError> {
+        let local = local_values(&self.named, self.unit.as_ref(), value)?;
+        full_tensors(
+            &local,
+            &self.expert_of,
+            self.per,
+            self.ep_rank,
+            self.ep_group.as_ref(),
+        )
+    }
+}
+
+/// An expert-parallel rank as a strategy of the one training loop: every rank its own batch
+/// through the plan's hooks (tokens dispatched to their experts), expert gradients summed over
+/// the ranks holding the same experts, dense ones averaged (or reduce-scattered) over the world.
+impl StepHooks for EpRun {
+    fn parameters(&self, _model: &dyn Model) -> Vec<(String, Tensor)> {
+        self.trained
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect()
+    }
+
+    fn before_forward(&mut self, _step: usize) -> Result<(), TrainError> {
+        let _ = self.counts.take();
+        if let Some(u) = self.unit.as_mut() {
+            u.unshard().map_err(TrainError::strategy)?;
         }
-        for (_, t) in &trained {
-            t.shallow_clone().zero_grad();
-        }
-        let _ = counts.take();
-        if let Some(u) = unit.as_mut() {
-            u.unshard()?;
-        }
-        let batch = model.input(world.rank(), step)?;
-        let logits = model.forward_hooked(&batch, &mut hooks)?;
-        let loss = model.loss_of_hooked(&batch, &logits, &mut hooks)?;
+        Ok(())
+    }
+
+    fn layer_hooks(&mut self) -> Option<&mut dyn LayerHooks> {
+        Some(&mut self.hooks)
+    }
+
+    fn forward_backward(
+        &mut self,
+        model: &dyn Model,
+        _data_ranks: &[usize],
+        step: usize,
+    ) -> Result<StepLoss, TrainError> {
+        let batch = model.input(self.rank, step)?;
+        let loss = model.loss_hooked(&batch, &mut self.hooks)?;
         loss.f_backward()?;
-        reduce_grads(&unsharded, &expert_of, &edp_group, &everyone, expert_scale)?;
-        if let Some(u) = unit.as_mut() {
-            u.reduce_grads()?;
+        Ok(StepLoss {
+            value: loss.f_double_value(&[])?,
+            device: loss.device(),
+        })
+    }
+
+    fn local_gradients(
+        &mut self,
+        _params: &[(String, Tensor)],
+        _step: usize,
+    ) -> Result<Vec<(String, Tensor)>, TrainError> {
+        // Reduced in `sync_gradients`, which gives an expert no token chose a zero gradient.
+        Ok(Vec::new())
+    }
+
+    fn sync_gradients(&mut self, _grads: &[(String, Tensor)]) -> Result<(), TrainError> {
+        reduce_grads(
+            &self.unsharded,
+            &self.expert_of,
+            &self.edp_group,
+            &self.everyone,
+            self.expert_scale,
+        )
+        .map_err(TrainError::strategy)?;
+        if let Some(u) = self.unit.as_mut() {
+            u.reduce_grads().map_err(TrainError::strategy)?;
         }
-        collectives.push(CollectiveEntry::from_counts(counts.take()));
-        let local = local_values(&named, unit.as_ref(), |t| t.grad())?;
-        let full = full_tensors(&local, &expert_of, per, ep_rank, ep_group.as_ref())?;
-        let norm = grad_norm(&full)?;
-        record.grad_norms.push(norm);
-        if let Some(all) = record.grads.as_mut() {
-            all.push(capture(&full)?);
-        }
-        if let Some(max_norm) = model.max_grad_norm() {
-            // What the optimizer steps: the unsharded gradients and the unit's shard.
-            let mut grads: Vec<Tensor> = unsharded.iter().map(|(_, t)| t.grad()).collect();
-            grads.extend(unit.as_ref().map(|u| u.shard().1.grad()));
-            scale_gradients(&grads, clip_coefficient(max_norm, norm))?;
-        }
-        let value = Tensor::from_slice(&[loss.f_double_value(&[])?]);
-        everyone.all_reduce(&value, ReduceOp::Avg)?;
-        record.losses.push(value.f_double_value(&[0])?);
-        match unit.as_mut() {
-            None => optimizer.step(&unsharded)?,
+        Ok(())
+    }
+
+    fn step_collectives(&mut self) -> Option<Vec<CollectiveEntry>> {
+        Some(CollectiveEntry::from_counts(self.counts.take()))
+    }
+
+    fn mean_loss(
+        &mut self,
+        local: StepLoss,
+        _metrics: Option<&dyn ProcessGroup>,
+    ) -> Result<f64, TrainError> {
+        let value = Tensor::from_slice(&[local.value]);
+        self.everyone.all_reduce(&value, ReduceOp::Avg)?;
+        Ok(value.f_double_value(&[0])?)
+    }
+
+    fn gradient_view(
+        &mut self,
+        _grads: &[(String, Tensor)],
+        keep: bool,
+    ) -> Result<GradientView, TrainError> {
+        let full = self.full(|t| t.grad()).map_err(TrainError::strategy)?;
+        Ok(GradientView {
+            norm: grad_norm(&full)?,
+            full: keep.then_some(full),
+        })
+    }
+
+    fn clip_gradients(
+        &mut self,
+        max_norm: f64,
+        total: f64,
+        _grads: &[(String, Tensor)],
+    ) -> Result<(), TrainError> {
+        // What the optimizer steps: the unsharded gradients and the unit's shard.
+        let mut grads: Vec<Tensor> = self.unsharded.iter().map(|(_, t)| t.grad()).collect();
+        grads.extend(self.unit.as_ref().map(|u| u.shard().1.grad()));
+        scale_gradients(&grads, clip_coefficient(max_norm, total))
+    }
+
+    fn optimizer_step(
+        &mut self,
+        optimizer: &mut dyn Optimizer,
+        _params: &[(String, Tensor)],
+    ) -> Result<bool, TrainError> {
+        match self.unit.as_mut() {
+            None => optimizer.step(&self.unsharded)?,
             Some(u) => {
-                let mut stepped = unsharded
+                let mut stepped = self
+                    .unsharded
                     .iter()
                     .map(|(n, t)| (n.clone(), t.shallow_clone()))
                     .collect::<Vec<_>>();
                 stepped.push(u.shard());
                 optimizer.step(&stepped)?;
                 // Freed until the next step's gather.
-                u.reshard()?;
+                u.reshard().map_err(TrainError::strategy)?;
             }
         }
-        if let Some(probe) = &cfg.probe {
-            observe(probe, step, &unsharded, unit.as_ref(), optimizer.as_ref())?;
+        Ok(true)
+    }
+
+    fn observe_state(
+        &mut self,
+        step: usize,
+        _params: &[(String, Tensor)],
+        optimizer: &dyn Optimizer,
+        _rank_local: &dyn Fn(&str) -> bool,
+        probe: &StateProbe,
+    ) -> Result<(), TrainError> {
+        observe(probe, step, &self.unsharded, self.unit.as_ref(), optimizer)
+            .map_err(TrainError::strategy)
+    }
+
+    fn before_record(&mut self) -> Result<(), TrainError> {
+        if let Some(u) = self.unit.as_mut() {
+            // Gathered again: the model's dense parameters hold their trained values.
+            u.unshard().map_err(TrainError::strategy)?;
         }
+        Ok(())
     }
-    if let Some(u) = unit.as_mut() {
-        // Gathered again: the model's dense parameters hold their trained values.
-        u.unshard()?;
+
+    fn observe_final(&mut self, steps: usize, probe: &StateProbe) -> Result<(), TrainError> {
+        Ok(probe.observe_all(steps, StateKind::Final, &self.trained, &|_| String::new())?)
     }
-    if let Some(probe) = &cfg.probe {
-        probe.observe_all(cfg.spec.steps, StateKind::Final, &trained, &|_| {
-            String::new()
-        })?;
+
+    fn full_parameters(
+        &mut self,
+        _params: &[(String, Tensor)],
+    ) -> Result<Vec<(String, Tensor)>, TrainError> {
+        let _ = self.counts.take();
+        self.full(Tensor::shallow_clone)
+            .map_err(TrainError::strategy)
     }
-    let _ = counts.take();
-    let params = tch::no_grad(|| {
-        let local = local_values(&named, unit.as_ref(), Tensor::shallow_clone)?;
-        full_tensors(&local, &expert_of, per, ep_rank, ep_group.as_ref())
-    })?;
-    record.params = capture(&params)?;
-    record.buffers = capture(&model.named_buffers())?;
-    record.collectives = Some(collectives);
-    Ok(record)
 }
 
 /// EP×FSDP: the dense parameters become one unit sharded over the world (experts stay whole
@@ -351,7 +502,7 @@ fn observe(
     step: usize,
     unsharded: &[(String, Tensor)],
     unit: Option<&ShardedUnit>,
-    optimizer: &dyn crate::train::Optimizer,
+    optimizer: &dyn Optimizer,
 ) -> Result<(), EpError> {
     let mut stepped: Vec<(String, Tensor)> = unsharded
         .iter()

@@ -5,8 +5,11 @@
 use super::microbatch;
 use super::PipelineError;
 use crate::record::{RunRecord, RunSpec};
-use crate::train::{capture, clip_coefficient, grad_norm, scale_gradients, OptimizerConfig};
+use crate::train::{
+    train_from, OptimizerConfig, StepHooks, StepLoss, TrainConfig, TrainError, TrainStart,
+};
 use lockstep_models::Model;
+use tch::Tensor;
 
 /// Trains `model` on `world_size` ranks' batches per step, split into `microbatches`, each
 /// microbatch's scaled loss backpropagated on its own, in order.
@@ -19,52 +22,70 @@ pub fn microbatched_reference(
     record_grads: bool,
 ) -> Result<RunRecord, PipelineError> {
     model.check_single_device_reference()?;
-    let params = model.named_parameters();
-    let mut opt = optimizer.build();
-    let ranks: Vec<usize> = (0..world_size).collect();
-    let spec = RunSpec {
-        model: model.name().to_owned(),
-        config: format!("single.mb{microbatches}"),
-        world_size,
-        backend: "none".into(),
-        dtype: "fp32".into(),
-        steps,
-        seed: model.seed(),
+    let cfg = TrainConfig {
+        spec: RunSpec {
+            model: model.name().to_owned(),
+            config: format!("single.mb{microbatches}"),
+            world_size,
+            backend: "none".into(),
+            dtype: "fp32".into(),
+            steps,
+            seed: model.seed(),
+        },
+        optimizer,
+        data_ranks: (0..world_size).collect(),
+        record_grads,
+        probe: None,
     };
-    let mut record = RunRecord::start(spec, record_grads);
-    for step in 0..steps {
-        for (_, p) in &params {
-            p.shallow_clone().zero_grad();
-        }
-        let split = microbatch::split(model, &ranks, step, microbatches)?;
+    let mut strategy = Microbatched { microbatches };
+    train_from(model, &cfg, &mut strategy, None, &TrainStart::default())
+        .map(|(record, _)| record)
+        .map_err(TrainError::into_strategy::<PipelineError>)
+}
+
+/// One process's step as a pipeline computes it: the data ranks' batches split into
+/// microbatches, each one's scaled loss backpropagated on its own, in order.
+struct Microbatched {
+    microbatches: usize,
+}
+
+impl StepHooks for Microbatched {
+    fn forward_backward(
+        &mut self,
+        model: &dyn Model,
+        data_ranks: &[usize],
+        step: usize,
+    ) -> Result<StepLoss, TrainError> {
+        let split = microbatch::split(model, data_ranks, step, self.microbatches)
+            .map_err(TrainError::strategy)?;
         let mut objective = 0.0;
         for (batch, scale) in split.batches.iter().zip(&split.scales) {
             let loss = model.loss(batch)?.f_mul_scalar(*scale)?;
             objective += loss.f_double_value(&[])?;
             loss.f_backward()?;
         }
-        let grads: Vec<(String, tch::Tensor)> = params
+        Ok(StepLoss {
+            value: objective,
+            device: tch::Device::Cpu,
+        })
+    }
+
+    fn local_gradients(
+        &mut self,
+        params: &[(String, Tensor)],
+        _step: usize,
+    ) -> Result<Vec<(String, Tensor)>, TrainError> {
+        // A parameter no microbatch reached has a zero gradient, as on a pipeline stage.
+        params
             .iter()
             .map(|(n, p)| {
                 let g = p.grad();
                 Ok((n.clone(), if g.defined() { g } else { p.f_zeros_like()? }))
             })
-            .collect::<Result<_, tch::TchError>>()?;
-        record.losses.push(objective);
-        let norm = grad_norm(&grads)?;
-        record.grad_norms.push(norm);
-        if let Some(all) = record.grads.as_mut() {
-            all.push(capture(&grads)?);
-        }
-        if let Some(max_norm) = model.max_grad_norm() {
-            scale_gradients(
-                grads.iter().map(|(_, g)| g),
-                clip_coefficient(max_norm, norm),
-            )?;
-        }
-        opt.step(&params)?;
+            .collect()
     }
-    record.params = capture(&params)?;
-    record.buffers = capture(&model.named_buffers())?;
-    Ok(record)
+
+    fn sync_gradients(&mut self, _grads: &[(String, Tensor)]) -> Result<(), TrainError> {
+        Ok(())
+    }
 }

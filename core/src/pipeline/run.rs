@@ -14,9 +14,12 @@ use super::trace::RankStepTrace;
 use super::PipelineError;
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
 use crate::compose::{DataParallel, ShardedUnit};
-use crate::consistency::{observe_stepped, StateKind};
+use crate::consistency::{observe_stepped, StateKind, StateProbe};
 use crate::record::{CollectiveEntry, RunRecord};
-use crate::train::{capture, clip_coefficient, grad_norm, scale_gradients, TrainConfig};
+use crate::train::{
+    clip_coefficient, grad_norm, scale_gradients, train_from, GradientView, Optimizer, StepHooks,
+    StepLoss, TrainConfig, TrainError, TrainStart,
+};
 use lockstep_models::{Batch, Model};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
@@ -126,22 +129,7 @@ pub fn train_pipeline_with(
         false => None,
     };
     let skip_tied = opts.fault == Some(PipelineFault::SkipTiedReduce);
-    let reduce_tied = || -> Result<(), PipelineError> {
-        // Tied weights: every holder ends with the sum of every holder's part.
-        for &i in &held {
-            let (name, t) = &named[i];
-            let g = grad_or_zeros(t)?;
-            if let Some(group) = holder_groups
-                .get(&holder_set(&plan, i))
-                .filter(|_| !skip_tied)
-            {
-                group.all_reduce(&g, ReduceOp::Sum).map_err(|e| {
-                    PipelineError::Execution(format!("reducing tied `{name}`: {e}"))
-                })?;
-            }
-        }
-        Ok(())
-    };
+    let reduce_tied = || reduce_tied_parts(&plan, &held, &named, &holder_groups, skip_tied);
     let sharding = |action: &Action| -> Result<(), PipelineError> {
         let Some(unit) = &unit else { return Ok(()) };
         let mut unit = unit.borrow_mut();
@@ -207,13 +195,42 @@ pub fn train_pipeline_with(
         stage_tp: stage_tp.as_ref(),
         tp_part: &tp_part,
     };
-    let (record, traces) = steps.run(cfg, &mut metas_by_size)?;
-    let record = steps.finish(cfg, record)?;
+    let mut strategy = PipelineStrategy {
+        steps,
+        metas_by_size,
+        traces: Vec::with_capacity(cfg.spec.steps),
+        norm_scratch: None,
+        final_params: None,
+    };
+    let (record, _) = train_from(model, cfg, &mut strategy, None, &TrainStart::default())
+        .map_err(TrainError::into_strategy::<PipelineError>)?;
+    let traces = strategy.traces;
     Ok(PipelineRun {
         record,
         traces,
         plan,
     })
+}
+
+/// Tied weights: every holder of each held tied weight ends with the sum of every holder's
+/// part of its gradient (nothing with the planted `skip` fault).
+fn reduce_tied_parts(
+    plan: &PipelinePlan,
+    held: &[usize],
+    named: &[(String, Tensor)],
+    holder_groups: &BTreeMap<Vec<usize>, Arc<dyn ProcessGroup>>,
+    skip: bool,
+) -> Result<(), PipelineError> {
+    for &i in held {
+        let (name, t) = &named[i];
+        let g = grad_or_zeros(t)?;
+        if let Some(group) = holder_groups.get(&holder_set(plan, i)).filter(|_| !skip) {
+            group
+                .all_reduce(&g, ReduceOp::Sum)
+                .map_err(|e| PipelineError::Execution(format!("reducing tied `{name}`: {e}")))?;
+        }
+    }
+    Ok(())
 }
 
 /// The plan of a pipeline whose stages are `within.tp`-way tensor parallel over
@@ -298,140 +315,222 @@ impl StepLoop<'_> {
     fn tp_coord(&self, name: &str) -> String {
         self.stage_tp.map_or(String::new(), |s| s.coordinate(name))
     }
+}
 
-    /// The record's tail after the last step: the full parameters and buffers, the model
-    /// holding its trained stage again, and the final state for the probe.
-    fn finish(&self, cfg: &TrainConfig, mut record: RunRecord) -> Result<RunRecord, PipelineError> {
-        let _ = self.counts.take();
-        let params = tch::no_grad(|| self.recorded(&Tensor::shallow_clone))?;
-        if let Some(u) = self.unit {
-            // The model holds its trained stage again for whoever reads it next.
-            u.borrow_mut().unshard()?;
-        }
-        if let Some(probe) = &cfg.probe {
-            let coord = |name: &str| self.tp_coord(name);
-            probe.observe_all(cfg.spec.steps, StateKind::Final, self.held_params, &coord)?;
-        }
-        record.params = capture(&params)?;
-        record.buffers = capture(&self.model.named_buffers())?;
-        Ok(record)
+/// A pipeline rank as a strategy of the one training loop: its executor runs the schedule
+/// (forward and backward of every microbatch) in place of the loop's forward and backward;
+/// the loop's setup, gradient record, clipping, optimizer step, state check and record tail
+/// are every parallelism's.
+struct PipelineStrategy<'a> {
+    steps: StepLoop<'a>,
+    /// The shapes of each microbatch size's activations, probed once.
+    metas_by_size: HashMap<Vec<i64>, Arc<Vec<TensorMeta>>>,
+    /// This rank's timeline, one entry per step.
+    traces: Vec<RankStepTrace>,
+    /// The f64 buffer the gradient norm squares into, kept across steps (owned_grad_norm).
+    norm_scratch: Option<Tensor>,
+    /// The full parameters, gathered before the stage's unit is gathered again for the model.
+    final_params: Option<Vec<(String, Tensor)>>,
+}
+
+impl StepHooks for PipelineStrategy<'_> {
+    fn parameters(&self, _model: &dyn Model) -> Vec<(String, Tensor)> {
+        self.steps
+            .named
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect()
     }
-    /// Every step: the shape handshake, the schedule's actions, tied and replica gradient
-    /// reduction, the record's norm (and gradients), clipping, the loss, the optimizer step
-    /// on what this rank holds, and the state probe. Returns the record (collective counts
-    /// per step included) and this rank's timeline.
-    fn run(
-        &self,
-        cfg: &TrainConfig,
-        metas_by_size: &mut HashMap<Vec<i64>, Arc<Vec<TensorMeta>>>,
-    ) -> Result<(RunRecord, Vec<RankStepTrace>), PipelineError> {
-        let dp = self.plan.data_parallel;
-        let mut optimizer = cfg.optimizer.build();
-        let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
-        let mut traces = Vec::new();
-        let mut collectives = Vec::with_capacity(cfg.spec.steps);
-        // The f64 buffer the gradient norm squares into, kept across steps (owned_grad_norm).
-        let mut norm_scratch: Option<Tensor> = None;
-        for step in 0..cfg.spec.steps {
-            if let Some(probe) = &cfg.probe {
-                probe.start_step(step);
-            }
-            for (_, t) in self.named {
-                t.shallow_clone().zero_grad();
-            }
-            let _ = self.counts.take();
-            let split =
-                microbatch::split(self.model, self.data_ranks, step, self.plan.microbatches)?;
+
+    fn before_forward(&mut self, _step: usize) -> Result<(), TrainError> {
+        let _ = self.steps.counts.take();
+        Ok(())
+    }
+
+    fn forward_backward(
+        &mut self,
+        _model: &dyn Model,
+        _data_ranks: &[usize],
+        step: usize,
+    ) -> Result<StepLoss, TrainError> {
+        let s = &self.steps;
+        let mut run = || -> Result<f64, PipelineError> {
+            let split = microbatch::split(s.model, s.data_ranks, step, s.plan.microbatches)?;
             let metas = step_metas(
-                self.model,
+                s.model,
                 &split.batches,
-                metas_by_size,
-                self.sharded,
+                &mut self.metas_by_size,
+                s.sharded,
                 step,
             )?;
             handshake(
-                self.plan,
-                self.rank,
-                self.edge_groups,
+                s.plan,
+                s.rank,
+                s.edge_groups,
                 &metas[0],
-                self.opts.fault == Some(PipelineFault::WrongShape),
+                s.opts.fault == Some(PipelineFault::WrongShape),
             )?;
             let data = StepData {
                 batches: split.batches,
                 scales: split.scales,
                 metas,
             };
-            let outcome = self.executor.run_step(self.actions, &data)?;
-            traces.push(RankStepTrace {
-                rank: self.global_rank,
+            let outcome = s.executor.run_step(s.actions, &data)?;
+            self.traces.push(RankStepTrace {
+                rank: s.global_rank,
                 step,
                 events: outcome.events,
             });
-            if !self.sharded {
-                (self.reduce_tied)()?;
+            Ok(outcome.objective)
+        };
+        Ok(StepLoss {
+            value: run().map_err(TrainError::strategy)?,
+            device: tch::Device::Cpu,
+        })
+    }
+
+    fn local_gradients(
+        &mut self,
+        _params: &[(String, Tensor)],
+        _step: usize,
+    ) -> Result<Vec<(String, Tensor)>, TrainError> {
+        // A stage holds some parameters (and under PP×FSDP its unit frees them): reduced
+        // where they live by `sync_gradients`, seen by the record through `gradient_view`.
+        Ok(Vec::new())
+    }
+
+    fn sync_gradients(&mut self, _grads: &[(String, Tensor)]) -> Result<(), TrainError> {
+        let s = &self.steps;
+        let sync = || -> Result<(), PipelineError> {
+            if !s.sharded {
+                (s.reduce_tied)()?;
             }
-            if dp > 1 && !self.held.is_empty() && !self.sharded {
-                let grads: Vec<Tensor> =
-                    self.held.iter().map(|&i| self.named[i].1.grad()).collect();
-                average_flat(&grads, self.dp)?;
+            if s.plan.data_parallel > 1 && !s.held.is_empty() && !s.sharded {
+                let grads: Vec<Tensor> = s.held.iter().map(|&i| s.named[i].1.grad()).collect();
+                average_flat(&grads, s.dp)?;
             }
-            collectives.push(CollectiveEntry::from_counts(self.counts.take()));
-            if self.composed || record.grads.is_some() {
-                let full_grads = self.recorded(&|t: &Tensor| t.grad())?;
-                record.grad_norms.push(grad_norm(&full_grads)?);
-                if let Some(all) = record.grads.as_mut() {
-                    all.push(capture(&full_grads)?);
-                }
-            } else {
-                // Only the norm is recorded: computed by the owners, without gathering.
-                record.grad_norms.push(owned_grad_norm(
-                    self.plan,
-                    self.rank,
-                    self.pp,
-                    self.named,
-                    &mut norm_scratch,
-                )?);
-            }
-            if let (Some(max_norm), Some(&norm)) =
-                (self.model.max_grad_norm(), record.grad_norms.last())
-            {
-                // What the optimizer steps: the held parameters' gradients, or the unit's shard.
-                let coef = clip_coefficient(max_norm, norm);
-                let grads: Vec<Tensor> = match self.unit {
-                    None => self.held_params.iter().map(|(_, t)| t.grad()).collect(),
-                    Some(u) => vec![u.borrow().shard().1.grad()],
-                };
-                scale_gradients(&grads, coef)?;
-            }
-            let loss = Tensor::from_slice(&[outcome.objective]);
-            self.pp.all_reduce(&loss, ReduceOp::Sum)?;
-            if dp > 1 {
-                self.dp.all_reduce(&loss, ReduceOp::Avg)?;
-            }
-            record.losses.push(loss.f_double_value(&[0])?);
-            match self.unit {
-                None => optimizer.step(self.held_params)?,
-                Some(u) => optimizer.step(&[u.borrow().shard()])?,
-            }
-            if let Some(probe) = &cfg.probe {
-                match self.unit {
-                    None => observe_stepped(
-                        probe,
-                        step,
-                        self.held_params,
-                        optimizer.as_ref(),
-                        &|name: &str| self.tp_coord(name),
-                    )?,
-                    Some(u) => {
-                        let u = u.borrow();
-                        let coord = |_: &str| format!("{}{}", self.tp_part, u.shard_coordinate());
-                        observe_stepped(probe, step, &[u.shard()], optimizer.as_ref(), &coord)?;
-                    }
-                }
+            Ok(())
+        };
+        sync().map_err(TrainError::strategy)
+    }
+
+    fn step_collectives(&mut self) -> Option<Vec<CollectiveEntry>> {
+        Some(CollectiveEntry::from_counts(self.steps.counts.take()))
+    }
+
+    fn mean_loss(
+        &mut self,
+        local: StepLoss,
+        _metrics: Option<&dyn ProcessGroup>,
+    ) -> Result<f64, TrainError> {
+        // Each stage holding the last one contributes its microbatches' losses.
+        let loss = Tensor::from_slice(&[local.value]);
+        self.steps.pp.all_reduce(&loss, ReduceOp::Sum)?;
+        if self.steps.plan.data_parallel > 1 {
+            self.steps.dp.all_reduce(&loss, ReduceOp::Avg)?;
+        }
+        Ok(loss.f_double_value(&[0])?)
+    }
+
+    fn gradient_view(
+        &mut self,
+        _grads: &[(String, Tensor)],
+        keep: bool,
+    ) -> Result<GradientView, TrainError> {
+        let s = &self.steps;
+        if s.composed || keep {
+            let full = s
+                .recorded(&|t: &Tensor| t.grad())
+                .map_err(TrainError::strategy)?;
+            return Ok(GradientView {
+                norm: grad_norm(&full)?,
+                full: keep.then_some(full),
+            });
+        }
+        // Only the norm is recorded: computed by the owners, without gathering.
+        let norm = owned_grad_norm(s.plan, s.rank, s.pp, s.named, &mut self.norm_scratch)
+            .map_err(TrainError::strategy)?;
+        Ok(GradientView { norm, full: None })
+    }
+
+    fn clip_gradients(
+        &mut self,
+        max_norm: f64,
+        total: f64,
+        _grads: &[(String, Tensor)],
+    ) -> Result<(), TrainError> {
+        // What the optimizer steps: the held parameters' gradients, or the unit's shard.
+        let grads: Vec<Tensor> = match self.steps.unit {
+            None => self
+                .steps
+                .held_params
+                .iter()
+                .map(|(_, t)| t.grad())
+                .collect(),
+            Some(u) => vec![u.borrow().shard().1.grad()],
+        };
+        scale_gradients(&grads, clip_coefficient(max_norm, total))
+    }
+
+    fn optimizer_step(
+        &mut self,
+        optimizer: &mut dyn Optimizer,
+        _params: &[(String, Tensor)],
+    ) -> Result<bool, TrainError> {
+        match self.steps.unit {
+            None => optimizer.step(self.steps.held_params)?,
+            Some(u) => optimizer.step(&[u.borrow().shard()])?,
+        }
+        Ok(true)
+    }
+
+    fn observe_state(
+        &mut self,
+        step: usize,
+        _params: &[(String, Tensor)],
+        optimizer: &dyn Optimizer,
+        _rank_local: &dyn Fn(&str) -> bool,
+        probe: &StateProbe,
+    ) -> Result<(), TrainError> {
+        let s = &self.steps;
+        match s.unit {
+            None => observe_stepped(probe, step, s.held_params, optimizer, &|name: &str| {
+                s.tp_coord(name)
+            })?,
+            Some(u) => {
+                let u = u.borrow();
+                let coord = |_: &str| format!("{}{}", s.tp_part, u.shard_coordinate());
+                observe_stepped(probe, step, &[u.shard()], optimizer, &coord)?;
             }
         }
-        record.collectives = Some(collectives);
-        Ok((record, traces))
+        Ok(())
+    }
+
+    fn before_record(&mut self) -> Result<(), TrainError> {
+        let _ = self.steps.counts.take();
+        let params = tch::no_grad(|| self.steps.recorded(&Tensor::shallow_clone))
+            .map_err(TrainError::strategy)?;
+        self.final_params = Some(params);
+        if let Some(u) = self.steps.unit {
+            // The model holds its trained stage again for whoever reads it next.
+            u.borrow_mut().unshard().map_err(TrainError::strategy)?;
+        }
+        Ok(())
+    }
+
+    fn observe_final(&mut self, steps: usize, probe: &StateProbe) -> Result<(), TrainError> {
+        let s = &self.steps;
+        let coord = |name: &str| s.tp_coord(name);
+        Ok(probe.observe_all(steps, StateKind::Final, s.held_params, &coord)?)
+    }
+
+    fn full_parameters(
+        &mut self,
+        _params: &[(String, Tensor)],
+    ) -> Result<Vec<(String, Tensor)>, TrainError> {
+        self.final_params
+            .take()
+            .ok_or_else(|| TrainError::InvalidConfig("the pipeline's record tail ran twice".into()))
     }
 }
 

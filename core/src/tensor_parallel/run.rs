@@ -8,10 +8,11 @@ use super::hooks::{PlanHooks, TpFault};
 use super::plan::{placements, Placement, TpPlan, TpPlanError};
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
 use crate::compose::{DataParallel, ShardError, ShardedUnit};
-use crate::consistency::{observe_stepped, StateKind};
+use crate::consistency::{observe_stepped, StateKind, StateProbe};
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::train::{
-    capture, clip_coefficient, grad_norm, scale_gradients, TrainConfig, TrainError,
+    clip_coefficient, grad_norm, scale_gradients, train_from, GradientView, Optimizer, StepHooks,
+    StepLoss, TrainConfig, TrainError, TrainStart,
 };
 use lockstep_models::{Batch, LayerHooks, LossReduction, Model, ModelError, NoHooks};
 use std::collections::HashMap;
@@ -202,13 +203,9 @@ pub fn train_tensor_parallel_with_plan(
     plan: &TpPlan,
 ) -> Result<RunRecord, TpError> {
     let mut run = TpRun::new(model, world, opts, plan)?;
-    let mut optimizer = cfg.optimizer.build();
-    let mut record = RunRecord::start(cfg.spec.clone(), cfg.record_grads);
-    let mut collectives = Vec::with_capacity(cfg.spec.steps);
-    for step in 0..cfg.spec.steps {
-        run.step(step, cfg, optimizer.as_mut(), &mut record, &mut collectives)?;
-    }
-    run.finish(cfg, record, collectives)
+    train_from(model, cfg, &mut run, None, &TrainStart::default())
+        .map(|(record, _)| record)
+        .map_err(TrainError::into_strategy)
 }
 
 /// One rank's tensor-parallel run: its groups, its tensors, the hooks applying the plan.
@@ -310,12 +307,9 @@ impl<'a> TpRun<'a> {
         })
     }
 
-    /// Sums partial gradients over TP, reduces over the data dimension, and returns the full
-    /// gradients (for the record's norm).
-    fn reduce(
-        &mut self,
-        collectives: &mut Vec<Vec<CollectiveEntry>>,
-    ) -> Result<Vec<(String, Tensor)>, TpError> {
+    /// Sums partial gradients over TP, then reduces them over the data dimension (one
+    /// average, hybrid shard's two stages, or the unit's reduce-scatter).
+    fn reduce(&mut self) -> Result<(), TpError> {
         let tp_group = self.groups.tp.clone();
         // Gradients of parameters used on sequence shards are partial: sum them over TP.
         for (name, t) in &self.trained {
@@ -334,139 +328,185 @@ impl<'a> TpRun<'a> {
         }
         match self.unit.as_mut() {
             None => {
-                // One average over dp, or hybrid shard's two stages (HybridReplicate).
                 for (_, t) in &self.trained {
                     self.groups.average_over_data(&t.grad())?;
                 }
-                collectives.push(CollectiveEntry::from_counts(self.counts.take()));
-                full_tensors(&self.trained, &self.placements, tp_group.as_ref(), |t| {
-                    t.grad()
-                })
             }
+            Some(u) => u.reduce_grads()?,
+        }
+        Ok(())
+    }
+
+    /// Every parameter at full size from this rank's `value` of it (data or gradient):
+    /// gathered from the unit over dp, then from its shards over TP.
+    fn full(&self, value: impl Fn(&Tensor) -> Tensor) -> Result<Vec<(String, Tensor)>, TpError> {
+        let tp = self.groups.tp.as_ref();
+        match &self.unit {
+            None => full_tensors(&self.trained, &self.placements, tp, value),
             Some(u) => {
-                u.reduce_grads()?;
-                collectives.push(CollectiveEntry::from_counts(self.counts.take()));
-                let local = u.full_values(|t| t.grad())?;
-                full_tensors(
-                    &local,
-                    &self.placements,
-                    tp_group.as_ref(),
-                    Tensor::shallow_clone,
-                )
+                let local = u.full_values(value)?;
+                full_tensors(&local, &self.placements, tp, Tensor::shallow_clone)
             }
         }
     }
+}
 
-    /// One training step.
-    fn step(
-        &mut self,
-        step: usize,
-        cfg: &TrainConfig,
-        optimizer: &mut dyn crate::train::Optimizer,
-        record: &mut RunRecord,
-        collectives: &mut Vec<Vec<CollectiveEntry>>,
-    ) -> Result<(), TpError> {
-        if let Some(probe) = &cfg.probe {
-            probe.start_step(step);
-        }
-        for (_, t) in &self.trained {
-            t.shallow_clone().zero_grad();
-        }
+/// A tensor-parallel rank as a strategy of the one training loop: it trains its shards, runs
+/// the model through the plan's hooks on its replica's batch, sums partial gradients over TP
+/// and reduces over the data dimension, and shows the record full tensors.
+impl StepHooks for TpRun<'_> {
+    fn parameters(&self, _model: &dyn Model) -> Vec<(String, Tensor)> {
+        self.trained
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect()
+    }
+
+    fn before_forward(&mut self, _step: usize) -> Result<(), TrainError> {
         let _ = self.counts.take();
         if let Some(u) = self.unit.as_mut() {
-            u.unshard()?;
+            u.unshard().map_err(TrainError::strategy)?;
         }
-        let batch = global_batch(self.model, &self.data_ranks, step)?;
-        let loss = self.loss(&batch)?;
+        Ok(())
+    }
+
+    fn forward_backward(
+        &mut self,
+        model: &dyn Model,
+        _data_ranks: &[usize],
+        step: usize,
+    ) -> Result<StepLoss, TrainError> {
+        let batch = global_batch(model, &self.data_ranks, step).map_err(TrainError::strategy)?;
+        let loss = self.loss(&batch).map_err(TrainError::strategy)?;
         loss.f_backward()?;
-        let full_grads = self.reduce(collectives)?;
-        let norm = grad_norm(&full_grads)?;
-        record.grad_norms.push(norm);
-        if let Some(all) = record.grads.as_mut() {
-            all.push(capture(&full_grads)?);
-        }
-        if let Some(max_norm) = self.model.max_grad_norm() {
-            // What the optimizer steps: the local tensors' gradients, or the unit's shard.
-            let coef = clip_coefficient(max_norm, norm);
-            let grads: Vec<Tensor> = match self.unit.as_ref() {
-                None => self.trained.iter().map(|(_, t)| t.grad()).collect(),
-                Some(u) => vec![u.shard().1.grad()],
-            };
-            scale_gradients(grads.iter(), coef)?;
-        }
-        let value = Tensor::from_slice(&[loss.f_double_value(&[])?]);
-        self.groups.average_over_data(&value)?;
-        record.losses.push(value.f_double_value(&[0])?);
+        Ok(StepLoss {
+            value: loss.f_double_value(&[])?,
+            device: loss.device(),
+        })
+    }
+
+    fn local_gradients(
+        &mut self,
+        _params: &[(String, Tensor)],
+        _step: usize,
+    ) -> Result<Vec<(String, Tensor)>, TrainError> {
+        // Reduced where they live (the local tensors, or the unit's compute tensors) by
+        // `sync_gradients`; the record sees them through `gradient_view`.
+        Ok(Vec::new())
+    }
+
+    fn sync_gradients(&mut self, _grads: &[(String, Tensor)]) -> Result<(), TrainError> {
+        self.reduce().map_err(TrainError::strategy)
+    }
+
+    fn step_collectives(&mut self) -> Option<Vec<CollectiveEntry>> {
+        Some(CollectiveEntry::from_counts(self.counts.take()))
+    }
+
+    fn mean_loss(
+        &mut self,
+        local: StepLoss,
+        _metrics: Option<&dyn ProcessGroup>,
+    ) -> Result<f64, TrainError> {
+        let value = Tensor::from_slice(&[local.value]);
+        self.groups
+            .average_over_data(&value)
+            .map_err(TrainError::strategy)?;
+        Ok(value.f_double_value(&[0])?)
+    }
+
+    fn gradient_view(
+        &mut self,
+        _grads: &[(String, Tensor)],
+        keep: bool,
+    ) -> Result<GradientView, TrainError> {
+        let full = self.full(|t| t.grad()).map_err(TrainError::strategy)?;
+        Ok(GradientView {
+            norm: grad_norm(&full)?,
+            full: keep.then_some(full),
+        })
+    }
+
+    fn clip_gradients(
+        &mut self,
+        max_norm: f64,
+        total: f64,
+        _grads: &[(String, Tensor)],
+    ) -> Result<(), TrainError> {
+        // What the optimizer steps: the local tensors' gradients, or the unit's shard.
+        let grads: Vec<Tensor> = match self.unit.as_ref() {
+            None => self.trained.iter().map(|(_, t)| t.grad()).collect(),
+            Some(u) => vec![u.shard().1.grad()],
+        };
+        scale_gradients(grads.iter(), clip_coefficient(max_norm, total))
+    }
+
+    fn optimizer_step(
+        &mut self,
+        optimizer: &mut dyn Optimizer,
+        params: &[(String, Tensor)],
+    ) -> Result<bool, TrainError> {
         match self.unit.as_mut() {
-            None => optimizer.step(&self.trained)?,
+            None => optimizer.step(params)?,
             Some(u) => {
                 optimizer.step(&[u.shard()])?;
                 // Freed until the next step's gather.
-                u.reshard()?;
+                u.reshard().map_err(TrainError::strategy)?;
             }
         }
-        if let Some(probe) = &cfg.probe {
-            match self.unit.as_ref() {
-                None => observe_stepped(probe, step, &self.trained, optimizer, &|n: &str| {
-                    self.coordinate(n)
-                })?,
-                Some(u) => {
-                    let (rank, tp) = (self.groups.rank, self.opts.tp);
-                    let tp_part = if tp > 1 {
-                        format!("tp{rank}/{tp}.")
-                    } else {
-                        String::new()
-                    };
-                    let coord = |_: &str| format!("{tp_part}{}", u.shard_coordinate());
-                    observe_stepped(probe, step, &[u.shard()], optimizer, &coord)?;
-                }
+        Ok(true)
+    }
+
+    fn observe_state(
+        &mut self,
+        step: usize,
+        params: &[(String, Tensor)],
+        optimizer: &dyn Optimizer,
+        _rank_local: &dyn Fn(&str) -> bool,
+        probe: &StateProbe,
+    ) -> Result<(), TrainError> {
+        match self.unit.as_ref() {
+            None => observe_stepped(probe, step, params, optimizer, &|n: &str| {
+                self.coordinate(n)
+            })?,
+            Some(u) => {
+                let (rank, tp) = (self.groups.rank, self.opts.tp);
+                let tp_part = if tp > 1 {
+                    format!("tp{rank}/{tp}.")
+                } else {
+                    String::new()
+                };
+                let coord = |_: &str| format!("{tp_part}{}", u.shard_coordinate());
+                observe_stepped(probe, step, &[u.shard()], optimizer, &coord)?;
             }
         }
         Ok(())
     }
 
-    /// The record's final parameters (full tensors) and buffers.
-    fn finish(
-        mut self,
-        cfg: &TrainConfig,
-        mut record: RunRecord,
-        collectives: Vec<Vec<CollectiveEntry>>,
-    ) -> Result<RunRecord, TpError> {
+    fn before_record(&mut self) -> Result<(), TrainError> {
         if let Some(u) = self.unit.as_mut() {
             // Gathered again, so the tensors this rank computed with (the model's own
             // replicated parameters among them) hold their trained values, never freed memory.
-            u.unshard()?;
+            u.unshard().map_err(TrainError::strategy)?;
         }
-        if let Some(probe) = &cfg.probe {
-            probe.observe_all(
-                cfg.spec.steps,
-                StateKind::Final,
-                &self.trained,
-                &|n: &str| self.coordinate(n),
-            )?;
-        }
+        Ok(())
+    }
+
+    fn observe_final(&mut self, steps: usize, probe: &StateProbe) -> Result<(), TrainError> {
+        Ok(
+            probe.observe_all(steps, StateKind::Final, &self.trained, &|n: &str| {
+                self.coordinate(n)
+            })?,
+        )
+    }
+
+    fn full_parameters(
+        &mut self,
+        _params: &[(String, Tensor)],
+    ) -> Result<Vec<(String, Tensor)>, TrainError> {
         let _ = self.counts.take();
-        let group = self.groups.tp.clone();
-        let params = tch::no_grad(|| -> Result<_, TpError> {
-            let local = match &self.unit {
-                None => self
-                    .trained
-                    .iter()
-                    .map(|(n, t)| (n.clone(), t.shallow_clone()))
-                    .collect(),
-                Some(u) => u.full_values(Tensor::shallow_clone)?,
-            };
-            full_tensors(
-                &local,
-                &self.placements,
-                group.as_ref(),
-                Tensor::shallow_clone,
-            )
-        })?;
-        record.params = capture(&params)?;
-        record.buffers = capture(&self.model.named_buffers())?;
-        record.collectives = Some(collectives);
-        Ok(record)
+        self.full(Tensor::shallow_clone)
+            .map_err(TrainError::strategy)
     }
 }
 
