@@ -151,12 +151,8 @@ fn check_options(opts: &RunOptions) -> Result<Config, RunCmdError> {
     if opts.world_size == 0 {
         return Err(invalid("--world-size 0: must be at least 1".into()));
     }
-    if let Some(reason) = config.world_blocker(opts.world_size) {
-        return Err(invalid(format!(
-            "{} cannot run at world size {}: {reason}",
-            config.name(),
-            opts.world_size
-        )));
+    if let Some(refusal) = config.world_refusal(opts.world_size) {
+        return Err(invalid(refusal));
     }
     for path in [&opts.save_init, &opts.save_final].into_iter().flatten() {
         check_writable(path)?;

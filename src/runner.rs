@@ -170,15 +170,12 @@ pub fn run_config(
     if config == Config::Single {
         return run_single(model_name, build, world_size, settings);
     }
-    if let Some(reason) = config.world_blocker(world_size) {
-        return Err(RunFailed::simple(format!(
-            "{} cannot run at world size {world_size}: {reason}",
-            config.name()
-        )));
+    if let Some(refusal) = config.world_refusal(world_size) {
+        return Err(RunFailed::simple(refusal));
     }
     let probe = build(settings.seed, 0).map_err(|e| RunFailed::simple(e.to_string()))?;
-    if let Some(reason) = config.blocker(probe.as_ref(), world_size) {
-        return Err(RunFailed::simple(reason));
+    if let Some(refusal) = config.refusal(model_name, probe.as_ref(), world_size) {
+        return Err(RunFailed::simple(refusal));
     }
     drop(probe);
     if settings.execs_ranks() {

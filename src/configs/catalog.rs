@@ -726,6 +726,17 @@ impl Config {
         None
     }
 
+    /// The one message every entry point refuses this configuration at `world_size` with,
+    /// before any model is built (the mesh or the schedule does not fit), or `None`.
+    pub fn world_refusal(self, world_size: usize) -> Option<String> {
+        self.world_blocker(world_size).map(|reason| {
+            format!(
+                "{} cannot run at world size {world_size}: {reason}",
+                self.name()
+            )
+        })
+    }
+
     /// The refusal every entry point prints for a pair [`Config::blocker`] rejects.
     pub fn refusal(self, model_name: &str, model: &dyn Model, world_size: usize) -> Option<String> {
         self.blocker(model, world_size).map(|reason| {

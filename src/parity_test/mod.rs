@@ -559,11 +559,8 @@ impl<'a> ParityTest<'a> {
             }
             for c in &self.configs {
                 if let TestConfig::Builtin(config) = c {
-                    if let Some(reason) = config.world_blocker(world) {
-                        return Err(ParityTestError::Invalid(format!(
-                            "{} cannot run at world size {world}: {reason}",
-                            config.name()
-                        )));
+                    if let Some(refusal) = config.world_refusal(world) {
+                        return Err(ParityTestError::Invalid(refusal));
                     }
                 }
             }

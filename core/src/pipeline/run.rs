@@ -88,10 +88,7 @@ pub fn train_pipeline_with(
         None => None,
     };
     let local = stage_tp.as_ref().map_or(&model_params, |s| &s.local);
-    let named: Vec<(String, Tensor)> = local
-        .iter()
-        .map(|(n, t)| (n.clone(), t.shallow_clone()))
-        .collect();
+    let named: Vec<(String, Tensor)> = local.iter().map(handle).collect();
     let held: Vec<usize> = (0..named.len())
         .filter(|&i| plan.holders[i].contains(&rank))
         .collect();
@@ -111,10 +108,7 @@ pub fn train_pipeline_with(
     if let Some(PipelineFault::DropAction(label)) = &opts.fault {
         actions.retain(|a| a.to_string() != *label);
     }
-    let held_params: Vec<(String, Tensor)> = held
-        .iter()
-        .map(|&i| (named[i].0.clone(), named[i].1.shallow_clone()))
-        .collect();
+    let held_params: Vec<(String, Tensor)> = held.iter().map(|&i| handle(&named[i])).collect();
     // PP×FSDP: this rank's stage's parameters, one unit sharded over dp, driven by the
     // schedule's actions.
     let unit: Option<RefCell<ShardedUnit>> = match sharded {
@@ -195,16 +189,7 @@ pub fn train_pipeline_with(
         stage_tp: stage_tp.as_ref(),
         tp_part: &tp_part,
     };
-    let mut strategy = PipelineStrategy {
-        steps,
-        metas_by_size,
-        traces: Vec::with_capacity(cfg.spec.steps),
-        norm_scratch: None,
-        final_params: None,
-    };
-    let (record, _) = train_from(model, cfg, &mut strategy, None, &TrainStart::default())
-        .map_err(TrainError::into_strategy::<PipelineError>)?;
-    let traces = strategy.traces;
+    let (record, traces) = PipelineStrategy::new(steps, metas_by_size).train(cfg)?;
     Ok(PipelineRun {
         record,
         traces,
@@ -333,13 +318,41 @@ struct PipelineStrategy<'a> {
     final_params: Option<Vec<(String, Tensor)>>,
 }
 
+impl<'a> PipelineStrategy<'a> {
+    fn new(
+        steps: StepLoop<'a>,
+        metas_by_size: HashMap<Vec<i64>, Arc<Vec<TensorMeta>>>,
+    ) -> PipelineStrategy<'a> {
+        PipelineStrategy {
+            steps,
+            metas_by_size,
+            traces: Vec::new(),
+            norm_scratch: None,
+            final_params: None,
+        }
+    }
+
+    /// Runs the one training loop with this rank's pipeline as its strategy: the record and
+    /// this rank's timeline.
+    fn train(
+        mut self,
+        cfg: &TrainConfig,
+    ) -> Result<(RunRecord, Vec<RankStepTrace>), PipelineError> {
+        let model = self.steps.model;
+        let (record, _) = train_from(model, cfg, &mut self, None, &TrainStart::default())
+            .map_err(TrainError::into_strategy::<PipelineError>)?;
+        Ok((record, self.traces))
+    }
+}
+
+/// A named tensor's handle (the same storage, a new name string).
+fn handle((name, t): &(String, Tensor)) -> (String, Tensor) {
+    (name.clone(), t.shallow_clone())
+}
+
 impl StepHooks for PipelineStrategy<'_> {
     fn parameters(&self, _model: &dyn Model) -> Vec<(String, Tensor)> {
-        self.steps
-            .named
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect()
+        self.steps.named.iter().map(handle).collect()
     }
 
     fn before_forward(&mut self, _step: usize) -> Result<(), TrainError> {

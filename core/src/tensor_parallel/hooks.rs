@@ -13,7 +13,7 @@ use super::layers::{
 use crate::autograd::collectives::scatter_to_sequence_parallel;
 use crate::expert_parallel::{moe_forward, Dispatcher, ExpertParams, MoeConfig};
 use lockstep_models::plan::{matches_module, ParallelPlan, ParallelStyle};
-use lockstep_models::{LayerHooks, LayerSpec, ModelError, MoeSpec};
+use lockstep_models::{LayerHooks, LayerSpec, ModelError, MoeSpec, NoHooks};
 use std::collections::HashMap;
 use tch::Tensor;
 
@@ -288,9 +288,10 @@ impl LayerHooks for PlanHooks {
                 };
                 row_parallel_linear(x, w, b, &self.group, opts).map_err(hook_err)
             }
+            // Unsplit: the plain op on this rank's copy (or the model's, if none was taken).
             _ => match self.weights(path, bias) {
-                Ok((w, b)) => Ok(x.f_linear(w, b)?),
-                Err(_) => Ok(x.f_linear(weight, bias)?),
+                Ok((w, b)) => NoHooks.linear(path, x, w, b),
+                Err(_) => NoHooks.linear(path, x, weight, bias),
             },
         }
     }
@@ -306,7 +307,7 @@ impl LayerHooks for PlanHooks {
             let start = self.rank as i64 * local.size()[0];
             return vocab_parallel_embedding(ids, local, start, &self.group).map_err(hook_err);
         }
-        Ok(Tensor::f_embedding(local, ids, -1, false, false)?)
+        NoHooks.embedding(path, ids, local)
     }
 
     fn layer_norm(
@@ -319,7 +320,7 @@ impl LayerHooks for PlanHooks {
     ) -> Result<Tensor, ModelError> {
         let w = self.params.get(&format!("{path}.weight")).unwrap_or(weight);
         let b = self.params.get(&format!("{path}.bias")).unwrap_or(bias);
-        Ok(x.f_layer_norm(w.size(), Some(w), Some(b), eps, false)?)
+        NoHooks.layer_norm(path, x, w, b, eps)
     }
 
     fn moe(
@@ -342,8 +343,7 @@ impl LayerHooks for PlanHooks {
         mask: &dyn Fn(&[i64]) -> Result<Tensor, ModelError>,
     ) -> Result<Tensor, ModelError> {
         let Some(ParallelStyle::ShardedDropout { dim }) = self.plan.style_of(path) else {
-            let full = mask(&x.size()[1..])?;
-            return Ok(x.f_mul(&full.f_to_kind(x.kind())?.f_to_device(x.device())?)?);
+            return NoHooks.dropout(path, x, mask);
         };
         // The full mask a single device draws, this rank's slice of it (parity mode).
         let rank = x.dim() as i64;
@@ -386,6 +386,6 @@ impl LayerHooks for PlanHooks {
             )
             .map_err(hook_err);
         }
-        Ok(logits.f_cross_entropy_loss::<Tensor>(target, None, tch::Reduction::Mean, -100, 0.0)?)
+        NoHooks.cross_entropy(path, logits, target)
     }
 }
