@@ -629,7 +629,26 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let Some(mut opts) = matrix_options(args.selection, args.timeout) else {
+    // Under torchrun/srun this process is one rank (`lockstep::external`).
+    let external = match lockstep::external::detect() {
+        Ok(external) => external,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Ok(ExitCode::from(2));
+        }
+    };
+    let refused = external.and_then(|_| external_refusal(&args));
+    let mut selection = args.selection;
+    if let Some(launch) = external {
+        if let Some(refused) = refused {
+            eprintln!("error: {refused} has no external mode yet (under torchrun/srun every process is one rank on the CPU backend)");
+            return Ok(ExitCode::from(2));
+        }
+        if selection.world_sizes.is_empty() {
+            selection.world_sizes = vec![launch.world_size];
+        }
+    }
+    let Some(mut opts) = matrix_options(selection, args.timeout) else {
         return Ok(ExitCode::from(2));
     };
     opts.fault = args.fault;
@@ -640,10 +659,14 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
     if args.sensitivity {
         return run_matrix_sensitivity(&opts, &args.faults, &args.out);
     }
+    // Only rank 0 of an external launch writes reports (the others may share its disk).
+    let reporting = external.is_none_or(|l| l.rank == 0);
     let plan = match matrix::check_backend(&opts)
         .and_then(|()| matrix::plan(&opts))
         .and_then(|plan| {
-            matrix::prepare_out_dir(&args.out)?;
+            if reporting {
+                matrix::prepare_out_dir(&args.out)?;
+            }
             Ok(plan)
         }) {
         Ok(plan) => plan,
@@ -652,6 +675,9 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
             return Ok(ExitCode::from(2));
         }
     };
+    if let (Some(launch), false) = (external, reporting) {
+        return Ok(external_rank_summary(launch, &matrix::run_quietly(&plan)));
+    }
     let bar = matrix::progress_bar(plan.run_count());
     let result = matrix::run(&plan, &bar);
     if args.json {
@@ -675,11 +701,56 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
             return Ok(ExitCode::FAILURE);
         }
     }
+    if let Some(stopped) = lockstep::external::stopped() {
+        eprintln!("error: the external launch stopped: {}", stopped.line);
+        return Ok(ExitCode::FAILURE);
+    }
     Ok(if result.passed() {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// The matrix option that has no external mode yet, if `args` uses one.
+fn external_refusal(args: &MatrixArgs) -> Option<&'static str> {
+    if args.sensitivity {
+        Some("`lockstep matrix --sensitivity`")
+    } else if args.exec_ranks {
+        Some("`--exec-ranks`")
+    } else if args.backend != lockstep_core::comm::Backend::Cpu {
+        Some("`--backend nccl`")
+    } else {
+        None
+    }
+}
+
+/// What a rank other than 0 of an external launch says of a matrix it ran with every other
+/// rank: one line (rank 0 prints the table and writes the report), and the exit code every
+/// rank shares, since every rank judged the same records.
+fn external_rank_summary(
+    launch: &lockstep_core::comm::ExternalLaunch,
+    result: &lockstep::matrix::MatrixResult,
+) -> ExitCode {
+    if let Some(stopped) = lockstep::external::stopped() {
+        eprintln!(
+            "error: rank {} of {}: the external launch stopped: {}",
+            launch.rank, launch.world_size, stopped.line
+        );
+        return ExitCode::FAILURE;
+    }
+    let verdict = if result.passed() { "passed" } else { "FAILED" };
+    println!(
+        "lockstep matrix rank {} of {}: {verdict} ({}; rank 0 prints the table and writes the report)",
+        launch.rank,
+        launch.world_size,
+        lockstep_harness::report::plural(result.rows.len(), "row")
+    );
+    if result.passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
 }
 
 /// The analysis `faults` asks for, over `defaults` where it names nothing; `None` (after
