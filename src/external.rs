@@ -113,8 +113,10 @@ pub(crate) fn scratch_path(tag: &str) -> Option<PathBuf> {
 
 /// The store key of a handed-back file.
 fn key_of(path: &Path) -> String {
-    path.file_name()
-        .map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into())
+    path.file_name().map_or_else(
+        || path.display().to_string(),
+        |n| n.to_string_lossy().into(),
+    )
 }
 
 /// Under an external launch's body, puts `bytes` (what would be written at `path`) into the
@@ -231,7 +233,9 @@ fn gather(store: &RunStore, world_size: usize, label: &str) -> Result<Vec<Outcom
             ))
         })?;
         let outcome = serde_json::from_slice(&bytes).map_err(|e| {
-            RunFailed::simple(format!("launch `{label}`: rank {r}'s outcome is unreadable: {e}"))
+            RunFailed::simple(format!(
+                "launch `{label}`: rank {r}'s outcome is unreadable: {e}"
+            ))
         })?;
         outcomes.push(outcome);
     }
@@ -287,9 +291,7 @@ fn receive(
         .put(&format!("received/{rank}"), b"")
         .map_err(|e| fail(&e))?;
     for r in 0..world_size {
-        store
-            .get(&format!("received/{r}"))
-            .map_err(|e| fail(&e))?;
+        store.get(&format!("received/{r}")).map_err(|e| fail(&e))?;
     }
     Ok(())
 }

@@ -280,7 +280,8 @@ pub fn shared_reference(
         }
         Ok(())
     };
-    let launched = crate::external::run(launch, launch.world_size, Backend::Cpu, "reference", &body);
+    let launched =
+        crate::external::run(launch, launch.world_size, Backend::Cpu, "reference", &body);
     read_record(&out, launched, 0)
 }
 
