@@ -149,9 +149,10 @@ struct RunArgs {
     /// The configuration (`lockstep matrix --list` names them), e.g. single, ddp.
     #[arg(long)]
     config: String,
-    /// Ranks (for single: how many ranks' batches form the global batch).
-    #[arg(long = "world-size", default_value_t = 2)]
-    world_size: usize,
+    /// Ranks (for single: how many ranks' batches form the global batch); default 2, or
+    /// `WORLD_SIZE` under an external launch (torchrun, srun).
+    #[arg(long = "world-size")]
+    world_size: Option<usize>,
     /// Training steps.
     #[arg(long, default_value_t = 5)]
     steps: usize,
@@ -554,10 +555,33 @@ fn run_one(args: RunArgs) -> Result<ExitCode> {
             return Ok(ExitCode::from(2));
         }
     };
+    // Under torchrun/srun this process is one rank (`lockstep::external`): checkpoint files
+    // would be written and read on every rank's own host, so they are refused for now.
+    let external = match lockstep::external::detect() {
+        Ok(external) => external,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Ok(ExitCode::from(2));
+        }
+    };
+    if external.is_some()
+        && (args.init.is_some()
+            || args.restart
+            || args.save_init.is_some()
+            || args.save_final.is_some())
+    {
+        eprintln!(
+            "error: checkpoints (--init, --restart, --save-init, --save-final) have no external \
+             mode yet (under torchrun/srun each rank's files would stay on its own host)"
+        );
+        return Ok(ExitCode::from(2));
+    }
     let opts = run_cmd::RunOptions {
         model: args.model,
         config: args.config,
-        world_size: args.world_size,
+        world_size: args
+            .world_size
+            .unwrap_or(external.map_or(2, |l| l.world_size)),
         steps: args.steps,
         seed: args.seed,
         init: args.init,
@@ -568,7 +592,12 @@ fn run_one(args: RunArgs) -> Result<ExitCode> {
     };
     match run_cmd::run(&opts) {
         Ok(outcome) => {
-            if args.json {
+            if let Some(launch) = external.filter(|l| l.rank != 0) {
+                println!(
+                    "lockstep run rank {} of {}: done (rank 0 prints the outcome)",
+                    launch.rank, launch.world_size
+                );
+            } else if args.json {
                 println!("{}", serde_json::to_string(&outcome)?);
                 for note in &outcome.notes {
                     eprintln!("note: {note}");
