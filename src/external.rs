@@ -129,9 +129,10 @@ pub(crate) fn publish(
     let mut active = lock(&ACTIVE);
     let (store, keys) = active.as_mut()?;
     let key = key_of(path);
-    let put = store
-        .put(&key, bytes)
-        .map_err(|source| RankError::Publish { what, source });
+    let put = store.put(&key, bytes).map_err(|source| RankError::Publish {
+        what,
+        source: Box::new(source),
+    });
     if put.is_ok() {
         keys.push(key);
     }

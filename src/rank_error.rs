@@ -56,7 +56,7 @@ pub enum RankError {
         what: &'static str,
         /// The store's error.
         #[source]
-        source: lockstep_core::comm::RunStoreError,
+        source: Box<lockstep_core::comm::RunStoreError>,
     },
 }
 
