@@ -3,7 +3,7 @@
 //! and attaches the verdict to the record, so a rank that diverged fails the run even when
 //! rank 0's numbers match the reference.
 
-use crate::rank_error::{hand_back_json, RankError};
+use crate::rank_error::{hand_back_json, take_handed_back, RankError};
 use lockstep_core::consistency::{check_digests, RankDigest, StateProbe};
 use lockstep_core::record::RunRecord;
 use std::path::{Path, PathBuf};
@@ -43,11 +43,7 @@ pub fn attach_cross_rank(record: Option<&mut RunRecord>, out: &Path, world_size:
     let digests: Vec<Option<RankDigest>> = (0..world_size)
         .map(|rank| {
             let path = digest_path(out, rank);
-            let read = std::fs::read(&path)
-                .ok()
-                .and_then(|bytes| serde_json::from_slice(&bytes).ok());
-            let _ = std::fs::remove_file(&path);
-            read
+            take_handed_back(&path).and_then(|bytes| serde_json::from_slice(&bytes).ok())
         })
         .collect();
     let (Some(record), Some(digests)) = (record, digests.into_iter().collect::<Option<Vec<_>>>())

@@ -11,6 +11,7 @@ pub mod checkpoint;
 pub mod configs;
 pub mod cross_rank;
 pub mod env_report;
+pub mod external;
 pub mod faults;
 pub mod matrix;
 pub mod parity_test;

@@ -149,9 +149,10 @@ struct RunArgs {
     /// The configuration (`lockstep matrix --list` names them), e.g. single, ddp.
     #[arg(long)]
     config: String,
-    /// Ranks (for single: how many ranks' batches form the global batch).
-    #[arg(long = "world-size", default_value_t = 2)]
-    world_size: usize,
+    /// Ranks (for single: how many ranks' batches form the global batch); default 2, or
+    /// `WORLD_SIZE` under an external launch (torchrun, srun).
+    #[arg(long = "world-size")]
+    world_size: Option<usize>,
     /// Training steps.
     #[arg(long, default_value_t = 5)]
     steps: usize,
@@ -554,10 +555,33 @@ fn run_one(args: RunArgs) -> Result<ExitCode> {
             return Ok(ExitCode::from(2));
         }
     };
+    // Under torchrun/srun this process is one rank (`lockstep::external`): checkpoint files
+    // would be written and read on every rank's own host, so they are refused for now.
+    let external = match lockstep::external::detect() {
+        Ok(external) => external,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Ok(ExitCode::from(2));
+        }
+    };
+    if external.is_some()
+        && (args.init.is_some()
+            || args.restart
+            || args.save_init.is_some()
+            || args.save_final.is_some())
+    {
+        eprintln!(
+            "error: checkpoints (--init, --restart, --save-init, --save-final) have no external \
+             mode yet (under torchrun/srun each rank's files would stay on its own host)"
+        );
+        return Ok(ExitCode::from(2));
+    }
     let opts = run_cmd::RunOptions {
         model: args.model,
         config: args.config,
-        world_size: args.world_size,
+        world_size: args
+            .world_size
+            .unwrap_or(external.map_or(2, |l| l.world_size)),
         steps: args.steps,
         seed: args.seed,
         init: args.init,
@@ -568,7 +592,12 @@ fn run_one(args: RunArgs) -> Result<ExitCode> {
     };
     match run_cmd::run(&opts) {
         Ok(outcome) => {
-            if args.json {
+            if let Some(launch) = external.filter(|l| l.rank != 0) {
+                println!(
+                    "lockstep run rank {} of {}: done (rank 0 prints the outcome)",
+                    launch.rank, launch.world_size
+                );
+            } else if args.json {
                 println!("{}", serde_json::to_string(&outcome)?);
                 for note in &outcome.notes {
                     eprintln!("note: {note}");
@@ -629,7 +658,26 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let Some(mut opts) = matrix_options(args.selection, args.timeout) else {
+    // Under torchrun/srun this process is one rank (`lockstep::external`).
+    let external = match lockstep::external::detect() {
+        Ok(external) => external,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Ok(ExitCode::from(2));
+        }
+    };
+    let refused = external.and_then(|_| external_refusal(&args));
+    let mut selection = args.selection;
+    if let Some(launch) = external {
+        if let Some(refused) = refused {
+            eprintln!("error: {refused} has no external mode yet (under torchrun/srun every process is one rank on the CPU backend)");
+            return Ok(ExitCode::from(2));
+        }
+        if selection.world_sizes.is_empty() {
+            selection.world_sizes = vec![launch.world_size];
+        }
+    }
+    let Some(mut opts) = matrix_options(selection, args.timeout) else {
         return Ok(ExitCode::from(2));
     };
     opts.fault = args.fault;
@@ -640,10 +688,14 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
     if args.sensitivity {
         return run_matrix_sensitivity(&opts, &args.faults, &args.out);
     }
+    // Only rank 0 of an external launch writes reports (the others may share its disk).
+    let reporting = external.is_none_or(|l| l.rank == 0);
     let plan = match matrix::check_backend(&opts)
         .and_then(|()| matrix::plan(&opts))
         .and_then(|plan| {
-            matrix::prepare_out_dir(&args.out)?;
+            if reporting {
+                matrix::prepare_out_dir(&args.out)?;
+            }
             Ok(plan)
         }) {
         Ok(plan) => plan,
@@ -652,6 +704,9 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
             return Ok(ExitCode::from(2));
         }
     };
+    if let (Some(launch), false) = (external, reporting) {
+        return Ok(external_rank_summary(launch, &matrix::run_quietly(&plan)));
+    }
     let bar = matrix::progress_bar(plan.run_count());
     let result = matrix::run(&plan, &bar);
     if args.json {
@@ -675,11 +730,56 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
             return Ok(ExitCode::FAILURE);
         }
     }
+    if let Some(stopped) = lockstep::external::stopped() {
+        eprintln!("error: the external launch stopped: {}", stopped.line);
+        return Ok(ExitCode::FAILURE);
+    }
     Ok(if result.passed() {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// The matrix option that has no external mode yet, if `args` uses one.
+fn external_refusal(args: &MatrixArgs) -> Option<&'static str> {
+    if args.sensitivity {
+        Some("`lockstep matrix --sensitivity`")
+    } else if args.exec_ranks {
+        Some("`--exec-ranks`")
+    } else if args.backend != lockstep_core::comm::Backend::Cpu {
+        Some("`--backend nccl`")
+    } else {
+        None
+    }
+}
+
+/// What a rank other than 0 of an external launch says of a matrix it ran with every other
+/// rank: one line (rank 0 prints the table and writes the report), and the exit code every
+/// rank shares, since every rank judged the same records.
+fn external_rank_summary(
+    launch: &lockstep_core::comm::ExternalLaunch,
+    result: &lockstep::matrix::MatrixResult,
+) -> ExitCode {
+    if let Some(stopped) = lockstep::external::stopped() {
+        eprintln!(
+            "error: rank {} of {}: the external launch stopped: {}",
+            launch.rank, launch.world_size, stopped.line
+        );
+        return ExitCode::FAILURE;
+    }
+    let verdict = if result.passed() { "passed" } else { "FAILED" };
+    println!(
+        "lockstep matrix rank {} of {}: {verdict} ({}; rank 0 prints the table and writes the report)",
+        launch.rank,
+        launch.world_size,
+        lockstep_harness::report::plural(result.rows.len(), "row")
+    );
+    if result.passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
 }
 
 /// The analysis `faults` asks for, over `defaults` where it names nothing; `None` (after

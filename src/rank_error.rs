@@ -48,6 +48,16 @@ pub enum RankError {
         #[source]
         source: std::io::Error,
     },
+    /// A value handed back through the run's store (under an external launch) could not be
+    /// put there.
+    #[error("handing back {what} through the store: {source}")]
+    Publish {
+        /// What was being handed back.
+        what: &'static str,
+        /// The store's error.
+        #[source]
+        source: Box<lockstep_core::comm::RunStoreError>,
+    },
 }
 
 impl From<String> for RankError {
@@ -57,16 +67,32 @@ impl From<String> for RankError {
 }
 
 /// Writes `value` as JSON at `path`, where the launching process reads it back (`what` names
-/// it in an error).
+/// it in an error); under an external launch, puts it in the run's store instead, under the
+/// file's name ([`crate::external`]).
 pub fn hand_back_json<T: Serialize + ?Sized>(
     what: &'static str,
     path: &Path,
     value: &T,
 ) -> Result<(), RankError> {
     let json = serde_json::to_vec(value).map_err(|source| RankError::Encode { what, source })?;
+    if let Some(published) = crate::external::publish(what, path, &json) {
+        return published;
+    }
     std::fs::write(path, json).map_err(|source| RankError::Write {
         what,
         path: path.to_owned(),
         source,
     })
+}
+
+/// Takes (reads and removes) what a launch handed back at `path`: the file, or under an
+/// external launch the value every rank received through the store. `None` when nothing
+/// was handed back there.
+pub fn take_handed_back(path: &Path) -> Option<Vec<u8>> {
+    if let Some(received) = crate::external::take(path) {
+        return received;
+    }
+    let read = std::fs::read(path).ok();
+    let _ = std::fs::remove_file(path);
+    read
 }

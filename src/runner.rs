@@ -9,7 +9,7 @@
 
 use crate::configs::{Config, ModelParallelKind, Precision};
 use crate::cross_rank::{attach_cross_rank, hand_back_digest, probe_for};
-use crate::rank_error::{hand_back_json, RankError};
+use crate::rank_error::{hand_back_json, take_handed_back, RankError};
 use lockstep_core::comm::Backend;
 use lockstep_core::ddp::{train_ddp, DdpOptions, Fault, GradReduction};
 use lockstep_core::expert_parallel::train_expert_parallel;
@@ -179,6 +179,9 @@ pub fn run_config(
     }
     drop(probe);
     if settings.execs_ranks() {
+        if crate::external::launch().is_some() {
+            return Err(RunFailed::simple(EXEC_NOT_EXTERNAL));
+        }
         return run_exec(model_name, config, world_size, settings);
     }
     let dtype = config.precision().map_or("fp32", Precision::label);
@@ -236,6 +239,9 @@ pub fn in_process_reference(
     settings: &RunSettings,
     reference: &(dyn Fn() -> Result<RunRecord, RunFailed> + Sync),
 ) -> Result<RunRecord, RunFailed> {
+    if crate::external::launch().is_some() {
+        return shared_reference(reference);
+    }
     if lockstep_harness::threads::forks_safely_after_reference() || settings.execs_ranks() {
         // An exec'd rank of a parity test re-runs the test only to reach its own launch.
         if crate::self_exec::serving().is_some() {
@@ -250,6 +256,29 @@ pub fn in_process_reference(
         hand_back(&record, &out)
     };
     let launched = launch_forked(1, settings, "reference", &out, &body);
+    read_record(&out, launched, 0)
+}
+
+/// `reference` computed once for every rank: under an external launch, rank 0 computes it
+/// (at the ranks' thread count) and every rank receives its record through the store, so
+/// every rank judges against the very same bits (hosts may differ in CPU and so in
+/// rounding) and the other ranks' cores stay free; elsewhere it runs here.
+pub fn shared_reference(
+    reference: &(dyn Fn() -> Result<RunRecord, RunFailed> + Sync),
+) -> Result<RunRecord, RunFailed> {
+    let Some(launch) = crate::external::launch() else {
+        return reference();
+    };
+    let out = scratch_path("reference", launch.world_size);
+    let body = |ctx: &RankCtx| -> Result<(), RankError> {
+        if ctx.rank() == 0 {
+            let record = reference().map_err(|e| e.details)?;
+            hand_back(&record, &out)?;
+        }
+        Ok(())
+    };
+    let launched =
+        crate::external::run(launch, launch.world_size, Backend::Cpu, "reference", &body);
     read_record(&out, launched, 0)
 }
 
@@ -276,15 +305,17 @@ pub fn run_single_f64(
         )
         .map_err(|e| RunFailed::simple(format!("single-device reference: {e}")))
     };
-    let mut record = shadow_f64(build, settings.seed, train)?;
-    record.spec = run_spec(
-        model_name,
-        &format!("single.f64@{world_size}"),
-        world_size,
-        "fp64",
-        settings,
-    );
-    Ok(record)
+    shared_reference(&|| {
+        let mut record = shadow_f64(build, settings.seed, train)?;
+        record.spec = run_spec(
+            model_name,
+            &format!("single.f64@{world_size}"),
+            world_size,
+            "fp64",
+            settings,
+        );
+        Ok(record)
+    })
 }
 
 /// Runs `train` on a fresh fp32 model recording its decisions, then on a fresh float64 model
@@ -383,7 +414,7 @@ pub fn run_configs_together(
         || settings.execs_ranks()
         || settings.faults.is_some()
         || crate::self_exec::serving().is_some()
-        || crate::self_exec::execs_here().unwrap_or(true)
+        || (crate::external::launch().is_none() && crate::self_exec::execs_here().unwrap_or(true))
     {
         return configs
             .iter()
@@ -433,10 +464,8 @@ pub fn run_configs_together(
     let mut records: Vec<Option<RunRecord>> = outs
         .iter()
         .map(|out| {
-            let mut record = std::fs::read(out)
-                .ok()
+            let mut record = take_handed_back(out)
                 .and_then(|bytes| serde_json::from_slice::<RunRecord>(&bytes).ok());
-            let _ = std::fs::remove_file(out);
             attach_cross_rank(record.as_mut(), out, world_size);
             record
         })
@@ -577,11 +606,15 @@ fn read_record(
     launched: Result<(), RunFailed>,
     world_size: usize,
 ) -> Result<RunRecord, RunFailed> {
-    let read = std::fs::read(out);
-    let _ = std::fs::remove_file(out);
+    let read = take_handed_back(out);
     let mut record = None;
     let checked = launched.and_then(|()| {
-        let bytes = read.map_err(|e| RunFailed::simple(format!("reading rank 0's record: {e}")))?;
+        let bytes = read.ok_or_else(|| {
+            RunFailed::simple(format!(
+                "reading rank 0's record: nothing was handed back at {}",
+                out.display()
+            ))
+        })?;
         record = Some(serde_json::from_slice::<RunRecord>(&bytes).map_err(|e| {
             RunFailed::simple(format!(
                 "rank 0's record is unreadable ({e}); a non-finite value (a diverged run) \
@@ -605,7 +638,8 @@ pub(crate) fn hand_back(record: &RunRecord, out: &Path) -> Result<(), RankError>
 /// be used in a forked child (built-in configurations exec their ranks instead: `run_exec`).
 /// Where fork is not safe (a multi-threaded `cargo test`), the ranks are re-runs of the
 /// calling test instead ([`crate::self_exec`]; `label` names the launch for them, `out` is
-/// where rank 0 writes its record).
+/// where rank 0 writes its record). Under an external launch (torchrun, srun) nothing is
+/// started: this process runs `body` as its own rank ([`crate::external`]).
 fn launch_forked(
     world_size: usize,
     settings: &RunSettings,
@@ -615,6 +649,9 @@ fn launch_forked(
 ) -> Result<(), RunFailed> {
     if settings.backend != Backend::Cpu {
         return Err(RunFailed::simple(NCCL_RUNS_MISSING));
+    }
+    if let Some(external) = crate::external::launch() {
+        return crate::external::run(external, world_size, settings.backend, label, body);
     }
     if let Some(launched) = crate::self_exec::launch_without_fork(
         world_size,
@@ -638,6 +675,10 @@ fn launch_forked(
     .map(drop)
     .map_err(launch_failed)
 }
+
+/// Why exec'd ranks (NCCL, `--exec-ranks`) are refused under an external launch.
+pub const EXEC_NOT_EXTERNAL: &str = "under an external launch (torchrun, srun) each process is \
+     one rank on the CPU backend: exec'd ranks and NCCL have no external mode yet";
 
 /// Why a training closure (a user's configuration, or subtests sharing one launch) cannot
 /// run on NCCL, for every refusal to say the same thing.
@@ -791,13 +832,17 @@ fn scratch_path(model: &str, world_size: usize) -> PathBuf {
     if let Some(path) = crate::self_exec::record_path() {
         return path;
     }
-    let nonce = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
     let safe: String = model
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
         .collect();
+    // Under an external launch the "file" is a store key, named alike on every rank.
+    if let Some(path) = crate::external::scratch_path(&format!("{safe}-{world_size}")) {
+        return path;
+    }
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
     std::env::temp_dir().join(format!(
         "lockstep-run-{}-{safe}-{world_size}-{nonce:x}.json",
         std::process::id()

@@ -3,8 +3,10 @@
 //! Proves that the published addresses are reachable, that shared memory is chosen per
 //! host, that Lockstep's store coexists with torchrun's, that `LOCKSTEP_THREADS` (not
 //! `OMP_NUM_THREADS`) sets a rank's threads, and that a wrong secret is diagnosed within
-//! the rendezvous timeout. Skipped, with the reason printed, where namespaces cannot be made
-//! (not root, no `ip`) or torch is not installed.
+//! the rendezvous timeout; and that `lockstep matrix` run as one rank per process under
+//! torchrun on both hosts gives the verdicts of the same matrix run on one host. Skipped,
+//! with the reason printed, where namespaces cannot be made (not root, no `ip`) or torch is
+//! not installed.
 
 use lockstep_core::comm::{DType, ReduceOp};
 use lockstep_core::ddp::{train_ddp, DdpOptions};
@@ -25,8 +27,10 @@ const TWO_HOSTS: &str = "LOCKSTEP_TEST_TWO_HOSTS";
 const TORCH_DEFAULT: &str = "/root/.cache/lockstep/torch-2.13.0";
 /// torchrun's own store (`MASTER_PORT`); Lockstep's goes on the next port.
 const MASTER_PORT: &str = "29500";
-/// Bound on every torchrun invocation, in seconds.
+/// Bound on every torchrun invocation of the rank body, in seconds.
 const LAUNCH_BOUND: &str = "60";
+/// Bound on the torchrun invocation of the matrix and on its single-host twin, in seconds.
+const MATRIX_BOUND: &str = "300";
 
 /// World 4: collectives across and within hosts, a DDP-vs-single check. Under plain nextest
 /// it is an ordinary local run of 4 ranks on one host.
@@ -134,12 +138,13 @@ struct TwoHosts {
 }
 
 impl TwoHosts {
-    /// Hosts `10.77.0.1` and `10.77.0.2`; the namespaces are named after this process.
-    fn create() -> Result<TwoHosts, String> {
+    /// Hosts `10.77.0.1` and `10.77.0.2`; the namespaces are named after this process and
+    /// `kind` (one lower-case letter or none: tests of one process get distinct names).
+    fn create(kind: &str) -> Result<TwoHosts, String> {
         remove_orphans();
         let pid = std::process::id();
         let hosts = TwoHosts {
-            names: [format!("lkst{pid}a"), format!("lkst{pid}b")],
+            names: [format!("lkst{pid}{kind}a"), format!("lkst{pid}{kind}b")],
         };
         let [a, b] = &hosts.names;
         ip(&["netns", "add", a])?;
@@ -167,6 +172,7 @@ fn remove_orphans() {
         let Some(pid) = name
             .strip_prefix("lkst")
             .and_then(|rest| rest.strip_suffix(['a', 'b']))
+            .map(|rest| rest.trim_end_matches(|c: char| c.is_ascii_lowercase()))
         else {
             continue;
         };
@@ -185,17 +191,36 @@ impl Drop for TwoHosts {
     }
 }
 
-/// torchrun for node `node` in namespace `ns`, running the rank body, with `env` added.
-fn torchrun(ns: &str, node: usize, torch: &str, env: &[(&str, &str)]) -> Command {
-    let exe = std::env::current_exe().expect("test binary");
+/// What torchrun starts on every rank, bounded by `bound` seconds.
+struct Ranks<'a> {
+    program: std::ffi::OsString,
+    args: Vec<String>,
+    bound: &'a str,
+}
+
+impl Ranks<'_> {
+    /// The rank body of this test binary.
+    fn body() -> Ranks<'static> {
+        Ranks {
+            program: std::env::current_exe().expect("test binary").into(),
+            args: [BODY, "--exact", "--nocapture", "--test-threads", "1"]
+                .map(str::to_owned)
+                .to_vec(),
+            bound: LAUNCH_BOUND,
+        }
+    }
+}
+
+/// torchrun for node `node` in namespace `ns`, running `ranks`, with `env` added.
+fn torchrun(ns: &str, node: usize, torch: &str, env: &[(&str, &str)], ranks: &Ranks) -> Command {
     let mut cmd = Command::new("timeout");
-    cmd.args(["-k", "5", LAUNCH_BOUND, "ip", "netns", "exec", ns])
+    cmd.args(["-k", "5", ranks.bound, "ip", "netns", "exec", ns])
         .args(["python3", "-m", "torch.distributed.run", "--no-python"])
         .args(["--nnodes", "2", "--nproc-per-node", "2"])
         .args(["--node-rank", &node.to_string()])
         .args(["--master-addr", "10.77.0.1", "--master-port", MASTER_PORT])
-        .arg(exe)
-        .args([BODY, "--exact", "--nocapture", "--test-threads", "1"])
+        .arg(&ranks.program)
+        .args(&ranks.args)
         .env("PYTHONPATH", torch)
         .env(TWO_HOSTS, "1")
         // torchrun would set 1 itself; 2 shows that LOCKSTEP_THREADS, not OMP, decides.
@@ -204,7 +229,22 @@ fn torchrun(ns: &str, node: usize, torch: &str, env: &[(&str, &str)]) -> Command
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
+    scrub(&mut cmd);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+/// Removes every variable of an enclosing launch (Lockstep's or an external one) from `cmd`.
+fn scrub(cmd: &mut Command) {
     for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "LOCKSTEP_PARITY_LAUNCH",
         "LOCKSTEP_RANK",
         "LOCKSTEP_WORLD_SIZE",
         "LOCKSTEP_STORE",
@@ -219,17 +259,18 @@ fn torchrun(ns: &str, node: usize, torch: &str, env: &[(&str, &str)]) -> Command
     ] {
         cmd.env_remove(var);
     }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd
 }
 
 /// Starts both nodes and waits for both; returns their outputs (node 0 first).
-fn launch_both(hosts: &TwoHosts, torch: &str, env: [&[(&str, &str)]; 2]) -> [Output; 2] {
+fn launch_both(
+    hosts: &TwoHosts,
+    torch: &str,
+    env: [&[(&str, &str)]; 2],
+    ranks: &Ranks,
+) -> [Output; 2] {
     let children: Vec<_> = (0..2)
         .map(|node| {
-            torchrun(&hosts.names[node], node, torch, env[node])
+            torchrun(&hosts.names[node], node, torch, env[node], ranks)
                 .spawn()
                 .expect("start torchrun")
         })
@@ -264,7 +305,7 @@ fn two_hosts_under_torchrun() {
         println!("SKIP: {reason}");
         return;
     }
-    let hosts = match TwoHosts::create() {
+    let hosts = match TwoHosts::create("") {
         Ok(h) => h,
         Err(e) => {
             println!("SKIP: cannot create network namespaces ({e})");
@@ -274,7 +315,7 @@ fn two_hosts_under_torchrun() {
 
     // World 4 across two hosts, torchrun's store on MASTER_PORT, no LOCKSTEP_HOST.
     let started = Instant::now();
-    let [a, b] = launch_both(&hosts, &torch, [&[], &[]]);
+    let [a, b] = launch_both(&hosts, &torch, [&[], &[]], &Ranks::body());
     let ok_time = started.elapsed();
     for (node, out) in [(0, &a), (1, &b)] {
         assert!(out.status.success(), "node {node} failed:\n{}", text(out));
@@ -304,6 +345,7 @@ fn two_hosts_under_torchrun() {
             &[rendezvous[0], ("LOCKSTEP_SECRET", "right")],
             &[rendezvous[0], ("LOCKSTEP_SECRET", "wrong")],
         ],
+        &Ranks::body(),
     );
     let bad_time = started.elapsed();
     assert!(!a.status.success() && !b.status.success());
@@ -318,4 +360,191 @@ fn two_hosts_under_torchrun() {
         "the wrong secret took {bad_time:?} to diagnose"
     );
     println!("wrong secret diagnosed in {:.1} s", bad_time.as_secs_f64());
+}
+
+/// The matrix selection run on two hosts and on one: every configuration family that runs
+/// at world 4 on `gpt` (DDP, FSDP flat and hybrid, TP, a pipeline, a composition).
+const MATRIX_ARGS: [&str; 8] = [
+    "--configs",
+    "ddp,fsdp.full_shard,fsdp.hybrid_shard,tp.2,pp.1f1b,fsdp_x_tp2",
+    "--models",
+    "gpt",
+    "--world-size",
+    "4",
+    "--steps",
+    "2",
+];
+
+/// `lockstep matrix` with `MATRIX_ARGS`, reports to `out`.
+fn matrix_args(out: &std::path::Path) -> Vec<String> {
+    let mut args = vec!["matrix".to_owned()];
+    args.extend(MATRIX_ARGS.map(str::to_owned));
+    args.extend(["--out".to_owned(), out.display().to_string()]);
+    args
+}
+
+/// Every compared row of a matrix report (`model config vs reference`) with its verdict;
+/// panics unless the report is complete and has no run errors.
+fn verdicts(report: &std::path::Path) -> Vec<(String, bool)> {
+    let text = std::fs::read_to_string(report)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", report.display()));
+    let json: serde_json::Value = serde_json::from_str(&text).expect("report JSON");
+    assert_eq!(json["complete"], true, "{} is incomplete", report.display());
+    assert_eq!(json["errors"].as_array().map(Vec::len), Some(0), "{text}");
+    let rows = json["comparisons"].as_array().expect("comparisons");
+    rows.iter()
+        .map(|c| {
+            let name = format!("{} {} vs {}", c["model"], c["config"], c["reference"]);
+            (name, c["passed"] == true)
+        })
+        .collect()
+}
+
+/// `/dev/shm` entries of external ranks (`lockstep-p{pid}-…`).
+fn shm_entries() -> std::collections::BTreeSet<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|dir| {
+            dir.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("lockstep-p"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Processes whose command line mentions `marker`.
+fn processes_with(marker: &str) -> Vec<String> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().parse::<u32>().is_ok())
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.contains(marker))
+        .collect()
+}
+
+#[test]
+fn matrix_under_torchrun_on_two_hosts() {
+    let torch = std::env::var("LOCKSTEP_TORCH_PYTHONPATH").unwrap_or_else(|_| TORCH_DEFAULT.into());
+    if let Some(reason) = torch_missing(&torch) {
+        println!("SKIP: {reason}");
+        return;
+    }
+    let hosts = match TwoHosts::create("m") {
+        Ok(h) => h,
+        Err(e) => {
+            println!("SKIP: cannot create network namespaces ({e})");
+            return;
+        }
+    };
+    let lockstep = env!("CARGO_BIN_EXE_lockstep");
+    let scratch = std::env::temp_dir().join(format!("lockstep-two-hosts-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    let (local_out, node_out) = (
+        scratch.join("local"),
+        [scratch.join("n0"), scratch.join("n1")],
+    );
+    let shm_before = shm_entries();
+
+    // The same selection on one host, as every user runs it.
+    let started = Instant::now();
+    let mut local = Command::new("timeout");
+    local
+        .args(["-k", "5", MATRIX_BOUND, lockstep])
+        .args(matrix_args(&local_out))
+        .stdin(Stdio::null());
+    scrub(&mut local);
+    let local = local.output().expect("run lockstep matrix");
+    let local_time = started.elapsed();
+    assert!(
+        local.status.success(),
+        "single-host matrix:\n{}",
+        text(&local)
+    );
+
+    // One rank per process, two per host, under torchrun; each node's --out is its own.
+    let per_node: Vec<Ranks> = node_out
+        .iter()
+        .map(|out| Ranks {
+            program: lockstep.into(),
+            args: matrix_args(out),
+            bound: MATRIX_BOUND,
+        })
+        .collect();
+    let started = Instant::now();
+    let children: Vec<_> = (0..2)
+        .map(|node| {
+            torchrun(&hosts.names[node], node, &torch, &[], &per_node[node])
+                .spawn()
+                .expect("start torchrun")
+        })
+        .collect();
+    let outs: Vec<Output> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().expect("wait for torchrun"))
+        .collect();
+    let external_time = started.elapsed();
+    for (node, out) in outs.iter().enumerate() {
+        assert!(out.status.success(), "node {node} failed:\n{}", text(out));
+    }
+    let (a, b) = (
+        String::from_utf8_lossy(&outs[0].stdout),
+        String::from_utf8_lossy(&outs[1].stdout),
+    );
+    assert!(
+        a.contains("11 passed, 0 failed"),
+        "rank 0 prints the table:\n{a}"
+    );
+    assert!(
+        a.contains("lockstep matrix rank 1 of 4: passed"),
+        "rank 1's one line:\n{a}"
+    );
+    for rank in [2, 3] {
+        let line = format!("lockstep matrix rank {rank} of 4: passed");
+        assert!(b.contains(&line), "rank {rank}'s one line:\n{b}");
+    }
+    assert!(!b.contains("PASS"), "only rank 0 prints the table:\n{b}");
+    assert!(!node_out[1].exists(), "only rank 0 writes reports");
+
+    // Identical verdicts, row by row.
+    let here = verdicts(&local_out.join("report.json"));
+    let there = verdicts(&node_out[0].join("report.json"));
+    assert_eq!(here.len(), 11, "{here:?}");
+    assert_eq!(here, there, "the two-host matrix judged differently");
+
+    // Nothing left behind: processes, shared memory, namespaces.
+    let marker = scratch.display().to_string();
+    let left = processes_with(&marker);
+    assert!(left.is_empty(), "processes left: {left:?}");
+    let leaked: Vec<String> = shm_entries()
+        .difference(&shm_before)
+        .filter(|n| {
+            let pid = n["lockstep-p".len()..]
+                .split('-')
+                .next()
+                .unwrap_or_default();
+            !std::path::Path::new("/proc").join(pid).exists()
+        })
+        .cloned()
+        .collect();
+    assert!(leaked.is_empty(), "/dev/shm entries left: {leaked:?}");
+    let names = hosts.names.clone();
+    drop(hosts);
+    let listed = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip");
+    let listed = String::from_utf8_lossy(&listed.stdout);
+    for ns in &names {
+        assert!(!listed.contains(ns.as_str()), "namespace {ns} left");
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+    println!(
+        "matrix on one host: {:.1} s; on two hosts under torchrun: {:.1} s; {} identical verdicts",
+        local_time.as_secs_f64(),
+        external_time.as_secs_f64(),
+        here.len()
+    );
 }

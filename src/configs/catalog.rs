@@ -767,7 +767,11 @@ impl Config {
 
     /// Why this configuration cannot run at `world_size` (hybrid shard at an odd size), if
     /// it cannot: its rows are skipped with this reason and nothing is launched.
+    /// Under an external launch, a world size other than its `WORLD_SIZE` is blocked too.
     pub fn world_blocker(self, world_size: usize) -> Option<String> {
+        if let Some(reason) = crate::external::world_blocker(world_size) {
+            return Some(reason);
+        }
         if let Some(p) = self.pipeline_config() {
             return p.ranks(world_size).err();
         }

@@ -91,9 +91,15 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
         },
         result: MatrixResult::default(),
     };
-    for (m, (model, blocker)) in plan.models.iter().zip(&plan.blockers).enumerate() {
+    'cells: for (m, (model, blocker)) in plan.models.iter().zip(&plan.blockers).enumerate() {
         for &world in &plan.world_sizes {
-            let runs = run_cell(plan, m, world, &mut tally);
+            // Under an external launch only its WORLD_SIZE runs: the other sizes' rows are
+            // skipped with that reason (`Config::world_blocker`), and nothing is launched.
+            let runs = if crate::external::world_blocker(world).is_some() {
+                CellRuns::default()
+            } else {
+                run_cell(plan, m, world, &mut tally)
+            };
             let cell = Cell {
                 index: m,
                 model,
@@ -101,6 +107,11 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
                 blocker: blocker.as_deref(),
             };
             judge_cell(plan, &cell, &runs, &mut tally.result, &mut arbiter_log);
+            // A rank failed under an external launch: its communicators may be broken and
+            // nothing more runs (`crate::external`); the caller reports it.
+            if crate::external::stopped().is_some() {
+                break 'cells;
+            }
         }
     }
     bar.finish_and_clear();
@@ -141,7 +152,8 @@ impl Tally<'_> {
     }
 }
 
-/// Everything one cell (model × world size) ran, by role.
+/// Everything one cell (model × world size) ran, by role (nothing, by default).
+#[derive(Default)]
 pub(super) struct CellRuns {
     /// Each reference's runs (the first is the reference, a second its repeat).
     references: Vec<(Config, Vec<Outcome>)>,

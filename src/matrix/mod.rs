@@ -42,7 +42,10 @@
 //!
 //! Parallel runs are launched with [`RankSpawn::Fork`](lockstep_harness::RankSpawn::Fork) (the process never touches CUDA), rank
 //! 0 hands its [`RunRecord`] back through a temporary JSON file, and the single-device runs
-//! happen in this process. Nothing is written until every run is done, and stale report
+//! happen in this process (under an external launch, torchrun or srun, each process is one
+//! rank instead: records go through the store, rank 0 computes the references for every
+//! rank, and a rank's failure stops the matrix on every rank: see [`crate::external`]).
+//! Nothing is written until every run is done, and stale report
 //! files in the output directory are removed before the first run. A run that fails (a rank
 //! error, crash or timeout) does not lose the matrix: its rows are `ERROR` with the
 //! launcher's whole account (on a timeout every rank's flight recorder and the desync

@@ -56,5 +56,6 @@ pub use types::{DType, OpKind, ReduceOp};
 pub use work::{Completion, Latch, Work};
 pub use world::{
     default_rendezvous_timeout, default_timeout, host_identity, torchelastic_in_env, Backend,
-    ExternalLaunch, GroupWrapper, InitOptions, World, RENDEZVOUS_TIMEOUT_VAR, STORE_PORT_VAR,
+    ExternalLaunch, GroupWrapper, InitOptions, RunStore, RunStoreError, World,
+    RENDEZVOUS_TIMEOUT_VAR, RUN_STORE_MAX_VALUE, STORE_PORT_VAR,
 };

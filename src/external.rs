@@ -1,0 +1,308 @@
+//! `lockstep matrix`, `lockstep run` and `ParityTest` as ONE RANK EACH under an external
+//! launcher (torchrun `--no-python`, `srun`, a script setting `RANK`, `WORLD_SIZE`,
+//! `MASTER_ADDR`, `MASTER_PORT`): every process runs the same driver in the same order, so
+//! every rank reaches the same launches; a launch does not fork, it joins a run with
+//! [`World::from_env_for`] (labelled with the launch, so a rank that took another path is
+//! named) and runs its rank's body once in this process.
+//!
+//! Ranks may sit on hosts that share no filesystem, so what a launch hands back goes through
+//! the run's store ([`RunStore`]), never through files: while a body runs, the record and
+//! digest "files" of [`crate::rank_error::hand_back_json`] are store keys named after the
+//! scratch file (whose name [`scratch_path`] makes the same on every rank); after the body,
+//! every rank publishes its outcome with the keys it wrote, reads every rank's outcome and
+//! every key into memory, and only then does the launch end (rank 0, which hosts the store,
+//! never leaves while another rank still reads). Every rank therefore holds the same records
+//! and judges identically.
+//!
+//! A rank's failure ends the whole external run: its communicators may be broken, and the
+//! ranks could not agree on what to run next. Every rank learns the failing rank (the first
+//! to fail, by a store counter) and its message from the store, every later launch returns
+//! at once without joining ([`stopped`]), and the driver stops with that message.
+
+use crate::rank_error::RankError;
+use crate::runner::RunFailed;
+use lockstep_core::comm::{Backend, ExternalLaunch, RunStore, World};
+use lockstep_harness::RankCtx;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+/// The external launch this process is a rank of, or why its launcher variables are
+/// unusable; `Ok(None)` when no external launcher started it.
+static DETECTED: OnceLock<Result<Option<ExternalLaunch>, String>> = OnceLock::new();
+
+/// The run whose body is running now, and the keys it handed back so far.
+static ACTIVE: Mutex<Option<(RunStore, Vec<String>)>> = Mutex::new(None);
+
+/// What finished launches handed back, by scratch file name, until read.
+static RECEIVED: Mutex<Option<HashMap<String, Vec<u8>>>> = Mutex::new(None);
+
+/// The failure that stopped the external run, once one did.
+static STOPPED: Mutex<Option<RunFailed>> = Mutex::new(None);
+
+/// Scratch names given so far: every rank names them in the same order.
+static SCRATCH: AtomicU64 = AtomicU64::new(0);
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Whether an external launcher started this process: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`
+/// and `MASTER_PORT` are all set, and neither Lockstep's launcher (`LOCKSTEP_RANK`) nor a
+/// parity test's re-execution (`LOCKSTEP_PARITY_LAUNCH`) started it. Plain `cargo test` and
+/// a plain `lockstep matrix` set none of these and are unaffected. `Err` names a launcher
+/// variable that is set but malformed.
+pub fn detect() -> Result<Option<&'static ExternalLaunch>, String> {
+    DETECTED
+        .get_or_init(|| {
+            let launched_by_lockstep = std::env::var_os("LOCKSTEP_RANK").is_some()
+                || crate::self_exec::serving().is_some();
+            let all_set = ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
+                .iter()
+                .all(|v| std::env::var_os(v).is_some());
+            if launched_by_lockstep || !all_set {
+                return Ok(None);
+            }
+            ExternalLaunch::from_env()
+                .map(Some)
+                .map_err(|e| format!("external launch: {e}"))
+        })
+        .as_ref()
+        .map(Option::as_ref)
+        .map_err(Clone::clone)
+}
+
+/// The external launch this process is a rank of, if any (malformed variables count as none:
+/// the CLI reports them through [`detect`] before running anything).
+pub fn launch() -> Option<&'static ExternalLaunch> {
+    detect().ok().flatten()
+}
+
+/// Why a run of `world_size` ranks cannot run under this external launch, if it cannot (its
+/// rows are skipped with this reason).
+pub fn world_blocker(world_size: usize) -> Option<String> {
+    let launch = launch()?;
+    (launch.world_size != world_size).then(|| {
+        format!(
+            "the external launch has WORLD_SIZE={}; world size {world_size} needs a launch of \
+             its own",
+            launch.world_size
+        )
+    })
+}
+
+/// The failure that stopped this external run, if one did: nothing runs after it.
+pub fn stopped() -> Option<RunFailed> {
+    lock(&STOPPED).clone()
+}
+
+/// Records `failed` as what stopped the run and returns it.
+fn stop(failed: RunFailed) -> RunFailed {
+    lock(&STOPPED).get_or_insert(failed).clone()
+}
+
+/// A scratch path every rank names alike (a store key in disguise), under an external launch.
+pub(crate) fn scratch_path(tag: &str) -> Option<PathBuf> {
+    launch()?;
+    let n = SCRATCH.fetch_add(1, Ordering::AcqRel);
+    Some(std::env::temp_dir().join(format!("lockstep-ext-{tag}-{n}.json")))
+}
+
+/// The store key of a handed-back file.
+fn key_of(path: &Path) -> String {
+    path.file_name().map_or_else(
+        || path.display().to_string(),
+        |n| n.to_string_lossy().into(),
+    )
+}
+
+/// Under an external launch's body, puts `bytes` (what would be written at `path`) into the
+/// run's store; `None` when no external body is running (the caller writes the file).
+pub(crate) fn publish(
+    what: &'static str,
+    path: &Path,
+    bytes: &[u8],
+) -> Option<Result<(), RankError>> {
+    let mut active = lock(&ACTIVE);
+    let (store, keys) = active.as_mut()?;
+    let key = key_of(path);
+    let put = store.put(&key, bytes).map_err(|source| RankError::Publish {
+        what,
+        source: Box::new(source),
+    });
+    if put.is_ok() {
+        keys.push(key);
+    }
+    Some(put)
+}
+
+/// Under an external launch, what a finished launch handed back at `path` (taken: read
+/// once); `None` when this is not an external launch (the caller reads the file).
+pub(crate) fn take(path: &Path) -> Option<Option<Vec<u8>>> {
+    launch()?;
+    Some(lock(&RECEIVED).as_mut()?.remove(&key_of(path)))
+}
+
+/// One rank's account of a launch, published after its body.
+#[derive(Serialize, Deserialize)]
+struct Outcome {
+    /// The body's error (or panic), if it failed.
+    failed: Option<String>,
+    /// Its place among the run's failures (1: first).
+    order: Option<i64>,
+    /// The keys it handed back.
+    keys: Vec<String>,
+}
+
+/// Runs `body` as this process's rank of a launch of `world_size` ranks labelled `label`,
+/// then exchanges outcomes and handed-back values through the store (see the module doc).
+/// A failure on any rank comes back, the same on every rank, and stops the run.
+pub(crate) fn run(
+    launch: &ExternalLaunch,
+    world_size: usize,
+    backend: Backend,
+    label: &str,
+    body: &(dyn Fn(&RankCtx) -> Result<(), RankError> + Sync),
+) -> Result<(), RunFailed> {
+    if let Some(failed) = stopped() {
+        return Err(RunFailed {
+            line: format!("not run: {}", failed.line),
+            ..failed
+        });
+    }
+    if let Some(reason) = world_blocker(world_size) {
+        return Err(RunFailed::simple(reason));
+    }
+    // This process is a rank now: the ranks' thread rule, as a launched rank applies.
+    lockstep_harness::threads::use_rank_threads();
+    let rank = launch.rank;
+    let world = World::from_env_for(backend, label).map_err(|e| {
+        stop(RunFailed::simple(format!(
+            "rank {rank} could not join launch `{label}`: {e}"
+        )))
+    })?;
+    let store = world.run_store();
+    *lock(&ACTIVE) = Some((store.clone(), Vec::new()));
+    let ctx = RankCtx::new(world, launch.local_rank);
+    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| body(&ctx)));
+    let keys = lock(&ACTIVE).take().map(|(_, k)| k).unwrap_or_default();
+    let failed = match outcome {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(e.to_string()),
+        Err(panic) => Some(panic_text(panic.as_ref())),
+    };
+    let order = failed.as_ref().and_then(|_| store.add("failures", 1).ok());
+    let mine = Outcome {
+        failed,
+        order,
+        keys,
+    };
+    let published = serde_json::to_vec(&mine)
+        .map_err(|e| e.to_string())
+        .and_then(|json| {
+            store
+                .put(&format!("outcome/{rank}"), &json)
+                .map_err(|e| e.to_string())
+        });
+    // Closing this rank's links now frees a peer blocked on it in a collective (it fails
+    // with the lost rank) instead of waiting out the collective timeout.
+    drop(ctx);
+    if let Err(e) = published {
+        return Err(stop(RunFailed::simple(format!(
+            "rank {rank} could not publish its outcome of launch `{label}`: {e}"
+        ))));
+    }
+    let outcomes = gather(&store, world_size, label).map_err(stop)?;
+    judge_outcomes(&outcomes, label).map_err(stop)?;
+    receive(&store, &outcomes, rank, world_size, label).map_err(stop)
+}
+
+/// Every rank's outcome of launch `label`, waiting at most the collective timeout for each.
+fn gather(store: &RunStore, world_size: usize, label: &str) -> Result<Vec<Outcome>, RunFailed> {
+    let mut outcomes = Vec::with_capacity(world_size);
+    for r in 0..world_size {
+        let bytes = store.get(&format!("outcome/{r}")).map_err(|e| {
+            let missing: Vec<usize> = (r..world_size)
+                .filter(|q| !store.check(&format!("outcome/{q}")).unwrap_or(false))
+                .collect();
+            RunFailed::simple(format!(
+                "launch `{label}`: rank(s) {missing:?} never reported how their rank ended \
+                 (crashed, killed, or still in a collective): {e}"
+            ))
+        })?;
+        let outcome = serde_json::from_slice(&bytes).map_err(|e| {
+            RunFailed::simple(format!(
+                "launch `{label}`: rank {r}'s outcome is unreadable: {e}"
+            ))
+        })?;
+        outcomes.push(outcome);
+    }
+    Ok(outcomes)
+}
+
+/// The launch's failure, if any rank failed: the first to fail named, every failing rank's
+/// message in the details.
+fn judge_outcomes(outcomes: &[Outcome], label: &str) -> Result<(), RunFailed> {
+    let failed: Vec<(usize, &Outcome, &String)> = outcomes
+        .iter()
+        .enumerate()
+        .filter_map(|(r, o)| o.failed.as_ref().map(|m| (r, o, m)))
+        .collect();
+    let Some(&(first, _, message)) = failed
+        .iter()
+        .min_by_key(|(r, o, _)| (o.order.unwrap_or(i64::MAX), *r))
+    else {
+        return Ok(());
+    };
+    let line = format!("rank {first} failed in launch `{label}`: {message}");
+    let mut details = format!("{line}\n");
+    for (r, _, m) in &failed {
+        details.push_str(&format!("rank {r}: {m}\n"));
+    }
+    Err(RunFailed {
+        line: crate::runner::one_line(&line),
+        details,
+        timed_out: false,
+    })
+}
+
+/// Reads every key every rank handed back into this process, then waits until every rank
+/// has (so rank 0, which hosts the store, never leaves while another still reads).
+fn receive(
+    store: &RunStore,
+    outcomes: &[Outcome],
+    rank: usize,
+    world_size: usize,
+    label: &str,
+) -> Result<(), RunFailed> {
+    let fail = |e: &dyn std::fmt::Display| {
+        RunFailed::simple(format!(
+            "launch `{label}`: rank {rank} could not read what the ranks handed back: {e}"
+        ))
+    };
+    let mut got = HashMap::new();
+    for key in outcomes.iter().flat_map(|o| &o.keys) {
+        got.insert(key.clone(), store.get(key).map_err(|e| fail(&e))?);
+    }
+    lock(&RECEIVED).get_or_insert_with(HashMap::new).extend(got);
+    store
+        .put(&format!("received/{rank}"), b"")
+        .map_err(|e| fail(&e))?;
+    for r in 0..world_size {
+        store.get(&format!("received/{r}")).map_err(|e| fail(&e))?;
+    }
+    Ok(())
+}
+
+/// A panic's message.
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    let text = panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into());
+    format!("panicked: {text}")
+}
