@@ -220,27 +220,75 @@ pub(crate) fn run(
     receive(&store, &outcomes, rank, world_size, label).map_err(stop)
 }
 
-/// Every rank's outcome of launch `label`, waiting at most the collective timeout for each.
+/// How long the ranks wait for a missing outcome once another rank has reported a failure:
+/// a rank that failed publishes its outcome at once, and its peers fail fast once it closes
+/// its links, so a rank still silent after this died without reporting (killed, crashed).
+const DEAD_RANK_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// Every rank's outcome of launch `label`. With no failure reported, a missing outcome is
+/// awaited up to the collective timeout (a rank may still be training); once some rank has
+/// reported a failure, ranks still silent [`DEAD_RANK_GRACE`] later are named as dead.
 fn gather(store: &RunStore, world_size: usize, label: &str) -> Result<Vec<Outcome>, RunFailed> {
-    let mut outcomes = Vec::with_capacity(world_size);
-    for r in 0..world_size {
-        let bytes = store.get(&format!("outcome/{r}")).map_err(|e| {
-            let missing: Vec<usize> = (r..world_size)
-                .filter(|q| !store.check(&format!("outcome/{q}")).unwrap_or(false))
-                .collect();
-            RunFailed::simple(format!(
+    let started = std::time::Instant::now();
+    let mut outcomes: Vec<Option<Outcome>> = (0..world_size).map(|_| None).collect();
+    let mut failure_seen: Option<std::time::Instant> = None;
+    loop {
+        for (r, slot) in outcomes.iter_mut().enumerate() {
+            let key = format!("outcome/{r}");
+            if slot.is_some() || !store.check(&key).unwrap_or(false) {
+                continue;
+            }
+            let bytes = store.get(&key).map_err(|e| {
+                RunFailed::simple(format!("launch `{label}`: reading rank {r}'s outcome: {e}"))
+            })?;
+            let outcome: Outcome = serde_json::from_slice(&bytes).map_err(|e| {
+                RunFailed::simple(format!(
+                    "launch `{label}`: rank {r}'s outcome is unreadable: {e}"
+                ))
+            })?;
+            if outcome.failed.is_some() && failure_seen.is_none() {
+                failure_seen = Some(std::time::Instant::now());
+            }
+            *slot = Some(outcome);
+        }
+        let missing: Vec<usize> = (0..world_size).filter(|&r| outcomes[r].is_none()).collect();
+        if missing.is_empty() {
+            return Ok(outcomes.into_iter().flatten().collect());
+        }
+        if failure_seen.is_some_and(|t| t.elapsed() >= DEAD_RANK_GRACE) {
+            return Err(dead_ranks(&outcomes, &missing, label));
+        }
+        if started.elapsed() >= store.timeout() {
+            return Err(RunFailed::simple(format!(
                 "launch `{label}`: rank(s) {missing:?} never reported how their rank ended \
-                 (crashed, killed, or still in a collective): {e}"
-            ))
-        })?;
-        let outcome = serde_json::from_slice(&bytes).map_err(|e| {
-            RunFailed::simple(format!(
-                "launch `{label}`: rank {r}'s outcome is unreadable: {e}"
-            ))
-        })?;
-        outcomes.push(outcome);
+                 within the collective timeout ({:.0} s): still in a collective, or stalled",
+                store.timeout().as_secs_f64()
+            )));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
     }
-    Ok(outcomes)
+}
+
+/// The failure of a launch in which ranks `missing` died without reporting: they are named
+/// first (the ranks that reported failed because they lost them), every reported failure
+/// in the details.
+fn dead_ranks(outcomes: &[Option<Outcome>], missing: &[usize], label: &str) -> RunFailed {
+    let line = format!(
+        "rank(s) {missing:?} died in launch `{label}` without reporting (killed or crashed; \
+         no outcome {:.0} s after the first failure reported by its peers)",
+        DEAD_RANK_GRACE.as_secs_f64()
+    );
+    let mut details = format!("{line}\n");
+    for (r, o) in outcomes.iter().enumerate() {
+        if let Some(m) = o.as_ref().and_then(|o| o.failed.as_ref()) {
+            details.push_str(&format!("rank {r}: {m}\n"));
+        }
+    }
+    RunFailed {
+        line: crate::runner::one_line(&line),
+        details,
+        timed_out: false,
+    }
 }
 
 /// The launch's failure, if any rank failed: the first to fail named, every failing rank's

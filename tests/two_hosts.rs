@@ -548,3 +548,116 @@ fn matrix_under_torchrun_on_two_hosts() {
         here.len()
     );
 }
+
+/// The value of `var` in process `pid`'s environment.
+fn env_of(pid: &str, var: &str) -> Option<String> {
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let prefix = format!("{var}=");
+    environ
+        .split(|&b| b == 0)
+        .map(String::from_utf8_lossy)
+        .find_map(|kv| kv.strip_prefix(&prefix).map(str::to_owned))
+}
+
+/// The pid of the process whose command line mentions `marker` and whose `RANK` is `rank`.
+fn rank_pid(marker: &str, rank: usize) -> Option<String> {
+    std::fs::read_dir("/proc")
+        .ok()?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|pid| pid.parse::<u32>().is_ok())
+        .find(|pid| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            cmdline.contains(marker)
+                && !cmdline.contains("torch.distributed.run")
+                && env_of(pid, "RANK").as_deref() == Some(&rank.to_string())
+        })
+}
+
+/// A rank killed on host B mid-run (SIGKILL: it reports nothing) is named by rank 0 on host
+/// A, well within the 60 s collective timeout: its peers fail as its links close, and a rank
+/// still silent a few seconds after the first reported failure is named as dead.
+#[test]
+fn a_killed_rank_is_named_by_the_other_host() {
+    let torch = std::env::var("LOCKSTEP_TORCH_PYTHONPATH").unwrap_or_else(|_| TORCH_DEFAULT.into());
+    if let Some(reason) = torch_missing(&torch) {
+        println!("SKIP: {reason}");
+        return;
+    }
+    let hosts = match TwoHosts::create("k") {
+        Ok(h) => h,
+        Err(e) => {
+            println!("SKIP: cannot create network namespaces ({e})");
+            return;
+        }
+    };
+    let shm_before = shm_entries();
+    // A seed no other test uses marks this run's processes.
+    let seed = format!("{}", 7_000_000 + std::process::id() % 1_000_000);
+    let ranks = Ranks {
+        program: env!("CARGO_BIN_EXE_lockstep").into(),
+        args: [
+            "run", "--model", "gpt", "--config", "ddp", "--steps", "1000000",
+        ]
+        .map(str::to_owned)
+        .into_iter()
+        .chain(["--seed".to_owned(), seed.clone()])
+        .collect(),
+        bound: LAUNCH_BOUND,
+    };
+    let children: Vec<_> = (0..2)
+        .map(|node| {
+            torchrun(&hosts.names[node], node, &torch, &[], &ranks)
+                .spawn()
+                .expect("start torchrun")
+        })
+        .collect();
+    // Rank 3 (host B), once it has run for a few seconds (past rendezvous, training).
+    let marker = format!("--seed {seed}");
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let victim = loop {
+        if let Some(pid) = rank_pid(&marker, 3) {
+            break pid;
+        }
+        assert!(Instant::now() < deadline, "rank 3 never started");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    std::thread::sleep(Duration::from_secs(4));
+    let killed = Instant::now();
+    let status = Command::new("kill")
+        .args(["-9", &victim])
+        .status()
+        .expect("kill");
+    assert!(status.success(), "kill -9 {victim}");
+    let outs: Vec<Output> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().expect("wait for torchrun"))
+        .collect();
+    let named_after = killed.elapsed();
+    let a = text(&outs[0]);
+    assert!(!outs[0].status.success(), "host A must fail:\n{a}");
+    let line = a
+        .lines()
+        .find(|l| l.contains("died in launch"))
+        .unwrap_or_else(|| panic!("host A does not name a dead rank:\n{a}"));
+    assert!(
+        line.contains("3]"),
+        "the killed rank 3 is not named: {line}"
+    );
+    // Bounded by the collective timeout (60 s) it would otherwise wait out.
+    assert!(
+        named_after < Duration::from_secs(30),
+        "named only after {named_after:?}:\n{a}"
+    );
+    assert!(
+        rank_pid(&marker, 0).is_none() && rank_pid(&marker, 2).is_none(),
+        "ranks left running"
+    );
+    let new_shm: Vec<String> = shm_entries().difference(&shm_before).cloned().collect();
+    assert!(new_shm.is_empty(), "/dev/shm entries left: {new_shm:?}");
+    println!(
+        "killed rank 3 named on host A {:.1} s after the kill: {line}",
+        named_after.as_secs_f64()
+    );
+}
