@@ -391,8 +391,9 @@ enum BenchCommand {
     Comm {
         #[arg(long, default_value = "cpu")]
         backend: String,
-        #[arg(long, default_value_t = 2)]
-        world_size: usize,
+        /// Ranks (default 2; under torchrun/srun the launcher's WORLD_SIZE).
+        #[arg(long)]
+        world_size: Option<usize>,
         /// Collectives to measure (default: all).
         #[arg(long, value_delimiter = ',')]
         ops: Vec<BenchOp>,
@@ -1066,12 +1067,18 @@ fn run_bench(what: BenchCommand) -> Result<()> {
 /// `lockstep bench comm`: busbw per collective and size.
 fn bench_comm(
     backend: String,
-    world_size: usize,
+    world_size: Option<usize>,
     ops: Vec<BenchOp>,
     sizes: Vec<usize>,
     seconds: f64,
     json: bool,
 ) -> Result<()> {
+    // Under torchrun/srun this process is one rank; rank 0 prints the figures.
+    let external = lockstep::external::detect().map_err(|e| anyhow::anyhow!(e))?;
+    let world_size = world_size.or(external.map(|e| e.world_size)).unwrap_or(2);
+    let quiet_rank = external
+        .filter(|e| e.rank != 0)
+        .map(|e| (e.rank, e.world_size));
     let opts = CommBenchOptions {
         world_size,
         backend,
@@ -1093,7 +1100,7 @@ fn bench_comm(
         },
         seconds_per_point: seconds,
     };
-    if !json {
+    if !json && quiet_rank.is_none() {
         eprintln!(
             "measuring {} x {} on {} ({} backend)...",
             plural(opts.ops.len(), "collective"),
@@ -1103,6 +1110,13 @@ fn bench_comm(
         );
     }
     let points = bench::run_comm(&opts).context("communication benchmark")?;
+    if let Some((rank, size)) = quiet_rank {
+        println!(
+            "lockstep bench comm rank {rank} of {size}: {} measured (rank 0 prints them)",
+            plural(points.len(), "point")
+        );
+        return Ok(());
+    }
     if json {
         for p in &points {
             println!("{}", serde_json::to_string(p)?);

@@ -661,3 +661,58 @@ fn a_killed_rank_is_named_by_the_other_host() {
         named_after.as_secs_f64()
     );
 }
+
+/// `lockstep bench comm` as one rank per process under torchrun on both hosts: rank 0 prints
+/// every point (world 4, positive bandwidth), the others one line each.
+#[test]
+fn bench_comm_across_hosts() {
+    let torch = std::env::var("LOCKSTEP_TORCH_PYTHONPATH").unwrap_or_else(|_| TORCH_DEFAULT.into());
+    if let Some(reason) = torch_missing(&torch) {
+        println!("SKIP: {reason}");
+        return;
+    }
+    let hosts = match TwoHosts::create("c") {
+        Ok(h) => h,
+        Err(e) => {
+            println!("SKIP: cannot create network namespaces ({e})");
+            return;
+        }
+    };
+    let ranks = Ranks {
+        program: env!("CARGO_BIN_EXE_lockstep").into(),
+        args: ["bench", "comm", "--ops", "all_reduce,all_gather", "--json"]
+            .into_iter()
+            .chain(["--sizes", "4096,4194304", "--seconds", "0.3"])
+            .map(str::to_owned)
+            .collect(),
+        bound: LAUNCH_BOUND,
+    };
+    let outs = launch_both(&hosts, &torch, [&[], &[]], &ranks);
+    for (node, out) in outs.iter().enumerate() {
+        assert!(out.status.success(), "node {node} failed:\n{}", text(out));
+    }
+    let a = String::from_utf8_lossy(&outs[0].stdout);
+    let points: Vec<serde_json::Value> = a
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).expect("a JSON point"))
+        .collect();
+    assert_eq!(points.len(), 4, "rank 0's points:\n{a}");
+    for p in &points {
+        assert_eq!(p["world_size"], 4, "{p}");
+        let busbw = p["busbw_gbps"].as_f64().unwrap_or(0.0);
+        assert!(busbw > 0.0 && busbw.is_finite(), "{p}");
+        println!(
+            "across two hosts: {} {} B: busbw {busbw:.3} GB/s",
+            p["op"], p["bytes"]
+        );
+    }
+    assert!(a.contains("lockstep bench comm rank 1 of 4"), "{a}");
+    let b = String::from_utf8_lossy(&outs[1].stdout);
+    for rank in [2, 3] {
+        assert!(
+            b.contains(&format!("lockstep bench comm rank {rank} of 4")),
+            "{b}"
+        );
+    }
+}

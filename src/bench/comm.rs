@@ -1,27 +1,33 @@
 //! `bench comm`: latency and bus bandwidth of each collective per message size, measured on
-//! freshly launched ranks (nccl-tests' definitions of algorithm and bus bandwidth).
+//! freshly launched ranks, or as one rank per process under torchrun/srun across hosts
+//! (nccl-tests' definitions of algorithm and bus bandwidth).
 
 use super::{max_across, rank_exit_code, results_path, BenchError};
-use lockstep_core::comm::{ProcessGroup, ReduceOp};
+use lockstep_core::comm::{Backend, ExternalLaunch, ProcessGroup, ReduceOp, World};
 use lockstep_core::CommError;
 use lockstep_harness::{launch, LaunchOptions, RankCtx, RankSpawn};
 use serde::Serialize;
 use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 
-/// The collectives `bench comm` measures.
+/// The collectives `bench comm` measures (`--ops all-reduce` or `all_reduce`, the spelling
+/// its JSON output uses).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum BenchOp {
     /// All-reduce (sum); bus factor 2(n-1)/n.
+    #[value(alias = "all_reduce")]
     AllReduce,
     /// All-gather; the size counted is the gathered output.
+    #[value(alias = "all_gather")]
     AllGather,
     /// Reduce-scatter (sum); the size counted is the full input.
+    #[value(alias = "reduce_scatter")]
     ReduceScatter,
     /// Broadcast from rank 0.
     Broadcast,
     /// All-to-all with equal chunks per peer.
+    #[value(alias = "all_to_all")]
     AllToAll,
 }
 
@@ -94,6 +100,9 @@ pub fn run_comm(opts: &CommBenchOptions) -> Result<Vec<CommPoint>, BenchError> {
             opts.backend
         )));
     }
+    if let Some(external) = crate::external::launch() {
+        return run_comm_external(external, opts);
+    }
     let out = results_path("comm");
     let launch_opts = LaunchOptions {
         world_size: opts.world_size,
@@ -121,6 +130,26 @@ pub fn run_comm(opts: &CommBenchOptions) -> Result<Vec<CommPoint>, BenchError> {
     text.lines()
         .map(|l| serde_json::from_str(l).map_err(BenchError::from))
         .collect()
+}
+
+/// `bench comm` as this process's rank of an external launch (torchrun, srun): ranks on other
+/// hosts measure the links between hosts. Every rank returns the same points (each one's time
+/// is the slowest rank's).
+fn run_comm_external(
+    external: &ExternalLaunch,
+    opts: &CommBenchOptions,
+) -> Result<Vec<CommPoint>, BenchError> {
+    if opts.world_size != external.world_size {
+        return Err(BenchError::Invalid(format!(
+            "--world-size {} under an external launch of WORLD_SIZE={}: the launcher decides \
+             the world size",
+            opts.world_size, external.world_size
+        )));
+    }
+    lockstep_harness::threads::use_rank_threads();
+    let world = World::from_env_for(Backend::Cpu, "bench comm")?;
+    let ctx = RankCtx::new(world, external.local_rank);
+    Ok(measure_comm(&ctx, opts)?)
 }
 
 fn measure_comm(ctx: &RankCtx, opts: &CommBenchOptions) -> Result<Vec<CommPoint>, CommError> {

@@ -46,6 +46,9 @@ pub enum BenchError {
     /// A rank's result file is not the JSON it should be.
     #[error("parsing benchmark results: {0}")]
     Parse(#[from] serde_json::Error),
+    /// Under an external launch, joining the run or a collective failed.
+    #[error("benchmark rank: {0}")]
+    Comm(#[from] CommError),
 }
 
 /// A forked rank's body run to its exit code (the harness's fork entry point).
