@@ -21,6 +21,7 @@
 
 use crate::rank_error::RankError;
 use crate::runner::RunFailed;
+use lockstep_core::comm::flight;
 use lockstep_core::comm::{Backend, ExternalLaunch, RunStore, World};
 use lockstep_harness::RankCtx;
 use serde::{Deserialize, Serialize};
@@ -29,6 +30,7 @@ use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
 
 /// The external launch this process is a rank of, or why its launcher variables are
 /// unusable; `Ok(None)` when no external launcher started it.
@@ -151,6 +153,10 @@ pub(crate) fn take(path: &Path) -> Option<Option<Vec<u8>>> {
 struct Outcome {
     /// The body's error (or panic), if it failed.
     failed: Option<String>,
+    /// The launch's timeout passed on this rank (its watchdog aborted its links and left its
+    /// flight recorder under `flight/{rank}`).
+    #[serde(default)]
+    timed_out: bool,
     /// Its place among the run's failures (1: first).
     order: Option<i64>,
     /// The keys it handed back.
@@ -165,6 +171,7 @@ pub(crate) fn run(
     world_size: usize,
     backend: Backend,
     label: &str,
+    timeout: Duration,
     body: &(dyn Fn(&RankCtx) -> Result<(), RankError> + Sync),
 ) -> Result<(), RunFailed> {
     if let Some(failed) = stopped() {
@@ -187,9 +194,15 @@ pub(crate) fn run(
     let store = world.run_store();
     *lock(&ACTIVE) = Some((store.clone(), Vec::new()));
     let ctx = RankCtx::new(world, launch.local_rank);
+    let watchdog = Watchdog::start(store.clone(), (rank, world_size), label, timeout);
     let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| body(&ctx)));
+    let timed_out = watchdog.stop();
     let keys = lock(&ACTIVE).take().map(|(_, k)| k).unwrap_or_default();
     let failed = match outcome {
+        _ if timed_out => Some(format!(
+            "timed out after {:.0} s (the launch's --timeout); its links were aborted",
+            timeout.as_secs_f64()
+        )),
         Ok(Ok(())) => None,
         Ok(Err(e)) => Some(e.to_string()),
         Err(panic) => Some(panic_text(panic.as_ref())),
@@ -197,6 +210,7 @@ pub(crate) fn run(
     let order = failed.as_ref().and_then(|_| store.add("failures", 1).ok());
     let mine = Outcome {
         failed,
+        timed_out,
         order,
         keys,
     };
@@ -216,8 +230,136 @@ pub(crate) fn run(
         ))));
     }
     let outcomes = gather(&store, world_size, label).map_err(stop)?;
+    if outcomes.iter().any(|o| o.timed_out) {
+        return Err(stop(timeout_failure(&store, &outcomes, label, timeout)));
+    }
     judge_outcomes(&outcomes, label).map_err(stop)?;
     receive(&store, &outcomes, rank, world_size, label).map_err(stop)
+}
+
+/// The launcher's watchdog for a rank with no launcher above it: past the launch's timeout it
+/// leaves this rank's flight recorder in the store and aborts every link of the process, so
+/// the body stuck in a collective returns (and every peer's with it) instead of waiting out
+/// the collective timeout.
+struct Watchdog {
+    stop: std::sync::mpsc::Sender<()>,
+    thread: std::thread::JoinHandle<bool>,
+}
+
+impl Watchdog {
+    fn start(
+        store: RunStore,
+        (rank, world_size): (usize, usize),
+        label: &str,
+        timeout: Duration,
+    ) -> Watchdog {
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let label = label.to_owned();
+        let thread = std::thread::spawn(move || {
+            match stopped.recv_timeout(timeout) {
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                // Stopped (or the run's side went away): the body ended in time.
+                _ => return false,
+            }
+            // The recorder first: aborting adds the failed operations to it.
+            if let Ok(json) = serde_json::to_vec(&flight::snapshot()) {
+                let _ = store.put(&format!("flight/{rank}"), &json);
+            }
+            // Every rank's watchdog fires about now: let each take its recorder before any
+            // abort turns its pending collective into a failed one.
+            let deadline = std::time::Instant::now() + FLIGHT_GRACE;
+            while std::time::Instant::now() < deadline
+                && !(0..world_size).all(|r| store.check(&format!("flight/{r}")).unwrap_or(false))
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            lockstep_core::comm::cpu::link::abort_all(&format!(
+                "aborted by rank {rank}'s watchdog: launch `{label}` passed its timeout of {:.0} s",
+                timeout.as_secs_f64()
+            ));
+            if stopped.recv_timeout(STUCK_GRACE).is_ok() {
+                return true;
+            }
+            // Aborting freed no collective: the body is stuck outside communication and
+            // will not return. Report for it, then end the process (nothing else can).
+            let message = format!(
+                "stuck outside any collective: launch `{label}` passed its timeout of {:.0} s \
+                 and aborting this rank's links did not end it",
+                timeout.as_secs_f64()
+            );
+            let outcome = Outcome {
+                failed: Some(message.clone()),
+                timed_out: true,
+                order: store.add("failures", 1).ok(),
+                keys: Vec::new(),
+            };
+            if let Ok(json) = serde_json::to_vec(&outcome) {
+                let _ = store.put(&format!("outcome/{rank}"), &json);
+            }
+            eprintln!("error: rank {rank} {message}; exiting");
+            std::process::exit(1)
+        });
+        Watchdog { stop, thread }
+    }
+
+    /// Stops the watchdog; whether it fired.
+    fn stop(self) -> bool {
+        let _ = self.stop.send(());
+        self.thread.join().unwrap_or(true)
+    }
+}
+
+/// How long a watchdog waits for the other ranks' flight recorders before it aborts links.
+const FLIGHT_GRACE: Duration = Duration::from_millis(1500);
+
+/// How long a watchdog that aborted its rank's links waits for the body to return before it
+/// concludes the body is stuck outside communication.
+const STUCK_GRACE: Duration = Duration::from_secs(2);
+
+/// The failure of a launch whose timeout passed: every rank that published its flight
+/// recorder shown, with the desync diagnosis over all of them (as the launcher's timeout
+/// report has it).
+fn timeout_failure(
+    store: &RunStore,
+    outcomes: &[Outcome],
+    label: &str,
+    timeout: Duration,
+) -> RunFailed {
+    let late: Vec<usize> = (0..outcomes.len())
+        .filter(|&r| outcomes[r].timed_out)
+        .collect();
+    let dumps: Vec<Option<Vec<flight::OpRecord>>> = (0..outcomes.len())
+        .map(|r| {
+            let key = format!("flight/{r}");
+            let present = store.check(&key).unwrap_or(false);
+            present
+                .then(|| store.get(&key).ok())
+                .flatten()
+                .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+        })
+        .collect();
+    let line = format!(
+        "launch `{label}` timed out after {:.0} s on rank(s) {late:?}",
+        timeout.as_secs_f64()
+    );
+    let mut details = format!("{line}\n");
+    for d in flight::diagnose(&dumps) {
+        details.push_str(&format!("diagnosis: {d}\n"));
+    }
+    for (r, dump) in dumps.iter().enumerate() {
+        match dump {
+            Some(records) => details.push_str(&format!(
+                "rank {r} flight recorder:\n{}\n",
+                flight::render(records)
+            )),
+            None => details.push_str(&format!("rank {r}: no flight recorder\n")),
+        }
+    }
+    RunFailed {
+        line: crate::runner::one_line(&line),
+        details,
+        timed_out: true,
+    }
 }
 
 /// How long the ranks wait for a missing outcome once another rank has reported a failure:

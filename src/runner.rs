@@ -277,8 +277,14 @@ pub fn shared_reference(
         }
         Ok(())
     };
-    let launched =
-        crate::external::run(launch, launch.world_size, Backend::Cpu, "reference", &body);
+    let launched = crate::external::run(
+        launch,
+        launch.world_size,
+        Backend::Cpu,
+        "reference",
+        lockstep_core::comm::default_timeout(),
+        &body,
+    );
     read_record(&out, launched, 0)
 }
 
@@ -651,7 +657,14 @@ fn launch_forked(
         return Err(RunFailed::simple(NCCL_RUNS_MISSING));
     }
     if let Some(external) = crate::external::launch() {
-        return crate::external::run(external, world_size, settings.backend, label, body);
+        return crate::external::run(
+            external,
+            world_size,
+            settings.backend,
+            label,
+            settings.timeout,
+            body,
+        );
     }
     if let Some(launched) = crate::self_exec::launch_without_fork(
         world_size,

@@ -149,6 +149,26 @@ pub struct Link {
     shutdown: TcpStream,
 }
 
+/// Every live link of this process, as what [`abort_all`] needs to end it: its inbox and a
+/// handle on its socket. Links of dropped groups fall out as their inboxes go.
+static LIVE: Mutex<Vec<(std::sync::Weak<Inbox>, TcpStream)>> = Mutex::new(Vec::new());
+
+/// Ends every link of this process now: each inbox closes with `reason` (a collective
+/// waiting on one fails with [`CommError::PeerLost`] carrying it) and each socket shuts down
+/// (the peers see the connection close at once). A watchdog with no launcher above it (an
+/// external launch) calls this when the run is past its timeout, so a rank stuck in a
+/// collective returns instead of waiting out the collective timeout.
+pub fn abort_all(reason: &str) {
+    let mut live = lock(&LIVE);
+    live.retain(|(inbox, _)| inbox.strong_count() > 0);
+    for (inbox, socket) in live.iter() {
+        if let Some(inbox) = inbox.upgrade() {
+            inbox.close(reason.to_owned());
+        }
+        let _ = socket.shutdown(std::net::Shutdown::Both);
+    }
+}
+
 impl Link {
     /// Starts the reader and writer threads on a connected, handshaken stream.
     pub fn start(
@@ -163,6 +183,11 @@ impl Link {
         let shutdown = stream.try_clone().map_err(io)?;
         let stream = Arc::new(Mutex::new(stream));
         let inbox = Arc::new(Inbox::default());
+        {
+            let mut live = lock(&LIVE);
+            live.retain(|(inbox, _)| inbox.strong_count() > 0);
+            live.push((Arc::downgrade(&inbox), shutdown.try_clone().map_err(io)?));
+        }
         let queued = Arc::new(AtomicUsize::new(0));
         let (queue, jobs) = mpsc::channel::<WriteJob>();
 
