@@ -671,7 +671,7 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
     let mut selection = args.selection;
     if let Some(launch) = external {
         if let Some(refused) = refused {
-            eprintln!("error: {refused} has no external mode yet (under torchrun/srun every process is one rank on the CPU backend)");
+            eprintln!("error: {refused} has no external mode yet (under torchrun/srun every process is one rank)");
             return Ok(ExitCode::from(2));
         }
         if selection.world_sizes.is_empty() {
@@ -742,17 +742,11 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
     })
 }
 
-/// The matrix option that has no external mode yet, if `args` uses one.
+/// The matrix option that has no external mode yet, if `args` uses one. (`--backend nccl`
+/// and `--exec-ranks` have one: every process trains as an exec'd rank would.)
 fn external_refusal(args: &MatrixArgs) -> Option<&'static str> {
-    if args.sensitivity {
-        Some("`lockstep matrix --sensitivity`")
-    } else if args.exec_ranks {
-        Some("`--exec-ranks`")
-    } else if args.backend != lockstep_core::comm::Backend::Cpu {
-        Some("`--backend nccl`")
-    } else {
-        None
-    }
+    args.sensitivity
+        .then_some("`lockstep matrix --sensitivity`")
 }
 
 /// What a rank other than 0 of an external launch says of a matrix it ran with every other

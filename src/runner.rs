@@ -179,8 +179,8 @@ pub fn run_config(
     }
     drop(probe);
     if settings.execs_ranks() {
-        if crate::external::launch().is_some() {
-            return Err(RunFailed::simple(EXEC_NOT_EXTERNAL));
+        if let Some(external) = crate::external::launch() {
+            return run_external_rank(external, model_name, config, world_size, settings);
         }
         return run_exec(model_name, config, world_size, settings);
     }
@@ -634,6 +634,47 @@ fn read_record(
     record.ok_or_else(|| RunFailed::simple("rank 0 handed back no record"))
 }
 
+/// Built-in `config` of zoo model `model_name` with this process as one rank of an external
+/// launch, training as an exec'd rank does ([`crate::rank_cmd::RankRun::train`]): under
+/// NCCL on its `LOCAL_RANK`'s GPU (this process was never forked, so CUDA is usable), on the
+/// CPU under `--exec-ranks`. Rank 0's record comes back through the run's store.
+fn run_external_rank(
+    external: &lockstep_core::comm::ExternalLaunch,
+    model_name: &str,
+    config: Config,
+    world_size: usize,
+    settings: &RunSettings,
+) -> Result<RunRecord, RunFailed> {
+    if settings.fault.is_some() || settings.faults.is_some() {
+        return Err(RunFailed::simple(
+            "a planted fault or fault plan runs in forked ranks only, not in exec'd or \
+             NCCL ranks",
+        ));
+    }
+    let out = scratch_path(model_name, world_size);
+    let run = crate::rank_cmd::RankRun {
+        model: model_name.to_owned(),
+        config: config.name().to_owned(),
+        steps: settings.steps,
+        seed: settings.seed,
+        record_grads: settings.record_grads,
+        backend: settings.backend,
+        out: out.clone(),
+        optimizer: settings.optimizer,
+    };
+    let body = |ctx: &RankCtx| run.train(ctx);
+    let label = format!("{model_name}/{}", config.at(world_size));
+    let launched = crate::external::run(
+        external,
+        world_size,
+        settings.backend,
+        &label,
+        settings.timeout,
+        &body,
+    );
+    read_record(&out, launched, world_size)
+}
+
 /// Rank 0's record, written where the launching process reads it back.
 pub(crate) fn hand_back(record: &RunRecord, out: &Path) -> Result<(), RankError> {
     hand_back_json("the record", out, record)
@@ -688,10 +729,6 @@ fn launch_forked(
     .map(drop)
     .map_err(launch_failed)
 }
-
-/// Why exec'd ranks (NCCL, `--exec-ranks`) are refused under an external launch.
-pub const EXEC_NOT_EXTERNAL: &str = "under an external launch (torchrun, srun) each process is \
-     one rank on the CPU backend: exec'd ranks and NCCL have no external mode yet";
 
 /// Why a training closure (a user's configuration, or subtests sharing one launch) cannot
 /// run on NCCL, for every refusal to say the same thing.

@@ -6,7 +6,8 @@ use lockstep_core::comm::Backend;
 
 /// Why the selected backend cannot run these world sizes here, every reason at once; empty
 /// when it can. The CPU backend always can. NCCL needs this build's `nccl` feature, one GPU
-/// per rank of the largest world size (ranks use the device of their `LOCAL_RANK`); which
+/// per rank of the largest world size (ranks use the device of their `LOCAL_RANK`; under an
+/// external launch, this process's GPU only); which
 /// configurations it can train is [`check_cuda_configs`]'s rule.
 pub fn backend_blockers(backend: Backend, world_sizes: &[usize]) -> Vec<String> {
     if backend == Backend::Cpu {
@@ -22,6 +23,16 @@ pub fn backend_blockers(backend: Backend, world_sizes: &[usize]) -> Vec<String> 
         .max()
         .unwrap_or(DEFAULT_WORLD_SIZE);
     let found = tch::Cuda::device_count().max(0) as usize;
+    if let Some(external) = crate::external::launch() {
+        // One rank per process: this process needs only its own GPU.
+        if found <= external.local_rank {
+            reasons.push(format!(
+                "this rank (LOCAL_RANK={}) needs GPU cuda:{}, found {found} GPUs",
+                external.local_rank, external.local_rank
+            ));
+        }
+        return reasons;
+    }
     if found < needed {
         reasons.push(format!(
             "needs {needed} GPUs (one per rank of world size {needed}), found {found}"
