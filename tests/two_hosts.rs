@@ -716,3 +716,69 @@ fn bench_comm_across_hosts() {
         );
     }
 }
+
+/// The `ParityTest` torchrun starts on both hosts (under plain nextest, an ordinary parity
+/// test on one host): DDP, hybrid-sharded FSDP and TP at world 4 against the single device
+/// and DDP.
+const PARITY_BODY: &str = "parity_test_body";
+
+#[test]
+fn parity_test_body() {
+    let rank = std::env::var("RANK").unwrap_or_else(|_| "local".into());
+    let out = std::env::temp_dir().join(format!(
+        "lockstep-two-hosts-parity-{}-{rank}",
+        std::process::id()
+    ));
+    let outcome = lockstep::parity_test::ParityTest::new("two_hosts_parity")
+        .zoo("gpt")
+        .config("ddp")
+        .config("fsdp.hybrid_shard")
+        .config("tp.2")
+        .world_sizes(&[4])
+        .steps(2)
+        .out_dir(&out)
+        .run()
+        .expect("the parity test runs");
+    outcome.assert_passed();
+    let _ = std::fs::remove_dir_all(&out);
+    println!(
+        "parity body: rank {rank} judged {} comparisons, all passed",
+        outcome.report.comparisons.len()
+    );
+}
+
+/// `ParityTest` in a test binary started by torchrun on both hosts (one rank per process):
+/// every rank runs the same test, judges the same records and passes.
+#[test]
+fn parity_test_across_hosts() {
+    let torch = std::env::var("LOCKSTEP_TORCH_PYTHONPATH").unwrap_or_else(|_| TORCH_DEFAULT.into());
+    if let Some(reason) = torch_missing(&torch) {
+        println!("SKIP: {reason}");
+        return;
+    }
+    let hosts = match TwoHosts::create("p") {
+        Ok(h) => h,
+        Err(e) => {
+            println!("SKIP: cannot create network namespaces ({e})");
+            return;
+        }
+    };
+    let ranks = Ranks {
+        program: std::env::current_exe().expect("test binary").into(),
+        args: [PARITY_BODY, "--exact", "--nocapture", "--test-threads", "1"]
+            .map(str::to_owned)
+            .to_vec(),
+        bound: LAUNCH_BOUND,
+    };
+    let outs = launch_both(&hosts, &torch, [&[], &[]], &ranks);
+    for (node, out) in outs.iter().enumerate() {
+        assert!(out.status.success(), "node {node} failed:\n{}", text(out));
+    }
+    for rank in 0..4 {
+        let stdout = String::from_utf8_lossy(&outs[rank / 2].stdout);
+        assert!(
+            stdout.contains(&format!("parity body: rank {rank} judged")),
+            "rank {rank}:\n{stdout}"
+        );
+    }
+}
