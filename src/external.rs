@@ -416,8 +416,9 @@ fn gather(store: &RunStore, world_size: usize, label: &str) -> Result<Vec<Outcom
 /// in the details.
 fn dead_ranks(outcomes: &[Option<Outcome>], missing: &[usize], label: &str) -> RunFailed {
     let line = format!(
-        "rank(s) {missing:?} died in launch `{label}` without reporting (killed or crashed; \
-         no outcome {:.0} s after the first failure reported by its peers)",
+        "rank(s) {missing:?} died in launch `{label}` or were cut off, without reporting \
+         (killed, crashed or unreachable: no outcome {:.0} s after the first failure reported \
+         by their peers)",
         DEAD_RANK_GRACE.as_secs_f64()
     );
     let mut details = format!("{line}\n");

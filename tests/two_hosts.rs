@@ -782,3 +782,79 @@ fn parity_test_across_hosts() {
         );
     }
 }
+
+/// The veth link cut mid-training (no socket closes, nothing fails by itself): each rank's
+/// watchdog ends the launch at `--timeout`; host A names host B's ranks as dead or cut off,
+/// and host B's ranks end too (their store requests time out) instead of waiting forever.
+#[test]
+fn a_cut_link_is_diagnosed_on_both_hosts() {
+    let torch = std::env::var("LOCKSTEP_TORCH_PYTHONPATH").unwrap_or_else(|_| TORCH_DEFAULT.into());
+    if let Some(reason) = torch_missing(&torch) {
+        println!("SKIP: {reason}");
+        return;
+    }
+    let hosts = match TwoHosts::create("l") {
+        Ok(h) => h,
+        Err(e) => {
+            println!("SKIP: cannot create network namespaces ({e})");
+            return;
+        }
+    };
+    let seed = format!("{}", 8_000_000 + std::process::id() % 1_000_000);
+    let ranks = Ranks {
+        program: env!("CARGO_BIN_EXE_lockstep").into(),
+        args: [
+            "run", "--model", "gpt", "--config", "ddp", "--steps", "1000000",
+        ]
+        .map(str::to_owned)
+        .into_iter()
+        .chain(["--timeout", "8", "--seed", &seed].map(str::to_owned))
+        .collect(),
+        bound: "150",
+    };
+    let env: &[(&str, &str)] = &[("LOCKSTEP_COMM_TIMEOUT_SECS", "20")];
+    let children: Vec<_> = (0..2)
+        .map(|node| {
+            torchrun(&hosts.names[node], node, &torch, env, &ranks)
+                .spawn()
+                .expect("start torchrun")
+        })
+        .collect();
+    let marker = format!("--seed {seed}");
+    let deadline = Instant::now() + Duration::from_secs(40);
+    while rank_pid(&marker, 3).is_none() {
+        assert!(Instant::now() < deadline, "rank 3 never started");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(4));
+    let cut = Instant::now();
+    ip(&["-n", &hosts.names[1], "link", "set", "veth0", "down"]).expect("cut the link");
+    let outs: Vec<Output> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().expect("wait for torchrun"))
+        .collect();
+    let ended_after = cut.elapsed();
+    let (a, b) = (text(&outs[0]), text(&outs[1]));
+    assert!(!outs[0].status.success(), "host A must fail:\n{a}");
+    let line = a
+        .lines()
+        .find(|l| l.contains("died in launch"))
+        .unwrap_or_else(|| panic!("host A names no lost rank:\n{a}"));
+    assert!(
+        line.contains("[2, 3]"),
+        "host B's ranks are not named: {line}"
+    );
+    // Host B's ranks ended by themselves (torchrun's failure, not the 150 s bound's 124).
+    assert!(
+        !outs[1].status.success() && outs[1].status.code() != Some(124),
+        "host B:\n{b}"
+    );
+    assert!(
+        rank_pid(&marker, 2).is_none() && rank_pid(&marker, 0).is_none(),
+        "ranks left running"
+    );
+    println!(
+        "cut link: both hosts ended {:.1} s after the cut; host A: {line}",
+        ended_after.as_secs_f64()
+    );
+}

@@ -333,6 +333,10 @@ pub struct StoreClient {
     timeout: Duration,
 }
 
+/// How much later than a request's own wait the store's reply may come before the client
+/// gives up on it.
+const REPLY_MARGIN: Duration = Duration::from_secs(10);
+
 impl StoreClient {
     /// Connects to `addr`, retrying until `timeout` (the server may still be starting), and
     /// presents `secret`. A wrong secret gives [`CommError::Store`] saying it was refused.
@@ -421,6 +425,16 @@ impl StoreClient {
         let mut conn = lock(&self.conn);
         let (reader, writer) = &mut *conn;
         let io = |e| CommError::io(format!("store request for {key:?}"), e);
+        // The server answers within the request's own wait; a reply later than that by
+        // REPLY_MARGIN means the store is gone or cut off (a link down after rendezvous),
+        // which must end in an error, never a wait without end.
+        let reply_within = timeout
+            .saturating_add(REPLY_MARGIN)
+            .min(Duration::from_secs(u32::MAX as u64));
+        reader
+            .get_ref()
+            .set_read_timeout(Some(reply_within))
+            .map_err(io)?;
         writer.write_all(&[cmd as u8]).map_err(io)?;
         write_bytes(writer, key.as_bytes()).map_err(io)?;
         write_bytes(writer, a).map_err(io)?;
@@ -429,7 +443,17 @@ impl StoreClient {
             .write_all(&(timeout.as_millis() as u64).to_le_bytes())
             .map_err(io)?;
         writer.flush().map_err(io)?;
-        let reply = read_bytes(reader).map_err(io)?;
+        let reply = read_bytes(reader).map_err(|e| match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => CommError::Timeout {
+                what: format!(
+                    "the store at {} to answer a request for {key:?} (unreachable, or its \
+                     rank is gone)",
+                    self.addr
+                ),
+                seconds: reply_within.as_secs_f64(),
+            },
+            _ => io(e),
+        })?;
         match reply.split_first() {
             Some((0, rest)) => Ok(rest.to_vec()),
             Some((1, _)) => Err(CommError::Timeout {
