@@ -46,10 +46,12 @@ typedef struct {
   void* rust_error;  // a payload a Rust callback produced, owned by the caller again
 } lk_status;
 
-// What a failed Rust callback hands to C++: an owned payload and how to drop it.
+// What a failed Rust callback hands to C++: an owned payload and how to drop it, and the
+// error's text (malloc'd; C++ frees it) for when libtorch rethrows the exception as its own.
 typedef struct {
   void* payload;
   lk_drop_fn drop;
+  char* message;
 } lk_err;
 
 typedef int (*lk_backward_fn)(void* state, at::Tensor** saved, size_t n_saved,
@@ -81,17 +83,24 @@ struct RustBox {
   }
 };
 
-// An error raised by a Rust callback, travelling through libtorch as a C++ exception.
+// An error raised by a Rust callback, travelling through libtorch as a C++ exception. Where
+// the exception comes back through the bridge, the payload (the typed Rust error) does; where
+// libtorch's engine rethrows it as its own error, `what()` keeps the cause in words.
 struct RustError : public std::exception {
   std::shared_ptr<RustBox> payload;
-  explicit RustError(lk_err err) : payload(std::make_shared<RustBox>(err.payload, err.drop)) {}
-  const char* what() const noexcept override {
-    return "error raised by a Lockstep Rust callback";
+  std::string text;
+  explicit RustError(lk_err err)
+      : payload(std::make_shared<RustBox>(err.payload, err.drop)),
+        text(std::string("error raised by a Lockstep Rust callback: ") +
+             (err.message != nullptr ? err.message : "(no message)")) {
+    std::free(err.message);
   }
+  const char* what() const noexcept override { return text.c_str(); }
 };
 
 [[noreturn]] void throw_rust(lk_err err) {
   if (err.payload == nullptr) {
+    std::free(err.message);
     throw std::runtime_error("a Lockstep Rust callback failed without an error payload");
   }
   throw RustError(err);
@@ -218,7 +227,7 @@ struct LockstepFunction : public torch::autograd::Function<LockstepFunction> {
       grad_ptrs.push_back(g.defined() ? to_rust(g) : nullptr);
     }
     torch::autograd::variable_list out;
-    lk_err err{nullptr, nullptr};
+    lk_err err{nullptr, nullptr, nullptr};
     int rc = st->backward(st->state.data, saved_ptrs.data(), saved_ptrs.size(),
                           grad_ptrs.data(), grad_ptrs.size(), needs.data(), needs.size(),
                           &out, &err);
@@ -372,7 +381,7 @@ struct PostAccTable : public torch::autograd::PostAccumulateGradHook {
       }
     }
     for (auto& h : snapshot) {
-      lk_err err{nullptr, nullptr};
+      lk_err err{nullptr, nullptr, nullptr};
       if (h->hook(h->state.data, to_rust(tensor), &err) != 0) {
         throw_rust(err);
       }
@@ -406,7 +415,7 @@ int lk_register_hook(const at::Tensor* t, void* state, lk_hook_fn hook, lk_drop_
   TORCH_CHECK(t != nullptr && t->defined(), "cannot register a hook on an undefined tensor");
   auto fn = [hs](const at::TensorBase& grad) -> at::TensorBase {
     torch::autograd::variable_list out;
-    lk_err err{nullptr, nullptr};
+    lk_err err{nullptr, nullptr, nullptr};
     at::Tensor* g = grad.defined() ? to_rust(at::Tensor(grad)) : nullptr;
     if (hs->hook(hs->state.data, g, &out, &err) != 0) {
       throw_rust(err);

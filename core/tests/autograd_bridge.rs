@@ -406,6 +406,22 @@ fn drop_exactly_once_on_every_path() {
     assert_eq!(n.load(Ordering::SeqCst), 1, "invalid forward");
 }
 
+/// A backward run by tch (libtorch's own engine, not the bridge) loses the typed error, but
+/// not its cause: the message says what the Rust callback failed with.
+#[test]
+fn a_callback_error_keeps_its_cause_outside_the_bridge() {
+    let x = leaf(0, &[2]);
+    let _h = hooks::register_post_accumulate_grad_hook(&x, |_| {
+        Err(AutogradError::msg("lost rank 3: connection reset"))
+    })
+    .unwrap();
+    let err = sum(&(&x * 2.0)).f_backward().unwrap_err().to_string();
+    assert!(
+        err.contains("error raised by a Lockstep Rust callback: lost rank 3: connection reset"),
+        "{err}"
+    );
+}
+
 #[test]
 fn backward_errors_come_back_typed() {
     let x = leaf(0, &[2]);

@@ -23,11 +23,14 @@ pub(crate) struct Status {
     pub rust_error: *mut c_void,
 }
 
-/// A failure a Rust callback hands to C++: an owned payload and how to drop it.
+/// A failure a Rust callback hands to C++: an owned payload and how to drop it, and the
+/// error's text (`malloc`'d; C++ frees it), which survives where libtorch's engine rethrows
+/// the exception as its own and the payload is lost.
 #[repr(C)]
 pub(crate) struct CallbackError {
     pub payload: *mut c_void,
     pub drop: Option<DropFn>,
+    pub message: *mut c_char,
 }
 
 pub(crate) type BackwardFn = unsafe extern "C" fn(
@@ -259,13 +262,31 @@ unsafe extern "C" fn drop_error_payload(p: *mut c_void) {
 /// # Safety
 /// `slot` must be the valid `lk_err*` the bridge passed to the callback.
 pub(crate) unsafe fn report(slot: *mut CallbackError, err: AutogradError) -> c_int {
+    let message = malloc_string(&err.to_string());
     let payload = Box::into_raw(Box::new(err)).cast::<c_void>();
     // SAFETY: guaranteed by the caller.
     unsafe {
         (*slot).payload = payload;
         (*slot).drop = Some(drop_error_payload);
+        (*slot).message = message;
     }
     1
+}
+
+/// `text` as a NUL-terminated C string from `malloc`, for C++ to `free` (null if the
+/// allocation fails: the message is then missing, never the error).
+fn malloc_string(text: &str) -> *mut c_char {
+    let bytes: Vec<u8> = text.bytes().filter(|&b| b != 0).collect();
+    // SAFETY: a fresh allocation of len + 1 bytes, filled below before C++ reads it.
+    let p = unsafe { libc::malloc(bytes.len() + 1) }.cast::<u8>();
+    if !p.is_null() {
+        // SAFETY: `p` holds len + 1 bytes and does not overlap `bytes`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, bytes.len());
+            *p.add(bytes.len()) = 0;
+        }
+    }
+    p.cast::<c_char>()
 }
 
 /// Runs a callback body, converting its error or panic into a failure code for C++.
