@@ -40,6 +40,9 @@
 //!   [`Fsdp::save_sharded`], [`Fsdp::load_sharded`]); [`Fsdp::clip_grad_norm`] over the
 //!   global norm; [`Fsdp::no_sync`] gradient accumulation without collectives;
 //!   [`Fsdp::summon_full_params`].
+//! * **Compositions** ([`Fsdp::over_tensors`]): the data dimension of FSDP×TP, HSDP×TP,
+//!   PP×FSDP and EP×FSDP is this engine too, one unit over the tensors the other parallelism
+//!   left on the rank, without hooks, driven by the composition's own step.
 //!
 //! Between a reshard and the next unshard the model's parameters have no memory: nothing may
 //! read them (forward, or `Model::save`) until [`Fsdp::unshard`] (or `before_forward` /
@@ -377,17 +380,11 @@ impl Fsdp {
             }
         };
         let plan = wrap::plan_units(&opts.wrap, &layers, &tags, &sizes, &isolate)?;
-        let (shard_world, shard_rank) = match opts.strategy {
-            ShardingStrategy::NoShard => (1, 0),
-            _ => (group.size(), group.rank()),
+        let world = match opts.strategy {
+            ShardingStrategy::NoShard => 1,
+            _ => group.size() as i64,
         };
-        let world = shard_world as i64;
         let compute_device = managed.first().map_or(Device::Cpu, |(_, t)| t.device());
-        let master_device = if opts.offload_params {
-            Device::Cpu
-        } else {
-            compute_device
-        };
         let mut by_name: std::collections::HashMap<String, Tensor> = managed.into_iter().collect();
         let mut units = Vec::new();
         let mut unit_of_layer = vec![None; layers.len()];
@@ -411,29 +408,70 @@ impl Fsdp {
             }
             None => vec![None; ignored.len()],
         };
-        let ignored_masters = ignored.iter().map(|_| None).collect();
-        let mut core = Core {
-            group,
-            replicate,
-            opts,
-            units,
-            ignored,
-            ignored_compute,
-            ignored_masters,
-            shard_world,
-            shard_rank,
-            compute_device,
-            full_bytes_alive: 0,
-            full_bytes_peak: 0,
-            counts: FsdpCallCounts::default(),
-            buffers: model.named_buffers(),
-            order,
-            tags,
-            sync_grads: true,
-            max_grad_norm: None,
-            last_total_norm: None,
-            unit_of_layer,
-            per_layer: model.supports_layer_hooks(),
+        let mut core = Core::new(group, replicate, opts, units, compute_device);
+        core.ignored_masters = ignored.iter().map(|_| None).collect();
+        core.ignored = ignored;
+        core.ignored_compute = ignored_compute;
+        core.buffers = model.named_buffers();
+        core.order = order;
+        core.tags = tags;
+        core.unit_of_layer = unit_of_layer;
+        core.per_layer = model.supports_layer_hooks();
+        Self::assemble(core, cast)
+    }
+
+    /// Shards `tensors` (one dtype, each owning its storage, the same shapes on every rank of
+    /// `group` and `replicate`) as one unit named `name` over `group`, hybrid-sharded across
+    /// `replicate` when given: the data dimension of a composition, where another parallelism
+    /// decided what each rank computes with (TP shards, a pipeline stage, the dense part of
+    /// an expert-parallel model), so there is no model to wrap. The tensors are taken as
+    /// they are (no broadcast) and freed until [`Fsdp::unshard`]. No hook is registered: the
+    /// composition gathers ([`Fsdp::unshard`]), reduces ([`Fsdp::reduce_gradients`], after
+    /// its own partial sums or its last microbatch), frees ([`Fsdp::reshard`]) and steps
+    /// ([`Fsdp::stepped`]) when its schedule says so, and reads full values through
+    /// [`Fsdp::full_values`].
+    pub fn over_tensors(
+        name: &str,
+        tensors: Vec<(String, Tensor)>,
+        group: Arc<dyn ProcessGroup>,
+        replicate: Option<Arc<dyn ProcessGroup>>,
+    ) -> Result<Fsdp, FsdpError> {
+        let opts = FsdpOptions {
+            strategy: match replicate {
+                Some(_) => ShardingStrategy::HybridShard,
+                None => ShardingStrategy::FullShard,
+            },
+            sync_module_states: false,
+            ..FsdpOptions::default()
+        };
+        let planned = wrap::PlannedUnit {
+            name: name.to_owned(),
+            layers: Vec::new(),
+            params: tensors.iter().map(|(n, _)| n.clone()).collect(),
+        };
+        let order = planned.params.clone();
+        let compute_device = tensors.first().map_or(Device::Cpu, |(_, t)| t.device());
+        let mut by_name = tensors.into_iter().collect();
+        let world = group.size() as i64;
+        let Some(unit) = unit_from_plan(planned, &mut by_name, &[], &opts, world)? else {
+            return Err(FsdpError::Invalid(format!(
+                "unit `{name}` has no tensor to shard"
+            )));
+        };
+        let mut core = Core::new(group, replicate, opts, vec![unit], compute_device);
+        core.order = order;
+        core.composed = true;
+        Self::assemble(core, None)
+    }
+
+    /// Finishes construction: broadcasts rank 0's state if asked, cuts this rank's master
+    /// shards, frees the full parameters and (for a model) hooks the post-backward.
+    fn assemble(mut core: Core, cast: Option<CastInputs>) -> Result<Fsdp, FsdpError> {
+        let world = core.shard_world as i64;
+        let master_device = if core.opts.offload_params {
+            Device::Cpu
+        } else {
+            core.compute_device
         };
         {
             let _guard = tch::no_grad_guard();
@@ -450,7 +488,7 @@ impl Fsdp {
                 let size = unit.padded / world;
                 unit.shard = unit
                     .flatten(|s| Ok(s.param.shallow_clone()))?
-                    .f_narrow(0, shard_rank as i64 * size, size)?
+                    .f_narrow(0, core.shard_rank as i64 * size, size)?
                     .f_to_device(master_device)?
                     .f_detach_copy()?
                     .set_requires_grad(true);
@@ -461,8 +499,13 @@ impl Fsdp {
         core.reshard_all()?;
         // Construction held the model's own full parameters; training peaks start here.
         core.full_bytes_peak = core.full_bytes_alive;
+        let composed = core.composed;
         let core = Arc::new(Mutex::new(core));
-        let post_backward = register_post_backward(&core)?;
+        // A composition reduces when its own step says so, never from autograd's hooks.
+        let post_backward = match composed {
+            true => Vec::new(),
+            false => register_post_backward(&core)?,
+        };
         Ok(Fsdp {
             core,
             cast,
@@ -596,9 +639,56 @@ impl Fsdp {
 
     /// Reduces every unit's full gradients into this rank's gradient shards (the shards'
     /// `.grad`), finishing what the post-backward hooks launched, then writes the averaged
-    /// full gradients back into the model's `.grad`s for the record.
+    /// full gradients back into the model's `.grad`s for the record (over tensors
+    /// ([`Fsdp::over_tensors`]) drops them instead: [`Fsdp::full_values`] reads them).
     pub fn reduce_gradients(&mut self) -> Result<(), FsdpError> {
         self.core().finish_gradients()
+    }
+
+    /// What the optimizer steps, under the names its state is keyed by: each unit's shard
+    /// (`_fsdp_flat_param.<unit>`, or the unit's own name over tensors), then the ignored
+    /// parameters. For a composition that runs its own optimizer step.
+    pub fn stepped(&self) -> Vec<(String, Tensor)> {
+        self.core().stepped_tensors()
+    }
+
+    /// Which copy of the content the shards are, for the cross-rank check
+    /// ([`crate::consistency`]): the shard index, the same on every replica of it (empty when
+    /// every rank holds the whole flat parameter).
+    pub fn shard_coordinate(&self) -> String {
+        self.core().shard_coordinate()
+    }
+
+    /// Every sharded tensor's full `value` (its data, or its `.grad`; undefined reads as
+    /// zeros) gathered from the shards: a composition's record view, read on demand without
+    /// touching the full parameters (which may be freed) and not counted in
+    /// [`FsdpCallCounts`]. Collective over the shard group.
+    pub fn full_values(
+        &self,
+        value: impl Fn(&Tensor) -> Tensor,
+    ) -> Result<Vec<(String, Tensor)>, FsdpError> {
+        let mut core = self.core();
+        let mut out = Vec::new();
+        for u in 0..core.units.len() {
+            let shard = &core.units[u].shard;
+            let v = value(shard);
+            let local = match v.defined() {
+                true => v.f_detach()?.f_contiguous()?,
+                false => shard.f_zeros_like()?,
+            };
+            let full = match core.shard_world {
+                1 => local.f_detach_copy()?,
+                _ => core.gather(u, &local, Gather::Checkpoint)?,
+            };
+            for slot in &core.units[u].slots {
+                let part = full.f_narrow(0, slot.offset, slot.numel)?;
+                out.push((
+                    slot.name.clone(),
+                    part.f_view(slot.param.size().as_slice())?,
+                ));
+            }
+        }
+        Ok(out)
     }
 
     /// Steps the shards and the ignored parameters with `optimizer`; for `NoShard` copies the
@@ -740,15 +830,11 @@ impl Core {
         self.ignored.iter().map(|(n, _)| n.clone()).collect()
     }
 
-    /// Gathers every unit not gathered yet, in its master dtype.
     /// What the optimizer steps: each unit's shard (under the flat parameter's name), then
     /// the ignored parameters.
     fn stepped_tensors(&self) -> Vec<(String, Tensor)> {
-        let mut params: Vec<(String, Tensor)> = self
-            .units
-            .iter()
-            .enumerate()
-            .map(|(u, unit)| (format!("{FLAT_PARAM_NAME}.{u}"), unit.shard.shallow_clone()))
+        let mut params: Vec<(String, Tensor)> = (0..self.units.len())
+            .map(|u| (self.flat_name(u), self.units[u].shard.shallow_clone()))
             .collect();
         params.extend(
             self.ignored
@@ -763,10 +849,24 @@ impl Core {
     fn state_coordinate(&self, name: &str, probe: &StateProbe) -> String {
         if self.ignored.iter().any(|(n, _)| n == name) {
             probe.rank_local()
-        } else if self.shard_world == 1 {
-            String::new()
         } else {
-            format!("shard{}/{}", self.shard_rank, self.shard_world)
+            self.shard_coordinate()
+        }
+    }
+
+    /// Which shard of every flat parameter this rank holds (see [`Fsdp::shard_coordinate`]).
+    fn shard_coordinate(&self) -> String {
+        match self.shard_world {
+            1 => String::new(),
+            w => format!("shard{}/{w}", self.shard_rank),
+        }
+    }
+
+    /// The name unit `u`'s shard is stepped (and its optimizer state keyed) under.
+    fn flat_name(&self, u: usize) -> String {
+        match self.composed {
+            true => self.units[u].name.clone(),
+            false => format!("{FLAT_PARAM_NAME}.{u}"),
         }
     }
 
@@ -1164,7 +1264,7 @@ impl StepHooks for Fsdp {
                 .map_err(into_train)?;
             let len = unit.padded / core.shard_world as i64;
             let mine = flat.f_narrow(0, core.shard_rank as i64 * len, len)?;
-            let name = format!("{FLAT_PARAM_NAME}.{u}");
+            let name = core.flat_name(u);
             let coord = core.state_coordinate(&name, probe);
             probe.observe(steps, StateKind::Final, &name, &coord, &mine)?;
             probe.observe(steps, StateKind::Final, &name, &coord, &unit.shard)?;

@@ -5,8 +5,9 @@
 //! Each composition is applied in torchtitan's order: the model-splitting parallelism first
 //! (pipeline stages, TP shards, EP experts), activation checkpointing next, and the data
 //! dimension last, over whatever tensors the earlier ones left on the rank. The data
-//! dimension is a [`DataParallel`]: replicated (DDP's all-reduce), sharded (FSDP through
-//! [`ShardedUnit`]), or hybrid-sharded (HSDP).
+//! dimension is a [`DataParallel`]: replicated (DDP's all-reduce), sharded (the FSDP engine
+//! over the rank's tensors, [`Fsdp::over_tensors`](crate::fsdp::Fsdp::over_tensors)), or
+//! hybrid-sharded (HSDP).
 //!
 //! [`Composition`] describes one as data; [`Composition::mesh`] lays out its named dimensions
 //! for a world size, and [`check_composition`] refuses, before any rank starts, a world the
@@ -16,8 +17,6 @@
 
 mod plan;
 mod run;
-pub mod shard;
 
 pub use plan::{check_composition, Composition, CompositionError, DataParallel, SeamFault};
 pub use run::train_composed;
-pub use shard::{ShardError, ShardedUnit};

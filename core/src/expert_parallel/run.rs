@@ -10,8 +10,9 @@
 
 use super::moe::Dispatcher;
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
-use crate::compose::{DataParallel, ShardError, ShardedUnit};
+use crate::compose::DataParallel;
 use crate::consistency::{observe_stepped, StateKind, StateProbe};
+use crate::fsdp::{Fsdp, FsdpError};
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::tensor_parallel::hooks::{ExpertsParallel, PlanHooks};
 use crate::tensor_parallel::run::aliases;
@@ -35,7 +36,7 @@ pub struct EpOptions {
     /// `None`: no token is dropped (the zoo's dense layer computes every choice).
     pub capacity_factor: Option<f64>,
     /// How the dense (non-expert) parameters are kept over the world: replicated and
-    /// all-reduced (DDP), or sharded (EP×FSDP: one [`ShardedUnit`] over every rank).
+    /// all-reduced (DDP), or sharded (EP×FSDP: one FSDP unit over every rank).
     pub data_parallel: DataParallel,
     /// A planted bug (checker tests only).
     pub fault: Option<EpFault>,
@@ -75,7 +76,7 @@ pub enum EpError {
     Comm(#[from] crate::CommError),
     /// Sharding the dense parameters (EP×FSDP) failed.
     #[error(transparent)]
-    Shard(#[from] ShardError),
+    Shard(#[from] FsdpError),
     /// A libtorch call failed.
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
@@ -167,7 +168,7 @@ struct EpRun {
     /// What this rank trains: the dense parameters and its own experts.
     trained: Vec<(String, Tensor)>,
     /// EP×FSDP: the dense parameters as one unit sharded over the world.
-    unit: Option<ShardedUnit>,
+    unit: Option<Fsdp>,
     /// What the optimizer steps besides the unit's shard.
     unsharded: Vec<(String, Tensor)>,
     hooks: PlanHooks,
@@ -322,7 +323,7 @@ impl StepHooks for EpRun {
         )
         .map_err(TrainError::strategy)?;
         if let Some(u) = self.unit.as_mut() {
-            u.reduce_grads().map_err(TrainError::strategy)?;
+            u.reduce_gradients().map_err(TrainError::strategy)?;
         }
         Ok(())
     }
@@ -361,7 +362,12 @@ impl StepHooks for EpRun {
     ) -> Result<(), TrainError> {
         // What the optimizer steps: the unsharded gradients and the unit's shard.
         let mut grads: Vec<Tensor> = self.unsharded.iter().map(|(_, t)| t.grad()).collect();
-        grads.extend(self.unit.as_ref().map(|u| u.shard().1.grad()));
+        grads.extend(
+            self.unit
+                .iter()
+                .flat_map(Fsdp::stepped)
+                .map(|(_, t)| t.grad()),
+        );
         scale_gradients(&grads, clip_coefficient(max_norm, total))
     }
 
@@ -378,7 +384,7 @@ impl StepHooks for EpRun {
                     .iter()
                     .map(|(n, t)| (n.clone(), t.shallow_clone()))
                     .collect::<Vec<_>>();
-                stepped.push(u.shard());
+                stepped.extend(u.stepped());
                 optimizer.step(&stepped)?;
                 // Freed until the next step's gather.
                 u.reshard().map_err(TrainError::strategy)?;
@@ -430,7 +436,7 @@ fn split_dense(
     expert_of: &HashMap<String, usize>,
     opts: &EpOptions,
     everyone: &Arc<dyn ProcessGroup>,
-) -> Result<(Option<ShardedUnit>, Vec<(String, Tensor)>), EpError> {
+) -> Result<(Option<Fsdp>, Vec<(String, Tensor)>), EpError> {
     let in_unit: HashSet<String> = match opts.data_parallel {
         DataParallel::Replicate => HashSet::new(),
         DataParallel::Shard => trained
@@ -456,7 +462,7 @@ fn split_dense(
     let unit = if in_unit.is_empty() {
         None
     } else {
-        Some(ShardedUnit::new(
+        Some(Fsdp::over_tensors(
             "ep_dense",
             pick(true),
             everyone.clone(),
@@ -501,21 +507,20 @@ fn observe(
     probe: &crate::consistency::StateProbe,
     step: usize,
     unsharded: &[(String, Tensor)],
-    unit: Option<&ShardedUnit>,
+    unit: Option<&Fsdp>,
     optimizer: &dyn Optimizer,
 ) -> Result<(), EpError> {
     let mut stepped: Vec<(String, Tensor)> = unsharded
         .iter()
         .map(|(n, t)| (n.clone(), t.shallow_clone()))
         .collect();
-    let shard = unit.map(|u| (u.shard(), u.shard_coordinate()));
-    if let Some((s, _)) = &shard {
-        stepped.push((s.0.clone(), s.1.shallow_clone()));
-    }
-    let coord = |name: &str| match &shard {
-        Some(((n, _), c)) if n == name => c.clone(),
-        _ => String::new(),
+    let shards = unit.map_or_else(Vec::new, Fsdp::stepped);
+    let coordinate = unit.map_or_else(String::new, Fsdp::shard_coordinate);
+    let coord = |name: &str| match shards.iter().any(|(n, _)| n == name) {
+        true => coordinate.clone(),
+        false => String::new(),
     };
+    stepped.extend(shards.iter().map(|(n, t)| (n.clone(), t.shallow_clone())));
     observe_stepped(probe, step, &stepped, optimizer, &coord)?;
     Ok(())
 }
@@ -525,7 +530,7 @@ fn observe(
 /// freed).
 fn local_values(
     named: &[(String, Tensor)],
-    unit: Option<&ShardedUnit>,
+    unit: Option<&Fsdp>,
     value: impl Fn(&Tensor) -> Tensor,
 ) -> Result<Vec<(String, Tensor)>, EpError> {
     let gathered: HashMap<String, Tensor> = match unit {

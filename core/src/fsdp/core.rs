@@ -6,7 +6,7 @@
 use super::unit::{PendingGather, PendingReduce, Residency, Unit};
 use super::{FsdpCallCounts, FsdpError, FsdpFault, FsdpOptions, ShardingStrategy};
 use crate::autograd::{free_storage, is_storage_freed, refill_storage, set_grad};
-use crate::comm::{ProcessGroup, ReduceOp};
+use crate::comm::{ProcessGroup, ReduceOp, Work};
 use lockstep_models::ParamTags;
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
@@ -60,9 +60,53 @@ pub(crate) struct Core {
     pub(super) unit_of_layer: Vec<Option<usize>>,
     /// Whether the model calls the layer hooks (so units gather lazily, per layer).
     pub(super) per_layer: bool,
+    /// Built by [`super::Fsdp::over_tensors`] for a composition, whose own step decides when
+    /// to reduce: a missing gradient reduces as zeros, the spent compute gradients are
+    /// dropped instead of refilled for a record view (the composition gathers full values on
+    /// demand), and the shard's optimizer state is named after the unit.
+    pub(super) composed: bool,
 }
 
 impl Core {
+    /// A core over `units` with nothing else yet (no ignored parameters, buffers, layers);
+    /// the constructors fill in what their source has.
+    pub(super) fn new(
+        group: Arc<dyn ProcessGroup>,
+        replicate: Option<Arc<dyn ProcessGroup>>,
+        opts: FsdpOptions,
+        units: Vec<Unit>,
+        compute_device: Device,
+    ) -> Core {
+        let (shard_world, shard_rank) = match opts.strategy {
+            ShardingStrategy::NoShard => (1, 0),
+            _ => (group.size(), group.rank()),
+        };
+        Core {
+            group,
+            replicate,
+            opts,
+            units,
+            ignored: Vec::new(),
+            ignored_compute: Vec::new(),
+            ignored_masters: Vec::new(),
+            shard_world,
+            shard_rank,
+            compute_device,
+            full_bytes_alive: 0,
+            full_bytes_peak: 0,
+            counts: FsdpCallCounts::default(),
+            buffers: Vec::new(),
+            order: Vec::new(),
+            tags: ParamTags::default(),
+            sync_grads: true,
+            max_grad_norm: None,
+            last_total_norm: None,
+            unit_of_layer: Vec::new(),
+            per_layer: false,
+            composed: false,
+        }
+    }
+
     /// The rank's position in the whole data-parallel world (hybrid: replica-major).
     pub(super) fn global_rank(&self) -> usize {
         match &self.replicate {
@@ -287,12 +331,21 @@ impl Core {
                 let g = s.param.grad();
                 if g.defined() {
                     Ok(g)
+                } else if self.composed {
+                    Ok(s.param.f_zeros_like()?)
                 } else {
                     Err(FsdpError::MissingGrad(s.name.clone()))
                 }
             })?
             .f_to_kind(reduce_kind)?;
-        let pending = if self.shard_world == 1 {
+        let pending = if self.group.size() == 1 {
+            // A group of one has nothing to reduce: the flat gradient is the shard.
+            PendingReduce {
+                work: Work::done(Ok(())),
+                shard: flat.shallow_clone(),
+                _flat: flat,
+            }
+        } else if self.shard_world == 1 {
             let work = self.group.all_reduce_async(&flat, op)?;
             self.counts.grad_all_reduces += 1;
             PendingReduce {
@@ -387,7 +440,7 @@ impl Core {
             shards.push(p.shard);
         }
         for (u, shard) in shards.iter().enumerate().rev() {
-            if let Some(r) = &self.replicate {
+            if let Some(r) = self.replicate.as_ref().filter(|r| r.size() > 1) {
                 r.all_reduce(shard, ReduceOp::Avg)?;
                 self.counts.replica_grad_all_reduces += 1;
             }
@@ -395,9 +448,17 @@ impl Core {
                 .f_to_kind(self.units[u].kind)?
                 .f_to_device(self.units[u].shard.device())?;
             // Record view only: the optimizer reads the shard's gradient, never these.
-            let full = self.gather(u, shard, Gather::RecordGrads)?;
+            let full = match self.composed {
+                true => None,
+                false => Some(self.gather(u, shard, Gather::RecordGrads)?),
+            };
             let unit = &mut self.units[u];
             for slot in &unit.slots {
+                let Some(full) = &full else {
+                    // Spent: a composition gathers full gradients on demand from the shard.
+                    set_grad(&slot.param, None)?;
+                    continue;
+                };
                 let src = full
                     .f_narrow(0, slot.offset, slot.numel)?
                     .f_view(slot.param.size().as_slice())?

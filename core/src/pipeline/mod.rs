@@ -82,7 +82,7 @@ pub enum PipelineError {
     Train(#[from] TrainError),
     /// FSDP's sharding of a stage (PP×FSDP) failed.
     #[error(transparent)]
-    Shard(#[from] crate::compose::ShardError),
+    Shard(#[from] crate::fsdp::FsdpError),
     /// A libtorch call failed.
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),

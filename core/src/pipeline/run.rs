@@ -13,8 +13,9 @@ use super::stage_parallel::{full_values, insert_sharding_actions, StageParallel,
 use super::trace::RankStepTrace;
 use super::PipelineError;
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
-use crate::compose::{DataParallel, ShardedUnit};
+use crate::compose::DataParallel;
 use crate::consistency::{observe_stepped, StateKind, StateProbe};
+use crate::fsdp::Fsdp;
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::train::{
     clip_coefficient, grad_norm, scale_gradients, train_from, GradientView, Optimizer, StepHooks,
@@ -111,7 +112,7 @@ pub fn train_pipeline_with(
     let held_params: Vec<(String, Tensor)> = held.iter().map(|&i| handle(&named[i])).collect();
     // PP×FSDP: this rank's stage's parameters, one unit sharded over dp, driven by the
     // schedule's actions.
-    let unit: Option<RefCell<ShardedUnit>> = match sharded {
+    let unit: Option<RefCell<Fsdp>> = match sharded {
         true => Some(RefCell::new(stage_unit(
             &plan,
             rank,
@@ -133,7 +134,7 @@ pub fn train_pipeline_with(
             ActionKind::ReduceGrad => {
                 // In DDP's order: tied parts summed across stages, then averaged over dp.
                 reduce_tied()?;
-                unit.reduce_grads()?;
+                unit.reduce_gradients()?;
             }
             _ => {}
         }
@@ -262,7 +263,7 @@ struct StepLoop<'a> {
     named: &'a [(String, Tensor)],
     held: &'a [usize],
     held_params: &'a [(String, Tensor)],
-    unit: Option<&'a RefCell<ShardedUnit>>,
+    unit: Option<&'a RefCell<Fsdp>>,
     pp: &'a dyn ProcessGroup,
     dp: &'a dyn ProcessGroup,
     edge_groups: &'a HashMap<(usize, usize), Arc<dyn ProcessGroup>>,
@@ -480,7 +481,7 @@ impl StepHooks for PipelineStrategy<'_> {
                 .iter()
                 .map(|(_, t)| t.grad())
                 .collect(),
-            Some(u) => vec![u.borrow().shard().1.grad()],
+            Some(u) => u.borrow().stepped().iter().map(|(_, t)| t.grad()).collect(),
         };
         scale_gradients(&grads, clip_coefficient(max_norm, total))
     }
@@ -492,7 +493,7 @@ impl StepHooks for PipelineStrategy<'_> {
     ) -> Result<bool, TrainError> {
         match self.steps.unit {
             None => optimizer.step(self.steps.held_params)?,
-            Some(u) => optimizer.step(&[u.borrow().shard()])?,
+            Some(u) => optimizer.step(&u.borrow().stepped())?,
         }
         Ok(true)
     }
@@ -513,7 +514,7 @@ impl StepHooks for PipelineStrategy<'_> {
             Some(u) => {
                 let u = u.borrow();
                 let coord = |_: &str| format!("{}{}", s.tp_part, u.shard_coordinate());
-                observe_stepped(probe, step, &[u.shard()], optimizer, &coord)?;
+                observe_stepped(probe, step, &u.stepped(), optimizer, &coord)?;
             }
         }
         Ok(())
@@ -596,7 +597,7 @@ fn stage_unit(
     held_params: &[(String, Tensor)],
     dp: &Arc<dyn ProcessGroup>,
     opts: &PipelineOptions,
-) -> Result<ShardedUnit, PipelineError> {
+) -> Result<Fsdp, PipelineError> {
     let stage = plan
         .stage_ranks
         .iter()
@@ -611,7 +612,7 @@ fn stage_unit(
         .iter()
         .map(|(n, t)| (n.clone(), t.shallow_clone()))
         .collect();
-    Ok(ShardedUnit::new(
+    Ok(Fsdp::over_tensors(
         &format!("stage{stage}"),
         params,
         dp.clone(),

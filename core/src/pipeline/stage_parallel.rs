@@ -6,7 +6,8 @@
 use super::schedule::{Action, ActionKind};
 use super::PipelineError;
 use crate::comm::ProcessGroup;
-use crate::compose::{DataParallel, ShardedUnit};
+use crate::compose::DataParallel;
+use crate::fsdp::Fsdp;
 use crate::tensor_parallel::hooks::PlanHooks;
 use crate::tensor_parallel::run::{aliases, local_parameters, tp_coordinate};
 use crate::tensor_parallel::{check_plan, model_plan, Placement};
@@ -165,7 +166,7 @@ pub(crate) fn check_stage_tp(model: &dyn Model) -> Result<(), PipelineError> {
 pub(super) fn full_values(
     named: &[(String, Tensor)],
     model_params: &[(String, Tensor)],
-    unit: Option<&RefCell<ShardedUnit>>,
+    unit: Option<&RefCell<Fsdp>>,
     stage_tp: Option<&StageTp>,
     value: impl Fn(&Tensor) -> Tensor,
 ) -> Result<Vec<(String, Tensor)>, PipelineError> {

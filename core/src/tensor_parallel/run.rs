@@ -7,8 +7,9 @@
 use super::hooks::{PlanHooks, TpFault};
 use super::plan::{placements, Placement, TpPlan, TpPlanError};
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
-use crate::compose::{DataParallel, ShardError, ShardedUnit};
+use crate::compose::DataParallel;
 use crate::consistency::{observe_stepped, StateKind, StateProbe};
+use crate::fsdp::{Fsdp, FsdpError};
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::train::{
     clip_coefficient, grad_norm, scale_gradients, train_from, GradientView, Optimizer, StepHooks,
@@ -60,7 +61,7 @@ pub enum TpError {
     Autograd(#[from] crate::AutogradError),
     /// Sharding the data dimension (FSDP×TP) failed.
     #[error(transparent)]
-    Shard(#[from] ShardError),
+    Shard(#[from] FsdpError),
     /// A libtorch call failed.
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
@@ -192,7 +193,7 @@ pub fn train_tensor_parallel(
 /// Trains `model` under tensor parallelism by `plan`. Each TP group trains on the
 /// concatenation of its replica's share of the world's data ranks, so the objective is the
 /// reference's. The data dimension follows `opts.data_parallel`: under FSDP×TP the tensors a
-/// rank computes with (its TP shards and replicated parameters) are one [`ShardedUnit`] over
+/// rank computes with (its TP shards and replicated parameters) are one FSDP unit over
 /// `dp`, gathered before forward, their gradients reduce-scattered after backward and freed
 /// after the optimizer steps the shards (TP → FSDP, torchtitan's order).
 pub fn train_tensor_parallel_with_plan(
@@ -218,7 +219,7 @@ struct TpRun<'a> {
     /// What this rank computes with (shards where the plan splits).
     trained: Vec<(String, Tensor)>,
     /// FSDP×TP: `trained` as one unit sharded over the data dimension.
-    unit: Option<ShardedUnit>,
+    unit: Option<Fsdp>,
     hooks: Box<dyn LayerHooks>,
     /// The data ranks whose batches this replica trains on.
     data_ranks: Vec<usize>,
@@ -248,7 +249,7 @@ impl<'a> TpRun<'a> {
         let trained = local_parameters(model, &placements, groups.rank, opts.tp)?;
         let unit = match opts.data_parallel {
             DataParallel::Replicate | DataParallel::HybridReplicate { .. } => None,
-            DataParallel::Shard | DataParallel::HybridShard { .. } => Some(ShardedUnit::new(
+            DataParallel::Shard | DataParallel::HybridShard { .. } => Some(Fsdp::over_tensors(
                 "tp_local",
                 trained
                     .iter()
@@ -332,7 +333,7 @@ impl<'a> TpRun<'a> {
                     self.groups.average_over_data(&t.grad())?;
                 }
             }
-            Some(u) => u.reduce_grads()?,
+            Some(u) => u.reduce_gradients()?,
         }
         Ok(())
     }
@@ -436,7 +437,7 @@ impl StepHooks for TpRun<'_> {
         // What the optimizer steps: the local tensors' gradients, or the unit's shard.
         let grads: Vec<Tensor> = match self.unit.as_ref() {
             None => self.trained.iter().map(|(_, t)| t.grad()).collect(),
-            Some(u) => vec![u.shard().1.grad()],
+            Some(u) => u.stepped().iter().map(|(_, t)| t.grad()).collect(),
         };
         scale_gradients(grads.iter(), clip_coefficient(max_norm, total))
     }
@@ -449,7 +450,7 @@ impl StepHooks for TpRun<'_> {
         match self.unit.as_mut() {
             None => optimizer.step(params)?,
             Some(u) => {
-                optimizer.step(&[u.shard()])?;
+                optimizer.step(&u.stepped())?;
                 // Freed until the next step's gather.
                 u.reshard().map_err(TrainError::strategy)?;
             }
@@ -477,7 +478,7 @@ impl StepHooks for TpRun<'_> {
                     String::new()
                 };
                 let coord = |_: &str| format!("{tp_part}{}", u.shard_coordinate());
-                observe_stepped(probe, step, &[u.shard()], optimizer, &coord)?;
+                observe_stepped(probe, step, &u.stepped(), optimizer, &coord)?;
             }
         }
         Ok(())
