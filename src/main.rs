@@ -427,8 +427,9 @@ enum BenchCommand {
     ///
     /// Example: `lockstep bench step --parallel tp --world-size 2`.
     Step {
-        #[arg(long, default_value_t = 2)]
-        world_size: usize,
+        /// Ranks (default 2; under torchrun/srun the launcher's WORLD_SIZE).
+        #[arg(long)]
+        world_size: Option<usize>,
         /// `gpt`: the zoo's GPT-style decoder sized for the benchmark (vocab 512, dim 256, 8
         /// heads, 4 layers, 8 x 32 tokens per rank; under --parallel ep its top-2 of 8
         /// experts variant); any other zoo model runs at its zoo size.
@@ -1047,7 +1048,9 @@ fn run_bench(what: BenchCommand) -> Result<()> {
             json,
         } => bench_step(
             StepBenchOptions {
-                world_size,
+                world_size: world_size
+                    .or(lockstep::external::launch().map(|e| e.world_size))
+                    .unwrap_or(2),
                 model,
                 steps,
                 parallel,
@@ -1228,6 +1231,11 @@ fn bench_pipeline(opts: bench::PipelineBenchOptions, json: bool) -> Result<()> {
 /// `lockstep bench step`: one training step under DDP/FSDP, or a TP/EP plan.
 fn bench_step(opts: StepBenchOptions, json: bool) -> Result<()> {
     let parallel = opts.parallel;
+    // Under torchrun/srun this process is one rank: rank 0 prints, the others one line.
+    let external = lockstep::external::detect().map_err(|e| anyhow::anyhow!(e))?;
+    let quiet = external
+        .filter(|e| e.rank != 0)
+        .map(|e| (e.rank, e.world_size));
     // Bad input (a world of one, a plan the sizes do not fit) exits 2, as for
     // `bench pipeline`.
     let bad_input = |e: bench::BenchError| -> anyhow::Error {
@@ -1239,7 +1247,9 @@ fn bench_step(opts: StepBenchOptions, json: bool) -> Result<()> {
     };
     if parallel != bench::StepParallel::Fsdp {
         let r = bench::run_parallel_step(&opts).map_err(bad_input)?;
-        if json {
+        if let Some((rank, size)) = quiet {
+            println!("lockstep bench step rank {rank} of {size}: done (rank 0 prints the times)");
+        } else if json {
             println!("{}", serde_json::to_string(&r)?);
         } else {
             print_parallel_step(&r);
@@ -1247,7 +1257,9 @@ fn bench_step(opts: StepBenchOptions, json: bool) -> Result<()> {
         return Ok(());
     }
     let r = bench::run_step(&opts).map_err(bad_input)?;
-    if json {
+    if let Some((rank, size)) = quiet {
+        println!("lockstep bench step rank {rank} of {size}: done (rank 0 prints the times)");
+    } else if json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
         println!(

@@ -113,16 +113,20 @@ fn slurm_variables_become_the_harness_variables() {
         "RANK=5 WORLD_SIZE=8 LOCAL_RANK=1 (device cuda:1)",
         "MASTER_ADDR=gpu07 MASTER_PORT=29500 LOCKSTEP_BACKEND=nccl",
         "nccl_external_world_all_reduce",
-        "DRY RUN: 2 steps printed, none executed",
+        // Every rank runs the NCCL matrix as one rank of the world (rank 0 writes reports).
+        "rank 5 of the NCCL matrix across nodes (world 8)",
+        "matrix --backend nccl --configs 'single,ddp*,fsdp.*'",
+        "DRY RUN: 3 steps printed, none executed",
     ] {
         assert!(
             stdout.contains(expected),
             "missing {expected:?} in:\n{stdout}"
         );
     }
+    // A rank keeps only its own log: the reports are rank 0's.
     assert!(
-        !stdout.contains("matrix"),
-        "a rank runs no matrix:\n{stdout}"
+        !stdout.contains("keep the reports"),
+        "rank 5 keeps no reports:\n{stdout}"
     );
 }
 

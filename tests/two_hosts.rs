@@ -292,6 +292,23 @@ fn text(out: &Output) -> String {
     )
 }
 
+/// torch's path and two fresh hosts named after `kind`, or `None` after printing why this
+/// machine cannot run a two-host test (no torch, no namespaces: not root, no `ip`).
+fn two_hosts_or_skip(kind: &str) -> Option<(String, TwoHosts)> {
+    let torch = std::env::var("LOCKSTEP_TORCH_PYTHONPATH").unwrap_or_else(|_| TORCH_DEFAULT.into());
+    if let Some(reason) = torch_missing(&torch) {
+        println!("SKIP: {reason}");
+        return None;
+    }
+    match TwoHosts::create(kind) {
+        Ok(hosts) => Some((torch, hosts)),
+        Err(e) => {
+            println!("SKIP: cannot create network namespaces ({e})");
+            None
+        }
+    }
+}
+
 /// Why this machine cannot run the two-host test, if it cannot.
 fn torch_missing(torch: &str) -> Option<String> {
     let probe = std::path::Path::new(torch).join("torch/distributed/run.py");
@@ -300,17 +317,8 @@ fn torch_missing(torch: &str) -> Option<String> {
 
 #[test]
 fn two_hosts_under_torchrun() {
-    let torch = std::env::var("LOCKSTEP_TORCH_PYTHONPATH").unwrap_or_else(|_| TORCH_DEFAULT.into());
-    if let Some(reason) = torch_missing(&torch) {
-        println!("SKIP: {reason}");
+    let Some((torch, hosts)) = two_hosts_or_skip("") else {
         return;
-    }
-    let hosts = match TwoHosts::create("") {
-        Ok(h) => h,
-        Err(e) => {
-            println!("SKIP: cannot create network namespaces ({e})");
-            return;
-        }
     };
 
     // World 4 across two hosts, torchrun's store on MASTER_PORT, no LOCKSTEP_HOST.
@@ -427,17 +435,8 @@ fn processes_with(marker: &str) -> Vec<String> {
 
 #[test]
 fn matrix_under_torchrun_on_two_hosts() {
-    let torch = std::env::var("LOCKSTEP_TORCH_PYTHONPATH").unwrap_or_else(|_| TORCH_DEFAULT.into());
-    if let Some(reason) = torch_missing(&torch) {
-        println!("SKIP: {reason}");
+    let Some((torch, hosts)) = two_hosts_or_skip("m") else {
         return;
-    }
-    let hosts = match TwoHosts::create("m") {
-        Ok(h) => h,
-        Err(e) => {
-            println!("SKIP: cannot create network namespaces ({e})");
-            return;
-        }
     };
     let lockstep = env!("CARGO_BIN_EXE_lockstep");
     let scratch = std::env::temp_dir().join(format!("lockstep-two-hosts-{}", std::process::id()));
@@ -575,22 +574,28 @@ fn rank_pid(marker: &str, rank: usize) -> Option<String> {
         })
 }
 
+/// The pid of rank `rank` (of the run whose command line mentions `marker`) once it has run
+/// for 4 s (past rendezvous, training); panics if it does not start within 40 s.
+fn training_rank(marker: &str, rank: usize) -> String {
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let pid = loop {
+        if let Some(pid) = rank_pid(marker, rank) {
+            break pid;
+        }
+        assert!(Instant::now() < deadline, "rank {rank} never started");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    std::thread::sleep(Duration::from_secs(4));
+    pid
+}
+
 /// A rank killed on host B mid-run (SIGKILL: it reports nothing) is named by rank 0 on host
 /// A, well within the 60 s collective timeout: its peers fail as its links close, and a rank
 /// still silent a few seconds after the first reported failure is named as dead.
 #[test]
 fn a_killed_rank_is_named_by_the_other_host() {
-    let torch = std::env::var("LOCKSTEP_TORCH_PYTHONPATH").unwrap_or_else(|_| TORCH_DEFAULT.into());
-    if let Some(reason) = torch_missing(&torch) {
-        println!("SKIP: {reason}");
+    let Some((torch, hosts)) = two_hosts_or_skip("k") else {
         return;
-    }
-    let hosts = match TwoHosts::create("k") {
-        Ok(h) => h,
-        Err(e) => {
-            println!("SKIP: cannot create network namespaces ({e})");
-            return;
-        }
     };
     let shm_before = shm_entries();
     // A seed no other test uses marks this run's processes.
@@ -615,15 +620,7 @@ fn a_killed_rank_is_named_by_the_other_host() {
         .collect();
     // Rank 3 (host B), once it has run for a few seconds (past rendezvous, training).
     let marker = format!("--seed {seed}");
-    let deadline = Instant::now() + Duration::from_secs(40);
-    let victim = loop {
-        if let Some(pid) = rank_pid(&marker, 3) {
-            break pid;
-        }
-        assert!(Instant::now() < deadline, "rank 3 never started");
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    std::thread::sleep(Duration::from_secs(4));
+    let victim = training_rank(&marker, 3);
     let killed = Instant::now();
     let status = Command::new("kill")
         .args(["-9", &victim])
@@ -666,17 +663,8 @@ fn a_killed_rank_is_named_by_the_other_host() {
 /// every point (world 4, positive bandwidth), the others one line each.
 #[test]
 fn bench_comm_across_hosts() {
-    let torch = std::env::var("LOCKSTEP_TORCH_PYTHONPATH").unwrap_or_else(|_| TORCH_DEFAULT.into());
-    if let Some(reason) = torch_missing(&torch) {
-        println!("SKIP: {reason}");
+    let Some((torch, hosts)) = two_hosts_or_skip("c") else {
         return;
-    }
-    let hosts = match TwoHosts::create("c") {
-        Ok(h) => h,
-        Err(e) => {
-            println!("SKIP: cannot create network namespaces ({e})");
-            return;
-        }
     };
     let ranks = Ranks {
         program: env!("CARGO_BIN_EXE_lockstep").into(),
@@ -751,17 +739,8 @@ fn parity_test_body() {
 /// every rank runs the same test, judges the same records and passes.
 #[test]
 fn parity_test_across_hosts() {
-    let torch = std::env::var("LOCKSTEP_TORCH_PYTHONPATH").unwrap_or_else(|_| TORCH_DEFAULT.into());
-    if let Some(reason) = torch_missing(&torch) {
-        println!("SKIP: {reason}");
+    let Some((torch, hosts)) = two_hosts_or_skip("p") else {
         return;
-    }
-    let hosts = match TwoHosts::create("p") {
-        Ok(h) => h,
-        Err(e) => {
-            println!("SKIP: cannot create network namespaces ({e})");
-            return;
-        }
     };
     let ranks = Ranks {
         program: std::env::current_exe().expect("test binary").into(),
@@ -788,17 +767,8 @@ fn parity_test_across_hosts() {
 /// and host B's ranks end too (their store requests time out) instead of waiting forever.
 #[test]
 fn a_cut_link_is_diagnosed_on_both_hosts() {
-    let torch = std::env::var("LOCKSTEP_TORCH_PYTHONPATH").unwrap_or_else(|_| TORCH_DEFAULT.into());
-    if let Some(reason) = torch_missing(&torch) {
-        println!("SKIP: {reason}");
+    let Some((torch, hosts)) = two_hosts_or_skip("l") else {
         return;
-    }
-    let hosts = match TwoHosts::create("l") {
-        Ok(h) => h,
-        Err(e) => {
-            println!("SKIP: cannot create network namespaces ({e})");
-            return;
-        }
     };
     let seed = format!("{}", 8_000_000 + std::process::id() % 1_000_000);
     let ranks = Ranks {
@@ -821,12 +791,7 @@ fn a_cut_link_is_diagnosed_on_both_hosts() {
         })
         .collect();
     let marker = format!("--seed {seed}");
-    let deadline = Instant::now() + Duration::from_secs(40);
-    while rank_pid(&marker, 3).is_none() {
-        assert!(Instant::now() < deadline, "rank 3 never started");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    std::thread::sleep(Duration::from_secs(4));
+    training_rank(&marker, 3);
     let cut = Instant::now();
     ip(&["-n", &hosts.names[1], "link", "set", "veth0", "down"]).expect("cut the link");
     let outs: Vec<Output> = children
@@ -856,5 +821,45 @@ fn a_cut_link_is_diagnosed_on_both_hosts() {
     println!(
         "cut link: both hosts ended {:.1} s after the cut; host A: {line}",
         ended_after.as_secs_f64()
+    );
+}
+
+/// `lockstep bench step` as one rank per process under torchrun on both hosts: DDP and FSDP
+/// steps timed across the hosts; rank 0 prints the times, the others one line each.
+#[test]
+fn bench_step_across_hosts() {
+    let Some((torch, hosts)) = two_hosts_or_skip("s") else {
+        return;
+    };
+    let ranks = Ranks {
+        program: env!("CARGO_BIN_EXE_lockstep").into(),
+        args: ["bench", "step", "--model", "mlp", "--steps", "3", "--json"]
+            .map(str::to_owned)
+            .to_vec(),
+        bound: LAUNCH_BOUND,
+    };
+    let outs = launch_both(&hosts, &torch, [&[], &[]], &ranks);
+    for (node, out) in outs.iter().enumerate() {
+        assert!(out.status.success(), "node {node} failed:\n{}", text(out));
+    }
+    let a = String::from_utf8_lossy(&outs[0].stdout);
+    let json: serde_json::Value = a
+        .lines()
+        .find(|l| l.starts_with('{'))
+        .and_then(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("rank 0 prints the times:\n{a}"));
+    assert_eq!(json["world_size"], 4, "{json}");
+    for field in ["ddp_seconds", "fsdp_seconds", "fsdp_per_layer_seconds"] {
+        let v = json[field].as_f64().unwrap_or(-1.0);
+        assert!(v > 0.0 && v.is_finite(), "{field}: {json}");
+    }
+    let b = String::from_utf8_lossy(&outs[1].stdout);
+    for rank in [2, 3] {
+        let line = format!("lockstep bench step rank {rank} of 4: done");
+        assert!(b.contains(&line), "{b}");
+    }
+    println!(
+        "bench step across two hosts (mlp, world 4): ddp {:.4} s, fsdp {:.4} s",
+        json["ddp_seconds"], json["fsdp_seconds"]
     );
 }

@@ -7,7 +7,7 @@
 use super::gpt::Clocked;
 use super::{results_path, BenchError, GptDims};
 use crate::rank_error::{hand_back_json, RankError};
-use lockstep_core::comm::{CollectiveCounts, CountingGroup, ProcessGroup};
+use lockstep_core::comm::{Backend, CollectiveCounts, CountingGroup, ProcessGroup};
 use lockstep_core::expert_parallel::{check_expert_plan, Dispatcher, EpOptions};
 use lockstep_core::record::CollectiveEntry;
 use lockstep_core::tensor_parallel::{check_plan, TpOptions};
@@ -333,7 +333,10 @@ fn time_steps(opts: &StepBenchOptions, run: StepRun) -> Result<RunTimes, BenchEr
     use lockstep_core::tensor_parallel::train_tensor_parallel;
     use lockstep_core::train::{OptimizerConfig, TrainConfig};
 
-    let out = results_path("step");
+    // Under an external launch (torchrun, srun) the "file" is a store key every rank names
+    // alike; otherwise a fresh file the forked rank 0 writes.
+    let external = crate::external::launch();
+    let out = crate::external::scratch_path("step").unwrap_or_else(|| results_path("step"));
     // Warm-up, the timed steps, and one more whose batch request ends the last.
     let steps = opts.steps + 2;
     let body = |ctx: &RankCtx| -> Result<(), RankError> {
@@ -426,19 +429,39 @@ fn time_steps(opts: &StepBenchOptions, run: StepRun) -> Result<RunTimes, BenchEr
         }
         Ok(())
     };
-    let launch_opts = LaunchOptions {
-        world_size: opts.world_size,
-        timeout: Duration::from_secs(600),
-        backend: "cpu".into(),
+    let timeout = Duration::from_secs(600);
+    let launched = match external {
+        // This process is one rank: ranks on several hosts time the step across them.
+        Some(external) => {
+            let label = format!("bench step {}", run.label());
+            crate::external::run(
+                external,
+                opts.world_size,
+                Backend::Cpu,
+                &label,
+                timeout,
+                &body,
+            )
+            .map_err(|e| BenchError::Failed(format!("{}\n{}", e.line, e.details)))
+        }
+        None => {
+            let launch_opts = LaunchOptions {
+                world_size: opts.world_size,
+                timeout,
+                backend: "cpu".into(),
+            };
+            launch(
+                &launch_opts,
+                RankSpawn::Fork(&|info| lockstep_harness::execute_forked_rank(info, &body)),
+            )
+            .map(drop)
+            .map_err(BenchError::from)
+        }
     };
-    let launched = launch(
-        &launch_opts,
-        RankSpawn::Fork(&|info| lockstep_harness::execute_forked_rank(info, &body)),
-    );
-    let read = std::fs::read(&out);
-    let _ = std::fs::remove_file(&out);
+    let read = crate::rank_error::take_handed_back(&out);
     launched?;
-    let times: StepTimes = serde_json::from_slice(&read?)?;
+    let read = read.ok_or_else(|| BenchError::Failed("rank 0 handed back no step times".into()))?;
+    let times: StepTimes = serde_json::from_slice(&read)?;
     let mut sorted = times.seconds;
     if sorted.is_empty() {
         return Err(BenchError::Failed("no step times were recorded".into()));

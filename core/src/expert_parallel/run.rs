@@ -17,8 +17,8 @@ use crate::record::{CollectiveEntry, RunRecord};
 use crate::tensor_parallel::hooks::{ExpertsParallel, PlanHooks};
 use crate::tensor_parallel::run::aliases;
 use crate::train::{
-    clip_coefficient, grad_norm, scale_gradients, train_from, GradientView, Optimizer, StepHooks,
-    StepLoss, TrainConfig, TrainError, TrainStart,
+    clip_coefficient, scale_gradients, train_from, GradientView, Optimizer, StepHooks, StepLoss,
+    TrainConfig, TrainError, TrainStart,
 };
 use lockstep_models::plan::ParallelStyle;
 use lockstep_models::{LayerHooks, Model, ModelError, ParallelPlan};
@@ -348,10 +348,7 @@ impl StepHooks for EpRun {
         keep: bool,
     ) -> Result<GradientView, TrainError> {
         let full = self.full(|t| t.grad()).map_err(TrainError::strategy)?;
-        Ok(GradientView {
-            norm: grad_norm(&full)?,
-            full: keep.then_some(full),
-        })
+        GradientView::of_full(full, keep)
     }
 
     fn clip_gradients(

@@ -18,8 +18,8 @@ use crate::consistency::{observe_stepped, StateKind, StateProbe};
 use crate::fsdp::Fsdp;
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::train::{
-    clip_coefficient, grad_norm, scale_gradients, train_from, GradientView, Optimizer, StepHooks,
-    StepLoss, TrainConfig, TrainError, TrainStart,
+    clip_coefficient, scale_gradients, train_from, GradientView, Optimizer, StepHooks, StepLoss,
+    TrainConfig, TrainError, TrainStart,
 };
 use lockstep_models::{Batch, Model};
 use std::cell::RefCell;
@@ -456,10 +456,7 @@ impl StepHooks for PipelineStrategy<'_> {
             let full = s
                 .recorded(&|t: &Tensor| t.grad())
                 .map_err(TrainError::strategy)?;
-            return Ok(GradientView {
-                norm: grad_norm(&full)?,
-                full: keep.then_some(full),
-            });
+            return GradientView::of_full(full, keep);
         }
         // Only the norm is recorded: computed by the owners, without gathering.
         let norm = owned_grad_norm(s.plan, s.rank, s.pp, s.named, &mut self.norm_scratch)
@@ -807,7 +804,7 @@ fn average_flat(grads: &[Tensor], group: &dyn ProcessGroup) -> Result<(), Pipeli
 }
 
 /// The gradient norm without gathering the gradients: each owner computes its parameters'
-/// squared norms in f64 exactly as [`grad_norm`] does, one all-reduce of that vector (one
+/// squared norms in f64 exactly as `train::grad_norm` does, one all-reduce of that vector (one
 /// non-zero contribution per element, so the sum is exact) gives every rank all of them, and
 /// they are summed in parameter order — the same bits as the norm of the gathered gradients.
 ///

@@ -12,8 +12,8 @@ use crate::consistency::{observe_stepped, StateKind, StateProbe};
 use crate::fsdp::{Fsdp, FsdpError};
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::train::{
-    clip_coefficient, grad_norm, scale_gradients, train_from, GradientView, Optimizer, StepHooks,
-    StepLoss, TrainConfig, TrainError, TrainStart,
+    clip_coefficient, scale_gradients, train_from, GradientView, Optimizer, StepHooks, StepLoss,
+    TrainConfig, TrainError, TrainStart,
 };
 use lockstep_models::{Batch, LayerHooks, LossReduction, Model, ModelError, NoHooks};
 use std::collections::HashMap;
@@ -422,10 +422,7 @@ impl StepHooks for TpRun<'_> {
         keep: bool,
     ) -> Result<GradientView, TrainError> {
         let full = self.full(|t| t.grad()).map_err(TrainError::strategy)?;
-        Ok(GradientView {
-            norm: grad_norm(&full)?,
-            full: keep.then_some(full),
-        })
+        GradientView::of_full(full, keep)
     }
 
     fn clip_gradients(

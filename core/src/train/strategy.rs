@@ -34,6 +34,17 @@ pub struct GradientView {
     pub full: Option<Vec<(String, Tensor)>>,
 }
 
+impl GradientView {
+    /// The view of gradients a strategy assembled at full size: their norm, and the
+    /// gradients themselves when `keep`.
+    pub fn of_full(full: Vec<(String, Tensor)>, keep: bool) -> Result<GradientView, TrainError> {
+        Ok(GradientView {
+            norm: grad_norm(&full)?,
+            full: keep.then_some(full),
+        })
+    }
+}
+
 /// Gradient synchronization between backward and the optimizer step. It receives every
 /// parameter's gradient by name (the tensors `.grad` holds, so in-place collectives update
 /// them) and must leave them as the optimizer should see them.
