@@ -8,7 +8,7 @@
 //! Ranks may sit on hosts that share no filesystem, so what a launch hands back goes through
 //! the run's store ([`RunStore`]), never through files: while a body runs, the record and
 //! digest "files" of [`crate::rank_error::hand_back_json`] are store keys named after the
-//! scratch file (whose name [`scratch_path`] makes the same on every rank); after the body,
+//! scratch file (whose name `scratch_path` makes the same on every rank); after the body,
 //! every rank publishes its outcome with the keys it wrote, reads every rank's outcome and
 //! every key into memory, and only then does the launch end (rank 0, which hosts the store,
 //! never leaves while another rank still reads). Every rank therefore holds the same records

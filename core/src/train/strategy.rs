@@ -142,8 +142,8 @@ pub trait StepHooks {
     }
 
     /// Runs the optimizer step itself, if the wrapper owns the parameters the optimizer must
-    /// update (FSDP steps its shard). Returns `false` (the default) to let [`train`] step the
-    /// model's parameters as usual.
+    /// update (FSDP steps its shard). Returns `false` (the default) to let
+    /// [`train`](super::train) step the model's parameters as usual.
     fn optimizer_step(
         &mut self,
         _optimizer: &mut dyn Optimizer,
