@@ -4,7 +4,7 @@
 
 use super::microbatch;
 use super::PipelineError;
-use crate::record::{RunRecord, RunSpec};
+use crate::record::RunRecord;
 use crate::train::{
     train_from, OptimizerConfig, StepHooks, StepLoss, TrainConfig, TrainError, TrainStart,
 };
@@ -22,21 +22,8 @@ pub fn microbatched_reference(
     record_grads: bool,
 ) -> Result<RunRecord, PipelineError> {
     model.check_single_device_reference()?;
-    let cfg = TrainConfig {
-        spec: RunSpec {
-            model: model.name().to_owned(),
-            config: format!("single.mb{microbatches}"),
-            world_size,
-            backend: "none".into(),
-            dtype: "fp32".into(),
-            steps,
-            seed: model.seed(),
-        },
-        optimizer,
-        data_ranks: (0..world_size).collect(),
-        record_grads,
-        probe: None,
-    };
+    let config = format!("single.mb{microbatches}");
+    let cfg = TrainConfig::one_process(model, &config, world_size, steps, optimizer, record_grads);
     let mut strategy = Microbatched { microbatches };
     train_from(model, &cfg, &mut strategy, None, &TrainStart::default())
         .map(|(record, _)| record)

@@ -243,22 +243,37 @@ pub fn single_device_reference(
     if world_size == 0 {
         return Err(TrainError::InvalidConfig("world size 0".into()));
     }
-    let cfg = TrainConfig {
-        spec: RunSpec {
-            model: model.name().to_owned(),
-            config: "single".into(),
-            world_size,
-            backend: "none".into(),
-            dtype: "fp32".into(),
-            steps,
-            seed: model.seed(),
-        },
-        optimizer,
-        data_ranks: (0..world_size).collect(),
-        record_grads,
-        probe: None,
-    };
+    let cfg = TrainConfig::one_process(model, "single", world_size, steps, optimizer, record_grads);
     train(model, &cfg, &mut no_sync, None)
+}
+
+impl TrainConfig {
+    /// A one-process reference's config, named `config` in its record: every one of
+    /// `world_size` ranks' batches each step, fp32, no backend, no cross-rank probe.
+    pub fn one_process(
+        model: &dyn Model,
+        config: &str,
+        world_size: usize,
+        steps: usize,
+        optimizer: OptimizerConfig,
+        record_grads: bool,
+    ) -> TrainConfig {
+        TrainConfig {
+            spec: RunSpec {
+                model: model.name().to_owned(),
+                config: config.to_owned(),
+                world_size,
+                backend: "none".into(),
+                dtype: "fp32".into(),
+                steps,
+                seed: model.seed(),
+            },
+            optimizer,
+            data_ranks: (0..world_size).collect(),
+            record_grads,
+            probe: None,
+        }
+    }
 }
 
 /// The mean of `local` over `group`, reduced on `device` (the training's: NCCL takes CUDA
