@@ -1,7 +1,9 @@
 //! The pipeline configurations of the matrix (`pp.*`), as a table like [`fsdp_configs`]:
 //! each row names a schedule, its virtual stages, a partition method, checkpointing and
 //! data-parallel replicas; microbatches are `2p` for `p` pipeline ranks (the issue's `m ≥ 2p`,
-//! and a multiple of `p` as interleaved schedules need).
+//! and a multiple of `p` as interleaved schedules need), except `pp.gpipe`'s `2p − 1`: every
+//! zoo batch divides by `2p`, so without it no row would split a batch into microbatches of
+//! different sizes, and a loss scale that ignores the sizes would change no number.
 //!
 //! Each `pp.*` row is judged twice: against `single@N` by the fp64 arbiter (a
 //! pipeline accumulates microbatch gradients, one process computes the global batch at once:
@@ -33,6 +35,9 @@ pub struct PipelineConfig {
     pub checkpoint_every: Option<usize>,
     /// Data-parallel replicas (PP×DP).
     pub data_parallel: usize,
+    /// `2p − 1` microbatches instead of `2p`: their sizes differ, so each microbatch's loss
+    /// must be scaled by its own size (a mean-reduced loss), which equal splits never test.
+    pub uneven_microbatches: bool,
 }
 
 /// The partition of `pp.1f1b.type`: balance transformer blocks and linears.
@@ -51,13 +56,21 @@ impl PipelineConfig {
         Ok(world_size / self.data_parallel)
     }
 
+    /// Microbatches per step for `p` pipeline ranks.
+    pub fn microbatches(&self, p: usize) -> usize {
+        match self.uneven_microbatches {
+            true => 2 * p - 1,
+            false => 2 * p,
+        }
+    }
+
     /// The options every rank runs with at `world_size`.
     pub fn options(&self, world_size: usize) -> Result<PipelineOptions, String> {
         let p = self.ranks(world_size)?;
         Ok(PipelineOptions {
             schedule: ScheduleChoice::Builtin(self.schedule),
             virtual_stages: self.virtual_stages,
-            microbatches: 2 * p,
+            microbatches: self.microbatches(p),
             partition: self.partition.parse().map_err(|e| format!("{e}"))?,
             checkpoint_every: self.checkpoint_every,
             data_parallel: self.data_parallel,
@@ -90,14 +103,19 @@ pub fn pipeline_configs() -> &'static [PipelineConfig] {
             partition: "uniform",
             checkpoint_every: None,
             data_parallel: 1,
+            uneven_microbatches: false,
         };
         vec![
-            row(
-                "pp.gpipe",
-                "GPipe: every forward, then every backward",
-                ScheduleKind::GPipe,
-                1,
-            ),
+            PipelineConfig {
+                uneven_microbatches: true,
+                ..row(
+                    "pp.gpipe",
+                    "GPipe: every forward, then every backward; 2N-1 microbatches of unequal \
+                     sizes (each loss scaled by its own size)",
+                    ScheduleKind::GPipe,
+                    1,
+                )
+            },
             row(
                 "pp.1f1b",
                 "1F1B: warm-up forwards, then one forward one backward",

@@ -492,7 +492,13 @@ fn judge_cell(
                             policy: Ok(TolerancePolicy::bitwise(DType::F32)),
                             against: None,
                         };
-                        (id.get().ranks(world).map_or(0, |p| 2 * p), judge, skip)
+                        (
+                            id.get()
+                                .ranks(world)
+                                .map_or(0, |p| id.get().microbatches(p)),
+                            judge,
+                            skip,
+                        )
                     }
                 };
                 row(

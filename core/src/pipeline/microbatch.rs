@@ -69,7 +69,9 @@ pub fn split(
     let mut out = Vec::with_capacity(count);
     let mut start = 0i64;
     for &n in &sizes {
-        let take = |t: &Tensor| t.f_narrow(dim, start, n as i64);
+        // Contiguous, as a data loader hands a batch over: a slice along a sequence-first
+        // model's batch dimension (1) is a strided view that `view` cannot reshape.
+        let take = |t: &Tensor| t.f_narrow(dim, start, n as i64)?.f_contiguous();
         out.push(Batch {
             inputs: inputs.iter().map(take).collect::<Result<Vec<_>, _>>()?,
             target: target.as_ref().map(take).transpose()?,
