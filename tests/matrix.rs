@@ -361,9 +361,10 @@ fn plan_selects_expands_and_counts_runs() {
     // world size (hybrid runs at 2 and 4); moe (no single-device reference): the 7 ddp runs
     // + every fsdp config.
     // Pipelines, per model with a single-device reference (gpt, gpt_moe, gpt_dropout): at world 2 the 10
-    // pp configs that fit 2 ranks (all but dp2) and one single.mb4; at world 4 the 5 with one
-    // stage per rank (the 2-per-rank ones need 8 layers, the GPT has 6), dp2, and single.mb8.
-    let pipelines = 3 * ((10 + 1) + (6 + 1));
+    // pp configs that fit 2 ranks (all but dp2), single.mb3 (pp.gpipe's 2N - 1 microbatches)
+    // and single.mb4; at world 4 the 5 with one stage per rank (the 2-per-rank ones need 8
+    // layers, the GPT has 6), dp2, single.mb7 and single.mb8.
+    let pipelines = 3 * ((10 + 2) + (6 + 2));
     // Tensor and expert parallel: gpt and gpt_dropout tp.2, tp.2.sp at world 2 and tp.2, tp.4, tp.2.sp at 4
     // (no MoE: its ep rows skip); gpt_moe those plus ep.2, ep.2.allgather, ep.2.capacity at
     // 2 and ep.2, ep.4, ep.2.allgather, ep.2.capacity at 4; moe has no single-device
@@ -376,8 +377,8 @@ fn plan_selects_expands_and_counts_runs() {
     // hsdp_x_tp2's tp.2.hybrid_order (a reference only), which runs once for each of the three.
     let compositions = (3 + 1) + (4 * 3 + 3 + 1) + 3;
     // The float64 shadows: one per cell with a single-device reference (3 models × 2 worlds)
-    // and one per microbatched reference (3 models × 2 worlds).
-    let shadows = 3 * 2 + 3 * 2;
+    // and one per microbatched reference (3 models × 2 worlds × 2 microbatch counts).
+    let shadows = 3 * 2 + 3 * 2 * 2;
     assert_eq!(
         plan.run_count(),
         2 * (3 * (9 + fsdp) + (7 + fsdp)) + pipelines + model_parallel + compositions + shadows
