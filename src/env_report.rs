@@ -27,6 +27,10 @@ pub struct EnvReport {
     pub backends: Vec<&'static str>,
     /// Available parallelism reported by the OS (1 if it cannot say).
     pub cpu_threads: usize,
+    /// The GPU side: every GPU's name, the driver's and libtorch's CUDA, cuDNN, the cuBLAS
+    /// workspace, and the numerics switches every process computing on CUDA sets
+    /// (deterministic kernels, no cuDNN autotuning, TF32 off): what a CUDA report records.
+    pub gpu: lockstep_core::machine::GpuEnvironment,
 }
 
 /// Probes libtorch and the optional NCCL backend; the CPU capability, thread count and
@@ -46,7 +50,22 @@ pub fn collect() -> EnvReport {
         nccl,
         backends,
         cpu_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        gpu: cuda_side(),
     }
+}
+
+/// The GPU facts as a CUDA run of this build would record them: read after applying the
+/// switches every CUDA process runs with (`--device cuda`, NCCL; without `--tf32`).
+fn cuda_side() -> lockstep_core::machine::GpuEnvironment {
+    let mut gpu = lockstep_core::machine::GpuEnvironment::read();
+    gpu.numerics = Some(lockstep_core::machine::Numerics::deterministic(false));
+    if gpu.cublas_workspace == "unset" {
+        gpu.cublas_workspace = format!(
+            "unset here; CUDA runs set {}",
+            lockstep_core::machine::CUDA_DETERMINISM_ENV[0].1
+        );
+    }
+    gpu
 }
 
 #[cfg(feature = "nccl")]
@@ -77,6 +96,20 @@ impl std::fmt::Display for EnvReport {
         writeln!(f, "cudnn           {}", self.cudnn_available)?;
         writeln!(f, "nccl            {}", self.nccl)?;
         writeln!(f, "backends        {}", self.backends.join(", "))?;
-        write!(f, "cpu threads     {}", self.cpu_threads)
+        writeln!(f, "cpu threads     {}", self.cpu_threads)?;
+        let gpus = if self.gpu.gpus.is_empty() {
+            "none".to_owned()
+        } else {
+            self.gpu.gpus.join(", ")
+        };
+        writeln!(f, "gpu models      {gpus}")?;
+        writeln!(f, "driver cuda     {}", self.gpu.driver_cuda)?;
+        writeln!(f, "runtime cuda    {}", self.gpu.cuda_runtime)?;
+        writeln!(f, "cudnn version   {}", self.gpu.cudnn)?;
+        writeln!(f, "cublas config   {}", self.gpu.cublas_workspace)?;
+        match &self.gpu.numerics {
+            Some(n) => write!(f, "cuda numerics   {n}"),
+            None => write!(f, "cuda numerics   unknown"),
+        }
     }
 }

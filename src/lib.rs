@@ -10,6 +10,7 @@ pub mod bench;
 pub mod checkpoint;
 pub mod configs;
 pub mod cross_rank;
+pub mod device;
 pub mod env_report;
 pub mod external;
 pub mod faults;

@@ -182,6 +182,31 @@ struct RunArgs {
     json: bool,
 }
 
+/// Where runs compute (shared by `matrix`, `run` and the hidden `rank`): see docs/gpu.md.
+#[derive(clap::Args, Clone, Copy)]
+struct ComputeArgs {
+    /// cpu or cuda. cuda on the CPU backend: ranks spread over the visible GPUs round robin
+    /// (several ranks may share one), collectives staged through host memory, the
+    /// single-device reference on GPU 0. NCCL always computes on CUDA. Every CUDA process runs
+    /// with deterministic kernels, a fixed cuBLAS workspace and TF32 off. Refused before
+    /// anything runs (exit 2) without a GPU.
+    #[arg(long, value_parser = lockstep::device::ComputeDevice::parse)]
+    device: Option<lockstep::device::ComputeDevice>,
+    /// Allow TF32 matrix products and convolutions on CUDA (off by default: fp32 arithmetic).
+    #[arg(long)]
+    tf32: bool,
+}
+
+impl ComputeArgs {
+    /// The device runs compute on with `backend`, or why that cannot be.
+    fn device(
+        self,
+        backend: lockstep_core::comm::Backend,
+    ) -> anyhow::Result<lockstep::device::ComputeDevice> {
+        lockstep::device::ComputeDevice::resolve(self.device, backend).map_err(anyhow::Error::msg)
+    }
+}
+
 /// What a sensitivity analysis tries (shared by `sensitivity` and `matrix --sensitivity`).
 #[derive(clap::Args)]
 struct FaultArgs {
@@ -306,6 +331,8 @@ struct MatrixArgs {
     /// without the `nccl` feature or one GPU per rank (docs/gpu.md).
     #[arg(long, default_value = "cpu", value_parser = parse_backend)]
     backend: lockstep_core::comm::Backend,
+    #[command(flatten)]
+    compute: ComputeArgs,
     /// Exec every rank as a fresh `lockstep rank` process instead of forking (what NCCL
     /// does); on the CPU backend it checks the exec'd path against the forked one.
     #[arg(long)]
@@ -346,6 +373,8 @@ struct RankArgs {
     /// The backend the ranks communicate over.
     #[arg(long, value_parser = parse_backend)]
     backend: lockstep_core::comm::Backend,
+    #[command(flatten)]
+    compute: ComputeArgs,
     /// Where rank 0 writes its record.
     #[arg(long)]
     out: PathBuf,
@@ -530,6 +559,8 @@ fn main() -> Result<ExitCode> {
             seed: args.seed,
             record_grads: args.record_grads,
             backend: args.backend,
+            device: args.compute.device(args.backend)?,
+            tf32: args.compute.tf32,
             out: args.out,
             optimizer: args.optimizer.unwrap_or_default(),
         }),
@@ -685,6 +716,14 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
     opts.fault = args.fault;
     opts.subtests = !args.isolated;
     opts.backend = args.backend;
+    opts.device = match args.compute.device(args.backend) {
+        Ok(device) => device,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Ok(ExitCode::from(2));
+        }
+    };
+    opts.tf32 = args.compute.tf32;
     opts.exec_ranks = args.exec_ranks;
     opts.arbiter_log = args.arbiter_log;
     if args.sensitivity {
@@ -706,6 +745,8 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
             return Ok(ExitCode::from(2));
         }
     };
+    // The references run in this process: on CUDA they need the same numerics as the ranks.
+    lockstep::device::prepare_process(opts.device, opts.backend, opts.tf32)?;
     if let (Some(launch), false) = (external, reporting) {
         return Ok(external_rank_summary(launch, &matrix::run_quietly(&plan)));
     }

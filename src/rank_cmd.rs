@@ -9,6 +9,7 @@
 
 use crate::configs::Config;
 use crate::cross_rank::{hand_back_digest, probe_for};
+use crate::device::ComputeDevice;
 use crate::rank_error::RankError;
 use crate::runner::{hand_back, run_spec, train_builtin, RunSettings};
 use lockstep_core::comm::Backend;
@@ -16,7 +17,6 @@ use lockstep_core::train::{OptimizerConfig, TrainConfig};
 use lockstep_harness::RankCtx;
 use lockstep_models::{zoo, OnDevice};
 use std::path::PathBuf;
-use tch::Device;
 
 /// What an exec'd rank is told on its command line (every rank the same).
 #[derive(Clone, Debug, PartialEq)]
@@ -33,6 +33,10 @@ pub struct RankRun {
     pub record_grads: bool,
     /// The backend the ranks communicate over (NCCL: each rank trains on its GPU).
     pub backend: Backend,
+    /// Where the rank computes (CUDA: rank r on GPU `r % GPUs`, or its own GPU under NCCL).
+    pub device: ComputeDevice,
+    /// Allow TF32 matrix products on CUDA.
+    pub tf32: bool,
     /// Where rank 0 writes its record.
     pub out: PathBuf,
     /// The optimizer every rank steps with.
@@ -40,6 +44,27 @@ pub struct RankRun {
 }
 
 impl RankRun {
+    /// Rank `config` of zoo model `model` under `settings`, rank 0's record written to `out`.
+    pub fn of(
+        model: &str,
+        config: Config,
+        settings: &RunSettings,
+        out: &std::path::Path,
+    ) -> RankRun {
+        RankRun {
+            model: model.to_owned(),
+            config: config.name().to_owned(),
+            steps: settings.steps,
+            seed: settings.seed,
+            record_grads: settings.record_grads,
+            backend: settings.backend,
+            device: settings.device,
+            tf32: settings.tf32,
+            out: out.to_path_buf(),
+            optimizer: settings.optimizer,
+        }
+    }
+
     /// The arguments `lockstep` is exec'd with for this run.
     pub fn args(&self) -> Vec<String> {
         let mut args = vec![
@@ -58,9 +83,14 @@ impl RankRun {
                 Backend::Nccl => "nccl",
             }
             .into(),
+            "--device".into(),
+            self.device.name().into(),
             "--out".into(),
             self.out.display().to_string(),
         ];
+        if self.tf32 {
+            args.push("--tf32".into());
+        }
         if self.record_grads {
             args.push("--record-grads".into());
         }
@@ -78,10 +108,9 @@ impl RankRun {
         let config = Config::by_name(&self.config)
             .filter(|&c| c != Config::Single)
             .ok_or_else(|| RankError::NotLaunched(self.config.clone()))?;
-        let device = match self.backend {
-            Backend::Cpu => Device::Cpu,
-            Backend::Nccl => Device::Cuda(ctx.local_rank()),
-        };
+        crate::device::prepare_process(self.device, self.backend, self.tf32)
+            .map_err(|e| RankError::Train(format!("setting CUDA's numerics: {e}")))?;
+        let device = crate::device::rank_device(self.device, self.backend, ctx.local_rank());
         let built = zoo::build(&self.model, self.seed, ctx.rank())?;
         let model = OnDevice::new(built, device)?;
         let settings = RunSettings {
@@ -89,6 +118,8 @@ impl RankRun {
             seed: self.seed,
             record_grads: self.record_grads,
             backend: self.backend,
+            device: self.device,
+            tf32: self.tf32,
             optimizer: self.optimizer,
             ..RunSettings::default()
         };

@@ -217,6 +217,8 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
         fault: None,
         backend: lockstep_core::comm::Backend::Cpu,
         exec_ranks: false,
+        device: crate::device::ComputeDevice::Cpu,
+        tf32: false,
         faults: None,
     };
     let (optimizer_file, resume_state) = match resume {

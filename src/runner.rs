@@ -58,6 +58,11 @@ pub struct RunSettings {
     /// the exec'd path gives the forked path's bits. Built-in configurations of zoo models
     /// only.
     pub exec_ranks: bool,
+    /// Where ranks and the single-device reference compute ([`crate::device`]): CUDA always
+    /// under NCCL; on the CPU backend CUDA on request, ranks sharing GPUs round robin.
+    pub device: crate::device::ComputeDevice,
+    /// Allow TF32 matrix products on CUDA (`--tf32`); off, CUDA computes in fp32.
+    pub tf32: bool,
     /// Record every collective call, or corrupt one (sensitivity analysis: see
     /// [`crate::faults`]); applied to every group of every launched rank. Forked ranks only,
     /// one configuration per launch.
@@ -75,23 +80,57 @@ impl Default for RunSettings {
             fault: None,
             backend: Backend::Cpu,
             exec_ranks: false,
+            device: crate::device::ComputeDevice::Cpu,
+            tf32: false,
             faults: None,
         }
     }
 }
 
 impl RunSettings {
-    /// Whether ranks are exec'd rather than forked (NCCL always, CPU on request).
+    /// Whether ranks are exec'd rather than forked: always when they compute on CUDA (CUDA
+    /// cannot be used in a forked child), on the CPU on request.
     pub fn execs_ranks(&self) -> bool {
-        self.exec_ranks || self.backend == Backend::Nccl
+        self.exec_ranks || self.computes_on_cuda()
     }
 
-    /// Where the single-device reference computes: GPU 0 under NCCL, else the CPU.
+    /// Whether runs compute on CUDA (`--device cuda`, or NCCL).
+    pub fn computes_on_cuda(&self) -> bool {
+        self.device == crate::device::ComputeDevice::Cuda || self.backend == Backend::Nccl
+    }
+
+    /// Where the single-device reference computes: GPU 0 when runs compute on CUDA, else the
+    /// CPU.
     pub fn reference_device(&self) -> tch::Device {
-        match self.backend {
-            Backend::Nccl => tch::Device::Cuda(0),
-            Backend::Cpu => tch::Device::Cpu,
+        if self.computes_on_cuda() {
+            tch::Device::Cuda(0)
+        } else {
+            tch::Device::Cpu
         }
+    }
+
+    /// The environment exec'd ranks get on top of this process's: cuBLAS's fixed workspace
+    /// when they compute on CUDA, NCCL's pinned algorithm and protocol under NCCL
+    /// ([`lockstep_core::machine`]); a variable the user set is kept as set.
+    pub fn rank_env(&self) -> Vec<(String, String)> {
+        use lockstep_core::machine::{CUDA_DETERMINISM_ENV, NCCL_DETERMINISM_ENV};
+        let nccl: &[(&str, &str)] = if self.backend == Backend::Nccl {
+            &NCCL_DETERMINISM_ENV
+        } else {
+            &[]
+        };
+        let cuda: &[(&str, &str)] = if self.computes_on_cuda() {
+            &CUDA_DETERMINISM_ENV
+        } else {
+            &[]
+        };
+        cuda.iter()
+            .chain(nccl)
+            .map(|&(key, value)| {
+                let value = std::env::var(key).unwrap_or_else(|_| value.to_owned());
+                (key.to_owned(), value)
+            })
+            .collect()
     }
 }
 
@@ -540,16 +579,7 @@ fn run_exec(
             out.display()
         )));
     }
-    let run = crate::rank_cmd::RankRun {
-        model: model_name.to_owned(),
-        config: config.name().to_owned(),
-        steps: settings.steps,
-        seed: settings.seed,
-        record_grads: settings.record_grads,
-        backend: settings.backend,
-        out: out.clone(),
-        optimizer: settings.optimizer,
-    };
+    let run = crate::rank_cmd::RankRun::of(model_name, config, settings, &out);
     let opts = LaunchOptions {
         world_size,
         timeout: settings.timeout,
@@ -560,12 +590,9 @@ fn run_exec(
         .into(),
     };
     let args = run.args();
-    // cuBLAS picks reduction orders per call unless its workspace is fixed: the bitwise repeat
-    // rows need the same bits from a fresh process.
-    let env = match settings.backend {
-        Backend::Nccl => vec![("CUBLAS_WORKSPACE_CONFIG".to_owned(), ":4096:8".to_owned())],
-        Backend::Cpu => Vec::new(),
-    };
+    // cuBLAS picks reduction orders per call unless its workspace is fixed, NCCL its algorithm
+    // by size: the bitwise repeat rows need the same bits from a fresh process.
+    let env = settings.rank_env();
     let command = |_rank: usize| RankCommand {
         program: program.clone(),
         args: args.clone(),
@@ -652,16 +679,7 @@ fn run_external_rank(
         ));
     }
     let out = scratch_path(model_name, world_size);
-    let run = crate::rank_cmd::RankRun {
-        model: model_name.to_owned(),
-        config: config.name().to_owned(),
-        steps: settings.steps,
-        seed: settings.seed,
-        record_grads: settings.record_grads,
-        backend: settings.backend,
-        out: out.clone(),
-        optimizer: settings.optimizer,
-    };
+    let run = crate::rank_cmd::RankRun::of(model_name, config, settings, &out);
     let body = |ctx: &RankCtx| run.train(ctx);
     let label = format!("{model_name}/{}", config.at(world_size));
     let launched = crate::external::run(

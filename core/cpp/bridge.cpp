@@ -22,6 +22,7 @@
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/Version.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/CPUAllocator.h>
 
 #ifdef LOCKSTEP_CUDA
@@ -254,6 +255,48 @@ int lk_cpu_capability(char** out, lk_status* st) {
   LK_TRY
   *out = dup_message(at::get_cpu_capability().c_str());
   TORCH_CHECK(*out != nullptr, "out of memory copying the CPU capability");
+  LK_CATCH(st)
+}
+
+// The switches of at::globalContext() that decide whether a CUDA run repeats bit for bit and
+// which arithmetic its matrix products use. Mirrors `Numerics` in core/src/machine.rs.
+typedef struct {
+  int deterministic_algorithms;  // alerts on ops without a deterministic kernel
+  int deterministic_cudnn;
+  int benchmark_cudnn;           // autotuning picks kernels by timing: off for repeatability
+  int tf32_cublas;               // TF32 matrix products (10-bit mantissa inputs)
+  int tf32_cudnn;
+} lk_numerics;
+
+int lk_set_numerics(const lk_numerics* want, lk_status* st) {
+  LK_TRY
+  auto& ctx = at::globalContext();
+  ctx.setDeterministicAlgorithms(want->deterministic_algorithms != 0, /*warn_only=*/false);
+  ctx.setDeterministicCuDNN(want->deterministic_cudnn != 0);
+  ctx.setBenchmarkCuDNN(want->benchmark_cudnn != 0);
+  ctx.setAllowTF32CuBLAS(want->tf32_cublas != 0);
+  ctx.setAllowTF32CuDNN(want->tf32_cudnn != 0);
+  LK_CATCH(st)
+}
+
+int lk_get_numerics(lk_numerics* out, lk_status* st) {
+  LK_TRY
+  auto& ctx = at::globalContext();
+  out->deterministic_algorithms = ctx.deterministicAlgorithms() ? 1 : 0;
+  out->deterministic_cudnn = ctx.deterministicCuDNN() ? 1 : 0;
+  out->benchmark_cudnn = ctx.benchmarkCuDNN() ? 1 : 0;
+  out->tf32_cublas = ctx.allowTF32CuBLAS() ? 1 : 0;
+  out->tf32_cudnn = ctx.allowTF32CuDNN() ? 1 : 0;
+  LK_CATCH(st)
+}
+
+// The CUDA runtime and cuDNN versions libtorch was built with and loads (0 when it has no CUDA),
+// read through ATen's CUDA hooks so no CUDA header is needed.
+int lk_cuda_versions(long* cudart, long* cudnn, lk_status* st) {
+  LK_TRY
+  const auto& hooks = at::detail::getCUDAHooks();
+  *cudart = hooks.hasCUDART() ? hooks.versionCUDART() : 0;
+  *cudnn = hooks.hasCuDNN() ? hooks.versionRuntimeCuDNN() : 0;
   LK_CATCH(st)
 }
 

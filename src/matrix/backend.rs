@@ -4,41 +4,23 @@
 use super::*;
 use lockstep_core::comm::Backend;
 
-/// Why the selected backend cannot run these world sizes here, every reason at once; empty
-/// when it can. The CPU backend always can. NCCL needs this build's `nccl` feature, one GPU
-/// per rank of the largest world size (ranks use the device of their `LOCAL_RANK`; under an
-/// external launch, this process's GPU only); which
-/// configurations it can train is [`check_cuda_configs`]'s rule.
-pub fn backend_blockers(backend: Backend, world_sizes: &[usize]) -> Vec<String> {
-    if backend == Backend::Cpu {
-        return Vec::new();
-    }
-    let mut reasons = Vec::new();
-    if !cfg!(feature = "nccl") {
-        reasons.push("this build has no `nccl` feature (rebuild with --features nccl)".into());
-    }
-    let needed = world_sizes
+/// Why the selected device and backend cannot run these world sizes here, every reason at
+/// once; empty when they can ([`crate::device::blockers`]: CUDA for `--device cuda`; for NCCL
+/// also this build's `nccl` feature and one GPU per rank of the largest world size, or under
+/// an external launch this process's own GPU). Which configurations train on CUDA is
+/// [`check_cuda_configs`]'s rule.
+pub fn backend_blockers(
+    device: crate::device::ComputeDevice,
+    backend: Backend,
+    world_sizes: &[usize],
+) -> Vec<String> {
+    let largest = world_sizes
         .iter()
         .copied()
         .max()
         .unwrap_or(DEFAULT_WORLD_SIZE);
-    let found = tch::Cuda::device_count().max(0) as usize;
-    if let Some(external) = crate::external::launch() {
-        // One rank per process: this process needs only its own GPU.
-        if found <= external.local_rank {
-            reasons.push(format!(
-                "this rank (LOCAL_RANK={}) needs GPU cuda:{}, found {found} GPUs",
-                external.local_rank, external.local_rank
-            ));
-        }
-        return reasons;
-    }
-    if found < needed {
-        reasons.push(format!(
-            "needs {needed} GPUs (one per rank of world size {needed}), found {found}"
-        ));
-    }
-    reasons
+    let external = crate::external::launch().map(|l| l.local_rank);
+    crate::device::blockers(device, backend, largest, external)
 }
 
 /// Whether `config` can train on CUDA under NCCL: the single-device reference, DDP and FSDP,
@@ -58,8 +40,11 @@ pub fn runs_on_cuda(config: Config) -> bool {
 
 /// The NCCL selection rule: every selected configuration must run on CUDA ([`runs_on_cuda`]);
 /// the error names those that do not and the selection that works.
-pub fn check_cuda_configs(backend: Backend, configs: &[Config]) -> Result<(), MatrixError> {
-    if backend == Backend::Cpu {
+pub fn check_cuda_configs(
+    device: crate::device::ComputeDevice,
+    configs: &[Config],
+) -> Result<(), MatrixError> {
+    if device == crate::device::ComputeDevice::Cpu {
         return Ok(());
     }
     let cpu_only: Vec<&str> = configs
@@ -71,7 +56,7 @@ pub fn check_cuda_configs(backend: Backend, configs: &[Config]) -> Result<(), Ma
         return Ok(());
     }
     Err(MatrixError::BackendUnavailable {
-        backend: "nccl",
+        backend: "cuda",
         reasons: vec![format!(
             "{} run on the CPU backend only (their training loops keep CPU buffers); on NCCL \
              select the single-device reference, DDP and FSDP: --configs 'single,ddp*,fsdp.*'",
@@ -83,14 +68,15 @@ pub fn check_cuda_configs(backend: Backend, configs: &[Config]) -> Result<(), Ma
 /// Refuses `opts` before anything runs when its backend cannot run here
 /// ([`backend_blockers`]): the CLI turns this into exit 2, like any other unusable input.
 pub fn check_backend(opts: &MatrixOptions) -> Result<(), MatrixError> {
-    let reasons = backend_blockers(opts.backend, &opts.world_sizes);
+    let reasons = backend_blockers(opts.device, opts.backend, &opts.world_sizes);
     if reasons.is_empty() {
         return Ok(());
     }
     Err(MatrixError::BackendUnavailable {
-        backend: match opts.backend {
-            Backend::Cpu => "cpu",
-            Backend::Nccl => "nccl",
+        backend: match (opts.backend, opts.device) {
+            (Backend::Nccl, _) => "nccl",
+            (Backend::Cpu, crate::device::ComputeDevice::Cuda) => "cuda",
+            (Backend::Cpu, crate::device::ComputeDevice::Cpu) => "cpu",
         },
         reasons,
     })

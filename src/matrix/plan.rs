@@ -32,6 +32,11 @@ pub struct MatrixOptions {
     /// Exec every rank as a fresh `lockstep rank` process instead of forking (`--exec-ranks`;
     /// always so under NCCL). One launch per run: no subtests.
     pub exec_ranks: bool,
+    /// Where runs compute (`--device`; NCCL always on CUDA, [`crate::device`]).
+    pub device: crate::device::ComputeDevice,
+    /// Allow TF32 matrix products on CUDA (`--tf32`): not fp32 arithmetic, judged by the same
+    /// arbiter to measure what it costs.
+    pub tf32: bool,
     /// Write every quantity the fp64 arbiter judges (row, step, quantity, tensor, both
     /// distances, scale) to this CSV file (`--arbiter-log`): how the envelope's constants are
     /// measured (docs/parity.md).
@@ -52,6 +57,8 @@ impl Default for MatrixOptions {
             subtests: true,
             backend: lockstep_core::comm::Backend::Cpu,
             exec_ranks: false,
+            device: crate::device::ComputeDevice::Cpu,
+            tf32: false,
             arbiter_log: None,
         }
     }
@@ -82,6 +89,10 @@ pub struct Plan {
     pub backend: lockstep_core::comm::Backend,
     /// Whether ranks are exec'd (see [`MatrixOptions::exec_ranks`]).
     pub exec_ranks: bool,
+    /// Where runs compute (see [`MatrixOptions::device`]).
+    pub device: crate::device::ComputeDevice,
+    /// TF32 on CUDA (see [`MatrixOptions::tf32`]).
+    pub tf32: bool,
     /// Where the arbiter's measurements go (see [`MatrixOptions::arbiter_log`]).
     pub arbiter_log: Option<PathBuf>,
     /// Per model: why it has no single-device reference, if it has none.
@@ -108,6 +119,8 @@ impl Plan {
             fault: self.fault.clone(),
             backend: self.backend,
             exec_ranks: self.exec_ranks,
+            device: self.device,
+            tf32: self.tf32,
             faults: None,
         }
     }
@@ -398,7 +411,7 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         .into_iter()
         .filter(|c| selected.contains(&c.name()))
         .collect();
-    check_cuda_configs(opts.backend, &configs)?;
+    check_cuda_configs(opts.device, &configs)?;
     let mut world_sizes = Vec::new();
     for &w in if opts.world_sizes.is_empty() {
         &[DEFAULT_WORLD_SIZE][..]
@@ -498,6 +511,8 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         subtests: opts.subtests,
         backend: opts.backend,
         exec_ranks: opts.exec_ranks,
+        device: opts.device,
+        tf32: opts.tf32,
         arbiter_log: opts.arbiter_log.clone(),
         blockers,
         pipeline_plans,

@@ -8,7 +8,7 @@
 
 use super::{AutogradError, Stage};
 use std::any::Any;
-use std::ffi::{c_char, c_int, c_void, CStr};
+use std::ffi::{c_char, c_int, c_long, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use tch::Tensor;
 use torch_sys::C_tensor;
@@ -61,6 +61,13 @@ pub(crate) type PostAccFn = unsafe extern "C" fn(
 extern "C" {
     pub(crate) fn lk_free_string(s: *mut c_char);
     pub(crate) fn lk_cpu_capability(out: *mut *mut c_char, st: *mut Status) -> c_int;
+    pub(crate) fn lk_set_numerics(want: *const LkNumerics, st: *mut Status) -> c_int;
+    pub(crate) fn lk_get_numerics(out: *mut LkNumerics, st: *mut Status) -> c_int;
+    pub(crate) fn lk_cuda_versions(
+        cudart: *mut c_long,
+        cudnn: *mut c_long,
+        st: *mut Status,
+    ) -> c_int;
     pub(crate) fn lk_vec_push(vec: *mut c_void, t: *const C_tensor, st: *mut Status) -> c_int;
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn lk_function_apply(
@@ -246,6 +253,39 @@ pub(crate) fn cpu_capability() -> Result<String, AutogradError> {
     // SAFETY: as above.
     unsafe { lk_free_string(out) };
     Ok(text)
+}
+
+/// `lk_numerics` of the bridge: libtorch's global numerics switches, one C int each.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct LkNumerics {
+    pub deterministic_algorithms: c_int,
+    pub deterministic_cudnn: c_int,
+    pub benchmark_cudnn: c_int,
+    pub tf32_cublas: c_int,
+    pub tf32_cudnn: c_int,
+}
+
+/// Sets libtorch's global numerics switches (`at::globalContext()`).
+pub(crate) fn set_numerics(want: LkNumerics) -> Result<(), AutogradError> {
+    // SAFETY: `want` is a valid struct for the duration of the call.
+    call(|st| unsafe { lk_set_numerics(&want, st) })
+}
+
+/// Reads libtorch's global numerics switches.
+pub(crate) fn numerics() -> Result<LkNumerics, AutogradError> {
+    let mut out = LkNumerics::default();
+    // SAFETY: `out` is a valid slot the bridge fills.
+    call(|st| unsafe { lk_get_numerics(&mut out, st) })?;
+    Ok(out)
+}
+
+/// The CUDA runtime and cuDNN versions libtorch loads (0 for each it lacks).
+pub(crate) fn cuda_versions() -> Result<(i64, i64), AutogradError> {
+    let (mut cudart, mut cudnn): (c_long, c_long) = (0, 0);
+    // SAFETY: both slots are valid for the duration of the call.
+    call(|st| unsafe { lk_cuda_versions(&mut cudart, &mut cudnn, st) })?;
+    Ok((i64::from(cudart), i64::from(cudnn)))
 }
 
 /// Drops a `Box<AutogradError>` payload the C++ side discarded.

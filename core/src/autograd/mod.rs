@@ -49,7 +49,7 @@
 pub mod collectives;
 pub mod engine;
 mod ffi;
-pub(crate) use ffi::cpu_capability;
+pub(crate) use ffi::{cpu_capability, cuda_versions, numerics, set_numerics, LkNumerics};
 pub mod function;
 pub mod hooks;
 pub mod scaled;
