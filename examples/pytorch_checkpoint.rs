@@ -83,6 +83,8 @@ fn run_from(config: &str, checkpoint: &Path, dir: &Path) -> Result<RunOutcome, B
         save_init: Some(dir.join(format!("{config}.init.safetensors"))),
         save_final: Some(dir.join(format!("{config}.final.safetensors"))),
         timeout: Duration::from_secs(120),
+        device: Default::default(),
+        tf32: false,
     })?)
 }
 

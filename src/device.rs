@@ -133,8 +133,9 @@ pub fn blockers(
             ""
         };
         reasons.push(format!(
-            "needs {largest_world} GPUs (one per rank of world size {largest_world}; NCCL \
-             refuses two ranks on one GPU), found {found}{share}"
+            "needs {} (one per rank of world size {largest_world}; NCCL refuses two ranks on \
+             one GPU), found {found}{share}",
+            lockstep_harness::report::plural(largest_world, "GPU")
         ));
     }
     reasons

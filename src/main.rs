@@ -180,6 +180,8 @@ struct RunArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    compute: ComputeArgs,
 }
 
 /// Where runs compute (shared by `matrix`, `run` and the hidden `rank`): see docs/gpu.md.
@@ -622,6 +624,11 @@ fn run_one(args: RunArgs) -> Result<ExitCode> {
         save_init: args.save_init,
         save_final: args.save_final,
         timeout,
+        device: args
+            .compute
+            .device(lockstep_core::comm::Backend::Cpu)
+            .unwrap_or_default(),
+        tf32: args.compute.tf32,
     };
     match run_cmd::run(&opts) {
         Ok(outcome) => {

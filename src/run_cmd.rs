@@ -46,6 +46,11 @@ pub struct RunOptions {
     pub save_final: Option<PathBuf>,
     /// How long the launch may take before it counts as hung.
     pub timeout: Duration,
+    /// Where the run computes (`--device`; [`crate::device`]): on CUDA the ranks are exec'd,
+    /// each on its GPU (round robin), and checkpoints are refused for now.
+    pub device: crate::device::ComputeDevice,
+    /// Allow TF32 on CUDA (`--tf32`).
+    pub tf32: bool,
 }
 
 /// Why `lockstep run` stopped: bad input (nothing ran, nothing was written) or a failure
@@ -157,6 +162,34 @@ fn check_options(opts: &RunOptions) -> Result<Config, RunCmdError> {
     for path in [&opts.save_init, &opts.save_final].into_iter().flatten() {
         check_writable(path)?;
     }
+    if opts.device == crate::device::ComputeDevice::Cuda {
+        if opts.init.is_some() || opts.save_init.is_some() || opts.save_final.is_some() {
+            return Err(invalid(
+                "checkpoints (--init, --save-init, --save-final) are not supported with \
+                 --device cuda yet: their ranks fork on the CPU"
+                    .into(),
+            ));
+        }
+        let external = crate::external::launch().map(|l| l.local_rank);
+        let reasons = crate::device::blockers(
+            opts.device,
+            lockstep_core::comm::Backend::Cpu,
+            opts.world_size,
+            external,
+        );
+        if !reasons.is_empty() {
+            return Err(invalid(format!(
+                "--device cuda cannot run here: {}",
+                reasons.join("; ")
+            )));
+        }
+        if !crate::matrix::runs_on_cuda(config) {
+            return Err(invalid(format!(
+                "{} does not train on CUDA yet (its training loop keeps CPU buffers)",
+                config.name()
+            )));
+        }
+    }
     if let (Some(a), Some(b)) = (&opts.save_init, &opts.save_final) {
         if a == b {
             return Err(invalid(format!(
@@ -217,10 +250,12 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
         fault: None,
         backend: lockstep_core::comm::Backend::Cpu,
         exec_ranks: false,
-        device: crate::device::ComputeDevice::Cpu,
-        tf32: false,
+        device: opts.device,
+        tf32: opts.tf32,
         faults: None,
     };
+    crate::device::prepare_process(opts.device, settings.backend, opts.tf32)
+        .map_err(|e| RunCmdError::Failed(format!("setting CUDA's numerics: {e}")))?;
     let (optimizer_file, resume_state) = match resume {
         Some((file, state)) => (Some(file), state.tensors),
         None => (None, Vec::new()),
@@ -343,6 +378,16 @@ fn train(
         lockstep_harness::threads::use_rank_threads();
     } else {
         lockstep_harness::threads::use_launcher_threads();
+    }
+    if settings.computes_on_cuda() {
+        // Exec'd ranks on their GPUs (no checkpoints: refused before anything ran).
+        let record = if config == Config::Single {
+            runner::run_single(&opts.model, build, opts.world_size, settings)
+        } else {
+            runner::run_config(&opts.model, build, config, opts.world_size, settings)
+        }
+        .map_err(|e| RunCmdError::Failed(e.to_string()))?;
+        return Ok((record, None));
     }
     Ok(if config == Config::Single {
         let (record, state) = run_single(

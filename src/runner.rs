@@ -351,7 +351,7 @@ pub fn run_single_f64(
         .map_err(|e| RunFailed::simple(format!("single-device reference: {e}")))
     };
     shared_reference(&|| {
-        let mut record = shadow_f64(build, settings.seed, train)?;
+        let mut record = shadow_f64(build, settings.seed, settings.reference_device(), train)?;
         record.spec = run_spec(
             model_name,
             &format!("single.f64@{world_size}"),
@@ -363,17 +363,27 @@ pub fn run_single_f64(
     })
 }
 
-/// Runs `train` on a fresh fp32 model recording its decisions, then on a fresh float64 model
-/// replaying them, and returns the float64 record. Errors when the two took a different
-/// number of decisions (the model's control flow depends on values, and the shadow would not
-/// measure rounding).
+/// Runs `train` on a fresh fp32 model on `device` (where the fp32 reference computes, so the
+/// decisions are the ones its kernels take) recording its decisions, then on a fresh float64
+/// model on the CPU replaying them, and returns the float64 record. Errors when the two took
+/// a different number of decisions (the model's control flow depends on values, and the
+/// shadow would not measure rounding).
 pub fn shadow_f64(
     build: &ModelBuilder<'_>,
     seed: u64,
+    device: tch::Device,
     train: impl Fn(Box<dyn Model>) -> Result<RunRecord, RunFailed>,
 ) -> Result<RunRecord, RunFailed> {
     let fresh = || build(seed, 0).map_err(|e| RunFailed::simple(e.to_string()));
-    let (fp32, tape) = decisions::recording(|| fresh().and_then(&train));
+    let on_device = || {
+        let model = fresh()?;
+        if device == tch::Device::Cpu {
+            return Ok(model);
+        }
+        let placed = OnDevice::new(model, device).map_err(|e| RunFailed::simple(e.to_string()))?;
+        Ok(Box::new(placed) as Box<dyn Model>)
+    };
+    let (fp32, tape) = decisions::recording(|| on_device().and_then(&train));
     fp32?;
     let wide = OnDevice::in_f64(fresh()?).map_err(|e| {
         RunFailed::simple(format!("the float64 shadow cannot widen the model: {e}"))

@@ -49,10 +49,45 @@ fn matrix_on_cuda_without_a_gpu_refuses_before_anything_runs() {
     ]);
     assert_eq!(code, Some(2), "{stderr}");
     assert!(
-        stderr.contains("the cuda backend cannot run this matrix here: no CUDA device"),
+        stderr.contains("--device cuda cannot run this matrix here: no CUDA device"),
         "{stderr}"
     );
     assert!(!out_dir.exists(), "nothing may be written: {stderr}");
+}
+
+#[test]
+fn run_on_cuda_without_a_gpu_refuses_before_anything_runs() {
+    if tch::Cuda::device_count() > 0 {
+        println!("SKIP: this machine has a GPU");
+        return;
+    }
+    let (code, _, stderr) = lockstep(&[
+        "run", "--model", "mlp", "--config", "ddp", "--device", "cuda",
+    ]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--device cuda cannot run here: no CUDA device"),
+        "{stderr}"
+    );
+    let saved = scratch("run-final.safetensors");
+    let saved_arg = saved.display().to_string();
+    let (code, _, stderr) = lockstep(&[
+        "run",
+        "--model",
+        "mlp",
+        "--config",
+        "ddp",
+        "--device",
+        "cuda",
+        "--save-final",
+        &saved_arg,
+    ]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("not supported with --device cuda"),
+        "{stderr}"
+    );
+    assert!(!saved.exists());
 }
 
 #[test]
@@ -141,4 +176,81 @@ fn env_reports_the_gpu_side() {
     if tch::Cuda::device_count() == 0 {
         assert!(read.gpus.is_empty(), "{read:?}");
     }
+}
+
+mod common;
+
+/// A bundle as `ci/gpu-bundle` assembles it, around this build's `lockstep` (linked against
+/// the checkout's libtorch rather than the bundle's default 2.11, which CI does not build:
+/// docs/gpu.md says what that would cost), so CI runs the bundle's `run` and summarizer.
+fn bundle_around_this_build(dir: &std::path::Path, torch_version: &str) {
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    std::fs::create_dir_all(dir.join("bin")).expect("bundle folder");
+    std::fs::copy(env!("CARGO_BIN_EXE_lockstep"), dir.join("bin/lockstep")).expect("binary");
+    for file in ["run", "summarize.py", "CUDA_CONFIGS"] {
+        std::fs::copy(repo.join("ci/bundle").join(file), dir.join(file)).expect("bundle file");
+    }
+    std::fs::write(dir.join("TORCH_VERSION"), torch_version).expect("TORCH_VERSION");
+}
+
+#[test]
+fn gpu_bundle_run_passes_its_cpu_part_here() {
+    if tch::Cuda::device_count() > 0 {
+        println!("SKIP: this machine has a GPU: the bundle's run checks it for real");
+        return;
+    }
+    let Some((python, site)) = common::python_with_torch() else {
+        println!("SKIP: no Python with torch here (ci/setup-libtorch installs one)");
+        return;
+    };
+    let dir = scratch("bundle");
+    let linked = env!("LOCKSTEP_LIBTORCH_VERSION");
+    bundle_around_this_build(&dir, linked.split('+').next().unwrap_or(linked));
+    let run = |out: &std::path::Path| {
+        let mut cmd = Command::new(dir.join("run"));
+        cmd.arg(out)
+            .env("PYTHON", &python)
+            .env("LOCKSTEP_GPU_MODELS", "mlp")
+            .env_remove("RANK")
+            .env_remove("WORLD_SIZE")
+            .env_remove("LOCAL_RANK");
+        if let Some(site) = &site {
+            cmd.env("PYTHONPATH", site);
+        }
+        cmd.output().expect("run the bundle")
+    };
+    let out_dir = dir.join("out");
+    let out = run(&out_dir);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("cuda: error: --device cuda cannot run this matrix here: no CUDA device"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("nccl: error: the nccl backend cannot run this matrix here"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("matrix-cpu: "), "{stdout}");
+    assert!(
+        stdout.contains(" 0 failed, 0 run errors; bitwise repeat rows"),
+        "{stdout}"
+    );
+    assert!(out_dir.join("summary.txt").is_file() && out_dir.join("env.json").is_file());
+    assert!(
+        !out_dir.join("matrix-cuda").exists(),
+        "a refused matrix wrote its folder"
+    );
+
+    // A bundle linked against another torch than the host's refuses, naming both.
+    std::fs::write(dir.join("TORCH_VERSION"), "2.11.0").expect("TORCH_VERSION");
+    let out = run(&dir.join("other"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("linked against torch 2.11.0") && stderr.contains(linked),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

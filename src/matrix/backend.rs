@@ -56,7 +56,7 @@ pub fn check_cuda_configs(
         return Ok(());
     }
     Err(MatrixError::BackendUnavailable {
-        backend: "cuda",
+        backend: "--device cuda",
         reasons: vec![format!(
             "{} run on the CPU backend only (their training loops keep CPU buffers); on NCCL \
              select the single-device reference, DDP and FSDP: --configs 'single,ddp*,fsdp.*'",
@@ -74,9 +74,9 @@ pub fn check_backend(opts: &MatrixOptions) -> Result<(), MatrixError> {
     }
     Err(MatrixError::BackendUnavailable {
         backend: match (opts.backend, opts.device) {
-            (Backend::Nccl, _) => "nccl",
-            (Backend::Cpu, crate::device::ComputeDevice::Cuda) => "cuda",
-            (Backend::Cpu, crate::device::ComputeDevice::Cpu) => "cpu",
+            (Backend::Nccl, _) => "the nccl backend",
+            (Backend::Cpu, crate::device::ComputeDevice::Cuda) => "--device cuda",
+            (Backend::Cpu, crate::device::ComputeDevice::Cpu) => "the cpu backend",
         },
         reasons,
     })

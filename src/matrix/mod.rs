@@ -115,11 +115,12 @@ pub enum MatrixError {
     /// Any other option out of range.
     #[error("invalid option: {0}")]
     InvalidOption(String),
-    /// The backend cannot run here (`--backend nccl` without the feature, the GPUs or CUDA
-    /// training); nothing was run.
-    #[error("the {backend} backend cannot run this matrix here: {}", reasons.join("; "))]
+    /// The backend or device cannot run here (`--backend nccl` without the feature or one
+    /// GPU per rank, `--device cuda` without a GPU, a configuration that does not train on
+    /// CUDA); nothing was run.
+    #[error("{backend} cannot run this matrix here: {}", reasons.join("; "))]
     BackendUnavailable {
-        /// The backend's name, e.g. `nccl`.
+        /// What was asked for, as the message names it: `the nccl backend`, `--device cuda`.
         backend: &'static str,
         /// Every missing requirement, so one message lists them all.
         reasons: Vec<String>,

@@ -409,7 +409,7 @@ pub fn judged_against_single(
         .map_err(|e| RunFailed::simple(format!("single-device reference: {e}")))
     };
     let fp32 = train(build(0, 0).expect("the model builds")).expect("the fp32 reference");
-    let fp64 = shadow_f64(build, 0, train).expect("the float64 shadow");
+    let fp64 = shadow_f64(build, 0, tch::Device::Cpu, train).expect("the float64 shadow");
     lockstep_harness::parity::arbitrate(
         run,
         &fp32,
