@@ -183,12 +183,6 @@ fn check_options(opts: &RunOptions) -> Result<Config, RunCmdError> {
                 reasons.join("; ")
             )));
         }
-        if !crate::matrix::runs_on_cuda(config) {
-            return Err(invalid(format!(
-                "{} does not train on CUDA yet (its training loop keeps CPU buffers)",
-                config.name()
-            )));
-        }
     }
     if let (Some(a), Some(b)) = (&opts.save_init, &opts.save_final) {
         if a == b {

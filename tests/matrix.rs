@@ -1516,28 +1516,30 @@ fn exec_ranks_give_the_bits_of_forked_ranks() {
     assert_eq!(fork_report.steps, exec_report.steps);
 }
 
-/// On NCCL only the configurations that train on CUDA may be selected: the others are
-/// refused before anything runs, naming them and the selection that works.
+/// On NCCL and `--device cuda` every configuration may be selected.
 #[test]
-fn nccl_refuses_configurations_that_run_on_the_cpu_only() {
-    let err = matrix::plan(&MatrixOptions {
-        configs: vec!["ddp".into(), "tp.2".into(), "pp2_x_fsdp".into()],
-        backend: lockstep_core::comm::Backend::Nccl,
-        ..MatrixOptions::default()
-    })
-    .unwrap_err()
-    .to_string();
-    assert!(err.contains("tp.2") && err.contains("pp2_x_fsdp"), "{err}");
-    assert!(
-        !err.contains("ddp,") && err.contains("single,ddp*,fsdp.*"),
-        "{err}"
-    );
-    assert!(matrix::plan(&MatrixOptions {
-        configs: vec!["single".into(), "ddp*".into(), "fsdp.*".into()],
-        backend: lockstep_core::comm::Backend::Nccl,
-        ..MatrixOptions::default()
-    })
-    .is_ok());
+fn nccl_and_cuda_plan_every_configuration() {
+    // Every configuration's training code creates its tensors on its parameters' device
+    // (tests/device_plumbing.rs), so planning refuses none on NCCL or `--device cuda`; whether
+    // this machine can run them is `check_backend`'s question, asked before anything runs.
+    for (backend, device) in [
+        (
+            lockstep_core::comm::Backend::Nccl,
+            lockstep::device::ComputeDevice::Cuda,
+        ),
+        (
+            lockstep_core::comm::Backend::Cpu,
+            lockstep::device::ComputeDevice::Cuda,
+        ),
+    ] {
+        let plan = matrix::plan(&MatrixOptions {
+            backend,
+            device,
+            ..MatrixOptions::default()
+        })
+        .expect("every configuration plans on CUDA");
+        assert_eq!(plan.configs.len(), Config::all().len());
+    }
 }
 
 /// The verdict does not change with the machine: a representative slice of the matrix (the

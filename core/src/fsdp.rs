@@ -384,7 +384,8 @@ impl Fsdp {
             ShardingStrategy::NoShard => 1,
             _ => group.size() as i64,
         };
-        let compute_device = managed.first().map_or(Device::Cpu, |(_, t)| t.device());
+        // The units gather, reduce and compute where the managed parameters are.
+        let compute_device = crate::train::parameters_device(&managed)?;
         let mut by_name: std::collections::HashMap<String, Tensor> = managed.into_iter().collect();
         let mut units = Vec::new();
         let mut unit_of_layer = vec![None; layers.len()];
@@ -450,7 +451,8 @@ impl Fsdp {
             params: tensors.iter().map(|(n, _)| n.clone()).collect(),
         };
         let order = planned.params.clone();
-        let compute_device = tensors.first().map_or(Device::Cpu, |(_, t)| t.device());
+        // Checked once the unit is known to hold a tensor (an empty one is refused by name).
+        let compute_device = crate::train::parameters_device(&tensors);
         let mut by_name = tensors.into_iter().collect();
         let world = group.size() as i64;
         let Some(unit) = unit_from_plan(planned, &mut by_name, &[], &opts, world)? else {
@@ -458,7 +460,7 @@ impl Fsdp {
                 "unit `{name}` has no tensor to shard"
             )));
         };
-        let mut core = Core::new(group, replicate, opts, vec![unit], compute_device);
+        let mut core = Core::new(group, replicate, opts, vec![unit], compute_device?);
         core.order = order;
         core.composed = true;
         Self::assemble(core, None)

@@ -411,7 +411,6 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         .into_iter()
         .filter(|c| selected.contains(&c.name()))
         .collect();
-    check_cuda_configs(opts.device, &configs)?;
     let mut world_sizes = Vec::new();
     for &w in if opts.world_sizes.is_empty() {
         &[DEFAULT_WORLD_SIZE][..]

@@ -285,6 +285,7 @@ pub(crate) fn cuda_versions() -> Result<(i64, i64), AutogradError> {
     let (mut cudart, mut cudnn): (c_long, c_long) = (0, 0);
     // SAFETY: both slots are valid for the duration of the call.
     call(|st| unsafe { lk_cuda_versions(&mut cudart, &mut cudnn, st) })?;
+    #[allow(clippy::useless_conversion)] // c_long is i64 on the 64-bit targets libtorch ships for
     Ok((i64::from(cudart), i64::from(cudnn)))
 }
 

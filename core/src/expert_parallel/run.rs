@@ -337,7 +337,8 @@ impl StepHooks for EpRun {
         local: StepLoss,
         _metrics: Option<&dyn ProcessGroup>,
     ) -> Result<f64, TrainError> {
-        let value = Tensor::from_slice(&[local.value]);
+        // On the loss's device: the groups reduce tensors where the training computes.
+        let value = Tensor::from_slice(&[local.value]).f_to_device(local.device)?;
         self.everyone.all_reduce(&value, ReduceOp::Avg)?;
         Ok(value.f_double_value(&[0])?)
     }

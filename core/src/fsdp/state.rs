@@ -187,9 +187,10 @@ impl Core {
     /// Every rank learns whether `local` failed anywhere (one all-reduce); a rank whose own
     /// part succeeded returns [`FsdpError::PeerFailed`] when another's failed.
     fn agree<T>(&self, what: &str, local: Result<T, FsdpError>) -> Result<T, FsdpError> {
-        let device = self.units.first().map_or(Device::Cpu, |u| u.shard.device());
-        let flag =
-            Tensor::from_slice(&[f32::from(u8::from(local.is_err()))]).f_to_device(device)?;
+        // On the compute device, not a shard's (offloaded shards live on the host): the
+        // group reduces tensors where the training computes.
+        let flag = Tensor::from_slice(&[f32::from(u8::from(local.is_err()))])
+            .f_to_device(self.compute_device)?;
         self.all_reduce_world(&flag, ReduceOp::Max)?;
         let failed = flag.f_double_value(&[0])? > 0.0;
         match local {
@@ -492,8 +493,8 @@ impl Core {
             }
         }
         if self.shard_world > 1 {
-            let device = self.units.first().map_or(Device::Cpu, |u| u.shard.device());
-            let t = Tensor::from_slice(&[sharded]).f_to_device(device)?;
+            // On the compute device (offloaded shards live on the host).
+            let t = Tensor::from_slice(&[sharded]).f_to_device(self.compute_device)?;
             self.group.all_reduce(&t, ReduceOp::Sum)?;
             sharded = t.f_double_value(&[0])?;
         }

@@ -3,7 +3,7 @@
 
 use super::FsdpError;
 use crate::comm::Work;
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 /// One managed parameter's place in its unit's flat parameter.
 pub(super) struct Slot {
@@ -79,17 +79,18 @@ impl Unit {
     ) -> Result<Tensor, FsdpError> {
         let mut parts = Vec::with_capacity(self.slots.len() + 1);
         let mut numel = 0;
-        let mut kind = self.kind;
-        let mut device = Device::Cpu;
         for slot in &self.slots {
             numel += slot.numel;
-            let t = pick(slot)?;
-            kind = t.kind();
-            device = t.device();
-            parts.push(t.f_reshape([-1])?);
+            parts.push(pick(slot)?.f_reshape([-1])?);
         }
         if self.padded > numel {
-            parts.push(Tensor::f_zeros([self.padded - numel], (kind, device))?);
+            // The padding takes the last part's dtype and device (the flat tensor is one
+            // tensor there); a unit with nothing to pad after has nothing to say where.
+            let last = parts.last().ok_or_else(|| {
+                FsdpError::Invalid("a unit without tensors has nothing to flatten".into())
+            })?;
+            let padding = Tensor::f_zeros([self.padded - numel], (last.kind(), last.device()))?;
+            parts.push(padding);
         }
         Ok(Tensor::f_cat(&parts, 0)?)
     }

@@ -17,15 +17,20 @@ use crate::autograd::{self, GradOptions};
 use lockstep_models::{Batch, LayerHooks, Model, ModelError};
 use std::collections::BTreeSet;
 use std::ops::Range;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
-/// A tensor's shape and dtype: what a receiver allocates and what a handshake compares.
+/// A tensor's shape, dtype and device: what a receiver allocates (the handshake compares
+/// shape and dtype; each rank keeps its own device).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorMeta {
     /// Full shape, batch dimension included.
     pub shape: Vec<i64>,
     /// Element type.
     pub kind: Kind,
+    /// Where the probe's forward produced it: the stage's activations' device, on which
+    /// receive buffers and stand-ins are created (an NCCL group receives into tensors on its
+    /// own device only, and a CPU stand-in would meet CUDA activations).
+    pub device: Device,
 }
 
 impl TensorMeta {
@@ -34,6 +39,7 @@ impl TensorMeta {
         TensorMeta {
             shape: t.size(),
             kind: t.kind(),
+            device: t.device(),
         }
     }
 
@@ -42,9 +48,10 @@ impl TensorMeta {
         is_float(self.kind)
     }
 
-    /// A zero tensor of this shape and dtype: the stand-in for an output nothing consumes.
+    /// A zero tensor of this shape and dtype on its device: a receive buffer, or the
+    /// stand-in for an output nothing consumes.
     pub fn zeros(&self) -> Result<Tensor, tch::TchError> {
-        Tensor::f_zeros(self.shape.as_slice(), (self.kind, tch::Device::Cpu))
+        Tensor::f_zeros(self.shape.as_slice(), (self.kind, self.device))
     }
 }
 

@@ -21,7 +21,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 /// One step's data, the same on every rank of a pipeline.
 pub(crate) struct StepData {
@@ -64,6 +64,9 @@ pub(crate) struct Executor<'a> {
     pub stage_ranks: &'a [usize],
     /// This process's pipeline rank.
     pub rank: usize,
+    /// Where this rank's stages compute (their parameters' device): the tokens of empty
+    /// edges are created there, as the edge groups take tensors on it.
+    pub device: Device,
     /// The two-rank group of every cross-rank edge this rank is on, by (from, to); the
     /// producer is group rank 0.
     pub edge_groups: &'a HashMap<(usize, usize), Arc<dyn ProcessGroup>>,
@@ -99,8 +102,10 @@ pub(crate) struct StepOutcome {
     pub events: Vec<TraceEvent>,
 }
 
-fn token() -> Result<Tensor, tch::TchError> {
-    Tensor::f_zeros([1], (Kind::Float, tch::Device::Cpu))
+/// The one-element tensor an edge that carries no layer output sends, so every schedule's
+/// dependencies hold: created on the stage's compute device, as everything sent is.
+fn token(device: Device) -> Result<Tensor, tch::TchError> {
+    Tensor::f_zeros([1], (Kind::Float, device))
 }
 
 fn leaf(mut t: Tensor) -> Result<Tensor, tch::TchError> {
@@ -221,7 +226,7 @@ impl Executor<'_> {
                 {
                     let g = self.group(e.from, e.to)?;
                     if e.layers.is_empty() {
-                        g.send(&token()?, 1, mb as u64)?;
+                        g.send(&token(self.device)?, 1, mb as u64)?;
                     }
                     for k in &e.layers {
                         let t = slot
@@ -243,7 +248,7 @@ impl Executor<'_> {
                 {
                     let g = self.group(e.from, e.to)?;
                     if e.layers.is_empty() {
-                        g.recv(&token()?, 0, mb as u64)?;
+                        g.recv(&token(self.device)?, 0, mb as u64)?;
                     }
                     for &k in &e.layers {
                         let t = metas[k].zeros()?;
@@ -282,7 +287,7 @@ impl Executor<'_> {
                     let g = self.group(e.from, e.to)?;
                     let floats = self.float_layers(&e.layers, metas);
                     if floats.is_empty() {
-                        g.send(&token()?, 0, mb as u64)?;
+                        g.send(&token(self.device)?, 0, mb as u64)?;
                     }
                     for k in floats {
                         let grad = grads.get(&k).ok_or_else(|| {
@@ -301,7 +306,7 @@ impl Executor<'_> {
                     let g = self.group(e.from, e.to)?;
                     let floats = self.float_layers(&e.layers, metas);
                     if floats.is_empty() {
-                        g.recv(&token()?, 1, mb as u64)?;
+                        g.recv(&token(self.device)?, 1, mb as u64)?;
                     }
                     for k in floats {
                         let t = metas[k].zeros()?;

@@ -7,7 +7,7 @@ use super::PipelineError;
 use crate::comm::ProcessGroup;
 use std::collections::HashMap;
 use std::sync::Arc;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 const META_SLOTS: usize = 10;
 
@@ -40,12 +40,15 @@ fn encode(metas: &[&TensorMeta]) -> Vec<i64> {
 
 /// Producers announce the shapes and dtypes of what they will send on every cross-rank edge;
 /// consumers compare with what they expect and answer. A mismatch fails both sides with a
-/// message naming the two stages, before any activation moves.
+/// message naming the two stages, before any activation moves. Announcements, verdicts and
+/// their receive buffers live on `device`, the stage's compute device: the edge groups are
+/// the activations' (an NCCL group takes tensors on its own device only).
 pub(super) fn handshake(
     plan: &PipelinePlan,
     rank: usize,
     groups: &HashMap<(usize, usize), Arc<dyn ProcessGroup>>,
     metas: &[TensorMeta],
+    device: Device,
     plant_wrong_shape: bool,
 ) -> Result<(), PipelineError> {
     let remote: Vec<_> = plan
@@ -74,19 +77,24 @@ pub(super) fn handshake(
             if plant_wrong_shape && n == 0 {
                 v[2] += 1;
             }
-            groups[&(e.from, e.to)].send(&Tensor::from_slice(&v), 1, 0)?;
+            let announced = Tensor::from_slice(&v).f_to_device(device)?;
+            groups[&(e.from, e.to)].send(&announced, 1, 0)?;
         }
     }
     let mut failure = None;
     for e in &remote {
         if plan.stage_ranks[e.to] == rank && !e.layers.is_empty() {
             let expected = encode(&e.layers.iter().map(|&k| &metas[k]).collect::<Vec<_>>());
-            let got = Tensor::f_zeros([expected.len() as i64], (Kind::Int64, tch::Device::Cpu))?;
+            let got = Tensor::f_zeros([expected.len() as i64], (Kind::Int64, device))?;
             let g = &groups[&(e.from, e.to)];
             g.recv(&got, 0, 0)?;
             let got: Vec<i64> = Vec::try_from(&got)?;
             let ok = got == expected;
-            g.send(&Tensor::from_slice(&[i64::from(ok)]), 0, 1)?;
+            g.send(
+                &Tensor::from_slice(&[i64::from(ok)]).f_to_device(device)?,
+                0,
+                1,
+            )?;
             if !ok && failure.is_none() {
                 failure = Some(PipelineError::ShapeMismatch {
                     producer: e.from,
@@ -99,7 +107,7 @@ pub(super) fn handshake(
     }
     for e in &remote {
         if plan.stage_ranks[e.from] == rank && !e.layers.is_empty() {
-            let verdict = Tensor::f_zeros([1], (Kind::Int64, tch::Device::Cpu))?;
+            let verdict = Tensor::f_zeros([1], (Kind::Int64, device))?;
             groups[&(e.from, e.to)].recv(&verdict, 1, 1)?;
             if verdict.f_int64_value(&[0])? != 1 && failure.is_none() {
                 failure = Some(PipelineError::ShapeMismatch {

@@ -46,14 +46,20 @@ impl StepHooks for Microbatched {
         let split = microbatch::split(model, data_ranks, step, self.microbatches)
             .map_err(TrainError::strategy)?;
         let mut objective = 0.0;
+        // Where the losses were computed (the model's device): a split has at least one
+        // microbatch, so this is never left unset.
+        let mut device = None;
         for (batch, scale) in split.batches.iter().zip(&split.scales) {
             let loss = model.loss(batch)?.f_mul_scalar(*scale)?;
             objective += loss.f_double_value(&[])?;
+            device = Some(loss.device());
             loss.f_backward()?;
         }
+        let device = device
+            .ok_or_else(|| TrainError::InvalidConfig("a step split into no microbatch".into()))?;
         Ok(StepLoss {
             value: objective,
-            device: tch::Device::Cpu,
+            device,
         })
     }
 

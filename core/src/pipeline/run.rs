@@ -18,14 +18,14 @@ use crate::consistency::{observe_stepped, StateKind, StateProbe};
 use crate::fsdp::Fsdp;
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::train::{
-    clip_coefficient, scale_gradients, train_from, GradientView, Optimizer, StepHooks, StepLoss,
-    TrainConfig, TrainError, TrainStart,
+    clip_coefficient, parameters_device, scale_gradients, train_from, GradientView, Optimizer,
+    StepHooks, StepLoss, TrainConfig, TrainError, TrainStart,
 };
 use lockstep_models::{Batch, Model};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 /// One rank's pipeline run: the record (full model and gradients, the same on every rank)
 /// and this rank's measured timeline.
@@ -90,6 +90,9 @@ pub fn train_pipeline_with(
     };
     let local = stage_tp.as_ref().map_or(&model_params, |s| &s.local);
     let named: Vec<(String, Tensor)> = local.iter().map(handle).collect();
+    // Where this rank computes: every buffer it creates (handshakes, tokens, the loss and
+    // norm scalars, the record's gathers) goes there, as its groups take tensors on it.
+    let device = parameters_device(&named)?;
     let held: Vec<usize> = (0..named.len())
         .filter(|&i| plan.holders[i].contains(&rank))
         .collect();
@@ -153,6 +156,7 @@ pub fn train_pipeline_with(
         output_deps: &plan.dataflow.output_deps,
         stage_ranks: &plan.stage_ranks,
         rank,
+        device,
         edge_groups: &edge_groups,
         stage_params: &stage_params,
         checkpoint_every: opts.checkpoint_every,
@@ -182,6 +186,7 @@ pub fn train_pipeline_with(
         counts: &counts,
         data_ranks: &data_ranks,
         rank,
+        device,
         global_rank: world.rank(),
         sharded,
         composed,
@@ -270,6 +275,8 @@ struct StepLoop<'a> {
     counts: &'a CollectiveCounts,
     data_ranks: &'a [usize],
     rank: usize,
+    /// The parameters' device, where every tensor this rank creates lives.
+    device: Device,
     global_rank: usize,
     sharded: bool,
     composed: bool,
@@ -293,7 +300,7 @@ impl StepLoop<'_> {
             self.stage_tp,
             value,
         )?;
-        gather_owned(self.plan, self.rank, self.pp, &full)
+        gather_owned(self.plan, self.rank, self.pp, &full, self.device)
     }
 
     /// Which copy of `name` this rank holds: tied copies keep one name on every stage that
@@ -382,6 +389,7 @@ impl StepHooks for PipelineStrategy<'_> {
                 s.rank,
                 s.edge_groups,
                 &metas[0],
+                s.device,
                 s.opts.fault == Some(PipelineFault::WrongShape),
             )?;
             let data = StepData {
@@ -399,7 +407,7 @@ impl StepHooks for PipelineStrategy<'_> {
         };
         Ok(StepLoss {
             value: run().map_err(TrainError::strategy)?,
-            device: tch::Device::Cpu,
+            device: s.device,
         })
     }
 
@@ -438,7 +446,7 @@ impl StepHooks for PipelineStrategy<'_> {
         _metrics: Option<&dyn ProcessGroup>,
     ) -> Result<f64, TrainError> {
         // Each stage holding the last one contributes its microbatches' losses.
-        let loss = Tensor::from_slice(&[local.value]);
+        let loss = Tensor::from_slice(&[local.value]).f_to_device(local.device)?;
         self.steps.pp.all_reduce(&loss, ReduceOp::Sum)?;
         if self.steps.plan.data_parallel > 1 {
             self.steps.dp.all_reduce(&loss, ReduceOp::Avg)?;
@@ -459,8 +467,15 @@ impl StepHooks for PipelineStrategy<'_> {
             return GradientView::of_full(full, keep);
         }
         // Only the norm is recorded: computed by the owners, without gathering.
-        let norm = owned_grad_norm(s.plan, s.rank, s.pp, s.named, &mut self.norm_scratch)
-            .map_err(TrainError::strategy)?;
+        let norm = owned_grad_norm(
+            s.plan,
+            s.rank,
+            s.pp,
+            s.named,
+            s.device,
+            &mut self.norm_scratch,
+        )
+        .map_err(TrainError::strategy)?;
         Ok(GradientView { norm, full: None })
     }
 
@@ -808,16 +823,17 @@ fn average_flat(grads: &[Tensor], group: &dyn ProcessGroup) -> Result<(), Pipeli
 /// non-zero contribution per element, so the sum is exact) gives every rank all of them, and
 /// they are summed in parameter order — the same bits as the norm of the gathered gradients.
 ///
-/// Each gradient is converted and squared in `scratch`, one f64 buffer the size of the largest
-/// parameter kept across steps: the same values as `to_kind(Double).square()` summed in the
-/// same order, without two fresh f64 copies of every gradient per step (their page faults
-/// made this norm ~9 ms of a ~120 ms `bench pipeline` step on the 3.3 M-parameter decoder;
-/// ~1.7 ms with the buffer).
+/// Each gradient is converted and squared in `scratch`, one f64 buffer on `device` (the
+/// gradients') the size of the largest parameter kept across steps: the same values as
+/// `to_kind(Double).square()` summed in the same order, without two fresh f64 copies of every
+/// gradient per step (their page faults made this norm ~9 ms of a ~120 ms `bench pipeline`
+/// step on the 3.3 M-parameter decoder; ~1.7 ms with the buffer).
 fn owned_grad_norm(
     plan: &PipelinePlan,
     rank: usize,
     pp: &dyn ProcessGroup,
     named: &[(String, Tensor)],
+    device: Device,
     scratch: &mut Option<Tensor>,
 ) -> Result<f64, PipelineError> {
     let largest = named
@@ -827,7 +843,7 @@ fn owned_grad_norm(
         .unwrap_or(0);
     let buffer = match scratch.take() {
         Some(b) if b.numel() as i64 == largest => b,
-        _ => Tensor::f_empty([largest], (Kind::Double, tch::Device::Cpu))?,
+        _ => Tensor::f_empty([largest], (Kind::Double, device))?,
     };
     let mut squares = vec![0f64; named.len()];
     for (i, (_, t)) in named.iter().enumerate() {
@@ -840,7 +856,7 @@ fn owned_grad_norm(
         }
     }
     *scratch = Some(buffer);
-    let all = Tensor::from_slice(&squares);
+    let all = Tensor::from_slice(&squares).f_to_device(device)?;
     pp.all_reduce(&all, ReduceOp::Sum)?;
     let squares: Vec<f64> = Vec::try_from(&all)?;
     Ok(squares.iter().fold(0.0, |sum, s| sum + s).sqrt())
@@ -848,15 +864,17 @@ fn owned_grad_norm(
 
 /// Every tensor of `named` (one per parameter, at full size) as its owner (lowest holder) has
 /// it, on every pipeline rank: one all-gather of flat buffers in which each rank fills the
-/// parameters it owns, so the values arrive bit for bit.
+/// parameters it owns, so the values arrive bit for bit. The buffers live on `device`, the
+/// parameters' (the record moves what it keeps to the host itself).
 fn gather_owned(
     plan: &PipelinePlan,
     rank: usize,
     pp: &dyn ProcessGroup,
     named: &[(String, Tensor)],
+    device: Device,
 ) -> Result<Vec<(String, Tensor)>, PipelineError> {
     let total: i64 = named.iter().map(|(_, t)| t.numel() as i64).sum();
-    let local = Tensor::f_zeros([total], (Kind::Float, tch::Device::Cpu))?;
+    let local = Tensor::f_zeros([total], (Kind::Float, device))?;
     let mut offset = 0;
     for (i, (_, t)) in named.iter().enumerate() {
         let n = t.numel() as i64;
@@ -867,7 +885,7 @@ fn gather_owned(
         }
         offset += n;
     }
-    let all = Tensor::f_zeros([total * plan.ranks as i64], (Kind::Float, tch::Device::Cpu))?;
+    let all = Tensor::f_zeros([total * plan.ranks as i64], (Kind::Float, device))?;
     pp.all_gather(&all, &local)?;
     let mut out = Vec::with_capacity(named.len());
     let mut offset = 0;

@@ -409,7 +409,8 @@ impl StepHooks for TpRun<'_> {
         local: StepLoss,
         _metrics: Option<&dyn ProcessGroup>,
     ) -> Result<f64, TrainError> {
-        let value = Tensor::from_slice(&[local.value]);
+        // On the loss's device: the groups reduce tensors where the training computes.
+        let value = Tensor::from_slice(&[local.value]).f_to_device(local.device)?;
         self.groups
             .average_over_data(&value)
             .map_err(TrainError::strategy)?;

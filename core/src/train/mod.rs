@@ -15,7 +15,7 @@ use crate::comm::{CommError, ProcessGroup, ReduceOp};
 use crate::consistency::StateProbe;
 use crate::record::{NamedTensor, RunRecord, RunSpec};
 use lockstep_models::{LayerHooks, Model, ModelError};
-use tch::{Kind, TchError, Tensor};
+use tch::{Device, Kind, TchError, Tensor};
 
 /// Everything a training run can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -43,6 +43,11 @@ pub enum TrainError {
     /// The run was configured in a way no loop can execute.
     #[error("invalid training config: {0}")]
     InvalidConfig(String),
+    /// The parameters name no single device to train on (none is defined, or two live on
+    /// different devices, a model half moved): a strategy creates its buffers where the
+    /// parameters are rather than guessing the CPU.
+    #[error("no single training device: {0}")]
+    Device(String),
     /// A parallelism's own step failed (a tensor-parallel gather, an expert dispatch…); its
     /// runner takes its typed error back out ([`TrainError::into_strategy`]).
     #[error(transparent)]
@@ -289,6 +294,28 @@ pub(crate) fn global_mean(
     let t = Tensor::from_slice(&[local]).f_to_device(device)?;
     group.all_reduce(&t, ReduceOp::Avg)?;
     Ok(t.f_double_value(&[0])?)
+}
+
+/// The one device `params` live on: where a strategy creates what it computes and
+/// communicates with (receive buffers, pipeline tokens, loss and norm scalars), so that a model
+/// moved to `cuda:N` never meets a CPU tensor (an NCCL group takes tensors on its own device
+/// only). An error rather than a guess when no parameter is defined or two live on different
+/// devices: a silent fall back to the CPU would only surface later, as a failed collective.
+pub fn parameters_device(params: &[(String, Tensor)]) -> Result<Device, TrainError> {
+    let mut defined = params.iter().filter(|(_, t)| t.defined());
+    let Some((first, t)) = defined.next() else {
+        return Err(TrainError::Device(
+            "no defined parameter says where to create buffers".into(),
+        ));
+    };
+    let device = t.device();
+    match defined.find(|(_, t)| t.device() != device) {
+        Some((other, t)) => Err(TrainError::Device(format!(
+            "`{first}` is on {device:?} but `{other}` on {:?}",
+            t.device()
+        ))),
+        None => Ok(device),
+    }
 }
 
 /// L2 norm over every gradient, in f64 (the list holds each tied parameter once).
