@@ -734,6 +734,13 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
     opts.exec_ranks = args.exec_ranks;
     opts.arbiter_log = args.arbiter_log;
     if args.sensitivity {
+        if opts.device != lockstep::device::ComputeDevice::Cpu {
+            eprintln!(
+                "error: `lockstep matrix --sensitivity` runs its fault plans in forked ranks, on \
+                 the CPU only for now: drop --device cuda / --backend nccl"
+            );
+            return Ok(ExitCode::from(2));
+        }
         return run_matrix_sensitivity(&opts, &args.faults, &args.out);
     }
     // Only rank 0 of an external launch writes reports (the others may share its disk).

@@ -94,6 +94,16 @@ impl RunSettings {
         self.exec_ranks || self.computes_on_cuda()
     }
 
+    /// Whether ranks are `lockstep rank` processes (the CLI's exec'd ranks) rather than
+    /// launched by [`run_launched`]: under NCCL and `--exec-ranks` always, on CUDA when this
+    /// process is the `lockstep` binary (elsewhere, in a user's parity test, the test binary
+    /// re-runs itself as the ranks: [`crate::self_exec`]).
+    pub fn execs_lockstep_ranks(&self) -> bool {
+        self.exec_ranks
+            || self.backend == Backend::Nccl
+            || (self.computes_on_cuda() && lockstep_program().is_ok())
+    }
+
     /// Whether runs compute on CUDA (`--device cuda`, or NCCL).
     pub fn computes_on_cuda(&self) -> bool {
         self.device == crate::device::ComputeDevice::Cuda || self.backend == Backend::Nccl
@@ -217,7 +227,7 @@ pub fn run_config(
         return Err(RunFailed::simple(refusal));
     }
     drop(probe);
-    if settings.execs_ranks() {
+    if settings.execs_lockstep_ranks() {
         if let Some(external) = crate::external::launch() {
             return run_external_rank(external, model_name, config, world_size, settings);
         }
@@ -420,7 +430,7 @@ pub fn run_launched(
     let spec = run_spec(model_name, config, world_size, dtype, settings);
     let body = |ctx: &RankCtx| -> Result<(), RankError> {
         let rank = ctx.rank();
-        let built = build(settings.seed, rank)?;
+        let built = on_rank_device(build(settings.seed, rank)?, settings, ctx)?;
         let probe = probe_for(rank);
         let mut cfg = TrainConfig {
             spec: spec.clone(),
@@ -442,6 +452,22 @@ pub fn run_launched(
     let label = format!("{model_name}/{config}");
     let launched = launch_forked(world_size, settings, &label, &out, &body);
     read_record(&out, launched, world_size)
+}
+
+/// `model` on the device its rank computes on: itself on the CPU; on CUDA moved to GPU
+/// `rank % GPUs` after the process set CUDA's numerics ([`crate::device`]).
+fn on_rank_device(
+    model: Box<dyn Model>,
+    settings: &RunSettings,
+    ctx: &RankCtx,
+) -> Result<Box<dyn Model>, RankError> {
+    if !settings.computes_on_cuda() {
+        return Ok(model);
+    }
+    crate::device::prepare_process(settings.device, settings.backend, settings.tf32)
+        .map_err(|e| RankError::Train(format!("setting CUDA's numerics: {e}")))?;
+    let device = crate::device::rank_device(settings.device, settings.backend, ctx.local_rank());
+    Ok(Box::new(OnDevice::new(model, device)?))
 }
 
 /// Runs built-in configurations `configs` (none of them `single`) of one model at
@@ -741,6 +767,7 @@ fn launch_forked(
         label,
         out,
         settings.faults.is_some(),
+        settings.computes_on_cuda(),
         body,
     ) {
         return launched;

@@ -139,8 +139,9 @@ pub fn execs_here() -> Result<bool, RunFailed> {
 /// Why a launch was not made in an exec'd rank (it belongs to another launch).
 const SKIPPED: &str = "skipped: this process is an exec'd rank of another launch";
 
-/// Where fork is not safe, or in an exec'd rank, runs a launch of `world_size` ranks named
-/// `label` without forking and returns its outcome; `None` means fork (the caller does).
+/// Where fork is not safe, where ranks compute on CUDA (`cuda`), or in an exec'd rank, runs a
+/// launch of `world_size` ranks named `label` without forking and returns its outcome; `None`
+/// means fork (the caller does).
 ///
 /// In the launcher: starts every rank as a re-run of this test ([`RECORD`] set to `out`).
 /// In an exec'd rank: runs `body` as this rank when this is its launch (never returns),
@@ -151,6 +152,7 @@ pub fn launch_without_fork(
     label: &str,
     out: &std::path::Path,
     faults: bool,
+    cuda: bool,
     body: &(dyn Fn(&RankCtx) -> Result<(), crate::rank_error::RankError> + Sync),
 ) -> Option<Result<(), RunFailed>> {
     if let Some(want) = serving() {
@@ -166,9 +168,10 @@ pub fn launch_without_fork(
         }
         return Some(Err(RunFailed::simple(SKIPPED)));
     }
+    // CUDA cannot be used in a forked child: ranks computing on it are always exec'd.
     match execs_here() {
-        Ok(false) => return None,
-        Ok(true) => {}
+        Ok(false) if !cuda => return None,
+        Ok(_) => {}
         Err(e) => return Some(Err(e)),
     }
     let name = next_name(label);

@@ -113,6 +113,22 @@ fn nccl_cannot_be_asked_to_compute_on_the_cpu() {
 }
 
 #[test]
+fn sensitivity_on_cuda_is_refused_by_name() {
+    let (code, _, stderr) = lockstep(&[
+        "matrix",
+        "--sensitivity",
+        "--device",
+        "cuda",
+        "--models",
+        "mlp",
+        "--configs",
+        "ddp",
+    ]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("fault plans in forked ranks"), "{stderr}");
+}
+
+#[test]
 fn an_unknown_device_is_named() {
     let (code, _, stderr) = lockstep(&["matrix", "--device", "tpu", "--list"]);
     assert_eq!(code, Some(2), "{stderr}");
@@ -253,4 +269,27 @@ fn gpu_bundle_run_passes_its_cpu_part_here() {
         "{stderr}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_parity_test_on_cuda_without_a_gpu_is_refused_before_anything_runs() {
+    if tch::Cuda::device_count() > 0 {
+        println!("SKIP: this machine has a GPU");
+        return;
+    }
+    let out_dir = scratch("parity-test");
+    let err = lockstep::parity_test::ParityTest::new("on_cuda")
+        .zoo("mlp")
+        .config("ddp")
+        .world_sizes(&[2])
+        .device(lockstep::device::ComputeDevice::Cuda)
+        .out_dir(&out_dir)
+        .run()
+        .expect_err("no GPU here");
+    assert!(
+        err.to_string()
+            .contains("--device cuda cannot run here: no CUDA device"),
+        "{err}"
+    );
+    assert!(!out_dir.exists(), "nothing may be written: {err}");
 }

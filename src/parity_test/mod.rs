@@ -255,6 +255,21 @@ impl<'a> ParityTest<'a> {
         self
     }
 
+    /// Computes on `device` (CUDA: every rank a re-run of the test on GPU `rank % GPUs`,
+    /// collectives staged through host memory, the single-device reference on GPU 0, every
+    /// CUDA process with deterministic kernels and TF32 off; docs/gpu.md). Refused before
+    /// anything runs where it cannot run (no GPU).
+    pub fn device(mut self, device: crate::device::ComputeDevice) -> Self {
+        self.settings.device = device;
+        self
+    }
+
+    /// Allows TF32 matrix products and convolutions on CUDA (off by default).
+    pub fn tf32(mut self, tf32: bool) -> Self {
+        self.settings.tf32 = tf32;
+        self
+    }
+
     /// Writes the report set to `dir` instead of `target/lockstep/<test>/`.
     pub fn out_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.out_dir = Some(dir.into());
@@ -310,6 +325,12 @@ impl<'a> ParityTest<'a> {
     /// references, and the policy of every pair not judged by the fp64 arbiter.
     fn prepare(&self) -> Result<Prepared<'_>, ParityTestError> {
         self.check()?;
+        crate::device::prepare_process(
+            self.settings.device,
+            self.settings.backend,
+            self.settings.tf32,
+        )
+        .map_err(|e| ParityTestError::Invalid(format!("setting CUDA's numerics: {e}")))?;
         let (Some(model_name), Some(build)) = (self.model_name.as_deref(), self.build.as_deref())
         else {
             return Err(ParityTestError::NoModel);
@@ -514,6 +535,21 @@ impl<'a> ParityTest<'a> {
         }
         if self.world_sizes.is_empty() {
             return Err(ParityTestError::Invalid("no world size given".into()));
+        }
+        let largest = self.world_sizes.iter().copied().max().unwrap_or(1);
+        let external = crate::external::launch().map(|l| l.local_rank);
+        let reasons = crate::device::blockers(
+            self.settings.device,
+            self.settings.backend,
+            largest,
+            external,
+        );
+        if !reasons.is_empty() {
+            return Err(ParityTestError::Invalid(format!(
+                "--device {} cannot run here: {}",
+                self.settings.device.name(),
+                reasons.join("; ")
+            )));
         }
         let mut names: Vec<&str> = Vec::new();
         for c in &self.configs {
