@@ -26,113 +26,83 @@ fn lockstep(args: &[&str]) -> (Option<i32>, String, String) {
     )
 }
 
+/// `lockstep WORDS EXTRA` must exit 2 (bad input) with `expected` in its message, and leave
+/// nothing at `written`.
+fn refuses(words: &str, extra: &[&str], expected: &str, written: &std::path::Path) {
+    let args: Vec<&str> = words
+        .split_whitespace()
+        .chain(extra.iter().copied())
+        .collect();
+    let (code, _, stderr) = lockstep(&args);
+    assert_eq!(code, Some(2), "{words}: {stderr}");
+    assert!(stderr.contains(expected), "{words}: {stderr}");
+    assert!(
+        !written.exists(),
+        "{words}: nothing may be written: {stderr}"
+    );
+}
+
 #[test]
-fn matrix_on_cuda_without_a_gpu_refuses_before_anything_runs() {
+fn matrix_and_run_on_cuda_without_a_gpu_refuse_before_anything_runs() {
     if tch::Cuda::device_count() > 0 {
         println!("SKIP: this machine has a GPU (the GPU check runs the CUDA matrix)");
         return;
     }
     let out_dir = scratch("matrix");
-    let out_arg = out_dir.display().to_string();
-    let (code, _, stderr) = lockstep(&[
-        "matrix",
-        "--device",
-        "cuda",
-        "--world-size",
-        "2,4",
-        "--models",
-        "mlp",
-        "--configs",
-        "ddp",
-        "--out",
-        &out_arg,
-    ]);
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(
-        stderr.contains("--device cuda cannot run this matrix here: no CUDA device"),
-        "{stderr}"
+    let out = out_dir.display().to_string();
+    refuses(
+        "matrix --device cuda --world-size 2,4 --models mlp --configs ddp --out",
+        &[&out],
+        "--device cuda cannot run this matrix here: no CUDA device",
+        &out_dir,
     );
-    assert!(!out_dir.exists(), "nothing may be written: {stderr}");
-}
-
-#[test]
-fn run_on_cuda_without_a_gpu_refuses_before_anything_runs() {
-    if tch::Cuda::device_count() > 0 {
-        println!("SKIP: this machine has a GPU");
-        return;
-    }
-    let (code, _, stderr) = lockstep(&[
-        "run", "--model", "mlp", "--config", "ddp", "--device", "cuda",
-    ]);
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(
-        stderr.contains("--device cuda cannot run here: no CUDA device"),
-        "{stderr}"
+    refuses(
+        "run --model mlp --config ddp --device cuda",
+        &[],
+        "--device cuda cannot run here: no CUDA device",
+        &out_dir,
     );
     let saved = scratch("run-final.safetensors");
-    let saved_arg = saved.display().to_string();
-    let (code, _, stderr) = lockstep(&[
-        "run",
-        "--model",
-        "mlp",
-        "--config",
-        "ddp",
-        "--device",
-        "cuda",
-        "--save-final",
-        &saved_arg,
-    ]);
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(
-        stderr.contains("not supported with --device cuda"),
-        "{stderr}"
+    refuses(
+        "run --model mlp --config ddp --device cuda --save-final",
+        &[&saved.display().to_string()],
+        "not supported with --device cuda",
+        &saved,
     );
-    assert!(!saved.exists());
 }
 
 #[test]
 fn nccl_cannot_be_asked_to_compute_on_the_cpu() {
     let out_dir = scratch("nccl-cpu");
-    let out_arg = out_dir.display().to_string();
-    let (code, _, stderr) = lockstep(&[
-        "matrix",
-        "--backend",
-        "nccl",
-        "--device",
-        "cpu",
-        "--models",
-        "mlp",
-        "--configs",
-        "ddp",
-        "--out",
-        &out_arg,
-    ]);
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(stderr.contains("drop --device cpu"), "{stderr}");
-    assert!(!out_dir.exists(), "nothing may be written: {stderr}");
+    let out = out_dir.display().to_string();
+    refuses(
+        "matrix --backend nccl --device cpu --models mlp --configs ddp --out",
+        &[&out],
+        "drop --device cpu",
+        &out_dir,
+    );
 }
 
 #[test]
 fn sensitivity_on_cuda_is_refused_by_name() {
-    let (code, _, stderr) = lockstep(&[
-        "matrix",
-        "--sensitivity",
-        "--device",
-        "cuda",
-        "--models",
-        "mlp",
-        "--configs",
-        "ddp",
-    ]);
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(stderr.contains("fault plans in forked ranks"), "{stderr}");
+    let out_dir = scratch("sensitivity");
+    let out = out_dir.display().to_string();
+    refuses(
+        "matrix --sensitivity --device cuda --models mlp --configs ddp --out",
+        &[&out],
+        "fault plans in forked ranks",
+        &out_dir,
+    );
 }
 
 #[test]
 fn an_unknown_device_is_named() {
-    let (code, _, stderr) = lockstep(&["matrix", "--device", "tpu", "--list"]);
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(stderr.contains("unknown device `tpu`"), "{stderr}");
+    refuses(
+        "matrix --device tpu --list",
+        &[],
+        "unknown device `tpu`",
+        &scratch("none"),
+    );
 }
 
 /// The switches a CUDA process sets reach libtorch's global context (the same one CUDA
