@@ -24,8 +24,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// One run's fault plan: what every rank's injector does, and where each rank writes its log
-/// (`<log_dir>/rank-<r>.json`, a [`FaultLog`]).
-#[derive(Clone, Debug)]
+/// (`<log_dir>/rank-<r>.json`, a [`FaultLog`]). Serializable, so exec'd ranks (`lockstep rank
+/// --fault-plan`, how CUDA runs and `--exec-ranks` start) take it on their command line.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct FaultPlan {
     /// Record every call, or inject one fault at one site.
     pub mode: FaultMode,

@@ -383,6 +383,14 @@ struct RankArgs {
     /// The optimizer, as JSON (`{"Adam":{"lr":0.001,…}}`); SGD with momentum if absent.
     #[arg(long, value_parser = parse_optimizer_json)]
     optimizer: Option<lockstep_core::train::OptimizerConfig>,
+    /// A fault plan (sensitivity analysis), as JSON.
+    #[arg(long, value_parser = parse_fault_plan_json)]
+    fault_plan: Option<lockstep::faults::FaultPlan>,
+}
+
+/// A fault plan as the JSON exec'd ranks are given.
+fn parse_fault_plan_json(s: &str) -> Result<lockstep::faults::FaultPlan, String> {
+    serde_json::from_str(s).map_err(|e| format!("not a fault plan: {e}"))
 }
 
 /// An optimizer as the JSON exec'd ranks are given.
@@ -565,6 +573,7 @@ fn main() -> Result<ExitCode> {
             tf32: args.compute.tf32,
             out: args.out,
             optimizer: args.optimizer.unwrap_or_default(),
+            faults: args.fault_plan,
         }),
         Command::Stress(args) => return run_stress(args),
         Command::Schedule(args) => return run_schedule(args),
@@ -734,13 +743,11 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
     opts.exec_ranks = args.exec_ranks;
     opts.arbiter_log = args.arbiter_log;
     if args.sensitivity {
-        if opts.device != lockstep::device::ComputeDevice::Cpu {
-            eprintln!(
-                "error: `lockstep matrix --sensitivity` runs its fault plans in forked ranks, on \
-                 the CPU only for now: drop --device cuda / --backend nccl"
-            );
+        if let Err(e) = matrix::check_backend(&opts) {
+            eprintln!("error: {e}");
             return Ok(ExitCode::from(2));
         }
+        lockstep::device::prepare_process(opts.device, opts.backend, opts.tf32)?;
         return run_matrix_sensitivity(&opts, &args.faults, &args.out);
     }
     // Only rank 0 of an external launch writes reports (the others may share its disk).

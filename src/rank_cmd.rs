@@ -41,6 +41,9 @@ pub struct RankRun {
     pub out: PathBuf,
     /// The optimizer every rank steps with.
     pub optimizer: OptimizerConfig,
+    /// A fault plan (sensitivity analysis): every rank's groups go through its injector and
+    /// each rank writes its log where the plan says, as forked ranks do.
+    pub faults: Option<crate::faults::FaultPlan>,
 }
 
 impl RankRun {
@@ -62,6 +65,7 @@ impl RankRun {
             tf32: settings.tf32,
             out: out.to_path_buf(),
             optimizer: settings.optimizer,
+            faults: settings.faults.clone(),
         }
     }
 
@@ -94,6 +98,12 @@ impl RankRun {
         if self.record_grads {
             args.push("--record-grads".into());
         }
+        if let Some(plan) = &self.faults {
+            // A JSON value of the plan: what `--fault-plan` parses back.
+            if let Ok(json) = serde_json::to_string(plan) {
+                args.extend(["--fault-plan".into(), json]);
+            }
+        }
         if self.optimizer != OptimizerConfig::default() {
             // A JSON value of the enum: what `--optimizer` parses back, bit for bit.
             if let Ok(json) = serde_json::to_string(&self.optimizer) {
@@ -121,6 +131,7 @@ impl RankRun {
             device: self.device,
             tf32: self.tf32,
             optimizer: self.optimizer,
+            faults: self.faults.clone(),
             ..RunSettings::default()
         };
         let dtype = config
@@ -134,14 +145,16 @@ impl RankRun {
             &settings,
         );
         let probe = probe_for(ctx.rank());
-        let cfg = TrainConfig {
+        let mut cfg = TrainConfig {
             spec: spec.clone(),
             optimizer: settings.optimizer,
             data_ranks: vec![ctx.rank()],
             record_grads: self.record_grads,
             probe: probe.clone(),
         };
+        let faults = crate::faults::install_faults(ctx, &settings, &mut cfg);
         let mut record = train_builtin(config, ctx, &model, &cfg, &settings)?;
+        faults.finish(&record)?;
         hand_back_digest(probe.as_ref(), &self.out)?;
         if ctx.rank() == 0 {
             record.spec = spec;

@@ -596,11 +596,6 @@ fn run_exec(
             "a planted fault runs in forked ranks only (exec'd ranks take no fault)",
         ));
     }
-    if settings.faults.is_some() {
-        return Err(RunFailed::simple(
-            "a fault plan runs in forked ranks only (exec'd ranks take no fault plan)",
-        ));
-    }
     if !zoo::names().contains(&model_name) {
         return Err(RunFailed::simple(format!(
             "exec'd ranks (NCCL, --exec-ranks) build zoo models only; `{model_name}` is not one"

@@ -174,3 +174,64 @@ fn parity_test_sensitivity_analyses_a_custom_closure() {
         .join("lockstep/sensitivity_of_a_custom_closure/sensitivity/sensitivity.json");
     assert!(json.exists(), "{}", json.display());
 }
+
+/// Every site's verdicts from `lockstep matrix --sensitivity ... extra`, as (site, fault,
+/// verdict) lines.
+fn cli_sensitivity(out: &std::path::Path, extra: &[&str]) -> Vec<String> {
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .args([
+            "matrix",
+            "--sensitivity",
+            "--models",
+            "mlp",
+            "--configs",
+            "ddp",
+        ])
+        .args([
+            "--world-size",
+            "2",
+            "--steps",
+            "2",
+            "--faults",
+            "skip,zero",
+            "--out",
+        ])
+        .arg(out)
+        .args(extra)
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .status()
+        .expect("run lockstep");
+    assert!(status.success(), "lockstep matrix --sensitivity {extra:?}");
+    let text = std::fs::read_to_string(out.join("sensitivity.json")).expect("sensitivity.json");
+    let json: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+    let mut lines = Vec::new();
+    for site in json[0]["report"]["sites"].as_array().expect("sites") {
+        for fault in site["faults"].as_array().expect("faults") {
+            lines.push(format!(
+                "{} {} {}",
+                site["site"], fault["fault"], fault["verdict"]
+            ));
+        }
+    }
+    lines
+}
+
+/// Exec'd ranks (how CUDA runs start, `--device cuda`) take the fault plan on their command
+/// line and find the forked ranks' verdicts at every site: the sensitivity analysis of a CUDA
+/// matrix is the CPU one's, on CUDA.
+#[test]
+fn exec_d_ranks_take_the_fault_plan_and_give_the_forked_verdicts() {
+    let dir = std::env::temp_dir().join(format!("lockstep-sens-exec-{}", std::process::id()));
+    let forked = cli_sensitivity(&dir.join("forked"), &[]);
+    let execd = cli_sensitivity(&dir.join("execd"), &["--exec-ranks"]);
+    assert!(!forked.is_empty());
+    assert!(
+        forked
+            .iter()
+            .any(|l| l.contains("caught") || l.contains("Caught")),
+        "{forked:#?}"
+    );
+    assert_eq!(forked, execd);
+    let _ = std::fs::remove_dir_all(&dir);
+}
