@@ -253,6 +253,8 @@ struct SensitivityArgs {
     /// Print the report as JSON instead of the table.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    compute: ComputeArgs,
 }
 
 #[derive(clap::Args)]
@@ -892,12 +894,22 @@ fn run_sensitivity(args: SensitivityArgs) -> Result<ExitCode> {
         steps: args.steps,
         seed: args.seed,
     };
-    let (Some(opts), Some(analysis)) = (
+    let (Some(mut opts), Some(analysis)) = (
         matrix_options(selection, args.timeout),
         sensitivity_options(&args.faults, SensitivityOptions::default()),
     ) else {
         return Ok(ExitCode::from(2));
     };
+    opts.device = args
+        .compute
+        .device(lockstep_core::comm::Backend::Cpu)
+        .unwrap_or_default();
+    opts.tf32 = args.compute.tf32;
+    if let Err(e) = lockstep::matrix::check_backend(&opts) {
+        eprintln!("error: {e}");
+        return Ok(ExitCode::from(2));
+    }
+    lockstep::device::prepare_process(opts.device, opts.backend, opts.tf32)?;
     let bar = lockstep::matrix::progress_bar(1);
     let report = match lockstep::matrix::sensitivity(
         &args.model,

@@ -97,6 +97,12 @@ fn sensitivity_on_cuda_without_a_gpu_is_refused_by_name() {
         "--device cuda cannot run this matrix here: no CUDA device",
         &out_dir,
     );
+    refuses(
+        "sensitivity --model mlp --config ddp --device cuda --out",
+        &[&out],
+        "--device cuda cannot run this matrix here: no CUDA device",
+        &out_dir,
+    );
 }
 
 #[test]
