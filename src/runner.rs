@@ -384,6 +384,17 @@ pub fn shadow_f64(
     device: tch::Device,
     train: impl Fn(Box<dyn Model>) -> Result<RunRecord, RunFailed>,
 ) -> Result<RunRecord, RunFailed> {
+    shadow_pair(build, seed, device, train).map(|(_, wide)| wide)
+}
+
+/// [`shadow_f64`] keeping both records: the fp32 run that recorded the decisions, and its
+/// float64 shadow.
+pub fn shadow_pair(
+    build: &ModelBuilder<'_>,
+    seed: u64,
+    device: tch::Device,
+    train: impl Fn(Box<dyn Model>) -> Result<RunRecord, RunFailed>,
+) -> Result<(RunRecord, RunRecord), RunFailed> {
     let fresh = || build(seed, 0).map_err(|e| RunFailed::simple(e.to_string()));
     let on_device = || {
         let model = fresh()?;
@@ -394,7 +405,7 @@ pub fn shadow_f64(
         Ok(Box::new(placed) as Box<dyn Model>)
     };
     let (fp32, tape) = decisions::recording(|| on_device().and_then(&train));
-    fp32?;
+    let fp32 = fp32?;
     let wide = OnDevice::in_f64(fresh()?).map_err(|e| {
         RunFailed::simple(format!("the float64 shadow cannot widen the model: {e}"))
     })?;
@@ -411,7 +422,77 @@ pub fn shadow_f64(
              float64 than in fp32",
         ));
     }
-    Ok(record)
+    Ok((fp32, record))
+}
+
+/// A run whose trajectory left the fp64 arbiter's envelope against the single-device
+/// `reference` (`trajectory` is that verdict), judged again step by step from its own state
+/// (the step-local check, docs/parity.md): the comparison against the teacher-forced reference
+/// and its float64 shadow when every step passes there, noting where the trajectory left its
+/// envelope; `None` (the trajectory's verdict stands) when the step-local check fails too,
+/// does not apply (another envelope, no per-step gradients, a structural or cross-rank
+/// mismatch) or cannot run in this process (references that must fork; an external launch,
+/// whose ranks must all judge the same records; an exec'd rank). The matrix and `ParityTest`
+/// both judge through here, so a row gets one verdict in both.
+pub fn step_local_verdict(
+    build: &ModelBuilder<'_>,
+    world_size: usize,
+    settings: &RunSettings,
+    run: &RunRecord,
+    reference: &RunRecord,
+    trajectory: &lockstep_harness::parity::Comparison,
+) -> Option<lockstep_harness::parity::Comparison> {
+    use lockstep_harness::parity::{arbitrate, ENVELOPE};
+    let in_process =
+        lockstep_harness::threads::forks_safely_after_reference() || settings.execs_ranks();
+    let applies = reference.spec.config == Config::Single.at(world_size)
+        && run.grads.is_some()
+        && trajectory.structural.is_empty()
+        && trajectory
+            .cross_rank
+            .as_ref()
+            .is_none_or(|x| x.mismatch.is_none())
+        && in_process
+        && crate::external::launch().is_none()
+        && crate::self_exec::serving().is_none();
+    if !applies {
+        return None;
+    }
+    let (fp32, fp64) = step_local_references(build, world_size, run, settings).ok()?;
+    let mut local = arbitrate(run, &fp32, &fp64, &ENVELOPE, None);
+    if !local.passed {
+        return None;
+    }
+    let left = trajectory.arbiter.as_ref().map_or_else(String::new, |a| {
+        format!("{} (margin {:.3})", a.worst_at, a.worst.margin)
+    });
+    if let Some(summary) = local.arbiter.as_mut() {
+        summary.trajectory_left = Some(left);
+    }
+    Some(local)
+}
+
+/// The step-local references of `run` (a run of `world_size` ranks of `model_name`, with
+/// per-step gradients): the single-device reference forced along the run's trajectory
+/// ([`lockstep_core::train::teacher_forced_reference`]) in fp32 and its float64 shadow
+/// (the fp32 forcing's routing decisions replayed). Judged by the fp64 arbiter, they hold each
+/// step to one step of rounding from the run's own state.
+pub fn step_local_references(
+    build: &ModelBuilder<'_>,
+    world_size: usize,
+    run: &RunRecord,
+    settings: &RunSettings,
+) -> Result<(RunRecord, RunRecord), RunFailed> {
+    let train = |model: Box<dyn Model>| {
+        lockstep_core::train::teacher_forced_reference(
+            model.as_ref(),
+            world_size,
+            run,
+            settings.optimizer,
+        )
+        .map_err(|e| RunFailed::simple(format!("step-local reference: {e}")))
+    };
+    shadow_pair(build, settings.seed, settings.reference_device(), train)
 }
 
 /// One fresh launch of `world_size` forked ranks, each building its model and calling

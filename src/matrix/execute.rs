@@ -380,7 +380,7 @@ fn judge_cell(
                    skip: Option<String>,
                    run: Option<&Outcome>| {
         let log = log.as_mut().map(|w| w as &mut dyn std::io::Write);
-        let (r, c) = judge_row(cell, config, reference_name, judge, skip, run, log);
+        let (r, c) = judge_row(plan, cell, config, reference_name, judge, skip, run, log);
         result.comparisons.extend(c);
         result.rows.push(r);
     };
@@ -572,7 +572,9 @@ struct Cell<'a> {
 }
 
 /// One row: its verdict and, when values were compared, the comparison behind it.
+#[allow(clippy::too_many_arguments)]
 fn judge_row(
+    plan: &Plan,
     cell: &Cell<'_>,
     config: Config,
     reference_name: String,
@@ -639,6 +641,15 @@ fn judge_row(
         (Judge::Arbiter { fp64, .. }, Some(a), Some(b)) => match ok(fp64) {
             Some(wide) => {
                 let mut c = arbitrate(a, b, wide, &ENVELOPE, log);
+                if !c.passed {
+                    let build = runner::zoo_builder(cell.model);
+                    let settings = plan.settings_for(cell.model);
+                    if let Some(local) =
+                        runner::step_local_verdict(&build, cell.world, &settings, a, b, &c)
+                    {
+                        c = local;
+                    }
+                }
                 // Named after the row: a simpler configuration's envelope keeps its own key.
                 c.reference.clone_from(&r.reference);
                 c
@@ -669,6 +680,12 @@ fn judge_row(
         (None, Some(o)) => Some(format!("{OVERRIDE}: {o}")),
         (found, None) => found,
     };
+    if let Some(left) = c.arbiter.as_ref().and_then(|a| a.trajectory_left.as_ref()) {
+        r.note = Some(format!(
+            "step-local: the trajectory left its envelope at {left}; every step is within \
+             the envelope from the run's own state"
+        ));
+    }
     (r, Some(c))
 }
 

@@ -7,6 +7,7 @@
 //! averaged over its group. The single-device reference trains one process on every rank's
 //! batch with the mean of the per-rank losses as objective, which equals the DDP objective.
 
+mod forced;
 mod optim;
 mod strategy;
 
@@ -77,6 +78,7 @@ impl TrainError {
     }
 }
 
+pub use forced::teacher_forced_reference;
 pub use optim::{Adam, Optimizer, OptimizerConfig, Sgd, MOMENTUM_SUFFIX};
 pub use strategy::{
     clip_coefficient, no_sync, observe_replicated, scale_gradients, GradSync, GradientView,

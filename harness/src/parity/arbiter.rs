@@ -94,6 +94,12 @@ pub struct ArbiterSummary {
     /// not judged, since the reference no longer stands for the math there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unjudged_from: Option<usize>,
+    /// Set when the run's trajectory left its envelope and the row was judged step by step
+    /// from the run's own state instead (the step-local check, docs/parity.md): where the
+    /// trajectory first left it and by what margin. The verdict and every figure beside it
+    /// are then the step-local check's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trajectory_left: Option<String>,
 }
 
 /// One step's distances, each relative to its tensor's fp64 magnitude and the worst over the
@@ -640,5 +646,6 @@ fn summary(
         worst_at,
         worst,
         unjudged_from,
+        trajectory_left: None,
     }
 }

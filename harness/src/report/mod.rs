@@ -432,6 +432,12 @@ pub(crate) fn arbiter_cell(c: &crate::parity::Comparison) -> String {
                     "; the fp32 reference left fp32's range at step {step}: not judged from there"
                 ));
             }
+            if let Some(left) = &a.trajectory_left {
+                cell.push_str(&format!(
+                    "; judged step-locally (from the run's own state at every step): the \
+                     trajectory left its envelope at {left}"
+                ));
+            }
             cell
         }
         None => "-".into(),
