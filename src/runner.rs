@@ -445,7 +445,7 @@ pub fn step_local_verdict(
     use lockstep_harness::parity::{arbitrate, ENVELOPE};
     let in_process =
         lockstep_harness::threads::forks_safely_after_reference() || settings.execs_ranks();
-    let applies = reference.spec.config == Config::Single.at(world_size)
+    let applies = forced_reference_of(&reference.spec.config, world_size).is_some()
         && run.grads.is_some()
         && trajectory.structural.is_empty()
         && trajectory
@@ -458,7 +458,9 @@ pub fn step_local_verdict(
     if !applies {
         return None;
     }
-    let (fp32, fp64) = step_local_references(build, world_size, run, settings).ok()?;
+    let microbatches = forced_reference_of(&reference.spec.config, world_size)?;
+    let (fp32, fp64) =
+        step_local_references(build, world_size, microbatches, run, settings).ok()?;
     let mut local = arbitrate(run, &fp32, &fp64, &ENVELOPE, None);
     if !local.passed {
         return None;
@@ -480,19 +482,42 @@ pub fn step_local_verdict(
 pub fn step_local_references(
     build: &ModelBuilder<'_>,
     world_size: usize,
+    microbatches: Option<usize>,
     run: &RunRecord,
     settings: &RunSettings,
 ) -> Result<(RunRecord, RunRecord), RunFailed> {
-    let train = |model: Box<dyn Model>| {
-        lockstep_core::train::teacher_forced_reference(
+    let failed = |e: String| RunFailed::simple(format!("step-local reference: {e}"));
+    let train = |model: Box<dyn Model>| match microbatches {
+        None => lockstep_core::train::teacher_forced_reference(
             model.as_ref(),
             world_size,
             run,
             settings.optimizer,
         )
-        .map_err(|e| RunFailed::simple(format!("step-local reference: {e}")))
+        .map_err(|e| failed(e.to_string())),
+        Some(m) => lockstep_core::pipeline::teacher_forced_microbatched(
+            model.as_ref(),
+            world_size,
+            m,
+            run,
+            settings.optimizer,
+        )
+        .map_err(|e| failed(e.to_string())),
     };
     shadow_pair(build, settings.seed, settings.reference_device(), train)
+}
+
+/// Which one-process reference a row held to `reference` (a record's config, such as
+/// `single@2` or `single.mb3@2`) is forced along for the step-local check: `Some(None)` the
+/// single-device one, `Some(Some(m))` the one of `m` microbatches, `None` neither (another
+/// envelope, such as a mixed-precision DDP run's).
+fn forced_reference_of(reference: &str, world_size: usize) -> Option<Option<usize>> {
+    let name = reference.strip_suffix(&format!("@{world_size}"))?;
+    if name == Config::Single.name() {
+        return Some(None);
+    }
+    let m = name.strip_prefix("single.mb")?.parse().ok()?;
+    Some(Some(m))
 }
 
 /// One fresh launch of `world_size` forked ranks, each building its model and calling

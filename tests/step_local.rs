@@ -32,7 +32,7 @@ fn forcing_a_correct_ddp_run_reproduces_its_state_bit_for_bit() {
     let s = settings(3, 0);
     let [run, _, _] = runs("mlp", Config::Ddp, 2, &s);
     let build = runner::zoo_builder("mlp");
-    let (forced, wide) = runner::step_local_references(&build, 2, &run, &s).expect("forced");
+    let (forced, wide) = runner::step_local_references(&build, 2, None, &run, &s).expect("forced");
     // DDP steps the same elementwise SGD on the same gradients: the forced reference's final
     // parameters are the run's own, bit for bit.
     assert_eq!(forced.params, run.params);

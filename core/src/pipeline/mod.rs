@@ -28,7 +28,7 @@ pub mod trace;
 
 pub use partition::PartitionMethod;
 pub use plan::{plan_pipeline, PipelineFault, PipelineOptions, PipelinePlan, ScheduleChoice};
-pub use reference::microbatched_reference;
+pub use reference::{microbatched_reference, teacher_forced_microbatched};
 pub use run::{train_pipeline, train_pipeline_with, PipelineRun};
 pub use schedule::{ScheduleError, ScheduleKind};
 pub use stage_parallel::StageParallel;

@@ -30,6 +30,25 @@ pub fn microbatched_reference(
         .map_err(TrainError::into_strategy::<PipelineError>)
 }
 
+/// [`microbatched_reference`] forced along `run`'s trajectory (the step-local check's
+/// reference for a row held to the microbatched reference; see
+/// [`crate::train::teacher_forced`]).
+pub fn teacher_forced_microbatched(
+    model: &dyn Model,
+    world_size: usize,
+    microbatches: usize,
+    run: &RunRecord,
+    optimizer: OptimizerConfig,
+) -> Result<RunRecord, PipelineError> {
+    model.check_single_device_reference()?;
+    let config = format!("single.mb{microbatches}.forced");
+    let steps = run.losses.len();
+    let cfg = TrainConfig::one_process(model, &config, world_size, steps, optimizer, true);
+    let mut strategy = Microbatched { microbatches };
+    crate::train::teacher_forced(model, &cfg, &mut strategy, run)
+        .map_err(TrainError::into_strategy::<PipelineError>)
+}
+
 /// One process's step as a pipeline computes it: the data ranks' batches split into
 /// microbatches, each one's scaled loss backpropagated on its own, in order.
 struct Microbatched {

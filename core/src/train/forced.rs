@@ -22,10 +22,12 @@ use lockstep_models::Model;
 use std::collections::HashMap;
 use tch::Tensor;
 
-/// The [`StepHooks`] of the teacher-forced reference: no synchronization; the optimizer steps
-/// on the run's gradients of each step (clipped with the run's recorded norm where the model
-/// clips).
+/// The [`StepHooks`] of a teacher-forced reference: the reference's own strategy (`inner`:
+/// no synchronization for the single-device reference, microbatching for the microbatched
+/// one) computes each step, then the optimizer steps on the run's gradients of that step
+/// (clipped with the run's recorded norm where the model clips).
 struct ForcedGradients<'a> {
+    inner: &'a mut dyn StepHooks,
     run_grads: &'a [Vec<NamedTensor>],
     run_norms: &'a [f64],
     max_norm: Option<f64>,
@@ -33,13 +35,46 @@ struct ForcedGradients<'a> {
 }
 
 impl StepHooks for ForcedGradients<'_> {
+    fn parameters(&self, model: &dyn Model) -> Vec<(String, Tensor)> {
+        self.inner.parameters(model)
+    }
+
     fn before_forward(&mut self, step: usize) -> Result<(), TrainError> {
         self.step = step;
-        Ok(())
+        self.inner.before_forward(step)
+    }
+
+    fn layer_hooks(&mut self) -> Option<&mut dyn lockstep_models::LayerHooks> {
+        self.inner.layer_hooks()
+    }
+
+    fn forward_backward(
+        &mut self,
+        model: &dyn Model,
+        data_ranks: &[usize],
+        step: usize,
+    ) -> Result<super::StepLoss, TrainError> {
+        self.inner.forward_backward(model, data_ranks, step)
+    }
+
+    fn local_gradients(
+        &mut self,
+        params: &[(String, Tensor)],
+        step: usize,
+    ) -> Result<Vec<(String, Tensor)>, TrainError> {
+        self.inner.local_gradients(params, step)
     }
 
     fn sync_gradients(&mut self, grads: &[(String, Tensor)]) -> Result<(), TrainError> {
-        no_sync(grads)
+        self.inner.sync_gradients(grads)
+    }
+
+    fn gradient_view(
+        &mut self,
+        grads: &[(String, Tensor)],
+        keep: bool,
+    ) -> Result<super::GradientView, TrainError> {
+        self.inner.gradient_view(grads, keep)
     }
 
     fn optimizer_step(
@@ -102,18 +137,38 @@ pub fn teacher_forced_reference(
     optimizer: OptimizerConfig,
 ) -> Result<RunRecord, TrainError> {
     model.check_single_device_reference()?;
+    let cfg = TrainConfig::one_process(
+        model,
+        "single.forced",
+        world_size,
+        run.losses.len(),
+        optimizer,
+        true,
+    );
+    teacher_forced(model, &cfg, &mut no_sync, run)
+}
+
+/// Trains `model` under `cfg` with the one-process strategy `inner` (a reference's own),
+/// forced along `run`'s trajectory: each step is `inner`'s, then the optimizer steps on the
+/// run's gradients of that step. `run` must have recorded every step's gradients, under the
+/// model's parameter names.
+pub fn teacher_forced(
+    model: &dyn Model,
+    cfg: &TrainConfig,
+    inner: &mut dyn StepHooks,
+    run: &RunRecord,
+) -> Result<RunRecord, TrainError> {
     let run_grads = run.grads.as_deref().ok_or_else(|| {
         TrainError::InvalidConfig(
             "teacher forcing needs the run's per-step gradients (record_grads)".into(),
         )
     })?;
-    let steps = run.losses.len();
-    let cfg = TrainConfig::one_process(model, "single.forced", world_size, steps, optimizer, true);
     let mut hooks = ForcedGradients {
+        inner,
         run_grads,
         run_norms: &run.grad_norms,
         max_norm: model.max_grad_norm(),
         step: 0,
     };
-    train(model, &cfg, &mut hooks, None)
+    train(model, cfg, &mut hooks, None)
 }
