@@ -445,8 +445,8 @@ pub fn step_local_verdict(
     use lockstep_harness::parity::{arbitrate, ENVELOPE};
     let in_process =
         lockstep_harness::threads::forks_safely_after_reference() || settings.execs_ranks();
-    let applies = forced_reference_of(&reference.spec.config, world_size).is_some()
-        && run.grads.is_some()
+    let microbatches = forced_reference_of(&reference.spec.config, world_size)?;
+    let applies = run.grads.is_some()
         && trajectory.structural.is_empty()
         && trajectory
             .cross_rank
@@ -458,7 +458,6 @@ pub fn step_local_verdict(
     if !applies {
         return None;
     }
-    let microbatches = forced_reference_of(&reference.spec.config, world_size)?;
     let (fp32, fp64) =
         step_local_references(build, world_size, microbatches, run, settings).ok()?;
     let mut local = arbitrate(run, &fp32, &fp64, &ENVELOPE, None);
