@@ -24,6 +24,7 @@ pub mod schedule;
 pub mod self_exec;
 pub mod sensitivity;
 pub mod setup_cmd;
+pub mod spread;
 pub mod stress;
 pub mod suggest;
 

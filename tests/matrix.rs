@@ -85,7 +85,9 @@ fn small_matrix_passes_and_writes_every_report() {
             run.stdout
         );
     }
-    assert!(run.stdout.contains("matrix: 10 runs in "), "{}", run.stdout);
+    // Per model: single, its repeat, its float64 shadow, two fp32 variants, ddp and its
+    // repeat.
+    assert!(run.stdout.contains("matrix: 14 runs in "), "{}", run.stdout);
     assert!(!run.stdout.contains("FAIL"), "{}", run.stdout);
 
     for file in matrix::REPORT_FILES {
@@ -379,9 +381,17 @@ fn plan_selects_expands_and_counts_runs() {
     // The float64 shadows: one per cell with a single-device reference (3 models × 2 worlds)
     // and one per microbatched reference (3 models × 2 worlds × 2 microbatch counts).
     let shadows = 3 * 2 + 3 * 2 * 2;
+    // The fp32 variants beside the single-device shadow (single.mb2, single.mb3): gpt and
+    // gpt_dropout at both worlds; gpt_moe routes tokens and has none (`lockstep::spread`).
+    let spread = 2 * 2 * 2;
     assert_eq!(
         plan.run_count(),
-        2 * (3 * (9 + fsdp) + (7 + fsdp)) + pipelines + model_parallel + compositions + shadows
+        2 * (3 * (9 + fsdp) + (7 + fsdp))
+            + pipelines
+            + model_parallel
+            + compositions
+            + shadows
+            + spread
     );
 
     let fsdp_only = matrix::plan(&MatrixOptions {
@@ -392,10 +402,10 @@ fn plan_selects_expands_and_counts_runs() {
     })
     .unwrap();
     assert_eq!(fsdp_only.configs, Config::fsdp());
-    // nested: 1 single and its float64 shadow + 1 ddp + 1 ddp.bf16 + 1 ddp.fp16 + 1
-    // ddp.hybrid_order reference + every fsdp config; moe: the same without the single-device
-    // reference and its shadow.
-    assert_eq!(fsdp_only.run_count(), (6 + fsdp) + (4 + fsdp));
+    // nested: 1 single, its float64 shadow and 2 fp32 variants + 1 ddp + 1 ddp.bf16 + 1
+    // ddp.fp16 + 1 ddp.hybrid_order reference + every fsdp config; moe: the same without the
+    // single-device reference, its shadow and variants.
+    assert_eq!(fsdp_only.run_count(), (8 + fsdp) + (4 + fsdp));
 
     // At an odd world size hybrid shard launches nothing, and alone needs no references.
     let odd = |configs: &str| {
@@ -413,7 +423,7 @@ fn plan_selects_expands_and_counts_runs() {
         .iter()
         .filter(|c| c.name().starts_with("fsdp.hybrid_shard"))
         .count();
-    assert_eq!(odd("fsdp.*"), 5 + fsdp - hybrid);
+    assert_eq!(odd("fsdp.*"), 7 + fsdp - hybrid);
     // At an even one, hybrid shard alone needs single (and its float64 shadow) and its own
     // DDP reference, once each, and not plain DDP.
     let hybrid_alone = matrix::plan(&MatrixOptions {
@@ -423,8 +433,9 @@ fn plan_selects_expands_and_counts_runs() {
         ..MatrixOptions::default()
     })
     .unwrap();
-    // single, its shadow, ddp.hybrid_order and the hybrid launch: 4 (5 if plain DDP ran too).
-    assert_eq!(hybrid_alone.run_count(), 4);
+    // single, its shadow, its 2 fp32 variants, ddp.hybrid_order and the hybrid launch: 6 (7
+    // if plain DDP ran too).
+    assert_eq!(hybrid_alone.run_count(), 6);
 
     let ddp_only = matrix::plan(&MatrixOptions {
         models: vec!["nested".into()],
@@ -433,9 +444,9 @@ fn plan_selects_expands_and_counts_runs() {
     })
     .unwrap();
     assert_eq!(ddp_only.world_sizes, [matrix::DEFAULT_WORLD_SIZE]);
-    // The single-device reference still runs once, with its float64 shadow: ddp is compared
-    // against it by the fp64 arbiter.
-    assert_eq!(ddp_only.run_count(), 4);
+    // The single-device reference still runs once, with its float64 shadow and 2 fp32
+    // variants: ddp is compared against it by the fp64 arbiter.
+    assert_eq!(ddp_only.run_count(), 6);
 
     // Mixed precision needs its own DDP reference once, and no single-device reference; a
     // selected `ddp.bf16` runs twice (its repeat), and serves the FSDP configs too.
@@ -461,7 +472,7 @@ fn plan_selects_expands_and_counts_runs() {
     assert_eq!(count("nested", "ddp.*"), 2 * (2 + 2));
     assert_eq!(
         count("nested", "fsdp.full_shard,fsdp.full_shard.bf16"),
-        2 * (5 + 1)
+        2 * (7 + 1)
     );
     assert_eq!(count("moe", "fsdp.*.bf16"), 2 * (1 + 3));
     assert_eq!(count("moe", "ddp.bf16,fsdp.*.bf16"), 2 * (2 + 3));
@@ -682,11 +693,12 @@ fn fsdp_configs_match_ddp_bitwise_and_single_within_tolerance() {
     assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
     let n = FSDP_NAMES.len();
     let fp32 = n - MIXED_NAMES.len();
-    // Per model: one single-device run and its float64 shadow, one DDP, one DDP-bf16, one
-    // DDP-fp16 and one ddp.hybrid_order reference run, one launch per FSDP config.
+    // Per model: one single-device run, its float64 shadow and two fp32 variants, one DDP,
+    // one DDP-bf16, one DDP-fp16 and one ddp.hybrid_order reference run, one launch per FSDP
+    // config.
     assert!(
         run.stderr
-            .contains(&format!("matrix: {} runs in ", 2 * (6 + n))),
+            .contains(&format!("matrix: {} runs in ", 2 * (8 + n))),
         "{}",
         run.stderr
     );
@@ -810,9 +822,9 @@ fn hybrid_shard_is_bitwise_against_its_order_matched_ddp_and_skips_odd_worlds() 
         ],
     );
     assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
-    // World 2 and 4, per model: single, its float64 shadow, ddp.hybrid_order and hybrid;
-    // world 3: nothing runs.
-    assert!(run.stderr.contains("matrix: 16 runs in "), "{}", run.stderr);
+    // World 2 and 4, per model: single, its float64 shadow, two fp32 variants,
+    // ddp.hybrid_order and hybrid; world 3: nothing runs.
+    assert!(run.stderr.contains("matrix: 24 runs in "), "{}", run.stderr);
     let rows: Vec<serde_json::Value> = run
         .stdout
         .lines()

@@ -1359,3 +1359,26 @@ mod arbiter {
         );
     }
 }
+
+/// A second correct fp32 run that strays further from float64 than the reference widens the
+/// envelope to its distance, and is named in the summary; without it the same run fails.
+#[test]
+fn the_arbiter_envelope_is_the_widest_of_the_correct_fp32_runs() {
+    use lockstep_harness::parity::{arbitrate, arbitrate_with_spread, ENVELOPE};
+    let w = |v: f64| vec![tensor("w", DType::F32, &[1], &[v])];
+    let exact = record("single.f64@2", &[1.0], w(1.0));
+    let reference = record("single@2", &[1.0], w(1.0 + 1e-6));
+    let variant = record("single.mb2@2", &[1.0], w(1.0 - 4e-6));
+    // 30e-6 from float64: beyond 16 × 1e-6 + floor, within 16 × 4e-6.
+    let run = record("tp.2@2", &[1.0], w(1.0 + 30e-6));
+    let alone = arbitrate(&run, &reference, &exact, &ENVELOPE, None);
+    assert!(!alone.passed, "one sample's envelope must not hold the run");
+    let spread = arbitrate_with_spread(&run, &reference, &[&variant], &exact, &ENVELOPE, None);
+    assert!(spread.passed, "{:?}", spread.overall().first_failure);
+    let summary = spread.arbiter.expect("an arbiter summary");
+    assert_eq!(summary.spread_from, vec!["single.mb2@2".to_owned()]);
+    // A variant that overflowed measured nothing: it leaves the envelope as it was.
+    let overflowed = record("single.mb2@2", &[1.0], w(f64::INFINITY));
+    let c = arbitrate_with_spread(&run, &reference, &[&overflowed], &exact, &ENVELOPE, None);
+    assert!(!c.passed);
+}

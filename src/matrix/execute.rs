@@ -167,6 +167,9 @@ pub(super) struct CellRuns {
     microbatched: Vec<(usize, (Outcome, Option<Outcome>))>,
     /// The single-device reference's float64 shadow, when a row needs it.
     single_f64: Option<Outcome>,
+    /// The fp32 variants of the single-device reference ([`crate::spread`]), run with its
+    /// shadow: with it, they measure how far correct fp32 runs stray from float64.
+    spread: Vec<Outcome>,
 }
 
 impl CellRuns {
@@ -297,6 +300,25 @@ fn run_cell(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_>) -> CellR
             runner::run_single_f64(model, &build, world, &settings)
         })
     });
+    let spread = match plan.spread_runs(m, world) {
+        1.. => {
+            let label = format!("{model} fp32 variants@{world}");
+            tally.progress.start(&label);
+            let t0 = Instant::now();
+            let spread = crate::spread::run_spread(model, &build, world, &settings);
+            let took = t0.elapsed() / spread.len().max(1) as u32;
+            for outcome in &spread {
+                tally.count(outcome);
+                let (name, err) = match outcome {
+                    Ok(r) => (r.spec.config.as_str(), None),
+                    Err(e) => ("fp32 variant", Some(e.line.as_str())),
+                };
+                tally.progress.finish(&format!("{model} {name}"), took, err);
+            }
+            spread
+        }
+        0 => Vec::new(),
+    };
     CellRuns {
         references,
         fsdp,
@@ -304,6 +326,7 @@ fn run_cell(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_>) -> CellR
         model_parallel,
         microbatched,
         single_f64,
+        spread,
     }
 }
 
@@ -366,10 +389,10 @@ impl CellBaseline {
 
 /// Judges every selected configuration of one cell against each of its references, pushing
 /// the rows (and the comparisons behind them) into `result`.
-fn judge_cell(
+fn judge_cell<'r>(
     plan: &Plan,
     cell: &Cell<'_>,
-    runs: &CellRuns,
+    runs: &'r CellRuns,
     result: &mut MatrixResult,
     log: &mut Option<std::io::BufWriter<std::fs::File>>,
 ) {
@@ -388,13 +411,25 @@ fn judge_cell(
         policy: config.policy_on(reference, world, plan.backend),
         against,
     };
-    // The fp64 arbiter around the single-device reference: with the reference's own noise,
-    // or (mixed precision, a simpler configuration) the given run's.
-    let arbiter_single = |envelope_of| Judge::Arbiter {
-        fp32: envelope_of,
-        fp64: runs.single_f64.as_ref(),
-    };
     let single_ref = runs.reference(Config::Single, 0);
+    // The fp64 arbiter around the single-device reference: with the noise of the reference
+    // and its fp32 variants, or (a simpler configuration) of the given run, the reference
+    // and the variants; a mixed-precision row's envelope is its DDP reference's noise alone.
+    let arbiter_single = |config: Config, envelope_of: Option<&'r Outcome>| -> Judge<'r> {
+        let spread = match config.precision() {
+            Some(_) => Vec::new(),
+            None => runs
+                .spread
+                .iter()
+                .chain(single_ref.filter(|s| !same_run(Some(s), envelope_of)))
+                .collect(),
+        };
+        Judge::Arbiter {
+            fp32: envelope_of,
+            fp64: runs.single_f64.as_ref(),
+            spread,
+        }
+    };
     let single = Config::Single.at(world);
     for &config in &plan.configs {
         let world_skip = config.world_blocker(world);
@@ -408,7 +443,7 @@ fn judge_cell(
             }
             Config::Ddp => {
                 let ddp = runs.reference(Config::Ddp, 0);
-                let judge = arbiter_single(single_ref);
+                let judge = arbiter_single(config, single_ref);
                 row(config, single.clone(), judge, world_skip.clone(), ddp);
                 let judge = policy_against(config, config, runs.reference(Config::Ddp, 1));
                 row(config, config.at(world), judge, world_skip, ddp);
@@ -426,7 +461,7 @@ fn judge_cell(
                 row(
                     config,
                     single.clone(),
-                    arbiter_single(envelope_of),
+                    arbiter_single(config, envelope_of),
                     world_skip,
                     run,
                 );
@@ -451,7 +486,7 @@ fn judge_cell(
                             if p.override_for(&config.at(world)).is_some()
                                 && runs.single_f64.is_some() =>
                         {
-                            arbiter_single(against)
+                            arbiter_single(config, against)
                         }
                         _ => policy_against(config, simpler, against),
                     };
@@ -462,7 +497,7 @@ fn judge_cell(
                 row(
                     config,
                     single.clone(),
-                    arbiter_single(single_ref),
+                    arbiter_single(config, single_ref),
                     skip,
                     run,
                 );
@@ -474,7 +509,7 @@ fn judge_cell(
                     Some(Err(reason)) => Some(reason.clone()),
                     _ => None,
                 });
-                let judge = arbiter_single(single_ref);
+                let judge = arbiter_single(config, single_ref);
                 row(config, single.clone(), judge, skip.clone(), run);
                 let (name, judge, skip) = match planned {
                     Some(Ok(p)) if p.data_parallel == 1 => {
@@ -483,7 +518,7 @@ fn judge_cell(
                             .iter()
                             .find(|(n, _)| *n == p.microbatches)
                             .map(|(_, r)| r);
-                        (p.microbatches, vs_microbatched(p, mb), None)
+                        (p.microbatches, vs_microbatched(p, mb, &runs.spread), None)
                     }
                     // Data-parallel replicas: no microbatched row.
                     Some(Ok(_)) => continue,
@@ -527,17 +562,35 @@ fn simpler_blocker(plan: &Plan, cell: &Cell<'_>, simpler: Config) -> Option<Stri
         .map(|reason| format!("{}: {reason}", simpler.name()))
 }
 
+/// Whether `a` and `b` are the same run (both absent counts).
+fn same_run(a: Option<&Outcome>, b: Option<&Outcome>) -> bool {
+    match (a, b) {
+        (Some(a), Some(b)) => std::ptr::eq(a, b),
+        (None, None) => true,
+        _ => false,
+    }
+}
+
 /// How a one-replica pipeline is judged against the microbatched reference `mb`: bitwise
 /// where its plan allows, else (equal by the math only up to summation order) the fp64
-/// arbiter around the microbatched reference's own float64 shadow.
+/// arbiter around the microbatched reference's own float64 shadow, with the noise of it and
+/// of the cell's fp32 variants (`spread`) but the one that is this reference.
 fn vs_microbatched<'a>(
     plan: &PipelinePlan,
     mb: Option<&'a (Outcome, Option<Outcome>)>,
+    spread: &'a [Outcome],
 ) -> Judge<'a> {
     match (&plan.bitwise_blocker, mb) {
         (Some(_), Some((fp32, fp64))) => Judge::Arbiter {
             fp32: Some(fp32),
             fp64: fp64.as_ref(),
+            spread: spread
+                .iter()
+                .filter(|v| match (v, fp32) {
+                    (Ok(v), Ok(r)) => v.spec.config != r.spec.config,
+                    _ => true,
+                })
+                .collect(),
         },
         _ => Judge::Policy {
             policy: Ok(TolerancePolicy::bitwise(DType::F32)),
@@ -554,10 +607,12 @@ enum Judge<'a> {
         policy: Result<TolerancePolicy, String>,
         against: Option<&'a Result<RunRecord, RunFailed>>,
     },
-    /// By the fp64 arbiter: the run's distance to `fp64` within the envelope of `fp32`'s.
+    /// By the fp64 arbiter: the run's distance to `fp64` within the envelope of `fp32`'s,
+    /// widened to the largest distance among the `spread` (other correct fp32 runs).
     Arbiter {
         fp32: Option<&'a Result<RunRecord, RunFailed>>,
         fp64: Option<&'a Result<RunRecord, RunFailed>>,
+        spread: Vec<&'a Result<RunRecord, RunFailed>>,
     },
 }
 
@@ -613,13 +668,14 @@ fn judge_row(
         r.note = Some(reason);
         return (r, None);
     }
-    let (against, extra) = match &judge {
-        Judge::Policy { against, .. } => (*against, None),
-        Judge::Arbiter { fp32, fp64 } => (*fp32, Some(*fp64)),
+    let (against, extra, spread) = match &judge {
+        Judge::Policy { against, .. } => (*against, None, &[][..]),
+        Judge::Arbiter { fp32, fp64, spread } => (*fp32, Some(*fp64), &spread[..]),
     };
     let failed = [run, against, extra.flatten()]
         .into_iter()
         .flatten()
+        .chain(spread.iter().copied())
         .find_map(|o| o.as_ref().err());
     if let Some(e) = failed {
         r.status = RowStatus::Error;
@@ -638,9 +694,11 @@ fn judge_row(
             return (r, None);
         }
         (Judge::Policy { policy: Ok(p), .. }, Some(a), Some(b)) => compare(a, b, &p),
-        (Judge::Arbiter { fp64, .. }, Some(a), Some(b)) => match ok(fp64) {
+        (Judge::Arbiter { fp64, spread, .. }, Some(a), Some(b)) => match ok(fp64) {
             Some(wide) => {
-                let mut c = arbitrate(a, b, wide, &ENVELOPE, log);
+                let spread: Vec<&RunRecord> =
+                    spread.into_iter().filter_map(|o| ok(Some(o))).collect();
+                let mut c = arbitrate_with_spread(a, b, &spread, wide, &ENVELOPE, log);
                 if !c.passed {
                     let build = runner::zoo_builder(cell.model);
                     let settings = plan.settings_for(cell.model);

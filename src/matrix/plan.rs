@@ -97,6 +97,9 @@ pub struct Plan {
     pub arbiter_log: Option<PathBuf>,
     /// Per model: why it has no single-device reference, if it has none.
     pub(super) blockers: Vec<Option<String>>,
+    /// Per (model index, world size): how many fp32 variants of the single-device reference
+    /// the model admits there ([`crate::spread::splits`]).
+    pub(super) spread: BTreeMap<(usize, usize), usize>,
     /// Per (model index, world size, selected pipeline configuration): its validated plan,
     /// or why it cannot serve that model there (its rows are skipped with the reason).
     pub(super) pipeline_plans: BTreeMap<(usize, usize, Config), Result<PipelinePlan, String>>,
@@ -171,7 +174,7 @@ impl Plan {
                     .map(|(_, runs)| runs)
                     .sum();
                 n += references
-                    + usize::from(self.needs_f64(model, world))
+                    + self.f64_runs(model, world)
                     + self.fsdp_launches(world).len()
                     + self.pipeline_launches(model, world).len()
                     + self
@@ -281,6 +284,26 @@ impl Plan {
                     && p.microbatches == microbatches
                     && p.bitwise_blocker.is_some()
             })
+    }
+
+    /// The runs beside the single-device reference's float64 shadow, where the cell needs it:
+    /// the shadow and the fp32 variants that measure the spread with it.
+    pub(super) fn f64_runs(&self, model: usize, world_size: usize) -> usize {
+        usize::from(self.needs_f64(model, world_size)) + self.spread_runs(model, world_size)
+    }
+
+    /// How many fp32 variants the cell runs: those the model admits, where an fp32 row is
+    /// judged by the arbiter (a mixed-precision row's envelope is its DDP reference's noise).
+    pub(super) fn spread_runs(&self, model: usize, world_size: usize) -> usize {
+        let fp32_row = self.configs.iter().any(|c| {
+            c.precision().is_none()
+                && !matches!(c, Config::Single | Config::DdpMixed(_))
+                && c.world_blocker(world_size).is_none()
+        });
+        match self.needs_f64(model, world_size) && fp32_row {
+            true => self.spread.get(&(model, world_size)).copied().unwrap_or(0),
+            false => 0,
+        }
     }
 
     /// Whether the cell runs the single-device reference's float64 shadow: whenever a row is
@@ -446,9 +469,11 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         ));
     }
     let mut blockers = Vec::with_capacity(models.len());
-    for name in &models {
+    let mut spread = BTreeMap::new();
+    for (m, name) in models.iter().enumerate() {
         let model = zoo::build(name, opts.seed, 0)?;
         for &w in &world_sizes {
+            spread.insert((m, w), crate::spread::splits(model.as_ref(), w).len());
             // Every rank of the run must get a batch; a model that cannot serve rank w-1
             // cannot run at world size w.
             let last = zoo::build(name, opts.seed, w - 1)?;
@@ -514,6 +539,7 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         tf32: opts.tf32,
         arbiter_log: opts.arbiter_log.clone(),
         blockers,
+        spread,
         pipeline_plans,
         model_parallel_blockers,
     })

@@ -45,7 +45,7 @@ use crate::runner::{self, ModelBuilder, RunFailed, RunSettings, TrainFn};
 use lockstep_core::record::RunRecord;
 use lockstep_core::train::{OptimizerConfig, TrainConfig};
 use lockstep_harness::parity::{
-    arbitrate, compare, Comparison, Override, TolerancePolicy, ENVELOPE,
+    arbitrate_with_spread, compare, Comparison, Override, TolerancePolicy, ENVELOPE,
 };
 use lockstep_harness::report::{self, Report, RunError};
 use lockstep_harness::RankCtx;
@@ -441,9 +441,20 @@ impl<'a> ParityTest<'a> {
         let single_f64 = (!envelopes.is_empty()).then(|| {
             runner::run_single_f64(prepared.model_name, prepared.build, world, &self.settings)
         });
+        // The fp32 variants widen only an fp32 envelope, and only where the shadow ran.
+        let spread = match &single_f64 {
+            Some(Ok(_)) if envelopes.contains(&"single") => crate::spread::run_spread(
+                prepared.model_name,
+                prepared.build,
+                world,
+                &self.settings,
+            ),
+            _ => Vec::new(),
+        };
         WorldRuns {
             records,
             single_f64,
+            spread,
         }
     }
 
@@ -468,7 +479,7 @@ impl<'a> ParityTest<'a> {
                     records,
                     (config, world),
                     envelope,
-                    runs.single_f64.as_ref(),
+                    (runs.single_f64.as_ref(), &runs.spread),
                 ),
                 None => prepared
                     .policies
@@ -687,7 +698,7 @@ impl<'a> ParityTest<'a> {
         records: &BTreeMap<String, Result<RunRecord, RunFailed>>,
         (config, world): (&TestConfig<'_>, usize),
         envelope: &str,
-        fp64: Option<&Result<RunRecord, RunFailed>>,
+        (fp64, spread): (Option<&Result<RunRecord, RunFailed>>, &[Outcome]),
     ) -> Option<Result<lockstep_harness::parity::Comparison, RunFailed>> {
         let run = match records.get(config.name())? {
             Ok(run) => run,
@@ -699,7 +710,15 @@ impl<'a> ParityTest<'a> {
         };
         match fp64? {
             Ok(wide) => {
-                let c = arbitrate(run, fp32, wide, &ENVELOPE, None);
+                // A variant that failed to train is Lockstep's defect: the row reports it.
+                if let Some(Err(e)) = spread.iter().find(|v| v.is_err()) {
+                    return Some(Err(e.clone()));
+                }
+                let spread = match envelope {
+                    "single" => crate::spread::trained(spread),
+                    _ => Vec::new(),
+                };
+                let c = arbitrate_with_spread(run, fp32, &spread, wide, &ENVELOPE, None);
                 if c.passed {
                     return Some(Ok(c));
                 }
@@ -782,6 +801,8 @@ struct Prepared<'t> {
 struct WorldRuns {
     records: BTreeMap<String, Outcome>,
     single_f64: Option<Outcome>,
+    /// The single-device reference's fp32 variants ([`crate::spread`]).
+    spread: Vec<Outcome>,
 }
 
 /// `target/lockstep/<test>/`, next to the test binary's own target directory.

@@ -144,6 +144,7 @@ impl ParityTest<'_> {
                 runs: RefCell::new(WorldRuns {
                     records: runs.records.clone(),
                     single_f64: runs.single_f64.clone(),
+                    spread: runs.spread.clone(),
                 }),
             });
             for subject in subjects {

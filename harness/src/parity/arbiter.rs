@@ -11,7 +11,9 @@
 //! `ref32` is the reference the run stands in for (the single-device run, the microbatched
 //! run) and `ref64` its float64 shadow: the same initial values, batches and discrete
 //! decisions, trained in float64. `d(ref32, ref64)` is the rounding noise a correct fp32
-//! execution of this training carries at this step and tensor, on this machine, so the bound
+//! execution of this training carries at this step and tensor, on this machine (measured on
+//! `ref32` and, where given, on other correct fp32 executions of it: the largest counts, see
+//! [`arbitrate_with_spread`]), so the bound
 //! follows the noise wherever training amplifies it (a summed loss growing by orders of
 //! magnitude, momentum compounding a one-ULP difference) and tightens wherever it does not.
 //! No per-model or per-step tolerance exists. `d` is the largest elementwise distance of a
@@ -58,8 +60,9 @@ pub struct EnvelopePoint {
     /// `d(run, ref64)`.
     #[serde(with = "num")]
     pub run_to_f64: f64,
-    /// `d(ref32, ref64)`: the fp32 reference's own rounding noise here, or the largest it
-    /// had for this quantity at an earlier step if that is larger (rounding noise
+    /// `d(ref32, ref64)`: the fp32 reference's own rounding noise here (the largest among it
+    /// and the fp32 variants measured beside it, [`ArbiterSummary::spread_from`]), or the
+    /// largest it had for this quantity at an earlier step if that is larger (rounding noise
     /// accumulates; a step where the reference lands close to float64 by chance must not
     /// make the envelope collapse).
     #[serde(with = "num")]
@@ -100,6 +103,12 @@ pub struct ArbiterSummary {
     /// are then the step-local check's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trajectory_left: Option<String>,
+    /// The other correct fp32 runs of the same training (`single.mb2@2`...) whose distance to
+    /// float64 was measured beside the fp32 reference's: the noise of each quantity is the
+    /// largest of them (see [`arbitrate_with_spread`]). Empty when the reference was the only
+    /// sample.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub spread_from: Vec<String>,
 }
 
 /// One step's distances, each relative to its tensor's fp64 magnitude and the worst over the
@@ -130,11 +139,13 @@ impl StepEnvelope {
 /// (`lockstep matrix --arbiter-log FILE`); `None` to keep nothing.
 pub type ArbiterLog<'a> = Option<&'a mut dyn Write>;
 
-/// One quantity's values on the three sides.
+/// One quantity's values on the three sides, and in the other correct fp32 runs.
 struct Sides<'a> {
     run: &'a [f64],
     ref32: &'a [f64],
     ref64: &'a [f64],
+    /// The same quantity in each fp32 variant that has it with the shadow's shape.
+    spread: Vec<&'a [f64]>,
 }
 
 /// The verdict on one quantity.
@@ -192,7 +203,16 @@ fn judge(sides: &Sides<'_>, env: &Envelope, noise_so_far: &NoiseSoFar) -> Verdic
     if let Some(i) = non_finite_mismatch(sides, &judged) {
         (run_to_f64, worst) = (f64::INFINITY, i);
     }
-    let (raw_reference, _) = max_distance(sides.ref32, sides.ref64, &judged);
+    let (mut raw_reference, _) = max_distance(sides.ref32, sides.ref64, &judged);
+    for variant in &sides.spread {
+        // Where a variant overflowed it measured no rounding: only its finite elements count.
+        let finite: Vec<bool> = judged
+            .iter()
+            .zip(variant.iter())
+            .map(|(&j, v)| j && v.is_finite())
+            .collect();
+        raw_reference = raw_reference.max(max_distance(variant, sides.ref64, &finite).0);
+    }
     let scale = sides
         .ref64
         .iter()
@@ -347,6 +367,7 @@ impl Judging<'_, '_> {
         stats: &mut Stats,
         (quantity, step): (Quantity, usize),
         series: [&Vec<f64>; 3],
+        spread: &[&Vec<f64>],
         step_env: &mut StepEnvelope,
     ) -> Option<ScalarDiff> {
         let [a, b, c] = series;
@@ -355,6 +376,10 @@ impl Judging<'_, '_> {
             run: std::slice::from_ref(a),
             ref32: std::slice::from_ref(b),
             ref64: std::slice::from_ref(c),
+            spread: spread
+                .iter()
+                .filter_map(|v| v.get(step).map(std::slice::from_ref))
+                .collect(),
         };
         let site = Site {
             quantity,
@@ -392,6 +417,7 @@ fn by_name(list: &[NamedTensor]) -> HashMap<&str, &NamedTensor> {
 fn judge_tensors(
     judging: &mut Judging<'_, '_>,
     lists: [&[NamedTensor]; 3],
+    spread: &[&[NamedTensor]],
     at: (Quantity, Option<usize>, &str),
     structural: &mut Vec<String>,
     step_env: &mut StepEnvelope,
@@ -399,6 +425,7 @@ fn judge_tensors(
     let [run, ref32, ref64] = lists;
     let (quantity, step, what) = at;
     let (run, ref32) = (by_name(run), by_name(ref32));
+    let spread: Vec<_> = spread.iter().map(|list| by_name(list)).collect();
     let mut total = Stats::default();
     let mut summaries = Vec::new();
     for want in ref64 {
@@ -428,6 +455,11 @@ fn judge_tensors(
             run: &have.values,
             ref32: &mid.values,
             ref64: &want.values,
+            spread: spread
+                .iter()
+                .filter_map(|list| list.get(name).copied().filter(|t| sized(t)))
+                .map(|t| t.values.as_slice())
+                .collect(),
         };
         let site = Site {
             quantity,
@@ -493,6 +525,25 @@ pub fn arbitrate(
     env: &Envelope,
     log: ArbiterLog<'_>,
 ) -> Comparison {
+    arbitrate_with_spread(run, ref32, &[], ref64, env, log)
+}
+
+/// [`arbitrate`] with the noise measured on more than one correct fp32 run: `spread` holds
+/// other fp32 executions of the same training as `ref32` (another summation order, such as
+/// the batch split into microbatches, with the same discrete decisions), and each
+/// quantity's noise is the largest distance to `ref64` among `ref32` and them. One fp32
+/// reference's distance is a single sample of how far correct fp32 arithmetic strays; where
+/// training amplifies rounding, correct runs separate and the samples show it, so the
+/// envelope widens by measurement rather than by a larger K. A quantity a variant lacks, or
+/// has in another shape, is measured on the others.
+pub fn arbitrate_with_spread(
+    run: &RunRecord,
+    ref32: &RunRecord,
+    spread: &[&RunRecord],
+    ref64: &RunRecord,
+    env: &Envelope,
+    log: ArbiterLog<'_>,
+) -> Comparison {
     let mut structural = super::compare::structural_mismatches(run, ref32);
     structural.extend(
         super::compare::structural_mismatches(ref32, ref64)
@@ -537,12 +588,14 @@ pub fn arbitrate(
             &mut losses,
             (Quantity::Loss, step),
             [&run.losses, &ref32.losses, &ref64.losses],
+            &spread.iter().map(|v| &v.losses).collect::<Vec<_>>(),
             &mut step_env,
         );
         let grad_norm = judging.scalar(
             &mut grad_norms,
             (Quantity::GradNorm, step),
             [&run.grad_norms, &ref32.grad_norms, &ref64.grad_norms],
+            &spread.iter().map(|v| &v.grad_norms).collect::<Vec<_>>(),
             &mut step_env,
         );
         let mut passed = [&loss, &grad_norm]
@@ -551,9 +604,14 @@ pub fn arbitrate(
         let grads = both_grads.and_then(|(a, b, c)| {
             let (a, b, c) = (a.get(step)?, b.get(step)?, c.get(step)?);
             let what = format!("gradients at step {step}");
+            let spread_grads: Vec<&[NamedTensor]> = spread
+                .iter()
+                .filter_map(|v| v.grads.as_ref()?.get(step).map(Vec::as_slice))
+                .collect();
             let (stats, per_tensor) = judge_tensors(
                 &mut judging,
                 [a, b, c],
+                &spread_grads,
                 (Quantity::Grads, Some(step), &what),
                 &mut structural,
                 &mut step_env,
@@ -581,6 +639,8 @@ pub fn arbitrate(
         None => (state(run), state(ref32), state(ref64)),
         Some(_) => (Vec::new(), Vec::new(), Vec::new()),
     };
+    let spread_state: Vec<Vec<NamedTensor>> = spread.iter().map(|v| state(v)).collect();
+    let spread_state: Vec<&[NamedTensor]> = spread_state.iter().map(Vec::as_slice).collect();
     let mut final_env = StepEnvelope {
         run_to_f64: 0.0,
         reference_to_f64: 0.0,
@@ -589,6 +649,7 @@ pub fn arbitrate(
     let (params, param_summaries) = judge_tensors(
         &mut judging,
         [&run_state, &ref32_state, &ref64_state],
+        &spread_state,
         (Quantity::Params, None, "final parameters and buffers"),
         &mut structural,
         &mut final_env,
@@ -620,7 +681,8 @@ pub fn arbitrate(
         mode: Mode::Arbiter,
         override_reason: None,
     };
-    let summary = summary(env, judging.worst, overflowed);
+    let mut summary = summary(env, judging.worst, overflowed);
+    summary.spread_from = spread.iter().map(|v| v.spec.config.clone()).collect();
     conclude(run, against, measured, near_tie, Some(summary))
 }
 
@@ -647,5 +709,6 @@ fn summary(
         worst,
         unjudged_from,
         trajectory_left: None,
+        spread_from: Vec::new(),
     }
 }

@@ -43,7 +43,8 @@ mod compare;
 mod tolerance;
 
 pub use arbiter::{
-    arbitrate, ArbiterLog, ArbiterSummary, Envelope, EnvelopePoint, StepEnvelope, ENVELOPE,
+    arbitrate, arbitrate_with_spread, ArbiterLog, ArbiterSummary, Envelope, EnvelopePoint,
+    StepEnvelope, ENVELOPE,
 };
 
 pub use compare::{

@@ -416,7 +416,8 @@ pub(crate) fn fmt_ulp(u: u64) -> String {
 
 /// The arbiter's figures of a comparison judged by it, for a table cell: the run's and the
 /// fp32 reference's distance to float64 where the run came closest to its envelope, and K
-/// (`1.2e-6 / 3.4e-7 (K 16) at gradient of `w` at step 3`); `-` for other modes.
+/// (`1.2e-6 / 3.4e-7 (K 16) at gradient of `w` at step 3`), then the fp32 variants the noise
+/// was measured on too; `-` for other modes.
 pub(crate) fn arbiter_cell(c: &crate::parity::Comparison) -> String {
     match &c.arbiter {
         Some(a) => {
@@ -430,6 +431,12 @@ pub(crate) fn arbiter_cell(c: &crate::parity::Comparison) -> String {
             if let Some(step) = a.unjudged_from {
                 cell.push_str(&format!(
                     "; the fp32 reference left fp32's range at step {step}: not judged from there"
+                ));
+            }
+            if !a.spread_from.is_empty() {
+                cell.push_str(&format!(
+                    "; noise measured on the reference and {}",
+                    a.spread_from.join(", ")
                 ));
             }
             if let Some(left) = &a.trajectory_left {
