@@ -362,11 +362,11 @@ fn plan_selects_expands_and_counts_runs() {
     // ddp.hybrid_order (hybrid shard's reference, never repeated) + every fsdp config per
     // world size (hybrid runs at 2 and 4); moe (no single-device reference): the 7 ddp runs
     // + every fsdp config.
-    // Pipelines, per model with a single-device reference (gpt, gpt_moe, gpt_dropout): at world 2 the 10
+    // Pipelines, per model with a single-device reference (gpt, gpt_moe, gpt_dropout): at world 2 the 11
     // pp configs that fit 2 ranks (all but dp2), single.mb3 (pp.gpipe's 2N - 1 microbatches)
-    // and single.mb4; at world 4 the 5 with one stage per rank (the 2-per-rank ones need 8
+    // and single.mb4; at world 4 the 6 with one stage per rank (the 2-per-rank ones need 8
     // layers, the GPT has 6), dp2, single.mb7 and single.mb8.
-    let pipelines = 3 * ((10 + 2) + (6 + 2));
+    let pipelines = 3 * ((11 + 2) + (7 + 2));
     // Tensor and expert parallel: gpt and gpt_dropout tp.2, tp.2.sp at world 2 and tp.2, tp.4, tp.2.sp at 4
     // (no MoE: its ep rows skip); gpt_moe those plus ep.2, ep.2.allgather, ep.2.capacity at
     // 2 and ep.2, ep.4, ep.2.allgather, ep.2.capacity at 4; moe has no single-device

@@ -467,3 +467,50 @@ fn the_norm_without_recorded_gradients_keeps_the_bits(
         assert_eq!(gathered.record.grad_norms.len(), STEPS);
     });
 }
+
+/// Recompute that overwrites, instead of adding to, the gradient of a saved boundary read by
+/// several later segments: with every layer its own segment (`pp.1f1b.checkpoint_each`), the
+/// transformer's encoder output feeds each decoder layer's segment, so the encoder's
+/// gradients lose all but one decoder layer's share. Caught, and named by tensor.
+#[test]
+fn a_checkpoint_boundary_with_several_consumers_gathers_every_gradient() {
+    lockstep_harness::run(2, |ctx| {
+        let each = |fault: Option<PipelineFault>| PipelineOptions {
+            fault,
+            checkpoint_every: Some(1),
+            ..opts(ScheduleKind::OneFOneB, 1, 4)
+        };
+        let good = pipeline(ctx, "transformer", &each(None));
+        let bad = pipeline(
+            ctx,
+            "transformer",
+            &each(Some(PipelineFault::OverwriteSavedBoundaryGrad)),
+        );
+        if ctx.rank() == 0 {
+            let reference = microbatched("transformer", 2, 4);
+            assert_passes(
+                &compare(&good, &reference, &pipeline_tolerance()),
+                "correct",
+            );
+            let c = compare(&bad, &reference, &pipeline_tolerance());
+            assert!(
+                !c.passed,
+                "the overwritten boundary gradient was not caught"
+            );
+            // Named by tensor: the first failure, and among the failing gradients the
+            // encoder's (upstream of the boundary).
+            let first = c.first_failure.as_ref().expect("a first failure");
+            assert!(first.tensor.is_some(), "{first:?}");
+            let failing: Vec<&str> = c
+                .grad_summaries
+                .iter()
+                .filter(|p| !p.stats.passed)
+                .map(|p| p.name.as_str())
+                .collect();
+            assert!(
+                failing.iter().any(|n| n.contains("encoder.layers.0.")),
+                "{failing:?}"
+            );
+        }
+    });
+}

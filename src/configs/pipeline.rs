@@ -182,6 +182,17 @@ pub fn pipeline_configs() -> &'static [PipelineConfig] {
                 )
             },
             PipelineConfig {
+                checkpoint_every: Some(1),
+                ..row(
+                    "pp.1f1b.checkpoint_each",
+                    "1F1B recomputing every layer on its own: a saved boundary feeding several \
+                     later segments (the transformer's encoder output, read by every decoder \
+                     layer) gathers its gradient from each",
+                    ScheduleKind::OneFOneB,
+                    1,
+                )
+            },
+            PipelineConfig {
                 data_parallel: 2,
                 ..row(
                     "pp.1f1b.dp2",

@@ -78,6 +78,9 @@ pub(crate) struct Executor<'a> {
     pub unscaled_loss: bool,
     /// Planted bug: the first stage feeds microbatch 1's inputs as microbatch 0 and back.
     pub swap_first_microbatches: bool,
+    /// Planted bug: a recomputed segment's gradient of a saved boundary replaces the ones
+    /// later segments already sent back instead of adding to them.
+    pub overwrite_boundary_grads: bool,
     /// Hooks computing the stages' layers (tensor parallelism); `None`: the model's own.
     pub compute: Option<&'a RefCell<Box<dyn LayerHooks>>>,
     /// The last stage's loss of a microbatch's output (the vocabulary-parallel loss under
@@ -736,6 +739,8 @@ impl Executor<'_> {
                         None => gr.shallow_clone(),
                     };
                     input_grads.insert(*k, sum);
+                } else if self.overwrite_boundary_grads {
+                    pending.insert(*k, vec![gr.shallow_clone()]);
                 } else {
                     pending.entry(*k).or_default().push(gr.shallow_clone());
                 }

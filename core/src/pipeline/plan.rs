@@ -38,6 +38,10 @@ pub enum PipelineFault {
     /// PP×FSDP: each stage's `REDUCE_GRAD` runs right after its first backward instead of
     /// after its last, so later microbatches' gradients never reach the shards.
     ReduceGradBeforeLastMicrobatch,
+    /// Checkpoint recompute keeps only the last gradient of a saved boundary that several
+    /// later segments of its stage consume (an encoder output feeding every decoder layer), so
+    /// the others are lost: overwriting instead of accumulating.
+    OverwriteSavedBoundaryGrad,
 }
 
 /// How a pipeline run is configured.

@@ -162,6 +162,7 @@ pub fn train_pipeline_with(
         checkpoint_every: opts.checkpoint_every,
         unscaled_loss: opts.fault == Some(PipelineFault::UnscaledLoss),
         swap_first_microbatches: opts.fault == Some(PipelineFault::SwapMicrobatches),
+        overwrite_boundary_grads: opts.fault == Some(PipelineFault::OverwriteSavedBoundaryGrad),
         compute,
         loss: loss_fn.as_ref().map(|f| f as &LossFn<'_>),
         sharding: unit.as_ref().map(|_| &sharding as &ShardingFn<'_>),
