@@ -17,8 +17,7 @@ use lockstep_core::comm::{
 use lockstep_core::record::{CollectiveEntry, RunRecord, RunSpec};
 use lockstep_core::tensor_parallel::{
     column_parallel_linear, row_parallel_linear, shard, unshard, vocab_parallel_cross_entropy,
-    vocab_parallel_embedding, ColumnOptions, Reduction, RngTracker, RowOptions, Stream,
-    TensorParallelError, TpGroup,
+    vocab_parallel_embedding, ColumnOptions, Reduction, RowOptions, TensorParallelError, TpGroup,
 };
 use lockstep_harness::parity::Tolerance;
 use lockstep_harness::RankCtx;
@@ -551,146 +550,6 @@ fn records_without_collectives_still_read() -> Result<()> {
     Ok(())
 }
 
-/// Parity-mode dropout: the TP ranks' slices of an activation split by heads reassemble, bit
-/// for bit, what the single-device helper computes, and the helper is bit for bit
-/// libtorch's own dropout from the same seed.
-#[rstest]
-fn parity_dropout_slices_reassemble_the_single_device_mask(#[values(1, 2, 4)] tp: usize) {
-    run(tp, |ctx| -> Result<()> {
-        let (r, group) = (ctx.rank(), tp_group(ctx));
-        let full_shape = [BATCH, 8, SEQ, SEQ]; // [batch, heads, query, key]
-        let probs = randn(61, &full_shape).softmax(-1, Kind::Float);
-        let p = 0.3;
-        let key = "layers.0.attention.dropout";
-        let mut tracker = RngTracker::new(1234, r);
-        tracker.set_step(5);
-        let heads = 8 / tp as i64;
-        let mine = part(&probs, 1, r, tp);
-        let y = tracker.parity_dropout(
-            &mine,
-            p,
-            key,
-            &full_shape,
-            Some((1, r as i64 * heads, heads)),
-        )?;
-        let gathered = unshard(&y, 1, &*group)?;
-
-        let mut single = RngTracker::single_device(1234);
-        single.set_step(5);
-        let want = single.single_device_dropout(&probs, p, key)?;
-        ensure!(
-            gathered.equal(&want),
-            "the slices do not reassemble the single-device output"
-        );
-        let torch = seeded(single.seed(Stream::Shared, key), || probs.dropout(p, true));
-        ensure!(
-            want.equal(&torch),
-            "the single-device helper is not libtorch's dropout"
-        );
-        let dropped = want.eq(0.0).sum(Kind::Int64).int64_value(&[]);
-        ensure!(
-            dropped > 0 && dropped < want.numel() as i64,
-            "a degenerate mask"
-        );
-        Ok(())
-    });
-}
-
-/// Whether two ranks drew the same mask.
-fn rows_equal(all: &Tensor, a: i64, b: i64) -> bool {
-    all.get(a).equal(&all.get(b))
-}
-
-/// Shared-stream masks are identical on every TP rank; per-rank masks differ between every
-/// pair of ranks. `planted` gives every rank TP rank 0 ("same mask everywhere"), which the
-/// per-rank assertion must catch.
-#[rstest]
-fn shared_masks_agree_and_per_rank_masks_differ(
-    #[values(2, 4)] tp: usize,
-    #[values(false, true)] planted: bool,
-) {
-    run(tp, |ctx| -> Result<()> {
-        let group = tp_group(ctx);
-        let rank = if planted { 0 } else { ctx.rank() };
-        let mut tracker = RngTracker::new(7, rank);
-        tracker.set_step(3);
-        let ones = Tensor::ones([1, 256], (Kind::Float, Device::Cpu));
-        let shared = tracker.dropout(&ones, 0.5, Stream::Shared, "embedding.dropout")?;
-        let own = tracker.dropout(&ones, 0.5, Stream::PerRank, "attention.dropout")?;
-        let shared_all = unshard(&shared, 0, &*group)?;
-        let own_all = unshard(&own, 0, &*group)?;
-        for k in 1..tp as i64 {
-            ensure!(
-                rows_equal(&shared_all, 0, k),
-                "shared masks of ranks 0 and {k} differ"
-            );
-        }
-        let distinct = (0..tp as i64)
-            .flat_map(|a| (a + 1..tp as i64).map(move |b| (a, b)))
-            .find(|&(a, b)| rows_equal(&own_all, a, b));
-        match (distinct, planted) {
-            (None, false) => Ok(()),
-            (Some((a, b)), true) => {
-                ensure!((a, b) == (0, 1), "expected ranks 0 and 1 to collide first");
-                Ok(())
-            }
-            (Some((a, b)), false) => bail!("per-rank masks of ranks {a} and {b} are identical"),
-            (None, true) => bail!("the planted same-mask-everywhere bug went unnoticed"),
-        }
-    });
-}
-
-/// Seeds are a function of (base seed, step, key, stream and TP rank) only: the same inputs
-/// repeat the mask, and changing any one of them changes it.
-#[test]
-fn masks_depend_on_seed_step_key_and_rank_only() -> Result<()> {
-    let x = Tensor::ones([512], (Kind::Float, Device::Cpu));
-    let mask = |seed: u64, rank: usize, step: u64, stream: Stream, key: &str| -> Result<Tensor> {
-        let mut t = RngTracker::new(seed, rank);
-        t.set_step(step);
-        Ok(t.dropout(&x, 0.5, stream, key)?)
-    };
-    let base = mask(1, 0, 0, Stream::PerRank, "a")?;
-    ensure!(
-        base.equal(&mask(1, 0, 0, Stream::PerRank, "a")?),
-        "a draw must repeat"
-    );
-    // Draws in between do not shift later ones.
-    let _ = randn(99, &[1000]);
-    ensure!(
-        base.equal(&mask(1, 0, 0, Stream::PerRank, "a")?),
-        "a draw must not depend on others"
-    );
-    for (what, other) in [
-        ("seed", mask(2, 0, 0, Stream::PerRank, "a")?),
-        ("rank", mask(1, 1, 0, Stream::PerRank, "a")?),
-        ("step", mask(1, 0, 1, Stream::PerRank, "a")?),
-        ("key", mask(1, 0, 0, Stream::PerRank, "b")?),
-        ("stream", mask(1, 0, 0, Stream::Shared, "a")?),
-    ] {
-        ensure!(
-            !base.equal(&other),
-            "changing the {what} must change the mask"
-        );
-    }
-    ensure!(
-        mask(1, 0, 0, Stream::Shared, "a")?.equal(&mask(1, 3, 0, Stream::Shared, "a")?),
-        "the shared stream must not depend on the rank"
-    );
-    // p = 0 returns the input; p = 1 zeros it; p outside [0, 1] is refused.
-    let t = RngTracker::new(1, 0);
-    ensure!(t.dropout(&x, 0.0, Stream::Shared, "a")?.equal(&x));
-    ensure!(t
-        .dropout(&x, 1.0, Stream::Shared, "a")?
-        .equal(&x.zeros_like()));
-    let err = t
-        .dropout(&x, 1.5, Stream::Shared, "a")
-        .err()
-        .context("p = 1.5 accepted")?;
-    ensure!(err.to_string().contains("1.5"), "unexpected message: {err}");
-    Ok(())
-}
-
 fn expect_err<T>(
     what: &str,
     r: std::result::Result<T, TensorParallelError>,
@@ -732,16 +591,6 @@ fn bad_sizes_are_rejected() -> Result<()> {
     )?;
     let s = shard(&t, 1, 1, 2)?;
     ensure!(s.size() == [8, 2] && s.requires_grad() && s.is_leaf());
-    expect_err(
-        "parity slice out of range",
-        RngTracker::new(0, 0).parity_dropout(&t, 0.1, "k", &[8, 4], Some((1, 3, 2))),
-        "slice 3..5 of dimension 1 is outside its size 4",
-    )?;
-    expect_err(
-        "parity input not the slice",
-        RngTracker::new(0, 0).parity_dropout(&t, 0.1, "k", &[8, 8], Some((1, 0, 2))),
-        "expected [8, 2]",
-    )?;
     Ok(())
 }
 

@@ -17,7 +17,6 @@
 //! | [`vocab_parallel_cross_entropy`] | three all-reduces of `[N]` (max, target logit, sum of exps) | none |
 //! | [`shard`] | none | — |
 //! | [`unshard`] | all-gather (no autograd) | — |
-//! | [`RngTracker`] | none (seeds are a function of base seed, step, key and TP rank) | — |
 //!
 //! A column-parallel linear followed by a row-parallel one (`input_is_parallel`) is
 //! Megatron's MLP: one all-reduce forward, one backward. To see what code communicates,
@@ -26,7 +25,6 @@
 pub mod hooks;
 pub mod layers;
 pub mod plan;
-pub mod rng;
 pub mod run;
 
 pub use layers::{
@@ -34,7 +32,6 @@ pub use layers::{
     vocab_parallel_cross_entropy, vocab_parallel_embedding, ColumnOptions, Reduction, RowOptions,
     TensorParallelError, TpGroup,
 };
-pub use rng::{RngTracker, Stream};
 
 pub use hooks::TpFault;
 pub use plan::{placements, Placement, TpPlan, TpPlanError, TpRule, TpStyle};
