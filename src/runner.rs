@@ -425,6 +425,25 @@ pub fn shadow_pair(
     Ok((fp32, record))
 }
 
+/// The fp64 arbiter's verdict on `run` (of `world_size` ranks): its trajectory against the
+/// float64 shadow `fp64` within the noise of the fp32 reference `fp32` and its fp32
+/// variants `spread` ([`crate::spread`]), and where that fails, the step-local check
+/// ([`step_local_verdict`]). The matrix and `ParityTest` both judge through here, so an
+/// arbiter row gets one verdict in both. `log` receives every judged distance.
+pub fn arbiter_verdict(
+    (build, world_size, settings): (&ModelBuilder<'_>, usize, &RunSettings),
+    run: &RunRecord,
+    (fp32, spread, fp64): (&RunRecord, &[&RunRecord], &RunRecord),
+    log: lockstep_harness::parity::ArbiterLog<'_>,
+) -> lockstep_harness::parity::Comparison {
+    use lockstep_harness::parity::{arbitrate_with_spread, ENVELOPE};
+    let trajectory = arbitrate_with_spread(run, fp32, spread, fp64, &ENVELOPE, log);
+    if trajectory.passed {
+        return trajectory;
+    }
+    step_local_verdict(build, world_size, settings, run, fp32, &trajectory).unwrap_or(trajectory)
+}
+
 /// A run whose trajectory left the fp64 arbiter's envelope against the single-device
 /// `reference` (`trajectory` is that verdict), judged again step by step from its own state
 /// (the step-local check, docs/parity.md): the comparison against the teacher-forced reference
@@ -432,8 +451,7 @@ pub fn shadow_pair(
 /// envelope; `None` (the trajectory's verdict stands) when the step-local check fails too,
 /// does not apply (another envelope, no per-step gradients, a structural or cross-rank
 /// mismatch) or cannot run in this process (references that must fork; an external launch,
-/// whose ranks must all judge the same records; an exec'd rank). The matrix and `ParityTest`
-/// both judge through here, so a row gets one verdict in both.
+/// whose ranks must all judge the same records; an exec'd rank).
 pub fn step_local_verdict(
     build: &ModelBuilder<'_>,
     world_size: usize,

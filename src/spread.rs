@@ -109,7 +109,7 @@ fn run_variant(
     })
 }
 
-/// The records of `spread` that trained, for the arbiter.
-pub fn trained(spread: &[Result<RunRecord, RunFailed>]) -> Vec<&RunRecord> {
-    spread.iter().filter_map(|r| r.as_ref().ok()).collect()
+/// The records of `spread` for the arbiter, or the first variant's failure to train.
+pub fn trained(spread: &[Result<RunRecord, RunFailed>]) -> Result<Vec<&RunRecord>, &RunFailed> {
+    spread.iter().map(|r| r.as_ref()).collect()
 }

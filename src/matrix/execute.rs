@@ -698,16 +698,10 @@ fn judge_row(
             Some(wide) => {
                 let spread: Vec<&RunRecord> =
                     spread.into_iter().filter_map(|o| ok(Some(o))).collect();
-                let mut c = arbitrate_with_spread(a, b, &spread, wide, &ENVELOPE, log);
-                if !c.passed {
-                    let build = runner::zoo_builder(cell.model);
-                    let settings = plan.settings_for(cell.model);
-                    if let Some(local) =
-                        runner::step_local_verdict(&build, cell.world, &settings, a, b, &c)
-                    {
-                        c = local;
-                    }
-                }
+                let build = runner::zoo_builder(cell.model);
+                let settings = plan.settings_for(cell.model);
+                let launch = (&build as &runner::ModelBuilder<'_>, cell.world, &settings);
+                let mut c = runner::arbiter_verdict(launch, a, (b, &spread, wide), log);
                 // Named after the row: a simpler configuration's envelope keeps its own key.
                 c.reference.clone_from(&r.reference);
                 c

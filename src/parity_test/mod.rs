@@ -44,9 +44,7 @@ use crate::configs::Config;
 use crate::runner::{self, ModelBuilder, RunFailed, RunSettings, TrainFn};
 use lockstep_core::record::RunRecord;
 use lockstep_core::train::{OptimizerConfig, TrainConfig};
-use lockstep_harness::parity::{
-    arbitrate_with_spread, compare, Comparison, Override, TolerancePolicy, ENVELOPE,
-};
+use lockstep_harness::parity::{compare, Comparison, Override, TolerancePolicy};
 use lockstep_harness::report::{self, Report, RunError};
 use lockstep_harness::RankCtx;
 use lockstep_models::{zoo, Model, ModelError};
@@ -477,7 +475,7 @@ impl<'a> ParityTest<'a> {
             let judged = match self.arbiter_envelope(config, reference) {
                 Some(envelope) => self.judge_by_arbiter(
                     records,
-                    (config, world),
+                    (config, world, prepared.build),
                     envelope,
                     (runs.single_f64.as_ref(), &runs.spread),
                 ),
@@ -696,7 +694,7 @@ impl<'a> ParityTest<'a> {
     fn judge_by_arbiter(
         &self,
         records: &BTreeMap<String, Result<RunRecord, RunFailed>>,
-        (config, world): (&TestConfig<'_>, usize),
+        (config, world, build): (&TestConfig<'_>, usize, &ModelBuilder<'_>),
         envelope: &str,
         (fp64, spread): (Option<&Result<RunRecord, RunFailed>>, &[Outcome]),
     ) -> Option<Result<lockstep_harness::parity::Comparison, RunFailed>> {
@@ -710,21 +708,22 @@ impl<'a> ParityTest<'a> {
         };
         match fp64? {
             Ok(wide) => {
-                // A variant that failed to train is Lockstep's defect: the row reports it.
-                if let Some(Err(e)) = spread.iter().find(|v| v.is_err()) {
-                    return Some(Err(e.clone()));
-                }
+                // The variants widen an fp32 envelope only; one that failed to train is
+                // Lockstep's defect, and the row reports it.
                 let spread = match envelope {
-                    "single" => crate::spread::trained(spread),
+                    "single" => match crate::spread::trained(spread) {
+                        Ok(spread) => spread,
+                        Err(e) => return Some(Err(e.clone())),
+                    },
                     _ => Vec::new(),
                 };
-                let c = arbitrate_with_spread(run, fp32, &spread, wide, &ENVELOPE, None);
-                if c.passed {
-                    return Some(Ok(c));
-                }
-                let build = self.build.as_deref()?;
-                let local = runner::step_local_verdict(build, world, &self.settings, run, fp32, &c);
-                Some(Ok(local.unwrap_or(c)))
+                let launch = (build, world, &self.settings);
+                Some(Ok(runner::arbiter_verdict(
+                    launch,
+                    run,
+                    (fp32, &spread, wide),
+                    None,
+                )))
             }
             // Against the single-device run itself, under the table of the run's dtype,
             // with why in the comparison.
