@@ -1069,11 +1069,16 @@ fn parse_fault(text: &str) -> Result<lockstep_core::ddp::Fault, String> {
         "no-buffer-broadcast" => Ok(Fault::NoBufferBroadcast),
         "reduce-experts" => Ok(Fault::ReduceExperts),
         "stall" => Ok(Fault::StallLastRank),
+        "other-half" => Ok(Fault::ComputeInOtherHalf),
+        "reduce-in-half" => Ok(Fault::ReduceInComputeDtype),
+        "half-master" => Ok(Fault::HalfPrecisionMaster),
         _ => match text.strip_prefix("skip=") {
             Some(param) if !param.is_empty() => Ok(Fault::SkipParameter(param.to_owned())),
-            _ => {
-                Err("expected sum, no-buffer-broadcast, reduce-experts, stall or skip=PARAM".into())
-            }
+            _ => Err(
+                "expected sum, no-buffer-broadcast, reduce-experts, stall, other-half, \
+                     reduce-in-half, half-master or skip=PARAM"
+                    .into(),
+            ),
         },
     }
 }

@@ -384,9 +384,14 @@ fn plan_selects_expands_and_counts_runs() {
     // The fp32 variants beside the single-device shadow (single.mb2, single.mb3): gpt and
     // gpt_dropout at both worlds; gpt_moe routes tokens and has none (`lockstep::spread`).
     let spread = 2 * 2 * 2;
+    // The independent mixed-precision references (single.bf16, single.fp16) beside ddp.bf16
+    // and ddp.fp16: gpt, gpt_moe and gpt_dropout at both worlds; moe seeds its experts per
+    // rank and has none.
+    let mixed = 3 * 2 * 2;
     assert_eq!(
         plan.run_count(),
         2 * (3 * (9 + fsdp) + (7 + fsdp))
+            + mixed
             + pipelines
             + model_parallel
             + compositions
@@ -461,15 +466,17 @@ fn plan_selects_expands_and_counts_runs() {
         .run_count()
     };
     // (+1 per world: the single-device reference's float64 shadow, for the arbiter's rows
-    // against single; `ddp.bf16` alone has no such row.)
+    // against single; `ddp.bf16` alone has no such row, but a selected `ddp.bf16` adds its
+    // independent reference `single.bf16` per world, except on moe, whose experts are
+    // seeded per rank.)
     assert_eq!(count("nested", "fsdp.*.bf16"), 2 * (1 + 3 + 1));
     assert_eq!(count("nested", "fsdp.*.fp16"), 2 * (1 + 1 + 1));
-    assert_eq!(count("nested", "ddp.bf16"), 2 * 2);
+    assert_eq!(count("nested", "ddp.bf16"), 2 * (2 + 1));
     assert_eq!(
         count("nested", "ddp.bf16,fsdp.full_shard.bf16"),
-        2 * (2 + 1 + 1)
+        2 * (2 + 1 + 1 + 1)
     );
-    assert_eq!(count("nested", "ddp.*"), 2 * (2 + 2));
+    assert_eq!(count("nested", "ddp.*"), 2 * (2 + 2 + 2));
     assert_eq!(
         count("nested", "fsdp.full_shard,fsdp.full_shard.bf16"),
         2 * (7 + 1)
@@ -961,10 +968,11 @@ fn mixed_precision_fsdp_matches_ddp_under_the_same_policy_bitwise() {
     }
 }
 
-/// `ddp.bf16` selected on its own: two launches, checked against its repeat bitwise, and no
-/// single-device run (mixed precision is not compared with it).
+/// `ddp.bf16` selected on its own: two launches, checked against its repeat bitwise, and
+/// the independent mixed-precision reference `single.bf16` (one process, casts of its own),
+/// also bitwise; no fp32 single-device run (the arbiter does not judge DDP under a policy).
 #[test]
-fn ddp_bf16_alone_passes_its_repeat() {
+fn ddp_bf16_alone_passes_its_repeat_and_the_independent_reference() {
     let scratch = Scratch::new("ddp-bf16");
     let run = matrix_into(
         &scratch.0,
@@ -980,23 +988,66 @@ fn ddp_bf16_alone_passes_its_repeat() {
         ],
     );
     assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
-    assert!(run.stdout.contains("matrix: 2 runs in "), "{}", run.stdout);
-    assert!(
-        run.stdout.contains("ddp.bf16@2  ddp.bf16@2      2  PASS"),
-        "{}",
-        run.stdout
-    );
+    assert!(run.stdout.contains("matrix: 3 runs in "), "{}", run.stdout);
     let report = read_json(&scratch.0.join("report.json")).unwrap();
-    assert_eq!(report.comparisons.len(), 1);
-    let c = &report.comparisons[0];
-    assert!(c.passed, "{:?}", c.diagnosis);
+    let pairs: Vec<(&str, &str)> = report
+        .comparisons
+        .iter()
+        .map(|c| (c.config.as_str(), c.reference.as_str()))
+        .collect();
     assert_eq!(
-        (c.config.as_str(), c.reference.as_str()),
-        ("ddp.bf16@2", "ddp.bf16@2")
+        pairs,
+        [
+            ("ddp.bf16@2", "ddp.bf16@2"),
+            ("ddp.bf16@2", "single.bf16@2")
+        ]
     );
-    assert_eq!(c.run_spec.dtype, "bf16");
-    assert_eq!(c.overall().max_abs_err, 0.0);
-    assert!(c.override_reason.is_none());
+    for c in &report.comparisons {
+        assert!(c.passed, "{:?}", c.diagnosis);
+        assert_eq!(c.run_spec.dtype, "bf16");
+        assert_eq!(c.overall().max_abs_err, 0.0);
+        assert!(c.override_reason.is_none());
+    }
+}
+
+/// The mixed-precision bugs the independent reference exists for, planted in every DDP run
+/// (`--fault`): each fails `ddp.fp16@2` against `single.fp16@2`, naming a tensor, while the
+/// repeat row (both runs carry the bug) passes.
+#[test]
+fn the_matrix_catches_mixed_precision_bugs_naming_the_tensor() {
+    for fault in ["other-half", "reduce-in-half", "half-master"] {
+        let scratch = Scratch::new("mixed-fault");
+        let run = matrix_into(
+            &scratch.0,
+            &[
+                "--models",
+                "gpt",
+                "--configs",
+                "ddp.fp16",
+                "--world-size",
+                "2",
+                "--steps",
+                "2",
+                "--fault",
+                fault,
+            ],
+        );
+        assert_eq!(run.code, Some(1), "{fault}: {}\n{}", run.stdout, run.stderr);
+        let failed = run
+            .stdout
+            .lines()
+            .find(|l| l.starts_with("FAIL gpt ddp.fp16@2 vs single.fp16@2"))
+            .unwrap_or_else(|| panic!("{fault}: no failing row\n{}", run.stdout));
+        assert!(failed.contains("of `"), "{fault}: {failed}");
+        let repeat = ["gpt", "ddp.fp16@2", "ddp.fp16@2", "2", "PASS"];
+        assert!(
+            run.stdout
+                .lines()
+                .any(|l| l.split_whitespace().take(5).eq(repeat)),
+            "{fault}: {}",
+            run.stdout
+        );
+    }
 }
 
 #[test]

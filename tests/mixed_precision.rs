@@ -1,17 +1,18 @@
-//! DDP under a mixed-precision policy: bitwise repeatable; bitwise equal to the same step
-//! written out by hand on one process (and to plain DDP under an all-fp32 policy); close to
-//! fp32 DDP within the bf16 row of the dtype table yet visibly not fp32; BatchNorm computed
-//! and kept in fp32; clear errors for policies and models it cannot run.
+//! DDP under a mixed-precision policy: bitwise repeatable; bitwise equal to the independent
+//! mixed-precision reference, which catches a wrong half type, reduce dtype or half master
+//! (and to plain DDP under an all-fp32 policy); close to fp32 DDP within the bf16 row of the
+//! dtype table yet visibly not fp32; BatchNorm computed and kept in fp32; clear errors for
+//! policies and models it cannot run.
 
 mod common;
 
-use lockstep_core::autograd::set_grad;
 use lockstep_core::comm::DType;
-use lockstep_core::ddp::{train_ddp, Ddp, DdpError, DdpOptions};
+use lockstep_core::ddp::{train_ddp, Ddp, DdpError, DdpOptions, Fault};
+use lockstep_core::mixed_reference::{mixed_precision_reference, HalfType};
 use lockstep_core::precision::{
     cast_buffers, low_precision_params, CastInputs, Chain, MixedPrecision, PrecisionError,
 };
-use lockstep_core::record::{NamedTensor, RunRecord, RunSpec};
+use lockstep_core::record::{RunRecord, RunSpec};
 use lockstep_core::train::{train, OptimizerConfig, StepHooks, TrainConfig, TrainError};
 use lockstep_harness::parity::{
     compare, Comparison, Override, Quantity, Tolerance, TolerancePolicy,
@@ -138,121 +139,96 @@ fn fp32_policy_is_bitwise_plain_ddp(#[values("transformer_bn", "gpt")] model: &s
     });
 }
 
-/// PyTorch's mixed-precision step written out by hand on one process, rank by rank: fp32
-/// masters; per rank, each low-precision parameter's data replaced by a `param_dtype` copy,
-/// forward through the policy's input casts, backward, the gradient widened to fp32 and the
-/// fp32 data put back; gradients averaged in fp32 in rank order (what the CPU backend's
-/// `Avg` computes), losses averaged in f64; SGD on the fp32 masters. DDP-bf16 must match it
-/// bit for bit: this pins every gradient and parameter, which no tolerance against fp32
-/// could (see [`ddp_bf16_tracks_fp32_within_the_bf16_row`]).
-fn hand_rolled(model: &str, world: usize, policy: &MixedPrecision) -> RunRecord {
+/// The independent reference ([`mixed_precision_reference`]): PyTorch's mixed-precision DDP
+/// step spelled out rank by rank on one process, with its own casts (no policy code shared
+/// with DDP). DDP under the preset must match it bit for bit, BatchNorm's running statistics
+/// (rank 0's, broadcast before every forward) included: this pins every gradient and
+/// parameter, which no tolerance against fp32 could (see
+/// [`ddp_bf16_tracks_fp32_within_the_bf16_row`]).
+fn reference(model: &str, world: usize, half: HalfType) -> RunRecord {
     let m = zoo::build(model, 0, 0).expect("model");
-    let mut cast = CastInputs::for_model(m.as_ref(), policy).expect("casts");
-    cast_buffers(m.as_ref(), policy).expect("buffers");
-    let low = low_precision_params(m.as_ref(), policy);
-    let params = m.named_parameters();
-    let masters: Vec<Tensor> = params.iter().map(|(_, p)| p.data()).collect();
-    let mut optimizer = OptimizerConfig::default().build();
-    let mut record = RunRecord {
-        spec: RunSpec {
-            model: model.into(),
-            config: "hand-rolled".into(),
-            world_size: world,
-            backend: "none".into(),
-            dtype: format!("{}-mixed", policy.label()),
-            steps: STEPS,
-            seed: 0,
-        },
-        losses: Vec::new(),
-        grad_norms: Vec::new(),
-        params: Vec::new(),
-        buffers: Vec::new(),
-        grads: Some(Vec::new()),
-        memory: None,
-        collectives: None,
-        routing_min_gap: None,
-        cross_rank: None,
-    };
-    for step in 0..STEPS {
-        let mut sums: Vec<Option<Tensor>> = params.iter().map(|_| None).collect();
-        let mut loss_sum = 0.0;
-        for rank in 0..world {
-            for ((name, p), master) in params.iter().zip(&masters) {
-                set_grad(p, None).expect("clear grad");
-                if low.contains(name) {
-                    p.shallow_clone()
-                        .set_data(&master.to_kind(policy.param_dtype));
-                }
-            }
-            let batch = m.input(rank, step).expect("batch");
-            // `train` divides the objective by its rank count (1 under DDP); so do we.
-            let loss = m.loss_hooked(&batch, &mut cast).expect("loss") / 1.0;
-            loss.backward();
-            loss_sum += loss.double_value(&[]);
-            for (((_, p), master), sum) in params.iter().zip(&masters).zip(sums.iter_mut()) {
-                let g = p.grad().to_dtype(Kind::Float, false, true);
-                *sum = Some(match sum.take() {
-                    None => g,
-                    Some(s) => s + g,
-                });
-                p.shallow_clone().set_data(master);
-            }
-        }
-        let mut grads = Vec::new();
-        for ((name, p), sum) in params.iter().zip(sums) {
-            let avg = sum.expect("every rank's gradient") / world as f64;
-            set_grad(p, Some(&avg)).expect("set grad");
-            grads.push((name.clone(), avg));
-        }
-        record.losses.push(loss_sum / world as f64);
-        record.grad_norms.push(
-            grads
-                .iter()
-                .map(|(_, g)| {
-                    g.to_kind(Kind::Double)
-                        .square()
-                        .sum(Kind::Double)
-                        .double_value(&[])
-                })
-                .sum::<f64>()
-                .sqrt(),
-        );
-        if let Some(all) = record.grads.as_mut() {
-            all.push(capture(&grads));
-        }
-        optimizer.step(&params).expect("sgd");
-    }
-    record.params = capture(&params);
-    record.buffers = capture(&m.named_buffers());
-    record
+    mixed_precision_reference(
+        m.as_ref(),
+        half,
+        world,
+        STEPS,
+        OptimizerConfig::default(),
+        true,
+    )
+    .expect("mixed-precision reference")
 }
 
-fn capture(tensors: &[(String, Tensor)]) -> Vec<NamedTensor> {
-    tensors
-        .iter()
-        .map(|(n, t)| NamedTensor::capture(n, t).expect("capture"))
-        .collect()
-}
-
-/// `transformer_bn` is left out: each rank's forward updates BatchNorm's running statistics,
-/// which DDP then replaces by rank 0's before the next forward; one process cannot replay
-/// that without re-implementing the broadcast.
 #[rstest]
 #[case::nested("nested", 2)]
 #[case::transformer("transformer", 2)]
+#[case::transformer_bn("transformer_bn", 2)]
 #[case::mlp("mlp", 2)]
 #[case::gpt("gpt", 2)]
+#[case::gpt_moe("gpt_moe", 2)]
 #[case::gpt_world4("gpt", 4)]
-fn ddp_bf16_is_bitwise_the_hand_rolled_bf16_step(#[case] model: &str, #[case] world: usize) {
+fn ddp_is_bitwise_the_independent_mixed_precision_reference(
+    #[case] model: &str,
+    #[case] world: usize,
+    #[values(HalfType::Bf16, HalfType::Fp16)] half: HalfType,
+) {
+    let policy = match half {
+        HalfType::Bf16 => MixedPrecision::bf16(),
+        HalfType::Fp16 => MixedPrecision::fp16(),
+    };
     lockstep_harness::run(world, |ctx| {
-        let run = ddp_run(ctx, model, Some(MixedPrecision::bf16()));
+        let run = ddp_run(ctx, model, Some(policy));
         if ctx.rank() == 0 {
-            let expected = hand_rolled(model, world, &MixedPrecision::bf16());
+            let expected = reference(model, world, half);
             assert_passes(&compare(
                 &run,
                 &expected,
-                &TolerancePolicy::bitwise(DType::BF16),
+                &TolerancePolicy::bitwise(DType::F32),
             ));
+        }
+    });
+}
+
+/// The three mixed-precision bugs no row caught before the independent reference, each
+/// planted in DDP: a preset computing in the other half type, gradients reduced in the
+/// compute dtype, a master weight kept in half precision. Each fails bitwise against the
+/// reference, naming the first tensor that differs.
+#[rstest]
+fn mixed_precision_bugs_fail_against_the_independent_reference(
+    #[values(
+        Fault::ComputeInOtherHalf,
+        Fault::ReduceInComputeDtype,
+        Fault::HalfPrecisionMaster
+    )]
+    fault: Fault,
+    #[values(HalfType::Bf16, HalfType::Fp16)] half: HalfType,
+) {
+    let policy = match half {
+        HalfType::Bf16 => MixedPrecision::bf16(),
+        HalfType::Fp16 => MixedPrecision::fp16(),
+    };
+    lockstep_harness::run(2, |ctx| {
+        let m = zoo::build("gpt", 0, ctx.rank()).expect("model");
+        let opts = DdpOptions {
+            mixed_precision: Some(policy),
+            fault: Some(fault.clone()),
+            ..DdpOptions::default()
+        };
+        let run = train_ddp(
+            m.as_ref(),
+            ctx.group(),
+            &config(ctx, "gpt", Some(&policy)),
+            opts,
+        )
+        .expect("ddp run");
+        if ctx.rank() == 0 {
+            let c = compare(
+                &run,
+                &reference("gpt", 2, half),
+                &TolerancePolicy::bitwise(DType::F32),
+            );
+            assert!(!c.passed, "{fault:?} under {half:?} was not caught");
+            let first = c.first_failure.as_ref().expect("a first failure");
+            assert!(first.tensor.is_some(), "{fault:?}: {first:?}");
         }
     });
 }

@@ -82,6 +82,36 @@ pub enum Fault {
     /// stuck outside communication): the others wait in a collective it never issues, until
     /// the launcher's timeout shows the desync in the flight recorders.
     StallLastRank,
+    /// A preset that computes in the wrong half type: bf16 policies compute in fp16 and
+    /// fp16 policies in bf16 (inputs cast alike, so the run trains without an error).
+    ComputeInOtherHalf,
+    /// Low-precision gradients reduced in `param_dtype` instead of `reduce_dtype`.
+    ReduceInComputeDtype,
+    /// The fp32 master copy rounded to `param_dtype` before every forward: a master weight
+    /// kept in half precision.
+    HalfPrecisionMaster,
+}
+
+impl Fault {
+    /// `policy` as a run carrying this fault trains under it: the policy-level bugs rewrite
+    /// the preset; every other fault leaves it as it is.
+    fn planted_in(&self, policy: MixedPrecision) -> MixedPrecision {
+        match self {
+            Fault::ComputeInOtherHalf => MixedPrecision {
+                param_dtype: match policy.param_dtype {
+                    Kind::BFloat16 => Kind::Half,
+                    Kind::Half => Kind::BFloat16,
+                    other => other,
+                },
+                ..policy
+            },
+            Fault::ReduceInComputeDtype => MixedPrecision {
+                reduce_dtype: policy.param_dtype,
+                ..policy
+            },
+            _ => policy,
+        }
+    }
 }
 
 /// How DDP runs.
@@ -368,8 +398,11 @@ impl Ddp {
     pub fn new(
         model: &dyn Model,
         group: Arc<dyn ProcessGroup>,
-        opts: DdpOptions,
+        mut opts: DdpOptions,
     ) -> Result<Ddp, DdpError> {
+        if let (Some(fault), Some(policy)) = (&opts.fault, opts.mixed_precision) {
+            opts.mixed_precision = Some(fault.planted_in(policy));
+        }
         let tags = model.tags();
         let rank_local: HashSet<String> = model
             .named_parameters()
@@ -575,6 +608,9 @@ impl Ddp {
         for lp in &mp.low {
             set_grad(&lp.param, None)?;
             let low = lp.master.f_to_kind(mp.policy.param_dtype)?;
+            if self.opts.fault == Some(Fault::HalfPrecisionMaster) {
+                lp.master.shallow_clone().f_copy_(&low)?;
+            }
             lp.param.shallow_clone().f_set_data(&low)?;
         }
         Ok(())

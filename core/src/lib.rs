@@ -15,6 +15,7 @@ pub mod ddp;
 pub mod expert_parallel;
 pub mod fsdp;
 pub mod machine;
+pub mod mixed_reference;
 pub mod num;
 pub mod pipeline;
 pub mod precision;

@@ -34,6 +34,40 @@ impl Precision {
         }
     }
 
+    /// The half type the policy is meant to compute in, named apart from [`Precision::policy`]
+    /// so that the independent mixed-precision reference (`single.bf16`, `single.fp16`)
+    /// does not move with a wrong preset.
+    pub fn half_type(self) -> HalfType {
+        match self {
+            Precision::Bf16 => HalfType::Bf16,
+            Precision::Fp16 => HalfType::Fp16,
+        }
+    }
+
+    /// The policy judged against its independent mixed-precision reference
+    /// ([`lockstep_core::mixed_reference`]): bitwise, as the reference spells out the CPU
+    /// backend's rank-order `Avg`; on NCCL, whose all-reduce adds in its own order, the
+    /// dtype table of the compute dtype with [`NCCL_MIXED_REFERENCE_REASON`].
+    pub fn reference_policy(
+        self,
+        config: Config,
+        world_size: usize,
+        backend: lockstep_core::comm::Backend,
+    ) -> Result<TolerancePolicy, String> {
+        let bitwise = TolerancePolicy::bitwise(DType::F32);
+        if backend != lockstep_core::comm::Backend::Nccl {
+            return Ok(bitwise);
+        }
+        let dtype = match self {
+            Precision::Bf16 => DType::BF16,
+            Precision::Fp16 => DType::F16,
+        };
+        let row = config.at(world_size);
+        let ov = Override::new(Tolerance::for_dtype(dtype), NCCL_MIXED_REFERENCE_REASON)
+            .map_err(|e| format!("{row}: {e}"))?;
+        Ok(bitwise.with_override(&row, ov))
+    }
+
     /// The DDP reference configuration under this policy: `ddp.bf16`, `ddp.fp16`.
     pub fn ddp_name(self) -> &'static str {
         match self {
@@ -412,6 +446,12 @@ pub const NCCL_FSDP_VS_DDP_REASON: &str = "on NCCL, FSDP's reduce-scatter and DD
      are different collectives whose ring or tree algorithms may add the ranks' gradients in \
      different orders (the CPU backend adds in rank order in both, which is what makes FSDP \
      bitwise equal to DDP there): judged under the dtype table of the row's compute dtype";
+
+/// Why DDP under a policy is held to the dtype table, not bitwise, against its independent
+/// mixed-precision reference on NCCL.
+pub const NCCL_MIXED_REFERENCE_REASON: &str = "on NCCL the all-reduce adds the ranks' \
+     gradients in its ring or tree order, not the rank order the reference spells out: \
+     judged under the dtype table of the compute dtype";
 
 /// `policy` with, on the NCCL backend, FSDP's bitwise rows against DDP turned into the
 /// dtype table of the row's compute dtype with [`NCCL_FSDP_VS_DDP_REASON`] recorded.

@@ -7,6 +7,7 @@
 
 use lockstep_core::comm::DType;
 use lockstep_core::fsdp::{BackwardPrefetch, FsdpOptions, ShardingStrategy, WrapPolicy};
+use lockstep_core::mixed_reference::HalfType;
 use lockstep_core::precision::MixedPrecision;
 use lockstep_core::tensor_parallel::TpOptions;
 use lockstep_harness::parity::{Override, Tolerance, TolerancePolicy};
@@ -47,12 +48,13 @@ pub const HYBRID_VS_DDP_REASON: &str = "hybrid shard averages in two stages (red
      mesh, and against it hybrid shard is bitwise";
 
 /// Why mixed-precision configurations (`fsdp.*.bf16`, ...) are judged against `single@N`
-/// with their DDP reference's noise as the envelope, and `ddp.bf16` itself has no such row.
+/// with their DDP reference's noise as the envelope, and `ddp.bf16` itself has no such row
+/// (it is held bitwise to `single.bf16@N` instead).
 pub const MIXED_VS_SINGLE_REASON: &str = "a bf16 or fp16 run is farther from the float64 \
      training than the fp32 reference by low-precision rounding by design, so its envelope is \
      the noise of DDP under the same policy (the configuration's own reference, itself held \
-     bitwise to its repeat); DDP under a policy, being that envelope, has no row against \
-     single";
+     bitwise to its repeat and to the independent mixed-precision reference single.bf16 or \
+     single.fp16); DDP under a policy, being that envelope, has no row against single";
 
 mod catalog;
 mod compositions;

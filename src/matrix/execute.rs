@@ -165,6 +165,9 @@ pub(super) struct CellRuns {
     /// Per microbatch count: the microbatched reference and its float64 shadow (run only
     /// where a pipeline row is judged by the arbiter).
     microbatched: Vec<(usize, (Outcome, Option<Outcome>))>,
+    /// Per policy whose DDP row is selected: its independent single-device reference
+    /// (`single.bf16@N`, `single.fp16@N`).
+    mixed: Vec<(Precision, Outcome)>,
     /// The single-device reference's float64 shadow, when a row needs it.
     single_f64: Option<Outcome>,
     /// The fp32 variants of the single-device reference ([`crate::spread`]), run with its
@@ -295,6 +298,17 @@ fn run_cell(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_>) -> CellR
             (mb, (fp32, fp64))
         })
         .collect();
+    let mixed = plan
+        .mixed_references(m, world)
+        .into_iter()
+        .map(|p| {
+            let name = p.half_type().reference_name();
+            let run = tally.in_process(format!("{model} {name}@{world}"), || {
+                run_mixed_reference(model, p, world, plan)
+            });
+            (p, run)
+        })
+        .collect();
     let single_f64 = plan.needs_f64(m, world).then(|| {
         tally.in_process(format!("{model} single.f64@{world}"), || {
             runner::run_single_f64(model, &build, world, &settings)
@@ -325,6 +339,7 @@ fn run_cell(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_>) -> CellR
         pipelines,
         model_parallel,
         microbatched,
+        mixed,
         single_f64,
         spread,
     }
@@ -439,7 +454,17 @@ fn judge_cell<'r>(
             Config::Single | Config::DdpMixed(_) | Config::DdpHybridOrder => {
                 let judge = policy_against(config, config, runs.reference(config, 1));
                 let run = runs.reference(config, 0);
-                row(config, config.at(world), judge, world_skip, run);
+                row(config, config.at(world), judge, world_skip.clone(), run);
+                if let Config::DdpMixed(p) = config {
+                    // The independent reference: no policy code shared with the run.
+                    let judge = Judge::Policy {
+                        policy: p.reference_policy(config, world, plan.backend),
+                        against: runs.mixed.iter().find(|(q, _)| *q == p).map(|(_, r)| r),
+                    };
+                    let skip = world_skip.or_else(|| plan.mixed_blockers[cell.index].clone());
+                    let name = format!("{}@{world}", p.half_type().reference_name());
+                    row(config, name, judge, skip, run);
+                }
             }
             Config::Ddp => {
                 let ddp = runs.reference(Config::Ddp, 0);

@@ -22,9 +22,14 @@
 //!   fp64 arbiter with that DDP reference's noise as the envelope ([`MIXED_VS_SINGLE_REASON`],
 //!   printed by `--list`);
 //! - `ddp.bf16@N` and `ddp.fp16@N` (DDP under [`Precision`]'s policy), when selected
-//!   themselves, against a fresh repeat of themselves in bitwise mode, and likewise not
+//!   themselves, against a fresh repeat of themselves in bitwise mode, and bitwise against
+//!   the independent mixed-precision reference `single.bf16@N` / `single.fp16@N`
+//!   ([`lockstep_core::mixed_reference`]: one process, every rank's forward and backward in
+//!   turn under casts of its own, the fp32 rank-order average), which shares no policy code
+//!   with them, so a wrong half type, reduce dtype or half-precision master fails a row; not
 //!   against `single@N`. Rank-local parameters (`moe`'s expert), which FSDP ignores, are
-//!   cast to the compute dtype for forward like every other parameter, so every model runs.
+//!   cast to the compute dtype for forward like every other parameter, so every model runs
+//!   (models with rank-local parameters have no independent reference: that row skips).
 //!
 //! The FSDP configurations are a table ([`fsdp_configs`]): name, description, options,
 //! layout (flat or hybrid), how it is judged against DDP and its mixed-precision policy;
@@ -146,6 +151,7 @@ mod backend;
 mod execute;
 mod list;
 mod microbatched;
+mod mixed;
 mod plan;
 mod result;
 mod sensitivity;
@@ -155,6 +161,7 @@ pub use backend::*;
 pub use execute::*;
 pub use list::*;
 use microbatched::*;
+use mixed::*;
 pub use plan::*;
 pub use result::*;
 pub use sensitivity::*;

@@ -97,6 +97,9 @@ pub struct Plan {
     pub arbiter_log: Option<PathBuf>,
     /// Per model: why it has no single-device reference, if it has none.
     pub(super) blockers: Vec<Option<String>>,
+    /// Per model: why it has no independent mixed-precision reference
+    /// ([`lockstep_core::mixed_reference::mixed_reference_blocker`]), if it has none.
+    pub(super) mixed_blockers: Vec<Option<String>>,
     /// Per (model index, world size): how many fp32 variants of the single-device reference
     /// the model admits there ([`crate::spread::splits`]).
     pub(super) spread: BTreeMap<(usize, usize), usize>,
@@ -182,6 +185,7 @@ impl Plan {
                         .into_iter()
                         .map(|mb| 1 + usize::from(self.microbatch_needs_f64(model, world, mb)))
                         .sum::<usize>()
+                    + self.mixed_references(model, world).len()
                     + self.model_parallel_launches(model, world).len()
                     + self.simpler_references(model, world).len();
             }
@@ -266,6 +270,22 @@ impl Plan {
         m.sort_unstable();
         m.dedup();
         m
+    }
+
+    /// The policies whose independent single-device reference (`single.bf16`, `single.fp16`)
+    /// model `model` runs at `world_size`: those whose DDP configuration is selected and
+    /// runs there, on a model that admits the reference.
+    pub(super) fn mixed_references(&self, model: usize, world_size: usize) -> Vec<Precision> {
+        if self.mixed_blockers[model].is_some() {
+            return Vec::new();
+        }
+        Precision::ALL
+            .into_iter()
+            .filter(|&p| {
+                let ddp = Config::DdpMixed(p);
+                self.configs.contains(&ddp) && ddp.world_blocker(world_size).is_none()
+            })
+            .collect()
     }
 
     /// Whether the microbatched reference with `microbatches` needs its float64 shadow: some
@@ -469,6 +489,7 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         ));
     }
     let mut blockers = Vec::with_capacity(models.len());
+    let mut mixed_blockers = Vec::with_capacity(models.len());
     let mut spread = BTreeMap::new();
     for (m, name) in models.iter().enumerate() {
         let model = zoo::build(name, opts.seed, 0)?;
@@ -485,6 +506,9 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
             }
         }
         blockers.push(model.single_device_reference_blocker());
+        mixed_blockers.push(lockstep_core::mixed_reference::mixed_reference_blocker(
+            model.as_ref(),
+        ));
     }
     let mut pipeline_plans = BTreeMap::new();
     for (m, name) in models.iter().enumerate() {
@@ -539,6 +563,7 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         tf32: opts.tf32,
         arbiter_log: opts.arbiter_log.clone(),
         blockers,
+        mixed_blockers,
         spread,
         pipeline_plans,
         model_parallel_blockers,
