@@ -31,6 +31,7 @@ fn report_with_error(err: f64) -> Report {
         memory: None,
         collectives: None,
         routing_min_gap: None,
+        tokens_dropped: None,
         cross_rank: None,
     };
     let policy = TolerancePolicy::dtype_table(DType::F32);
@@ -152,6 +153,7 @@ fn tp_report(bug: bool) -> Report {
             memory: None,
             collectives: None,
             routing_min_gap: None,
+            tokens_dropped: None,
             cross_rank: None,
         }
     };

@@ -308,6 +308,58 @@ fn expert_gradients_reduced_over_ep_are_caught() {
     });
 }
 
+/// Capacity that drops tokens (factor 1: an expert takes a quarter of a rank's choices):
+/// `gpt_moe` under expert parallelism matches `single.cap1`, the single-device reference
+/// dropping the same choices of each rank's batch (which drops some: the row exercises
+/// dropping), and not the reference that drops nothing; a capacity check off by one (an
+/// expert takes one choice more) fails against it, naming a tensor.
+#[test]
+fn token_dropping_matches_the_dropping_reference_and_an_off_by_one_is_caught() {
+    lockstep_harness::run(2, |ctx| {
+        let each = |fault| EpOptions {
+            capacity_factor: Some(1.0),
+            fault,
+            ..opts(2, Dispatcher::AllToAll)
+        };
+        let good = ep_run(ctx, &each(None));
+        let bad = ep_run(ctx, &each(Some(EpFault::CapacityOffByOne)));
+        if ctx.rank() != 0 {
+            return;
+        }
+        let settings = lockstep::runner::RunSettings {
+            steps: 3,
+            seed: 0,
+            record_grads: true,
+            ..Default::default()
+        };
+        let build = |seed, rank| zoo::build("gpt_moe", seed, rank);
+        let (fp32, fp64) = lockstep::matrix::dropping_reference(&build, 1.0, 2, &settings)
+            .expect("the dropping reference");
+        assert_eq!(fp32.spec.config, "single.cap1@2");
+        let dropped = fp32.tokens_dropped.expect("the reference counts its drops");
+        assert!(dropped > 0, "factor 1 dropped nothing");
+        let judge = |run: &RunRecord| {
+            lockstep_harness::parity::arbitrate(
+                run,
+                &fp32,
+                &fp64,
+                &lockstep_harness::parity::ENVELOPE,
+                None,
+            )
+        };
+        let c = judge(&good);
+        assert!(c.passed, "{}", c.diagnosis.unwrap_or_default());
+        assert!(
+            !against_single(&good, 2).passed,
+            "dropping {dropped} choices went unnoticed against the reference that drops none"
+        );
+        let c = judge(&bad);
+        assert!(!c.passed, "the off-by-one capacity check was not caught");
+        let first = c.first_failure.as_ref().expect("a first failure");
+        assert!(first.tensor.is_some(), "{first:?}");
+    });
+}
+
 #[test]
 fn bad_expert_plans_are_rejected_before_any_rank_starts() {
     let moe = zoo::build("gpt_moe", 0, 0).expect("model");

@@ -98,6 +98,10 @@ pub struct RunRecord {
     /// its diagnosis then says.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub routing_min_gap: Option<f64>,
+    /// For a reference that drops tokens at a capacity (`single.cap<F>`): how many (token,
+    /// choice) pairs it dropped over the run, so a report shows its row exercised dropping.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_dropped: Option<u64>,
     /// What the launcher found comparing every rank's state digest (see
     /// [`crate::consistency`]): absent for a reference or a run whose launcher did not check.
     /// A mismatch fails the run whatever rank 0's numbers say.
@@ -119,6 +123,7 @@ impl RunRecord {
             memory: None,
             collectives: None,
             routing_min_gap: None,
+            tokens_dropped: None,
             cross_rank: None,
         }
     }
@@ -194,6 +199,7 @@ mod tests {
             memory: None,
             collectives: None,
             routing_min_gap: None,
+            tokens_dropped: None,
             cross_rank: None,
         };
         let text = serde_json::to_string(&record).expect("serialize");

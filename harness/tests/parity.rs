@@ -46,6 +46,7 @@ fn record(config: &str, losses: &[f64], params: Vec<NamedTensor>) -> RunRecord {
         memory: None,
         collectives: None,
         routing_min_gap: None,
+        tokens_dropped: None,
         cross_rank: None,
     }
 }

@@ -140,3 +140,76 @@ pub fn topk(probs: &Tensor, k: i64) -> Result<(Tensor, Tensor), TchError> {
     })?;
     Ok((top, idx))
 }
+
+thread_local! {
+    /// The capacity factor [`dropping`] set on this thread, and the choices dropped so far.
+    static CAPACITY: RefCell<Option<(f64, usize)>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` with token dropping at `capacity_factor` on this thread: every mixture that asks
+/// [`kept`] drops the choices that overflow their expert, as an expert-parallel rank with that
+/// factor does on its own tokens. Returns `f`'s result and how many (token, choice) pairs were
+/// dropped. Dropping is a discrete decision taken from the choices alone, so a float64 shadow
+/// replaying the choices ([`replaying`]) drops the same ones.
+pub fn dropping<R>(capacity_factor: f64, f: impl FnOnce() -> R) -> (R, usize) {
+    struct Restore(Option<(f64, usize)>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            CAPACITY.with(|c| c.replace(self.0.take()));
+        }
+    }
+    let restore = Restore(CAPACITY.with(|c| c.replace(Some((capacity_factor, 0)))));
+    let out = f();
+    let dropped = CAPACITY.with(|c| c.borrow().map_or(0, |(_, n)| n));
+    drop(restore);
+    (out, dropped)
+}
+
+/// Under [`dropping`], which of `choices` (`[..., k]` expert indices, tokens in row-major
+/// order) fit their expert: a bool tensor of the same shape; `None` outside it (keep all).
+///
+/// The rule is GShard's and DeepSpeed's local capacity, written here apart from the expert-
+/// parallel router so each checks the other: an expert takes `ceil(factor · tokens · k /
+/// experts)` choices of this call's tokens; every token's first choice is served in token
+/// order before any token's second, and so on.
+pub fn kept(choices: &Tensor, num_experts: usize) -> Result<Option<Tensor>, TchError> {
+    let Some((factor, _)) = CAPACITY.with(|c| *c.borrow()) else {
+        return Ok(None);
+    };
+    let shape = choices.size();
+    let k = shape.last().copied().unwrap_or(1).max(1) as usize;
+    let flat: Vec<i64> = Vec::try_from(
+        &choices
+            .f_reshape([-1])?
+            .f_to_device(tch::Device::Cpu)?
+            .f_to_kind(tch::Kind::Int64)?,
+    )?;
+    let tokens = flat.len() / k;
+    let slots = (factor * (tokens * k) as f64 / num_experts.max(1) as f64).ceil() as usize;
+    let mut taken = vec![0usize; num_experts];
+    let mut keep = vec![false; flat.len()];
+    let mut dropped = 0;
+    for rank_of_choice in 0..k {
+        for token in 0..tokens {
+            let at = token * k + rank_of_choice;
+            let expert = usize::try_from(flat[at]).unwrap_or(usize::MAX);
+            match taken.get_mut(expert) {
+                Some(n) if *n < slots => {
+                    *n += 1;
+                    keep[at] = true;
+                }
+                _ => dropped += 1,
+            }
+        }
+    }
+    CAPACITY.with(|c| {
+        if let Some((_, n)) = c.borrow_mut().as_mut() {
+            *n += dropped;
+        }
+    });
+    Ok(Some(
+        Tensor::from_slice(&keep)
+            .f_reshape(shape.as_slice())?
+            .f_to_device(choices.device())?,
+    ))
+}

@@ -84,6 +84,15 @@ impl ModelParallelConfig {
         }
     }
 
+    /// The capacity factor of an expert-parallel row and the name of the single-device
+    /// reference it is judged against (`single.cap1` for factor 1): the reference that drops
+    /// the choices over capacity of each rank's batch ([`dropping_reference_name`]); `None`
+    /// without a capacity (judged against `single`).
+    pub fn dropping_reference(&self) -> Option<(f64, String)> {
+        self.capacity_factor
+            .map(|f| (f, dropping_reference_name(f)))
+    }
+
     /// The options every rank of an expert-parallel row runs with.
     pub fn expert_options(&self, ep: usize, dispatcher: Dispatcher) -> EpOptions {
         EpOptions {
@@ -94,6 +103,12 @@ impl ModelParallelConfig {
             fault: None,
         }
     }
+}
+
+/// The name of the single-device reference that drops tokens at `capacity_factor`:
+/// `single.cap<F>` (`single.cap1`, `single.cap1.25`).
+pub fn dropping_reference_name(capacity_factor: f64) -> String {
+    format!("single.cap{capacity_factor}")
 }
 
 /// Every tensor- and expert-parallel configuration, in row order.
@@ -150,15 +165,26 @@ pub fn model_parallel_configs() -> &'static [ModelParallelConfig] {
             },
             ModelParallelConfig {
                 name: "ep.2.capacity",
-                description: "ep.2 with a capacity limit (factor 4 = experts / top-k: each \
-                              expert takes at most one choice per token, so the limit runs \
-                              and never drops one; a dropping limit has no single-device \
-                              reference)",
+                description: "ep.2 with a capacity limit that never binds (factor 4 = experts / \
+                              top-k: each expert takes at most one choice per token): the \
+                              limit's bookkeeping runs and drops nothing",
                 kind: ModelParallelKind::Expert {
                     ep: 2,
                     dispatcher: Dispatcher::AllToAll,
                 },
                 capacity_factor: Some(4.0),
+            },
+            ModelParallelConfig {
+                name: "ep.2.drop",
+                description: "ep.2 at capacity factor 1 (each expert takes ceil(N·k/E) of a \
+                              rank's N tokens' choices): overflowing choices are dropped, \
+                              judged against single.cap1, the single-device reference \
+                              dropping the same choices of each rank's batch",
+                kind: ModelParallelKind::Expert {
+                    ep: 2,
+                    dispatcher: Dispatcher::AllToAll,
+                },
+                capacity_factor: Some(1.0),
             },
             tp(
                 "tp.2.sp",

@@ -165,6 +165,9 @@ pub(super) struct CellRuns {
     /// Per microbatch count: the microbatched reference and its float64 shadow (run only
     /// where a pipeline row is judged by the arbiter).
     microbatched: Vec<(usize, (Outcome, Option<Outcome>))>,
+    /// Per capacity factor of an expert-parallel launch: the single-device reference that
+    /// drops at it (`single.cap<F>@N`) and its float64 shadow.
+    dropping: Vec<(f64, (Outcome, Outcome))>,
     /// Per policy whose DDP row is selected: its independent single-device reference
     /// (`single.bf16@N`, `single.fp16@N`).
     mixed: Vec<(Precision, Outcome)>,
@@ -298,6 +301,24 @@ fn run_cell(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_>) -> CellR
             (mb, (fp32, fp64))
         })
         .collect();
+    let dropping = plan
+        .dropping_references(m, world)
+        .into_iter()
+        .map(|f| {
+            let name = dropping_reference_name(f);
+            let label = format!("{model} {name}@{world} and its float64 shadow");
+            tally.progress.start(&label);
+            let t0 = Instant::now();
+            let (fp32, fp64) = run_dropping_reference(model, f, world, plan);
+            for (outcome, of) in [(&fp32, name.clone()), (&fp64, format!("{name}.f64"))] {
+                tally.count(outcome);
+                let err = outcome.as_ref().err().map(|e| e.line.as_str());
+                let label = format!("{model} {of}@{world}");
+                tally.progress.finish(&label, t0.elapsed() / 2, err);
+            }
+            (f, (fp32, fp64))
+        })
+        .collect();
     let mixed = plan
         .mixed_references(m, world)
         .into_iter()
@@ -339,6 +360,7 @@ fn run_cell(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_>) -> CellR
         pipelines,
         model_parallel,
         microbatched,
+        dropping,
         mixed,
         single_f64,
         spread,
@@ -519,13 +541,30 @@ fn judge_cell<'r>(
                     let skip = skip.clone().or(simpler_skip);
                     row(config, simpler.at(world), judge, skip, run);
                 }
-                row(
-                    config,
-                    single.clone(),
-                    arbiter_single(config, single_ref),
-                    skip,
-                    run,
-                );
+                let dropping = config
+                    .model_parallel_config()
+                    .and_then(ModelParallelConfig::dropping_reference);
+                let (reference, judge) = match dropping {
+                    // Capacity drops tokens: the reference that drops the same ones.
+                    Some((f, name)) => {
+                        let pair = runs.dropping.iter().find(|(g, _)| *g == f);
+                        let judge = match pair {
+                            Some((_, (fp32, fp64))) => Judge::Arbiter {
+                                fp32: Some(fp32),
+                                fp64: Some(fp64),
+                                spread: Vec::new(),
+                            },
+                            None => Judge::Arbiter {
+                                fp32: None,
+                                fp64: None,
+                                spread: Vec::new(),
+                            },
+                        };
+                        (format!("{name}@{world}"), judge)
+                    }
+                    None => (single.clone(), arbiter_single(config, single_ref)),
+                };
+                row(config, reference, judge, skip, run);
             }
             Config::Pipeline(id) => {
                 let run = runs.launched(config);
@@ -712,6 +751,7 @@ fn judge_row(
     fn ok(o: Option<&Result<RunRecord, RunFailed>>) -> Option<&RunRecord> {
         o.and_then(|o| o.as_ref().ok())
     }
+    let dropped = ok(against).and_then(|b| b.tokens_dropped);
     let c = match (judge, ok(run), ok(against)) {
         (Judge::Policy { policy: Err(e), .. }, Some(_), Some(_)) => {
             r.status = RowStatus::Error;
@@ -762,6 +802,14 @@ fn judge_row(
             "step-local: the trajectory left its envelope at {left}; every step is within \
              the envelope from the run's own state"
         ));
+    }
+    if let Some(n) = dropped {
+        // Says the row exercised dropping (the run must have dropped the same choices).
+        let said = format!("{} dropped {n} token choices", r.reference);
+        r.note = Some(match r.note.take() {
+            Some(note) => format!("{note}; {said}"),
+            None => said,
+        });
     }
     (r, Some(c))
 }

@@ -148,6 +148,7 @@ pub enum MatrixError {
 }
 
 mod backend;
+mod dropping;
 mod execute;
 mod list;
 mod microbatched;
@@ -158,6 +159,8 @@ mod sensitivity;
 
 pub use crate::configs::*;
 pub use backend::*;
+pub use dropping::dropping_reference;
+use dropping::*;
 pub use execute::*;
 pub use list::*;
 use microbatched::*;

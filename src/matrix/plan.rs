@@ -186,6 +186,7 @@ impl Plan {
                         .map(|mb| 1 + usize::from(self.microbatch_needs_f64(model, world, mb)))
                         .sum::<usize>()
                     + self.mixed_references(model, world).len()
+                    + 2 * self.dropping_references(model, world).len()
                     + self.model_parallel_launches(model, world).len()
                     + self.simpler_references(model, world).len();
             }
@@ -270,6 +271,23 @@ impl Plan {
         m.sort_unstable();
         m.dedup();
         m
+    }
+
+    /// The capacity factors of model `model`'s expert-parallel launches at `world_size`, one
+    /// `single.cap<F>` reference (and its float64 shadow) each, in first-use order.
+    pub(super) fn dropping_references(&self, model: usize, world_size: usize) -> Vec<f64> {
+        let mut factors: Vec<f64> = Vec::new();
+        for c in self.model_parallel_launches(model, world_size) {
+            let reference = c
+                .model_parallel_config()
+                .and_then(ModelParallelConfig::dropping_reference);
+            if let Some((f, _)) = reference {
+                if !factors.contains(&f) {
+                    factors.push(f);
+                }
+            }
+        }
+        factors
     }
 
     /// The policies whose independent single-device reference (`single.bf16`, `single.fp16`)

@@ -111,6 +111,20 @@ pub fn moe_forward(
     group: Option<&EpGroup>,
     dispatcher: Dispatcher,
 ) -> Result<MoeOutput, MoeError> {
+    moe_forward_planted(x, router_weight, local, cfg, group, dispatcher, false)
+}
+
+/// [`moe_forward`], with `planted_extra_slot` giving every expert one slot more than its
+/// capacity ([`super::EpFault::CapacityOffByOne`], for checker tests).
+pub(crate) fn moe_forward_planted(
+    x: &Tensor,
+    router_weight: &Tensor,
+    local: &[ExpertParams],
+    cfg: &MoeConfig,
+    group: Option<&EpGroup>,
+    dispatcher: Dispatcher,
+    planted_extra_slot: bool,
+) -> Result<MoeOutput, MoeError> {
     let e = cfg.num_experts;
     check_top_k(cfg.top_k, e)?;
     let ep = group.map_or(1, |g| g.size());
@@ -129,6 +143,8 @@ pub fn moe_forward(
     }
     let n = x.size().first().copied().unwrap_or(0) as usize;
     let cap = capacity(cfg.capacity_factor, n, cfg.top_k as usize, e)?;
+    // A planted off-by-one in the capacity check: one slot more per expert.
+    let cap = cap.map(|c| c + usize::from(planted_extra_slot));
     let routing = route(x, router_weight, cfg.top_k)?;
     let kept = keep_mask(&routing.experts, e, cap)?;
     let plan = DispatchPlan::new(&routing.experts, &kept, e)?;

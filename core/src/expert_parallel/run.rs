@@ -51,6 +51,9 @@ pub enum EpFault {
     /// EP×FSDP: the experts are sharded over `dp` along with the dense parameters, so a
     /// gather assembles an expert from different ranks' experts.
     ExpertsShardedOverDp,
+    /// The capacity check off by one: every expert takes one choice more than its
+    /// capacity, so a rank drops one token choice fewer per overflowing expert.
+    CapacityOffByOne,
 }
 
 /// Everything an expert-parallel run can fail with.
@@ -228,6 +231,7 @@ impl EpRun {
                 capacity_factor: opts.capacity_factor,
                 first,
                 per,
+                extra_slot: opts.fault == Some(EpFault::CapacityOffByOne),
             });
         let expert_scale = if opts.fault == Some(EpFault::ExpertGradsReducedOverEp) {
             ep as f64 / world_size as f64

@@ -11,7 +11,8 @@ use super::layers::{
     vocab_parallel_embedding, ColumnOptions, Reduction, RowOptions, TpGroup,
 };
 use crate::autograd::collectives::scatter_to_sequence_parallel;
-use crate::expert_parallel::{moe_forward, Dispatcher, ExpertParams, MoeConfig};
+use crate::expert_parallel::moe::moe_forward_planted;
+use crate::expert_parallel::{Dispatcher, ExpertParams, MoeConfig};
 use lockstep_models::plan::{matches_module, ParallelPlan, ParallelStyle};
 use lockstep_models::{LayerHooks, LayerSpec, ModelError, MoeSpec, NoHooks};
 use std::collections::HashMap;
@@ -41,6 +42,8 @@ pub(crate) struct ExpertsParallel {
     /// This rank's experts: `[first, first + per)` of every mixture.
     pub first: usize,
     pub per: usize,
+    /// A planted off-by-one in the capacity check (checker tests only).
+    pub extra_slot: bool,
 }
 
 fn hook_err(e: impl std::fmt::Display) -> ModelError {
@@ -197,13 +200,14 @@ impl PlanHooks {
             capacity_factor: ep.capacity_factor,
             aux_loss_coef: 0.0,
         };
-        let out = moe_forward(
+        let out = moe_forward_planted(
             &x.f_reshape([-1, dim])?,
             self.p(&format!("{path}.router.weight"))?,
             &local,
             &config,
             Some(&ep.group),
             ep.dispatcher,
+            ep.extra_slot,
         )
         .map_err(hook_err)?;
         Ok(out.output.f_reshape(x.size().as_slice())?)

@@ -276,6 +276,11 @@ impl Moe {
         let probs = self.router.forward(x)?.f_softmax(-1, None)?;
         let (top, idx) = crate::decisions::topk(&probs, self.top_k)?;
         let top = top.f_div(&top.f_sum_dim_intlist(-1, true, None)?)?;
+        // Choices over their expert's capacity (under `decisions::dropping`) get no gate.
+        let top = match crate::decisions::kept(&idx, self.experts.len())? {
+            Some(keep) => top.f_mul(&keep.f_to_kind(top.kind())?)?,
+            None => top,
+        };
         let gates = probs.f_zeros_like()?.f_scatter(-1, &idx, &top)?;
         let mut out = x.f_zeros_like()?;
         for (e, expert) in self.experts.iter().enumerate() {
