@@ -54,6 +54,12 @@ const ALLOWED: &[Allowed] = &[
         why: "a cross-rank digest hashes the tensor's bytes on the host",
     },
     Allowed {
+        file: "models/src/decisions.rs",
+        snippet: ".f_reshape([-1])?\n.f_to_device(tch::Device::Cpu)?",
+        why: "the dropping reference's capacity scan reads routing choices on the host; its \
+              mask goes back to their device",
+    },
+    Allowed {
         file: "core/src/expert_parallel/router.rs",
         snippet: "f_reshape([-1])?\n.f_to_device(tch::Device::Cpu)?",
         why: "the capacity scan reads routing choices on the host; its mask goes back to their \

@@ -368,10 +368,10 @@ fn plan_selects_expands_and_counts_runs() {
     // layers, the GPT has 6), dp2, single.mb7 and single.mb8.
     let pipelines = 3 * ((11 + 2) + (7 + 2));
     // Tensor and expert parallel: gpt and gpt_dropout tp.2, tp.2.sp at world 2 and tp.2, tp.4, tp.2.sp at 4
-    // (no MoE: its ep rows skip); gpt_moe those plus ep.2, ep.2.allgather, ep.2.capacity at
-    // 2 and ep.2, ep.4, ep.2.allgather, ep.2.capacity at 4; moe has no single-device
-    // reference.
-    let model_parallel = 2 * (2 + 3) + (5 + 7);
+    // (no MoE: its ep rows skip); gpt_moe those plus ep.2, ep.2.allgather, ep.2.capacity,
+    // ep.2.drop at 2 and ep.2, ep.4, ep.2.allgather, ep.2.capacity, ep.2.drop at 4; moe has
+    // no single-device reference.
+    let model_parallel = 2 * (2 + 3) + (6 + 8);
     // Compositions: at world 2 only fsdp_x_tp2 (dp = 1) for the three decoders and
     // ep2_x_fsdp for gpt_moe; at world 4 fsdp_x_tp2, hsdp_x_tp2, pp2_x_dp and pp2_x_fsdp for
     // the three, pp2_x_tp2 for the three (gpt_dropout's keys reach the stages' module hooks)
@@ -388,10 +388,14 @@ fn plan_selects_expands_and_counts_runs() {
     // and ddp.fp16: gpt, gpt_moe and gpt_dropout at both worlds; moe seeds its experts per
     // rank and has none.
     let mixed = 3 * 2 * 2;
+    // The dropping references of gpt_moe's capacity rows, each with its float64 shadow:
+    // single.cap4 and single.cap1 at both worlds.
+    let dropping = 2 * 2 * 2;
     assert_eq!(
         plan.run_count(),
         2 * (3 * (9 + fsdp) + (7 + fsdp))
             + mixed
+            + dropping
             + pipelines
             + model_parallel
             + compositions
@@ -1315,9 +1319,15 @@ fn tensor_and_expert_parallel_rows_pass() {
     assert_eq!(result.failed_runs, 0);
     let mut passed = 0;
     for row in &result.rows {
+        // A capacity row is judged against the reference dropping at its factor.
+        let reference = match row.config.split('@').next() {
+            Some("ep.2.capacity") => "single.cap4",
+            Some("ep.2.drop") => "single.cap1",
+            _ => "single",
+        };
         assert_eq!(
             row.reference,
-            format!("single@{}", row.world_size),
+            format!("{reference}@{}", row.world_size),
             "{row:?}"
         );
         match row.status {
@@ -1332,9 +1342,9 @@ fn tensor_and_expert_parallel_rows_pass() {
         }
     }
     // gpt: tp.2, tp.2.sp @2 and tp.2, tp.4, tp.2.sp @4; gpt_moe: those and ep.2,
-    // ep.2.allgather, ep.2.capacity @2, ep.2, ep.4, ep.2.allgather, ep.2.capacity @4;
-    // transformer: tp.2 @2, tp.2, tp.4 @4.
-    assert_eq!(passed, 5 + 12 + 3);
+    // ep.2.allgather, ep.2.capacity, ep.2.drop @2, ep.2, ep.4, ep.2.allgather, ep.2.capacity,
+    // ep.2.drop @4; transformer: tp.2 @2, tp.2, tp.4 @4.
+    assert_eq!(passed, 5 + 14 + 3);
 }
 
 /// Subtests: a model's configurations share one launch per world size, and that changes no
