@@ -664,14 +664,21 @@ impl Config {
             Config::DdpMixed(p) => format!(
                 "DDP under the {label} mixed-precision policy ({label} compute, fp32 reduction \
                  and buffers, BatchNorm in fp32), one forked process per rank: the reference of \
-                 the {label} FSDP configs; checked against a fresh repeat of itself (bitwise); \
-                 no row against single (it is the envelope of those configs' rows there)",
+                 the {label} FSDP configs; checked against a fresh repeat of itself (bitwise) \
+                 and single.{label}, the independent mixed-precision reference (bitwise); no \
+                 row against single (it is the envelope of those configs' rows there)",
                 label = p.label()
             ),
-            Config::ModelParallel(id) => format!(
-                "{}; checked against single (fp64 arbiter)",
-                id.get().description
-            ),
+            Config::ModelParallel(id) => match id.get().dropping_reference() {
+                Some((_, name)) => format!(
+                    "{}; checked against {name} (fp64 arbiter)",
+                    id.get().description
+                ),
+                None => format!(
+                    "{}; checked against single (fp64 arbiter)",
+                    id.get().description
+                ),
+            },
             Config::Composed(id) if id.get().reference_only => id.get().description.to_owned(),
             Config::Composed(id) => {
                 let c = id.get();
