@@ -200,13 +200,14 @@ impl PlanHooks {
             capacity_factor: ep.capacity_factor,
             aux_loss_coef: 0.0,
         };
-        let (x2, router) = (x.f_reshape([-1, dim])?, self.p(&format!("{path}.router.weight"))?);
+        let (x2, router) = (
+            x.f_reshape([-1, dim])?,
+            self.p(&format!("{path}.router.weight"))?,
+        );
         let group = Some(&ep.group);
         let out = match ep.extra_slot {
             false => moe_forward(&x2, router, &local, &config, group, ep.dispatcher),
-            true => {
-                moe_forward_planted(&x2, router, &local, &config, group, ep.dispatcher, true)
-            }
+            true => moe_forward_planted(&x2, router, &local, &config, group, ep.dispatcher, true),
         }
         .map_err(hook_err)?;
         Ok(out.output.f_reshape(x.size().as_slice())?)
