@@ -18,6 +18,8 @@
 //! valid); it must match exactly one statement, and one that matches nothing is stale and fails
 //! too, so the list only ever describes the code as it is.
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
@@ -587,22 +589,6 @@ impl Source {
     }
 }
 
-/// Every `.rs` file under `dir`, sorted.
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
-        .map(|e| e.expect("a directory entry").path())
-        .collect();
-    entries.sort();
-    for path in entries {
-        if path.is_dir() {
-            rust_files(&path, out);
-        } else if path.extension().is_some_and(|x| x == "rs") {
-            out.push(path);
-        }
-    }
-}
-
 /// The out-of-line test module `name` declared in `file`: `name.rs` or `name/mod.rs` in the
 /// directory that file's child modules live in.
 fn test_module_files(file: &Path, name: &str) -> [PathBuf; 2] {
@@ -625,7 +611,7 @@ fn scan_repository() -> (Vec<Finding>, usize) {
     let mut files_read = 0;
     for root in ROOTS {
         let mut files = Vec::new();
-        rust_files(&repo().join(root), &mut files);
+        common::rust_files(&repo().join(root), &mut files);
         let mut sources = Vec::new();
         let mut test_files = BTreeSet::new();
         for path in &files {

@@ -14,6 +14,8 @@
 //! An item is `file::Type::name` (`ddp.rs::Ddp::new`) or `file::name` for a free function,
 //! the file relative to `core/src`. Functions in `#[cfg(test)]` modules are not items.
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
@@ -33,21 +35,6 @@ struct Item {
     id: String,
     file: PathBuf,
     line: usize,
-}
-
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
-        .expect("core/src is readable")
-        .map(|e| e.expect("a directory entry").path())
-        .collect();
-    entries.sort();
-    for path in entries {
-        if path.is_dir() {
-            rust_files(&path, out);
-        } else if path.extension().is_some_and(|e| e == "rs") {
-            out.push(path);
-        }
-    }
 }
 
 /// The type an `impl` line at column 0 implements methods on (`None` for a trait impl, whose
@@ -81,7 +68,7 @@ fn impl_type(line: &str) -> Option<String> {
 fn public_items() -> Vec<Item> {
     let src = root().join("core/src");
     let mut files = Vec::new();
-    rust_files(&src, &mut files);
+    common::rust_files(&src, &mut files);
     let mut items = Vec::new();
     for file in files {
         let text = std::fs::read_to_string(&file).expect("a readable source file");
