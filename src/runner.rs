@@ -554,6 +554,7 @@ pub fn run_launched(
     let body = |ctx: &RankCtx| -> Result<(), RankError> {
         let rank = ctx.rank();
         let built = on_rank_device(build(settings.seed, rank)?, settings, ctx)?;
+        same_model_on_every_rank(ctx, built.as_ref(), settings)?;
         let probe = probe_for(rank);
         let mut cfg = TrainConfig {
             spec: spec.clone(),
@@ -575,6 +576,25 @@ pub fn run_launched(
     let label = format!("{model_name}/{config}");
     let launched = launch_forked(world_size, settings, &label, &out, &body);
     read_record(&out, launched, world_size)
+}
+
+/// Fails this rank, naming the first tensor that differs, when the ranks built models with
+/// different parameter or buffer names, shapes or dtypes: checked before any wrapper's first
+/// collective, which would otherwise fail as an anonymous mismatched call (or hang). Not
+/// under a fault plan, whose sites number the training's calls.
+fn same_model_on_every_rank(
+    ctx: &RankCtx,
+    model: &dyn Model,
+    settings: &RunSettings,
+) -> Result<(), RankError> {
+    if settings.faults.is_some() {
+        return Ok(());
+    }
+    let params = model.named_parameters();
+    let device = lockstep_core::train::parameters_device(&params).unwrap_or(tch::Device::Cpu);
+    let buffers = model.named_buffers();
+    lockstep_core::replica::check_same_tensors(ctx.group().as_ref(), &params, &buffers, device)
+        .map_err(|e| RankError::Train(e.to_string()))
 }
 
 /// `model` on the device its rank computes on: itself on the CPU; on CUDA moved to GPU
@@ -632,6 +652,7 @@ pub fn run_configs_together(
         let rank = ctx.rank();
         for (&config, out) in configs.iter().zip(&outs) {
             let built = build(settings.seed, rank)?;
+            same_model_on_every_rank(ctx, built.as_ref(), settings)?;
             let dtype = config.precision().map_or("fp32", Precision::label);
             let spec = run_spec(
                 model_name,

@@ -1655,3 +1655,55 @@ fn the_slice_passes_on_other_cpu_kernels_over_20_steps(#[case] capability: &str)
     let report = std::fs::read_to_string(scratch.0.join("report.json")).unwrap();
     assert!(report.contains("\"mode\": \"arbiter\""), "no arbiter row");
 }
+
+/// Skipped comparisons reach the report files with their reasons, and pairs that cannot run
+/// at all are counted, not listed: `moe` (no single-device reference) runs `ddp`, whose row
+/// against `single` is skipped with why; `ep.4` cannot run at world 2 on either model.
+#[test]
+fn reports_list_skipped_rows_and_count_inapplicable_pairs() {
+    let scratch = Scratch::new("skipped");
+    let run = matrix_into(
+        &scratch.0,
+        &[
+            "--models",
+            "moe,gpt",
+            "--configs",
+            "ddp,ep.4",
+            "--world-size",
+            "2",
+            "--steps",
+            "2",
+        ],
+    );
+    assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
+    assert!(
+        run.stdout.contains("2 inapplicable pairs not listed"),
+        "{}",
+        run.stdout
+    );
+    assert!(!run.stdout.contains("ep.4@2"), "{}", run.stdout);
+    let report = read_json(&scratch.0.join("report.json")).unwrap();
+    assert_eq!(report.summary.inapplicable, 2);
+    let skipped: Vec<(&str, &str, &str)> = report
+        .skipped
+        .iter()
+        .map(|k| (k.model.as_str(), k.config.as_str(), k.reference.as_str()))
+        .collect();
+    assert_eq!(skipped, [("moe", "ddp@2", "single@2")]);
+    assert!(
+        report.skipped[0].reason.contains("seeded per rank"),
+        "{:?}",
+        report.skipped[0]
+    );
+    let md = std::fs::read_to_string(scratch.0.join("report.md")).unwrap();
+    assert!(md.contains("1 skipped (listed with why)"), "{md}");
+    assert!(md.contains("| moe | ddp@2 | single@2 | skip |"), "{md}");
+    let junit = std::fs::read_to_string(scratch.0.join("junit.xml")).unwrap();
+    assert!(junit.contains("skipped=\"1\""), "{junit}");
+    assert!(
+        junit.contains("<skipped message=\"no single-device reference"),
+        "{junit}"
+    );
+    let html = std::fs::read_to_string(scratch.0.join("report.html")).unwrap();
+    assert!(html.contains("<td>skip</td>"), "{html}");
+}

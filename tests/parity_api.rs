@@ -279,3 +279,41 @@ fn two_parity_tests_in_one_test_function() {
         .steps(1)
         .assert_parity();
 }
+
+/// A model that builds different shapes on different ranks fails before training, on every
+/// configuration, naming the first parameter that differs with both ranks' shapes (not as a
+/// mismatched collective numbered by call).
+#[test]
+fn ranks_that_build_different_models_fail_before_training_naming_the_parameter() {
+    use lockstep::models::zoo::{Gpt, GptConfig};
+    let outcome = ParityTest::new("different_models_per_rank")
+        .model("gpt_per_rank", |seed, rank| {
+            let ff_hidden = if rank == 1 { 24 } else { 64 };
+            let config = GptConfig {
+                ff_hidden,
+                ..GptConfig::ZOO
+            };
+            Gpt::with_config(config, seed, rank, false, 0.0)
+        })
+        .config("ddp")
+        .config("fsdp.full_shard")
+        .reference(Reference::Ddp)
+        .world_sizes(&[2])
+        .steps(1)
+        .run()
+        .expect("the parity test runs");
+    assert!(!outcome.passed());
+    assert!(!outcome.report.errors.is_empty());
+    for e in &outcome.report.errors {
+        assert!(
+            e.message
+                .contains("rank 1 built a different model than rank 0")
+                && e.message.contains(
+                    "parameter `layers.0.feed_forward.w1.weight` is f32[24, 16] on rank 1 but \
+                     f32[64, 16] on rank 0"
+                ),
+            "{}",
+            e.message
+        );
+    }
+}

@@ -727,8 +727,11 @@ fn judge_row(
         details: None,
         arbiter: None,
         timed_out: false,
+        inapplicable: false,
     };
     if let Some(reason) = skip {
+        // No run: the configuration cannot run here at all.
+        r.inapplicable = run.is_none();
         r.note = Some(reason);
         return (r, None);
     }

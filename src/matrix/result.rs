@@ -70,6 +70,11 @@ pub struct Row {
     /// For `Error` rows: whether the run failed by outliving its timeout (a hang).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub timed_out: bool,
+    /// For `Skip` rows: the configuration never ran on this model at this world size (it
+    /// cannot: the note says why), so the pair is inapplicable rather than a comparison left
+    /// out. The table and the report files count these instead of listing them.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub inapplicable: bool,
 }
 
 pub use crate::runner::RunFailed;
@@ -117,9 +122,26 @@ impl MatrixResult {
                     .unwrap_or_default(),
             })
             .collect();
+        let skipped = self
+            .rows
+            .iter()
+            .filter(|r| r.status == RowStatus::Skip && !r.inapplicable)
+            .map(|r| report::Skipped {
+                model: r.model.clone(),
+                config: r.config.clone(),
+                reference: r.reference.clone(),
+                reason: r.note.clone().unwrap_or_else(|| "not compared".into()),
+            })
+            .collect();
         Report::new(self.comparisons.clone())
             .with_wall_time(self.elapsed)
             .with_errors(errors)
+            .with_skipped(skipped, self.inapplicable())
+    }
+
+    /// How many rows are inapplicable pairs (see [`Row::inapplicable`]).
+    pub fn inapplicable(&self) -> usize {
+        self.rows.iter().filter(|r| r.inapplicable).count()
     }
 
     /// Writes the report set (`report.json` last) into `dir`; see [`MatrixResult::report`].
@@ -151,6 +173,7 @@ impl MatrixResult {
         let cells: Vec<[String; 11]> = self
             .rows
             .iter()
+            .filter(|r| !r.inapplicable)
             .map(|r| {
                 [
                     r.model.clone(),
@@ -215,16 +238,26 @@ impl MatrixResult {
             .iter()
             .filter(|r| r.status == RowStatus::Fail)
             .count();
+        let inapplicable = self.inapplicable();
         let skipped = self
             .rows
             .iter()
             .filter(|r| r.status == RowStatus::Skip)
-            .count();
+            .count()
+            - inapplicable;
         let _ = writeln!(
             out,
             "\n{passed} passed, {failed} failed, {skipped} skipped, {}",
             lockstep_harness::report::plural(self.failed_runs, "run error")
         );
+        if inapplicable > 0 {
+            let _ = writeln!(
+                out,
+                "{} not listed: configurations that cannot run that model at that world size \
+                 (`--json` lists each with its reason)",
+                lockstep_harness::report::plural(inapplicable, "inapplicable pair")
+            );
+        }
         let _ = writeln!(
             out,
             "matrix: {} in {:.1} s",

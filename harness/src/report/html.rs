@@ -450,6 +450,17 @@ pub fn render_html(report: &Report) -> String {
             xml_escape(&e.message)
         );
     }
+    for k in &report.skipped {
+        let _ = writeln!(
+            out,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>skip</td><td colspan=\"{}\">{}</td></tr>",
+            xml_escape(&k.model),
+            xml_escape(&k.config),
+            xml_escape(&k.reference),
+            if memory { 6 } else { 4 },
+            xml_escape(&k.reason)
+        );
+    }
     out.push_str("</table>\n");
     for e in &report.errors {
         let name = format!("{} / {} vs {}", e.model, e.config, e.reference);

@@ -19,19 +19,19 @@ pub fn render_junit(report: &Report) -> String {
     let s = &report.summary;
     let time = report.wall_time_seconds.unwrap_or(0.0);
     let mut out = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
+    let tests = s.comparisons + report.errors.len() + report.skipped.len();
     let _ = writeln!(
         out,
-        "<testsuites name=\"lockstep parity\" tests=\"{}\" failures=\"{}\" errors=\"{}\" time=\"{time:.3}\">",
-        s.comparisons + report.errors.len(),
+        "<testsuites name=\"lockstep parity\" tests=\"{tests}\" failures=\"{}\" errors=\"{}\" time=\"{time:.3}\">",
         s.failed,
         report.errors.len()
     );
     let _ = writeln!(
         out,
-        "  <testsuite name=\"parity\" tests=\"{}\" failures=\"{}\" errors=\"{}\" skipped=\"0\" time=\"{time:.3}\">",
-        s.comparisons + report.errors.len(),
+        "  <testsuite name=\"parity\" tests=\"{tests}\" failures=\"{}\" errors=\"{}\" skipped=\"{}\" time=\"{time:.3}\">",
         s.failed,
-        report.errors.len()
+        report.errors.len(),
+        report.skipped.len()
     );
     for c in &report.comparisons {
         let _ = write!(
@@ -79,6 +79,15 @@ pub fn render_junit(report: &Report) -> String {
             xml_escape(&format!("{} vs {}", e.config, e.reference)),
             xml_escape(&e.message),
             xml_escape(&e.details)
+        );
+    }
+    for k in &report.skipped {
+        let _ = writeln!(
+            out,
+            "    <testcase classname=\"{}\" name=\"{}\">\n      <skipped message=\"{}\"/>\n    </testcase>",
+            xml_escape(&format!("parity.{}", k.model)),
+            xml_escape(&format!("{} vs {}", k.config, k.reference)),
+            xml_escape(&k.reason)
         );
     }
     out.push_str("  </testsuite>\n</testsuites>\n");

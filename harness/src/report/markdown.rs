@@ -81,6 +81,17 @@ pub fn render_markdown(report: &Report) -> String {
             cell(&e.message)
         );
     }
+    for k in &report.skipped {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | skip | - | - | - | - | - | {}{} |",
+            cell(&k.model),
+            cell(&k.config),
+            cell(&k.reference),
+            if memory { "- | - | " } else { "" },
+            cell(&k.reason)
+        );
+    }
     if !report.errors.is_empty() {
         let _ = writeln!(out, "\n## Errors\n");
         for e in &report.errors {

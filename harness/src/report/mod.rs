@@ -55,6 +55,28 @@ pub struct Summary {
     /// could not start): listed in [`Report::errors`].
     #[serde(default)]
     pub errors: usize,
+    /// Comparisons not made though their configuration ran (its reference cannot exist for
+    /// the model): listed in [`Report::skipped`] with the reason.
+    #[serde(default)]
+    pub skipped: usize,
+    /// Pairs whose configuration cannot run the model at that world size at all (a mesh
+    /// that does not divide, a model without the layers it splits): counted, not listed.
+    #[serde(default)]
+    pub inapplicable: usize,
+}
+
+/// A comparison that was not made, though the configuration under test ran, and why (the
+/// model has no single-device reference, no independent mixed-precision one...).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Skipped {
+    /// Model zoo name.
+    pub model: String,
+    /// The configuration under test (`ddp@4`).
+    pub config: String,
+    /// The reference it would have been compared with.
+    pub reference: String,
+    /// Why it was not.
+    pub reason: String,
 }
 
 /// A comparison that could not be made because a run it needed failed. Its row stands in
@@ -112,6 +134,9 @@ pub struct Report {
     /// The comparisons that could not be made, with why.
     #[serde(default)]
     pub errors: Vec<RunError>,
+    /// The comparisons not made though their configuration ran, with why.
+    #[serde(default)]
+    pub skipped: Vec<Skipped>,
     /// Where the numbers were computed (CPU capability, intra-op threads, libtorch): two
     /// reports that differ here may differ in bits without a bug. Optional, so reports
     /// written before it existed still read (same schema version).
@@ -160,11 +185,14 @@ impl Report {
                 passed,
                 failed: summaries.len() - passed,
                 errors: 0,
+                skipped: 0,
+                inapplicable: 0,
             },
             steps,
             comparisons: summaries,
             complete: true,
             errors: Vec::new(),
+            skipped: Vec::new(),
             environment: Some(environment()),
         }
     }
@@ -174,6 +202,15 @@ impl Report {
         self.summary.errors = errors.len();
         self.complete = errors.is_empty();
         self.errors = errors;
+        self
+    }
+
+    /// Adds the comparisons skipped though their configuration ran, and the count of pairs
+    /// that cannot run at all; neither makes the report incomplete.
+    pub fn with_skipped(mut self, skipped: Vec<Skipped>, inapplicable: usize) -> Self {
+        self.summary.skipped = skipped.len();
+        self.summary.inapplicable = inapplicable;
+        self.skipped = skipped;
         self
     }
 
@@ -212,12 +249,21 @@ impl Report {
     /// runs failed, so an incomplete report never reads as a complete one.
     pub fn headline(&self) -> String {
         let s = &self.summary;
-        let counts = format!(
+        let mut counts = format!(
             "{}: {} passed, {} failed",
             plural(s.comparisons, "comparison"),
             s.passed,
             s.failed
         );
+        if s.skipped > 0 {
+            counts.push_str(&format!("; {} skipped (listed with why)", s.skipped));
+        }
+        if s.inapplicable > 0 {
+            counts.push_str(&format!(
+                "; {} (a configuration that cannot run that model at that world size)",
+                plural(s.inapplicable, "inapplicable pair")
+            ));
+        }
         if self.errors.is_empty() {
             counts
         } else {
