@@ -32,6 +32,7 @@ fn report_with_error(err: f64) -> Report {
         collectives: None,
         routing_min_gap: None,
         tokens_dropped: None,
+        placements: Vec::new(),
         cross_rank: None,
     };
     let policy = TolerancePolicy::dtype_table(DType::F32);
@@ -154,6 +155,7 @@ fn tp_report(bug: bool) -> Report {
             collectives: None,
             routing_min_gap: None,
             tokens_dropped: None,
+            placements: Vec::new(),
             cross_rank: None,
         }
     };

@@ -1707,3 +1707,60 @@ fn reports_list_skipped_rows_and_count_inapplicable_pairs() {
     let html = std::fs::read_to_string(scratch.0.join("report.html")).unwrap();
     assert!(html.contains("<td>skip</td>"), "{html}");
 }
+
+/// A `tp.2` report shows what the plan did: every tensor's placement (the split ones by
+/// name, with their dimension) and the collectives each step issued, so a user sees their
+/// layers split rather than silently replicated.
+#[test]
+fn a_tp2_report_lists_the_split_tensors_and_the_collectives_per_step() {
+    let scratch = Scratch::new("tp2-plan");
+    let run = matrix_into(
+        &scratch.0,
+        &[
+            "--models",
+            "gpt",
+            "--configs",
+            "tp.2",
+            "--world-size",
+            "2",
+            "--steps",
+            "2",
+        ],
+    );
+    assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
+    let report = read_json(&scratch.0.join("report.json")).unwrap();
+    let c = &report.comparisons[0];
+    let placement = |t: &str| {
+        c.placements
+            .iter()
+            .find(|p| p.tensor == t)
+            .map(|p| p.placement.as_str())
+    };
+    assert_eq!(
+        placement("layers.0.attention.wq.weight"),
+        Some("shard(dim 0) over tp=2")
+    );
+    assert_eq!(
+        placement("layers.0.attention.wo.weight"),
+        Some("shard(dim 1) over tp=2")
+    );
+    assert_eq!(placement("norm.weight"), Some("replicated"));
+    let collectives = c
+        .collectives_per_step
+        .as_ref()
+        .expect("counted collectives");
+    assert!(
+        collectives
+            .iter()
+            .any(|e| e.op == "all_reduce" && e.group == "tp[0,1]" && e.calls > 0),
+        "{collectives:?}"
+    );
+    let md = std::fs::read_to_string(scratch.0.join("report.md")).unwrap();
+    assert!(
+        md.contains("`layers.0.attention.wq.weight` shard(dim 0) over tp=2"),
+        "{md}"
+    );
+    assert!(md.contains("collectives per step (rank 0, step 0): all_reduce on tp[0,1]"));
+    let html = std::fs::read_to_string(scratch.0.join("report.html")).unwrap();
+    assert!(html.contains("<p class=\"plan\">plan: "), "{html}");
+}

@@ -102,11 +102,24 @@ pub struct RunRecord {
     /// choice) pairs it dropped over the run, so a report shows its row exercised dropping.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_dropped: Option<u64>,
+    /// Under a parallel plan (tensor, expert parallelism): where each tensor lived, so a
+    /// report shows what the plan split rather than leaving a user to trust it did.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub placements: Vec<TensorPlacement>,
     /// What the launcher found comparing every rank's state digest (see
     /// [`crate::consistency`]): absent for a reference or a run whose launcher did not check.
     /// A mismatch fails the run whatever rank 0's numbers say.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cross_rank: Option<crate::consistency::CrossRankCheck>,
+}
+
+/// Where one tensor of a run lived under its parallel plan.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorPlacement {
+    /// The parameter's canonical name.
+    pub tensor: String,
+    /// How it was held: `replicated`, `shard(dim 0) over tp`, `expert on ep rank 1`...
+    pub placement: String,
 }
 
 impl RunRecord {
@@ -124,6 +137,7 @@ impl RunRecord {
             collectives: None,
             routing_min_gap: None,
             tokens_dropped: None,
+            placements: Vec::new(),
             cross_rank: None,
         }
     }
@@ -200,6 +214,7 @@ mod tests {
             collectives: None,
             routing_min_gap: None,
             tokens_dropped: None,
+            placements: Vec::new(),
             cross_rank: None,
         };
         let text = serde_json::to_string(&record).expect("serialize");

@@ -47,6 +47,7 @@ fn record(config: &str, losses: &[f64], params: Vec<NamedTensor>) -> RunRecord {
         collectives: None,
         routing_min_gap: None,
         tokens_dropped: None,
+        placements: Vec::new(),
         cross_rank: None,
     }
 }

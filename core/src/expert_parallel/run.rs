@@ -149,9 +149,31 @@ pub fn train_expert_parallel_with_plan(
     plan: Option<ParallelPlan>,
 ) -> Result<RunRecord, EpError> {
     let mut run = EpRun::new(model, world, opts, plan)?;
-    train_from(model, cfg, &mut run, None, &TrainStart::default())
+    let mut record = train_from(model, cfg, &mut run, None, &TrainStart::default())
         .map(|(record, _)| record)
-        .map_err(TrainError::into_strategy)
+        .map_err(TrainError::into_strategy::<EpError>)?;
+    record.placements = run.placement_table(opts.ep);
+    Ok(record)
+}
+
+impl EpRun {
+    /// Where every parameter lived, for the record (and so the report): each expert's on the
+    /// `ep` rank holding it, the rest replicated.
+    fn placement_table(&self, ep: usize) -> Vec<crate::record::TensorPlacement> {
+        self.named
+            .iter()
+            .map(|(tensor, _)| {
+                let placement = match self.expert_of.get(tensor) {
+                    Some(&e) => format!("expert {e} on ep rank {} of {ep}", e / self.per),
+                    None => "replicated".to_owned(),
+                };
+                crate::record::TensorPlacement {
+                    tensor: tensor.clone(),
+                    placement,
+                }
+            })
+            .collect()
+    }
 }
 
 /// One rank's expert-parallel run: its groups, the experts it holds, the dense parameters'

@@ -204,9 +204,11 @@ pub fn train_tensor_parallel_with_plan(
     plan: &TpPlan,
 ) -> Result<RunRecord, TpError> {
     let mut run = TpRun::new(model, world, opts, plan)?;
-    train_from(model, cfg, &mut run, None, &TrainStart::default())
+    let mut record = train_from(model, cfg, &mut run, None, &TrainStart::default())
         .map(|(record, _)| record)
-        .map_err(TrainError::into_strategy)
+        .map_err(TrainError::into_strategy::<TpError>)?;
+    record.placements = run.placement_table();
+    Ok(record)
 }
 
 /// One rank's tensor-parallel run: its groups, its tensors, the hooks applying the plan.
@@ -287,6 +289,25 @@ impl<'a> TpRun<'a> {
             data_ranks,
             dp,
         })
+    }
+
+    /// Where every parameter lived, for the record (and so the report).
+    fn placement_table(&self) -> Vec<crate::record::TensorPlacement> {
+        let tp = self.opts.tp;
+        self.model
+            .named_parameters()
+            .into_iter()
+            .map(|(tensor, _)| {
+                let placement = match self.placements.get(&tensor) {
+                    Some(Placement::Shard { dim }) => format!("shard(dim {dim}) over tp={tp}"),
+                    Some(Placement::PartialGrad) => {
+                        format!("replicated, gradient summed over tp={tp} (sequence shards)")
+                    }
+                    Some(Placement::Replicated) | None => "replicated".to_owned(),
+                };
+                crate::record::TensorPlacement { tensor, placement }
+            })
+            .collect()
     }
 
     /// Which copy of `name` this rank holds, for the cross-rank check.

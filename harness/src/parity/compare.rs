@@ -426,6 +426,14 @@ pub struct Comparison {
     /// closest to its envelope.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub arbiter: Option<ArbiterSummary>,
+    /// Where the run's plan put each tensor (tensor and expert parallelism): what a report
+    /// shows so a user sees their plan split their layers.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub placements: Vec<lockstep_core::record::TensorPlacement>,
+    /// The collectives the run issued in its first step (calls and bytes per operation and
+    /// group), when it counted them; later steps issue the same unless the report says not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub collectives_per_step: Option<Vec<lockstep_core::record::CollectiveEntry>>,
 }
 
 impl Comparison {
@@ -798,6 +806,8 @@ pub(super) fn conclude(
         steps: m.steps,
         memory: run.memory,
         arbiter,
+        placements: run.placements.clone(),
+        collectives_per_step: run.collectives.as_ref().and_then(|c| c.first().cloned()),
     }
 }
 

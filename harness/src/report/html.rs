@@ -2,7 +2,10 @@
 //! resources) so it opens offline, as a CI artifact or an e-mail attachment.
 
 use super::junit::xml_escape;
-use super::tensors::{cross_rank_line, more_rows_line, param_headers, param_rows, MAX_PARAM_ROWS};
+use super::tensors::{
+    collectives_line, cross_rank_line, more_rows_line, param_headers, param_rows, plan_line,
+    MAX_PARAM_ROWS,
+};
 use super::{fmt_kib, fmt_num, fmt_ulp, Report, StepRow};
 use crate::parity::{Comparison, StepEnvelope};
 use std::fmt::Write as _;
@@ -495,6 +498,9 @@ pub fn render_html(report: &Report) -> String {
                 "<p class=\"cross-rank {class}\">{}</p>",
                 xml_escape(&line)
             );
+        }
+        for line in [plan_line(c), collectives_line(c)].into_iter().flatten() {
+            let _ = writeln!(out, "<p class=\"plan\">{}</p>", xml_escape(&line));
         }
         out.push_str(&param_table(c));
         if c.arbiter.is_some() {

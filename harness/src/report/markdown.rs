@@ -1,6 +1,9 @@
 //! The Markdown summary: one table a person reads in a pull request or a CI log.
 
-use super::tensors::{cross_rank_line, more_rows_line, param_headers, param_rows, MAX_PARAM_ROWS};
+use super::tensors::{
+    collectives_line, cross_rank_line, more_rows_line, param_headers, param_rows, plan_line,
+    MAX_PARAM_ROWS,
+};
 use super::{fmt_kib, fmt_num, fmt_ulp, xml_escape, Report};
 use crate::parity::Comparison;
 use std::fmt::Write as _;
@@ -168,7 +171,10 @@ fn render_section(c: &Comparison, out: &mut String) {
     if let Some(d) = &c.diagnosis {
         let _ = writeln!(out, "{}\n", cell(d));
     }
-    if let Some(line) = cross_rank_line(c) {
+    for line in [cross_rank_line(c), plan_line(c), collectives_line(c)]
+        .into_iter()
+        .flatten()
+    {
         let _ = writeln!(out, "{}\n", cell(&line));
     }
     let rows = param_rows(c);

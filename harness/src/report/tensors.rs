@@ -152,6 +152,57 @@ pub fn more_rows_line(rows: &[ParamRow<'_>]) -> Option<String> {
     })
 }
 
+/// What `c`'s run's plan split, in one line, when it had a plan: every tensor not replicated
+/// with its placement, then how many were replicated.
+pub fn plan_line(c: &Comparison) -> Option<String> {
+    if c.placements.is_empty() {
+        return None;
+    }
+    let split: Vec<String> = c
+        .placements
+        .iter()
+        .filter(|p| p.placement != "replicated")
+        .map(|p| format!("`{}` {}", p.tensor, p.placement))
+        .collect();
+    let replicated = c.placements.len() - split.len();
+    Some(format!(
+        "plan: {} of {} split ({}); {} replicated",
+        split.len(),
+        super::plural(c.placements.len(), "tensor"),
+        if split.is_empty() {
+            "none".to_owned()
+        } else {
+            split.join(", ")
+        },
+        replicated
+    ))
+}
+
+/// The collectives `c`'s run issued per step, in one line, when it counted them.
+pub fn collectives_line(c: &Comparison) -> Option<String> {
+    let entries = c.collectives_per_step.as_ref()?;
+    let parts: Vec<String> = entries
+        .iter()
+        .map(|e| {
+            format!(
+                "{} on {}: {} of {} B",
+                e.op,
+                e.group,
+                super::plural(e.calls as usize, "call"),
+                e.bytes
+            )
+        })
+        .collect();
+    Some(format!(
+        "collectives per step (rank 0, step 0): {}",
+        if parts.is_empty() {
+            "none".to_owned()
+        } else {
+            parts.join("; ")
+        }
+    ))
+}
+
 /// The cross-rank check of `c`'s run in one line, when its launcher made one: how much was
 /// compared and that it agreed, or the mismatch (which fails the comparison).
 pub fn cross_rank_line(c: &Comparison) -> Option<String> {
