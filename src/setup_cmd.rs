@@ -15,6 +15,15 @@
 //!   not call it is left alone and reported: add the call yourself);
 //! - `Cargo.toml`, through `cargo add`: `lockstep` and `tch` as dev-dependencies and
 //!   `lockstep-linkage` as a build-dependency, unless already there.
+//!
+//! And so that the dependencies build once, not twice (the CLI's build in the checkout, then
+//! the crate's: `torch-sys`, `tch` and Lockstep itself take most of a first hour on 2 cores),
+//! it makes the crate's build of them the checkout's, artifact for artifact:
+//! - `.cargo/config.toml`: `[build] target-dir` = the checkout's `target/`;
+//! - `Cargo.toml`: the checkout's `[profile.*]` sections, with Lockstep's own crates at the
+//!   opt-level they have as workspace members (`[profile.dev.package."*"]` would otherwise
+//!   apply to them), unless the crate has a profile of its own (then it says so);
+//! - `Cargo.lock`: the checkout's, when the crate has none yet, so versions match.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -117,9 +126,152 @@ pub fn setup(opts: &SetupOptions) -> Result<SetupReport, SetupError> {
     }
     let mut report = SetupReport::default();
     write_config(&opts.dir, &libtorch, &mut report)?;
+    share_target_dir(&opts.dir, &lockstep, &mut report)?;
     write_build_rs(&opts.dir, &mut report)?;
+    copy_lock_file(&opts.dir, &lockstep, &mut report)?;
+    add_profiles(&manifest, &lockstep, &mut report)?;
     add_dependencies(opts, &manifest, &lockstep, &mut report)?;
     Ok(report)
+}
+
+/// `[build] target-dir` = the checkout's `target/` in `.cargo/config.toml` (after
+/// [`write_config`]), unless a target directory is set already.
+fn share_target_dir(
+    dir: &Path,
+    lockstep: &Path,
+    report: &mut SetupReport,
+) -> Result<(), SetupError> {
+    let path = dir.join(".cargo/config.toml");
+    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
+    if text
+        .lines()
+        .any(|l| l.trim_start().starts_with("target-dir"))
+    {
+        return Ok(());
+    }
+    let target = lockstep.join("target");
+    let line = format!(
+        "target-dir = {}",
+        toml_string(&target.display().to_string())
+    );
+    let updated = match text.lines().position(|l| l.trim() == "[build]") {
+        Some(i) => {
+            let mut lines: Vec<&str> = text.lines().collect();
+            lines.insert(i + 1, &line);
+            lines.join("\n") + "\n"
+        }
+        None => format!(
+            "{text}# Lockstep's checkout builds its dependencies once for both (`lockstep setup`)\n\
+             [build]\n{line}\n"
+        ),
+    };
+    std::fs::write(&path, updated).map_err(io(&path))?;
+    report.changes.push(format!(
+        "{}: target-dir = {} (the dependencies are built once, shared with the checkout)",
+        path.display(),
+        target.display()
+    ));
+    Ok(())
+}
+
+/// The checkout's `Cargo.lock` for a crate without one: the same versions, so the same
+/// artifacts.
+fn copy_lock_file(dir: &Path, lockstep: &Path, report: &mut SetupReport) -> Result<(), SetupError> {
+    let path = dir.join("Cargo.lock");
+    if path.exists() {
+        return Ok(());
+    }
+    let theirs = lockstep.join("Cargo.lock");
+    std::fs::copy(&theirs, &path).map_err(io(&theirs))?;
+    report.changes.push(format!(
+        "{}: the checkout's, so versions match",
+        path.display()
+    ));
+    Ok(())
+}
+
+/// Lockstep's crates: workspace members in the checkout, path dependencies of the user's
+/// crate.
+const MEMBERS: [&str; 5] = [
+    "lockstep",
+    "lockstep-core",
+    "lockstep-harness",
+    "lockstep-models",
+    "lockstep-linkage",
+];
+
+/// The checkout's profile sections appended to the crate's manifest (with Lockstep's crates
+/// at their member opt-level), unless the manifest has a profile already.
+fn add_profiles(
+    manifest: &Path,
+    lockstep: &Path,
+    report: &mut SetupReport,
+) -> Result<(), SetupError> {
+    let text = std::fs::read_to_string(manifest).map_err(io(manifest))?;
+    if text.lines().any(|l| l.trim_start().starts_with("[profile")) {
+        report.todo.push(format!(
+            "{} has a [profile] of its own: left as it is; the dependencies build again \
+             unless it matches the checkout's (see its Cargo.toml)",
+            manifest.display()
+        ));
+        return Ok(());
+    }
+    let theirs_path = lockstep.join("Cargo.toml");
+    let theirs = std::fs::read_to_string(&theirs_path).map_err(io(&theirs_path))?;
+    let profiles = profile_sections(&theirs);
+    let member_level = member_opt_level(&profiles);
+    let mut added = String::from(
+        "\n# The lockstep checkout's profile (written by `lockstep setup`): its build of the\n\
+         # dependencies is reused as is.\n",
+    );
+    added.push_str(&profiles);
+    if let Some(level) = member_level {
+        for member in MEMBERS {
+            added.push_str(&format!(
+                "\n[profile.dev.package.{member}]\nopt-level = {level}\n"
+            ));
+        }
+    }
+    let sep = if text.ends_with('\n') { "" } else { "\n" };
+    std::fs::write(manifest, format!("{text}{sep}{added}")).map_err(io(manifest))?;
+    report.changes.push(format!(
+        "{}: the checkout's [profile] sections",
+        manifest.display()
+    ));
+    Ok(())
+}
+
+/// Every `[profile...]` section of a manifest, verbatim.
+fn profile_sections(manifest: &str) -> String {
+    let mut out = String::new();
+    let mut inside = false;
+    for line in manifest.lines() {
+        let t = line.trim_start();
+        if t.starts_with('[') {
+            inside = t.starts_with("[profile");
+        }
+        if inside {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// The `opt-level` of `[profile.dev]` in `profiles` (what workspace members build at).
+fn member_opt_level(profiles: &str) -> Option<String> {
+    let mut in_dev = false;
+    for line in profiles.lines() {
+        let t = line.trim();
+        if t.starts_with('[') {
+            in_dev = t == "[profile.dev]";
+        } else if in_dev {
+            if let Some(v) = t.strip_prefix("opt-level") {
+                return Some(v.trim_start_matches([' ', '=']).trim().to_owned());
+            }
+        }
+    }
+    None
 }
 
 /// `[env] LIBTORCH = "<libtorch>"` in `.cargo/config.toml`, merged into an existing file.
@@ -305,5 +457,17 @@ mod tests {
         write_config(&dir, Path::new("/opt/torch"), &mut again).expect("merged");
         assert!(again.changes.is_empty() && again.todo.is_empty());
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_checkouts_profile_is_copied_with_the_member_opt_level() {
+        let manifest = "[package]\nname = \"x\"\n\n[profile.dev]\nopt-level = 1\n\n\
+                        [profile.dev.package.\"*\"]\nopt-level = 2\n\n[[example]]\nname = \"e\"\n";
+        let profiles = profile_sections(manifest);
+        assert_eq!(
+            profiles,
+            "[profile.dev]\nopt-level = 1\n\n[profile.dev.package.\"*\"]\nopt-level = 2\n\n"
+        );
+        assert_eq!(member_opt_level(&profiles).as_deref(), Some("1"));
     }
 }
