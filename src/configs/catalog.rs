@@ -698,11 +698,15 @@ impl Config {
             }
             Config::Pipeline(id) => {
                 let p = id.get();
+                // A configuration with unequal microbatches says its count itself.
+                let count = match p.uneven_microbatches {
+                    true => "",
+                    false => "; microbatches 2p for p pipeline ranks",
+                };
                 format!(
-                    "{}; microbatches 2p for p pipeline ranks; checked against single (fp64 \
-                     arbiter) and single.mbM (one process, the same M microbatches in order: \
-                     bitwise unless the plan names why not, then the fp64 arbiter around \
-                     single.mbM's own float64 shadow)",
+                    "{}{count}; checked against single (fp64 arbiter) and single.mbM (one \
+                     process, the same M microbatches in order: bitwise unless the plan names \
+                     why not, then the fp64 arbiter around single.mbM's own float64 shadow)",
                     p.description
                 )
             }

@@ -266,6 +266,12 @@ impl Report {
         }
         if self.errors.is_empty() {
             counts
+        } else if s.comparisons == 0 {
+            format!(
+                "INCOMPLETE: no comparison was made; {} could not be, because their runs failed \
+                 (listed as errors)",
+                plural(s.errors, "comparison")
+            )
         } else {
             format!(
                 "INCOMPLETE: {} could not be made because their runs failed (listed as \

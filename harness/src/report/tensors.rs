@@ -207,6 +207,13 @@ pub fn collectives_line(c: &Comparison) -> Option<String> {
 /// compared and that it agreed, or the mismatch (which fails the comparison).
 pub fn cross_rank_line(c: &Comparison) -> Option<String> {
     let check = c.cross_rank.as_ref()?;
+    if check.compared == 0 && check.mismatch.is_none() {
+        // Pipeline stages: every rank holds tensors no other rank does.
+        return Some(format!(
+            "cross-rank: no tensor is held by more than one of the {}, so none was compared",
+            super::plural(check.ranks, "rank")
+        ));
+    }
     Some(match &check.mismatch {
         None => format!(
             "cross-rank: {} compared across {}, all bitwise equal",
