@@ -205,15 +205,14 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
 
     // Check the model and the checkpoint against a model built here; the ranks build their
     // own later, from the seed settled below.
-    let mut probe =
-        zoo::build(&opts.model, opts.seed.unwrap_or(0), 0).map_err(|e| match e {
-            ModelError::UnknownModel { name, known } => invalid(format!(
-                "unknown model `{name}`{}; known models: {}",
-                crate::suggest::did_you_mean(&name, &known),
-                known.join(", ")
-            )),
-            other => invalid(other.to_string()),
-        })?;
+    let mut probe = zoo::build(&opts.model, opts.seed.unwrap_or(0), 0).map_err(|e| match e {
+        ModelError::UnknownModel { name, known } => invalid(format!(
+            "unknown model `{name}`{}; known models: {}",
+            crate::suggest::did_you_mean(&name, &known),
+            known.join(", ")
+        )),
+        other => invalid(other.to_string()),
+    })?;
     if let Some(refusal) = config.refusal(&opts.model, probe.as_ref(), opts.world_size) {
         return Err(invalid(refusal));
     }

@@ -182,6 +182,8 @@ fn bad_plans_are_rejected_before_any_rank_starts() {
     let e = placements(&plan, gpt.as_ref(), 2).unwrap_err();
     assert!(matches!(e, TpPlanError::NoMatch { .. }), "{e}");
     assert!(e.to_string().contains("layers.*.attention.wz"), "{e}");
+    // The message lists the module paths a pattern can match.
+    assert!(e.to_string().contains("layers.0.attention.wq, "), "{e}");
     // Vocabulary 8 over 16 ranks does not divide.
     let mut plan = gpt.parallel_plan(false).expect("gpt's plan");
     plan.heads = Some(16);

@@ -48,6 +48,9 @@ pub enum LayerKind {
     MoeDecoderBlock,
     /// The projection from hidden states to vocabulary logits.
     OutputProjection,
+    /// Any other repeated block of a user's model (a residual MLP block, a convolution
+    /// stage): wrapped as one FSDP unit by `fsdp.*.blocks`, like the transformer blocks.
+    Block,
 }
 
 /// One entry of a model's ordered layer list (forward order).

@@ -282,7 +282,7 @@ fn first_fsdp_rows() -> Vec<FsdpConfig> {
         flat(
             "fsdp.full_shard.blocks",
             "FULL_SHARD, one unit per transformer block (encoder/decoder layers, \
-         decoder blocks, MoE decoder blocks); the rest, and models without blocks, \
+         decoder blocks, MoE decoder blocks, a user's `Block`s); the rest, and models without blocks, \
          in the root",
             with(
                 ShardingStrategy::FullShard,

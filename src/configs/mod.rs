@@ -22,14 +22,16 @@ pub const MAX_WORLD_SIZE: usize = 64;
 /// that exercise the cross-replica all-reduce, and it fits every even world size.
 pub const HYBRID_REPLICAS: usize = 2;
 
-/// The layer kinds `fsdp.full_shard.blocks` wraps: the zoo's transformer blocks, as
+/// The layer kinds `fsdp.full_shard.blocks` wraps: the zoo's transformer blocks and a user's
+/// generic `LayerKind::Block`, as
 /// PyTorch's `ModuleWrapPolicy({TransformerEncoderLayer, ...})` is used. Models without such
 /// layers keep everything in the root unit.
-pub const BLOCK_KINDS: [LayerKind; 4] = [
+pub const BLOCK_KINDS: [LayerKind; 5] = [
     LayerKind::EncoderLayer,
     LayerKind::DecoderLayer,
     LayerKind::DecoderBlock,
     LayerKind::MoeDecoderBlock,
+    LayerKind::Block,
 ];
 
 /// The threshold of `fsdp.full_shard.min_params` (PyTorch's `size_based_auto_wrap_policy`).

@@ -126,9 +126,9 @@ pub fn model_parallel_configs() -> &'static [ModelParallelConfig] {
         vec![
             tp(
                 "tp.2",
-                "tensor parallel over 2 ranks (the rest data parallel): vocabulary-parallel \
-                 embedding and loss, attention split by heads, feed-forward column- then \
-                 row-parallel",
+                "tensor parallel over 2 ranks (the rest data parallel) by the model's own \
+                 `parallel_plan` (the zoo decoders': vocabulary-parallel embedding and loss, \
+                 attention split by heads, feed-forward column- then row-parallel)",
                 2,
                 false,
             ),

@@ -38,7 +38,12 @@ pub fn render_list(seed: u64) -> Result<String, MatrixError> {
             .map(|(n, _, _)| *n)
             .collect();
         let _ = writeln!(out, "  {:<width$}{}", c.name(), c.description());
-        let _ = writeln!(out, "  {:<width$}models: {}", "", applies.join(", "));
+        let _ = writeln!(
+            out,
+            "  {:<width$}zoo models: {} (and any model of yours: `ParityTest::model`)",
+            "",
+            applies.join(", ")
+        );
         if let Some(FsdpLayout::Hybrid { replicas }) = c.fsdp_config().map(|f| f.layout) {
             let _ = writeln!(
                 out,

@@ -32,12 +32,19 @@ pub enum Placement {
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum TpPlanError {
     /// A rule whose pattern matches nothing (usually a typo in the path).
-    #[error("tensor-parallel plan: pattern `{pattern}` matches no module of model `{model}`")]
+    #[error(
+        "tensor-parallel plan: pattern `{pattern}` matches no module of model `{model}`; its \
+         modules with parameters are: {}",
+        modules.join(", ")
+    )]
     NoMatch {
         /// The rule's pattern.
         pattern: String,
         /// The model's zoo name.
         model: String,
+        /// Every module path of the model that holds parameters (what patterns match), so
+        /// a typo can be fixed from the message.
+        modules: Vec<String>,
     },
     /// A parameter's split dimension does not divide by the TP size.
     #[error(
@@ -181,9 +188,15 @@ pub fn placements(
         .zip(&used)
         .find(|(r, used)| !**used && !matches!(r.style, ParallelStyle::ShardedDropout { .. }));
     if let Some((rule, _)) = unused {
+        let mut modules: Vec<String> = names
+            .iter()
+            .filter_map(|(n, _)| module_of(n).map(str::to_owned))
+            .collect();
+        modules.dedup();
         return Err(TpPlanError::NoMatch {
             pattern: rule.pattern.clone(),
             model: model.name().to_owned(),
+            modules,
         });
     }
     Ok(out)

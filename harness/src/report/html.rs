@@ -124,10 +124,17 @@ fn svg_plot(title: &str, y_label: &str, series: &[Series], log: bool) -> String 
         "<svg class=\"plot\" role=\"img\" viewBox=\"0 0 {WIDTH} {HEIGHT}\" width=\"{WIDTH}\" height=\"{HEIGHT}\">"
     );
     let _ = writeln!(out, "<title>{}</title>", xml_escape(title));
+    // Left-aligned from the edge, and squeezed to the width when long: a centred long title
+    // (a matrix row's name) ran off the left edge.
+    let room = WIDTH - 16.0;
+    let squeeze = if title.chars().count() as f64 * 7.0 > room {
+        format!(" textLength=\"{room}\" lengthAdjust=\"spacingAndGlyphs\"")
+    } else {
+        String::new()
+    };
     let _ = writeln!(
         out,
-        "<text x=\"{}\" y=\"18\" text-anchor=\"middle\" class=\"t\">{}</text>",
-        LEFT + plot_w / 2.0,
+        "<text x=\"8\" y=\"18\" text-anchor=\"start\" class=\"t\"{squeeze}>{}</text>",
         xml_escape(title)
     );
     let _ = writeln!(
