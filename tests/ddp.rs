@@ -289,3 +289,56 @@ fn marked_parameters_are_also_reduced_in_their_group() {
         let _ = (dp, tp);
     });
 }
+
+/// Collectives carry what they are for: a rank whose model differs fails DDP's construction
+/// naming the tensor whose broadcast did not match, and two ranks that issue different
+/// collectives (a gradient bucket against the loss average) are each told which tensors their
+/// own call carried, not only `collective #N` and two shapes.
+#[test]
+fn collective_mismatches_name_the_tensors_their_calls_carried() {
+    use lockstep_models::zoo::{Gpt, GptConfig};
+    lockstep_harness::run(2, |ctx| {
+        let ff_hidden = if ctx.rank() == 1 { 24 } else { 64 };
+        let config = GptConfig {
+            ff_hidden,
+            ..GptConfig::ZOO
+        };
+        let model = Gpt::with_config(config, 0, ctx.rank(), false, 0.0).expect("model");
+        let built = Ddp::new(&model, ctx.group(), DdpOptions::default());
+        // The root sends; the receiver sees the mismatch.
+        if ctx.rank() == 1 {
+            let err = built
+                .err()
+                .expect("different models cannot start DDP")
+                .to_string();
+            assert!(
+                err.contains("this rank's call carried rank 0's `layers.0.feed_forward.w1.weight`"),
+                "{err}"
+            );
+        }
+    });
+    lockstep_harness::run(2, |ctx| {
+        let group = ctx.group();
+        let (label, result) = if ctx.rank() == 0 {
+            let bucket = Tensor::zeros([16], (tch::Kind::Float, tch::Device::Cpu));
+            let label = "DDP gradient bucket 0: `fc.weight`";
+            let r = lockstep_core::comm::labelled(label, || {
+                group.all_reduce(&bucket, lockstep_core::comm::ReduceOp::Avg)
+            });
+            (label, r)
+        } else {
+            let loss = Tensor::zeros([1], (tch::Kind::Double, tch::Device::Cpu));
+            let label = "the step's loss, averaged over the ranks";
+            let r = lockstep_core::comm::labelled(label, || {
+                group.all_reduce(&loss, lockstep_core::comm::ReduceOp::Avg)
+            });
+            (label, r)
+        };
+        let err = result.expect_err("a mismatch").to_string();
+        assert!(
+            err.contains("collective #0")
+                && err.contains(&format!("this rank's call carried {label}")),
+            "{err}"
+        );
+    });
+}

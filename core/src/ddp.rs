@@ -36,7 +36,7 @@ use crate::precision::{
     cast_buffers, low_precision_params, CastInputs, MixedPrecision, PrecisionError,
 };
 use crate::record::RunRecord;
-use crate::replica::{broadcast_from_rank0, distinct_parameters};
+use crate::replica::{broadcast_named_from_rank0, distinct_parameters};
 use crate::train::{train, StepHooks, TrainConfig, TrainError};
 use lockstep_models::{LayerHooks, Model};
 use std::collections::{BTreeSet, HashSet};
@@ -343,9 +343,11 @@ impl State {
                 break;
             }
             self.pack(b)?;
-            let work = self
-                .bucket_group
-                .all_reduce_async(&self.buckets[b].flat, self.op)?;
+            let label = bucket_label(b, &self.buckets[b].entries);
+            let work = crate::comm::labelled(&label, || {
+                self.bucket_group
+                    .all_reduce_async(&self.buckets[b].flat, self.op)
+            })?;
             self.buckets[b].work = Some(work);
             self.next_launch += 1;
         }
@@ -359,6 +361,24 @@ impl State {
         }
         Ok(())
     }
+}
+
+/// What DDP's bucket `b` carries, for a collective mismatch: its gradients by name (the first
+/// few, then how many more).
+fn bucket_label(b: usize, entries: &[(String, usize, usize)]) -> String {
+    const SHOWN: usize = 3;
+    let names: Vec<String> = entries
+        .iter()
+        .take(SHOWN)
+        .map(|(n, _, _)| format!("`{n}`"))
+        .collect();
+    let more = entries.len().saturating_sub(SHOWN);
+    let tail = if more > 0 {
+        format!(" and {more} more")
+    } else {
+        String::new()
+    };
+    format!("DDP gradient bucket {b}: {}{tail}", names.join(", "))
 }
 
 /// A parameter that computes in low precision under a mixed-precision policy.
@@ -464,15 +484,18 @@ impl Ddp {
             _ => rank_local.contains(name),
         };
         let params = distinct_parameters(params);
-        broadcast_from_rank0(
+        broadcast_named_from_rank0(
             group.as_ref(),
             params
                 .iter()
                 .filter(|(name, _)| !rank_local.contains(name))
-                .map(|(_, p)| p),
+                .map(|(n, p)| (n.as_str(), p)),
         )?;
         if fault != Some(Fault::NoBufferBroadcast) {
-            broadcast_from_rank0(group.as_ref(), buffers.iter().map(|(_, b)| b))?;
+            broadcast_named_from_rank0(
+                group.as_ref(),
+                buffers.iter().map(|(n, b)| (n.as_str(), b)),
+            )?;
         }
         let precision = match (precision, opts.mixed_precision) {
             (Some((cast, names)), Some(policy)) => {
@@ -721,7 +744,10 @@ impl Ddp {
     /// Copies rank 0's buffers to every rank.
     pub fn broadcast_buffers(&self) -> Result<(), DdpError> {
         let state = lock(&self.state);
-        broadcast_from_rank0(state.group.as_ref(), self.buffers.iter().map(|(_, b)| b))?;
+        broadcast_named_from_rank0(
+            state.group.as_ref(),
+            self.buffers.iter().map(|(n, b)| (n.as_str(), b)),
+        )?;
         Ok(())
     }
 }

@@ -15,6 +15,19 @@ pub fn distinct_parameters(params: Vec<(String, Tensor)>) -> Vec<(String, Tensor
         .collect()
 }
 
+/// [`broadcast_from_rank0`] of named tensors: a rank that reaches a broadcast with another
+/// shape or dtype fails naming the tensor (the collective carries its name as its label).
+pub fn broadcast_named_from_rank0<'a>(
+    group: &dyn ProcessGroup,
+    tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
+) -> Result<(), CommError> {
+    let _guard = tch::no_grad_guard();
+    for (name, t) in tensors {
+        crate::comm::labelled(&format!("rank 0's `{name}`"), || group.broadcast(t, 0))?;
+    }
+    Ok(())
+}
+
 /// Copies rank 0's values into every rank's tensors, without recording autograd history.
 pub fn broadcast_from_rank0<'a>(
     group: &dyn ProcessGroup,

@@ -35,6 +35,7 @@ mod error;
 pub mod faulty;
 pub mod flight;
 mod group;
+mod label;
 mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
@@ -50,6 +51,7 @@ pub use faulty::{
     FaultyGroup, Injection,
 };
 pub use group::ProcessGroup;
+pub use label::labelled;
 pub use mesh::DeviceMesh;
 pub use store::{StoreClient, StoreServer};
 pub use types::{DType, OpKind, ReduceOp};

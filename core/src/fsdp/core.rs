@@ -168,7 +168,8 @@ impl Core {
             return Ok(local.shallow_clone());
         }
         let full = Tensor::f_empty([self.units[u].padded], (local.kind(), local.device()))?;
-        self.group.all_gather(&full, local)?;
+        let label = format!("FSDP unit `{}`'s parameters", self.units[u].name);
+        crate::comm::labelled(&label, || self.group.all_gather(&full, local))?;
         self.count(purpose);
         Ok(full)
     }
@@ -198,7 +199,8 @@ impl Core {
         let kind = self.units[u].compute_kind;
         let local = self.send_buffer(u, kind)?;
         let full = Tensor::f_empty([self.units[u].padded], (kind, self.compute_device))?;
-        let work = self.group.all_gather_async(&full, &local)?;
+        let label = format!("FSDP unit `{}`'s parameters", self.units[u].name);
+        let work = crate::comm::labelled(&label, || self.group.all_gather_async(&full, &local))?;
         self.count(Gather::Params);
         self.account_gathered(u, kind);
         let unit = &mut self.units[u];
@@ -360,7 +362,10 @@ impl Core {
                 flat = flat.f_roll([size], [0])?;
             }
             let shard = Tensor::f_empty([size], (reduce_kind, flat.device()))?;
-            let work = self.group.reduce_scatter_async(&shard, &flat, op)?;
+            let label = format!("FSDP unit `{}`'s gradients", unit.name);
+            let work = crate::comm::labelled(&label, || {
+                self.group.reduce_scatter_async(&shard, &flat, op)
+            })?;
             self.counts.grad_reduce_scatters += 1;
             PendingReduce {
                 work,

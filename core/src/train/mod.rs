@@ -294,7 +294,9 @@ pub(crate) fn global_mean(
         return Ok(local);
     };
     let t = Tensor::from_slice(&[local]).f_to_device(device)?;
-    group.all_reduce(&t, ReduceOp::Avg)?;
+    crate::comm::labelled("the step's loss, averaged over the ranks", || {
+        group.all_reduce(&t, ReduceOp::Avg)
+    })?;
     Ok(t.f_double_value(&[0])?)
 }
 

@@ -781,6 +781,14 @@ impl CpuGroup {
         job: Job,
         inline: bool,
     ) -> Result<Work, CommError> {
+        // What this rank's call carries, named in a mismatch error (the job may run on the
+        // group's worker thread, where the caller's label is not in force).
+        let job: Job = match crate::comm::label::current() {
+            Some(label) => Box::new(move |sh, seq| {
+                job(sh, seq).map_err(|e| crate::comm::label::name_mismatch(e, &label))
+            }),
+            None => job,
+        };
         let mut submit = lock(&self.exec.submit);
         let seq = submit.0;
         submit.0 += 1;
