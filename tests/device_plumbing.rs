@@ -56,6 +56,16 @@ const ALLOWED: &[Allowed] = &[
         why: "a cross-rank digest hashes the tensor's bytes on the host",
     },
     Allowed {
+        file: "core/src/replica.rs",
+        snippet: "Vec::try_from(&all.f_to_device(tch::Device::Cpu)?)?",
+        why: "the model check reads the gathered lengths and hashes on the host to compare them",
+    },
+    Allowed {
+        file: "core/src/replica.rs",
+        snippet: "Vec::try_from(&bytes.f_to_device(tch::Device::Cpu)?)?",
+        why: "the model check decodes a rank's tensor descriptions (text) on the host",
+    },
+    Allowed {
         file: "models/src/decisions.rs",
         snippet: ".f_reshape([-1])?\n.f_to_device(tch::Device::Cpu)?",
         why: "the dropping reference's capacity scan reads routing choices on the host; its \
