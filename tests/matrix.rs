@@ -1764,3 +1764,39 @@ fn a_tp2_report_lists_the_split_tensors_and_the_collectives_per_step() {
     let html = std::fs::read_to_string(scratch.0.join("report.html")).unwrap();
     assert!(html.contains("<p class=\"plan\">plan: "), "{html}");
 }
+
+/// An FSDP report shows its units: every parameter with the unit that holds it and the ranks
+/// it is sharded over (NO_SHARD: replicated).
+#[test]
+fn an_fsdp_report_lists_each_parameters_unit() {
+    let scratch = Scratch::new("fsdp-plan");
+    let run = matrix_into(
+        &scratch.0,
+        &[
+            "--models",
+            "mlp",
+            "--configs",
+            "fsdp.full_shard.per_layer,fsdp.no_shard",
+            "--world-size",
+            "2",
+            "--steps",
+            "2",
+        ],
+    );
+    assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
+    let report = read_json(&scratch.0.join("report.json")).unwrap();
+    let placement = |config: &str, tensor: &str| {
+        report
+            .comparisons
+            .iter()
+            .find(|c| c.config == config)
+            .and_then(|c| c.placements.iter().find(|p| p.tensor == tensor))
+            .map(|p| p.placement.clone())
+    };
+    assert_eq!(
+        placement("fsdp.full_shard.per_layer@2", "layers.2.weight").as_deref(),
+        Some("FSDP unit `layers.2`, sharded over 2 ranks")
+    );
+    assert!(placement("fsdp.no_shard@2", "layers.2.weight")
+        .is_some_and(|p| p.starts_with("replicated")));
+}

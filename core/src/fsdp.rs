@@ -614,7 +614,37 @@ impl Fsdp {
     /// `record` with this rank's memory figures attached.
     fn with_memory(&self, mut record: RunRecord) -> RunRecord {
         record.memory = Some(self.memory_stats());
+        record.placements = self.placement_table();
         record
+    }
+
+    /// Where every parameter lived, for the record (and so the report): its unit, sharded
+    /// over the shard group or whole on every rank (NO_SHARD, a group of one); ignored ones
+    /// (rank-local) as such.
+    fn placement_table(&self) -> Vec<crate::record::TensorPlacement> {
+        let over = self.core().shard_world;
+        let mut out = Vec::new();
+        for (unit, params) in self.units() {
+            let placement = match over {
+                1 => format!("replicated (FSDP unit `{unit}`, not sharded)"),
+                n => format!("FSDP unit `{unit}`, sharded over {n} ranks"),
+            };
+            out.extend(
+                params
+                    .into_iter()
+                    .map(|tensor| crate::record::TensorPlacement {
+                        tensor,
+                        placement: placement.clone(),
+                    }),
+            );
+        }
+        out.extend(self.ignored_param_names().into_iter().map(|tensor| {
+            crate::record::TensorPlacement {
+                tensor,
+                placement: "replicated (ignored by FSDP: rank-local)".into(),
+            }
+        }));
+        out
     }
 
     /// Bytes of this rank's master shards (what stays alive between steps).

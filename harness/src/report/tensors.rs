@@ -161,7 +161,7 @@ pub fn plan_line(c: &Comparison) -> Option<String> {
     let split: Vec<String> = c
         .placements
         .iter()
-        .filter(|p| p.placement != "replicated")
+        .filter(|p| !p.placement.starts_with("replicated"))
         .map(|p| format!("`{}` {}", p.tensor, p.placement))
         .collect();
     let replicated = c.placements.len() - split.len();
