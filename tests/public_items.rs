@@ -16,6 +16,7 @@
 
 mod common;
 
+use lockstep::matrix::matches;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
@@ -164,27 +165,6 @@ fn write_snapshot(lcov_path: &Path, items: &[Item]) {
         text.push_str(&format!("{state} {}\n", item.id));
     }
     std::fs::write(root().join(SNAPSHOT), text).expect("the snapshot is writable");
-}
-
-/// Whether `name` matches `pattern`, `*` standing for any run of characters.
-fn matches(pattern: &str, name: &str) -> bool {
-    let parts: Vec<&str> = pattern.split('*').collect();
-    let (Some(first), Some(last)) = (parts.first(), parts.last()) else {
-        return false;
-    };
-    if parts.len() == 1 {
-        return pattern == name;
-    }
-    let Some(mut rest) = name.strip_prefix(first) else {
-        return false;
-    };
-    for part in &parts[1..parts.len() - 1] {
-        match rest.find(part) {
-            Some(i) => rest = &rest[i + part.len()..],
-            None => return false,
-        }
-    }
-    rest.len() >= last.len() && rest.ends_with(last)
 }
 
 fn reasons() -> Vec<(String, String)> {

@@ -295,6 +295,8 @@ struct Bucket {
     /// Indices into `State::params`.
     members: Vec<usize>,
     entries: Vec<(String, usize, usize)>,
+    /// What the bucket carries, named in a collective mismatch ([`bucket_label`]).
+    label: String,
     flat: Tensor,
     ready: usize,
     work: Option<Work>,
@@ -343,8 +345,8 @@ impl State {
                 break;
             }
             self.pack(b)?;
-            let label = bucket_label(b, &self.buckets[b].entries);
-            let work = crate::comm::labelled(&label, || {
+            let label = &self.buckets[b].label;
+            let work = crate::comm::labelled(label, || {
                 self.bucket_group
                     .all_reduce_async(&self.buckets[b].flat, self.op)
             })?;
@@ -858,6 +860,7 @@ fn plan_buckets(
         let k = reduce_kind(members[0]);
         buckets.push(Bucket {
             members: std::mem::take(members),
+            label: bucket_label(buckets.len(), &entries),
             entries,
             flat: Tensor::f_zeros([offset as i64], (k, params[0].1.device()))?,
             ready: 0,

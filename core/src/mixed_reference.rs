@@ -181,6 +181,77 @@ impl LayerHooks for CastEachLayer<'_> {
     }
 }
 
+/// Every tensor in `to` takes the value of its counterpart in `from`, in place.
+fn copy_values(to: &[(String, Tensor)], from: &[Tensor]) -> Result<(), TrainError> {
+    tch::no_grad(|| {
+        for ((_, t), v) in to.iter().zip(from) {
+            t.shallow_clone().f_copy_(v)?;
+        }
+        Ok(())
+    })
+}
+
+impl RanksInTurn {
+    /// Before one rank's forward: every parameter's gradient cleared and its data a fresh
+    /// copy of its fp32 master, in half precision where it computes in half.
+    fn swap_in(&self, params: &[(String, Tensor)], masters: &[Tensor]) -> Result<(), TrainError> {
+        tch::no_grad(|| {
+            for (((_, p), master), &half) in params.iter().zip(masters).zip(&self.computes_in_half)
+            {
+                set_grad(p, None)?;
+                let data = match half {
+                    true => master.f_to_kind(self.half)?,
+                    false => master.shallow_clone(),
+                };
+                p.shallow_clone().f_set_data(&data)?;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// After one rank's backward: its gradients, widened to fp32, added to `sums` (rank order).
+fn add_rank_gradients(
+    params: &[(String, Tensor)],
+    sums: &mut [Option<Tensor>],
+) -> Result<(), TrainError> {
+    tch::no_grad(|| {
+        for ((_, p), sum) in params.iter().zip(sums.iter_mut()) {
+            let g = p.grad();
+            let g = match g.defined() {
+                true => g.f_to_kind(Kind::Float)?,
+                // A parameter this rank's batch did not reach adds zeros, as DDP's
+                // zero-filled bucket slot does.
+                false => Tensor::f_zeros(p.size(), (Kind::Float, p.device()))?,
+            };
+            *sum = Some(match sum.take() {
+                Some(s) => s.f_add(&g)?,
+                None => g,
+            });
+        }
+        Ok(())
+    })
+}
+
+/// After every rank: each parameter back on its fp32 master, with the ranks' summed gradient
+/// divided once by their number (the CPU backend's `Avg`) as its `.grad`.
+fn restore_averaged(
+    params: &[(String, Tensor)],
+    masters: &[Tensor],
+    sums: Vec<Option<Tensor>>,
+    ranks: usize,
+) -> Result<(), TrainError> {
+    tch::no_grad(|| {
+        for (((_, p), master), sum) in params.iter().zip(masters).zip(sums) {
+            p.shallow_clone().f_set_data(master)?;
+            let sum = sum.ok_or_else(|| TrainError::InvalidConfig("no data rank".into()))?;
+            let average = sum.f_div_scalar(ranks as f64)?.f_to_kind(master.kind())?;
+            set_grad(p, Some(&average))?;
+        }
+        Ok(())
+    })
+}
+
 impl StepHooks for RanksInTurn {
     fn forward_backward(
         &mut self,
@@ -197,23 +268,9 @@ impl StepHooks for RanksInTurn {
         let mut loss_sum = 0.0;
         let mut device = None;
         for &rank in data_ranks {
-            tch::no_grad(|| -> Result<(), TrainError> {
-                for ((_, b), start) in buffers.iter().zip(&at_step_start) {
-                    b.shallow_clone().f_copy_(start)?;
-                }
-                for (((_, p), master), &half) in
-                    params.iter().zip(&masters).zip(&self.computes_in_half)
-                {
-                    set_grad(p, None)?;
-                    let data = if half {
-                        master.f_to_kind(self.half)?
-                    } else {
-                        master.shallow_clone()
-                    };
-                    p.shallow_clone().f_set_data(&data)?;
-                }
-                Ok(())
-            })?;
+            // Every rank starts from the buffers rank 0 broadcast, as under DDP.
+            copy_values(&buffers, &at_step_start)?;
+            self.swap_in(&params, &masters)?;
             let batch = model.input(rank, step)?;
             let loss = model.loss_hooked(&batch, &mut CastEachLayer(&self.layer_dtypes))?;
             loss.f_backward()?;
@@ -222,40 +279,14 @@ impl StepHooks for RanksInTurn {
             if rank0_buffers.is_none() {
                 rank0_buffers = Some(buffers.iter().map(|(_, b)| b.copy()).collect());
             }
-            tch::no_grad(|| -> Result<(), TrainError> {
-                for ((_, p), sum) in params.iter().zip(sums.iter_mut()) {
-                    let g = p.grad();
-                    let g = match g.defined() {
-                        true => g.f_to_kind(Kind::Float)?,
-                        // A parameter this rank's batch did not reach adds zeros, as DDP's
-                        // zero-filled bucket slot does.
-                        false => Tensor::f_zeros(p.size(), (Kind::Float, p.device()))?,
-                    };
-                    *sum = Some(match sum.take() {
-                        Some(s) => s.f_add(&g)?,
-                        None => g,
-                    });
-                }
-                Ok(())
-            })?;
+            add_rank_gradients(&params, &mut sums)?;
         }
-        let n = data_ranks.len();
-        tch::no_grad(|| -> Result<(), TrainError> {
-            for (((_, p), master), sum) in params.iter().zip(&masters).zip(sums) {
-                p.shallow_clone().f_set_data(master)?;
-                let sum = sum.ok_or_else(|| TrainError::InvalidConfig("no data rank".into()))?;
-                let average = sum.f_div_scalar(n as f64)?.f_to_kind(master.kind())?;
-                set_grad(p, Some(&average))?;
-            }
-            for ((_, b), rank0) in buffers.iter().zip(rank0_buffers.into_iter().flatten()) {
-                b.shallow_clone().f_copy_(&rank0)?;
-            }
-            Ok(())
-        })?;
+        restore_averaged(&params, &masters, sums, data_ranks.len())?;
+        copy_values(&buffers, &rank0_buffers.unwrap_or_default())?;
         let device =
             device.ok_or_else(|| TrainError::InvalidConfig("a step with no data rank".into()))?;
         Ok(StepLoss {
-            value: loss_sum / n as f64,
+            value: loss_sum / data_ranks.len() as f64,
             device,
         })
     }

@@ -192,13 +192,20 @@ pub fn kept(choices: &Tensor, num_experts: usize) -> Result<Option<Tensor>, TchE
     for rank_of_choice in 0..k {
         for token in 0..tokens {
             let at = token * k + rank_of_choice;
-            let expert = usize::try_from(flat[at]).unwrap_or(usize::MAX);
-            match taken.get_mut(expert) {
-                Some(n) if *n < slots => {
-                    *n += 1;
-                    keep[at] = true;
-                }
-                _ => dropped += 1,
+            let n = usize::try_from(flat[at])
+                .ok()
+                .and_then(|e| taken.get_mut(e))
+                .ok_or_else(|| {
+                    TchError::Shape(format!(
+                        "routing choice {} is not one of {num_experts} experts",
+                        flat[at]
+                    ))
+                })?;
+            if *n < slots {
+                *n += 1;
+                keep[at] = true;
+            } else {
+                dropped += 1;
             }
         }
     }

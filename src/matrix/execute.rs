@@ -547,18 +547,11 @@ fn judge_cell<'r>(
                 let (reference, judge) = match dropping {
                     // Capacity drops tokens: the reference that drops the same ones.
                     Some((f, name)) => {
-                        let pair = runs.dropping.iter().find(|(g, _)| *g == f);
-                        let judge = match pair {
-                            Some((_, (fp32, fp64))) => Judge::Arbiter {
-                                fp32: Some(fp32),
-                                fp64: Some(fp64),
-                                spread: Vec::new(),
-                            },
-                            None => Judge::Arbiter {
-                                fp32: None,
-                                fp64: None,
-                                spread: Vec::new(),
-                            },
+                        let pair = runs.dropping.iter().find(|(g, _)| *g == f).map(|(_, p)| p);
+                        let judge = Judge::Arbiter {
+                            fp32: pair.map(|(fp32, _)| fp32),
+                            fp64: pair.map(|(_, fp64)| fp64),
+                            spread: Vec::new(),
                         };
                         (format!("{name}@{world}"), judge)
                     }

@@ -12,7 +12,7 @@ use super::layers::{
 };
 use crate::autograd::collectives::scatter_to_sequence_parallel;
 use crate::expert_parallel::moe::moe_forward_planted;
-use crate::expert_parallel::{moe_forward, Dispatcher, ExpertParams, MoeConfig};
+use crate::expert_parallel::{Dispatcher, ExpertParams, MoeConfig};
 use lockstep_models::plan::{matches_module, ParallelPlan, ParallelStyle};
 use lockstep_models::{LayerHooks, LayerSpec, ModelError, MoeSpec, NoHooks};
 use std::collections::HashMap;
@@ -200,15 +200,15 @@ impl PlanHooks {
             capacity_factor: ep.capacity_factor,
             aux_loss_coef: 0.0,
         };
-        let (x2, router) = (
-            x.f_reshape([-1, dim])?,
+        let out = moe_forward_planted(
+            &x.f_reshape([-1, dim])?,
             self.p(&format!("{path}.router.weight"))?,
-        );
-        let group = Some(&ep.group);
-        let out = match ep.extra_slot {
-            false => moe_forward(&x2, router, &local, &config, group, ep.dispatcher),
-            true => moe_forward_planted(&x2, router, &local, &config, group, ep.dispatcher, true),
-        }
+            &local,
+            &config,
+            Some(&ep.group),
+            ep.dispatcher,
+            ep.extra_slot,
+        )
         .map_err(hook_err)?;
         Ok(out.output.f_reshape(x.size().as_slice())?)
     }
