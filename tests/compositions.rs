@@ -224,6 +224,18 @@ fn counts(record: &RunRecord, step: usize) -> BTreeMap<(String, String), u64> {
     out
 }
 
+/// Calls per (operation, group kind).
+type Counts = BTreeMap<(String, String), u64>;
+
+/// One pipeline step's counts without the stage boundary's point-to-point traffic, and that
+/// traffic: (the rest, sends, receives) on the `pp-edge` groups.
+fn boundary(record: &RunRecord, step: usize) -> (Counts, Option<u64>, Option<u64>) {
+    let mut got = counts(record, step);
+    let sends = got.remove(&("send".to_owned(), "pp-edge".to_owned()));
+    let recvs = got.remove(&("recv".to_owned(), "pp-edge".to_owned()));
+    (got, sends, recvs)
+}
+
 fn expect(pairs: &[(&str, &str, u64)]) -> BTreeMap<(String, String), u64> {
     pairs
         .iter()
@@ -254,8 +266,10 @@ fn fsdp_x_tp_collective_counts_are_exact() {
 
 /// PP×DP and PP×FSDP at [dp=2, pp=2], per step: PP×DP all-reduces each stage's flattened
 /// gradients on dp once; PP×FSDP all-gathers the stage's unit at UNSHARD and reduce-scatters
-/// it at REDUCE_GRAD on dp. The pipeline's sends are not collectives. On `gpt` the tied
-/// embedding adds one all-reduce among its two holders; `nested` ties nothing.
+/// it at REDUCE_GRAD on dp. On `gpt` the tied embedding adds one all-reduce among its two
+/// holders; `nested` ties nothing. The stage boundary's sends and receives are counted too,
+/// as many of each on both stages (activations one way, their gradients back), the same
+/// every step.
 #[rstest]
 fn pp_x_data_collective_counts_are_exact(
     #[values(("nested", 0), ("gpt", 1))] case: (&str, u64),
@@ -271,8 +285,12 @@ fn pp_x_data_collective_counts_are_exact(
         if tied > 0 {
             want.insert(("all_reduce".into(), "pp-tied".into()), tied);
         }
+        let (_, sends, _) = boundary(&record, 0);
+        assert!(sends.is_some_and(|n| n > 0), "stage boundary sends counted");
         for step in 0..STEPS {
-            assert_eq!(counts(&record, step), want, "step {step}");
+            let (rest, s, r) = boundary(&record, step);
+            assert_eq!(rest, want, "step {step}");
+            assert_eq!((s, r), (sends, sends), "step {step}: sends and receives");
         }
     });
 }
@@ -517,6 +535,9 @@ fn three_dimensional_compositions_at_world_8() {
 /// forward (row-parallel wo, w2) and 2 backward (the column-parallel entries of q/k/v and
 /// w1); the output projection's backward 1 and the loss's 3 on the last stage. The tied
 /// embedding adds one all-reduce per step among its holders; nothing runs on dp (size 1).
+/// Across the stage boundary each microbatch's activation goes one way and its gradient
+/// back, after the step's shape handshake (the shapes one way, the verdict back): 5 sends
+/// and 5 receives on each stage.
 #[test]
 fn pp_x_tp_collective_counts_are_exact() {
     lockstep_harness::run(4, |ctx| {
@@ -549,8 +570,8 @@ fn pp_x_tp_collective_counts_are_exact() {
         ]);
         for step in 0..STEPS {
             assert_eq!(
-                counts(&record, step),
-                want,
+                boundary(&record, step),
+                (want.clone(), Some(4 + 1), Some(4 + 1)),
                 "rank {} step {step}",
                 ctx.rank()
             );

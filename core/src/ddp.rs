@@ -31,11 +31,13 @@
 
 use crate::autograd::{register_post_accumulate_grad_hook, set_grad, AutogradError, HookHandle};
 use crate::comm::work::lock;
-use crate::comm::{CommError, DeviceMesh, ProcessGroup, ReduceOp, Work};
+use crate::comm::{
+    CollectiveCounts, CommError, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, Work,
+};
 use crate::precision::{
     cast_buffers, low_precision_params, CastInputs, MixedPrecision, PrecisionError,
 };
-use crate::record::RunRecord;
+use crate::record::{CollectiveEntry, RunRecord};
 use crate::replica::{broadcast_named_from_rank0, distinct_parameters};
 use crate::train::{train, StepHooks, TrainConfig, TrainError};
 use lockstep_models::{LayerHooks, Model};
@@ -407,6 +409,9 @@ struct Precision {
 pub struct Ddp {
     state: Arc<Mutex<State>>,
     buffers: Vec<(String, Tensor)>,
+    /// What DDP's groups ran since the last step was recorded (a communication hook's own
+    /// groups aside).
+    counts: CollectiveCounts,
     opts: DdpOptions,
     precision: Option<Precision>,
     _hooks: Vec<HookHandle>,
@@ -479,6 +484,13 @@ impl Ddp {
         precision: Option<(CastInputs, BTreeSet<String>)>,
     ) -> Result<Ddp, DdpError> {
         let (bucket_group, replicate) = reduction_groups(&opts, &group)?;
+        // Every group DDP talks over counts into one tally, which the record takes per step.
+        let counts = CollectiveCounts::new();
+        let counted = |g: Arc<dyn ProcessGroup>| -> Arc<dyn ProcessGroup> {
+            Arc::new(CountingGroup::new(g, counts.clone()))
+        };
+        let (group, bucket_group) = (counted(group), counted(bucket_group));
+        let replicate = replicate.map(counted);
         let fault = opts.fault.clone();
         let excluded = |name: &str| match &fault {
             Some(Fault::SkipParameter(p)) if p == name => true,
@@ -566,9 +578,12 @@ impl Ddp {
                 })?);
             }
         }
+        // The construction's broadcasts are set-up, not a step's traffic.
+        counts.take();
         Ok(Ddp {
             state,
             buffers,
+            counts,
             opts,
             precision,
             _hooks: hooks,
@@ -787,6 +802,10 @@ impl StepHooks for Ddp {
 
     fn sync_gradients(&mut self, _grads: &[(String, Tensor)]) -> Result<(), TrainError> {
         self.finish_gradients().map_err(into_train)
+    }
+
+    fn step_collectives(&mut self) -> Option<Vec<CollectiveEntry>> {
+        Some(CollectiveEntry::from_counts(self.counts.take()))
     }
 }
 

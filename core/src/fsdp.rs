@@ -54,12 +54,12 @@ use crate::autograd::{
     storage_nbytes, AutogradError, HookHandle,
 };
 use crate::comm::work::lock;
-use crate::comm::{CommError, DeviceMesh, ProcessGroup};
+use crate::comm::{CollectiveCounts, CommError, CountingGroup, DeviceMesh, ProcessGroup};
 use crate::consistency::{observe_stepped, StateKind, StateProbe};
 use crate::precision::{
     cast_buffers, low_precision_params, CastInputs, MixedPrecision, PrecisionError,
 };
-use crate::record::{MemoryStats, RunRecord};
+use crate::record::{CollectiveEntry, MemoryStats, RunRecord};
 use crate::replica::distinct_parameters;
 use crate::train::{train, Optimizer, StepHooks, TrainConfig, TrainError};
 use lockstep_models::{LayerHooks, Misshaped, Model, ModelError};
@@ -294,6 +294,9 @@ pub struct Fsdp {
     cast: Option<CastInputs>,
     /// Post-accumulate-grad hooks (post-backward), removed on drop.
     post_backward: Vec<HookHandle>,
+    /// What training ran on FSDP's groups since the record last took it (a wrapper over a
+    /// model only: a composition counts its own groups).
+    counts: Option<CollectiveCounts>,
 }
 
 impl Fsdp {
@@ -409,7 +412,21 @@ impl Fsdp {
             }
             None => vec![None; ignored.len()],
         };
-        let mut core = Core::new(group, replicate, opts, units, compute_device);
+        // Training's collectives count into one tally the record takes per step; the
+        // record's own gathers go over the group uncounted.
+        let counts = CollectiveCounts::new();
+        let counted = |g: Arc<dyn ProcessGroup>| -> Arc<dyn ProcessGroup> {
+            Arc::new(CountingGroup::new(g, counts.clone()))
+        };
+        let uncounted = group.clone();
+        let mut core = Core::new(
+            counted(group),
+            replicate.map(counted),
+            opts,
+            units,
+            compute_device,
+        );
+        core.record_group = uncounted;
         core.ignored_masters = ignored.iter().map(|_| None).collect();
         core.ignored = ignored;
         core.ignored_compute = ignored_compute;
@@ -418,7 +435,11 @@ impl Fsdp {
         core.tags = tags;
         core.unit_of_layer = unit_of_layer;
         core.per_layer = model.supports_layer_hooks();
-        Self::assemble(core, cast)
+        let mut fsdp = Self::assemble(core, cast)?;
+        // The construction's broadcasts and first resharding are set-up, not a step's.
+        counts.take();
+        fsdp.counts = Some(counts);
+        Ok(fsdp)
     }
 
     /// Shards `tensors` (one dtype, each owning its storage, the same shapes on every rank of
@@ -512,6 +533,7 @@ impl Fsdp {
             core,
             cast,
             post_backward,
+            counts: None,
         })
     }
 
@@ -1213,6 +1235,11 @@ impl StepHooks for Fsdp {
 
     fn layer_hooks(&mut self) -> Option<&mut dyn LayerHooks> {
         Some(self)
+    }
+
+    fn step_collectives(&mut self) -> Option<Vec<CollectiveEntry>> {
+        let counts = self.counts.as_ref()?;
+        Some(CollectiveEntry::from_counts(counts.take()))
     }
 
     fn sync_gradients(&mut self, _grads: &[(String, Tensor)]) -> Result<(), TrainError> {

@@ -41,6 +41,10 @@ pub struct OpRecord {
     pub dtype: Option<DType>,
     /// Peer for point-to-point operations (group rank).
     pub peer: Option<usize>,
+    /// What the call carried, when its caller said ([`crate::comm::labelled`]): a hang's
+    /// diagnosis then names each rank's tensor, not only a sequence number and a shape.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
     /// How far the operation got: what a hang dump reads to find the rank that is stuck.
     pub state: OpState,
     /// Milliseconds since the Unix epoch when the operation was issued.
@@ -94,6 +98,7 @@ pub fn record(
         shapes,
         dtype,
         peer,
+        label: super::label::current(),
         state: OpState::Scheduled,
         issued_ms: now_ms(),
         elapsed_ms: 0,
@@ -125,8 +130,13 @@ pub fn render(records: &[OpRecord]) -> String {
         let shapes: Vec<String> = r.shapes.iter().map(|s| format!("{s:?}")).collect();
         let dtype = r.dtype.map(|d| d.to_string()).unwrap_or_else(|| "-".into());
         let peer = r.peer.map(|p| format!(" peer={p}")).unwrap_or_default();
+        let label = r
+            .label
+            .as_ref()
+            .map(|l| format!(": {l}"))
+            .unwrap_or_default();
         out.push_str(&format!(
-            "  #{:<4} {:<10} seq={:<4} {:<15} {:<5} {}{} {:?} ({} ms)\n",
+            "  #{:<4} {:<10} seq={:<4} {:<15} {:<5} {}{} {:?} ({} ms){label}\n",
             r.id,
             r.group,
             r.seq,
@@ -165,7 +175,12 @@ impl OpRecord {
             OpState::Failed(_) => "Failed".to_owned(),
             s => format!("{s:?}"),
         };
-        format!("{}{dtype}{shape} ({state})", self.op)
+        let carried = self
+            .label
+            .as_ref()
+            .map(|l| format!(", carrying {l}"))
+            .unwrap_or_default();
+        format!("{}{dtype}{shape} ({state}){carried}", self.op)
     }
 }
 
@@ -344,6 +359,7 @@ mod diagnose_tests {
             shapes: vec![vec![3]],
             dtype: Some(DType::F32),
             peer: None,
+            label: None,
             state,
             issued_ms: 0,
             elapsed_ms: 0,
@@ -367,6 +383,43 @@ mod diagnose_tests {
                 && found[0].contains("which 1 never issued")
                 && found[0].contains("replicate[1,3] #4 broadcast"),
             "{found:?}"
+        );
+    }
+
+    /// A skipped collective names what each side's call carried: the bucket rank 0 waits in
+    /// and the loss average rank 1 went on to.
+    #[test]
+    fn a_desync_names_the_tensors_each_rank_called_with() {
+        let labelled = |seq, op, state, label: &str| OpRecord {
+            label: Some(label.to_owned()),
+            ..rec("world", seq, op, state)
+        };
+        let bucket = "DDP gradient bucket 1: `fc.bias`";
+        let loss = "the step's loss, averaged over the ranks";
+        let r0 = vec![labelled(3, OpKind::AllReduce, OpState::Started, bucket)];
+        let r1 = vec![
+            labelled(
+                2,
+                OpKind::AllReduce,
+                OpState::Completed,
+                "DDP gradient bucket 0: `fc.weight`",
+            ),
+            OpRecord {
+                group: "metrics".into(),
+                ..labelled(0, OpKind::AllReduce, OpState::Started, loss)
+            },
+        ];
+        let found = diagnose(&[Some(r0), Some(r1)]);
+        assert!(
+            found[0].contains(&format!(
+                "(Started), carrying {bucket}, which 1 never issued"
+            )) && found[0].contains(&format!("carrying {loss}")),
+            "{found:?}"
+        );
+        let table = render(&[labelled(3, OpKind::AllReduce, OpState::Started, bucket)]);
+        assert!(
+            table.trim_end().ends_with(&format!(": {bucket}")),
+            "{table}"
         );
     }
 

@@ -25,6 +25,9 @@ pub(crate) struct Core {
     /// The group a flat parameter is sharded over (the whole data-parallel group, or the
     /// shard dimension of a hybrid mesh).
     pub(super) group: Arc<dyn ProcessGroup>,
+    /// `group` for what is not training (the record's gradient gathers, checkpoints): the
+    /// same group, but left out of the per-step collective tally when `group` counts.
+    pub(super) record_group: Arc<dyn ProcessGroup>,
     /// Hybrid shard: the group the shards are replicated over (gradients all-reduced there).
     pub(super) replicate: Option<Arc<dyn ProcessGroup>>,
     pub(super) opts: FsdpOptions,
@@ -82,6 +85,7 @@ impl Core {
             _ => (group.size(), group.rank()),
         };
         Core {
+            record_group: group.clone(),
             group,
             replicate,
             opts,
@@ -169,7 +173,11 @@ impl Core {
         }
         let full = Tensor::f_empty([self.units[u].padded], (local.kind(), local.device()))?;
         let label = format!("FSDP unit `{}`'s parameters", self.units[u].name);
-        crate::comm::labelled(&label, || self.group.all_gather(&full, local))?;
+        let group = match purpose {
+            Gather::Params => &self.group,
+            Gather::RecordGrads | Gather::Checkpoint => &self.record_group,
+        };
+        crate::comm::labelled(&label, || group.all_gather(&full, local))?;
         self.count(purpose);
         Ok(full)
     }

@@ -196,12 +196,51 @@ pub fn train_pipeline_with(
         stage_tp: stage_tp.as_ref(),
         tp_part: &tp_part,
     };
-    let (record, traces) = PipelineStrategy::new(steps, metas_by_size).train(cfg)?;
+    let (mut record, traces) = PipelineStrategy::new(steps, metas_by_size).train(cfg)?;
+    record.placements = placement_table(&plan, &stage_params, stage_tp.as_ref(), sharded);
     Ok(PipelineRun {
         record,
         traces,
         plan,
     })
+}
+
+/// Where every parameter lived, for the record (and so the report): the stages that use it
+/// and their pipeline ranks (a tied weight on several, its gradient parts summed), its
+/// split under the stages' TP plan, and how the pipeline's replicas hold it.
+fn placement_table(
+    plan: &PipelinePlan,
+    stage_params: &[Vec<(usize, Tensor)>],
+    stage_tp: Option<&StageTp>,
+    sharded: bool,
+) -> Vec<crate::record::TensorPlacement> {
+    let dp = plan.data_parallel;
+    plan.params
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let stages: Vec<String> = (0..plan.stages.len())
+                .filter(|&s| stage_params[s].iter().any(|(j, _)| *j == i))
+                .map(|s| format!("stage {s} (pipeline rank {})", plan.stage_ranks[s]))
+                .collect();
+            let mut placement = match stages.len() {
+                1 => stages.join(""),
+                _ => format!("tied: {}, gradient parts summed", stages.join(", ")),
+            };
+            if let Some(tp) = stage_tp.filter(|s| s.group_size() > 1) {
+                placement.push_str(&format!(", {}", tp.placement_text(name)));
+            }
+            match (dp, sharded) {
+                (1, _) => {}
+                (_, true) => placement.push_str(&format!(", sharded over dp={dp}")),
+                (_, false) => placement.push_str(&format!(", replicated over dp={dp}")),
+            }
+            crate::record::TensorPlacement {
+                tensor: name.clone(),
+                placement,
+            }
+        })
+        .collect()
 }
 
 /// Tied weights: every holder of each held tied weight ends with the sum of every holder's
@@ -704,7 +743,7 @@ fn pipeline_groups(
             .flat_map(|d| (0..tp).map(move |t| vec![global(d, a, t), global(d, b, t)]))
             .collect();
         if let Some(g) = world.new_groups(&partition, "pp-edge")? {
-            edge_groups.insert((e.from, e.to), g);
+            edge_groups.insert((e.from, e.to), counted(g));
         }
     }
     let mut holder_sets: Vec<Vec<usize>> = plan

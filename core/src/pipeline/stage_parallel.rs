@@ -9,7 +9,7 @@ use crate::comm::ProcessGroup;
 use crate::compose::DataParallel;
 use crate::fsdp::Fsdp;
 use crate::tensor_parallel::hooks::PlanHooks;
-use crate::tensor_parallel::run::{aliases, local_parameters, tp_coordinate};
+use crate::tensor_parallel::run::{aliases, local_parameters, placement_text, tp_coordinate};
 use crate::tensor_parallel::{check_plan, model_plan, Placement};
 use lockstep_models::{Batch, LayerHooks, Model};
 use std::cell::RefCell;
@@ -83,6 +83,16 @@ pub(super) struct StageTp {
 }
 
 impl StageTp {
+    /// How the stage's TP plan holds `name`, for the record's placements.
+    pub(super) fn placement_text(&self, name: &str) -> String {
+        placement_text(self.placements.get(name), self.group.size())
+    }
+
+    /// The stage's TP degree.
+    pub(super) fn group_size(&self) -> usize {
+        self.group.size()
+    }
+
     /// Which copy of TP-local tensor `name` this rank holds, for the cross-rank check.
     pub(super) fn coordinate(&self, name: &str) -> String {
         tp_coordinate(&self.placements, name, self.rank, self.group.size())

@@ -298,13 +298,7 @@ impl<'a> TpRun<'a> {
             .named_parameters()
             .into_iter()
             .map(|(tensor, _)| {
-                let placement = match self.placements.get(&tensor) {
-                    Some(Placement::Shard { dim }) => format!("shard(dim {dim}) over tp={tp}"),
-                    Some(Placement::PartialGrad) => {
-                        format!("replicated, gradient summed over tp={tp} (sequence shards)")
-                    }
-                    Some(Placement::Replicated) | None => "replicated".to_owned(),
-                };
+                let placement = placement_text(self.placements.get(&tensor), tp);
                 crate::record::TensorPlacement { tensor, placement }
             })
             .collect()
@@ -620,4 +614,16 @@ fn full_tensors(
             Ok((name.clone(), full))
         })
         .collect()
+}
+
+/// How a tensor under a TP plan lives, as reports print it (`None`: the plan does not place
+/// it, so it is replicated).
+pub(crate) fn placement_text(placement: Option<&Placement>, tp: usize) -> String {
+    match placement {
+        Some(Placement::Shard { dim }) => format!("shard(dim {dim}) over tp={tp}"),
+        Some(Placement::PartialGrad) => {
+            format!("replicated, gradient summed over tp={tp} (sequence shards)")
+        }
+        Some(Placement::Replicated) | None => "replicated".to_owned(),
+    }
 }

@@ -14,7 +14,7 @@ mod strategy;
 use crate::autograd::AutogradError;
 use crate::comm::{CommError, ProcessGroup, ReduceOp};
 use crate::consistency::StateProbe;
-use crate::record::{NamedTensor, RunRecord, RunSpec};
+use crate::record::{CollectiveEntry, NamedTensor, RunRecord, RunSpec};
 use lockstep_models::{LayerHooks, Model, ModelError};
 use tch::{Device, Kind, TchError, Tensor};
 
@@ -163,7 +163,7 @@ pub fn train_from(
         let loss = sync.forward_backward(model, &cfg.data_ranks, step)?;
         let grads = sync.local_gradients(&params, step)?;
         sync.sync_gradients(&grads)?;
-        collectives.extend(sync.step_collectives());
+        let synchronized = sync.step_collectives();
         // A wrapper may have replaced a `.grad` rather than written into it (mixed precision
         // hands back the reduced fp32 gradient in place of the low-precision one backward
         // produced): record what the optimizer will see.
@@ -174,11 +174,18 @@ pub fn train_from(
         if let (Some(all), Some(full)) = (record.grads.as_mut(), view.full) {
             all.push(capture(&full)?);
         }
+        // The record keeping above (the loss average, full gradients) is not the step's
+        // traffic: drop what it counted.
+        sync.step_collectives();
         if let Some(max_norm) = model.max_grad_norm() {
             sync.clip_gradients(max_norm, view.norm, &grads)?;
         }
         if !sync.optimizer_step(optimizer.as_mut(), &params)? {
             optimizer.step(&params)?;
+        }
+        // The step's traffic: the synchronization, then clipping's and the optimizer's.
+        if let Some(entries) = synchronized {
+            collectives.push(merge_collectives(entries, sync.step_collectives()));
         }
         if let Some(probe) = &cfg.probe {
             sync.observe_state(step, &params, optimizer.as_ref(), &rank_local, probe)?;
@@ -195,6 +202,27 @@ pub fn train_from(
         record.collectives = Some(collectives);
     }
     Ok((record, optimizer))
+}
+
+/// One step's tallies, `later` added into `first` by (operation, group).
+fn merge_collectives(
+    first: Vec<CollectiveEntry>,
+    later: Option<Vec<CollectiveEntry>>,
+) -> Vec<CollectiveEntry> {
+    let mut merged: std::collections::BTreeMap<(String, String), CollectiveEntry> = first
+        .into_iter()
+        .map(|e| ((e.op.clone(), e.group.clone()), e))
+        .collect();
+    for e in later.into_iter().flatten() {
+        merged
+            .entry((e.op.clone(), e.group.clone()))
+            .and_modify(|m| {
+                m.calls += e.calls;
+                m.bytes += e.bytes;
+            })
+            .or_insert(e);
+    }
+    merged.into_values().collect()
 }
 
 /// Every parameter's current `.grad`, by name; a missing one is an error (synchronizing a

@@ -105,9 +105,11 @@ pub trait StepHooks {
     /// Makes the gradients of this rank the synchronized ones, after backward.
     fn sync_gradients(&mut self, grads: &[(String, Tensor)]) -> Result<(), TrainError>;
 
-    /// The collectives this step's training ran on this rank, for the record, when the
-    /// strategy counts them; taken right after [`StepHooks::sync_gradients`], so the record
-    /// keeping that follows (full gradients, the loss average) is not counted.
+    /// The collectives this rank ran since the last call, for the record, when the strategy
+    /// counts them. The loop calls it right after [`StepHooks::sync_gradients`], again after
+    /// its record keeping (full gradients, the loss average: dropped, not the step's
+    /// traffic) and after the optimizer step (clipping's norm, a sharded step), and records
+    /// the first and last as the step's.
     fn step_collectives(&mut self) -> Option<Vec<CollectiveEntry>> {
         None
     }
