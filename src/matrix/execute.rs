@@ -201,6 +201,79 @@ impl CellRuns {
             .map(|(_, r)| r)
     }
 
+    /// The run that stands for `config` in its own rows: a reference's first run, or a
+    /// launched configuration's.
+    fn run_of(&self, config: Config) -> Option<&Outcome> {
+        self.reference(config, 0).or_else(|| self.launched(config))
+    }
+
+    /// The fp32 run that reference `against` of `config` names.
+    fn fp32(&self, config: Config, against: Against) -> Option<&Outcome> {
+        match against {
+            Against::Repeat => self.reference(config, 1),
+            Against::Config(c) => self.run_of(c),
+            Against::Single => self.reference(Config::Single, 0),
+            Against::Mixed(p) => self.mixed.iter().find(|(q, _)| *q == p).map(|(_, r)| r),
+            Against::Dropping(f) => self.dropping_pair(f).map(|(fp32, _)| fp32),
+            Against::Microbatched(m) => self.microbatched_pair(m).map(|(fp32, _)| fp32),
+        }
+    }
+
+    /// The float64 shadow of reference `against`, where it ran.
+    fn shadow(&self, against: Against) -> Option<&Outcome> {
+        match against {
+            Against::Single => self.single_f64.as_ref(),
+            Against::Dropping(f) => self.dropping_pair(f).map(|(_, fp64)| fp64),
+            Against::Microbatched(m) => self
+                .microbatched_pair(m)
+                .and_then(|(_, fp64)| fp64.as_ref()),
+            _ => None,
+        }
+    }
+
+    fn dropping_pair(&self, factor: f64) -> Option<&(Outcome, Outcome)> {
+        self.dropping
+            .iter()
+            .find(|(g, _)| *g == factor)
+            .map(|(_, p)| p)
+    }
+
+    fn microbatched_pair(&self, m: usize) -> Option<&(Outcome, Option<Outcome>)> {
+        self.microbatched
+            .iter()
+            .find(|(n, _)| *n == m)
+            .map(|(_, p)| p)
+    }
+
+    /// The fp64 arbiter's runs for an edge of `config`: the envelope run, the shadow, and the
+    /// other correct fp32 runs that widen the envelope.
+    fn arbiter(&self, config: Config, a: Arbiter) -> Judge<'_> {
+        let envelope = self.fp32(config, a.envelope);
+        let spread = match a.spread {
+            Spread::None => Vec::new(),
+            Spread::VariantsAndSingle => {
+                let single = self.reference(Config::Single, 0);
+                self.spread
+                    .iter()
+                    .chain(single.filter(|s| !same_run(Some(s), envelope)))
+                    .collect()
+            }
+            Spread::Variants => self
+                .spread
+                .iter()
+                .filter(|v| match (v, envelope) {
+                    (Ok(v), Some(Ok(r))) => v.spec.config != r.spec.config,
+                    _ => true,
+                })
+                .collect(),
+        };
+        Judge::Arbiter {
+            fp32: envelope,
+            fp64: self.shadow(a.shadow),
+            spread,
+        }
+    }
+
     /// The run of launched configuration `config`, wherever it ran.
     fn launched(&self, config: Config) -> Option<&Outcome> {
         self.fsdp
@@ -424,199 +497,59 @@ impl CellBaseline {
     }
 }
 
-/// Judges every selected configuration of one cell against each of its references, pushing
-/// the rows (and the comparisons behind them) into `result`.
-fn judge_cell<'r>(
+/// Judges every selected configuration of one cell against each of its references (the
+/// catalog's edges, [`Config::edges`]), pushing one row per edge (and the comparison behind
+/// it) into `result`.
+fn judge_cell(
     plan: &Plan,
     cell: &Cell<'_>,
-    runs: &'r CellRuns,
+    runs: &CellRuns,
     result: &mut MatrixResult,
     log: &mut Option<std::io::BufWriter<std::fs::File>>,
 ) {
     let world = cell.world;
-    let mut row = |config: Config,
-                   reference_name: String,
-                   judge: Judge<'_>,
-                   skip: Option<String>,
-                   run: Option<&Outcome>| {
-        let log = log.as_mut().map(|w| w as &mut dyn std::io::Write);
-        let (r, c) = judge_row(plan, cell, config, reference_name, judge, skip, run, log);
-        result.comparisons.extend(c);
-        result.rows.push(r);
-    };
-    let policy_against = |config: Config, reference: Config, against| Judge::Policy {
-        policy: config.policy_on(reference, world, plan.backend),
-        against,
-    };
-    let single_ref = runs.reference(Config::Single, 0);
-    // The fp64 arbiter around the single-device reference: with the noise of the reference
-    // and its fp32 variants, or (a simpler configuration) of the given run, the reference
-    // and the variants; a mixed-precision row's envelope is its DDP reference's noise alone.
-    let arbiter_single = |config: Config, envelope_of: Option<&'r Outcome>| -> Judge<'r> {
-        let spread = match config.precision() {
-            Some(_) => Vec::new(),
-            None => runs
-                .spread
-                .iter()
-                .chain(single_ref.filter(|s| !same_run(Some(s), envelope_of)))
-                .collect(),
-        };
-        Judge::Arbiter {
-            fp32: envelope_of,
-            fp64: runs.single_f64.as_ref(),
-            spread,
-        }
-    };
-    let single = Config::Single.at(world);
     for &config in &plan.configs {
-        let world_skip = config.world_blocker(world);
-        match config {
-            // `ddp.hybrid_order` is never selected (a reference only); were it, its row
-            // would be its repeat's, like the other DDP references.
-            Config::Single | Config::DdpMixed(_) | Config::DdpHybridOrder => {
-                let judge = policy_against(config, config, runs.reference(config, 1));
-                let run = runs.reference(config, 0);
-                row(config, config.at(world), judge, world_skip.clone(), run);
-                if let Config::DdpMixed(p) = config {
-                    // The independent reference: no policy code shared with the run.
-                    let judge = Judge::Policy {
-                        policy: p.reference_policy(config, world, plan.backend),
-                        against: runs.mixed.iter().find(|(q, _)| *q == p).map(|(_, r)| r),
-                    };
-                    let skip = world_skip.or_else(|| plan.mixed_blockers[cell.index].clone());
-                    let name = format!("{}@{world}", p.half_type().reference_name());
-                    row(config, name, judge, skip, run);
-                }
-            }
-            Config::Ddp => {
-                let ddp = runs.reference(Config::Ddp, 0);
-                let judge = arbiter_single(config, single_ref);
-                row(config, single.clone(), judge, world_skip.clone(), ddp);
-                let judge = policy_against(config, config, runs.reference(Config::Ddp, 1));
-                row(config, config.at(world), judge, world_skip, ddp);
-            }
-            Config::Fsdp(id) => {
-                let run = runs.launched(config);
-                let ddp = id.get().ddp_reference();
-                let judge = policy_against(config, ddp, runs.reference(ddp, 0));
-                row(config, ddp.at(world), judge, world_skip.clone(), run);
-                // Mixed precision is judged around its own DDP reference's noise.
-                let envelope_of = match config.precision() {
-                    None => single_ref,
-                    Some(_) => runs.reference(ddp, 0),
-                };
-                row(
-                    config,
-                    single.clone(),
-                    arbiter_single(config, envelope_of),
-                    world_skip,
-                    run,
-                );
-            }
-            Config::ModelParallel(_) | Config::Composed(_) => {
-                let run = runs.launched(config);
-                let blocked = plan
-                    .model_parallel_blockers
-                    .get(&(cell.index, world, config))
-                    .cloned()
-                    .flatten();
-                let skip = world_skip.or(blocked);
-                if let Some(simpler) = config
-                    .composition_config()
-                    .and_then(CompositionConfig::simpler)
-                {
-                    let against = runs.launched(simpler);
-                    let judge = match config.policy(simpler, world) {
-                        // Not bitwise by the math: the arbiter, with the simpler
-                        // configuration's own noise as the envelope.
-                        Ok(p)
-                            if p.override_for(&config.at(world)).is_some()
-                                && runs.single_f64.is_some() =>
-                        {
-                            arbiter_single(config, against)
-                        }
-                        _ => policy_against(config, simpler, against),
-                    };
-                    let simpler_skip = simpler_blocker(plan, cell, simpler);
-                    let skip = skip.clone().or(simpler_skip);
-                    row(config, simpler.at(world), judge, skip, run);
-                }
-                let dropping = config
-                    .model_parallel_config()
-                    .and_then(ModelParallelConfig::dropping_reference);
-                let (reference, judge) = match dropping {
-                    // Capacity drops tokens: the reference that drops the same ones.
-                    Some((f, name)) => {
-                        let pair = runs.dropping.iter().find(|(g, _)| *g == f).map(|(_, p)| p);
-                        let judge = Judge::Arbiter {
-                            fp32: pair.map(|(fp32, _)| fp32),
-                            fp64: pair.map(|(_, fp64)| fp64),
-                            spread: Vec::new(),
-                        };
-                        (format!("{name}@{world}"), judge)
-                    }
-                    None => (single.clone(), arbiter_single(config, single_ref)),
-                };
-                row(config, reference, judge, skip, run);
-            }
-            Config::Pipeline(id) => {
-                let run = runs.launched(config);
-                let planned = plan.pipeline_plans.get(&(cell.index, world, config));
-                let skip = world_skip.or_else(|| match planned {
-                    Some(Err(reason)) => Some(reason.clone()),
-                    _ => None,
-                });
-                let judge = arbiter_single(config, single_ref);
-                row(config, single.clone(), judge, skip.clone(), run);
-                let (name, judge, skip) = match planned {
-                    Some(Ok(p)) if p.data_parallel == 1 => {
-                        let mb = runs
-                            .microbatched
-                            .iter()
-                            .find(|(n, _)| *n == p.microbatches)
-                            .map(|(_, r)| r);
-                        (p.microbatches, vs_microbatched(p, mb, &runs.spread), None)
-                    }
-                    // Data-parallel replicas: no microbatched row.
-                    Some(Ok(_)) => continue,
-                    _ => {
-                        let judge = Judge::Policy {
-                            policy: Ok(TolerancePolicy::bitwise(DType::F32)),
-                            against: None,
-                        };
-                        (
-                            id.get()
-                                .ranks(world)
-                                .map_or(0, |p| id.get().microbatches(p)),
-                            judge,
-                            skip,
-                        )
-                    }
-                };
-                row(
-                    config,
-                    format!("{}@{world}", microbatched_name(name)),
-                    judge,
-                    skip,
-                    run,
-                );
-            }
+        let run = runs.run_of(config);
+        let blocked = plan.blocker(cell.index, world, config);
+        for edge in config.edges(world) {
+            let skip = blocked
+                .clone()
+                .or_else(|| plan.reference_blocker(cell.index, world, edge.against));
+            let judge = resolve_edge(plan, cell, runs, config, edge);
+            let log = log.as_mut().map(|w| w as &mut dyn std::io::Write);
+            let reference = edge.against.at(config, world);
+            let (r, c) = judge_row(plan, cell, config, reference, judge, skip, run, log);
+            result.comparisons.extend(c);
+            result.rows.push(r);
         }
     }
 }
 
-/// Why the simpler configuration `simpler` cannot serve as a reference in `cell`, if it
-/// cannot.
-fn simpler_blocker(plan: &Plan, cell: &Cell<'_>, simpler: Config) -> Option<String> {
-    simpler
-        .world_blocker(cell.world)
-        .or_else(|| {
-            plan.model_parallel_blockers
-                .get(&(cell.index, cell.world, simpler))
-                .cloned()
-                .flatten()
-        })
-        .map(|reason| format!("{}: {reason}", simpler.name()))
+/// The runs edge `edge` of `config` is judged with, and how.
+fn resolve_edge<'r>(
+    plan: &Plan,
+    cell: &Cell<'_>,
+    runs: &'r CellRuns,
+    config: Config,
+    edge: Edge,
+) -> Judge<'r> {
+    let policy = || Judge::Policy {
+        policy: config.edge_policy(edge.against, cell.world, plan.backend),
+        against: runs.fp32(config, edge.against),
+    };
+    match edge.judged {
+        Judged::Policy => policy(),
+        Judged::Arbiter(a) if a.else_policy && runs.shadow(a.shadow).is_none() => policy(),
+        Judged::Arbiter(a) => runs.arbiter(config, a),
+        Judged::BitwiseUnlessPlanBlocks(a) => {
+            let planned = plan.pipeline_plans.get(&(cell.index, cell.world, config));
+            let blocked = matches!(planned, Some(Ok(p)) if p.bitwise_blocker.is_some());
+            match blocked && runs.fp32(config, a.envelope).is_some() {
+                true => runs.arbiter(config, a),
+                false => policy(),
+            }
+        }
+    }
 }
 
 /// Whether `a` and `b` are the same run (both absent counts).
@@ -625,34 +558,6 @@ fn same_run(a: Option<&Outcome>, b: Option<&Outcome>) -> bool {
         (Some(a), Some(b)) => std::ptr::eq(a, b),
         (None, None) => true,
         _ => false,
-    }
-}
-
-/// How a one-replica pipeline is judged against the microbatched reference `mb`: bitwise
-/// where its plan allows, else (equal by the math only up to summation order) the fp64
-/// arbiter around the microbatched reference's own float64 shadow, with the noise of it and
-/// of the cell's fp32 variants (`spread`) but the one that is this reference.
-fn vs_microbatched<'a>(
-    plan: &PipelinePlan,
-    mb: Option<&'a (Outcome, Option<Outcome>)>,
-    spread: &'a [Outcome],
-) -> Judge<'a> {
-    match (&plan.bitwise_blocker, mb) {
-        (Some(_), Some((fp32, fp64))) => Judge::Arbiter {
-            fp32: Some(fp32),
-            fp64: fp64.as_ref(),
-            spread: spread
-                .iter()
-                .filter(|v| match (v, fp32) {
-                    (Ok(v), Ok(r)) => v.spec.config != r.spec.config,
-                    _ => true,
-                })
-                .collect(),
-        },
-        _ => Judge::Policy {
-            policy: Ok(TolerancePolicy::bitwise(DType::F32)),
-            against: mb.map(|(fp32, _)| fp32),
-        },
     }
 }
 

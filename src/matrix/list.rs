@@ -2,6 +2,9 @@
 
 use super::*;
 
+/// The world size `--list` shows each configuration's references at (`Config::edges`).
+const LIST_WORLD: usize = 4;
+
 /// The `--list` text: every configuration with the models it applies to, then the models.
 pub fn render_list(seed: u64) -> Result<String, MatrixError> {
     let mut models = Vec::new();
@@ -43,6 +46,17 @@ pub fn render_list(seed: u64) -> Result<String, MatrixError> {
             "  {:<width$}zoo models: {} (and any model of yours: `ParityTest::model`)",
             "",
             applies.join(", ")
+        );
+        let edges: Vec<String> = c
+            .edges(LIST_WORLD)
+            .iter()
+            .map(|e| e.describe(c, LIST_WORLD))
+            .collect();
+        let _ = writeln!(
+            out,
+            "  {:<width$}judged at world {LIST_WORLD} against: {}",
+            "",
+            edges.join("; ")
         );
         if let Some(FsdpLayout::Hybrid { replicas }) = c.fsdp_config().map(|f| f.layout) {
             let _ = writeln!(

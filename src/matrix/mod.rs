@@ -1,35 +1,12 @@
 //! `lockstep matrix`: every (model × parallel configuration × world size) the tool knows, run
 //! on the CPU backend and judged against its references, with one report set at the end.
 //!
-//! A configuration under test is compared against every reference that applies to it:
-//!
-//! - `ddp@N` against `single@N` (the single-device reference over the same global batch)
-//!   by the fp64 arbiter (docs/parity.md: its distance to a float64 shadow of `single@N`
-//!   within 16 times the reference's own), and against a second, freshly launched `ddp@N` in bitwise
-//!   mode: the CPU backend reduces in rank order, so a repeat must be bit-identical;
-//! - `single@N` against a repeat of itself in bitwise mode: a reference that is not
-//!   deterministic would make every verdict against it meaningless;
-//! - every FSDP configuration against `ddp@N` in bitwise mode (FSDP's reduce-scatter yields
-//!   exactly DDP's averaged gradients on the CPU backend) and against `single@N` by the fp64
-//!   arbiter. Hybrid shard (`fsdp.hybrid_shard*`), whose two-stage average sums in
-//!   a different order than DDP's all-reduce, is compared bitwise against `ddp.hybrid_order@N`
-//!   instead, DDP averaging each bucket in the same two stages ([`HYBRID_VS_DDP_REASON`]), a
-//!   reference that runs once per cell when a hybrid configuration does and is never
-//!   selected itself;
-//! - every mixed-precision FSDP configuration (`fsdp.*.bf16`, `fsdp.*.fp16`) against DDP
-//!   under the same policy (`ddp.bf16@N`, `ddp.fp16@N`) in bitwise mode: the same casts of
-//!   the same fp32 masters and the same rank-order reduction; and against `single@N` by the
-//!   fp64 arbiter with that DDP reference's noise as the envelope ([`MIXED_VS_SINGLE_REASON`],
-//!   printed by `--list`);
-//! - `ddp.bf16@N` and `ddp.fp16@N` (DDP under [`Precision`]'s policy), when selected
-//!   themselves, against a fresh repeat of themselves in bitwise mode, and bitwise against
-//!   the independent mixed-precision reference `single.bf16@N` / `single.fp16@N`
-//!   ([`lockstep_core::mixed_reference`]: one process, every rank's forward and backward in
-//!   turn under casts of its own, the fp32 rank-order average), which shares no policy code
-//!   with them, so a wrong half type, reduce dtype or half-precision master fails a row; not
-//!   against `single@N`. Rank-local parameters (`moe`'s expert), which FSDP ignores, are
-//!   cast to the compute dtype for forward like every other parameter, so every model runs
-//!   (models with rank-local parameters have no independent reference: that row skips).
+//! Each selected configuration gets one row per judging edge of the catalog
+//! ([`Config::edges`]: which references it is measured against, and how: its policy against a
+//! repeat of itself or DDP, the fp64 arbiter against `single@N`, bitwise or the arbiter
+//! against a pipeline's microbatched reference, and so on; `--list` prints every edge). The
+//! why of each pairing is in docs/matrix.md; [`HYBRID_VS_DDP_REASON`] and
+//! [`MIXED_VS_SINGLE_REASON`] are the two that `--list` spells out.
 //!
 //! The FSDP configurations are a table ([`fsdp_configs`]): name, description, options,
 //! layout (flat or hybrid), how it is judged against DDP and its mixed-precision policy;
@@ -59,7 +36,6 @@
 
 use crate::runner;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use lockstep_core::comm::DType;
 use lockstep_core::ddp::Fault;
 use lockstep_core::pipeline::PipelinePlan;
 use lockstep_core::record::{MemoryStats, RunRecord};
@@ -153,6 +129,7 @@ mod execute;
 mod list;
 mod microbatched;
 mod mixed;
+mod needs;
 mod plan;
 mod result;
 mod sensitivity;

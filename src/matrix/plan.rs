@@ -233,21 +233,9 @@ impl Plan {
     }
 
     /// The configurations the compositions launched at `world_size` reduce to that are not
-    /// selected themselves: they run once, as references.
+    /// selected themselves: they run once, as references ([`Plan::needs`]).
     pub(super) fn simpler_references(&self, model: usize, world_size: usize) -> Vec<Config> {
-        let mut out: Vec<Config> = Vec::new();
-        for c in self.model_parallel_launches(model, world_size) {
-            let Some(simpler) = c.composition_config().and_then(CompositionConfig::simpler) else {
-                continue;
-            };
-            if !self.configs.contains(&simpler)
-                && !out.contains(&simpler)
-                && self.runs_here(model, world_size, simpler)
-            {
-                out.push(simpler);
-            }
-        }
-        out
+        self.needs(model, world_size).simpler
     }
 
     /// Whether tensor/expert-parallel or composed configuration `c` runs model `model` at
@@ -259,50 +247,33 @@ impl Plan {
         )
     }
 
-    /// The distinct microbatch counts of model `model`'s pipeline launches at `world_size`:
-    /// one `single.mbM` reference each.
+    /// The distinct microbatch counts of model `model`'s one-replica pipeline launches at
+    /// `world_size`, ascending: one `single.mbM` reference each ([`Plan::needs`]).
     pub(super) fn microbatch_references(&self, model: usize, world_size: usize) -> Vec<usize> {
         let mut m: Vec<usize> = self
-            .pipeline_launches(model, world_size)
-            .iter()
-            .filter(|(_, p)| p.data_parallel == 1)
-            .map(|(_, p)| p.microbatches)
+            .needs(model, world_size)
+            .microbatched
+            .into_iter()
+            .map(|(m, _)| m)
             .collect();
         m.sort_unstable();
-        m.dedup();
         m
     }
 
     /// The capacity factors of model `model`'s expert-parallel launches at `world_size`, one
     /// `single.cap<F>` reference (and its float64 shadow) each, in first-use order.
     pub(super) fn dropping_references(&self, model: usize, world_size: usize) -> Vec<f64> {
-        let mut factors: Vec<f64> = Vec::new();
-        for c in self.model_parallel_launches(model, world_size) {
-            let reference = c
-                .model_parallel_config()
-                .and_then(ModelParallelConfig::dropping_reference);
-            if let Some((f, _)) = reference {
-                if !factors.contains(&f) {
-                    factors.push(f);
-                }
-            }
-        }
-        factors
+        self.needs(model, world_size).dropping
     }
 
     /// The policies whose independent single-device reference (`single.bf16`, `single.fp16`)
-    /// model `model` runs at `world_size`: those whose DDP configuration is selected and
-    /// runs there, on a model that admits the reference.
+    /// model `model` runs at `world_size`: those whose selected DDP configuration runs
+    /// there, on a model that admits the reference.
     pub(super) fn mixed_references(&self, model: usize, world_size: usize) -> Vec<Precision> {
-        if self.mixed_blockers[model].is_some() {
-            return Vec::new();
-        }
+        let needs = self.needs(model, world_size);
         Precision::ALL
             .into_iter()
-            .filter(|&p| {
-                let ddp = Config::DdpMixed(p);
-                self.configs.contains(&ddp) && ddp.world_blocker(world_size).is_none()
-            })
+            .filter(|p| needs.mixed.contains(p))
             .collect()
     }
 
@@ -315,13 +286,9 @@ impl Plan {
         world_size: usize,
         microbatches: usize,
     ) -> bool {
-        self.pipeline_launches(model, world_size)
-            .iter()
-            .any(|(_, p)| {
-                p.data_parallel == 1
-                    && p.microbatches == microbatches
-                    && p.bitwise_blocker.is_some()
-            })
+        self.needs(model, world_size)
+            .microbatched
+            .contains(&(microbatches, true))
     }
 
     /// The runs beside the single-device reference's float64 shadow, where the cell needs it:
@@ -330,79 +297,46 @@ impl Plan {
         usize::from(self.needs_f64(model, world_size)) + self.spread_runs(model, world_size)
     }
 
-    /// How many fp32 variants the cell runs: those the model admits, where an fp32 row is
-    /// judged by the arbiter (a mixed-precision row's envelope is its DDP reference's noise).
+    /// How many fp32 variants the cell runs: those the model admits, where a row's envelope is
+    /// widened by them (a mixed-precision row's envelope is its DDP reference's noise alone).
     pub(super) fn spread_runs(&self, model: usize, world_size: usize) -> usize {
-        let fp32_row = self.configs.iter().any(|c| {
-            c.precision().is_none()
-                && !matches!(c, Config::Single | Config::DdpMixed(_))
-                && c.world_blocker(world_size).is_none()
-        });
-        match self.needs_f64(model, world_size) && fp32_row {
+        match self.needs(model, world_size).spread {
             true => self.spread.get(&(model, world_size)).copied().unwrap_or(0),
             false => 0,
         }
     }
 
     /// Whether the cell runs the single-device reference's float64 shadow: whenever a row is
-    /// judged against `single` by the fp64 arbiter (every selected configuration but the
-    /// references themselves), on models that have a single-device reference.
+    /// judged by the fp64 arbiter around it, on models that have a single-device reference.
     pub(super) fn needs_f64(&self, model: usize, world_size: usize) -> bool {
-        self.blockers[model].is_none()
-            && self.configs.iter().any(|c| {
-                !matches!(c, Config::Single | Config::DdpMixed(_))
-                    && c.world_blocker(world_size).is_none()
-            })
+        self.needs(model, world_size).single_f64
     }
 
     /// The reference runs for model `model` at one world size, in run order: (configuration,
-    /// runs) for `single`, `ddp` and each `ddp.<label>`, those with no run left out. A
-    /// selected reference runs twice (its own row checks the repeat); one that is not
-    /// selected runs once if a selected configuration needs it: `single` for `ddp` and the
-    /// fp32 FSDP launches (if the model has a single-device reference), `ddp` and
-    /// `ddp.<label>` for the FSDP launches under that precision, `ddp.hybrid_order` (never
-    /// selected: a reference only) for the hybrid ones. FSDP launches come on top,
-    /// one per selected FSDP configuration that runs at this size; a configuration that
-    /// launches nothing there needs no reference.
+    /// runs) for `single`, `ddp`, each `ddp.<label>` and `ddp.hybrid_order`, those with no run
+    /// left out. A selected one that runs here is a run under test, and its repeat a second
+    /// run (its own row checks it); one that is not selected runs once when an edge of a
+    /// selected configuration uses it ([`Plan::needs`]). FSDP launches come on top.
     pub(super) fn runs_per_cell(&self, model: usize, world_size: usize) -> Vec<(Config, usize)> {
+        let needs = self.needs(model, world_size);
         let has_single = self.blockers[model].is_none();
-        let launches = self.fsdp_launches(world_size);
-        let runs = |config: Config, needed: bool| {
-            if self.configs.contains(&config) {
-                2
-            } else {
-                usize::from(needed)
-            }
-        };
-        let needs_ddp = |reference: Config| {
-            launches
-                .iter()
-                .any(|c| c.ddp_reference() == Some(reference))
-        };
-        let needs_single = self.configs.contains(&Config::Ddp)
-            || launches.iter().any(|c| c.precision().is_none())
-            || !self.pipeline_launches(model, world_size).is_empty()
-            || !self.model_parallel_launches(model, world_size).is_empty();
-        let mut cell = vec![
-            (
-                Config::Single,
-                if has_single {
-                    runs(Config::Single, needs_single)
-                } else {
-                    0
-                },
-            ),
-            (Config::Ddp, runs(Config::Ddp, needs_ddp(Config::Ddp))),
-        ];
-        for p in Precision::ALL {
-            let ddp = Config::DdpMixed(p);
-            cell.push((ddp, runs(ddp, needs_ddp(ddp))));
-        }
-        // Reference only: never selected, so it runs once, when a hybrid launch needs it.
-        let hybrid = Config::DdpHybridOrder;
-        cell.push((hybrid, runs(hybrid, needs_ddp(hybrid))));
-        cell.retain(|&(_, n)| n > 0);
-        cell
+        let mut cell = vec![Config::Single, Config::Ddp];
+        cell.extend(Precision::ALL.map(Config::DdpMixed));
+        cell.push(Config::DdpHybridOrder);
+        cell.into_iter()
+            .map(|c| {
+                let under_test = self.configs.contains(&c)
+                    && self.blocker(model, world_size, c).is_none()
+                    && (c != Config::Single || has_single);
+                let needed = match c {
+                    Config::Single => needs.single,
+                    _ => needs.configs.contains(&c),
+                };
+                let repeat = needs.repeats.contains(&c);
+                (c, usize::from(under_test || needed) + usize::from(repeat))
+            })
+            .filter(|&(_, n)| n > 0)
+            .collect()
     }
 }
 

@@ -398,6 +398,7 @@ fn short_point(f: &FailurePoint) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lockstep_core::comm::DType;
     use lockstep_core::consistency::{CrossRankCheck, CrossRankMismatch, StateKind};
     use lockstep_core::record::{NamedTensor, RunSpec};
 

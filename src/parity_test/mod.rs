@@ -40,7 +40,7 @@ pub use lockstep_harness::parity::Tolerance;
 pub use outcome::ParityOutcome;
 pub use sensitivity::ParitySensitivity;
 
-use crate::configs::Config;
+use crate::configs::{Against, Config, Judged};
 use crate::runner::{self, ModelBuilder, RunFailed, RunSettings, TrainFn};
 use lockstep_core::record::RunRecord;
 use lockstep_core::train::{OptimizerConfig, TrainConfig};
@@ -370,7 +370,7 @@ impl<'a> ParityTest<'a> {
             for config in &self.configs {
                 for reference in &references {
                     if config.name() != reference.name()
-                        && self.arbiter_envelope(config, reference).is_none()
+                        && self.arbiter_envelope(config, reference, world).is_none()
                     {
                         let policy = self.policy_for(config, reference, world)?;
                         policies.insert(
@@ -420,7 +420,7 @@ impl<'a> ParityTest<'a> {
                 prepared
                     .references
                     .iter()
-                    .filter_map(|r| self.arbiter_envelope(c, r))
+                    .filter_map(|r| self.arbiter_envelope(c, r, world))
             })
             .collect();
         let wanted = prepared
@@ -472,7 +472,7 @@ impl<'a> ParityTest<'a> {
             if run_name == ref_name {
                 continue;
             }
-            let judged = match self.arbiter_envelope(config, reference) {
+            let judged = match self.arbiter_envelope(config, reference, world) {
                 Some(envelope) => self.judge_by_arbiter(
                     records,
                     (config, world, prepared.build),
@@ -659,14 +659,17 @@ impl<'a> ParityTest<'a> {
         }
     }
 
-    /// Whether `config` is judged against `reference` by the fp64 arbiter, and if so whose
-    /// noise is its envelope: the single-device reference's (`single`), or for a mixed-
-    /// precision configuration its DDP reference under the same policy (`ddp.bf16`). Only
-    /// against `single`, and only where the test set no policy or override of its own.
+    /// Whether `config` is judged against `reference` at `world` by the fp64 arbiter, and if
+    /// so whose noise is its envelope: the catalog's edge to `single` says
+    /// ([`Config::edges`]: the single-device reference's own noise, or for a mixed-precision
+    /// configuration its DDP reference under the same policy). Only against `single`, and
+    /// only where the test set no policy or override of its own; a user's configuration is
+    /// judged as DDP is.
     fn arbiter_envelope(
         &self,
         config: &TestConfig<'_>,
         reference: &Reference,
+        world: usize,
     ) -> Option<&'static str> {
         if *reference != Reference::Single
             || self.policy.is_some()
@@ -678,13 +681,11 @@ impl<'a> ParityTest<'a> {
             return None;
         }
         match config {
-            // DDP under a policy is the envelope itself: refused against single by its policy.
-            TestConfig::Builtin(Config::DdpMixed(_)) => None,
-            TestConfig::Builtin(c) => match c.precision() {
-                Some(p) => Some(p.ddp_name()),
-                None => Some("single"),
+            TestConfig::Builtin(c) => match c.edge_to(Against::Single, world)?.judged {
+                Judged::Arbiter(a) => a.envelope.config_name(),
+                _ => None,
             },
-            TestConfig::Custom { .. } => Some("single"),
+            TestConfig::Custom { .. } => Some(Config::Single.name()),
         }
     }
 
