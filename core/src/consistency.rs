@@ -162,18 +162,18 @@ impl StateProbe {
         Ok(())
     }
 
-    /// Records the parameters `record` reports as [`StateKind::Reported`], each under the
-    /// coordinate `coord` gives its name: every rank that reports a parameter must report the
-    /// same values (a rank that reports none is compared with nothing).
-    pub fn observe_record(
+    /// Records the parameters a run reports at its end (`step`: the steps it ran) as
+    /// [`StateKind::Reported`], each under the coordinate `coord` gives its name: every rank
+    /// that reports a parameter must report the same values (a rank that reports none is
+    /// compared with nothing).
+    pub fn observe_reported(
         &self,
-        record: &crate::record::RunRecord,
+        step: usize,
+        params: &[(String, Tensor)],
         coord: &dyn Fn(&str) -> String,
     ) -> Result<(), crate::CommError> {
-        for p in &record.params {
-            let values = Tensor::f_from_slice(&p.values)?.f_reshape(p.shape.as_slice())?;
-            let step = record.spec.steps;
-            self.observe(step, StateKind::Reported, &p.name, &coord(&p.name), &values)?;
+        for (name, values) in params {
+            self.observe(step, StateKind::Reported, name, &coord(name), values)?;
         }
         Ok(())
     }
@@ -228,24 +228,6 @@ impl StateProbe {
                 .clone(),
         }
     }
-}
-
-/// Records what an optimizer just stepped, `stepped`, and the optimizer's state (when it
-/// exports one), each under the coordinate `coord` gives its (owner's) name: what every loop
-/// does after its update.
-pub fn observe_stepped(
-    probe: &StateProbe,
-    step: usize,
-    stepped: &[(String, Tensor)],
-    optimizer: &dyn crate::train::Optimizer,
-    coord: &dyn Fn(&str) -> String,
-) -> Result<(), crate::CommError> {
-    probe.observe_all(step, StateKind::Param, stepped, coord)?;
-    // An optimizer that cannot export its state has none to compare.
-    if let Ok(state) = optimizer.state() {
-        probe.observe_optimizer(step, &state, stepped, coord)?;
-    }
-    Ok(())
 }
 
 /// The digest entry of one tensor: its bytes (on the CPU, contiguous) hashed.

@@ -55,12 +55,13 @@ use crate::autograd::{
 };
 use crate::comm::work::lock;
 use crate::comm::{CollectiveCounts, CommError, CountingGroup, DeviceMesh, ProcessGroup};
-use crate::consistency::{observe_stepped, StateKind, StateProbe};
+use crate::consistency::{StateKind, StateProbe};
 use crate::precision::{
     cast_buffers, low_precision_params, CastInputs, MixedPrecision, PrecisionError,
 };
 use crate::record::{CollectiveEntry, MemoryStats, RunRecord};
 use crate::replica::distinct_parameters;
+use crate::train::observe_stepped;
 use crate::train::{train, Optimizer, StepHooks, TrainConfig, TrainError};
 use lockstep_models::{LayerHooks, Misshaped, Model, ModelError};
 use std::sync::{Arc, Mutex, MutexGuard};

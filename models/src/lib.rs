@@ -16,6 +16,7 @@ pub mod model;
 pub mod plan;
 pub mod seed;
 pub mod store;
+pub mod tags;
 pub mod zoo;
 
 pub use device::OnDevice;
@@ -24,8 +25,8 @@ pub use error::{Misshaped, ModelError};
 /// `dropout`, `cross_entropy`): one hooks object offers both levels.
 pub use model::LayerHooks as ModuleHooks;
 pub use model::{
-    Batch, ExpertParam, LayerHooks, LayerKind, LayerRun, LayerSpec, LossReduction, Model, MoeSpec,
-    NoHooks, ParamTags, SharedGroup,
+    Batch, LayerHooks, LayerKind, LayerRun, LayerSpec, LossReduction, Model, MoeSpec, NoHooks,
 };
 pub use plan::{ParallelPlan, ParallelStyle, PlanRule};
 pub use store::ParamStore;
+pub use tags::{ExpertParam, ParamTags, SharedGroup};

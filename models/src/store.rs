@@ -2,7 +2,7 @@
 //! safetensors import/export.
 
 use crate::error::Misshaped;
-use crate::model::{ExpertParam, ParamTags, SharedGroup};
+use crate::tags::{ExpertParam, ParamTags, SharedGroup};
 use crate::ModelError;
 use std::collections::HashMap;
 use std::path::Path;

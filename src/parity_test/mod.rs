@@ -637,8 +637,17 @@ impl<'a> ParityTest<'a> {
                             String::new()
                         }
                     };
+                    let reported = record
+                        .params
+                        .iter()
+                        .map(|p| {
+                            let values = tch::Tensor::f_from_slice(&p.values)?;
+                            Ok((p.name.clone(), values.f_reshape(p.shape.as_slice())?))
+                        })
+                        .collect::<Result<Vec<_>, tch::TchError>>()
+                        .map_err(|e| format!("reading the returned record: {e}"))?;
                     probe
-                        .observe_record(&record, &coord)
+                        .observe_reported(record.spec.steps, &reported, &coord)
                         .map_err(|e| format!("digesting the returned record: {e}"))?;
                 }
                 Ok(record)

@@ -11,7 +11,7 @@
 //! (zero) gradient. Data-dependent participation would desynchronize the backward.
 
 use super::error::MoeError;
-use super::moe::{EpGroup, ExpertParams};
+use super::experts::{experts_per_rank, EpGroup, ExpertParams};
 use super::router::host_i64;
 use crate::autograd::collectives::{all_gather_sequence, all_to_all, reduce_scatter_sequence};
 use tch::{Device, Kind, Tensor};
@@ -151,7 +151,7 @@ fn width(x: &Tensor, plan: &DispatchPlan) -> Result<i64, MoeError> {
 
 /// Experts per rank, and this rank's first expert, for `num_experts` over `group`.
 fn layout(num_experts: usize, group: &EpGroup, local: usize) -> Result<(usize, usize), MoeError> {
-    let per = super::moe::experts_per_rank(num_experts, group.size())?;
+    let per = experts_per_rank(num_experts, group.size())?;
     if local != per {
         return Err(MoeError::Experts {
             held: local,

@@ -18,7 +18,7 @@
 //! size `W / ep`, which makes them `ep` times too large (EP 2 doubles them).
 
 use super::error::MoeError;
-use super::moe::{EpGroup, ExpertParams};
+use super::experts::{EpGroup, ExpertParams};
 use crate::autograd::set_grad;
 use crate::comm::ReduceOp;
 

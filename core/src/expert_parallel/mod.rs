@@ -24,6 +24,7 @@
 
 pub mod dispatch;
 pub mod error;
+pub mod experts;
 pub mod grads;
 pub mod moe;
 pub mod router;
@@ -33,10 +34,9 @@ pub use dispatch::{
     combine, dispatch_all_gather, dispatch_all_to_all, run_all_local, DispatchPlan,
 };
 pub use error::MoeError;
+pub use experts::{experts_per_rank, EpGroup, ExpertParams};
 pub use grads::{ep_groups, expert_data_parallel_groups, reduce_expert_grads};
-pub use moe::{
-    experts_per_rank, moe_forward, Dispatcher, EpGroup, ExpertParams, MoeConfig, MoeOutput,
-};
+pub use moe::{moe_forward, Dispatcher, MoeConfig, MoeOutput};
 pub use router::{capacity, check_top_k, keep_mask, load_balancing_loss, route, Routing};
 pub use run::{
     check_expert_plan, check_expert_plan_with, train_expert_parallel,

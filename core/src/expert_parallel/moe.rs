@@ -9,42 +9,10 @@ use super::dispatch::{
     combine, dispatch_all_gather, dispatch_all_to_all, run_all_local, DispatchPlan,
 };
 use super::router::{capacity, check_top_k, keep_mask, route, Routing};
-use crate::comm::ProcessGroup;
-use std::sync::Arc;
 use tch::Tensor;
 
 pub use super::error::MoeError;
-
-/// A group of ranks sharing the experts of a layer (the `ep` group).
-pub type EpGroup = Arc<dyn ProcessGroup>;
-
-/// One expert's parameters, `w2(gelu(w1 x + b1)) + b2` like the zoo's expert MLP; held by the
-/// rank the layout assigns the expert to.
-#[derive(Debug)]
-pub struct ExpertParams {
-    /// `[H, D]`.
-    pub w1: Tensor,
-    /// `[H]`.
-    pub b1: Tensor,
-    /// `[D, H]`.
-    pub w2: Tensor,
-    /// `[D]`.
-    pub b2: Tensor,
-}
-
-impl ExpertParams {
-    /// The expert on rows `x` (`[M, D]`, `M` may be 0), with the zoo's exact op sequence.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor, tch::TchError> {
-        x.f_linear(&self.w1, Some(&self.b1))?
-            .f_gelu("none")?
-            .f_linear(&self.w2, Some(&self.b2))
-    }
-
-    /// The four parameters in a fixed order (`w1, b1, w2, b2`), for gradient reduction.
-    pub fn tensors(&self) -> [&Tensor; 4] {
-        [&self.w1, &self.b1, &self.w2, &self.b2]
-    }
-}
+use super::experts::{experts_per_rank, EpGroup, ExpertParams};
 
 /// The layer's shape and policy (the same on every rank of the group).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -83,15 +51,6 @@ pub struct MoeOutput {
     pub routing: Routing,
     /// `[N, k]` bool: which choices fit their expert's capacity.
     pub kept: Tensor,
-}
-
-/// Experts each rank of an `ep` group holds; an error naming both sizes unless `ep` divides
-/// `num_experts`.
-pub fn experts_per_rank(num_experts: usize, ep: usize) -> Result<usize, MoeError> {
-    if ep == 0 || num_experts == 0 || !num_experts.is_multiple_of(ep) {
-        return Err(MoeError::Indivisible { num_experts, ep });
-    }
-    Ok(num_experts / ep)
 }
 
 /// The layer on this rank's tokens `x` (`[N, D]`) with router `router_weight` (`[E, D]`).

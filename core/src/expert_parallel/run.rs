@@ -11,11 +11,12 @@
 use super::moe::Dispatcher;
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
 use crate::compose::DataParallel;
-use crate::consistency::{observe_stepped, StateKind, StateProbe};
+use crate::consistency::{StateKind, StateProbe};
 use crate::fsdp::{Fsdp, FsdpError};
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::tensor_parallel::hooks::{ExpertsParallel, PlanHooks};
 use crate::tensor_parallel::run::aliases;
+use crate::train::observe_stepped;
 use crate::train::{
     clip_coefficient, scale_gradients, train_from, GradientView, Optimizer, StepHooks, StepLoss,
     TrainConfig, TrainError, TrainStart,

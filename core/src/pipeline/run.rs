@@ -14,9 +14,10 @@ use super::trace::RankStepTrace;
 use super::PipelineError;
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
 use crate::compose::DataParallel;
-use crate::consistency::{observe_stepped, StateKind, StateProbe};
+use crate::consistency::{StateKind, StateProbe};
 use crate::fsdp::Fsdp;
 use crate::record::{CollectiveEntry, RunRecord};
+use crate::train::observe_stepped;
 use crate::train::{
     clip_coefficient, parameters_device, scale_gradients, train_from, GradientView, Optimizer,
     StepHooks, StepLoss, TrainConfig, TrainError, TrainStart,

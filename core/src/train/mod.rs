@@ -81,8 +81,8 @@ impl TrainError {
 pub use forced::{teacher_forced, teacher_forced_reference};
 pub use optim::{Adam, Optimizer, OptimizerConfig, Sgd, MOMENTUM_SUFFIX};
 pub use strategy::{
-    clip_coefficient, no_sync, observe_replicated, scale_gradients, GradSync, GradientView,
-    StepHooks, StepLoss,
+    clip_coefficient, no_sync, observe_replicated, observe_stepped, scale_gradients, GradSync,
+    GradientView, StepHooks, StepLoss,
 };
 
 /// How one process trains.

@@ -10,7 +10,7 @@
 use super::optim::Optimizer;
 use super::{global_mean, grad_norm, gradients, mean_loss, TrainError};
 use crate::comm::ProcessGroup;
-use crate::consistency::{observe_stepped, StateProbe};
+use crate::consistency::{StateKind, StateProbe};
 use crate::record::CollectiveEntry;
 use lockstep_models::{LayerHooks, Model, NoHooks};
 use tch::Tensor;
@@ -266,5 +266,23 @@ where
 
 /// The closure for runs that synchronize nothing (one process, or rank-local training).
 pub fn no_sync(_grads: &[(String, Tensor)]) -> Result<(), TrainError> {
+    Ok(())
+}
+
+/// Records what an optimizer just stepped, `stepped`, and the optimizer's state (when it
+/// exports one), each under the coordinate `coord` gives its (owner's) name: what every loop
+/// does after its update.
+pub fn observe_stepped(
+    probe: &StateProbe,
+    step: usize,
+    stepped: &[(String, Tensor)],
+    optimizer: &dyn Optimizer,
+    coord: &dyn Fn(&str) -> String,
+) -> Result<(), crate::CommError> {
+    probe.observe_all(step, StateKind::Param, stepped, coord)?;
+    // An optimizer that cannot export its state has none to compare.
+    if let Ok(state) = optimizer.state() {
+        probe.observe_optimizer(step, &state, stepped, coord)?;
+    }
     Ok(())
 }

@@ -2,7 +2,7 @@
 //! person needs to judge the verdict (how far off, relative to what was allowed, and where it
 //! first went wrong).
 
-use super::arbiter::{ArbiterSummary, EnvelopePoint, StepEnvelope};
+use super::envelope::{ArbiterSummary, EnvelopePoint, StepEnvelope};
 use super::tolerance::{looser_dtype, ulp_distance, Check, Mode, Quantity, TolerancePolicy};
 use crate::report::{fmt_num, num};
 use lockstep_core::comm::DType;

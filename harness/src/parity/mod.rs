@@ -40,12 +40,11 @@
 
 mod arbiter;
 mod compare;
+mod envelope;
 mod tolerance;
 
-pub use arbiter::{
-    arbitrate, arbitrate_with_spread, ArbiterLog, ArbiterSummary, Envelope, EnvelopePoint,
-    StepEnvelope, ENVELOPE,
-};
+pub use arbiter::{arbitrate, arbitrate_with_spread, ArbiterLog};
+pub use envelope::{ArbiterSummary, Envelope, EnvelopePoint, StepEnvelope, ENVELOPE};
 
 pub use compare::{
     compare, location, unravel, Comparison, FailurePoint, ParamSummary, ScalarDiff, Stats,

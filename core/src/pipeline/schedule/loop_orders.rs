@@ -2,8 +2,8 @@
 //! GPipe, 1F1B, Looped BFS, interleaved 1F1B and interleaved zero bubble. Callers have
 //! checked the (p, v, m) rules; each function returns one action list per rank.
 
-use super::generate::RankOps;
 use super::ir::{Action, ActionKind};
+use super::rank_ops::RankOps;
 use std::collections::VecDeque;
 
 use ActionKind::{BackwardInput as I, BackwardWeight as W, Forward as F, FullBackward as B};

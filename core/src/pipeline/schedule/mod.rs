@@ -21,6 +21,8 @@ mod generate;
 mod ir;
 mod loop_orders;
 mod lower;
+mod parse;
+mod rank_ops;
 mod simulate;
 mod table;
 mod v_orders;

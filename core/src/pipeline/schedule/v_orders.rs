@@ -2,8 +2,8 @@
 //! and `2p-1-r`, so rank 0 holds the first and the loss stage): ZBV and DualPipeV. Callers
 //! have checked the rules (v = 2; DualPipeV also m ≥ 2p).
 
-use super::generate::RankOps;
 use super::ir::{Action, ActionKind};
+use super::rank_ops::RankOps;
 use std::collections::VecDeque;
 
 use ActionKind::{BackwardInput as I, BackwardWeight as W, Forward as F, FullBackward as B};
