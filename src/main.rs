@@ -356,7 +356,7 @@ struct MatrixArgs {
     faults: FaultArgs,
 }
 
-/// `lockstep rank`: what the launcher tells every exec'd rank (see `lockstep::rank_cmd`).
+/// `lockstep rank`: what the launcher tells every exec'd rank (see `lockstep::runner::rank_cmd`).
 #[derive(clap::Args)]
 struct RankArgs {
     /// The zoo model.
@@ -387,11 +387,11 @@ struct RankArgs {
     optimizer: Option<lockstep_core::train::OptimizerConfig>,
     /// A fault plan (sensitivity analysis), as JSON.
     #[arg(long, value_parser = parse_fault_plan_json)]
-    fault_plan: Option<lockstep::faults::FaultPlan>,
+    fault_plan: Option<lockstep::runner::FaultPlan>,
 }
 
 /// A fault plan as the JSON exec'd ranks are given.
-fn parse_fault_plan_json(s: &str) -> Result<lockstep::faults::FaultPlan, String> {
+fn parse_fault_plan_json(s: &str) -> Result<lockstep::runner::FaultPlan, String> {
     serde_json::from_str(s).map_err(|e| format!("not a fault plan: {e}"))
 }
 
@@ -564,19 +564,21 @@ fn main() -> Result<ExitCode> {
             }
         }
         Command::Matrix(args) => return run_matrix(args),
-        Command::Rank(args) => lockstep::rank_cmd::rank_main(lockstep::rank_cmd::RankRun {
-            model: args.model,
-            config: args.config,
-            steps: args.steps,
-            seed: args.seed,
-            record_grads: args.record_grads,
-            backend: args.backend,
-            device: args.compute.device(args.backend)?,
-            tf32: args.compute.tf32,
-            out: args.out,
-            optimizer: args.optimizer.unwrap_or_default(),
-            faults: args.fault_plan,
-        }),
+        Command::Rank(args) => {
+            lockstep::runner::rank_cmd::rank_main(lockstep::runner::rank_cmd::RankRun {
+                model: args.model,
+                config: args.config,
+                steps: args.steps,
+                seed: args.seed,
+                record_grads: args.record_grads,
+                backend: args.backend,
+                device: args.compute.device(args.backend)?,
+                tf32: args.compute.tf32,
+                out: args.out,
+                optimizer: args.optimizer.unwrap_or_default(),
+                faults: args.fault_plan,
+            })
+        }
         Command::Stress(args) => return run_stress(args),
         Command::Schedule(args) => return run_schedule(args),
         Command::Run(args) => return run_one(args),
@@ -601,9 +603,9 @@ fn run_one(args: RunArgs) -> Result<ExitCode> {
             return Ok(ExitCode::from(2));
         }
     };
-    // Under torchrun/srun this process is one rank (`lockstep::external`): checkpoint files
+    // Under torchrun/srun this process is one rank (`lockstep::runner::external`): checkpoint files
     // would be written and read on every rank's own host, so they are refused for now.
-    let external = match lockstep::external::detect() {
+    let external = match lockstep::runner::external::detect() {
         Ok(external) => external,
         Err(e) => {
             eprintln!("error: {e}");
@@ -709,8 +711,8 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    // Under torchrun/srun this process is one rank (`lockstep::external`).
-    let external = match lockstep::external::detect() {
+    // Under torchrun/srun this process is one rank (`lockstep::runner::external`).
+    let external = match lockstep::runner::external::detect() {
         Ok(external) => external,
         Err(e) => {
             eprintln!("error: {e}");
@@ -796,7 +798,7 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
             return Ok(ExitCode::FAILURE);
         }
     }
-    if let Some(stopped) = lockstep::external::stopped() {
+    if let Some(stopped) = lockstep::runner::external::stopped() {
         eprintln!("error: the external launch stopped: {}", stopped.line);
         return Ok(ExitCode::FAILURE);
     }
@@ -821,7 +823,7 @@ fn external_rank_summary(
     launch: &lockstep_core::comm::ExternalLaunch,
     result: &lockstep::matrix::MatrixResult,
 ) -> ExitCode {
-    if let Some(stopped) = lockstep::external::stopped() {
+    if let Some(stopped) = lockstep::runner::external::stopped() {
         eprintln!(
             "error: rank {} of {}: the external launch stopped: {}",
             launch.rank, launch.world_size, stopped.line
@@ -1128,7 +1130,7 @@ fn run_bench(what: BenchCommand) -> Result<()> {
         } => bench_step(
             StepBenchOptions {
                 world_size: world_size
-                    .or(lockstep::external::launch().map(|e| e.world_size))
+                    .or(lockstep::runner::external::launch().map(|e| e.world_size))
                     .unwrap_or(2),
                 model,
                 steps,
@@ -1150,7 +1152,7 @@ fn bench_comm(
     json: bool,
 ) -> Result<()> {
     // Under torchrun/srun this process is one rank; rank 0 prints the figures.
-    let external = lockstep::external::detect().map_err(|e| anyhow::anyhow!(e))?;
+    let external = lockstep::runner::external::detect().map_err(|e| anyhow::anyhow!(e))?;
     let world_size = world_size.or(external.map(|e| e.world_size)).unwrap_or(2);
     let quiet_rank = external
         .filter(|e| e.rank != 0)
@@ -1198,21 +1200,7 @@ fn bench_comm(
             println!("{}", serde_json::to_string(p)?);
         }
     } else {
-        println!(
-            "{:<15} {:>12} {:>6} {:>12} {:>12} {:>12}",
-            "op", "bytes", "world", "latency", "algbw GB/s", "busbw GB/s"
-        );
-        for p in &points {
-            println!(
-                "{:<15} {:>12} {:>6} {:>12} {:>12.3} {:>12.3}",
-                p.op,
-                p.bytes,
-                p.world_size,
-                format_seconds(p.seconds),
-                p.algbw_gbps,
-                p.busbw_gbps
-            );
-        }
+        print!("{}", bench::text::comm_table(&points));
     }
     Ok(())
 }
@@ -1223,15 +1211,7 @@ fn bench_spawn(world_size: usize, repeats: usize, mode: SpawnBenchMode, json: bo
     if json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
-        println!(
-            "spawn + rendezvous + first all_reduce, {} ({:?}): median {} (min {}, max {}, {})",
-            plural(r.world_size, "rank"),
-            r.mode,
-            format_seconds(r.seconds),
-            format_seconds(r.min_seconds),
-            format_seconds(r.max_seconds),
-            plural(r.repeats, "run")
-        );
+        print!("{}", bench::text::spawn_line(&r));
     }
     Ok(())
 }
@@ -1252,57 +1232,7 @@ fn bench_pipeline(opts: bench::PipelineBenchOptions, json: bool) -> Result<()> {
     if json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
-        println!(
-            "pipeline {} p={} v={} m={}, benchmark decoder ({} parameters), median of {}",
-            r.schedule,
-            r.stages,
-            r.virtual_stages,
-            r.microbatches,
-            r.parameters,
-            plural(r.steps, "step")
-        );
-        let rows = [
-            (
-                "step time, pipeline",
-                format_seconds(r.pipeline_seconds),
-                String::new(),
-            ),
-            (
-                "step time, one process on one core",
-                format_seconds(r.single_seconds),
-                String::new(),
-            ),
-            (
-                "ratio pipeline / one process",
-                format!("{:.2}", r.ratio),
-                String::new(),
-            ),
-            (
-                "bubble, measured",
-                format!("{:.3}", r.measured_bubble),
-                String::new(),
-            ),
-            (
-                "bubble, simulated (unit costs)",
-                format!("{:.3}", r.simulated_bubble),
-                format!(
-                    "measured differs by {:.1}%",
-                    100.0 * r.bubble_relative_difference_unit_costs
-                ),
-            ),
-            (
-                "bubble, simulated (measured costs)",
-                format!("{:.3}", r.simulated_bubble_measured_costs),
-                format!(
-                    "measured differs by {:.1}%",
-                    100.0 * r.bubble_relative_difference
-                ),
-            ),
-        ];
-        for (what, value, note) in rows {
-            let line = format!("  {what:<36} {value:>10}  {note}");
-            println!("{}", line.trim_end());
-        }
+        print!("{}", bench::text::pipeline_table(&r));
     }
     Ok(())
 }
@@ -1311,7 +1241,7 @@ fn bench_pipeline(opts: bench::PipelineBenchOptions, json: bool) -> Result<()> {
 fn bench_step(opts: StepBenchOptions, json: bool) -> Result<()> {
     let parallel = opts.parallel;
     // Under torchrun/srun this process is one rank: rank 0 prints, the others one line.
-    let external = lockstep::external::detect().map_err(|e| anyhow::anyhow!(e))?;
+    let external = lockstep::runner::external::detect().map_err(|e| anyhow::anyhow!(e))?;
     let quiet = external
         .filter(|e| e.rank != 0)
         .map(|e| (e.rank, e.world_size));
@@ -1331,7 +1261,7 @@ fn bench_step(opts: StepBenchOptions, json: bool) -> Result<()> {
         } else if json {
             println!("{}", serde_json::to_string(&r)?);
         } else {
-            print_parallel_step(&r);
+            print!("{}", bench::text::parallel_step_table(&r));
         }
         return Ok(());
     }
@@ -1341,64 +1271,7 @@ fn bench_step(opts: StepBenchOptions, json: bool) -> Result<()> {
     } else if json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
-        println!(
-            "one training step, {} ({} parameters), {} ranks, median of {}: ddp {}, fsdp full_shard (root unit) {} ({:.2}x ddp), fsdp full_shard per layer {} ({:.2}x ddp)",
-            r.model,
-            r.parameters,
-            r.world_size,
-            r.steps,
-            format_seconds(r.ddp_seconds),
-            format_seconds(r.fsdp_seconds),
-            r.ratio,
-            format_seconds(r.fsdp_per_layer_seconds),
-            r.per_layer_ratio
-        );
+        print!("{}", bench::text::step_line(&r));
     }
     Ok(())
-}
-
-/// `bench step --parallel tp|ep` as a small table: one row per configuration.
-fn print_parallel_step(r: &bench::ParallelStepResult) {
-    println!(
-        "one training step, {} ({} parameters), {}, median of {}; bytes and calls per step on rank 0",
-        r.model,
-        r.parameters,
-        plural(r.world_size, "rank"),
-        plural(r.steps, "step")
-    );
-    println!(
-        "  {:<8} {:>10} {:>8} {:>12} {:>8}",
-        "config", "step", "vs ddp", "bytes/step", "calls"
-    );
-    for run in &r.runs {
-        println!(
-            "  {:<8} {:>10} {:>7.2}x {:>12} {:>8.1}",
-            run.config,
-            format_seconds(run.seconds),
-            run.ratio,
-            format_bytes(run.bytes_per_step),
-            run.calls_per_step
-        );
-    }
-}
-
-/// Bytes in binary units (KiB, MiB) to three significant places.
-fn format_bytes(b: f64) -> String {
-    if b < 1024.0 {
-        format!("{b:.0} B")
-    } else if b < 1024.0 * 1024.0 {
-        format!("{:.1} KiB", b / 1024.0)
-    } else {
-        format!("{:.2} MiB", b / (1024.0 * 1024.0))
-    }
-}
-
-fn format_seconds(s: f64) -> String {
-    if s < 1e-3 {
-        format!("{:.1} us", s * 1e6)
-    } else if s < 1.0 {
-        format!("{:.2} ms", s * 1e3)
-    } else {
-        format!("{s:.2} s")
-    }
 }

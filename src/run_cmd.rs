@@ -170,7 +170,7 @@ fn check_options(opts: &RunOptions) -> Result<Config, RunCmdError> {
                     .into(),
             ));
         }
-        let external = crate::external::launch().map(|l| l.local_rank);
+        let external = crate::runner::external::launch().map(|l| l.local_rank);
         let reasons = crate::device::blockers(
             opts.device,
             lockstep_core::comm::Backend::Cpu,
@@ -558,7 +558,7 @@ fn run_ddp(
     optimizer_file: Option<&Path>,
 ) -> Result<(RunRecord, Vec<(String, tch::Tensor)>), RunCmdError> {
     // Named the same in an exec'd rank re-running a test (`crate::self_exec`).
-    let scratch = crate::self_exec::scratch_file("run-optim", "safetensors");
+    let scratch = crate::runner::self_exec::scratch_file("run-optim", "safetensors");
     let train =
         |ctx: &RankCtx, model: &dyn Model, cfg: &TrainConfig| -> Result<RunRecord, String> {
             let optimizer_state = match optimizer_file {

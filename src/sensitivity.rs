@@ -25,7 +25,8 @@
 
 mod render;
 
-use crate::faults::{read_logs, FaultPlan};
+use crate::runner::faults::read_logs;
+use crate::runner::FaultPlan;
 use crate::runner::{RunFailed, RunSettings};
 use indicatif::ProgressBar;
 use lockstep_core::comm::{applicability, CallRecord, FaultKind, FaultLog, FaultMode, Injection};

@@ -34,7 +34,7 @@ pub fn run_spread(
     world_size: usize,
     settings: &RunSettings,
 ) -> Vec<Result<RunRecord, RunFailed>> {
-    if crate::self_exec::serving().is_some() {
+    if crate::runner::self_exec::serving().is_some() {
         return Vec::new();
     }
     let model = match build(settings.seed, 0) {

@@ -47,11 +47,6 @@ const ALLOWED: &[Allowed] = &[
     },
     Allowed {
         file: "core/src/consistency.rs",
-        snippet: "Tensor::f_from_slice(&p.values)?",
-        why: "a record's values are host data, digested on the host",
-    },
-    Allowed {
-        file: "core/src/consistency.rs",
         snippet: "let host = tensor",
         why: "a cross-rank digest hashes the tensor's bytes on the host",
     },

@@ -100,7 +100,7 @@ pub fn run_comm(opts: &CommBenchOptions) -> Result<Vec<CommPoint>, BenchError> {
             opts.backend
         )));
     }
-    if let Some(external) = crate::external::launch() {
+    if let Some(external) = crate::runner::external::launch() {
         return run_comm_external(external, opts);
     }
     let out = results_path("comm");

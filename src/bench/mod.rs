@@ -12,6 +12,7 @@ mod gpt;
 mod pipeline;
 mod spawn;
 mod step;
+pub mod text;
 
 pub use comm::{run_comm, BenchOp, CommBenchOptions, CommPoint};
 pub use gpt::GptDims;

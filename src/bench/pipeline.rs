@@ -5,7 +5,7 @@
 //! and simulated (the schedule's exact fraction with F = I = W = 1).
 
 use super::{results_path, BenchError, GptDims};
-use crate::rank_error::{hand_back_json, RankError};
+use crate::runner::hand_back::{hand_back_json, RankError};
 use lockstep_core::pipeline::trace::{chrome_trace, measured_bubble, RankStepTrace};
 use lockstep_core::pipeline::{train_pipeline, PipelineOptions, ScheduleChoice, ScheduleKind};
 use lockstep_core::record::RunSpec;

@@ -6,7 +6,7 @@
 
 use super::gpt::Clocked;
 use super::{results_path, BenchError, GptDims};
-use crate::rank_error::{hand_back_json, RankError};
+use crate::runner::hand_back::{hand_back_json, RankError};
 use lockstep_core::comm::{Backend, CollectiveCounts, CountingGroup, ProcessGroup};
 use lockstep_core::expert_parallel::{check_expert_plan, Dispatcher, EpOptions};
 use lockstep_core::record::CollectiveEntry;
@@ -335,8 +335,8 @@ fn time_steps(opts: &StepBenchOptions, run: StepRun) -> Result<RunTimes, BenchEr
 
     // Under an external launch (torchrun, srun) the "file" is a store key every rank names
     // alike; otherwise a fresh file the forked rank 0 writes.
-    let external = crate::external::launch();
-    let out = crate::external::scratch_path("step").unwrap_or_else(|| results_path("step"));
+    let external = crate::runner::external::launch();
+    let out = crate::runner::external::scratch_path("step").unwrap_or_else(|| results_path("step"));
     // Warm-up, the timed steps, and one more whose batch request ends the last.
     let steps = opts.steps + 2;
     let body = |ctx: &RankCtx| -> Result<(), RankError> {
@@ -434,7 +434,7 @@ fn time_steps(opts: &StepBenchOptions, run: StepRun) -> Result<RunTimes, BenchEr
         // This process is one rank: ranks on several hosts time the step across them.
         Some(external) => {
             let label = format!("bench step {}", run.label());
-            crate::external::run(
+            crate::runner::external::run(
                 external,
                 opts.world_size,
                 Backend::Cpu,
@@ -458,7 +458,7 @@ fn time_steps(opts: &StepBenchOptions, run: StepRun) -> Result<RunTimes, BenchEr
             .map_err(BenchError::from)
         }
     };
-    let read = crate::rank_error::take_handed_back(&out);
+    let read = crate::runner::hand_back::take_handed_back(&out);
     launched?;
     let read = read.ok_or_else(|| BenchError::Failed("rank 0 handed back no step times".into()))?;
     let times: StepTimes = serde_json::from_slice(&read)?;

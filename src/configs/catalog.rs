@@ -820,7 +820,7 @@ impl Config {
     /// it cannot: its rows are skipped with this reason and nothing is launched.
     /// Under an external launch, a world size other than its `WORLD_SIZE` is blocked too.
     pub fn world_blocker(self, world_size: usize) -> Option<String> {
-        if let Some(reason) = crate::external::world_blocker(world_size) {
+        if let Some(reason) = crate::runner::external::world_blocker(world_size) {
             return Some(reason);
         }
         if let Some(p) = self.pipeline_config() {

@@ -19,7 +19,7 @@ pub fn backend_blockers(
         .copied()
         .max()
         .unwrap_or(DEFAULT_WORLD_SIZE);
-    let external = crate::external::launch().map(|l| l.local_rank);
+    let external = crate::runner::external::launch().map(|l| l.local_rank);
     crate::device::blockers(device, backend, largest, external)
 }
 

@@ -95,7 +95,7 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
         for &world in &plan.world_sizes {
             // Under an external launch only its WORLD_SIZE runs: the other sizes' rows are
             // skipped with that reason (`Config::world_blocker`), and nothing is launched.
-            let runs = if crate::external::world_blocker(world).is_some() {
+            let runs = if crate::runner::external::world_blocker(world).is_some() {
                 CellRuns::default()
             } else {
                 run_cell(plan, m, world, &mut tally)
@@ -109,7 +109,7 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
             judge_cell(plan, &cell, &runs, &mut tally.result, &mut arbiter_log);
             // A rank failed under an external launch: its communicators may be broken and
             // nothing more runs (`crate::external`); the caller reports it.
-            if crate::external::stopped().is_some() {
+            if crate::runner::external::stopped().is_some() {
                 break 'cells;
             }
         }

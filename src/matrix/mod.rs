@@ -26,7 +26,7 @@
 //! 0 hands its [`RunRecord`] back through a temporary JSON file, and the single-device runs
 //! happen in this process (under an external launch, torchrun or srun, each process is one
 //! rank instead: records go through the store, rank 0 computes the references for every
-//! rank, and a rank's failure stops the matrix on every rank: see [`crate::external`]).
+//! rank, and a rank's failure stops the matrix on every rank: see [`crate::runner::external`]).
 //! Nothing is written until every run is done, and stale report
 //! files in the output directory are removed before the first run. A run that fails (a rank
 //! error, crash or timeout) does not lose the matrix: its rows are `ERROR` with the

@@ -294,7 +294,7 @@ impl<'a> ParityTest<'a> {
                 }
             }
         }
-        if crate::self_exec::serving().is_some() {
+        if crate::runner::self_exec::serving().is_some() {
             // An exec'd rank re-running its test passes this parity test by (its launches
             // were skipped; the launcher judges them) and writes no report, so the test
             // goes on to the parity test that holds its own launch.
@@ -398,7 +398,7 @@ impl<'a> ParityTest<'a> {
             .out_dir
             .clone()
             .unwrap_or_else(|| default_out_dir(&self.name));
-        if crate::self_exec::serving().is_some() {
+        if crate::runner::self_exec::serving().is_some() {
             // An exec'd rank writes no report: the launcher's directory stays as it is.
             return Ok(out_dir);
         }
@@ -546,7 +546,7 @@ impl<'a> ParityTest<'a> {
             return Err(ParityTestError::Invalid("no world size given".into()));
         }
         let largest = self.world_sizes.iter().copied().max().unwrap_or(1);
-        let external = crate::external::launch().map(|l| l.local_rank);
+        let external = crate::runner::external::launch().map(|l| l.local_rank);
         let reasons = crate::device::blockers(
             self.settings.device,
             self.settings.backend,

@@ -7,11 +7,12 @@
 //! one of its `LOCAL_RANK`, under NCCL), trains under the configuration, and rank 0 writes
 //! its record where the launching process reads it back — exactly what a forked rank does.
 
+use super::builtin::train_builtin;
+use super::hand_back::RankError;
+use super::hand_back::{hand_back_digest, hand_back_record, probe_for};
+use super::settings::{run_spec, RunSettings};
 use crate::configs::Config;
-use crate::cross_rank::{hand_back_digest, probe_for};
 use crate::device::ComputeDevice;
-use crate::rank_error::RankError;
-use crate::runner::{hand_back, run_spec, train_builtin, RunSettings};
 use lockstep_core::comm::Backend;
 use lockstep_core::train::{OptimizerConfig, TrainConfig};
 use lockstep_harness::RankCtx;
@@ -43,7 +44,7 @@ pub struct RankRun {
     pub optimizer: OptimizerConfig,
     /// A fault plan (sensitivity analysis): every rank's groups go through its injector and
     /// each rank writes its log where the plan says, as forked ranks do.
-    pub faults: Option<crate::faults::FaultPlan>,
+    pub faults: Option<super::settings::FaultPlan>,
 }
 
 impl RankRun {
@@ -152,13 +153,13 @@ impl RankRun {
             record_grads: self.record_grads,
             probe: probe.clone(),
         };
-        let faults = crate::faults::install_faults(ctx, &settings, &mut cfg);
+        let faults = super::faults::install_faults(ctx, &settings, &mut cfg);
         let mut record = train_builtin(config, ctx, &model, &cfg, &settings)?;
         faults.finish(&record)?;
         hand_back_digest(probe.as_ref(), &self.out)?;
         if ctx.rank() == 0 {
             record.spec = spec;
-            hand_back(&record, &self.out)?;
+            hand_back_record(&record, &self.out)?;
         }
         Ok(())
     }

@@ -13,37 +13,15 @@
 //!
 //! Without a plan in the settings both are no-ops and the configuration is left as it was.
 
-use crate::rank_error::{hand_back_json, RankError};
-use crate::runner::RunSettings;
-use lockstep_core::comm::{FaultInjector, FaultLog, FaultMode};
+use super::hand_back::{hand_back_json, RankError};
+use super::settings::{fault_log_path, RunSettings};
+use lockstep_core::comm::{FaultInjector, FaultLog};
 use lockstep_core::consistency::StateProbe;
 use lockstep_core::record::RunRecord;
 use lockstep_core::train::TrainConfig;
 use lockstep_harness::RankCtx;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-
-/// One run's fault plan: what every rank's injector does, and where each rank writes its log
-/// (`<log_dir>/rank-<r>.json`, a [`FaultLog`]). Serializable, so exec'd ranks (`lockstep rank
-/// --fault-plan`, how CUDA runs and `--exec-ranks` start) take it on their command line.
-#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct FaultPlan {
-    /// Record every call, or inject one fault at one site.
-    pub mode: FaultMode,
-    /// A directory the launching process created; each rank writes its log here.
-    pub log_dir: PathBuf,
-}
-
-impl FaultPlan {
-    /// Where rank `rank` writes its log.
-    pub fn log_path(&self, rank: usize) -> PathBuf {
-        log_path(&self.log_dir, rank)
-    }
-}
-
-fn log_path(dir: &Path, rank: usize) -> PathBuf {
-    dir.join(format!("rank-{rank}.json"))
-}
 
 /// A rank's injector while it trains; [`FaultSession::finish`] writes its log.
 #[must_use = "call finish() after training so the launching process gets this rank's log"]
@@ -109,7 +87,7 @@ pub fn install_faults(
 pub fn read_logs(dir: &Path, world_size: usize) -> Vec<FaultLog> {
     (0..world_size)
         .filter_map(|rank| {
-            let path = log_path(dir, rank);
+            let path = fault_log_path(dir, rank);
             let bytes = std::fs::read(&path).ok();
             let _ = std::fs::remove_file(&path);
             serde_json::from_slice(&bytes?).ok()

@@ -7,7 +7,7 @@
 //!
 //! Ranks may sit on hosts that share no filesystem, so what a launch hands back goes through
 //! the run's store ([`RunStore`]), never through files: while a body runs, the record and
-//! digest "files" of [`crate::rank_error::hand_back_json`] are store keys named after the
+//! digest "files" of [`super::hand_back::hand_back_json`] are store keys named after the
 //! scratch file (whose name `scratch_path` makes the same on every rank); after the body,
 //! every rank publishes its outcome with the keys it wrote, reads every rank's outcome and
 //! every key into memory, and only then does the launch end (rank 0, which hosts the store,
@@ -19,15 +19,15 @@
 //! to fail, by a store counter) and its message from the store, every later launch returns
 //! at once without joining ([`stopped`]), and the driver stops with that message.
 
-use crate::rank_error::RankError;
-use crate::runner::RunFailed;
+use super::hand_back::{begin_store_body, end_store_body, receive_handed_back, RankError};
+use super::settings::RunFailed;
 use lockstep_core::comm::flight;
 use lockstep_core::comm::{Backend, ExternalLaunch, RunStore, World};
 use lockstep_harness::RankCtx;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
@@ -35,12 +35,6 @@ use std::time::Duration;
 /// The external launch this process is a rank of, or why its launcher variables are
 /// unusable; `Ok(None)` when no external launcher started it.
 static DETECTED: OnceLock<Result<Option<ExternalLaunch>, String>> = OnceLock::new();
-
-/// The run whose body is running now, and the keys it handed back so far.
-static ACTIVE: Mutex<Option<(RunStore, Vec<String>)>> = Mutex::new(None);
-
-/// What finished launches handed back, by scratch file name, until read.
-static RECEIVED: Mutex<Option<HashMap<String, Vec<u8>>>> = Mutex::new(None);
 
 /// The failure that stopped the external run, once one did.
 static STOPPED: Mutex<Option<RunFailed>> = Mutex::new(None);
@@ -61,7 +55,7 @@ pub fn detect() -> Result<Option<&'static ExternalLaunch>, String> {
     DETECTED
         .get_or_init(|| {
             let launched_by_lockstep = std::env::var_os("LOCKSTEP_RANK").is_some()
-                || crate::self_exec::serving().is_some();
+                || super::self_exec::serving().is_some();
             let all_set = ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
                 .iter()
                 .all(|v| std::env::var_os(v).is_some());
@@ -113,41 +107,6 @@ pub(crate) fn scratch_path(tag: &str) -> Option<PathBuf> {
     Some(std::env::temp_dir().join(format!("lockstep-ext-{tag}-{n}.json")))
 }
 
-/// The store key of a handed-back file.
-fn key_of(path: &Path) -> String {
-    path.file_name().map_or_else(
-        || path.display().to_string(),
-        |n| n.to_string_lossy().into(),
-    )
-}
-
-/// Under an external launch's body, puts `bytes` (what would be written at `path`) into the
-/// run's store; `None` when no external body is running (the caller writes the file).
-pub(crate) fn publish(
-    what: &'static str,
-    path: &Path,
-    bytes: &[u8],
-) -> Option<Result<(), RankError>> {
-    let mut active = lock(&ACTIVE);
-    let (store, keys) = active.as_mut()?;
-    let key = key_of(path);
-    let put = store.put(&key, bytes).map_err(|source| RankError::Publish {
-        what,
-        source: Box::new(source),
-    });
-    if put.is_ok() {
-        keys.push(key);
-    }
-    Some(put)
-}
-
-/// Under an external launch, what a finished launch handed back at `path` (taken: read
-/// once); `None` when this is not an external launch (the caller reads the file).
-pub(crate) fn take(path: &Path) -> Option<Option<Vec<u8>>> {
-    launch()?;
-    Some(lock(&RECEIVED).as_mut()?.remove(&key_of(path)))
-}
-
 /// One rank's account of a launch, published after its body.
 #[derive(Serialize, Deserialize)]
 struct Outcome {
@@ -192,12 +151,12 @@ pub(crate) fn run(
         )))
     })?;
     let store = world.run_store();
-    *lock(&ACTIVE) = Some((store.clone(), Vec::new()));
+    begin_store_body(store.clone());
     let ctx = RankCtx::new(world, launch.local_rank);
     let watchdog = Watchdog::start(store.clone(), (rank, world_size), label, timeout);
     let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| body(&ctx)));
     let timed_out = watchdog.stop();
-    let keys = lock(&ACTIVE).take().map(|(_, k)| k).unwrap_or_default();
+    let keys = end_store_body();
     let failed = match outcome {
         _ if timed_out => Some(format!(
             "timed out after {:.0} s (the launch's --timeout); its links were aborted",
@@ -356,7 +315,7 @@ fn timeout_failure(
         }
     }
     RunFailed {
-        line: crate::runner::one_line(&line),
+        line: super::settings::one_line(&line),
         details,
         timed_out: true,
     }
@@ -428,7 +387,7 @@ fn dead_ranks(outcomes: &[Option<Outcome>], missing: &[usize], label: &str) -> R
         }
     }
     RunFailed {
-        line: crate::runner::one_line(&line),
+        line: super::settings::one_line(&line),
         details,
         timed_out: false,
     }
@@ -454,7 +413,7 @@ fn judge_outcomes(outcomes: &[Outcome], label: &str) -> Result<(), RunFailed> {
         details.push_str(&format!("rank {r}: {m}\n"));
     }
     Err(RunFailed {
-        line: crate::runner::one_line(&line),
+        line: super::settings::one_line(&line),
         details,
         timed_out: false,
     })
@@ -478,7 +437,7 @@ fn receive(
     for key in outcomes.iter().flat_map(|o| &o.keys) {
         got.insert(key.clone(), store.get(key).map_err(|e| fail(&e))?);
     }
-    lock(&RECEIVED).get_or_insert_with(HashMap::new).extend(got);
+    receive_handed_back(got);
     store
         .put(&format!("received/{rank}"), b"")
         .map_err(|e| fail(&e))?;

@@ -17,7 +17,7 @@
 //!
 //! Slower than fork (each rank loads libtorch afresh: about 0.4 s of CPU per rank here).
 
-use crate::runner::RunFailed;
+use super::settings::RunFailed;
 use lockstep_harness::{launch, LaunchOptions, RankCommand, RankCtx, RankSpawn};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -153,7 +153,7 @@ pub fn launch_without_fork(
     out: &std::path::Path,
     faults: bool,
     cuda: bool,
-    body: &(dyn Fn(&RankCtx) -> Result<(), crate::rank_error::RankError> + Sync),
+    body: &(dyn Fn(&RankCtx) -> Result<(), super::hand_back::RankError> + Sync),
 ) -> Option<Result<(), RunFailed>> {
     if let Some(want) = serving() {
         AT_EXIT.call_once(|| {
@@ -235,5 +235,5 @@ fn exec_launch(
     };
     launch(&opts, RankSpawn::Exec(&command))
         .map(drop)
-        .map_err(crate::runner::launch_failed)
+        .map_err(super::settings::launch_failed)
 }
