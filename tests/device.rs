@@ -174,6 +174,7 @@ fn env_reports_the_gpu_side() {
     }
 }
 
+#[path = "../core/tests/common/mod.rs"]
 mod common;
 
 /// A bundle as `ci/gpu-bundle` assembles it, around this build's `lockstep` (linked against

@@ -2,7 +2,9 @@
 //! dropping at capacity matches one process with the same capacity, `gpt_moe` with sharded
 //! experts matches single device, and a planted expert-gradient doubling is caught.
 
+#[path = "../core/tests/common/mod.rs"]
 mod common;
+mod judge;
 
 use lockstep_core::comm::ReduceOp;
 use lockstep_core::expert_parallel::{
@@ -24,7 +26,7 @@ const N: i64 = 10;
 /// `run` (gpt_moe, 3 steps) judged against one process on `world` ranks' batches by the fp64
 /// arbiter, the matrix's judge for EP against single device (equal up to summation order).
 fn against_single(run: &RunRecord, world: usize) -> Comparison {
-    common::judged_against_single(
+    judge::judged_against_single(
         run,
         &|seed, rank| zoo::build("gpt_moe", seed, rank),
         world,
@@ -286,7 +288,7 @@ fn expert_parallel_reads_the_decoders_sizes(
             let resized_model = |_: u64, rank: usize| -> Result<Box<dyn Model>, ModelError> {
                 Ok(Box::new(zoo::Gpt::with_config(config, 0, rank, true, 0.0)?))
             };
-            let c = common::judged_against_single(&run, &resized_model, ep, 3);
+            let c = judge::judged_against_single(&run, &resized_model, ep, 3);
             assert!(c.passed, "ep={ep}: {}", c.diagnosis.unwrap_or_default());
         }
     });

@@ -9,6 +9,7 @@
 //! Both need a Python with torch (`ci/setup-libtorch` installs one); without it they print
 //! why and pass, as `tests/run_cli.rs`'s twin check does.
 
+#[path = "../core/tests/common/mod.rs"]
 mod common;
 
 use anyhow::{ensure, Context, Result};

@@ -2,7 +2,9 @@
 //! parallelism against single device (losses, gradients, final parameters), exact collective
 //! counts per step, planted bugs caught, and bad plans rejected before any rank starts.
 
+#[path = "../core/tests/common/mod.rs"]
 mod common;
+mod judge;
 
 use lockstep_core::record::RunRecord;
 use lockstep_core::tensor_parallel::{
@@ -26,7 +28,7 @@ fn tp_run(ctx: &RankCtx, model: &str, opts: &TpOptions) -> RunRecord {
 /// `run` judged against one process on `world` ranks' batches by the fp64 arbiter (the
 /// matrix's judge for TP against single device: equal up to summation order only).
 fn against_single(run: &RunRecord, model: &str, world: usize) -> Comparison {
-    common::judged_against_single(
+    judge::judged_against_single(
         run,
         &|seed, rank| zoo::build(model, seed, rank),
         world,
@@ -235,7 +237,7 @@ fn tensor_parallel_reads_the_decoders_sizes(
                     0.0,
                 )?))
             };
-            let c = common::judged_against_single(&run, &resized_model, tp, STEPS);
+            let c = judge::judged_against_single(&run, &resized_model, tp, STEPS);
             assert!(
                 c.passed,
                 "moe={moe} tp={tp} sp={sp}: {}",

@@ -334,7 +334,7 @@ fn first_fsdp_rows() -> Vec<FsdpConfig> {
 fn strategy_wrap_rows() -> Vec<FsdpConfig> {
     vec![
         // The rest of strategy × wrapping: every strategy under every wrap policy that
-        // applies to any model (`Explicit` names one model's layers: tests/fsdp_units.rs).
+        // applies to any model (`Explicit` names one model's layers: core/tests/fsdp_units.rs).
         flat(
             "fsdp.shard_grad_op.blocks",
             "SHARD_GRAD_OP, one unit per transformer block",

@@ -18,24 +18,24 @@ const NOT_IN_ROWS: &[(&str, &str)] = &[
     (
         "ddp.broadcast_buffers=false",
         "every rank then keeps its own BatchNorm statistics, which no reference has \
-         (tests/ddp.rs)",
+         (core/tests/ddp.rs)",
     ),
     (
         "ddp.comm_hook",
         "a user's extension point, replacing the reduction (tests/arbiter_sensitivity.rs, \
-         tests/ddp.rs)",
+         core/tests/ddp.rs)",
     ),
     (
         "fsdp.wrap=Explicit",
-        "names one model's layers (tests/fsdp_units.rs)",
+        "names one model's layers (core/tests/fsdp_units.rs)",
     ),
     (
         "pipeline.partition=Splits",
-        "names one model's layer counts (tests/pipeline.rs)",
+        "names one model's layer counts (core/tests/pipeline.rs)",
     ),
     (
         "pipeline.schedule=Custom",
-        "a schedule given as data (tests/schedule_cli.rs, tests/pipeline.rs)",
+        "a schedule given as data (tests/schedule_cli.rs, core/tests/pipeline.rs)",
     ),
 ];
 

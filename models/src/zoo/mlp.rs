@@ -3,7 +3,7 @@
 //! largest weight (≈270 KB) and flat parameter (≈300 KB) take the CPU backend's large-message
 //! paths: past the direct algorithms (64 KiB) and past shared memory's threshold (256 KiB),
 //! with odd sizes everywhere. (The pipelined broadcast's 1 MiB segments are left to
-//! `tests/collectives.rs`: a model that large would dominate the matrix's time in records.)
+//! `core/tests/collectives.rs`: a model that large would dominate the matrix's time in records.)
 
 use crate::layers::Linear;
 use crate::model::{Batch, LayerHooks, LayerKind, LayerSpec, LossReduction, Model, NoHooks};
