@@ -122,7 +122,7 @@ enum Command {
 }
 
 /// Which part of the matrix to run (shared by `matrix` and `stress`).
-#[derive(clap::Args)]
+#[derive(clap::Args, Clone)]
 struct SelectionArgs {
     /// Models to run: names or patterns with `*` (e.g. `nested,gpt*`); default all.
     #[arg(long, value_delimiter = ',')]
@@ -702,54 +702,26 @@ fn run_schedule(args: ScheduleArgs) -> Result<ExitCode> {
 fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
     use lockstep::matrix;
     if args.list {
-        match matrix::render_list(args.selection.seed) {
-            Ok(text) => print!("{text}"),
-            Err(e) => {
-                eprintln!("error: {e}");
-                return Ok(ExitCode::from(2));
+        return Ok(match matrix::render_list(args.selection.seed) {
+            Ok(text) => {
+                print!("{text}");
+                ExitCode::SUCCESS
             }
-        }
-        return Ok(ExitCode::SUCCESS);
+            Err(e) => bad_input(e),
+        });
     }
     // Under torchrun/srun this process is one rank (`lockstep::runner::external`).
     let external = match lockstep::runner::external::detect() {
         Ok(external) => external,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return Ok(ExitCode::from(2));
-        }
+        Err(e) => return Ok(bad_input(e)),
     };
-    let refused = external.and_then(|_| external_refusal(&args));
-    let mut selection = args.selection;
-    if let Some(launch) = external {
-        if let Some(refused) = refused {
-            eprintln!("error: {refused} has no external mode yet (under torchrun/srun every process is one rank)");
-            return Ok(ExitCode::from(2));
-        }
-        if selection.world_sizes.is_empty() {
-            selection.world_sizes = vec![launch.world_size];
-        }
-    }
-    let Some(mut opts) = matrix_options(selection, args.timeout) else {
-        return Ok(ExitCode::from(2));
+    let opts = match matrix_run_options(&args, external) {
+        Ok(opts) => opts,
+        Err(code) => return Ok(code),
     };
-    opts.fault = args.fault;
-    opts.subtests = !args.isolated;
-    opts.backend = args.backend;
-    opts.device = match args.compute.device(args.backend) {
-        Ok(device) => device,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return Ok(ExitCode::from(2));
-        }
-    };
-    opts.tf32 = args.compute.tf32;
-    opts.exec_ranks = args.exec_ranks;
-    opts.arbiter_log = args.arbiter_log;
     if args.sensitivity {
         if let Err(e) = matrix::check_backend(&opts) {
-            eprintln!("error: {e}");
-            return Ok(ExitCode::from(2));
+            return Ok(bad_input(e));
         }
         lockstep::device::prepare_process(opts.device, opts.backend, opts.tf32)?;
         return run_matrix_sensitivity(&opts, &args.faults, &args.out);
@@ -765,10 +737,7 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
             Ok(plan)
         }) {
         Ok(plan) => plan,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return Ok(ExitCode::from(2));
-        }
+        Err(e) => return Ok(bad_input(e)),
     };
     // The references run in this process: on CUDA they need the same numerics as the ranks.
     lockstep::device::prepare_process(opts.device, opts.backend, opts.tf32)?;
@@ -777,6 +746,46 @@ fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
     }
     let bar = matrix::progress_bar(plan.run_count());
     let result = matrix::run(&plan, &bar);
+    report_matrix(&result, &args)
+}
+
+/// Prints `error: <e>` and gives bad input's exit code (nothing run).
+fn bad_input(e: impl std::fmt::Display) -> ExitCode {
+    eprintln!("error: {e}");
+    ExitCode::from(2)
+}
+
+/// The matrix's options from the command line (an external launch's world size when none
+/// is given), or the exit code of the bad input that prevents them.
+fn matrix_run_options(
+    args: &MatrixArgs,
+    external: Option<&lockstep_core::comm::ExternalLaunch>,
+) -> Result<lockstep::matrix::MatrixOptions, ExitCode> {
+    let mut selection = args.selection.clone();
+    if let Some(launch) = external {
+        if let Some(refused) = external_refusal(args) {
+            return Err(bad_input(format!(
+                "{refused} has no external mode yet (under torchrun/srun every process is one rank)"
+            )));
+        }
+        if selection.world_sizes.is_empty() {
+            selection.world_sizes = vec![launch.world_size];
+        }
+    }
+    let mut opts = matrix_options(selection, args.timeout).ok_or(ExitCode::from(2))?;
+    opts.fault = args.fault.clone();
+    opts.subtests = !args.isolated;
+    opts.backend = args.backend;
+    opts.device = args.compute.device(args.backend).map_err(bad_input)?;
+    opts.tf32 = args.compute.tf32;
+    opts.exec_ranks = args.exec_ranks;
+    opts.arbiter_log = args.arbiter_log.clone();
+    Ok(opts)
+}
+
+/// Prints the matrix's rows (and JSON lines with `--json`), writes its report set, and gives
+/// the exit code: 0 passed, 1 a row failed, a run failed or the external launch stopped.
+fn report_matrix(result: &lockstep::matrix::MatrixResult, args: &MatrixArgs) -> Result<ExitCode> {
     if args.json {
         for row in &result.rows {
             println!("{}", serde_json::to_string(row)?);

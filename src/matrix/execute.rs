@@ -293,34 +293,7 @@ fn run_cell(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_>) -> CellR
     let model = plan.models[m].as_str();
     let settings = plan.settings_for(model);
     let build = runner::zoo_builder(model);
-    let mut together: BTreeMap<Config, Outcome> = BTreeMap::new();
-    if plan.subtests && !settings.execs_ranks() {
-        let configs: Vec<Config> = plan
-            .runs_per_cell(m, world)
-            .into_iter()
-            .map(|(c, _)| c)
-            .filter(|&c| c != Config::Single)
-            .chain(plan.fsdp_launches(world))
-            .chain(plan.pipeline_launches(m, world).into_iter().map(|(c, _)| c))
-            .chain(plan.model_parallel_launches(m, world))
-            .chain(plan.simpler_references(m, world))
-            .collect();
-        if configs.len() > 1 {
-            let label = format!("{model} @{world}: {} configs in one launch", configs.len());
-            tally.progress.start(&label);
-            let t0 = Instant::now();
-            let outcomes = runner::run_configs_together(model, &build, &configs, world, &settings);
-            let each = t0.elapsed() / configs.len() as u32;
-            for (config, outcome) in configs.into_iter().zip(outcomes) {
-                tally.progress.finish(
-                    &format!("{model} {}", config.at(world)),
-                    each,
-                    outcome.as_ref().err().map(|e| e.line.as_str()),
-                );
-                together.insert(config, outcome);
-            }
-        }
-    }
+    let mut together = shared_launch(plan, m, world, tally);
     let mut run_one = |config: Config, attempt: usize, of: usize| {
         let outcome = match together.remove(&config).filter(|_| attempt == 1) {
             Some(outcome) => {
@@ -358,8 +331,82 @@ fn run_cell(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_>) -> CellR
     let mut model_parallel_configs = plan.model_parallel_launches(m, world);
     model_parallel_configs.extend(plan.simpler_references(m, world));
     let model_parallel = launch_each(model_parallel_configs);
-    let microbatched = plan
-        .microbatch_references(m, world)
+    let microbatched = run_microbatched_references(plan, m, world, tally);
+    let dropping = run_dropping_references(plan, m, world, tally);
+    let mixed = run_mixed_references(plan, m, world, tally);
+    let single_f64 = plan.needs_f64(m, world).then(|| {
+        tally.in_process(format!("{model} single.f64@{world}"), || {
+            runner::run_single_f64(model, &build, world, &settings)
+        })
+    });
+    let spread = run_spread(plan, m, world, tally);
+    CellRuns {
+        references,
+        fsdp,
+        pipelines,
+        model_parallel,
+        microbatched,
+        dropping,
+        mixed,
+        single_f64,
+        spread,
+    }
+}
+
+/// The first run of every configuration and DDP-family reference of cell `m` × `world` in
+/// one launch (subtests), when the plan asks for it and ranks fork; repeats stay fresh
+/// launches of their own, since they check that a fresh process reproduces the bits.
+fn shared_launch(
+    plan: &Plan,
+    m: usize,
+    world: usize,
+    tally: &mut Tally<'_>,
+) -> BTreeMap<Config, Outcome> {
+    let model = plan.models[m].as_str();
+    let settings = plan.settings_for(model);
+    let mut together = BTreeMap::new();
+    if !plan.subtests || settings.execs_ranks() {
+        return together;
+    }
+    let configs: Vec<Config> = plan
+        .runs_per_cell(m, world)
+        .into_iter()
+        .map(|(c, _)| c)
+        .filter(|&c| c != Config::Single)
+        .chain(plan.fsdp_launches(world))
+        .chain(plan.pipeline_launches(m, world).into_iter().map(|(c, _)| c))
+        .chain(plan.model_parallel_launches(m, world))
+        .chain(plan.simpler_references(m, world))
+        .collect();
+    if configs.len() <= 1 {
+        return together;
+    }
+    let build = runner::zoo_builder(model);
+    let label = format!("{model} @{world}: {} configs in one launch", configs.len());
+    tally.progress.start(&label);
+    let t0 = Instant::now();
+    let outcomes = runner::run_configs_together(model, &build, &configs, world, &settings);
+    let each = t0.elapsed() / configs.len() as u32;
+    for (config, outcome) in configs.into_iter().zip(outcomes) {
+        tally.progress.finish(
+            &format!("{model} {}", config.at(world)),
+            each,
+            outcome.as_ref().err().map(|e| e.line.as_str()),
+        );
+        together.insert(config, outcome);
+    }
+    together
+}
+
+/// The cell's microbatched references, each with its float64 shadow where a row needs it.
+fn run_microbatched_references(
+    plan: &Plan,
+    m: usize,
+    world: usize,
+    tally: &mut Tally<'_>,
+) -> Vec<(usize, (Outcome, Option<Outcome>))> {
+    let model = plan.models[m].as_str();
+    plan.microbatch_references(m, world)
         .into_iter()
         .map(|mb| {
             let name = microbatched_name(mb);
@@ -373,9 +420,18 @@ fn run_cell(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_>) -> CellR
             });
             (mb, (fp32, fp64))
         })
-        .collect();
-    let dropping = plan
-        .dropping_references(m, world)
+        .collect()
+}
+
+/// The cell's dropping references (`single.cap<F>`), each with its float64 shadow.
+fn run_dropping_references(
+    plan: &Plan,
+    m: usize,
+    world: usize,
+    tally: &mut Tally<'_>,
+) -> Vec<(f64, (Outcome, Outcome))> {
+    let model = plan.models[m].as_str();
+    plan.dropping_references(m, world)
         .into_iter()
         .map(|f| {
             let name = dropping_reference_name(f);
@@ -391,9 +447,18 @@ fn run_cell(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_>) -> CellR
             }
             (f, (fp32, fp64))
         })
-        .collect();
-    let mixed = plan
-        .mixed_references(m, world)
+        .collect()
+}
+
+/// The cell's independent mixed-precision references (`single.bf16`, `single.fp16`).
+fn run_mixed_references(
+    plan: &Plan,
+    m: usize,
+    world: usize,
+    tally: &mut Tally<'_>,
+) -> Vec<(Precision, Outcome)> {
+    let model = plan.models[m].as_str();
+    plan.mixed_references(m, world)
         .into_iter()
         .map(|p| {
             let name = p.half_type().reference_name();
@@ -402,42 +467,31 @@ fn run_cell(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_>) -> CellR
             });
             (p, run)
         })
-        .collect();
-    let single_f64 = plan.needs_f64(m, world).then(|| {
-        tally.in_process(format!("{model} single.f64@{world}"), || {
-            runner::run_single_f64(model, &build, world, &settings)
-        })
-    });
-    let spread = match plan.spread_runs(m, world) {
-        1.. => {
-            let label = format!("{model} fp32 variants@{world}");
-            tally.progress.start(&label);
-            let t0 = Instant::now();
-            let spread = crate::spread::run_spread(model, &build, world, &settings);
-            let took = t0.elapsed() / spread.len().max(1) as u32;
-            for outcome in &spread {
-                tally.count(outcome);
-                let (name, err) = match outcome {
-                    Ok(r) => (r.spec.config.as_str(), None),
-                    Err(e) => ("fp32 variant", Some(e.line.as_str())),
-                };
-                tally.progress.finish(&format!("{model} {name}"), took, err);
-            }
-            spread
-        }
-        0 => Vec::new(),
-    };
-    CellRuns {
-        references,
-        fsdp,
-        pipelines,
-        model_parallel,
-        microbatched,
-        dropping,
-        mixed,
-        single_f64,
-        spread,
+        .collect()
+}
+
+/// The single-device reference's fp32 variants, where an envelope is widened by them.
+fn run_spread(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_>) -> Vec<Outcome> {
+    if plan.spread_runs(m, world) == 0 {
+        return Vec::new();
     }
+    let model = plan.models[m].as_str();
+    let settings = plan.settings_for(model);
+    let build = runner::zoo_builder(model);
+    let label = format!("{model} fp32 variants@{world}");
+    tally.progress.start(&label);
+    let t0 = Instant::now();
+    let spread = crate::spread::run_spread(model, &build, world, &settings);
+    let took = t0.elapsed() / spread.len().max(1) as u32;
+    for outcome in &spread {
+        tally.count(outcome);
+        let (name, err) = match outcome {
+            Ok(r) => (r.spec.config.as_str(), None),
+            Err(e) => ("fp32 variant", Some(e.line.as_str())),
+        };
+        tally.progress.finish(&format!("{model} {name}"), took, err);
+    }
+    spread
 }
 
 /// A cell run once, whose configuration under test can then be judged with its run replaced
@@ -600,8 +654,90 @@ fn judge_row(
     run: Option<&Result<RunRecord, RunFailed>>,
     log: ArbiterLog<'_>,
 ) -> (Row, Option<Comparison>) {
+    let mut r = empty_row(cell, config, reference_name, &judge, run);
+    if let Some(reason) = skip {
+        // No run: the configuration cannot run here at all.
+        r.inapplicable = run.is_none();
+        r.note = Some(reason);
+        return (r, None);
+    }
+    if let Some(e) = first_failed_run(&judge, run) {
+        r.status = RowStatus::Error;
+        r.note = Some(e.line.clone());
+        r.details = Some(e.details.clone());
+        r.timed_out = e.timed_out;
+        return (r, None);
+    }
+    let dropped = ok(judge.against()).and_then(|b| b.tokens_dropped);
+    let c = match (judge, ok(run)) {
+        (
+            Judge::Policy {
+                policy: Err(e),
+                against,
+            },
+            Some(_),
+        ) if ok(against).is_some() => {
+            r.status = RowStatus::Error;
+            r.note = Some(e);
+            return (r, None);
+        }
+        (
+            Judge::Policy {
+                policy: Ok(p),
+                against,
+            },
+            Some(a),
+        ) if ok(against).is_some() => ok(against).map(|b| compare(a, b, &p)),
+        (Judge::Arbiter { fp32, fp64, spread }, Some(a)) => match (ok(fp32), ok(fp64)) {
+            (Some(b), Some(wide)) => {
+                let spread: Vec<&RunRecord> =
+                    spread.into_iter().filter_map(|o| ok(Some(o))).collect();
+                let build = runner::zoo_builder(cell.model);
+                let settings = plan.settings_for(cell.model);
+                let launch = (&build as &runner::ModelBuilder<'_>, cell.world, &settings);
+                let mut c = runner::arbiter_verdict(launch, a, (b, &spread, wide), log);
+                // Named after the row: a simpler configuration's envelope keeps its own key.
+                c.reference.clone_from(&r.reference);
+                Some(c)
+            }
+            _ => None,
+        },
+        _ => None,
+    };
+    let Some(c) = c else {
+        r.note = Some(not_run(cell));
+        return (r, None);
+    };
+    record_verdict(&mut r, &c, dropped);
+    (r, Some(c))
+}
+
+/// A row's record, when it has one.
+fn ok(o: Option<&Result<RunRecord, RunFailed>>) -> Option<&RunRecord> {
+    o.and_then(|o| o.as_ref().ok())
+}
+
+impl<'a> Judge<'a> {
+    /// The run the row is named against: the policy's reference, or the arbiter's envelope.
+    fn against(&self) -> Option<&'a Result<RunRecord, RunFailed>> {
+        match self {
+            Judge::Policy { against, .. } => *against,
+            Judge::Arbiter { fp32, .. } => *fp32,
+        }
+    }
+}
+
+/// A row of `config` against `reference_name` in `cell`, judged as `judge` says, before any
+/// verdict (skipped until one is reached).
+fn empty_row(
+    cell: &Cell<'_>,
+    config: Config,
+    reference_name: String,
+    judge: &Judge<'_>,
+    run: Option<&Result<RunRecord, RunFailed>>,
+) -> Row {
     let row_name = config.at(cell.world);
-    let mode = match &judge {
+    let mode = match judge {
         Judge::Arbiter { .. } => "arbiter",
         Judge::Policy { policy: Ok(p), .. }
             if p.mode() == Mode::Bitwise && p.override_for(&row_name).is_none() =>
@@ -610,7 +746,7 @@ fn judge_row(
         }
         Judge::Policy { .. } => "tolerance",
     };
-    let mut r = Row {
+    Row {
         model: cell.model.to_owned(),
         config: row_name,
         reference: reference_name,
@@ -620,68 +756,36 @@ fn judge_row(
         max_abs_err: None,
         max_ulp: None,
         margin: None,
-        memory: run.and_then(|r| r.as_ref().ok()).and_then(|r| r.memory),
+        memory: ok(run).and_then(|r| r.memory),
         note: None,
         details: None,
         arbiter: None,
         timed_out: false,
         inapplicable: false,
-    };
-    if let Some(reason) = skip {
-        // No run: the configuration cannot run here at all.
-        r.inapplicable = run.is_none();
-        r.note = Some(reason);
-        return (r, None);
     }
-    let (against, extra, spread) = match &judge {
-        Judge::Policy { against, .. } => (*against, None, &[][..]),
-        Judge::Arbiter { fp32, fp64, spread } => (*fp32, Some(*fp64), &spread[..]),
+}
+
+/// The first run a row reads that failed: the run itself, its reference, the shadow, a
+/// spread run.
+fn first_failed_run<'a>(
+    judge: &Judge<'a>,
+    run: Option<&'a Result<RunRecord, RunFailed>>,
+) -> Option<&'a RunFailed> {
+    let (extra, spread) = match judge {
+        Judge::Policy { .. } => (None, &[][..]),
+        Judge::Arbiter { fp64, spread, .. } => (*fp64, &spread[..]),
     };
-    let failed = [run, against, extra.flatten()]
+    [run, judge.against(), extra]
         .into_iter()
         .flatten()
         .chain(spread.iter().copied())
-        .find_map(|o| o.as_ref().err());
-    if let Some(e) = failed {
-        r.status = RowStatus::Error;
-        r.note = Some(e.line.clone());
-        r.details = Some(e.details.clone());
-        r.timed_out = e.timed_out;
-        return (r, None);
-    }
-    fn ok(o: Option<&Result<RunRecord, RunFailed>>) -> Option<&RunRecord> {
-        o.and_then(|o| o.as_ref().ok())
-    }
-    let dropped = ok(against).and_then(|b| b.tokens_dropped);
-    let c = match (judge, ok(run), ok(against)) {
-        (Judge::Policy { policy: Err(e), .. }, Some(_), Some(_)) => {
-            r.status = RowStatus::Error;
-            r.note = Some(e);
-            return (r, None);
-        }
-        (Judge::Policy { policy: Ok(p), .. }, Some(a), Some(b)) => compare(a, b, &p),
-        (Judge::Arbiter { fp64, spread, .. }, Some(a), Some(b)) => match ok(fp64) {
-            Some(wide) => {
-                let spread: Vec<&RunRecord> =
-                    spread.into_iter().filter_map(|o| ok(Some(o))).collect();
-                let build = runner::zoo_builder(cell.model);
-                let settings = plan.settings_for(cell.model);
-                let launch = (&build as &runner::ModelBuilder<'_>, cell.world, &settings);
-                let mut c = runner::arbiter_verdict(launch, a, (b, &spread, wide), log);
-                // Named after the row: a simpler configuration's envelope keeps its own key.
-                c.reference.clone_from(&r.reference);
-                c
-            }
-            None => {
-                r.note = Some(not_run(cell));
-                return (r, None);
-            }
-        },
-        _ => {
-            r.note = Some(not_run(cell));
-            return (r, None);
-        }
-    };
+        .find_map(|o| o.as_ref().err())
+}
+
+/// `r` with the verdict of comparison `c`: status, worst errors, and a note saying where it
+/// first failed, why a tolerance was overridden, whether the step-local check decided it,
+/// and how many token choices the reference dropped.
+fn record_verdict(r: &mut Row, c: &Comparison, dropped: Option<u64>) {
     let overall = c.overall();
     r.status = if c.passed {
         RowStatus::Pass
@@ -692,7 +796,7 @@ fn judge_row(
     r.max_ulp = Some(overall.max_ulp);
     r.margin = Some(overall.margin);
     r.arbiter.clone_from(&c.arbiter);
-    let found = short_failure(&c);
+    let found = short_failure(c);
     r.note = match (found, &c.override_reason) {
         (Some(f), Some(o)) => Some(format!("{f}; {OVERRIDE}: {o}")),
         (None, Some(o)) => Some(format!("{OVERRIDE}: {o}")),
@@ -712,7 +816,6 @@ fn judge_row(
             None => said,
         });
     }
-    (r, Some(c))
 }
 
 /// Why a row has nothing to compare: no single-device reference, or a run that never ran.

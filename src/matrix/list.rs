@@ -20,26 +20,7 @@ pub fn render_list(seed: u64) -> Result<String, MatrixError> {
     let width = configs.iter().map(|c| c.name().len()).max().unwrap_or(0) + 2;
     let mut out = String::from("configs:\n");
     for &c in &configs {
-        let applies: Vec<&str> = models
-            .iter()
-            .filter(|(name, _, single)| match c {
-                Config::Single | Config::Pipeline(_) => single.is_none(),
-                // The models whose plan fits at world 2 or 4 (`tp.2` on `mlp` is refused).
-                Config::ModelParallel(id) => zoo::build(name, seed, 0).is_ok_and(|m| {
-                    [2, 4]
-                        .iter()
-                        .any(|&w| id.get().model_blocker(m.as_ref(), w).is_none())
-                }),
-                // The models the composition serves at world 4 or 8 (its table's sizes).
-                Config::Composed(id) => zoo::build(name, seed, 0).is_ok_and(|m| {
-                    [4, 8]
-                        .iter()
-                        .any(|&w| id.get().model_blocker(m.as_ref(), w).is_none())
-                }),
-                _ => true,
-            })
-            .map(|(n, _, _)| *n)
-            .collect();
+        let applies = models_for(c, &models, seed);
         let _ = writeln!(out, "  {:<width$}{}", c.name(), c.description());
         let _ = writeln!(
             out,
@@ -112,4 +93,31 @@ pub fn render_list(seed: u64) -> Result<String, MatrixError> {
         let _ = writeln!(out, "  {name:<16}{params:>8} params  {note}");
     }
     Ok(out)
+}
+
+/// A zoo model as `--list` shows it: name, parameters, why it has no single-device reference.
+type ListedModel = (&'static str, i64, Option<String>);
+
+/// The zoo models configuration `c` applies to.
+fn models_for(c: Config, models: &[ListedModel], seed: u64) -> Vec<&'static str> {
+    models
+        .iter()
+        .filter(|(name, _, single)| match c {
+            Config::Single | Config::Pipeline(_) => single.is_none(),
+            // The models whose plan fits at world 2 or 4 (`tp.2` on `mlp` is refused).
+            Config::ModelParallel(id) => zoo::build(name, seed, 0).is_ok_and(|m| {
+                [2, 4]
+                    .iter()
+                    .any(|&w| id.get().model_blocker(m.as_ref(), w).is_none())
+            }),
+            // The models the composition serves at world 4 or 8 (its table's sizes).
+            Config::Composed(id) => zoo::build(name, seed, 0).is_ok_and(|m| {
+                [4, 8]
+                    .iter()
+                    .any(|&w| id.get().model_blocker(m.as_ref(), w).is_none())
+            }),
+            _ => true,
+        })
+        .map(|(n, _, _)| *n)
+        .collect()
 }

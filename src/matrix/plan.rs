@@ -105,11 +105,11 @@ pub struct Plan {
     pub(super) spread: BTreeMap<(usize, usize), usize>,
     /// Per (model index, world size, selected pipeline configuration): its validated plan,
     /// or why it cannot serve that model there (its rows are skipped with the reason).
-    pub(super) pipeline_plans: BTreeMap<(usize, usize, Config), Result<PipelinePlan, String>>,
+    pub(super) pipeline_plans: PipelinePlans,
     /// Per (model index, world size, tensor/expert-parallel configuration or composition —
     /// selected, or the simpler configuration a selected composition reduces to): why it
     /// cannot serve that model there, if it cannot.
-    pub(super) model_parallel_blockers: BTreeMap<(usize, usize, Config), Option<String>>,
+    pub(super) model_parallel_blockers: ModelParallelBlockers,
 }
 
 impl Plan {
@@ -406,30 +406,7 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         .into_iter()
         .filter(|c| selected.contains(&c.name()))
         .collect();
-    let mut world_sizes = Vec::new();
-    for &w in if opts.world_sizes.is_empty() {
-        &[DEFAULT_WORLD_SIZE][..]
-    } else {
-        &opts.world_sizes[..]
-    } {
-        if w == 0 {
-            return Err(MatrixError::InvalidWorldSize {
-                world_size: 0,
-                reason: "a run needs at least one rank".into(),
-            });
-        }
-        if w > MAX_WORLD_SIZE {
-            return Err(MatrixError::InvalidWorldSize {
-                world_size: w,
-                reason: format!(
-                    "ranks are processes on this host; at most {MAX_WORLD_SIZE} are supported"
-                ),
-            });
-        }
-        if !world_sizes.contains(&w) {
-            world_sizes.push(w);
-        }
-    }
+    let world_sizes = checked_world_sizes(&opts.world_sizes)?;
     if opts.steps == 0 {
         return Err(MatrixError::InvalidOption(
             "--steps must be at least 1".into(),
@@ -462,43 +439,9 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
             model.as_ref(),
         ));
     }
-    let mut pipeline_plans = BTreeMap::new();
-    for (m, name) in models.iter().enumerate() {
-        for &w in &world_sizes {
-            for &c in configs.iter().filter(|c| c.is_pipeline()) {
-                let Some(p) = c.pipeline_config() else {
-                    continue;
-                };
-                if c.world_blocker(w).is_some() {
-                    continue;
-                }
-                let model = zoo::build(name, opts.seed, 0)?;
-                pipeline_plans.insert((m, w, c), p.plan(model.as_ref(), w));
-            }
-        }
-    }
-    let mut model_parallel_blockers = BTreeMap::new();
-    for (m, name) in models.iter().enumerate() {
-        for &w in &world_sizes {
-            // Compositions' simpler configurations run too (as references) when a
-            // selected composition needs them.
-            let simpler = configs
-                .iter()
-                .filter_map(|c| c.composition_config().and_then(CompositionConfig::simpler));
-            let wanted: Vec<Config> = configs.iter().copied().chain(simpler).collect();
-            for c in wanted {
-                if c.world_blocker(w).is_some() || model_parallel_blockers.contains_key(&(m, w, c))
-                {
-                    continue;
-                }
-                if c.model_parallel_config().is_none() && c.composition_config().is_none() {
-                    continue;
-                }
-                let model = zoo::build(name, opts.seed, 0)?;
-                model_parallel_blockers.insert((m, w, c), c.blocker(model.as_ref(), w));
-            }
-        }
-    }
+    let pipeline_plans = pipeline_plans(&models, &world_sizes, &configs, opts.seed)?;
+    let model_parallel_blockers =
+        model_parallel_blockers(&models, &world_sizes, &configs, opts.seed)?;
     Ok(Plan {
         models: models.into_iter().map(str::to_owned).collect(),
         configs,
@@ -520,6 +463,102 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         pipeline_plans,
         model_parallel_blockers,
     })
+}
+
+/// Per (model index, world size, pipeline configuration): its plan, or why it cannot serve.
+pub(super) type PipelinePlans = BTreeMap<(usize, usize, Config), Result<PipelinePlan, String>>;
+
+/// Per (model index, world size, model-parallel configuration): why it cannot serve, if so.
+pub(super) type ModelParallelBlockers = BTreeMap<(usize, usize, Config), Option<String>>;
+
+/// The distinct world sizes asked for (the default when none), each checked.
+fn checked_world_sizes(asked: &[usize]) -> Result<Vec<usize>, MatrixError> {
+    let mut world_sizes = Vec::new();
+    let asked = if asked.is_empty() {
+        &[DEFAULT_WORLD_SIZE][..]
+    } else {
+        asked
+    };
+    for &w in asked {
+        if w == 0 {
+            return Err(MatrixError::InvalidWorldSize {
+                world_size: 0,
+                reason: "a run needs at least one rank".into(),
+            });
+        }
+        if w > MAX_WORLD_SIZE {
+            return Err(MatrixError::InvalidWorldSize {
+                world_size: w,
+                reason: format!(
+                    "ranks are processes on this host; at most {MAX_WORLD_SIZE} are supported"
+                ),
+            });
+        }
+        if !world_sizes.contains(&w) {
+            world_sizes.push(w);
+        }
+    }
+    Ok(world_sizes)
+}
+
+/// Per (model, world size, selected pipeline configuration that the size admits): its plan
+/// for that model, or why it cannot serve it.
+fn pipeline_plans(
+    models: &[&str],
+    world_sizes: &[usize],
+    configs: &[Config],
+    seed: u64,
+) -> Result<PipelinePlans, MatrixError> {
+    let mut pipeline_plans = BTreeMap::new();
+    for (m, name) in models.iter().enumerate() {
+        for &w in world_sizes {
+            for &c in configs.iter().filter(|c| c.is_pipeline()) {
+                let Some(p) = c.pipeline_config() else {
+                    continue;
+                };
+                if c.world_blocker(w).is_some() {
+                    continue;
+                }
+                let model = zoo::build(name, seed, 0)?;
+                pipeline_plans.insert((m, w, c), p.plan(model.as_ref(), w));
+            }
+        }
+    }
+    Ok(pipeline_plans)
+}
+
+/// Per (model, world size, tensor/expert-parallel configuration or composition, selected or
+/// the simpler configuration a selected composition reduces to): why it cannot serve that
+/// model there, if it cannot.
+fn model_parallel_blockers(
+    models: &[&str],
+    world_sizes: &[usize],
+    configs: &[Config],
+    seed: u64,
+) -> Result<ModelParallelBlockers, MatrixError> {
+    let mut model_parallel_blockers = BTreeMap::new();
+    for (m, name) in models.iter().enumerate() {
+        for &w in world_sizes {
+            // Compositions' simpler configurations run too (as references) when a
+            // selected composition needs them.
+            let simpler = configs
+                .iter()
+                .filter_map(|c| c.composition_config().and_then(CompositionConfig::simpler));
+            let wanted: Vec<Config> = configs.iter().copied().chain(simpler).collect();
+            for c in wanted {
+                if c.world_blocker(w).is_some() || model_parallel_blockers.contains_key(&(m, w, c))
+                {
+                    continue;
+                }
+                if c.model_parallel_config().is_none() && c.composition_config().is_none() {
+                    continue;
+                }
+                let model = zoo::build(name, seed, 0)?;
+                model_parallel_blockers.insert((m, w, c), c.blocker(model.as_ref(), w));
+            }
+        }
+    }
+    Ok(model_parallel_blockers)
 }
 
 /// Creates `dir` and proves it writable with a probe file, before any run starts, and
