@@ -27,6 +27,7 @@ mod render;
 
 use crate::runner::faults::read_logs;
 use crate::runner::FaultPlan;
+use crate::runner::RecordResult;
 use crate::runner::{RunFailed, RunSettings};
 use indicatif::ProgressBar;
 use lockstep_core::comm::{applicability, CallRecord, FaultKind, FaultLog, FaultMode, Injection};
@@ -34,9 +35,6 @@ use lockstep_core::record::RunRecord;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-
-/// A run's record, or why it has none.
-type Outcome = Result<RunRecord, RunFailed>;
 
 /// The ε decades a perturbation is bisected over, largest first.
 pub const PERTURB_DECADES: [f64; 8] = [1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8];
@@ -507,7 +505,7 @@ impl FaultRunner<'_> {
     }
 
     /// The dry run: every rank's calls (indexed by rank) and the clean run's outcome.
-    fn record(&mut self) -> Result<(Vec<Vec<CallRecord>>, Outcome), SensitivityError> {
+    fn record(&mut self) -> Result<(Vec<Vec<CallRecord>>, RecordResult), SensitivityError> {
         let (outcome, logs) = self.run(FaultMode::Record, self.base.timeout);
         if let Err(e) = &outcome {
             return Err(SensitivityError::RecordRun(e.details.clone()));

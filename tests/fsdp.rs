@@ -4,7 +4,7 @@
 #[path = "../core/tests/common/mod.rs"]
 mod common;
 
-use lockstep::matrix::{fsdp_configs, FsdpLayout};
+use lockstep::configs::{fsdp_configs, FsdpLayout};
 use lockstep_core::comm::{DType, ReduceOp};
 use lockstep_core::ddp::{train_ddp, train_ddp_hierarchical, DdpOptions};
 use lockstep_core::fsdp::{

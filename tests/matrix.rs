@@ -1,8 +1,9 @@
 //! `lockstep matrix` end to end through the built binary (exit codes, messages, the report
 //! set on disk), plus the library's name matching and planning.
 
+use lockstep::configs::{self, Config, DdpCheck, Precision};
 use lockstep::harness::report::{read_json, SCHEMA_VERSION};
-use lockstep::matrix::{self, Config, DdpCheck, MatrixError, MatrixOptions, Precision, RowStatus};
+use lockstep::matrix::{self, MatrixError, MatrixOptions, RowStatus};
 use lockstep_core::fsdp::{BackwardPrefetch, ShardingStrategy, WrapPolicy};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -188,7 +189,7 @@ fn list_prints_configs_and_models() {
     // Mixed precision: why there is no row against single, once; and the model FSDP mixed
     // precision cannot run (rank-local parameters) is left out of those configs' models.
     assert_eq!(
-        run.stdout.matches(matrix::MIXED_VS_SINGLE_REASON).count(),
+        run.stdout.matches(configs::MIXED_VS_SINGLE_REASON).count(),
         1,
         "{}",
         run.stdout
@@ -235,7 +236,7 @@ fn list_prints_configs_and_models() {
         run.stdout
             .matches(&format!(
                 "against ddp.hybrid_order: {}",
-                matrix::HYBRID_VS_DDP_REASON
+                configs::HYBRID_VS_DDP_REASON
             ))
             .count(),
         4,
@@ -603,11 +604,11 @@ fn every_fsdp_config_resolves_by_name_and_fsdp_star_selects_them_all() {
     );
     assert_eq!(
         opts("fsdp.full_shard.blocks").wrap,
-        WrapPolicy::ByKind(matrix::BLOCK_KINDS.to_vec())
+        WrapPolicy::ByKind(configs::BLOCK_KINDS.to_vec())
     );
     assert_eq!(
         opts("fsdp.full_shard.min_params").wrap,
-        WrapPolicy::MinParams(matrix::MIN_PARAMS)
+        WrapPolicy::MinParams(configs::MIN_PARAMS)
     );
     assert_eq!(
         opts("fsdp.hybrid_shard").strategy,
@@ -1572,7 +1573,7 @@ fn composition_rows_pass_against_single_and_their_simpler_configuration() {
 /// its row against it can never silently vanish.
 #[test]
 fn every_composition_reduces_to_a_known_launchable_configuration() {
-    for c in matrix::composition_configs() {
+    for c in configs::composition_configs() {
         let Some((name, _)) = c.reduces_to else {
             continue;
         };
@@ -1913,7 +1914,7 @@ fn a_pipeline_report_lists_each_parameters_stage() {
 /// `x`"), and no row denies an edge the catalog has.
 #[test]
 fn the_docs_table_names_every_judging_edge() {
-    use lockstep::matrix::Against;
+    use lockstep::configs::Against;
     let doc = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/matrix.md"))
         .expect("docs/matrix.md");
     let table = doc

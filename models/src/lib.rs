@@ -21,9 +21,6 @@ pub mod zoo;
 
 pub use device::OnDevice;
 pub use error::{Misshaped, ModelError};
-/// The module-level side of [`LayerHooks`] (`linear`, `embedding`, `layer_norm`, `moe`,
-/// `dropout`, `cross_entropy`): one hooks object offers both levels.
-pub use model::LayerHooks as ModuleHooks;
 pub use model::{
     Batch, LayerHooks, LayerKind, LayerRun, LayerSpec, LossReduction, Model, MoeSpec, NoHooks,
 };

@@ -1,7 +1,7 @@
 //! Parallelization plans: which modules a parallelism splits and how, by module-path
 //! pattern, as torchtitan's `parallelize_module` plans are written. A model offers its own
 //! ([`crate::Model::parallel_plan`]) and a user may pass another; the model's forward runs
-//! unchanged and the hooks of its module calls ([`crate::ModuleHooks`]) apply the plan.
+//! unchanged and the hooks of its module calls ([`crate::LayerHooks`]' module-level calls) apply the plan.
 //! This crate only describes plans: applying them needs process groups and lives in
 //! `lockstep-core`.
 

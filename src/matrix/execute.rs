@@ -2,6 +2,7 @@
 //! then the comparisons that make the rows.
 
 use super::*;
+use crate::runner::RecordResult;
 
 /// The progress bar the CLI shows on stderr: drawn only on a terminal and only from this
 /// thread (no ticker thread, so a forked rank never inherits a lock held by one).
@@ -119,9 +120,6 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
     tally.result
 }
 
-/// One run's outcome: its record, or why there is none.
-type Outcome = Result<RunRecord, RunFailed>;
-
 /// Progress and the run counters, shared by every run of the matrix.
 struct Tally<'a> {
     progress: Progress<'a>,
@@ -130,7 +128,7 @@ struct Tally<'a> {
 
 impl Tally<'_> {
     /// Counts `outcome` (failed and hung runs too).
-    fn count(&mut self, outcome: &Outcome) {
+    fn count(&mut self, outcome: &RecordResult) {
         self.result.runs += 1;
         if outcome.is_err() {
             self.result.failed_runs += 1;
@@ -141,7 +139,7 @@ impl Tally<'_> {
     }
 
     /// Runs `run` in this process under `label`, shown and counted.
-    fn in_process(&mut self, label: String, run: impl FnOnce() -> Outcome) -> Outcome {
+    fn in_process(&mut self, label: String, run: impl FnOnce() -> RecordResult) -> RecordResult {
         self.progress.start(&label);
         let t0 = Instant::now();
         let outcome = run();
@@ -156,31 +154,31 @@ impl Tally<'_> {
 #[derive(Default)]
 pub(super) struct CellRuns {
     /// Each reference's runs (the first is the reference, a second its repeat).
-    references: Vec<(Config, Vec<Outcome>)>,
-    fsdp: Vec<(Config, Outcome)>,
-    pipelines: Vec<(Config, Outcome)>,
+    references: Vec<(Config, Vec<RecordResult>)>,
+    fsdp: Vec<(Config, RecordResult)>,
+    pipelines: Vec<(Config, RecordResult)>,
     /// Tensor/expert parallelism and compositions, with the simpler configurations they
     /// reduce to.
-    model_parallel: Vec<(Config, Outcome)>,
+    model_parallel: Vec<(Config, RecordResult)>,
     /// Per microbatch count: the microbatched reference and its float64 shadow (run only
     /// where a pipeline row is judged by the arbiter).
-    microbatched: Vec<(usize, (Outcome, Option<Outcome>))>,
+    microbatched: Vec<(usize, (RecordResult, Option<RecordResult>))>,
     /// Per capacity factor of an expert-parallel launch: the single-device reference that
     /// drops at it (`single.cap<F>@N`) and its float64 shadow.
-    dropping: Vec<(f64, (Outcome, Outcome))>,
+    dropping: Vec<(f64, (RecordResult, RecordResult))>,
     /// Per policy whose DDP row is selected: its independent single-device reference
     /// (`single.bf16@N`, `single.fp16@N`).
-    mixed: Vec<(Precision, Outcome)>,
+    mixed: Vec<(Precision, RecordResult)>,
     /// The single-device reference's float64 shadow, when a row needs it.
-    single_f64: Option<Outcome>,
+    single_f64: Option<RecordResult>,
     /// The fp32 variants of the single-device reference ([`crate::spread`]), run with its
     /// shadow: with it, they measure how far correct fp32 runs stray from float64.
-    spread: Vec<Outcome>,
+    spread: Vec<RecordResult>,
 }
 
 impl CellRuns {
     /// The `i`-th run of reference `config` (0: the reference, 1: its repeat).
-    fn reference(&self, config: Config, i: usize) -> Option<&Outcome> {
+    fn reference(&self, config: Config, i: usize) -> Option<&RecordResult> {
         self.references
             .iter()
             .find(|(c, _)| *c == config)
@@ -189,7 +187,7 @@ impl CellRuns {
 
     /// The run that stands for `config` in its own rows (a DDP-family reference's first run,
     /// a launched configuration's run), to be replaced by a faulted one.
-    fn run_mut(&mut self, config: Config) -> Option<&mut Outcome> {
+    fn run_mut(&mut self, config: Config) -> Option<&mut RecordResult> {
         if let Some((_, runs)) = self.references.iter_mut().find(|(c, _)| *c == config) {
             return runs.first_mut();
         }
@@ -203,12 +201,12 @@ impl CellRuns {
 
     /// The run that stands for `config` in its own rows: a reference's first run, or a
     /// launched configuration's.
-    fn run_of(&self, config: Config) -> Option<&Outcome> {
+    fn run_of(&self, config: Config) -> Option<&RecordResult> {
         self.reference(config, 0).or_else(|| self.launched(config))
     }
 
     /// The fp32 run that reference `against` of `config` names.
-    fn fp32(&self, config: Config, against: Against) -> Option<&Outcome> {
+    fn fp32(&self, config: Config, against: Against) -> Option<&RecordResult> {
         match against {
             Against::Repeat => self.reference(config, 1),
             Against::Config(c) => self.run_of(c),
@@ -220,7 +218,7 @@ impl CellRuns {
     }
 
     /// The float64 shadow of reference `against`, where it ran.
-    fn shadow(&self, against: Against) -> Option<&Outcome> {
+    fn shadow(&self, against: Against) -> Option<&RecordResult> {
         match against {
             Against::Single => self.single_f64.as_ref(),
             Against::Dropping(f) => self.dropping_pair(f).map(|(_, fp64)| fp64),
@@ -231,14 +229,14 @@ impl CellRuns {
         }
     }
 
-    fn dropping_pair(&self, factor: f64) -> Option<&(Outcome, Outcome)> {
+    fn dropping_pair(&self, factor: f64) -> Option<&(RecordResult, RecordResult)> {
         self.dropping
             .iter()
             .find(|(g, _)| *g == factor)
             .map(|(_, p)| p)
     }
 
-    fn microbatched_pair(&self, m: usize) -> Option<&(Outcome, Option<Outcome>)> {
+    fn microbatched_pair(&self, m: usize) -> Option<&(RecordResult, Option<RecordResult>)> {
         self.microbatched
             .iter()
             .find(|(n, _)| *n == m)
@@ -275,7 +273,7 @@ impl CellRuns {
     }
 
     /// The run of launched configuration `config`, wherever it ran.
-    fn launched(&self, config: Config) -> Option<&Outcome> {
+    fn launched(&self, config: Config) -> Option<&RecordResult> {
         self.fsdp
             .iter()
             .chain(&self.pipelines)
@@ -318,7 +316,7 @@ fn run_cell(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_>) -> CellR
         .into_iter()
         .map(|(c, n)| (c, (1..=n).map(|i| run_one(c, i, n)).collect()))
         .collect();
-    let mut launch_each = |configs: Vec<Config>| -> Vec<(Config, Outcome)> {
+    let mut launch_each = |configs: Vec<Config>| -> Vec<(Config, RecordResult)> {
         configs.into_iter().map(|c| (c, run_one(c, 1, 1))).collect()
     };
     let fsdp = launch_each(plan.fsdp_launches(world));
@@ -361,7 +359,7 @@ fn shared_launch(
     m: usize,
     world: usize,
     tally: &mut Tally<'_>,
-) -> BTreeMap<Config, Outcome> {
+) -> BTreeMap<Config, RecordResult> {
     let model = plan.models[m].as_str();
     let settings = plan.settings_for(model);
     let mut together = BTreeMap::new();
@@ -404,7 +402,7 @@ fn run_microbatched_references(
     m: usize,
     world: usize,
     tally: &mut Tally<'_>,
-) -> Vec<(usize, (Outcome, Option<Outcome>))> {
+) -> Vec<(usize, (RecordResult, Option<RecordResult>))> {
     let model = plan.models[m].as_str();
     plan.microbatch_references(m, world)
         .into_iter()
@@ -429,7 +427,7 @@ fn run_dropping_references(
     m: usize,
     world: usize,
     tally: &mut Tally<'_>,
-) -> Vec<(f64, (Outcome, Outcome))> {
+) -> Vec<(f64, (RecordResult, RecordResult))> {
     let model = plan.models[m].as_str();
     plan.dropping_references(m, world)
         .into_iter()
@@ -456,7 +454,7 @@ fn run_mixed_references(
     m: usize,
     world: usize,
     tally: &mut Tally<'_>,
-) -> Vec<(Precision, Outcome)> {
+) -> Vec<(Precision, RecordResult)> {
     let model = plan.models[m].as_str();
     plan.mixed_references(m, world)
         .into_iter()
@@ -471,7 +469,7 @@ fn run_mixed_references(
 }
 
 /// The single-device reference's fp32 variants, where an envelope is widened by them.
-fn run_spread(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_>) -> Vec<Outcome> {
+fn run_spread(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_>) -> Vec<RecordResult> {
     if plan.spread_runs(m, world) == 0 {
         return Vec::new();
     }
@@ -523,7 +521,12 @@ impl CellBaseline {
 
     /// The matrix's rows for `config` at `world`, with `run` standing in for its own run when
     /// given.
-    pub(super) fn rows(&mut self, config: Config, world: usize, run: Option<Outcome>) -> Vec<Row> {
+    pub(super) fn rows(
+        &mut self,
+        config: Config,
+        world: usize,
+        run: Option<RecordResult>,
+    ) -> Vec<Row> {
         let saved = match (run, self.runs.run_mut(config)) {
             (Some(run), Some(slot)) => Some(std::mem::replace(slot, run)),
             _ => None,
@@ -607,7 +610,7 @@ fn resolve_edge<'r>(
 }
 
 /// Whether `a` and `b` are the same run (both absent counts).
-fn same_run(a: Option<&Outcome>, b: Option<&Outcome>) -> bool {
+fn same_run(a: Option<&RecordResult>, b: Option<&RecordResult>) -> bool {
     match (a, b) {
         (Some(a), Some(b)) => std::ptr::eq(a, b),
         (None, None) => true,

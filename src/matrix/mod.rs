@@ -134,7 +134,7 @@ mod plan;
 mod result;
 mod sensitivity;
 
-pub use crate::configs::*;
+use crate::configs::*;
 pub use backend::*;
 pub use dropping::dropping_reference;
 use dropping::*;

@@ -41,6 +41,7 @@ pub use outcome::ParityOutcome;
 pub use sensitivity::ParitySensitivity;
 
 use crate::configs::{Against, Config, Judged};
+use crate::runner::RecordResult;
 use crate::runner::{self, ModelBuilder, RunFailed, RunSettings, TrainFn};
 use lockstep_core::record::RunRecord;
 use lockstep_core::train::{OptimizerConfig, TrainConfig};
@@ -412,7 +413,7 @@ impl<'a> ParityTest<'a> {
     /// Every run at `world`: each reference and configuration once, the envelopes the fp64
     /// arbiter needs, and the float64 shadow when an arbiter judges anything.
     fn reference_runs(&self, prepared: &Prepared<'_>, world: usize) -> WorldRuns {
-        let mut records: BTreeMap<String, Outcome> = BTreeMap::new();
+        let mut records: BTreeMap<String, RecordResult> = BTreeMap::new();
         let envelopes: Vec<&str> = self
             .configs
             .iter()
@@ -620,7 +621,7 @@ impl<'a> ParityTest<'a> {
         prepared: &Prepared<'_>,
         world: usize,
         settings: &RunSettings,
-    ) -> Outcome {
+    ) -> RecordResult {
         let (model_name, build) = (prepared.model_name, prepared.build);
         if let Some(TestConfig::Custom { train, .. }) =
             self.configs.iter().find(|c| c.name() == name)
@@ -706,7 +707,7 @@ impl<'a> ParityTest<'a> {
         records: &BTreeMap<String, Result<RunRecord, RunFailed>>,
         (config, world, build): (&TestConfig<'_>, usize, &ModelBuilder<'_>),
         envelope: &str,
-        (fp64, spread): (Option<&Result<RunRecord, RunFailed>>, &[Outcome]),
+        (fp64, spread): (Option<&Result<RunRecord, RunFailed>>, &[RecordResult]),
     ) -> Option<Result<lockstep_harness::parity::Comparison, RunFailed>> {
         let run = match records.get(config.name())? {
             Ok(run) => run,
@@ -793,9 +794,6 @@ impl<'a> ParityTest<'a> {
     }
 }
 
-/// A run's record, or why it has none.
-type Outcome = Result<RunRecord, RunFailed>;
-
 /// What [`ParityTest::prepare`] decided: the model, the references, and the policy of every
 /// (configuration, reference, world size) not judged by the fp64 arbiter.
 struct Prepared<'t> {
@@ -808,10 +806,10 @@ struct Prepared<'t> {
 /// Every run at one world size, by configuration or reference name, and the float64 shadow
 /// of the single-device reference when an arbiter needs it.
 struct WorldRuns {
-    records: BTreeMap<String, Outcome>,
-    single_f64: Option<Outcome>,
+    records: BTreeMap<String, RecordResult>,
+    single_f64: Option<RecordResult>,
     /// The single-device reference's fp32 variants ([`crate::spread`]).
-    spread: Vec<Outcome>,
+    spread: Vec<RecordResult>,
 }
 
 /// `target/lockstep/<test>/`, next to the test binary's own target directory.

@@ -3,7 +3,8 @@
 //! one collective call corrupted, and is judged against the test's references exactly as
 //! [`ParityTest::run`] judges it.
 
-use super::{Outcome, ParityTest, ParityTestError, Prepared, TestConfig, WorldRuns};
+use super::{ParityTest, ParityTestError, Prepared, TestConfig, WorldRuns};
+use crate::runner::RecordResult;
 use crate::runner::{RunFailed, RunSettings};
 use crate::sensitivity::{
     analyse, Judgement, Miss, SensitivityOptions, SensitivityReport, Subject,
@@ -81,7 +82,7 @@ impl Subject for TestSubject<'_, '_> {
         }
         let name = self.config.name().to_owned();
         let mut runs = self.runs.borrow_mut();
-        let saved: Option<Outcome> = runs.records.insert(name.clone(), run.clone());
+        let saved: Option<RecordResult> = runs.records.insert(name.clone(), run.clone());
         let judged = self
             .test
             .judge_config(self.prepared, self.config, self.world, &runs);

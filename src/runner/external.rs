@@ -109,7 +109,7 @@ pub(crate) fn scratch_path(tag: &str) -> Option<PathBuf> {
 
 /// One rank's account of a launch, published after its body.
 #[derive(Serialize, Deserialize)]
-struct Outcome {
+struct RankAccount {
     /// The body's error (or panic), if it failed.
     failed: Option<String>,
     /// The launch's timeout passed on this rank (its watchdog aborted its links and left its
@@ -167,7 +167,7 @@ pub(crate) fn run(
         Err(panic) => Some(panic_text(panic.as_ref())),
     };
     let order = failed.as_ref().and_then(|_| store.add("failures", 1).ok());
-    let mine = Outcome {
+    let mine = RankAccount {
         failed,
         timed_out,
         order,
@@ -246,7 +246,7 @@ impl Watchdog {
                  and aborting this rank's links did not end it",
                 timeout.as_secs_f64()
             );
-            let outcome = Outcome {
+            let outcome = RankAccount {
                 failed: Some(message.clone()),
                 timed_out: true,
                 order: store.add("failures", 1).ok(),
@@ -280,7 +280,7 @@ const STUCK_GRACE: Duration = Duration::from_secs(2);
 /// report has it).
 fn timeout_failure(
     store: &RunStore,
-    outcomes: &[Outcome],
+    outcomes: &[RankAccount],
     label: &str,
     timeout: Duration,
 ) -> RunFailed {
@@ -329,9 +329,9 @@ const DEAD_RANK_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
 /// Every rank's outcome of launch `label`. With no failure reported, a missing outcome is
 /// awaited up to the collective timeout (a rank may still be training); once some rank has
 /// reported a failure, ranks still silent [`DEAD_RANK_GRACE`] later are named as dead.
-fn gather(store: &RunStore, world_size: usize, label: &str) -> Result<Vec<Outcome>, RunFailed> {
+fn gather(store: &RunStore, world_size: usize, label: &str) -> Result<Vec<RankAccount>, RunFailed> {
     let started = std::time::Instant::now();
-    let mut outcomes: Vec<Option<Outcome>> = (0..world_size).map(|_| None).collect();
+    let mut outcomes: Vec<Option<RankAccount>> = (0..world_size).map(|_| None).collect();
     let mut failure_seen: Option<std::time::Instant> = None;
     loop {
         for (r, slot) in outcomes.iter_mut().enumerate() {
@@ -342,7 +342,7 @@ fn gather(store: &RunStore, world_size: usize, label: &str) -> Result<Vec<Outcom
             let bytes = store.get(&key).map_err(|e| {
                 RunFailed::simple(format!("launch `{label}`: reading rank {r}'s outcome: {e}"))
             })?;
-            let outcome: Outcome = serde_json::from_slice(&bytes).map_err(|e| {
+            let outcome: RankAccount = serde_json::from_slice(&bytes).map_err(|e| {
                 RunFailed::simple(format!(
                     "launch `{label}`: rank {r}'s outcome is unreadable: {e}"
                 ))
@@ -373,7 +373,7 @@ fn gather(store: &RunStore, world_size: usize, label: &str) -> Result<Vec<Outcom
 /// The failure of a launch in which ranks `missing` died without reporting: they are named
 /// first (the ranks that reported failed because they lost them), every reported failure
 /// in the details.
-fn dead_ranks(outcomes: &[Option<Outcome>], missing: &[usize], label: &str) -> RunFailed {
+fn dead_ranks(outcomes: &[Option<RankAccount>], missing: &[usize], label: &str) -> RunFailed {
     let line = format!(
         "rank(s) {missing:?} died in launch `{label}` or were cut off, without reporting \
          (killed, crashed or unreachable: no outcome {:.0} s after the first failure reported \
@@ -395,8 +395,8 @@ fn dead_ranks(outcomes: &[Option<Outcome>], missing: &[usize], label: &str) -> R
 
 /// The launch's failure, if any rank failed: the first to fail named, every failing rank's
 /// message in the details.
-fn judge_outcomes(outcomes: &[Outcome], label: &str) -> Result<(), RunFailed> {
-    let failed: Vec<(usize, &Outcome, &String)> = outcomes
+fn judge_outcomes(outcomes: &[RankAccount], label: &str) -> Result<(), RunFailed> {
+    let failed: Vec<(usize, &RankAccount, &String)> = outcomes
         .iter()
         .enumerate()
         .filter_map(|(r, o)| o.failed.as_ref().map(|m| (r, o, m)))
@@ -423,7 +423,7 @@ fn judge_outcomes(outcomes: &[Outcome], label: &str) -> Result<(), RunFailed> {
 /// has (so rank 0, which hosts the store, never leaves while another still reads).
 fn receive(
     store: &RunStore,
-    outcomes: &[Outcome],
+    outcomes: &[RankAccount],
     rank: usize,
     world_size: usize,
     label: &str,

@@ -160,6 +160,12 @@ impl std::fmt::Display for RunFailed {
     }
 }
 
+impl std::error::Error for RunFailed {}
+
+/// A run's record, or why it has none: what every run of a matrix cell, a parity test or a
+/// sensitivity analysis comes back as.
+pub type RecordResult = Result<RunRecord, RunFailed>;
+
 /// The builder of zoo model `name`.
 pub fn zoo_builder(
     name: &str,
