@@ -79,7 +79,7 @@ const ALLOWED: &[Allowed] = &[
         why: "a checkpoint is written from host memory (safetensors)",
     },
     Allowed {
-        file: "core/src/fsdp.rs",
+        file: "core/src/fsdp/mod.rs",
         snippet: "let master_device = if core.opts.offload_params",
         why: "offload_params keeps the master shards in host memory by design (FSDP's CPU \
               offload); gathers and reductions still run on the compute device",

@@ -306,7 +306,7 @@ fn an_unreached_function_without_a_reason_fails_by_name() {
 fn items_are_named_by_file_type_and_function() {
     let items = public_items();
     let ids: BTreeSet<&str> = items.iter().map(|i| i.id.as_str()).collect();
-    assert!(ids.contains("ddp.rs::Ddp::new"), "{ids:#?}");
+    assert!(ids.contains("ddp/mod.rs::Ddp::new"), "{ids:#?}");
     assert!(ids.contains("mixed_reference.rs::mixed_precision_reference"));
     assert!(ids.contains("mixed_reference.rs::HalfType::kind"));
     // Test modules hold no items.
@@ -315,6 +315,6 @@ fn items_are_named_by_file_type_and_function() {
         "fsdp/state.rs::*",
         "fsdp/state.rs::Fsdp::state_dict"
     ));
-    assert!(matches("*::no_sync", "fsdp.rs::Fsdp::no_sync"));
-    assert!(!matches("fsdp.rs::*", "fsdp/state.rs::x"));
+    assert!(matches("*::no_sync", "fsdp/mod.rs::Fsdp::no_sync"));
+    assert!(!matches("fsdp/mod.rs::*", "fsdp/state.rs::x"));
 }
