@@ -1741,28 +1741,9 @@ fn reports_list_skipped_rows_and_count_inapplicable_pairs() {
 #[test]
 fn a_tp2_report_lists_the_split_tensors_and_the_collectives_per_step() {
     let scratch = Scratch::new("tp2-plan");
-    let run = matrix_into(
-        &scratch.0,
-        &[
-            "--models",
-            "gpt",
-            "--configs",
-            "tp.2",
-            "--world-size",
-            "2",
-            "--steps",
-            "2",
-        ],
-    );
-    assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
-    let report = read_json(&scratch.0.join("report.json")).unwrap();
+    let report = gpt_report_at_world_2(&scratch.0, "tp.2");
     let c = &report.comparisons[0];
-    let placement = |t: &str| {
-        c.placements
-            .iter()
-            .find(|p| p.tensor == t)
-            .map(|p| p.placement.as_str())
-    };
+    let placement = |t: &str| placement_of(c, t);
     assert_eq!(
         placement("layers.0.attention.wq.weight"),
         Some("shard(dim 0) over tp=2")
@@ -1862,28 +1843,9 @@ fn an_fsdp_report_lists_each_parameters_unit() {
 #[test]
 fn a_pipeline_report_lists_each_parameters_stage() {
     let scratch = Scratch::new("pp-plan");
-    let run = matrix_into(
-        &scratch.0,
-        &[
-            "--models",
-            "gpt",
-            "--configs",
-            "pp.1f1b",
-            "--world-size",
-            "2",
-            "--steps",
-            "2",
-        ],
-    );
-    assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
-    let report = read_json(&scratch.0.join("report.json")).unwrap();
+    let report = gpt_report_at_world_2(&scratch.0, "pp.1f1b");
     let c = &report.comparisons[0];
-    let placement = |t: &str| {
-        c.placements
-            .iter()
-            .find(|p| p.tensor == t)
-            .map(|p| p.placement.as_str())
-    };
+    let placement = |t: &str| placement_of(c, t);
     assert_eq!(
         placement("layers.0.attention.wq.weight"),
         Some("stage 0 (pipeline rank 0)")
@@ -1982,4 +1944,29 @@ fn the_docs_table_names_every_judging_edge() {
         }
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// The report of `config` on `gpt` at world 2 over 2 steps, which must pass.
+fn gpt_report_at_world_2(dir: &Path, config: &str) -> lockstep::harness::report::Report {
+    let args = [
+        "--models",
+        "gpt",
+        "--configs",
+        config,
+        "--world-size",
+        "2",
+        "--steps",
+        "2",
+    ];
+    let run = matrix_into(dir, &args);
+    assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
+    read_json(&dir.join("report.json")).unwrap()
+}
+
+/// Where `tensor` lived in comparison `c`'s run, as its report says.
+fn placement_of<'a>(c: &'a lockstep::harness::parity::Comparison, tensor: &str) -> Option<&'a str> {
+    c.placements
+        .iter()
+        .find(|p| p.tensor == tensor)
+        .map(|p| p.placement.as_str())
 }
