@@ -124,8 +124,10 @@ pub enum MatrixError {
 }
 
 mod backend;
+mod cell_runs;
 mod dropping;
 mod execute;
+mod judge;
 mod list;
 mod microbatched;
 mod mixed;
