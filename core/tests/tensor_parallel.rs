@@ -17,7 +17,7 @@ use lockstep_core::comm::{
 use lockstep_core::record::{CollectiveEntry, RunRecord, RunSpec};
 use lockstep_core::tensor_parallel::{
     column_parallel_linear, row_parallel_linear, shard, unshard, vocab_parallel_cross_entropy,
-    vocab_parallel_embedding, ColumnOptions, Reduction, RowOptions, TensorParallelError, TpGroup,
+    vocab_parallel_embedding, ColumnOptions, Reduction, RowOptions, TpGroup, TpLayerError,
 };
 use lockstep_harness::parity::Tolerance;
 use lockstep_harness::RankCtx;
@@ -550,11 +550,7 @@ fn records_without_collectives_still_read() -> Result<()> {
     Ok(())
 }
 
-fn expect_err<T>(
-    what: &str,
-    r: std::result::Result<T, TensorParallelError>,
-    want: &str,
-) -> Result<()> {
+fn expect_err<T>(what: &str, r: std::result::Result<T, TpLayerError>, want: &str) -> Result<()> {
     match r {
         Ok(_) => bail!("{what}: accepted"),
         Err(e) => {

@@ -68,7 +68,7 @@ pub enum EpError {
     Moe(#[from] super::moe::MoeError),
     /// A parallel layer could not be built from the model's layer.
     #[error(transparent)]
-    Layers(#[from] crate::tensor_parallel::layers::TensorParallelError),
+    Layers(#[from] crate::tensor_parallel::layers::TpLayerError),
     /// Building or running the model failed.
     #[error(transparent)]
     Model(#[from] ModelError),

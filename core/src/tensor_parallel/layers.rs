@@ -20,7 +20,7 @@ pub type TpGroup = Arc<dyn ProcessGroup>;
 
 /// Everything a tensor-parallel layer or sharding helper can fail with.
 #[derive(Debug, thiserror::Error)]
-pub enum TensorParallelError {
+pub enum TpLayerError {
     /// A dimension that must be split evenly across the group is not a multiple of its size.
     #[error(
         "{what}: dimension {dim} of size {size} does not divide by the tensor-parallel size {tp}"
@@ -53,7 +53,7 @@ pub enum TensorParallelError {
     Torch(#[from] tch::TchError),
 }
 
-type Result<T> = std::result::Result<T, TensorParallelError>;
+type Result<T> = std::result::Result<T, TpLayerError>;
 
 /// How a column-parallel linear treats its input and output.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -98,7 +98,7 @@ fn normalize_dim(t: &Tensor, dim: i64, what: &str) -> Result<i64> {
     let n = t.dim() as i64;
     let d = if dim < 0 { n + dim } else { dim };
     if n == 0 || d < 0 || d >= n {
-        return Err(TensorParallelError::Shape(format!(
+        return Err(TpLayerError::Shape(format!(
             "{what}: dimension {dim} does not exist in a tensor of shape {:?}",
             t.size()
         )));
@@ -111,7 +111,7 @@ fn chunk(t: &Tensor, dim: i64, tp: usize, what: &str) -> Result<i64> {
     let d = normalize_dim(t, dim, what)?;
     let size = t.size()[d as usize];
     if tp == 0 || size % tp as i64 != 0 {
-        return Err(TensorParallelError::Indivisible {
+        return Err(TpLayerError::Indivisible {
             what: what.to_owned(),
             dim: d,
             size,
@@ -123,7 +123,7 @@ fn chunk(t: &Tensor, dim: i64, tp: usize, what: &str) -> Result<i64> {
 
 fn expect_dims(t: &Tensor, dims: usize, what: &str) -> Result<()> {
     if t.dim() != dims {
-        return Err(TensorParallelError::Shape(format!(
+        return Err(TpLayerError::Shape(format!(
             "{what} must have {dims} dimensions, got shape {:?}",
             t.size()
         )));
@@ -132,15 +132,16 @@ fn expect_dims(t: &Tensor, dims: usize, what: &str) -> Result<()> {
 }
 
 fn last_dim(t: &Tensor, what: &str) -> Result<i64> {
-    t.size().last().copied().ok_or_else(|| {
-        TensorParallelError::Shape(format!("{what} must have at least one dimension"))
-    })
+    t.size()
+        .last()
+        .copied()
+        .ok_or_else(|| TpLayerError::Shape(format!("{what} must have at least one dimension")))
 }
 
 /// Checks the bias of a linear with `out` output features.
 fn check_bias(bias: Option<&Tensor>, out: i64, what: &str) -> Result<()> {
     match bias {
-        Some(b) if b.size() != [out] => Err(TensorParallelError::Shape(format!(
+        Some(b) if b.size() != [out] => Err(TpLayerError::Shape(format!(
             "{what} must have shape [{out}], got {:?}",
             b.size()
         ))),
@@ -178,7 +179,7 @@ pub fn column_parallel_linear(
     expect_dims(weight_shard, 2, "column-parallel weight shard")?;
     let (out_local, inp) = (weight_shard.size()[0], weight_shard.size()[1]);
     if last_dim(x, "column-parallel input")? != inp {
-        return Err(TensorParallelError::Shape(format!(
+        return Err(TpLayerError::Shape(format!(
             "column-parallel input of shape {:?} does not fit a weight shard of shape {:?} \
              (last dimension must be {inp})",
             x.size(),
@@ -225,7 +226,7 @@ pub fn row_parallel_linear(
     };
     let have = last_dim(x, "row-parallel input")?;
     if have != want {
-        return Err(TensorParallelError::Shape(format!(
+        return Err(TpLayerError::Shape(format!(
             "row-parallel input of shape {:?} does not fit a weight shard of shape {:?} \
              (last dimension must be {want}{})",
             x.size(),
@@ -275,7 +276,7 @@ pub fn vocab_parallel_embedding(
 ) -> Result<Tensor> {
     expect_dims(weight_shard, 2, "vocab-parallel embedding shard")?;
     if !matches!(ids.kind(), Kind::Int64 | Kind::Int) {
-        return Err(TensorParallelError::Invalid(format!(
+        return Err(TpLayerError::Invalid(format!(
             "vocab-parallel embedding ids must be integers, got {:?}",
             ids.kind()
         )));
@@ -386,7 +387,7 @@ pub fn vocab_parallel_cross_entropy(
     expect_dims(logits_shard, 2, "vocab-parallel logits shard")?;
     let n = logits_shard.size()[0];
     if target.size() != [n] || target.kind() != Kind::Int64 {
-        return Err(TensorParallelError::Shape(format!(
+        return Err(TpLayerError::Shape(format!(
             "vocab-parallel cross-entropy target must be int64 of shape [{n}], got {:?} of \
              shape {:?}",
             target.kind(),
@@ -394,7 +395,7 @@ pub fn vocab_parallel_cross_entropy(
         )));
     }
     if !logits_shard.is_floating_point() {
-        return Err(TensorParallelError::Invalid(format!(
+        return Err(TpLayerError::Invalid(format!(
             "vocab-parallel cross-entropy logits must be floating point, got {:?}",
             logits_shard.kind()
         )));
@@ -437,7 +438,7 @@ pub fn vocab_parallel_cross_entropy(
         },
     )?;
     out.pop().ok_or_else(|| {
-        TensorParallelError::Invalid("vocab-parallel cross-entropy returned no output".into())
+        TpLayerError::Invalid("vocab-parallel cross-entropy returned no output".into())
     })
 }
 
@@ -446,7 +447,7 @@ pub fn vocab_parallel_cross_entropy(
 /// rank trains when a full parameter is split for tensor parallelism.
 pub fn shard(t: &Tensor, dim: i64, rank: usize, world: usize) -> Result<Tensor> {
     if rank >= world {
-        return Err(TensorParallelError::Invalid(format!(
+        return Err(TpLayerError::Invalid(format!(
             "shard: rank {rank} is outside a tensor-parallel group of size {world}"
         )));
     }

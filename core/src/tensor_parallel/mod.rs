@@ -21,6 +21,10 @@
 //! A column-parallel linear followed by a row-parallel one (`input_is_parallel`) is
 //! Megatron's MLP: one all-reduce forward, one backward. To see what code communicates,
 //! wrap its group in a [`CountingGroup`](crate::comm::CountingGroup).
+//!
+//! Errors come in three layers, one name family: [`TpPlanError`] (a plan that does not fit
+//! the model or the size, found before any rank starts, comparable in tests), [`TpLayerError`]
+//! (a parallel layer or sharding helper at run time) and [`TpError`] (a run, wrapping both).
 
 pub mod hooks;
 pub mod layers;
@@ -30,7 +34,7 @@ pub mod run;
 pub use layers::{
     check_divisible, column_parallel_linear, enter_column, row_parallel_linear, shard, unshard,
     vocab_parallel_cross_entropy, vocab_parallel_embedding, ColumnOptions, Reduction, RowOptions,
-    TensorParallelError, TpGroup,
+    TpGroup, TpLayerError,
 };
 
 pub use hooks::TpFault;

@@ -43,7 +43,7 @@ pub enum TpError {
     Plan(#[from] TpPlanError),
     /// A parallel layer could not be built from the model's layer.
     #[error(transparent)]
-    Layers(#[from] super::layers::TensorParallelError),
+    Layers(#[from] super::layers::TpLayerError),
     /// The run cannot go ahead as configured (a sequence length the TP size does not divide, a
     /// batch without its target).
     #[error("tensor parallel: {0}")]
@@ -533,7 +533,7 @@ pub(crate) fn local_parameters(
     placements: &HashMap<String, Placement>,
     rank: usize,
     tp: usize,
-) -> Result<Vec<(String, Tensor)>, super::layers::TensorParallelError> {
+) -> Result<Vec<(String, Tensor)>, super::layers::TpLayerError> {
     model
         .named_parameters()
         .into_iter()
