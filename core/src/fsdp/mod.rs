@@ -714,6 +714,33 @@ impl Fsdp {
         self.core().shard_coordinate()
     }
 
+    /// A composition's optimizer step on the shards, which are then freed until the next
+    /// step's gather: the data dimension's part of every composed strategy's step.
+    pub(crate) fn step_shards(&mut self, optimizer: &mut dyn Optimizer) -> Result<(), TrainError> {
+        optimizer.step(&self.stepped())?;
+        self.reshard().map_err(TrainError::strategy)
+    }
+
+    /// A composition's shards (and their optimizer state) for the cross-rank check, each
+    /// under `prefix` (the model-splitting dimension's coordinate, e.g. `tp0/2.`) and this
+    /// shard's coordinate: the data dimension's part of every composed strategy's check.
+    pub(crate) fn observe_shards(
+        &self,
+        probe: &StateProbe,
+        step: usize,
+        optimizer: &dyn Optimizer,
+        prefix: &str,
+    ) -> Result<(), TrainError> {
+        let coord = |_: &str| format!("{prefix}{}", self.shard_coordinate());
+        Ok(observe_stepped(
+            probe,
+            step,
+            &self.stepped(),
+            optimizer,
+            &coord,
+        )?)
+    }
+
     /// Every sharded tensor's full `value` (its data, or its `.grad`; undefined reads as
     /// zeros) gathered from the shards: a composition's record view, read on demand without
     /// touching the full parameters (which may be freed) and not counted in

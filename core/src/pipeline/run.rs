@@ -564,11 +564,9 @@ impl StepHooks for PipelineStrategy<'_> {
             None => observe_stepped(probe, step, s.held_params, optimizer, &|name: &str| {
                 s.tp_coord(name)
             })?,
-            Some(u) => {
-                let u = u.borrow();
-                let coord = |_: &str| format!("{}{}", s.tp_part, u.shard_coordinate());
-                observe_stepped(probe, step, &u.stepped(), optimizer, &coord)?;
-            }
+            Some(u) => u
+                .borrow()
+                .observe_shards(probe, step, optimizer, s.tp_part)?,
         }
         Ok(())
     }

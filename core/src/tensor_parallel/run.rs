@@ -463,11 +463,7 @@ impl StepHooks for TpRun<'_> {
     ) -> Result<bool, TrainError> {
         match self.unit.as_mut() {
             None => optimizer.step(params)?,
-            Some(u) => {
-                optimizer.step(&u.stepped())?;
-                // Freed until the next step's gather.
-                u.reshard().map_err(TrainError::strategy)?;
-            }
+            Some(u) => u.step_shards(optimizer)?,
         }
         Ok(true)
     }
@@ -491,8 +487,7 @@ impl StepHooks for TpRun<'_> {
                 } else {
                     String::new()
                 };
-                let coord = |_: &str| format!("{tp_part}{}", u.shard_coordinate());
-                observe_stepped(probe, step, &u.stepped(), optimizer, &coord)?;
+                u.observe_shards(probe, step, optimizer, &tp_part)?;
             }
         }
         Ok(())
