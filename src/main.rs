@@ -549,10 +549,7 @@ fn main() -> Result<ExitCode> {
                         println!("already set up: nothing to change");
                     }
                 }
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    return Ok(ExitCode::from(2));
-                }
+                Err(e) => return Ok(bad_input(e)),
             }
         }
         Command::Env { json } => {
@@ -607,10 +604,7 @@ fn run_one(args: RunArgs) -> Result<ExitCode> {
     // would be written and read on every rank's own host, so they are refused for now.
     let external = match lockstep::runner::external::detect() {
         Ok(external) => external,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return Ok(ExitCode::from(2));
-        }
+        Err(e) => return Ok(bad_input(e)),
     };
     if external.is_some()
         && (args.init.is_some()
@@ -680,10 +674,7 @@ fn run_schedule(args: ScheduleArgs) -> Result<ExitCode> {
     };
     let report = match lockstep::schedule::run_schedule(&opts) {
         Ok(r) => r,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return Ok(ExitCode::from(2));
-        }
+        Err(e) => return Ok(bad_input(e)),
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -917,8 +908,7 @@ fn run_sensitivity(args: SensitivityArgs) -> Result<ExitCode> {
         .unwrap_or_default();
     opts.tf32 = args.compute.tf32;
     if let Err(e) = lockstep::matrix::check_backend(&opts) {
-        eprintln!("error: {e}");
-        return Ok(ExitCode::from(2));
+        return Ok(bad_input(e));
     }
     lockstep::device::prepare_process(opts.device, opts.backend, opts.tf32)?;
     let bar = lockstep::matrix::progress_bar(1);
@@ -1040,10 +1030,7 @@ fn run_stress(args: StressArgs) -> Result<ExitCode> {
     }
     let plan = match lockstep::matrix::plan(&opts) {
         Ok(plan) => plan,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return Ok(ExitCode::from(2));
-        }
+        Err(e) => return Ok(bad_input(e)),
     };
     let stress = lockstep::stress::StressOptions {
         repeat: args.repeat,

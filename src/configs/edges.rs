@@ -135,12 +135,10 @@ impl Edge {
     /// How the edge reads in `--list`: its reference and its judging.
     pub fn describe(&self, config: Config, world_size: usize) -> String {
         let how = match self.judged {
-            Judged::Policy => match config.edge_policy(self.against, world_size, Backend::Cpu) {
-                Ok(p) if p.override_for(&config.at(world_size)).is_some() => "tolerance",
-                Ok(p) if p.mode() == Mode::Bitwise => "bitwise",
-                _ => "tolerance",
+            Judged::Policy => {
+                let policy = config.edge_policy(self.against, world_size, Backend::Cpu);
+                policy_mode(policy.as_ref().ok(), &config.at(world_size)).to_owned()
             }
-            .to_owned(),
             Judged::Arbiter(a) => format!(
                 "fp64 arbiter, envelope {}",
                 a.envelope.at(config, world_size)
@@ -150,6 +148,16 @@ impl Edge {
             }
         };
         format!("{} ({how})", self.against.at(config, world_size))
+    }
+}
+
+/// How a row judged under `policy` is labelled: `bitwise` when every value must match bit for
+/// bit for `row` (no override with a reason), `tolerance` otherwise (or when the policy could
+/// not be built).
+pub fn policy_mode(policy: Option<&TolerancePolicy>, row: &str) -> &'static str {
+    match policy {
+        Some(p) if p.mode() == Mode::Bitwise && p.override_for(row).is_none() => "bitwise",
+        _ => "tolerance",
     }
 }
 

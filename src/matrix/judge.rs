@@ -262,12 +262,7 @@ pub(super) fn empty_row(
     let row_name = config.at(cell.world);
     let mode = match judge {
         Judge::Arbiter { .. } => "arbiter",
-        Judge::Policy { policy: Ok(p), .. }
-            if p.mode() == Mode::Bitwise && p.override_for(&row_name).is_none() =>
-        {
-            "bitwise"
-        }
-        Judge::Policy { .. } => "tolerance",
+        Judge::Policy { policy, .. } => policy_mode(policy.as_ref().ok(), &row_name),
     };
     Row {
         model: cell.model.to_owned(),

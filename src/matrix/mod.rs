@@ -40,7 +40,7 @@ use lockstep_core::ddp::Fault;
 use lockstep_core::pipeline::PipelinePlan;
 use lockstep_core::record::{MemoryStats, RunRecord};
 use lockstep_harness::parity::{
-    compare, ArbiterLog, Comparison, FailurePoint, Mode, TolerancePolicy, ENVELOPE,
+    compare, ArbiterLog, Comparison, FailurePoint, TolerancePolicy, ENVELOPE,
 };
 use lockstep_harness::report::{self, Report, ReportError, ReportFiles, RunError};
 use lockstep_models::{zoo, Model, ModelError};

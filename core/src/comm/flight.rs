@@ -83,6 +83,7 @@ pub fn record(
     shapes: Vec<Vec<i64>>,
     dtype: Option<DType>,
     peer: Option<usize>,
+    label: Option<String>,
 ) -> u64 {
     let mut rec = lock(recorder());
     let id = rec.next_id;
@@ -98,7 +99,7 @@ pub fn record(
         shapes,
         dtype,
         peer,
-        label: super::label::current(),
+        label,
         state: OpState::Scheduled,
         issued_ms: now_ms(),
         elapsed_ms: 0,

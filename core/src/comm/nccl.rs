@@ -694,7 +694,15 @@ impl NcclGroup {
                 state.recv_seq[p]
             }
         };
-        let id = flight::record(&shared.name, seq, op, shapes, dtype, peer);
+        let id = flight::record(
+            &shared.name,
+            seq,
+            op,
+            shapes,
+            dtype,
+            peer,
+            crate::comm::label::current(),
+        );
         let comm = state.comm.0;
         let enqueued = (|| {
             synced?;

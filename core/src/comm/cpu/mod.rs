@@ -783,7 +783,9 @@ impl CpuGroup {
     ) -> Result<Work, CommError> {
         // What this rank's call carries, named in a mismatch error (the job may run on the
         // group's worker thread, where the caller's label is not in force).
-        let job: Job = match crate::comm::label::current() {
+        let label = crate::comm::label::current();
+        let flight_label = label.clone();
+        let job: Job = match label {
             Some(label) => Box::new(move |sh, seq| {
                 job(sh, seq).map_err(|e| crate::comm::label::name_mismatch(e, &label))
             }),
@@ -792,7 +794,15 @@ impl CpuGroup {
         let mut submit = lock(&self.exec.submit);
         let seq = submit.0;
         submit.0 += 1;
-        let flight_id = flight::record(&self.shared.name, seq, op, shapes, dtype, None);
+        let flight_id = flight::record(
+            &self.shared.name,
+            seq,
+            op,
+            shapes,
+            dtype,
+            None,
+            flight_label,
+        );
         let latch = Latch::new();
         if inline && self.exec.pending.load(Ordering::Acquire) == 0 {
             flight::update(flight_id, OpState::Started);
@@ -1160,6 +1170,7 @@ impl ProcessGroup for CpuGroup {
             vec![t.shape()],
             Some(t.dtype),
             Some(dst),
+            crate::comm::label::current(),
         );
         // The payload is copied, so the caller may reuse the tensor at once and two ranks that
         // send to each other before receiving cannot deadlock.
@@ -1197,6 +1208,7 @@ impl ProcessGroup for CpuGroup {
             vec![t.shape()],
             Some(t.dtype),
             Some(src),
+            crate::comm::label::current(),
         );
         Ok(Work::new(Arc::new(PendingRecv {
             shared: self.shared.clone(),
