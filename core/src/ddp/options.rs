@@ -1,36 +1,21 @@
 //! DDP's face: its options (bucket size, overlap, buffers, the reduction, a communication
 //! hook, mixed precision), the bugs it can plant on purpose, and its error type.
 
-use crate::autograd::AutogradError;
 use crate::comm::{CommError, DeviceMesh, ProcessGroup, ReduceOp};
-use crate::precision::{MixedPrecision, PrecisionError};
-use crate::train::TrainError;
+use crate::failure::wrapper_error;
+use crate::precision::MixedPrecision;
 use std::collections::HashSet;
 use std::sync::Arc;
 use tch::{Kind, Tensor};
 
+wrapper_error! {
 /// What DDP can fail with.
-#[derive(Debug, thiserror::Error)]
 pub enum DdpError {
-    /// A gradient reduction or broadcast failed.
-    #[error(transparent)]
-    Comm(#[from] CommError),
-    /// Registering or running a gradient hook failed.
-    #[error(transparent)]
-    Autograd(#[from] AutogradError),
-    /// The training loop failed.
-    #[error(transparent)]
-    Train(#[from] TrainError),
-    /// A libtorch call failed.
-    #[error("libtorch: {0}")]
-    Torch(#[from] tch::TchError),
-    /// The mixed-precision policy is invalid or cannot be applied to this model.
-    #[error(transparent)]
-    Precision(#[from] PrecisionError),
     /// The model or its gradients do not fit DDP (e.g. a parameter with no gradient when its
     /// bucket is reduced).
     #[error("ddp: {0}")]
     Invalid(String),
+}
 }
 
 /// A bug planted on purpose, to prove the parity checker catches it.

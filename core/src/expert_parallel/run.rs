@@ -10,16 +10,15 @@
 
 use super::moe::Dispatcher;
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
+use crate::compose::data::DataLayer;
 use crate::compose::DataParallel;
 use crate::consistency::{StateKind, StateProbe};
 use crate::fsdp::{Fsdp, FsdpError};
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::tensor_parallel::hooks::{ExpertsParallel, PlanHooks};
 use crate::tensor_parallel::run::aliases;
-use crate::train::observe_stepped;
 use crate::train::{
-    clip_coefficient, scale_gradients, train_from, GradientView, Optimizer, StepHooks, StepLoss,
-    TrainConfig, TrainError, TrainStart,
+    train_from, GradientView, Optimizer, StepHooks, StepLoss, TrainConfig, TrainError, TrainStart,
 };
 use lockstep_models::plan::ParallelStyle;
 use lockstep_models::{LayerHooks, Model, ModelError, ParallelPlan};
@@ -193,10 +192,9 @@ struct EpRun {
     named: Vec<(String, Tensor)>,
     /// What this rank trains: the dense parameters and its own experts.
     trained: Vec<(String, Tensor)>,
-    /// EP×FSDP: the dense parameters as one unit sharded over the world.
-    unit: Option<Fsdp>,
-    /// What the optimizer steps besides the unit's shard.
-    unsharded: Vec<(String, Tensor)>,
+    /// The data dimension: every trained tensor replicated, or (EP×FSDP) the dense
+    /// parameters as one unit sharded over the world, the experts whole beside it.
+    data: DataLayer,
     hooks: PlanHooks,
     /// What an expert's summed gradient is scaled by (1 / world; a planted fault's other).
     expert_scale: f64,
@@ -272,8 +270,7 @@ impl EpRun {
             expert_of,
             named,
             trained,
-            unit,
-            unsharded,
+            data: DataLayer::new(unit, unsharded),
             hooks,
             expert_scale,
         })
@@ -282,7 +279,8 @@ impl EpRun {
     /// Every parameter at full size from this rank's `value` of it: the unit's gathered, each
     /// expert's from the rank holding it.
     fn full(&self, value: impl Fn(&Tensor) -> Tensor) -> Result<Vec<(String, Tensor)>, EpError> {
-        let local = local_values(&self.named, self.unit.as_ref(), value)?;
+        let unit = self.data.unit().map(|u| u.borrow());
+        let local = local_values(&self.named, unit.as_deref(), value)?;
         full_tensors(
             &local,
             &self.expert_of,
@@ -306,10 +304,7 @@ impl StepHooks for EpRun {
 
     fn before_forward(&mut self, _step: usize) -> Result<(), TrainError> {
         let _ = self.counts.take();
-        if let Some(u) = self.unit.as_mut() {
-            u.unshard().map_err(TrainError::strategy)?;
-        }
-        Ok(())
+        self.data.gather()
     }
 
     fn layer_hooks(&mut self) -> Option<&mut dyn LayerHooks> {
@@ -342,17 +337,14 @@ impl StepHooks for EpRun {
 
     fn sync_gradients(&mut self, _grads: &[(String, Tensor)]) -> Result<(), TrainError> {
         reduce_grads(
-            &self.unsharded,
+            self.data.whole(),
             &self.expert_of,
             &self.edp_group,
             &self.everyone,
             self.expert_scale,
         )
         .map_err(TrainError::strategy)?;
-        if let Some(u) = self.unit.as_mut() {
-            u.reduce_gradients().map_err(TrainError::strategy)?;
-        }
-        Ok(())
+        self.data.reduce_gradients().map_err(TrainError::strategy)
     }
 
     fn step_collectives(&mut self) -> Option<Vec<CollectiveEntry>> {
@@ -385,15 +377,7 @@ impl StepHooks for EpRun {
         total: f64,
         _grads: &[(String, Tensor)],
     ) -> Result<(), TrainError> {
-        // What the optimizer steps: the unsharded gradients and the unit's shard.
-        let mut grads: Vec<Tensor> = self.unsharded.iter().map(|(_, t)| t.grad()).collect();
-        grads.extend(
-            self.unit
-                .iter()
-                .flat_map(Fsdp::stepped)
-                .map(|(_, t)| t.grad()),
-        );
-        scale_gradients(&grads, clip_coefficient(max_norm, total))
+        self.data.clip(max_norm, total)
     }
 
     fn optimizer_step(
@@ -401,21 +385,7 @@ impl StepHooks for EpRun {
         optimizer: &mut dyn Optimizer,
         _params: &[(String, Tensor)],
     ) -> Result<bool, TrainError> {
-        match self.unit.as_mut() {
-            None => optimizer.step(&self.unsharded)?,
-            Some(u) => {
-                let mut stepped = self
-                    .unsharded
-                    .iter()
-                    .map(|(n, t)| (n.clone(), t.shallow_clone()))
-                    .collect::<Vec<_>>();
-                stepped.extend(u.stepped());
-                optimizer.step(&stepped)?;
-                // Freed until the next step's gather.
-                u.reshard().map_err(TrainError::strategy)?;
-            }
-        }
-        Ok(true)
+        self.data.step(optimizer)
     }
 
     fn observe_state(
@@ -426,16 +396,15 @@ impl StepHooks for EpRun {
         _rank_local: &dyn Fn(&str) -> bool,
         probe: &StateProbe,
     ) -> Result<(), TrainError> {
-        observe(probe, step, &self.unsharded, self.unit.as_ref(), optimizer)
-            .map_err(TrainError::strategy)
+        // Experts under their global names (an expert's replicas must agree), the dense
+        // parameters replicated or sharded in the unit.
+        self.data
+            .observe(probe, step, optimizer, &|_| String::new(), "")
     }
 
     fn before_record(&mut self) -> Result<(), TrainError> {
-        if let Some(u) = self.unit.as_mut() {
-            // Gathered again: the model's dense parameters hold their trained values.
-            u.unshard().map_err(TrainError::strategy)?;
-        }
-        Ok(())
+        // Gathered again: the model's dense parameters hold their trained values.
+        self.data.gather()
     }
 
     fn observe_final(&mut self, steps: usize, probe: &StateProbe) -> Result<(), TrainError> {
@@ -523,30 +492,6 @@ fn reduce_grads(
             everyone.all_reduce(&g, ReduceOp::Avg)?;
         }
     }
-    Ok(())
-}
-
-/// The cross-rank check's view of a step: experts under their global names (an expert's
-/// replicas must agree), the dense parameters replicated or sharded in the unit.
-fn observe(
-    probe: &crate::consistency::StateProbe,
-    step: usize,
-    unsharded: &[(String, Tensor)],
-    unit: Option<&Fsdp>,
-    optimizer: &dyn Optimizer,
-) -> Result<(), EpError> {
-    let mut stepped: Vec<(String, Tensor)> = unsharded
-        .iter()
-        .map(|(n, t)| (n.clone(), t.shallow_clone()))
-        .collect();
-    let shards = unit.map_or_else(Vec::new, Fsdp::stepped);
-    let coordinate = unit.map_or_else(String::new, Fsdp::shard_coordinate);
-    let coord = |name: &str| match shards.iter().any(|(n, _)| n == name) {
-        true => coordinate.clone(),
-        false => String::new(),
-    };
-    stepped.extend(shards.iter().map(|(n, t)| (n.clone(), t.shallow_clone())));
-    observe_stepped(probe, step, &stepped, optimizer, &coord)?;
     Ok(())
 }
 

@@ -4,9 +4,11 @@
 //! autograd hooks, which all reach this state through one lock.
 
 use super::unit::{PendingGather, PendingReduce, Residency, Unit};
+use super::FLAT_PARAM_NAME;
 use super::{FsdpCallCounts, FsdpError, FsdpFault, FsdpOptions, ShardingStrategy};
 use crate::autograd::{free_storage, is_storage_freed, refill_storage, set_grad};
 use crate::comm::{ProcessGroup, ReduceOp, Work};
+use crate::consistency::StateProbe;
 use lockstep_models::ParamTags;
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
@@ -499,5 +501,53 @@ impl Core {
             }
         }
         Ok(())
+    }
+}
+
+/// What the optimizer and the cross-rank check call a unit's shard and the ignored parameters.
+impl Core {
+    /// Names of the ignored (rank-local) parameters.
+    pub(super) fn ignored_param_names(&self) -> Vec<String> {
+        self.ignored.iter().map(|(n, _)| n.clone()).collect()
+    }
+
+    /// What the optimizer steps: each unit's shard (under the flat parameter's name), then
+    /// the ignored parameters.
+    pub(super) fn stepped_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut params: Vec<(String, Tensor)> = (0..self.units.len())
+            .map(|u| (self.flat_name(u), self.units[u].shard.shallow_clone()))
+            .collect();
+        params.extend(
+            self.ignored
+                .iter()
+                .map(|(n, t)| (n.clone(), t.shallow_clone())),
+        );
+        params
+    }
+
+    /// Which copy of stepped tensor `name` this rank holds: its shard index (none when every
+    /// rank holds the whole flat parameter), or this rank alone for an ignored parameter.
+    pub(super) fn state_coordinate(&self, name: &str, probe: &StateProbe) -> String {
+        if self.ignored.iter().any(|(n, _)| n == name) {
+            probe.rank_local()
+        } else {
+            self.shard_coordinate()
+        }
+    }
+
+    /// Which shard of every flat parameter this rank holds (see [`Fsdp::shard_coordinate`]).
+    pub(super) fn shard_coordinate(&self) -> String {
+        match self.shard_world {
+            1 => String::new(),
+            w => format!("shard{}/{w}", self.shard_rank),
+        }
+    }
+
+    /// The name unit `u`'s shard is stepped (and its optimizer state keyed) under.
+    pub(super) fn flat_name(&self, u: usize) -> String {
+        match self.composed {
+            true => self.units[u].name.clone(),
+            false => format!("{FLAT_PARAM_NAME}.{u}"),
+        }
     }
 }

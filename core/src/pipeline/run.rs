@@ -13,17 +13,16 @@ use super::stage_parallel::{full_values, insert_sharding_actions, StageParallel,
 use super::trace::RankStepTrace;
 use super::PipelineError;
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
+use crate::compose::data::DataLayer;
 use crate::compose::DataParallel;
 use crate::consistency::{StateKind, StateProbe};
 use crate::fsdp::Fsdp;
 use crate::record::{CollectiveEntry, RunRecord};
-use crate::train::observe_stepped;
 use crate::train::{
-    clip_coefficient, parameters_device, scale_gradients, train_from, GradientView, Optimizer,
-    StepHooks, StepLoss, TrainConfig, TrainError, TrainStart,
+    parameters_device, train_from, GradientView, Optimizer, StepHooks, StepLoss, TrainConfig,
+    TrainError, TrainStart,
 };
 use lockstep_models::{Batch, Model};
-use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
@@ -116,21 +115,20 @@ pub fn train_pipeline_with(
     let held_params: Vec<(String, Tensor)> = held.iter().map(|&i| handle(&named[i])).collect();
     // PP×FSDP: this rank's stage's parameters, one unit sharded over dp, driven by the
     // schedule's actions.
-    let unit: Option<RefCell<Fsdp>> = match sharded {
-        true => Some(RefCell::new(stage_unit(
-            &plan,
-            rank,
-            &mut actions,
-            &held_params,
-            &dpg,
-            opts,
-        )?)),
-        false => None,
-    };
+    let data = match sharded {
+        true => {
+            let unit = stage_unit(&plan, rank, &mut actions, &held_params, &dpg, opts)?;
+            DataLayer::new(Some(unit), Vec::new())
+        }
+        false => DataLayer::new(None, held_params.iter().map(handle).collect()),
+    }
+    .freed_by_schedule();
     let skip_tied = opts.fault == Some(PipelineFault::SkipTiedReduce);
     let reduce_tied = || reduce_tied_parts(&plan, &held, &named, &holder_groups, skip_tied);
     let sharding = |action: &Action| -> Result<(), PipelineError> {
-        let Some(unit) = &unit else { return Ok(()) };
+        let Some(unit) = data.unit() else {
+            return Ok(());
+        };
         let mut unit = unit.borrow_mut();
         match action.kind {
             ActionKind::Unshard => unit.unshard()?,
@@ -166,7 +164,7 @@ pub fn train_pipeline_with(
         overwrite_boundary_grads: opts.fault == Some(PipelineFault::OverwriteSavedBoundaryGrad),
         compute,
         loss: loss_fn.as_ref().map(|f| f as &LossFn<'_>),
-        sharding: unit.as_ref().map(|_| &sharding as &ShardingFn<'_>),
+        sharding: data.unit().map(|_| &sharding as &ShardingFn<'_>),
     };
     let tp_part = stage_tp
         .as_ref()
@@ -181,7 +179,7 @@ pub fn train_pipeline_with(
         named: &named,
         held: &held,
         held_params: &held_params,
-        unit: unit.as_ref(),
+        data: &data,
         pp: pp.as_ref(),
         dp: dpg.as_ref(),
         edge_groups: &edge_groups,
@@ -309,7 +307,9 @@ struct StepLoop<'a> {
     named: &'a [(String, Tensor)],
     held: &'a [usize],
     held_params: &'a [(String, Tensor)],
-    unit: Option<&'a RefCell<Fsdp>>,
+    /// The data dimension over the held parameters: replicated, or (PP×FSDP) the stage's
+    /// unit, which the schedule's actions drive.
+    data: &'a DataLayer,
     pp: &'a dyn ProcessGroup,
     dp: &'a dyn ProcessGroup,
     edge_groups: &'a HashMap<(usize, usize), Arc<dyn ProcessGroup>>,
@@ -337,7 +337,7 @@ impl StepLoop<'_> {
         let full = full_values(
             self.named,
             self.model_params,
-            self.unit,
+            self.data.unit(),
             self.stage_tp,
             value,
         )?;
@@ -526,17 +526,7 @@ impl StepHooks for PipelineStrategy<'_> {
         total: f64,
         _grads: &[(String, Tensor)],
     ) -> Result<(), TrainError> {
-        // What the optimizer steps: the held parameters' gradients, or the unit's shard.
-        let grads: Vec<Tensor> = match self.steps.unit {
-            None => self
-                .steps
-                .held_params
-                .iter()
-                .map(|(_, t)| t.grad())
-                .collect(),
-            Some(u) => u.borrow().stepped().iter().map(|(_, t)| t.grad()).collect(),
-        };
-        scale_gradients(&grads, clip_coefficient(max_norm, total))
+        self.steps.data.clip(max_norm, total)
     }
 
     fn optimizer_step(
@@ -544,11 +534,7 @@ impl StepHooks for PipelineStrategy<'_> {
         optimizer: &mut dyn Optimizer,
         _params: &[(String, Tensor)],
     ) -> Result<bool, TrainError> {
-        match self.steps.unit {
-            None => optimizer.step(self.steps.held_params)?,
-            Some(u) => optimizer.step(&u.borrow().stepped())?,
-        }
-        Ok(true)
+        self.steps.data.step(optimizer)
     }
 
     fn observe_state(
@@ -560,15 +546,13 @@ impl StepHooks for PipelineStrategy<'_> {
         probe: &StateProbe,
     ) -> Result<(), TrainError> {
         let s = &self.steps;
-        match s.unit {
-            None => observe_stepped(probe, step, s.held_params, optimizer, &|name: &str| {
-                s.tp_coord(name)
-            })?,
-            Some(u) => u
-                .borrow()
-                .observe_shards(probe, step, optimizer, s.tp_part)?,
-        }
-        Ok(())
+        s.data.observe(
+            probe,
+            step,
+            optimizer,
+            &|name: &str| s.tp_coord(name),
+            s.tp_part,
+        )
     }
 
     fn before_record(&mut self) -> Result<(), TrainError> {
@@ -576,11 +560,8 @@ impl StepHooks for PipelineStrategy<'_> {
         let params = tch::no_grad(|| self.steps.recorded(&Tensor::shallow_clone))
             .map_err(TrainError::strategy)?;
         self.final_params = Some(params);
-        if let Some(u) = self.steps.unit {
-            // The model holds its trained stage again for whoever reads it next.
-            u.borrow_mut().unshard().map_err(TrainError::strategy)?;
-        }
-        Ok(())
+        // The model holds its trained stage again for whoever reads it next.
+        self.steps.data.gather()
     }
 
     fn observe_final(&mut self, steps: usize, probe: &StateProbe) -> Result<(), TrainError> {

@@ -7,14 +7,13 @@
 use super::hooks::{PlanHooks, TpFault};
 use super::plan::{placements, Placement, TpPlan, TpPlanError};
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
+use crate::compose::data::DataLayer;
 use crate::compose::DataParallel;
 use crate::consistency::{StateKind, StateProbe};
 use crate::fsdp::{Fsdp, FsdpError};
 use crate::record::{CollectiveEntry, RunRecord};
-use crate::train::observe_stepped;
 use crate::train::{
-    clip_coefficient, scale_gradients, train_from, GradientView, Optimizer, StepHooks, StepLoss,
-    TrainConfig, TrainError, TrainStart,
+    train_from, GradientView, Optimizer, StepHooks, StepLoss, TrainConfig, TrainError, TrainStart,
 };
 use lockstep_models::{Batch, LayerHooks, LossReduction, Model, ModelError, NoHooks};
 use std::collections::HashMap;
@@ -221,8 +220,8 @@ struct TpRun<'a> {
     placements: HashMap<String, Placement>,
     /// What this rank computes with (shards where the plan splits).
     trained: Vec<(String, Tensor)>,
-    /// FSDP×TP: `trained` as one unit sharded over the data dimension.
-    unit: Option<Fsdp>,
+    /// The data dimension over `trained`: replicated, or (FSDP×TP) one unit sharded over it.
+    data: DataLayer,
     hooks: Box<dyn LayerHooks>,
     /// The data ranks whose batches this replica trains on.
     data_ranks: Vec<usize>,
@@ -275,6 +274,14 @@ impl<'a> TpRun<'a> {
             );
             Box::new(hooks.with_fault(opts.fault))
         };
+        let whole = match unit {
+            None => trained
+                .iter()
+                .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                .collect(),
+            Some(_) => Vec::new(),
+        };
+        let data = DataLayer::new(unit, whole);
         let dp = world_size / opts.tp;
         let per = world_size / dp;
         let data_ranks = (groups.replica * per..(groups.replica + 1) * per).collect();
@@ -285,7 +292,7 @@ impl<'a> TpRun<'a> {
             counts,
             placements,
             trained,
-            unit,
+            data,
             hooks,
             data_ranks,
             dp,
@@ -343,13 +350,13 @@ impl<'a> TpRun<'a> {
                 }
             }
         }
-        match self.unit.as_mut() {
+        match self.data.unit() {
             None => {
                 for (_, t) in &self.trained {
                     self.groups.average_over_data(&t.grad())?;
                 }
             }
-            Some(u) => u.reduce_gradients()?,
+            Some(_) => self.data.reduce_gradients()?,
         }
         Ok(())
     }
@@ -358,10 +365,10 @@ impl<'a> TpRun<'a> {
     /// gathered from the unit over dp, then from its shards over TP.
     fn full(&self, value: impl Fn(&Tensor) -> Tensor) -> Result<Vec<(String, Tensor)>, TpError> {
         let tp = self.groups.tp.as_ref();
-        match &self.unit {
+        match self.data.unit() {
             None => full_tensors(&self.trained, &self.placements, tp, value),
             Some(u) => {
-                let local = u.full_values(value)?;
+                let local = u.borrow().full_values(value)?;
                 full_tensors(&local, &self.placements, tp, Tensor::shallow_clone)
             }
         }
@@ -381,10 +388,7 @@ impl StepHooks for TpRun<'_> {
 
     fn before_forward(&mut self, _step: usize) -> Result<(), TrainError> {
         let _ = self.counts.take();
-        if let Some(u) = self.unit.as_mut() {
-            u.unshard().map_err(TrainError::strategy)?;
-        }
-        Ok(())
+        self.data.gather()
     }
 
     fn forward_backward(
@@ -448,58 +452,39 @@ impl StepHooks for TpRun<'_> {
         total: f64,
         _grads: &[(String, Tensor)],
     ) -> Result<(), TrainError> {
-        // What the optimizer steps: the local tensors' gradients, or the unit's shard.
-        let grads: Vec<Tensor> = match self.unit.as_ref() {
-            None => self.trained.iter().map(|(_, t)| t.grad()).collect(),
-            Some(u) => u.stepped().iter().map(|(_, t)| t.grad()).collect(),
-        };
-        scale_gradients(grads.iter(), clip_coefficient(max_norm, total))
+        self.data.clip(max_norm, total)
     }
 
     fn optimizer_step(
         &mut self,
         optimizer: &mut dyn Optimizer,
-        params: &[(String, Tensor)],
+        _params: &[(String, Tensor)],
     ) -> Result<bool, TrainError> {
-        match self.unit.as_mut() {
-            None => optimizer.step(params)?,
-            Some(u) => u.step_shards(optimizer)?,
-        }
-        Ok(true)
+        self.data.step(optimizer)
     }
 
     fn observe_state(
         &mut self,
         step: usize,
-        params: &[(String, Tensor)],
+        _params: &[(String, Tensor)],
         optimizer: &dyn Optimizer,
         _rank_local: &dyn Fn(&str) -> bool,
         probe: &StateProbe,
     ) -> Result<(), TrainError> {
-        match self.unit.as_ref() {
-            None => observe_stepped(probe, step, params, optimizer, &|n: &str| {
-                self.coordinate(n)
-            })?,
-            Some(u) => {
-                let (rank, tp) = (self.groups.rank, self.opts.tp);
-                let tp_part = if tp > 1 {
-                    format!("tp{rank}/{tp}.")
-                } else {
-                    String::new()
-                };
-                u.observe_shards(probe, step, optimizer, &tp_part)?;
-            }
-        }
-        Ok(())
+        let (rank, tp) = (self.groups.rank, self.opts.tp);
+        let tp_part = match tp > 1 {
+            true => format!("tp{rank}/{tp}."),
+            false => String::new(),
+        };
+        let coordinate = |name: &str| self.coordinate(name);
+        self.data
+            .observe(probe, step, optimizer, &coordinate, &tp_part)
     }
 
     fn before_record(&mut self) -> Result<(), TrainError> {
-        if let Some(u) = self.unit.as_mut() {
-            // Gathered again, so the tensors this rank computed with (the model's own
-            // replicated parameters among them) hold their trained values, never freed memory.
-            u.unshard().map_err(TrainError::strategy)?;
-        }
-        Ok(())
+        // Gathered again, so the tensors this rank computed with (the model's own replicated
+        // parameters among them) hold their trained values, never freed memory.
+        self.data.gather()
     }
 
     fn observe_final(&mut self, steps: usize, probe: &StateProbe) -> Result<(), TrainError> {
