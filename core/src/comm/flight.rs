@@ -4,7 +4,7 @@
 use crate::comm::work::lock;
 use crate::comm::{DType, OpKind};
 use serde::{Deserialize, Serialize};
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Mutex, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -201,13 +201,33 @@ fn members_from_name(name: &str) -> Option<Vec<usize>> {
 /// recorder (`None`: it left no dump). Returns one sentence per finding, most telling first;
 /// when the ranks agree everywhere it says so, since then the hang is not a desync.
 pub fn diagnose(ranks: &[Option<Vec<OpRecord>>]) -> Vec<String> {
-    use std::collections::BTreeMap;
     let mut findings = Vec::new();
     let silent: Vec<String> = (0..ranks.len())
         .filter(|&r| ranks[r].is_none())
         .map(|r| r.to_string())
         .collect();
-    // group -> rank -> that rank's newest collective on it.
+    for (group, by_rank) in &newest_collectives(ranks) {
+        findings.extend(group_findings(group, by_rank, ranks));
+    }
+    findings.extend(pending_receives(ranks));
+    if !silent.is_empty() {
+        findings.push(format!(
+            "rank{} {} left no flight recorder (it did not answer the dump request: busy outside \
+             any collective, or stopped)",
+            if silent.len() > 1 { "s" } else { "" },
+            silent.join(", ")
+        ));
+    }
+    if findings.is_empty() {
+        findings.push(no_desync(ranks));
+    }
+    findings
+}
+
+/// Group -> rank -> that rank's newest collective on it: where each rank got to per group.
+fn newest_collectives(
+    ranks: &[Option<Vec<OpRecord>>],
+) -> BTreeMap<&str, BTreeMap<usize, &OpRecord>> {
     let mut newest: BTreeMap<&str, BTreeMap<usize, &OpRecord>> = BTreeMap::new();
     for (rank, records) in ranks.iter().enumerate() {
         for rec in records.iter().flatten().filter(|r| r.is_collective()) {
@@ -220,87 +240,119 @@ pub fn diagnose(ranks: &[Option<Vec<OpRecord>>]) -> Vec<String> {
             .or_insert(rec);
         }
     }
-    let waiting_in = |rank: usize| -> String {
-        let pending: Vec<String> = ranks[rank]
-            .iter()
-            .flatten()
-            .filter(|r| r.state.is_pending())
-            .map(|r| format!("{} #{} {}", r.group, r.seq, r.brief()))
-            .collect();
-        if pending.is_empty() {
-            "nothing (no operation pending)".to_owned()
-        } else {
-            pending.join(", ")
-        }
+    newest
+}
+
+/// The operations `rank` has pending, as the diagnosis names them.
+fn waiting_in(ranks: &[Option<Vec<OpRecord>>], rank: usize) -> String {
+    let pending: Vec<String> = ranks[rank]
+        .iter()
+        .flatten()
+        .filter(|r| r.state.is_pending())
+        .map(|r| format!("{} #{} {}", r.group, r.seq, r.brief()))
+        .collect();
+    if pending.is_empty() {
+        "nothing (no operation pending)".to_owned()
+    } else {
+        pending.join(", ")
+    }
+}
+
+/// One group's findings: a desync if some ranks are ahead of others, else any mismatch.
+fn group_findings(
+    group: &str,
+    by_rank: &BTreeMap<usize, &OpRecord>,
+    ranks: &[Option<Vec<OpRecord>>],
+) -> Vec<String> {
+    let members = members_from_name(group)
+        .unwrap_or_else(|| {
+            if group == "world" {
+                (0..ranks.len()).collect()
+            } else {
+                by_rank.keys().copied().collect()
+            }
+        })
+        .into_iter()
+        .filter(|&r| r < ranks.len() && ranks[r].is_some())
+        .collect::<Vec<_>>();
+    let Some(front) = by_rank.values().max_by_key(|r| r.seq) else {
+        return Vec::new();
     };
-    for (group, by_rank) in &newest {
-        let members = members_from_name(group)
-            .unwrap_or_else(|| {
-                if *group == "world" {
-                    (0..ranks.len()).collect()
-                } else {
-                    by_rank.keys().copied().collect()
-                }
-            })
-            .into_iter()
-            .filter(|&r| r < ranks.len() && ranks[r].is_some())
-            .collect::<Vec<_>>();
-        let Some(front) = by_rank.values().max_by_key(|r| r.seq) else {
-            continue;
-        };
-        let ahead: Vec<usize> = by_rank
-            .iter()
-            .filter(|(_, r)| r.seq == front.seq && r.state.is_pending())
-            .map(|(&rank, _)| rank)
-            .collect();
-        let behind: Vec<usize> = members
-            .iter()
-            .copied()
-            .filter(|m| by_rank.get(m).is_none_or(|r| r.seq < front.seq))
-            .collect();
-        if !ahead.is_empty() && !behind.is_empty() {
-            let behind_text: Vec<String> = behind
-                .iter()
-                .map(|&b| {
-                    let last = by_rank
-                        .get(&b)
-                        .map_or("no collective on this group".to_owned(), |r| {
-                            format!("last issued #{} {}", r.seq, r.brief())
-                        });
-                    format!("rank {b} ({last}; waiting in: {})", waiting_in(b))
-                })
-                .collect();
-            findings.push(format!(
-                "desync on group {group}: rank{} {} inside collective #{} {}, which {} never issued: {}",
-                if ahead.len() > 1 { "s" } else { "" },
-                join_ranks(&ahead),
-                front.seq,
-                front.brief(),
-                join_ranks(&behind),
-                behind_text.join("; ")
-            ));
-            continue;
-        }
-        // Same collective number everywhere: did they call the same thing?
-        let same_seq: Vec<(usize, &&OpRecord)> = by_rank
-            .iter()
-            .filter(|(_, r)| r.seq == front.seq)
-            .map(|(k, v)| (*k, v))
-            .collect();
-        if let Some((first_rank, first)) = same_seq.first() {
-            for (rank, rec) in &same_seq[1..] {
-                if rec.op != first.op || rec.dtype != first.dtype || rec.shapes != first.shapes {
-                    findings.push(format!(
-                        "mismatch on group {group} collective #{}: rank {first_rank} called {} but rank {rank} called {}",
-                        front.seq,
-                        first.brief(),
-                        rec.brief()
-                    ));
-                }
+    match desync(group, front, by_rank, &members, ranks) {
+        Some(finding) => vec![finding],
+        None => mismatches(group, front, by_rank),
+    }
+}
+
+/// A desync: ranks inside the group's newest collective (`front`) that other members never issued.
+fn desync(
+    group: &str,
+    front: &OpRecord,
+    by_rank: &BTreeMap<usize, &OpRecord>,
+    members: &[usize],
+    ranks: &[Option<Vec<OpRecord>>],
+) -> Option<String> {
+    let ahead: Vec<usize> = by_rank
+        .iter()
+        .filter(|(_, r)| r.seq == front.seq && r.state.is_pending())
+        .map(|(&rank, _)| rank)
+        .collect();
+    let behind: Vec<usize> = members
+        .iter()
+        .copied()
+        .filter(|m| by_rank.get(m).is_none_or(|r| r.seq < front.seq))
+        .collect();
+    if ahead.is_empty() || behind.is_empty() {
+        return None;
+    }
+    let behind_text: Vec<String> = behind
+        .iter()
+        .map(|&b| {
+            let last = by_rank
+                .get(&b)
+                .map_or("no collective on this group".to_owned(), |r| {
+                    format!("last issued #{} {}", r.seq, r.brief())
+                });
+            format!("rank {b} ({last}; waiting in: {})", waiting_in(ranks, b))
+        })
+        .collect();
+    Some(format!(
+        "desync on group {group}: rank{} {} inside collective #{} {}, which {} never issued: {}",
+        if ahead.len() > 1 { "s" } else { "" },
+        join_ranks(&ahead),
+        front.seq,
+        front.brief(),
+        join_ranks(&behind),
+        behind_text.join("; ")
+    ))
+}
+
+/// Same collective number everywhere: the ranks that called something else than the first.
+fn mismatches(group: &str, front: &OpRecord, by_rank: &BTreeMap<usize, &OpRecord>) -> Vec<String> {
+    let mut findings = Vec::new();
+    let same_seq: Vec<(usize, &&OpRecord)> = by_rank
+        .iter()
+        .filter(|(_, r)| r.seq == front.seq)
+        .map(|(k, v)| (*k, v))
+        .collect();
+    if let Some((first_rank, first)) = same_seq.first() {
+        for (rank, rec) in &same_seq[1..] {
+            if rec.op != first.op || rec.dtype != first.dtype || rec.shapes != first.shapes {
+                findings.push(format!(
+                    "mismatch on group {group} collective #{}: rank {first_rank} called {} but rank {rank} called {}",
+                    front.seq,
+                    first.brief(),
+                    rec.brief()
+                ));
             }
         }
     }
-    // Point-to-point: receives whose message the sender never sent.
+    findings
+}
+
+/// Point-to-point: receives whose message the sender never sent.
+fn pending_receives(ranks: &[Option<Vec<OpRecord>>]) -> Vec<String> {
+    let mut findings = Vec::new();
     for (rank, records) in ranks.iter().enumerate() {
         for recv in records
             .iter()
@@ -315,31 +367,25 @@ pub fn diagnose(ranks: &[Option<Vec<OpRecord>>]) -> Vec<String> {
             ));
         }
     }
-    if !silent.is_empty() {
-        findings.push(format!(
-            "rank{} {} left no flight recorder (it did not answer the dump request: busy outside \
-             any collective, or stopped)",
-            if silent.len() > 1 { "s" } else { "" },
-            silent.join(", ")
-        ));
-    }
-    if findings.is_empty() {
-        let stuck: Vec<String> = (0..ranks.len())
-            .filter(|&r| ranks[r].iter().flatten().any(|o| o.state.is_pending()))
-            .map(|r| format!("rank {r} in {}", waiting_in(r)))
-            .collect();
-        findings.push(if stuck.is_empty() {
-            "no desync: every rank issued the same collectives and none is pending (the ranks \
-             are busy or blocked outside communication)"
-                .to_owned()
-        } else {
-            format!(
-                "no desync: the ranks issued the same collectives on every group; still pending: {}",
-                stuck.join("; ")
-            )
-        });
-    }
     findings
+}
+
+/// The finding when the ranks agree everywhere: what is still pending, if anything.
+fn no_desync(ranks: &[Option<Vec<OpRecord>>]) -> String {
+    let stuck: Vec<String> = (0..ranks.len())
+        .filter(|&r| ranks[r].iter().flatten().any(|o| o.state.is_pending()))
+        .map(|r| format!("rank {r} in {}", waiting_in(ranks, r)))
+        .collect();
+    if stuck.is_empty() {
+        "no desync: every rank issued the same collectives and none is pending (the ranks \
+         are busy or blocked outside communication)"
+            .to_owned()
+    } else {
+        format!(
+            "no desync: the ranks issued the same collectives on every group; still pending: {}",
+            stuck.join("; ")
+        )
+    }
 }
 
 fn join_ranks(ranks: &[usize]) -> String {

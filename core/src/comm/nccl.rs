@@ -779,6 +779,112 @@ fn row_numel(shape: &[i64]) -> usize {
     shape.iter().skip(1).map(|&d| d.max(0) as usize).product()
 }
 
+/// One side's per-peer dim-0 row counts of an all_to_all: `given`, or dim 0 split evenly.
+fn all_to_all_splits(
+    given: &[usize],
+    dim0: i64,
+    what: &str,
+    size: usize,
+) -> Result<Vec<usize>, CommError> {
+    let dim0 = dim0.max(0) as usize;
+    if given.is_empty() {
+        if dim0.checked_rem(size) != Some(0) {
+            return Err(CommError::InvalidArgument(format!(
+                "all_to_all {what} dim 0 ({dim0}) is not divisible by group size {size}; \
+                 pass explicit splits"
+            )));
+        }
+        return Ok(vec![dim0 / size; size]);
+    }
+    if given.len() != size {
+        return Err(CommError::InvalidArgument(format!(
+            "all_to_all {what} splits has {} entries, one per rank ({size}) is needed",
+            given.len()
+        )));
+    }
+    let total: usize = given.iter().sum();
+    if total != dim0 {
+        return Err(CommError::InvalidArgument(format!(
+            "all_to_all {what} splits {given:?} sum to {total} but {what} dim 0 is {dim0}"
+        )));
+    }
+    Ok(given.to_vec())
+}
+
+/// A checked all_to_all, ready to enqueue: its buffers and what goes to and from each peer.
+struct AllToAll {
+    src: *mut c_void,
+    dst: *mut c_void,
+    /// Elements per dim-0 row.
+    row: usize,
+    /// Bytes per dim-0 row.
+    row_bytes: usize,
+    nccl_dt: ncclDataType_t,
+    /// The group size: one send and one receive slot per peer.
+    peers: usize,
+    /// Per peer: the rows sent from the input.
+    in_splits: Vec<usize>,
+    /// Per peer: the rows received into the output.
+    out_splits: Vec<usize>,
+}
+
+impl AllToAll {
+    /// Posts every peer's send and receive inside one NCCL group on `stream`.
+    fn enqueue(
+        &self,
+        api: &NcclApi,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> Result<(), CommError> {
+        let (row, row_bytes, nccl_dt) = (self.row, self.row_bytes, self.nccl_dt);
+        // SAFETY (whole block): offsets stay within the dense buffers (splits sum to
+        // dim 0, checked by `all_to_all_async`), peers are ranks (< size, fits c_int), and
+        // the buffers are kept alive by the returned Work.
+        check(
+            api,
+            unsafe { (api.group_start)() },
+            Some(comm),
+            "ncclGroupStart",
+        )?;
+        let mut first_error = Ok(());
+        let (mut in_off, mut out_off) = (0usize, 0usize);
+        for peer in 0..self.peers {
+            let (n_in, n_out) = (self.in_splits[peer], self.out_splits[peer]);
+            if n_in > 0 && first_error.is_ok() {
+                let buf = self.src.cast::<u8>().wrapping_add(in_off * row_bytes);
+                let rc = unsafe {
+                    (api.send)(buf.cast(), n_in * row, nccl_dt, peer as c_int, comm, stream)
+                };
+                first_error = check(api, rc, Some(comm), "ncclSend (all_to_all)");
+            }
+            if n_out > 0 && first_error.is_ok() {
+                let buf = self.dst.cast::<u8>().wrapping_add(out_off * row_bytes);
+                let rc = unsafe {
+                    (api.recv)(
+                        buf.cast(),
+                        n_out * row,
+                        nccl_dt,
+                        peer as c_int,
+                        comm,
+                        stream,
+                    )
+                };
+                first_error = check(api, rc, Some(comm), "ncclRecv (all_to_all)");
+            }
+            in_off += n_in;
+            out_off += n_out;
+        }
+        // A group that was started must be ended, even after a failed call inside it.
+        let end = check(
+            api,
+            unsafe { (api.group_end)() },
+            Some(comm),
+            "ncclGroupEnd",
+        );
+        first_error.and(end)
+    }
+}
+
 impl ProcessGroup for NcclGroup {
     fn rank(&self) -> usize {
         self.rank
@@ -968,33 +1074,8 @@ impl ProcessGroup for NcclGroup {
                 row_numel(&out_shape)
             )));
         }
-        let splits = |given: &[usize], dim0: i64, what: &str| -> Result<Vec<usize>, CommError> {
-            let dim0 = dim0.max(0) as usize;
-            if given.is_empty() {
-                if dim0.checked_rem(size) != Some(0) {
-                    return Err(CommError::InvalidArgument(format!(
-                        "all_to_all {what} dim 0 ({dim0}) is not divisible by group size {size}; \
-                         pass explicit splits"
-                    )));
-                }
-                return Ok(vec![dim0 / size; size]);
-            }
-            if given.len() != size {
-                return Err(CommError::InvalidArgument(format!(
-                    "all_to_all {what} splits has {} entries, one per rank ({size}) is needed",
-                    given.len()
-                )));
-            }
-            let total: usize = given.iter().sum();
-            if total != dim0 {
-                return Err(CommError::InvalidArgument(format!(
-                    "all_to_all {what} splits {given:?} sum to {total} but {what} dim 0 is {dim0}"
-                )));
-            }
-            Ok(given.to_vec())
-        };
-        let in_splits = splits(input_splits, in_shape[0], "input")?;
-        let out_splits = splits(output_splits, out_shape[0], "output")?;
+        let in_splits = all_to_all_splits(input_splits, in_shape[0], "input", size)?;
+        let out_splits = all_to_all_splits(output_splits, out_shape[0], "output", size)?;
         let (src, dst) = (input.data_ptr(), output.data_ptr());
         let row_bytes = row * dtype.size();
         if overlaps(
@@ -1007,7 +1088,16 @@ impl ProcessGroup for NcclGroup {
                 "all_to_all input and output overlap; use separate buffers".into(),
             ));
         }
-        let nccl_dt = nccl_dtype(dtype);
+        let exchange = AllToAll {
+            src,
+            dst,
+            row,
+            row_bytes,
+            nccl_dt: nccl_dtype(dtype),
+            peers: size,
+            in_splits,
+            out_splits,
+        };
         self.launch(
             OpKind::AllToAll,
             Seq::Collective,
@@ -1015,53 +1105,7 @@ impl ProcessGroup for NcclGroup {
             Some(dtype),
             None,
             vec![output.shallow_clone(), input.shallow_clone()],
-            |api, comm, stream| {
-                // SAFETY (whole block): offsets stay within the dense buffers (splits sum to
-                // dim 0, checked above), peers are ranks (< size, fits c_int), and the buffers
-                // are kept alive by the returned Work.
-                check(
-                    api,
-                    unsafe { (api.group_start)() },
-                    Some(comm),
-                    "ncclGroupStart",
-                )?;
-                let mut first_error = Ok(());
-                let (mut in_off, mut out_off) = (0usize, 0usize);
-                for peer in 0..size {
-                    let (n_in, n_out) = (in_splits[peer], out_splits[peer]);
-                    if n_in > 0 && first_error.is_ok() {
-                        let buf = src.cast::<u8>().wrapping_add(in_off * row_bytes);
-                        let rc = unsafe {
-                            (api.send)(buf.cast(), n_in * row, nccl_dt, peer as c_int, comm, stream)
-                        };
-                        first_error = check(api, rc, Some(comm), "ncclSend (all_to_all)");
-                    }
-                    if n_out > 0 && first_error.is_ok() {
-                        let buf = dst.cast::<u8>().wrapping_add(out_off * row_bytes);
-                        let rc = unsafe {
-                            (api.recv)(
-                                buf.cast(),
-                                n_out * row,
-                                nccl_dt,
-                                peer as c_int,
-                                comm,
-                                stream,
-                            )
-                        };
-                        first_error = check(api, rc, Some(comm), "ncclRecv (all_to_all)");
-                    }
-                    in_off += n_in;
-                    out_off += n_out;
-                }
-                // A group that was started must be ended, even after a failed call inside it.
-                let end = check(
-                    api,
-                    unsafe { (api.group_end)() },
-                    Some(comm),
-                    "ncclGroupEnd",
-                );
-                first_error.and(end)
-            },
+            |api, comm, stream| exchange.enqueue(api, comm, stream),
         )
     }
 

@@ -10,7 +10,7 @@
 
 use super::dataflow::{StageFlow, TensorMeta};
 use super::schedule::{Action, ActionKind};
-use super::stage::{run_range, RangeRun};
+use super::stage::{run_range, RangeOutput, RangeRun};
 use super::trace::TraceEvent;
 use super::PipelineError;
 use crate::autograd::{self, GradOptions};
@@ -51,6 +51,42 @@ struct Slot {
     out_grads: BTreeMap<usize, Vec<Tensor>>,
     input_grads: Option<BTreeMap<usize, Tensor>>,
     pending_weight: Option<PendingWeight>,
+}
+
+/// What a checkpointed backward carries from one recomputed segment to the one before it.
+struct SegmentGrads {
+    /// Gradients sent back for layer outputs not yet differentiated (later stages' and
+    /// later segments').
+    pending: BTreeMap<usize, Vec<Tensor>>,
+    /// The stage inputs' gradients so far, summed over segments.
+    inputs: BTreeMap<usize, Tensor>,
+    /// The parameters' gradients, one entry per segment that reached them.
+    weights: Vec<(usize, Tensor)>,
+}
+
+impl SegmentGrads {
+    /// The seeds of a segment: each captured output once per pending gradient it has.
+    fn take_seeds(&mut self, captured: &BTreeMap<usize, Tensor>) -> Seeds {
+        let mut outs = Vec::new();
+        let mut grads: Vec<Option<Tensor>> = Vec::new();
+        for (k, t) in captured {
+            if let Some(gs) = self.pending.remove(k) {
+                if t.requires_grad() {
+                    for gr in gs {
+                        outs.push(t.shallow_clone());
+                        grads.push(Some(gr));
+                    }
+                }
+            }
+        }
+        Seeds { outs, grads }
+    }
+}
+
+/// A backward's starting tensors and their gradients (`None`: a loss, seeded with one).
+struct Seeds {
+    outs: Vec<Tensor>,
+    grads: Vec<Option<Tensor>>,
 }
 
 /// A rank's view of the pipeline, fixed for the run.
@@ -217,53 +253,8 @@ impl Executor<'_> {
                 let loss = self.forward(stage, mb, data, slots)?;
                 *objective += loss;
             }
-            ActionKind::SendF => {
-                let slot = slots.entry((stage, mb)).or_default();
-                if !slot.forwarded {
-                    return Err(self.missing(action, "its forward has not run"));
-                }
-                for e in self
-                    .flow
-                    .outputs_of(stage)
-                    .filter(|e| self.remote(e.from, e.to))
-                {
-                    let g = self.group(e.from, e.to)?;
-                    if e.layers.is_empty() {
-                        g.send(&token(self.device)?, 1, mb as u64)?;
-                    }
-                    for k in &e.layers {
-                        let t = slot
-                            .outputs
-                            .get(k)
-                            .or_else(|| slot.saved.get(k))
-                            .ok_or_else(|| {
-                                self.missing(action, &format!("layer {k}'s output was not kept"))
-                            })?;
-                        g.send(&t.f_detach()?.f_contiguous()?, 1, mb as u64)?;
-                    }
-                }
-            }
-            ActionKind::RecvF => {
-                for e in self
-                    .flow
-                    .inputs_of(stage)
-                    .filter(|e| self.remote(e.from, e.to))
-                {
-                    let g = self.group(e.from, e.to)?;
-                    if e.layers.is_empty() {
-                        g.recv(&token(self.device)?, 0, mb as u64)?;
-                    }
-                    for &k in &e.layers {
-                        let t = metas[k].zeros()?;
-                        g.recv(&t, 0, mb as u64)?;
-                        slots
-                            .entry((stage, mb))
-                            .or_default()
-                            .inputs
-                            .insert(k, leaf(t)?);
-                    }
-                }
-            }
+            ActionKind::SendF => self.send_forward(action, mb, slots)?,
+            ActionKind::RecvF => self.recv_forward(stage, mb, metas, slots)?,
             ActionKind::FullBackward | ActionKind::BackwardInput => {
                 let weight_later = action.kind == ActionKind::BackwardInput;
                 self.backward(stage, mb, data, slots, weight_later)?;
@@ -276,55 +267,141 @@ impl Executor<'_> {
                     .ok_or_else(|| self.missing(action, "its I has not run"))?;
                 self.weight(stage, pending)?;
             }
-            ActionKind::SendB => {
-                let slot = slots.entry((stage, mb)).or_default();
-                let grads = slot
-                    .input_grads
-                    .as_ref()
-                    .ok_or_else(|| self.missing(action, "its backward has not run"))?;
-                for e in self
-                    .flow
-                    .inputs_of(stage)
-                    .filter(|e| self.remote(e.from, e.to))
-                {
-                    let g = self.group(e.from, e.to)?;
-                    let floats = self.float_layers(&e.layers, metas);
-                    if floats.is_empty() {
-                        g.send(&token(self.device)?, 0, mb as u64)?;
-                    }
-                    for k in floats {
-                        let grad = grads.get(&k).ok_or_else(|| {
-                            self.missing(action, &format!("no gradient for layer {k}"))
-                        })?;
-                        g.send(&grad.f_contiguous()?, 0, mb as u64)?;
-                    }
-                }
-            }
-            ActionKind::RecvB => {
-                for e in self
-                    .flow
-                    .outputs_of(stage)
-                    .filter(|e| self.remote(e.from, e.to))
-                {
-                    let g = self.group(e.from, e.to)?;
-                    let floats = self.float_layers(&e.layers, metas);
-                    if floats.is_empty() {
-                        g.recv(&token(self.device)?, 1, mb as u64)?;
-                    }
-                    for k in floats {
-                        let t = metas[k].zeros()?;
-                        g.recv(&t, 1, mb as u64)?;
-                        slots
-                            .entry((stage, mb))
-                            .or_default()
-                            .out_grads
-                            .entry(k)
-                            .or_default()
-                            .push(t);
-                    }
-                }
-            }
+            ActionKind::SendB => self.send_backward(action, mb, metas, slots)?,
+            ActionKind::RecvB => self.recv_backward(stage, mb, metas, slots)?,
             ActionKind::Unshard | ActionKind::Reshard | ActionKind::ReduceGrad => {}
+        }
+        Ok(())
+    }
+
+    /// SEND_F: every layer output a remote consumer needs (a token for an empty edge).
+    fn send_forward(
+        &self,
+        action: &Action,
+        mb: usize,
+        slots: &mut HashMap<(usize, usize), Slot>,
+    ) -> Result<(), PipelineError> {
+        let stage = action.stage;
+        let slot = slots.entry((stage, mb)).or_default();
+        if !slot.forwarded {
+            return Err(self.missing(action, "its forward has not run"));
+        }
+        for e in self
+            .flow
+            .outputs_of(stage)
+            .filter(|e| self.remote(e.from, e.to))
+        {
+            let g = self.group(e.from, e.to)?;
+            if e.layers.is_empty() {
+                g.send(&token(self.device)?, 1, mb as u64)?;
+            }
+            for k in &e.layers {
+                let t = slot
+                    .outputs
+                    .get(k)
+                    .or_else(|| slot.saved.get(k))
+                    .ok_or_else(|| {
+                        self.missing(action, &format!("layer {k}'s output was not kept"))
+                    })?;
+                g.send(&t.f_detach()?.f_contiguous()?, 1, mb as u64)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// RECV_F: the remote producers' outputs, kept as the stage's (leaf) inputs.
+    fn recv_forward(
+        &self,
+        stage: usize,
+        mb: usize,
+        metas: &[TensorMeta],
+        slots: &mut HashMap<(usize, usize), Slot>,
+    ) -> Result<(), PipelineError> {
+        for e in self
+            .flow
+            .inputs_of(stage)
+            .filter(|e| self.remote(e.from, e.to))
+        {
+            let g = self.group(e.from, e.to)?;
+            if e.layers.is_empty() {
+                g.recv(&token(self.device)?, 0, mb as u64)?;
+            }
+            for &k in &e.layers {
+                let t = metas[k].zeros()?;
+                g.recv(&t, 0, mb as u64)?;
+                slots
+                    .entry((stage, mb))
+                    .or_default()
+                    .inputs
+                    .insert(k, leaf(t)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// SEND_B: the gradients of the stage's float inputs back to their remote producers.
+    fn send_backward(
+        &self,
+        action: &Action,
+        mb: usize,
+        metas: &[TensorMeta],
+        slots: &mut HashMap<(usize, usize), Slot>,
+    ) -> Result<(), PipelineError> {
+        let stage = action.stage;
+        let slot = slots.entry((stage, mb)).or_default();
+        let grads = slot
+            .input_grads
+            .as_ref()
+            .ok_or_else(|| self.missing(action, "its backward has not run"))?;
+        for e in self
+            .flow
+            .inputs_of(stage)
+            .filter(|e| self.remote(e.from, e.to))
+        {
+            let g = self.group(e.from, e.to)?;
+            let floats = self.float_layers(&e.layers, metas);
+            if floats.is_empty() {
+                g.send(&token(self.device)?, 0, mb as u64)?;
+            }
+            for k in floats {
+                let grad = grads
+                    .get(&k)
+                    .ok_or_else(|| self.missing(action, &format!("no gradient for layer {k}")))?;
+                g.send(&grad.f_contiguous()?, 0, mb as u64)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// RECV_B: the gradients remote consumers send back for the stage's float outputs.
+    fn recv_backward(
+        &self,
+        stage: usize,
+        mb: usize,
+        metas: &[TensorMeta],
+        slots: &mut HashMap<(usize, usize), Slot>,
+    ) -> Result<(), PipelineError> {
+        for e in self
+            .flow
+            .outputs_of(stage)
+            .filter(|e| self.remote(e.from, e.to))
+        {
+            let g = self.group(e.from, e.to)?;
+            let floats = self.float_layers(&e.layers, metas);
+            if floats.is_empty() {
+                g.recv(&token(self.device)?, 1, mb as u64)?;
+            }
+            for k in floats {
+                let t = metas[k].zeros()?;
+                g.recv(&t, 1, mb as u64)?;
+                slots
+                    .entry((stage, mb))
+                    .or_default()
+                    .out_grads
+                    .entry(k)
+                    .or_default()
+                    .push(t);
+            }
         }
         Ok(())
     }
@@ -524,6 +601,30 @@ impl Executor<'_> {
         if slot.input_grads.is_some() {
             return Err(self.missing(&action, "its backward already ran"));
         }
+        self.check_output_grads_arrived(&action, metas, &slot)?;
+        let input_grads = if self.checkpoint_every.is_some() {
+            self.recompute_backward(stage, mb, data, &mut slot, weight_later)?
+        } else {
+            self.graph_backward(&mut slot, weight_later)?
+        };
+        let complete = complete_input_grads(&slot, &input_grads)?;
+        slot.outputs.clear();
+        slot.loss = None;
+        slot.out_grads.clear();
+        self.hand_grads_to_local_producers(stage, mb, metas, &complete, slots);
+        slot.input_grads = Some(complete);
+        slots.insert((stage, mb), slot);
+        Ok(())
+    }
+
+    /// Fails naming the first float output whose consumers have not all sent its gradient.
+    fn check_output_grads_arrived(
+        &self,
+        action: &Action,
+        metas: &[TensorMeta],
+        slot: &Slot,
+    ) -> Result<(), PipelineError> {
+        let stage = action.stage;
         for e in self.flow.outputs_of(stage) {
             for k in self.float_layers(&e.layers, metas) {
                 let arrived = slot.out_grads.get(&k).map_or(0, Vec::len);
@@ -534,7 +635,7 @@ impl Executor<'_> {
                     .count();
                 if arrived < expected {
                     return Err(self.missing(
-                        &action,
+                        action,
                         &format!(
                             "the gradient of layer {k}'s output from stage {} has not arrived \
                              (a RECV_B or the consumer's backward is missing before it)",
@@ -544,79 +645,52 @@ impl Executor<'_> {
                 }
             }
         }
-        let input_grads = if self.checkpoint_every.is_some() {
-            self.recompute_backward(stage, mb, data, &mut slot, weight_later)?
-        } else {
-            let (outs, grads) = seeds(&slot);
-            let received: Vec<(usize, Tensor)> = slot
-                .inputs
-                .iter()
-                .filter(|(_, t)| t.requires_grad())
-                .map(|(k, t)| (*k, t.shallow_clone()))
-                .collect();
-            let mut input_grads = BTreeMap::new();
-            if !outs.is_empty() {
+        Ok(())
+    }
+
+    /// B or I through the graph the forward kept (no checkpointing): the inputs' gradients.
+    fn graph_backward(
+        &self,
+        slot: &mut Slot,
+        weight_later: bool,
+    ) -> Result<BTreeMap<usize, Tensor>, PipelineError> {
+        let Seeds { outs, grads } = seeds(slot);
+        let received: Vec<(usize, Tensor)> = slot
+            .inputs
+            .iter()
+            .filter(|(_, t)| t.requires_grad())
+            .map(|(k, t)| (*k, t.shallow_clone()))
+            .collect();
+        let mut input_grads = BTreeMap::new();
+        if !outs.is_empty() {
+            if weight_later {
+                input_grads = input_grads_keeping_graph(slot, outs, grads, &received)?;
+            } else {
                 let out_refs: Vec<&Tensor> = outs.iter().collect();
                 let grad_refs: Vec<Option<&Tensor>> = grads.iter().map(|g| g.as_ref()).collect();
-                if weight_later {
-                    let leaves: Vec<&Tensor> = received.iter().map(|(_, t)| t).collect();
-                    let got = if leaves.is_empty() {
-                        Vec::new()
-                    } else {
-                        autograd::grad(
-                            &out_refs,
-                            &leaves,
-                            &grad_refs,
-                            GradOptions {
-                                retain_graph: Some(true),
-                                create_graph: false,
-                                allow_unused: true,
-                            },
-                        )?
-                    };
-                    for ((k, _), g) in received.iter().zip(got) {
-                        if let Some(g) = g {
-                            input_grads.insert(*k, g);
-                        }
-                    }
-                    let grads = grads
-                        .into_iter()
-                        .zip(&outs)
-                        .map(|(g, o)| match g {
-                            Some(g) => Ok(g),
-                            None => o.f_ones_like(),
-                        })
-                        .collect::<Result<Vec<_>, _>>()?;
-                    slot.pending_weight = Some(PendingWeight::Graph { outs, grads });
-                } else {
-                    autograd::backward(&out_refs, &grad_refs, false)?;
-                    for (k, t) in &received {
-                        let g = t.grad();
-                        if g.defined() {
-                            input_grads.insert(*k, g);
-                        }
+                autograd::backward(&out_refs, &grad_refs, false)?;
+                for (k, t) in &received {
+                    let g = t.grad();
+                    if g.defined() {
+                        input_grads.insert(*k, g);
                     }
                 }
-            } else if weight_later {
-                slot.pending_weight = Some(PendingWeight::Computed(Vec::new()));
             }
-            input_grads
-        };
-        // Inputs that got no gradient (not on the loss's path) send zeros.
-        let mut complete = BTreeMap::new();
-        for (k, t) in &slot.inputs {
-            if t.requires_grad() {
-                let g = match input_grads.get(k) {
-                    Some(g) => g.shallow_clone(),
-                    None => t.f_zeros_like()?,
-                };
-                complete.insert(*k, g);
-            }
+        } else if weight_later {
+            slot.pending_weight = Some(PendingWeight::Computed(Vec::new()));
         }
-        slot.outputs.clear();
-        slot.loss = None;
-        slot.out_grads.clear();
-        // Producers on this rank get their gradients now; other ranks' at SEND_B.
+        Ok(input_grads)
+    }
+
+    /// Queues the gradients of inputs produced by stages on this rank (others' go at SEND_B).
+    fn hand_grads_to_local_producers(
+        &self,
+        stage: usize,
+        mb: usize,
+        metas: &[TensorMeta],
+        complete: &BTreeMap<usize, Tensor>,
+        slots: &mut HashMap<(usize, usize), Slot>,
+    ) {
         let local: Vec<(usize, usize)> = self
             .flow
             .inputs_of(stage)
@@ -638,9 +712,6 @@ impl Executor<'_> {
                     .push(g.shallow_clone());
             }
         }
-        slot.input_grads = Some(complete);
-        slots.insert((stage, mb), slot);
-        Ok(())
     }
 
     /// Backward of a checkpointed stage: segments recomputed last to first, each seeded with
@@ -657,106 +728,123 @@ impl Executor<'_> {
         let segments = self.segments(stage);
         let is_last = stage == self.last_stage();
         let batch = &data.batches[self.batch_for(stage, mb, data)];
-        let mut pending: BTreeMap<usize, Vec<Tensor>> = std::mem::take(&mut slot.out_grads);
-        let mut input_grads: BTreeMap<usize, Tensor> = BTreeMap::new();
-        let mut weight_grads: Vec<(usize, Tensor)> = Vec::new();
-        let params = &self.stage_params[stage];
+        let mut acc = SegmentGrads {
+            pending: std::mem::take(&mut slot.out_grads),
+            inputs: BTreeMap::new(),
+            weights: Vec::new(),
+        };
         for (g, seg) in segments.iter().enumerate().rev() {
-            let mut supplied: BTreeMap<usize, Tensor> = slot
-                .inputs
-                .iter()
-                .map(|(k, t)| (*k, t.shallow_clone()))
-                .collect();
-            let mut fresh = Vec::new();
-            for (k, t) in &slot.saved {
-                if *k < seg.start {
-                    let l = leaf(t.f_detach()?)?;
-                    fresh.push((*k, l.shallow_clone()));
-                    supplied.insert(*k, l);
-                }
-            }
-            let capture: BTreeSet<usize> = seg.clone().collect();
-            let run = RangeRun {
-                range: seg.clone(),
-                supplied: &supplied,
-                metas,
-                capture: &capture,
-                compute: self.compute,
-            };
-            let out = run_range(self.model, batch, &run)?;
-            let mut outs = Vec::new();
-            let mut grads: Vec<Option<Tensor>> = Vec::new();
-            for (k, t) in &out.captured {
-                if let Some(gs) = pending.remove(k) {
-                    if t.requires_grad() {
-                        for gr in gs {
-                            outs.push(t.shallow_clone());
-                            grads.push(Some(gr));
-                        }
-                    }
-                }
-            }
+            let (out, fresh) = self.rerun_segment(seg, slot, batch, metas)?;
+            let mut seeds = acc.take_seeds(&out.captured);
             if is_last && g + 1 == segments.len() {
                 let output = out.output.ok_or_else(|| {
                     PipelineError::Execution(format!("stage {stage}: recompute returned no output"))
                 })?;
-                outs.push(self.scaled_loss(&data.batches[mb], &output, data.scales[mb])?);
-                grads.push(None);
+                let loss = self.scaled_loss(&data.batches[mb], &output, data.scales[mb])?;
+                seeds.outs.push(loss);
+                seeds.grads.push(None);
             }
-            if outs.is_empty() {
+            if seeds.outs.is_empty() {
                 continue;
             }
-            let leaves: Vec<(usize, Tensor)> = slot
-                .inputs
-                .iter()
-                .filter(|(_, t)| t.requires_grad())
-                .map(|(k, t)| (*k, t.shallow_clone()))
-                .chain(
-                    fresh
-                        .iter()
-                        .filter(|(_, t)| t.requires_grad())
-                        .map(|(k, t)| (*k, t.shallow_clone())),
-                )
-                .collect();
-            let mut wrt: Vec<&Tensor> = leaves.iter().map(|(_, t)| t).collect();
-            wrt.extend(params.iter().map(|(_, p)| p));
-            let got = autograd::grad(
-                &outs.iter().collect::<Vec<_>>(),
-                &wrt,
-                &grads.iter().map(|g| g.as_ref()).collect::<Vec<_>>(),
-                GradOptions {
-                    retain_graph: Some(false),
-                    create_graph: false,
-                    allow_unused: true,
-                },
-            )?;
-            let (leaf_grads, param_grads) = got.split_at(leaves.len());
-            for ((k, _), gr) in leaves.iter().zip(leaf_grads) {
-                let Some(gr) = gr else { continue };
-                if slot.inputs.contains_key(k) {
-                    let sum = match input_grads.remove(k) {
-                        Some(prev) => prev.f_add(gr)?,
-                        None => gr.shallow_clone(),
-                    };
-                    input_grads.insert(*k, sum);
-                } else if self.overwrite_boundary_grads {
-                    pending.insert(*k, vec![gr.shallow_clone()]);
-                } else {
-                    pending.entry(*k).or_default().push(gr.shallow_clone());
-                }
-            }
-            for ((i, _), gr) in params.iter().zip(param_grads) {
-                if let Some(gr) = gr {
-                    weight_grads.push((*i, gr.shallow_clone()));
-                }
-            }
+            self.differentiate_segment(stage, slot, &fresh, &seeds, &mut acc)?;
         }
         if weight_later {
-            slot.pending_weight = Some(PendingWeight::Computed(weight_grads));
+            slot.pending_weight = Some(PendingWeight::Computed(acc.weights));
         } else {
-            self.accumulate(stage, weight_grads)?;
+            self.accumulate(stage, acc.weights)?;
         }
-        Ok(input_grads)
+        Ok(acc.inputs)
+    }
+
+    /// Reruns a checkpoint segment on the inputs and fresh leaves of earlier saved boundaries.
+    fn rerun_segment(
+        &self,
+        seg: &Range<usize>,
+        slot: &Slot,
+        batch: &Batch,
+        metas: &[TensorMeta],
+    ) -> Result<(RangeOutput, Vec<(usize, Tensor)>), PipelineError> {
+        let mut supplied: BTreeMap<usize, Tensor> = slot
+            .inputs
+            .iter()
+            .map(|(k, t)| (*k, t.shallow_clone()))
+            .collect();
+        let mut fresh = Vec::new();
+        for (k, t) in &slot.saved {
+            if *k < seg.start {
+                let l = leaf(t.f_detach()?)?;
+                fresh.push((*k, l.shallow_clone()));
+                supplied.insert(*k, l);
+            }
+        }
+        let capture: BTreeSet<usize> = seg.clone().collect();
+        let run = RangeRun {
+            range: seg.clone(),
+            supplied: &supplied,
+            metas,
+            capture: &capture,
+            compute: self.compute,
+        };
+        let out = run_range(self.model, batch, &run)?;
+        Ok((out, fresh))
+    }
+
+    /// Differentiates a rerun segment's seeds for its leaves and the stage's parameters into `acc`.
+    fn differentiate_segment(
+        &self,
+        stage: usize,
+        slot: &Slot,
+        fresh: &[(usize, Tensor)],
+        seeds: &Seeds,
+        acc: &mut SegmentGrads,
+    ) -> Result<(), PipelineError> {
+        let params = &self.stage_params[stage];
+        let leaves: Vec<(usize, Tensor)> = slot
+            .inputs
+            .iter()
+            .filter(|(_, t)| t.requires_grad())
+            .map(|(k, t)| (*k, t.shallow_clone()))
+            .chain(
+                fresh
+                    .iter()
+                    .filter(|(_, t)| t.requires_grad())
+                    .map(|(k, t)| (*k, t.shallow_clone())),
+            )
+            .collect();
+        let mut wrt: Vec<&Tensor> = leaves.iter().map(|(_, t)| t).collect();
+        wrt.extend(params.iter().map(|(_, p)| p));
+        let got = autograd::grad(
+            &seeds.outs.iter().collect::<Vec<_>>(),
+            &wrt,
+            &seeds.grads.iter().map(|g| g.as_ref()).collect::<Vec<_>>(),
+            GradOptions {
+                retain_graph: Some(false),
+                create_graph: false,
+                allow_unused: true,
+            },
+        )?;
+        let (leaf_grads, param_grads) = got.split_at(leaves.len());
+        for ((k, _), gr) in leaves.iter().zip(leaf_grads) {
+            let Some(gr) = gr else { continue };
+            if slot.inputs.contains_key(k) {
+                let sum = match acc.inputs.remove(k) {
+                    Some(prev) => prev.f_add(gr)?,
+                    None => gr.shallow_clone(),
+                };
+                acc.inputs.insert(*k, sum);
+            } else if self.overwrite_boundary_grads {
+                acc.pending.insert(*k, vec![gr.shallow_clone()]);
+            } else {
+                acc.pending.entry(*k).or_default().push(gr.shallow_clone());
+            }
+        }
+        for ((i, _), gr) in params.iter().zip(param_grads) {
+            if let Some(gr) = gr {
+                acc.weights.push((*i, gr.shallow_clone()));
+            }
+        }
+        Ok(())
     }
 
     fn weight(&self, stage: usize, pending: PendingWeight) -> Result<(), PipelineError> {
@@ -809,7 +897,7 @@ impl Executor<'_> {
 
 /// The tensors a backward starts from and their gradients: every exported output once per
 /// gradient that came back, and the scaled loss (seeded with one).
-fn seeds(slot: &Slot) -> (Vec<Tensor>, Vec<Option<Tensor>>) {
+fn seeds(slot: &Slot) -> Seeds {
     let mut outs = Vec::new();
     let mut grads = Vec::new();
     for (k, gs) in &slot.out_grads {
@@ -826,5 +914,65 @@ fn seeds(slot: &Slot) -> (Vec<Tensor>, Vec<Option<Tensor>>) {
         outs.push(loss.shallow_clone());
         grads.push(None);
     }
-    (outs, grads)
+    Seeds { outs, grads }
+}
+
+/// I without checkpointing: the inputs' gradients only, keeping the graph and seeds for W.
+fn input_grads_keeping_graph(
+    slot: &mut Slot,
+    outs: Vec<Tensor>,
+    grads: Vec<Option<Tensor>>,
+    received: &[(usize, Tensor)],
+) -> Result<BTreeMap<usize, Tensor>, PipelineError> {
+    let mut input_grads = BTreeMap::new();
+    let out_refs: Vec<&Tensor> = outs.iter().collect();
+    let grad_refs: Vec<Option<&Tensor>> = grads.iter().map(|g| g.as_ref()).collect();
+    let leaves: Vec<&Tensor> = received.iter().map(|(_, t)| t).collect();
+    let got = if leaves.is_empty() {
+        Vec::new()
+    } else {
+        autograd::grad(
+            &out_refs,
+            &leaves,
+            &grad_refs,
+            GradOptions {
+                retain_graph: Some(true),
+                create_graph: false,
+                allow_unused: true,
+            },
+        )?
+    };
+    for ((k, _), g) in received.iter().zip(got) {
+        if let Some(g) = g {
+            input_grads.insert(*k, g);
+        }
+    }
+    let grads = grads
+        .into_iter()
+        .zip(&outs)
+        .map(|(g, o)| match g {
+            Some(g) => Ok(g),
+            None => o.f_ones_like(),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    slot.pending_weight = Some(PendingWeight::Graph { outs, grads });
+    Ok(input_grads)
+}
+
+/// Every differentiable input's gradient: inputs off the loss's path get (and send) zeros.
+fn complete_input_grads(
+    slot: &Slot,
+    input_grads: &BTreeMap<usize, Tensor>,
+) -> Result<BTreeMap<usize, Tensor>, tch::TchError> {
+    let mut complete = BTreeMap::new();
+    for (k, t) in &slot.inputs {
+        if t.requires_grad() {
+            let g = match input_grads.get(k) {
+                Some(g) => g.shallow_clone(),
+                None => t.f_zeros_like()?,
+            };
+            complete.insert(*k, g);
+        }
+    }
+    Ok(complete)
 }

@@ -8,7 +8,7 @@ use super::microbatch;
 use super::partition::{param_counts, partition_layers, PartitionMethod};
 use super::schedule::{self, Costs, Schedule, ScheduleKind, Simulation};
 use super::PipelineError;
-use lockstep_models::Model;
+use lockstep_models::{LayerSpec, Model, ParamTags};
 use std::collections::BTreeSet;
 use std::ops::Range;
 
@@ -135,21 +135,7 @@ pub fn plan_pipeline(
         )));
     }
     let p = world_size / dp;
-    let generated = match &opts.schedule {
-        ScheduleChoice::Builtin(kind) => {
-            schedule::generate(*kind, p, opts.virtual_stages, opts.microbatches)?
-        }
-        ScheduleChoice::Custom(s) => {
-            if s.ranks != p {
-                return Err(PipelineError::InvalidPlan(format!(
-                    "the schedule `{}` has {} ranks, but the pipeline has {p} ({world_size} \
-                     ranks / {dp} replicas)",
-                    s.name, s.ranks
-                )));
-            }
-            s.clone()
-        }
-    };
+    let generated = schedule_for(opts, p, world_size)?;
     let m = generated.microbatches;
     if opts.checkpoint_every == Some(0) {
         return Err(PipelineError::InvalidPlan(
@@ -181,51 +167,13 @@ pub fn plan_pipeline(
         .map(|(n, _)| n)
         .collect();
     let stage_ranks = lowered.stage_ranks.clone();
-    let holders: Vec<BTreeSet<usize>> = params
-        .iter()
-        .map(|name| {
-            let using: BTreeSet<usize> = stages
-                .iter()
-                .enumerate()
-                .filter(|(_, r)| {
-                    (r.start..r.end)
-                        .any(|l| layers[l].params.iter().any(|q| tags.canonical(q) == name))
-                })
-                .map(|(s, _)| stage_ranks[s])
-                .collect();
-            if using.is_empty() {
-                stage_ranks.iter().copied().collect()
-            } else {
-                using
-            }
-        })
-        .collect();
-    let names: Vec<String> = layers.iter().map(|l| l.name.clone()).collect();
-    let shared_stages = |name: &str| {
-        stages
-            .iter()
-            .filter(|r| {
-                (r.start..r.end).any(|l| layers[l].params.iter().any(|q| tags.canonical(q) == name))
-            })
-            .count()
+    let usage = ParamUsage {
+        layers: &layers,
+        stages: &stages,
+        tags: &tags,
     };
-    let bitwise_blocker = params
-        .iter()
-        .find(|n| shared_stages(n) > 1)
-        .map(|n| {
-            format!(
-                "`{n}` is used on several stages (a tied weight): its gradient is each stage's \
-                 sum over microbatches, then summed across stages, where one process sums the \
-                 two uses per microbatch"
-            )
-        })
-        .or_else(|| flow.fan_out_reason(&names))
-        .or_else(|| {
-            params.iter().find(|n| shared_stages(n) == 0).map(|n| {
-                format!("`{n}` is used outside every layer, so each stage adds its own part")
-            })
-        })
-        .or_else(|| (dp > 1).then(|| "data-parallel replicas average their gradients".to_owned()));
+    let holders = usage.holders(&params, &stage_ranks);
+    let bitwise_blocker = usage.bitwise_blocker(&params, &flow, dp);
     Ok(PipelinePlan {
         ranks: p,
         data_parallel: dp,
@@ -240,4 +188,98 @@ pub fn plan_pipeline(
         holders,
         bitwise_blocker,
     })
+}
+
+/// The schedule the options choose, generated or checked against the pipeline's `p` ranks.
+fn schedule_for(
+    opts: &PipelineOptions,
+    p: usize,
+    world_size: usize,
+) -> Result<Schedule, PipelineError> {
+    let dp = opts.data_parallel;
+    Ok(match &opts.schedule {
+        ScheduleChoice::Builtin(kind) => {
+            schedule::generate(*kind, p, opts.virtual_stages, opts.microbatches)?
+        }
+        ScheduleChoice::Custom(s) => {
+            if s.ranks != p {
+                return Err(PipelineError::InvalidPlan(format!(
+                    "the schedule `{}` has {} ranks, but the pipeline has {p} ({world_size} \
+                     ranks / {dp} replicas)",
+                    s.name, s.ranks
+                )));
+            }
+            s.clone()
+        }
+    })
+}
+
+/// Which stages use which parameter: what holders and the bitwise blocker both ask.
+struct ParamUsage<'a> {
+    layers: &'a [LayerSpec],
+    stages: &'a [Range<usize>],
+    tags: &'a ParamTags,
+}
+
+impl ParamUsage<'_> {
+    /// Whether a layer of `stage` lists parameter `name` (canonical).
+    fn stage_uses(&self, stage: &Range<usize>, name: &str) -> bool {
+        (stage.start..stage.end).any(|l| {
+            self.layers[l]
+                .params
+                .iter()
+                .any(|q| self.tags.canonical(q) == name)
+        })
+    }
+
+    /// Per parameter: the pipeline ranks whose stages use it (all of them when none does).
+    fn holders(&self, params: &[String], stage_ranks: &[usize]) -> Vec<BTreeSet<usize>> {
+        params
+            .iter()
+            .map(|name| {
+                let using: BTreeSet<usize> = self
+                    .stages
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, r)| self.stage_uses(r, name))
+                    .map(|(s, _)| stage_ranks[s])
+                    .collect();
+                if using.is_empty() {
+                    stage_ranks.iter().copied().collect()
+                } else {
+                    using
+                }
+            })
+            .collect()
+    }
+
+    /// Why the pipeline cannot match a single-device run bit for bit, if it cannot.
+    fn bitwise_blocker(&self, params: &[String], flow: &StageFlow, dp: usize) -> Option<String> {
+        let names: Vec<String> = self.layers.iter().map(|l| l.name.clone()).collect();
+        let shared_stages = |name: &str| {
+            self.stages
+                .iter()
+                .filter(|r| self.stage_uses(r, name))
+                .count()
+        };
+        params
+            .iter()
+            .find(|n| shared_stages(n) > 1)
+            .map(|n| {
+                format!(
+                    "`{n}` is used on several stages (a tied weight): its gradient is each stage's \
+                     sum over microbatches, then summed across stages, where one process sums the \
+                     two uses per microbatch"
+                )
+            })
+            .or_else(|| flow.fan_out_reason(&names))
+            .or_else(|| {
+                params.iter().find(|n| shared_stages(n) == 0).map(|n| {
+                    format!("`{n}` is used outside every layer, so each stage adds its own part")
+                })
+            })
+            .or_else(|| {
+                (dp > 1).then(|| "data-parallel replicas average their gradients".to_owned())
+            })
+    }
 }

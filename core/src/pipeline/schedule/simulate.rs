@@ -193,36 +193,21 @@ pub fn simulate_costed(
             break;
         }
         if !progress {
-            let mut waits = Vec::new();
-            for (r, list) in schedule.actions.iter().enumerate() {
-                if let Some(&a) = list.get(next[r]) {
-                    if let Err(Blocked::On(dep, on_rank)) = sim.deps(a) {
-                        waits.push(Wait {
-                            rank: r,
-                            at: a,
-                            waits_for: dep,
-                            on_rank,
-                        });
-                    }
-                }
-            }
-            return Err(ScheduleError::Deadlock { waits });
+            return Err(sim.deadlock(&next));
         }
     }
-    if let Some(((p, c, dir), queue)) = sim.channels.iter().find(|(_, q)| !q.is_empty()) {
-        let m = queue[0].sent;
-        let (from, to) = if *dir == Dir::Forward { (p, c) } else { (c, p) };
-        return Err(ScheduleError::Invalid(format!(
-            "rank {}: {m} is never received: the {} channel {from}→{to} still holds it at the \
-             end of the step",
-            schedule.stage_ranks[m.stage],
-            if *dir == Dir::Forward {
-                "forward"
-            } else {
-                "backward"
-            },
-        )));
-    }
+    sim.check_drained()?;
+    Ok(summarize(schedule, costs, timeline, &free))
+}
+
+/// The result of a finished run: makespan, busy time and the bubble as an exact fraction.
+fn summarize(
+    schedule: &Schedule,
+    costs: Costs,
+    timeline: Vec<Vec<Span>>,
+    free: &[u64],
+) -> Simulation {
+    let ranks = schedule.ranks;
     let makespan = free.iter().copied().max().unwrap_or(0);
     let busy: Vec<u64> = timeline
         .iter()
@@ -236,7 +221,7 @@ pub fn simulate_costed(
         let g = gcd(idle, total);
         (idle / g, total / g)
     };
-    Ok(Simulation {
+    Simulation {
         schedule: schedule.name.clone(),
         ranks,
         costs,
@@ -247,7 +232,7 @@ pub fn simulate_costed(
         bubble_numerator: num,
         bubble_denominator: den,
         bubble_fraction: num as f64 / den as f64,
-    })
+    }
 }
 
 fn gcd(mut a: u64, mut b: u64) -> u64 {
@@ -258,6 +243,43 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
 }
 
 impl Sim<'_> {
+    /// The deadlock error: each stuck rank's next action (index `next[r]`) and what it awaits.
+    fn deadlock(&self, next: &[usize]) -> ScheduleError {
+        let mut waits = Vec::new();
+        for (r, list) in self.s.actions.iter().enumerate() {
+            if let Some(&a) = list.get(next[r]) {
+                if let Err(Blocked::On(dep, on_rank)) = self.deps(a) {
+                    waits.push(Wait {
+                        rank: r,
+                        at: a,
+                        waits_for: dep,
+                        on_rank,
+                    });
+                }
+            }
+        }
+        ScheduleError::Deadlock { waits }
+    }
+
+    /// Fails when a channel still holds a message at the end of the step (never received).
+    fn check_drained(&self) -> Result<(), ScheduleError> {
+        if let Some(((p, c, dir), queue)) = self.channels.iter().find(|(_, q)| !q.is_empty()) {
+            let m = queue[0].sent;
+            let (from, to) = if *dir == Dir::Forward { (p, c) } else { (c, p) };
+            return Err(ScheduleError::Invalid(format!(
+                "rank {}: {m} is never received: the {} channel {from}→{to} still holds it at the \
+                 end of the step",
+                self.s.stage_ranks[m.stage],
+                if *dir == Dir::Forward {
+                    "forward"
+                } else {
+                    "backward"
+                },
+            )));
+        }
+        Ok(())
+    }
+
     fn rank(&self, stage: usize) -> usize {
         self.s.stage_ranks[stage]
     }
