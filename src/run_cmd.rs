@@ -16,7 +16,7 @@ use lockstep_core::ddp::Ddp;
 use lockstep_core::record::RunRecord;
 use lockstep_core::train::{no_sync, train_from, OptimizerConfig, TrainConfig, TrainStart};
 use lockstep_harness::RankCtx;
-use lockstep_models::{zoo, Model, ModelError};
+use lockstep_models::{zoo, Model, ModelError, ParamTags};
 use serde::Serialize;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -198,31 +198,12 @@ fn check_options(opts: &RunOptions) -> Result<Config, RunCmdError> {
 
 /// Checks everything, runs, writes the requested files and returns what happened.
 pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
-    let invalid = RunCmdError::Invalid;
     let config = check_options(opts)?;
     let mut notes = Vec::new();
     let optimizer = OptimizerConfig::default();
-
-    // Check the model and the checkpoint against a model built here; the ranks build their
-    // own later, from the seed settled below.
-    let mut probe = zoo::build(&opts.model, opts.seed.unwrap_or(0), 0).map_err(|e| match e {
-        ModelError::UnknownModel { name, known } => invalid(format!(
-            "unknown model `{name}`{}; known models: {}",
-            crate::suggest::did_you_mean(&name, &known),
-            known.join(", ")
-        )),
-        other => invalid(other.to_string()),
-    })?;
-    if let Some(refusal) = config.refusal(&opts.model, probe.as_ref(), opts.world_size) {
-        return Err(invalid(refusal));
-    }
-    let resume = match &opts.init {
-        Some(init) => check_init(opts, config, probe.as_mut(), init, optimizer, &mut notes)?,
-        None => None,
-    };
+    let resume = check_model_and_init(opts, config, optimizer, &mut notes)?;
     let seed = settle_seed(opts, resume.as_ref().map(|(_, state)| state), &mut notes);
     let start_step = resume.as_ref().map_or(0, |(_, s)| s.step);
-    drop(probe);
 
     let init = opts.init.as_deref();
     let build = move |seed: u64, rank: usize| -> Result<Box<dyn Model>, ModelError> {
@@ -232,28 +213,9 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
         }
         Ok(model)
     };
-    let initial = build(seed, 0).map_err(|e| invalid(e.to_string()))?;
-    let tags = initial.tags();
-    if let Some(path) = &opts.save_init {
-        let state = checkpoint::model_state_dict(initial.as_ref());
-        checkpoint::save_model_state(path, &state, &opts.model, start_step, None)
-            .map_err(save_failed)?;
-    }
-    drop(initial);
+    let tags = save_initial_state(opts, &build, seed, start_step)?;
 
-    let settings = RunSettings {
-        steps: opts.steps,
-        seed,
-        timeout: opts.timeout,
-        record_grads: false,
-        optimizer,
-        fault: None,
-        backend: lockstep_core::comm::Backend::Cpu,
-        exec_ranks: false,
-        device: opts.device,
-        tf32: opts.tf32,
-        faults: None,
-    };
+    let settings = run_settings(opts, seed, optimizer);
     crate::device::prepare_process(opts.device, settings.backend, opts.tf32)
         .map_err(|e| RunCmdError::Failed(format!("setting CUDA's numerics: {e}")))?;
     let (optimizer_file, resume_state) = match resume {
@@ -269,44 +231,20 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
         (optimizer_file.as_deref(), resume_state),
     )?;
 
-    let mut saved_optimizer_state = None;
-    if let Some(path) = &opts.save_final {
-        let end_step = start_step + opts.steps;
-        let state = checkpoint::record_state_dict(&record, &tags).map_err(save_failed)?;
-        let optimizer_name = match final_optimizer {
-            Some(tensors) => {
-                let file = checkpoint::optimizer_file_for(path);
-                let saved = OptimizerState {
-                    step: end_step,
-                    seed,
-                    world_size: opts.world_size,
-                    config: config.name().to_owned(),
-                    optimizer,
-                    tensors,
-                };
-                checkpoint::save_optimizer_state(&file, &saved).map_err(save_failed)?;
-                let name = file.file_name().map(|n| n.to_string_lossy().into_owned());
-                saved_optimizer_state = Some(file);
-                name
-            }
-            None => {
-                notes.push(format!(
-                    "{}: the final state holds weights only; --init from it starts at step 0 \
-                     with a fresh optimizer",
-                    why_not_continued(config)
-                ));
-                None
-            }
-        };
-        checkpoint::save_model_state(
-            path,
-            &state,
-            &opts.model,
-            end_step,
-            optimizer_name.as_deref(),
-        )
-        .map_err(save_failed)?;
-    }
+    let saved_optimizer_state = match &opts.save_final {
+        Some(path) => {
+            let finished = FinishedRun {
+                config,
+                seed,
+                start_step,
+                optimizer,
+                record: &record,
+                tags: &tags,
+            };
+            save_final_state(opts, path, &finished, final_optimizer, &mut notes)?
+        }
+        None => None,
+    };
     Ok(RunOutcome {
         environment: lockstep_harness::report::environment(),
         model: opts.model.clone(),
@@ -324,6 +262,122 @@ pub fn run(opts: &RunOptions) -> Result<RunOutcome, RunCmdError> {
         saved_optimizer_state,
         notes,
     })
+}
+
+/// Checks the model and `--init` on a probe built here; returns the optimizer state to continue.
+fn check_model_and_init(
+    opts: &RunOptions,
+    config: Config,
+    optimizer: OptimizerConfig,
+    notes: &mut Vec<String>,
+) -> Result<Option<(PathBuf, OptimizerState)>, RunCmdError> {
+    let invalid = RunCmdError::Invalid;
+    let mut probe = zoo::build(&opts.model, opts.seed.unwrap_or(0), 0).map_err(|e| match e {
+        ModelError::UnknownModel { name, known } => invalid(format!(
+            "unknown model `{name}`{}; known models: {}",
+            crate::suggest::did_you_mean(&name, &known),
+            known.join(", ")
+        )),
+        other => invalid(other.to_string()),
+    })?;
+    if let Some(refusal) = config.refusal(&opts.model, probe.as_ref(), opts.world_size) {
+        return Err(invalid(refusal));
+    }
+    match &opts.init {
+        Some(init) => check_init(opts, config, probe.as_mut(), init, optimizer, notes),
+        None => Ok(None),
+    }
+}
+
+/// Builds rank 0's starting model for its tags (naming the final state), saving `--save-init`.
+fn save_initial_state(
+    opts: &RunOptions,
+    build: &runner::ModelBuilder<'_>,
+    seed: u64,
+    start_step: usize,
+) -> Result<ParamTags, RunCmdError> {
+    let initial = build(seed, 0).map_err(|e| RunCmdError::Invalid(e.to_string()))?;
+    let tags = initial.tags();
+    if let Some(path) = &opts.save_init {
+        let state = checkpoint::model_state_dict(initial.as_ref());
+        checkpoint::save_model_state(path, &state, &opts.model, start_step, None)
+            .map_err(save_failed)?;
+    }
+    Ok(tags)
+}
+
+/// The launch settings `lockstep run` trains with (CPU backend, no faults, no gradients kept).
+fn run_settings(opts: &RunOptions, seed: u64, optimizer: OptimizerConfig) -> RunSettings {
+    RunSettings {
+        steps: opts.steps,
+        seed,
+        timeout: opts.timeout,
+        record_grads: false,
+        optimizer,
+        fault: None,
+        backend: lockstep_core::comm::Backend::Cpu,
+        exec_ranks: false,
+        device: opts.device,
+        tf32: opts.tf32,
+        faults: None,
+    }
+}
+
+/// What a finished run settled and produced that its final state files record.
+struct FinishedRun<'a> {
+    config: Config,
+    seed: u64,
+    start_step: usize,
+    optimizer: OptimizerConfig,
+    record: &'a RunRecord,
+    tags: &'a ParamTags,
+}
+
+/// Writes the final state dict to `path` and any optimizer state beside it; returns the latter.
+fn save_final_state(
+    opts: &RunOptions,
+    path: &Path,
+    run: &FinishedRun<'_>,
+    final_optimizer: Option<OptimizerTensors>,
+    notes: &mut Vec<String>,
+) -> Result<Option<PathBuf>, RunCmdError> {
+    let mut saved_optimizer_state = None;
+    let end_step = run.start_step + opts.steps;
+    let state = checkpoint::record_state_dict(run.record, run.tags).map_err(save_failed)?;
+    let optimizer_name = match final_optimizer {
+        Some(tensors) => {
+            let file = checkpoint::optimizer_file_for(path);
+            let saved = OptimizerState {
+                step: end_step,
+                seed: run.seed,
+                world_size: opts.world_size,
+                config: run.config.name().to_owned(),
+                optimizer: run.optimizer,
+                tensors,
+            };
+            checkpoint::save_optimizer_state(&file, &saved).map_err(save_failed)?;
+            let name = file.file_name().map(|n| n.to_string_lossy().into_owned());
+            saved_optimizer_state = Some(file);
+            name
+        }
+        None => {
+            notes.push(format!(
+                "{}: the final state holds weights only; --init from it starts at step 0 \
+                 with a fresh optimizer",
+                why_not_continued(run.config)
+            ));
+            None
+        }
+    };
+    checkpoint::save_model_state(
+        path,
+        &state,
+        &opts.model,
+        end_step,
+        optimizer_name.as_deref(),
+    )
+    .map_err(save_failed)?;
+    Ok(saved_optimizer_state)
 }
 
 /// The run's seed: `--seed`, else the checkpoint's; notes where continuing differs from an

@@ -12,7 +12,8 @@ use lockstep_core::record::RunSpec;
 use lockstep_core::train::{OptimizerConfig, TrainConfig};
 use lockstep_harness::{launch, LaunchOptions, RankCtx, RankSpawn};
 use serde::{Deserialize, Serialize};
-use std::path::PathBuf;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// What `bench pipeline` runs.
@@ -105,6 +106,61 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 
 /// Runs the benchmark: one launch of `stages` forked ranks, then the one-process baseline.
 pub fn run_pipeline(opts: &PipelineBenchOptions) -> Result<PipelineBenchResult, BenchError> {
+    let (popts, plan) = plan_bench(opts)?;
+    lockstep_harness::threads::use_launcher_threads();
+    let out = results_path("pipeline");
+    let body = |ctx: &RankCtx| -> Result<(), RankError> { trace_rank(opts, &popts, ctx, &out) };
+    let launched = launch(
+        &LaunchOptions {
+            world_size: opts.stages,
+            timeout: Duration::from_secs(600),
+            backend: "cpu".into(),
+        },
+        RankSpawn::Fork(&|info| lockstep_harness::execute_forked_rank(info, &body)),
+    );
+    let gathered = gather_traces(opts.stages, &out, popts.virtual_stages)?;
+    launched?;
+    if let Some(e) = gathered.read_error {
+        return Err(e.into());
+    }
+    let timed: Vec<RankStepTrace> = gathered
+        .all
+        .into_iter()
+        .filter(|t| t.step >= 1 && t.step <= opts.steps)
+        .collect();
+    let (step_seconds, bubbles) = step_figures(opts.steps, &gathered.starts, &timed);
+    if let Some(path) = &opts.trace {
+        std::fs::write(path, chrome_trace(&timed).to_string())?;
+    }
+    let pipeline_seconds =
+        median(step_seconds).ok_or_else(|| BenchError::Failed("no step was traced".into()))?;
+    let measured =
+        median(bubbles).ok_or_else(|| BenchError::Failed("no step's bubble was traced".into()))?;
+    let with_costs = simulate_measured(&plan, &timed)?;
+    let (single_seconds, parameters) = single_process_step(opts)?;
+    let simulated = gathered.simulated;
+    Ok(PipelineBenchResult {
+        schedule: opts.schedule.clone(),
+        stages: opts.stages,
+        virtual_stages: gathered.virtual_stages,
+        microbatches: opts.microbatches,
+        pipeline_seconds,
+        single_seconds,
+        ratio: pipeline_seconds / single_seconds,
+        measured_bubble: measured,
+        simulated_bubble: simulated,
+        bubble_relative_difference_unit_costs: (measured - simulated).abs() / simulated,
+        simulated_bubble_measured_costs: with_costs,
+        bubble_relative_difference: (measured - with_costs).abs() / with_costs,
+        parameters,
+        steps: opts.steps,
+    })
+}
+
+/// Checks the options and plans on a probe decoder, refusing a bad plan before any rank starts.
+fn plan_bench(
+    opts: &PipelineBenchOptions,
+) -> Result<(PipelineOptions, lockstep_core::pipeline::PipelinePlan), BenchError> {
     let kind: ScheduleKind = opts
         .schedule
         .parse()
@@ -130,82 +186,100 @@ pub fn run_pipeline(opts: &PipelineBenchOptions) -> Result<PipelineBenchResult, 
         .map_err(|e| BenchError::Invalid(format!("building the decoder: {e}")))?;
     let plan = lockstep_core::pipeline::plan_pipeline(&probe_model, opts.stages, &popts)
         .map_err(|e| BenchError::Invalid(e.to_string()))?;
-    lockstep_harness::threads::use_launcher_threads();
-    let out = results_path("pipeline");
+    Ok((popts, plan))
+}
+
+/// One rank's share of the launch: trains its stages, hands its traces back next to `out`.
+fn trace_rank(
+    opts: &PipelineBenchOptions,
+    popts: &PipelineOptions,
+    ctx: &RankCtx,
+    out: &Path,
+) -> Result<(), RankError> {
     // Warm-up, the timed steps, and one more whose start ends the last timed step.
     let steps = opts.steps + 2;
-    let spec = |world_size: usize| RunSpec {
-        model: "bench-gpt".into(),
-        config: format!("pp.{}", opts.schedule),
-        world_size,
-        backend: "cpu".into(),
-        dtype: "fp32".into(),
-        steps,
-        seed: 0,
-    };
-    let body = |ctx: &RankCtx| -> Result<(), RankError> {
-        let model = opts.dims.build(0, ctx.rank(), false)?;
-        let cfg = TrainConfig {
-            spec: spec(ctx.world_size()),
-            optimizer: OptimizerConfig::default(),
-            data_ranks: vec![ctx.rank()],
-            record_grads: false,
-            probe: None,
-        };
-        let run = train_pipeline(&model, ctx.world(), &cfg, &popts)
-            .map_err(|e| RankError::Train(e.to_string()))?;
-        let mine = RankTraces {
-            traces: run.traces,
-            simulated_bubble: run.plan.simulation.bubble_fraction,
-            virtual_stages: run.plan.stages.len() / run.plan.ranks,
-        };
-        let path = out.with_extension(format!("rank{}.json", ctx.rank()));
-        hand_back_json("the pipeline traces", &path, &mine)
-    };
-    let launched = launch(
-        &LaunchOptions {
-            world_size: opts.stages,
-            timeout: Duration::from_secs(600),
+    let model = opts.dims.build(0, ctx.rank(), false)?;
+    let cfg = TrainConfig {
+        spec: RunSpec {
+            model: "bench-gpt".into(),
+            config: format!("pp.{}", opts.schedule),
+            world_size: ctx.world_size(),
             backend: "cpu".into(),
+            dtype: "fp32".into(),
+            steps,
+            seed: 0,
         },
-        RankSpawn::Fork(&|info| lockstep_harness::execute_forked_rank(info, &body)),
-    );
-    let mut all: Vec<RankStepTrace> = Vec::new();
-    // Per step: the earliest begin of any action on any rank.
-    let mut starts: std::collections::BTreeMap<usize, u64> = std::collections::BTreeMap::new();
-    let mut simulated = 0.0;
-    let mut virtual_stages = v;
-    let mut read_error = None;
-    for r in 0..opts.stages {
+        optimizer: OptimizerConfig::default(),
+        data_ranks: vec![ctx.rank()],
+        record_grads: false,
+        probe: None,
+    };
+    let run = train_pipeline(&model, ctx.world(), &cfg, popts)
+        .map_err(|e| RankError::Train(e.to_string()))?;
+    let mine = RankTraces {
+        traces: run.traces,
+        simulated_bubble: run.plan.simulation.bubble_fraction,
+        virtual_stages: run.plan.stages.len() / run.plan.ranks,
+    };
+    let path = out.with_extension(format!("rank{}.json", ctx.rank()));
+    hand_back_json("the pipeline traces", &path, &mine)
+}
+
+/// Every rank's handed-back traces, gathered (and their files removed).
+struct GatheredTraces {
+    all: Vec<RankStepTrace>,
+    /// Per step: the earliest begin of any action on any rank.
+    starts: BTreeMap<usize, u64>,
+    simulated: f64,
+    virtual_stages: usize,
+    /// The last rank file that could not be read, reported once the launch's own outcome is.
+    read_error: Option<std::io::Error>,
+}
+
+/// Reads (and removes) the `stages` rank files next to `out`, noting each step's first action.
+fn gather_traces(
+    stages: usize,
+    out: &Path,
+    virtual_stages: usize,
+) -> Result<GatheredTraces, BenchError> {
+    let mut gathered = GatheredTraces {
+        all: Vec::new(),
+        starts: BTreeMap::new(),
+        simulated: 0.0,
+        virtual_stages,
+        read_error: None,
+    };
+    for r in 0..stages {
         let path = out.with_extension(format!("rank{r}.json"));
         match std::fs::read(&path) {
             Ok(bytes) => {
                 let mine: RankTraces = serde_json::from_slice(&bytes)?;
-                simulated = mine.simulated_bubble;
-                virtual_stages = mine.virtual_stages;
+                gathered.simulated = mine.simulated_bubble;
+                gathered.virtual_stages = mine.virtual_stages;
                 for t in &mine.traces {
                     if let Some(first) = t.events.iter().map(|e| e.begin_us).min() {
-                        let s = starts.entry(t.step).or_insert(first);
+                        let s = gathered.starts.entry(t.step).or_insert(first);
                         *s = (*s).min(first);
                     }
                 }
-                all.extend(mine.traces);
+                gathered.all.extend(mine.traces);
             }
-            Err(e) => read_error = Some(e),
+            Err(e) => gathered.read_error = Some(e),
         }
         let _ = std::fs::remove_file(&path);
     }
-    launched?;
-    if let Some(e) = read_error {
-        return Err(e.into());
-    }
-    let timed: Vec<RankStepTrace> = all
-        .into_iter()
-        .filter(|t| t.step >= 1 && t.step <= opts.steps)
-        .collect();
+    Ok(gathered)
+}
+
+/// Each timed step's duration in seconds and measured bubble, where the traces have them.
+fn step_figures(
+    steps: usize,
+    starts: &BTreeMap<usize, u64>,
+    timed: &[RankStepTrace],
+) -> (Vec<f64>, Vec<f64>) {
     let mut step_seconds = Vec::new();
     let mut bubbles = Vec::new();
-    for step in 1..=opts.steps {
+    for step in 1..=steps {
         let of_step: Vec<&RankStepTrace> = timed.iter().filter(|t| t.step == step).collect();
         if let Some(bubble) = measured_bubble(&of_step) {
             bubbles.push(bubble);
@@ -216,31 +290,7 @@ pub fn run_pipeline(opts: &PipelineBenchOptions) -> Result<PipelineBenchResult, 
             step_seconds.push(e.saturating_sub(*b) as f64 / 1e6);
         }
     }
-    if let Some(path) = &opts.trace {
-        std::fs::write(path, chrome_trace(&timed).to_string())?;
-    }
-    let pipeline_seconds =
-        median(step_seconds).ok_or_else(|| BenchError::Failed("no step was traced".into()))?;
-    let measured =
-        median(bubbles).ok_or_else(|| BenchError::Failed("no step's bubble was traced".into()))?;
-    let with_costs = simulate_measured(&plan, &timed)?;
-    let (single_seconds, parameters) = single_process_step(opts)?;
-    Ok(PipelineBenchResult {
-        schedule: opts.schedule.clone(),
-        stages: opts.stages,
-        virtual_stages,
-        microbatches: opts.microbatches,
-        pipeline_seconds,
-        single_seconds,
-        ratio: pipeline_seconds / single_seconds,
-        measured_bubble: measured,
-        simulated_bubble: simulated,
-        bubble_relative_difference_unit_costs: (measured - simulated).abs() / simulated,
-        simulated_bubble_measured_costs: with_costs,
-        bubble_relative_difference: (measured - with_costs).abs() / with_costs,
-        parameters,
-        steps: opts.steps,
-    })
+    (step_seconds, bubbles)
 }
 
 /// The lowered schedule simulated with every (stage, action kind)'s median measured

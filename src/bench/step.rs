@@ -7,13 +7,14 @@
 use super::gpt::Clocked;
 use super::{results_path, BenchError, GptDims};
 use crate::runner::hand_back::{hand_back_json, RankError};
-use lockstep_core::comm::{Backend, CollectiveCounts, CountingGroup, ProcessGroup};
+use lockstep_core::comm::{Backend, CollectiveCounts, CountingGroup, ExternalLaunch, ProcessGroup};
 use lockstep_core::expert_parallel::{check_expert_plan, Dispatcher, EpOptions};
-use lockstep_core::record::CollectiveEntry;
+use lockstep_core::record::{CollectiveEntry, RunRecord};
 use lockstep_core::tensor_parallel::{check_plan, TpOptions};
 use lockstep_harness::{launch, LaunchOptions, RankCtx, RankSpawn};
 use lockstep_models::{Model, ModelError};
 use serde::{Deserialize, Serialize};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -326,111 +327,163 @@ struct RunTimes {
 
 /// One launch of `opts.world_size` forked ranks training under `run`.
 fn time_steps(opts: &StepBenchOptions, run: StepRun) -> Result<RunTimes, BenchError> {
-    use lockstep_core::ddp::{train_ddp, DdpOptions};
-    use lockstep_core::expert_parallel::train_expert_parallel;
-    use lockstep_core::fsdp::{train_fsdp, FsdpOptions, ShardingStrategy, WrapPolicy};
-    use lockstep_core::record::RunSpec;
-    use lockstep_core::tensor_parallel::train_tensor_parallel;
-    use lockstep_core::train::{OptimizerConfig, TrainConfig};
-
     // Under an external launch (torchrun, srun) the "file" is a store key every rank names
     // alike; otherwise a fresh file the forked rank 0 writes.
     let external = crate::runner::external::launch();
     let out = crate::runner::external::scratch_path("step").unwrap_or_else(|| results_path("step"));
+    let body = |ctx: &RankCtx| -> Result<(), RankError> { time_rank(opts, run, ctx, &out) };
+    let launched = launch_ranks(opts, run, external, &body);
+    let read = crate::runner::hand_back::take_handed_back(&out);
+    launched?;
+    let read = read.ok_or_else(|| BenchError::Failed("rank 0 handed back no step times".into()))?;
+    median_times(&read)
+}
+
+/// One rank's share of a launch: trains under `run`; rank 0 hands its step times to `out`.
+fn time_rank(
+    opts: &StepBenchOptions,
+    run: StepRun,
+    ctx: &RankCtx,
+    out: &Path,
+) -> Result<(), RankError> {
+    let rank = ctx.rank();
+    let counts = (run == StepRun::Ddp).then(CollectiveCounts::new);
+    let clocked = Clocked::new(build_model(opts, rank)?, counts.clone());
+    let model: &dyn Model = &clocked;
+    let cfg = step_train_config(opts, run, model, ctx);
+    let recorded = train_under(run, model, ctx, &cfg, counts.as_ref())?;
+    if rank == 0 {
+        let times = rank_zero_times(opts, &clocked, counts.is_some(), recorded)?;
+        hand_back_json("the step times", out, &times)?;
+    }
+    Ok(())
+}
+
+/// The training configuration every rank of a benchmark launch shares (on its own batch).
+fn step_train_config(
+    opts: &StepBenchOptions,
+    run: StepRun,
+    model: &dyn Model,
+    ctx: &RankCtx,
+) -> lockstep_core::train::TrainConfig {
+    use lockstep_core::record::RunSpec;
+    use lockstep_core::train::{OptimizerConfig, TrainConfig};
+
     // Warm-up, the timed steps, and one more whose batch request ends the last.
     let steps = opts.steps + 2;
-    let body = |ctx: &RankCtx| -> Result<(), RankError> {
-        let rank = ctx.rank();
-        let counts = (run == StepRun::Ddp).then(CollectiveCounts::new);
-        let clocked = Clocked::new(build_model(opts, rank)?, counts.clone());
-        let model: &dyn Model = &clocked;
-        let cfg = TrainConfig {
-            spec: RunSpec {
-                model: model.name().to_owned(),
-                config: run.label().to_owned(),
-                world_size: ctx.world_size(),
-                backend: "cpu".into(),
-                dtype: "fp32".into(),
-                steps,
-                seed: 0,
-            },
-            optimizer: OptimizerConfig::default(),
-            data_ranks: vec![rank],
-            record_grads: false,
-            probe: None,
-        };
-        let world = ctx.world_size();
-        let recorded = match run {
-            StepRun::Ddp => {
-                let group: Arc<dyn ProcessGroup> = match &counts {
-                    Some(c) => Arc::new(CountingGroup::new(ctx.group(), c.clone())),
-                    None => ctx.group(),
-                };
-                train_ddp(model, group, &cfg, DdpOptions::default())
-                    .map_err(|e| format!("ddp: {e}"))?
-            }
-            StepRun::FsdpFullShard | StepRun::FsdpPerLayer => {
-                let fsdp = FsdpOptions {
-                    strategy: ShardingStrategy::FullShard,
-                    wrap: if run == StepRun::FsdpPerLayer {
-                        WrapPolicy::PerLayer
-                    } else {
-                        WrapPolicy::Root
-                    },
-                    ..FsdpOptions::default()
-                };
-                train_fsdp(model, ctx.group(), &cfg, fsdp).map_err(|e| format!("fsdp: {e}"))?
-            }
-            StepRun::Tp { sequence_parallel } => train_tensor_parallel(
-                model,
-                ctx.world(),
-                &cfg,
-                &StepRun::tp_options(world, sequence_parallel),
-            )
-            .map_err(|e| format!("tp: {e}"))?,
-            StepRun::Ep => {
-                train_expert_parallel(model, ctx.world(), &cfg, &StepRun::ep_options(world))
-                    .map_err(|e| format!("ep: {e}"))?
-            }
-        };
-        if rank == 0 {
-            let starts = clocked
-                .starts
-                .lock()
-                .map_err(|_| "step clock poisoned".to_owned())?
-                .clone();
-            // Drop the warm-up step; the last instant only closes the last timed step.
-            let seconds: Vec<f64> = starts
-                .windows(2)
-                .skip(1)
-                .map(|w| (w[1] - w[0]).as_secs_f64())
-                .collect();
-            let timed = 1..=opts.steps;
-            let traffic: Vec<Vec<CollectiveEntry>> = if counts.is_some() {
-                // Tally `i + 1` is what step `i` communicated (tally 0: set-up).
-                let tallies = clocked
-                    .traffic
-                    .lock()
-                    .map_err(|_| "step traffic poisoned".to_owned())?;
-                timed
-                    .filter_map(|s| tallies.get(s + 1).cloned())
-                    .map(CollectiveEntry::from_counts)
-                    .collect()
-            } else {
-                let per_step = recorded.collectives.unwrap_or_default();
-                timed.filter_map(|s| per_step.get(s).cloned()).collect()
+    TrainConfig {
+        spec: RunSpec {
+            model: model.name().to_owned(),
+            config: run.label().to_owned(),
+            world_size: ctx.world_size(),
+            backend: "cpu".into(),
+            dtype: "fp32".into(),
+            steps,
+            seed: 0,
+        },
+        optimizer: OptimizerConfig::default(),
+        data_ranks: vec![ctx.rank()],
+        record_grads: false,
+        probe: None,
+    }
+}
+
+/// Trains `model` under `run` on this rank (DDP through a counting group given `counts`).
+fn train_under(
+    run: StepRun,
+    model: &dyn Model,
+    ctx: &RankCtx,
+    cfg: &lockstep_core::train::TrainConfig,
+    counts: Option<&CollectiveCounts>,
+) -> Result<RunRecord, RankError> {
+    use lockstep_core::ddp::{train_ddp, DdpOptions};
+    use lockstep_core::expert_parallel::train_expert_parallel;
+    use lockstep_core::fsdp::{train_fsdp, FsdpOptions, ShardingStrategy, WrapPolicy};
+    use lockstep_core::tensor_parallel::train_tensor_parallel;
+
+    let world = ctx.world_size();
+    let recorded = match run {
+        StepRun::Ddp => {
+            let group: Arc<dyn ProcessGroup> = match counts {
+                Some(c) => Arc::new(CountingGroup::new(ctx.group(), c.clone())),
+                None => ctx.group(),
             };
-            let times = StepTimes {
-                seconds,
-                parameters: model.num_parameters(),
-                traffic,
-            };
-            hand_back_json("the step times", &out, &times)?;
+            train_ddp(model, group, cfg, DdpOptions::default()).map_err(|e| format!("ddp: {e}"))?
         }
-        Ok(())
+        StepRun::FsdpFullShard | StepRun::FsdpPerLayer => {
+            let fsdp = FsdpOptions {
+                strategy: ShardingStrategy::FullShard,
+                wrap: if run == StepRun::FsdpPerLayer {
+                    WrapPolicy::PerLayer
+                } else {
+                    WrapPolicy::Root
+                },
+                ..FsdpOptions::default()
+            };
+            train_fsdp(model, ctx.group(), cfg, fsdp).map_err(|e| format!("fsdp: {e}"))?
+        }
+        StepRun::Tp { sequence_parallel } => train_tensor_parallel(
+            model,
+            ctx.world(),
+            cfg,
+            &StepRun::tp_options(world, sequence_parallel),
+        )
+        .map_err(|e| format!("tp: {e}"))?,
+        StepRun::Ep => train_expert_parallel(model, ctx.world(), cfg, &StepRun::ep_options(world))
+            .map_err(|e| format!("ep: {e}"))?,
     };
+    Ok(recorded)
+}
+
+/// Rank 0's figures: each timed step's duration and collectives (clocked or recorded).
+fn rank_zero_times(
+    opts: &StepBenchOptions,
+    clocked: &Clocked,
+    counted: bool,
+    recorded: RunRecord,
+) -> Result<StepTimes, RankError> {
+    let starts = clocked
+        .starts
+        .lock()
+        .map_err(|_| "step clock poisoned".to_owned())?
+        .clone();
+    // Drop the warm-up step; the last instant only closes the last timed step.
+    let seconds: Vec<f64> = starts
+        .windows(2)
+        .skip(1)
+        .map(|w| (w[1] - w[0]).as_secs_f64())
+        .collect();
+    let timed = 1..=opts.steps;
+    let traffic: Vec<Vec<CollectiveEntry>> = if counted {
+        // Tally `i + 1` is what step `i` communicated (tally 0: set-up).
+        let tallies = clocked
+            .traffic
+            .lock()
+            .map_err(|_| "step traffic poisoned".to_owned())?;
+        timed
+            .filter_map(|s| tallies.get(s + 1).cloned())
+            .map(CollectiveEntry::from_counts)
+            .collect()
+    } else {
+        let per_step = recorded.collectives.unwrap_or_default();
+        timed.filter_map(|s| per_step.get(s).cloned()).collect()
+    };
+    Ok(StepTimes {
+        seconds,
+        parameters: clocked.num_parameters(),
+        traffic,
+    })
+}
+
+/// Runs `body` as this process's rank of an external launch, else in freshly forked ranks.
+fn launch_ranks(
+    opts: &StepBenchOptions,
+    run: StepRun,
+    external: Option<&ExternalLaunch>,
+    body: &(dyn Fn(&RankCtx) -> Result<(), RankError> + Sync),
+) -> Result<(), BenchError> {
     let timeout = Duration::from_secs(600);
-    let launched = match external {
+    match external {
         // This process is one rank: ranks on several hosts time the step across them.
         Some(external) => {
             let label = format!("bench step {}", run.label());
@@ -440,7 +493,7 @@ fn time_steps(opts: &StepBenchOptions, run: StepRun) -> Result<RunTimes, BenchEr
                 Backend::Cpu,
                 &label,
                 timeout,
-                &body,
+                body,
             )
             .map_err(|e| BenchError::Failed(format!("{}\n{}", e.line, e.details)))
         }
@@ -452,16 +505,17 @@ fn time_steps(opts: &StepBenchOptions, run: StepRun) -> Result<RunTimes, BenchEr
             };
             launch(
                 &launch_opts,
-                RankSpawn::Fork(&|info| lockstep_harness::execute_forked_rank(info, &body)),
+                RankSpawn::Fork(&|info| lockstep_harness::execute_forked_rank(info, body)),
             )
             .map(drop)
             .map_err(BenchError::from)
         }
-    };
-    let read = crate::runner::hand_back::take_handed_back(&out);
-    launched?;
-    let read = read.ok_or_else(|| BenchError::Failed("rank 0 handed back no step times".into()))?;
-    let times: StepTimes = serde_json::from_slice(&read)?;
+    }
+}
+
+/// The median step time of what rank 0 handed back (the warm-up step already dropped).
+fn median_times(read: &[u8]) -> Result<RunTimes, BenchError> {
+    let times: StepTimes = serde_json::from_slice(read)?;
     let mut sorted = times.seconds;
     if sorted.is_empty() {
         return Err(BenchError::Failed("no step times were recorded".into()));

@@ -69,43 +69,8 @@ pub fn read(path: &Path) -> Result<SafetensorsFile, CheckpointError> {
         what: "reading",
         source: e,
     })?;
-    let Some((len_bytes, rest)) = bytes.split_first_chunk::<8>() else {
-        return Err(bad(format!(
-            "{} bytes is too short for a safetensors file (truncated?)",
-            bytes.len()
-        )));
-    };
-    let header_len = u64::from_le_bytes(*len_bytes);
-    let header_len = usize::try_from(header_len)
-        .ok()
-        .filter(|&n| n <= rest.len())
-        .ok_or_else(|| {
-            bad(format!(
-                "the header claims {header_len} bytes but only {} follow (truncated, or not a \
-                 safetensors file)",
-                rest.len()
-            ))
-        })?;
-    let (header, data) = rest.split_at(header_len);
-    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(header)
-        .map_err(|e| bad(format!("the header is not a JSON object: {e}")))?;
-    let mut metadata = BTreeMap::new();
-    let mut entries = Vec::new();
-    for (name, value) in &header {
-        if name == "__metadata__" {
-            let map = value
-                .as_object()
-                .ok_or_else(|| bad("`__metadata__` is not an object".into()))?;
-            for (k, v) in map {
-                let v = v
-                    .as_str()
-                    .ok_or_else(|| bad(format!("metadata `{k}` is not a string")))?;
-                metadata.insert(k.clone(), v.to_owned());
-            }
-            continue;
-        }
-        entries.push((name.clone(), entry(name, value).map_err(&bad)?));
-    }
+    let (header, data) = split_header(&bytes).map_err(&bad)?;
+    let (metadata, mut entries) = parse_header(header).map_err(&bad)?;
     entries.sort_by_key(|(_, e)| e.begin);
     let mut expected_begin = 0usize;
     let mut tensors = Vec::with_capacity(entries.len());
@@ -117,36 +82,7 @@ pub fn read(path: &Path) -> Result<SafetensorsFile, CheckpointError> {
                 e.begin
             )));
         }
-        let numel = e
-            .shape
-            .iter()
-            .try_fold(1usize, |acc, &d| acc.checked_mul(usize::try_from(d).ok()?))
-            .ok_or_else(|| {
-                bad(format!(
-                    "tensor `{name}` has an impossible shape {:?}",
-                    e.shape
-                ))
-            })?;
-        let want = numel.checked_mul(e.kind.elt_size_in_bytes());
-        if want != Some(e.end - e.begin) {
-            return Err(bad(format!(
-                "tensor `{name}` ({} {:?}) needs {} bytes but its offsets span {}",
-                e.code,
-                e.shape,
-                want.map_or_else(|| "too many".to_owned(), |w| w.to_string()),
-                e.end - e.begin
-            )));
-        }
-        if e.end > data.len() {
-            return Err(bad(format!(
-                "tensor `{name}` ends at byte {} of the data but the file holds only {} bytes of \
-                 data (truncated)",
-                e.end,
-                data.len()
-            )));
-        }
-        let t = Tensor::f_from_data_size(&data[e.begin..e.end], &e.shape, e.kind)
-            .map_err(|err| bad(format!("tensor `{name}`: {err}")))?;
+        let t = entry_tensor(&name, &e, data).map_err(&bad)?;
         tensors.push((name, t));
         expected_begin = e.end;
     }
@@ -158,6 +94,84 @@ pub fn read(path: &Path) -> Result<SafetensorsFile, CheckpointError> {
         )));
     }
     Ok(SafetensorsFile { tensors, metadata })
+}
+
+/// Splits a file's bytes into its JSON header and its data, checking the length prefix.
+fn split_header(bytes: &[u8]) -> Result<(&[u8], &[u8]), String> {
+    let Some((len_bytes, rest)) = bytes.split_first_chunk::<8>() else {
+        return Err(format!(
+            "{} bytes is too short for a safetensors file (truncated?)",
+            bytes.len()
+        ));
+    };
+    let header_len = u64::from_le_bytes(*len_bytes);
+    let header_len = usize::try_from(header_len)
+        .ok()
+        .filter(|&n| n <= rest.len())
+        .ok_or_else(|| {
+            format!(
+                "the header claims {header_len} bytes but only {} follow (truncated, or not a \
+                 safetensors file)",
+                rest.len()
+            )
+        })?;
+    Ok(rest.split_at(header_len))
+}
+
+/// The header's string metadata and its checked tensor entries, in header order.
+type ParsedHeader = (BTreeMap<String, String>, Vec<(String, Entry)>);
+
+/// Parses the JSON header into its `__metadata__` strings and checked tensor entries.
+fn parse_header(header: &[u8]) -> Result<ParsedHeader, String> {
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(header)
+        .map_err(|e| format!("the header is not a JSON object: {e}"))?;
+    let mut metadata = BTreeMap::new();
+    let mut entries = Vec::new();
+    for (name, value) in &header {
+        if name == "__metadata__" {
+            let map = value
+                .as_object()
+                .ok_or_else(|| "`__metadata__` is not an object".to_owned())?;
+            for (k, v) in map {
+                let v = v
+                    .as_str()
+                    .ok_or_else(|| format!("metadata `{k}` is not a string"))?;
+                metadata.insert(k.clone(), v.to_owned());
+            }
+            continue;
+        }
+        entries.push((name.clone(), entry(name, value)?));
+    }
+    Ok((metadata, entries))
+}
+
+/// The tensor entry `e` describes, once its shape, byte size and bounds fit `data`.
+fn entry_tensor(name: &str, e: &Entry, data: &[u8]) -> Result<Tensor, String> {
+    let numel = e
+        .shape
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(usize::try_from(d).ok()?))
+        .ok_or_else(|| format!("tensor `{name}` has an impossible shape {:?}", e.shape))?;
+    let want = numel.checked_mul(e.kind.elt_size_in_bytes());
+    if want != Some(e.end - e.begin) {
+        return Err(format!(
+            "tensor `{name}` ({} {:?}) needs {} bytes but its offsets span {}",
+            e.code,
+            e.shape,
+            want.map_or_else(|| "too many".to_owned(), |w| w.to_string()),
+            e.end - e.begin
+        ));
+    }
+    if e.end > data.len() {
+        return Err(format!(
+            "tensor `{name}` ends at byte {} of the data but the file holds only {} bytes of \
+             data (truncated)",
+            e.end,
+            data.len()
+        ));
+    }
+    Tensor::f_from_data_size(&data[e.begin..e.end], &e.shape, e.kind)
+        .map_err(|err| format!("tensor `{name}`: {err}"))
 }
 
 /// One header entry, checked.

@@ -216,8 +216,17 @@ fn hybrid(name: &'static str, description: &'static str, wrap: WrapPolicy) -> Fs
 
 /// The rows that came first (their names are kept stable: users and CI jobs select them).
 fn first_fsdp_rows() -> Vec<FsdpConfig> {
+    let mut rows = root_strategy_rows();
+    rows.extend(per_layer_rows());
+    rows.extend(grouped_unit_rows());
+    rows.extend(root_option_rows());
+    rows.extend(first_hybrid_rows());
+    rows
+}
+
+/// The three sharding strategies with the model as one root unit.
+fn root_strategy_rows() -> Vec<FsdpConfig> {
     let full = FsdpOptions::default();
-    let per_layer = with(ShardingStrategy::FullShard, WrapPolicy::PerLayer);
     vec![
         flat(
             "fsdp.full_shard",
@@ -235,6 +244,13 @@ fn first_fsdp_rows() -> Vec<FsdpConfig> {
             "FSDP NO_SHARD, one root unit (gradients all-reduced through FSDP's path)",
             with(ShardingStrategy::NoShard, WrapPolicy::Root),
         ),
+    ]
+}
+
+/// One unit per layer: both sharding strategies, then FULL_SHARD's reshard and prefetch options.
+fn per_layer_rows() -> Vec<FsdpConfig> {
+    let per_layer = with(ShardingStrategy::FullShard, WrapPolicy::PerLayer);
+    vec![
         flat(
             "fsdp.full_shard.per_layer",
             "FSDP FULL_SHARD, one unit per layer (tied parameters in the root)",
@@ -279,6 +295,12 @@ fn first_fsdp_rows() -> Vec<FsdpConfig> {
                 ..per_layer.clone()
             },
         ),
+    ]
+}
+
+/// FULL_SHARD with layers grouped into units by block kind, then by size.
+fn grouped_unit_rows() -> Vec<FsdpConfig> {
+    vec![
         flat(
             "fsdp.full_shard.blocks",
             "FULL_SHARD, one unit per transformer block (encoder/decoder layers, \
@@ -298,6 +320,13 @@ fn first_fsdp_rows() -> Vec<FsdpConfig> {
                 WrapPolicy::MinParams(MIN_PARAMS),
             ),
         ),
+    ]
+}
+
+/// FULL_SHARD with one root unit under the construction and offload options.
+fn root_option_rows() -> Vec<FsdpConfig> {
+    let full = FsdpOptions::default();
+    vec![
         flat(
             "fsdp.full_shard.offload",
             "FULL_SHARD, one root unit, master shards (gradients, optimizer state) \
@@ -316,6 +345,12 @@ fn first_fsdp_rows() -> Vec<FsdpConfig> {
                 ..full.clone()
             },
         ),
+    ]
+}
+
+/// Hybrid shard, one root unit and one unit per layer.
+fn first_hybrid_rows() -> Vec<FsdpConfig> {
+    vec![
         hybrid(
             "fsdp.hybrid_shard",
             "FSDP HYBRID_SHARD, one root unit: sharded within groups of N/2 ranks, \

@@ -65,116 +65,138 @@ impl CompositionConfig {
 /// Every composition, in row order.
 pub fn composition_configs() -> &'static [CompositionConfig] {
     static TABLE: LazyLock<Vec<CompositionConfig>> = LazyLock::new(|| {
-        let pipeline = |tp, data, min_data| Composition::Pipeline {
-            pp: 2,
-            tp,
-            data,
-            schedule: ScheduleKind::OneFOneB,
-            min_data,
-            checkpoint_every: None,
-        };
-        vec![
-            CompositionConfig {
-                name: "fsdp_x_tp2",
-                description: "FSDP×TP on [dp, tp=2]: tensor parallel over 2 ranks, then the \
-                              TP-local parameters one FSDP unit sharded over dp = N/2 (gathered \
-                              before forward, gradients reduce-scattered)",
-                composition: Composition::TensorData {
-                    tp: 2,
-                    data: DataParallel::Shard,
-                },
-                reduces_to: Some(("tp.2", DdpCheck::Bitwise)),
-                reference_only: false,
-            },
-            CompositionConfig {
-                name: "hsdp_x_tp2",
-                description: "HSDP×TP on [dp_replicate=2, dp_shard, tp=2]: TP over 2 ranks, \
-                              sharded within dp_shard = N/4, replicated across 2 (world 4 and up)",
-                composition: Composition::TensorData {
-                    tp: 2,
-                    data: DataParallel::HybridShard { replicas: 2 },
-                },
-                reduces_to: Some(("tp.2.hybrid_order", DdpCheck::Bitwise)),
-                reference_only: false,
-            },
-            CompositionConfig {
-                name: "tp.2.hybrid_order",
-                description: "tp.2 on [dp_replicate=2, dp_shard, tp=2] with every parameter \
-                              replicated over the data dimension, gradients and losses averaged \
-                              within dp_shard, then across the 2 replicas (HSDP's order): the \
-                              bitwise reference of hsdp_x_tp2 (reference only: runs when it \
-                              does)",
-                composition: Composition::TensorData {
-                    tp: 2,
-                    data: DataParallel::HybridReplicate { replicas: 2 },
-                },
-                reduces_to: None,
-                reference_only: true,
-            },
-            CompositionConfig {
-                name: "pp2_x_dp",
-                description: "PP×DP on [dp, pp=2]: a 2-stage 1F1B pipeline replicated over \
-                              dp = N/2 ≥ 2, gradients all-reduced",
-                composition: pipeline(1, DataParallel::Replicate, 2),
-                reduces_to: None,
-                reference_only: false,
-            },
-            CompositionConfig {
-                name: "pp2_x_tp2",
-                description: "PP×TP on [dp, pp=2, tp=2]: a 2-stage 1F1B pipeline whose stages \
-                              are tensor parallel over 2 ranks (vocabulary-parallel loss on the \
-                              last), replicated over the rest (world 4 and up)",
-                composition: pipeline(2, DataParallel::Replicate, 1),
-                reduces_to: None,
-                reference_only: false,
-            },
-            CompositionConfig {
-                name: "pp2_x_tp2_x_dp",
-                description: "PP×TP×DP on [dp, pp=2, tp=2] with dp = N/4 ≥ 2 (world 8 and up)",
-                composition: pipeline(2, DataParallel::Replicate, 2),
-                reduces_to: None,
-                reference_only: false,
-            },
-            CompositionConfig {
-                name: "pp2_x_fsdp",
-                description: "PP×FSDP on [dp, pp=2]: each stage's parameters one unit sharded \
-                              over dp = N/2 ≥ 2, driven by the schedule's UNSHARD before the \
-                              first forward, REDUCE_GRAD and RESHARD after the last backward",
-                composition: pipeline(1, DataParallel::Shard, 2),
-                reduces_to: Some(("pp2_x_dp", DdpCheck::Bitwise)),
-                reference_only: false,
-            },
-            CompositionConfig {
-                name: "pp2_x_tp2_x_fsdp.ac",
-                description: "torchtitan's whole order on [dp, pp=2, tp=2], dp = N/4 ≥ 2 (world 8 \
-                              and up): 2-stage 1F1B stages tensor parallel over 2 ranks, \
-                              activations recomputed every layer in backward, each stage's \
-                              TP-local parameters one FSDP unit over dp",
-                composition: Composition::Pipeline {
-                    pp: 2,
-                    tp: 2,
-                    data: DataParallel::Shard,
-                    schedule: ScheduleKind::OneFOneB,
-                    min_data: 2,
-                    checkpoint_every: Some(1),
-                },
-                reduces_to: Some(("pp2_x_tp2_x_dp", DdpCheck::Bitwise)),
-                reference_only: false,
-            },
-            CompositionConfig {
-                name: "ep2_x_fsdp",
-                description: "EP×FSDP on [edp, ep=2]: gpt_moe's experts spread over 2 ranks, \
-                              the dense parameters one FSDP unit sharded over every rank",
-                composition: Composition::ExpertData {
-                    ep: 2,
-                    data: DataParallel::Shard,
-                },
-                reduces_to: Some(("ep.2", DdpCheck::Bitwise)),
-                reference_only: false,
-            },
-        ]
+        let mut rows = tensor_data_rows();
+        rows.extend(pipeline_rows());
+        rows.extend(expert_data_rows());
+        rows
     });
     &TABLE
+}
+
+/// A 2-stage 1F1B pipeline composition with `tp`-way stages and the data dimension `data`.
+fn one_f_one_b(tp: usize, data: DataParallel, min_data: usize) -> Composition {
+    Composition::Pipeline {
+        pp: 2,
+        tp,
+        data,
+        schedule: ScheduleKind::OneFOneB,
+        min_data,
+        checkpoint_every: None,
+    }
+}
+
+/// Tensor parallel over 2 ranks under FSDP or HSDP, and HSDP×TP's reference.
+fn tensor_data_rows() -> Vec<CompositionConfig> {
+    vec![
+        CompositionConfig {
+            name: "fsdp_x_tp2",
+            description: "FSDP×TP on [dp, tp=2]: tensor parallel over 2 ranks, then the \
+                          TP-local parameters one FSDP unit sharded over dp = N/2 (gathered \
+                          before forward, gradients reduce-scattered)",
+            composition: Composition::TensorData {
+                tp: 2,
+                data: DataParallel::Shard,
+            },
+            reduces_to: Some(("tp.2", DdpCheck::Bitwise)),
+            reference_only: false,
+        },
+        CompositionConfig {
+            name: "hsdp_x_tp2",
+            description: "HSDP×TP on [dp_replicate=2, dp_shard, tp=2]: TP over 2 ranks, \
+                          sharded within dp_shard = N/4, replicated across 2 (world 4 and up)",
+            composition: Composition::TensorData {
+                tp: 2,
+                data: DataParallel::HybridShard { replicas: 2 },
+            },
+            reduces_to: Some(("tp.2.hybrid_order", DdpCheck::Bitwise)),
+            reference_only: false,
+        },
+        CompositionConfig {
+            name: "tp.2.hybrid_order",
+            description: "tp.2 on [dp_replicate=2, dp_shard, tp=2] with every parameter \
+                          replicated over the data dimension, gradients and losses averaged \
+                          within dp_shard, then across the 2 replicas (HSDP's order): the \
+                          bitwise reference of hsdp_x_tp2 (reference only: runs when it \
+                          does)",
+            composition: Composition::TensorData {
+                tp: 2,
+                data: DataParallel::HybridReplicate { replicas: 2 },
+            },
+            reduces_to: None,
+            reference_only: true,
+        },
+    ]
+}
+
+/// A 2-stage 1F1B pipeline replicated, tensor parallel or sharded over the data dimension.
+fn pipeline_rows() -> Vec<CompositionConfig> {
+    vec![
+        CompositionConfig {
+            name: "pp2_x_dp",
+            description: "PP×DP on [dp, pp=2]: a 2-stage 1F1B pipeline replicated over \
+                          dp = N/2 ≥ 2, gradients all-reduced",
+            composition: one_f_one_b(1, DataParallel::Replicate, 2),
+            reduces_to: None,
+            reference_only: false,
+        },
+        CompositionConfig {
+            name: "pp2_x_tp2",
+            description: "PP×TP on [dp, pp=2, tp=2]: a 2-stage 1F1B pipeline whose stages \
+                          are tensor parallel over 2 ranks (vocabulary-parallel loss on the \
+                          last), replicated over the rest (world 4 and up)",
+            composition: one_f_one_b(2, DataParallel::Replicate, 1),
+            reduces_to: None,
+            reference_only: false,
+        },
+        CompositionConfig {
+            name: "pp2_x_tp2_x_dp",
+            description: "PP×TP×DP on [dp, pp=2, tp=2] with dp = N/4 ≥ 2 (world 8 and up)",
+            composition: one_f_one_b(2, DataParallel::Replicate, 2),
+            reduces_to: None,
+            reference_only: false,
+        },
+        CompositionConfig {
+            name: "pp2_x_fsdp",
+            description: "PP×FSDP on [dp, pp=2]: each stage's parameters one unit sharded \
+                          over dp = N/2 ≥ 2, driven by the schedule's UNSHARD before the \
+                          first forward, REDUCE_GRAD and RESHARD after the last backward",
+            composition: one_f_one_b(1, DataParallel::Shard, 2),
+            reduces_to: Some(("pp2_x_dp", DdpCheck::Bitwise)),
+            reference_only: false,
+        },
+        CompositionConfig {
+            name: "pp2_x_tp2_x_fsdp.ac",
+            description: "torchtitan's whole order on [dp, pp=2, tp=2], dp = N/4 ≥ 2 (world 8 \
+                          and up): 2-stage 1F1B stages tensor parallel over 2 ranks, \
+                          activations recomputed every layer in backward, each stage's \
+                          TP-local parameters one FSDP unit over dp",
+            composition: Composition::Pipeline {
+                pp: 2,
+                tp: 2,
+                data: DataParallel::Shard,
+                schedule: ScheduleKind::OneFOneB,
+                min_data: 2,
+                checkpoint_every: Some(1),
+            },
+            reduces_to: Some(("pp2_x_tp2_x_dp", DdpCheck::Bitwise)),
+            reference_only: false,
+        },
+    ]
+}
+
+/// Expert parallel over 2 ranks with the dense parameters sharded.
+fn expert_data_rows() -> Vec<CompositionConfig> {
+    vec![CompositionConfig {
+        name: "ep2_x_fsdp",
+        description: "EP×FSDP on [edp, ep=2]: gpt_moe's experts spread over 2 ranks, \
+                          the dense parameters one FSDP unit sharded over every rank",
+        composition: Composition::ExpertData {
+            ep: 2,
+            data: DataParallel::Shard,
+        },
+        reduces_to: Some(("ep.2", DdpCheck::Bitwise)),
+        reference_only: false,
+    }]
 }
 
 /// Which composition: an index into [`composition_configs`].

@@ -95,115 +95,137 @@ impl PipelineConfig {
 /// Every pipeline configuration, in row order.
 pub fn pipeline_configs() -> &'static [PipelineConfig] {
     static TABLE: LazyLock<Vec<PipelineConfig>> = LazyLock::new(|| {
-        let row = |name, description, schedule, virtual_stages| PipelineConfig {
-            name,
-            description,
-            schedule,
-            virtual_stages,
-            partition: "uniform",
-            checkpoint_every: None,
-            data_parallel: 1,
-            uneven_microbatches: false,
-        };
-        vec![
-            PipelineConfig {
-                uneven_microbatches: true,
-                ..row(
-                    "pp.gpipe",
-                    "GPipe: every forward, then every backward; 2N-1 microbatches of unequal \
-                     sizes (each loss scaled by its own size)",
-                    ScheduleKind::GPipe,
-                    1,
-                )
-            },
-            row(
-                "pp.1f1b",
-                "1F1B: warm-up forwards, then one forward one backward",
-                ScheduleKind::OneFOneB,
-                1,
-            ),
-            row(
-                "pp.interleaved_1f1b",
-                "Interleaved 1F1B, 2 stages per rank placed loop-style",
-                ScheduleKind::Interleaved1F1B,
-                2,
-            ),
-            row(
-                "pp.looped_bfs",
-                "Looped BFS, 2 stages per rank: each local stage runs every microbatch in turn",
-                ScheduleKind::LoopedBfs,
-                2,
-            ),
-            row(
-                "pp.interleaved_zb",
-                "Interleaved zero bubble (ZB-H1), backward split into input (I) and weight (W) \
-                 gradients, 2 stages per rank",
-                ScheduleKind::InterleavedZeroBubble,
-                2,
-            ),
-            row(
-                "pp.zbv",
-                "ZBV zero bubble, 2 stages per rank placed V-style",
-                ScheduleKind::Zbv,
-                2,
-            ),
-            row(
-                "pp.dualpipev",
-                "DualPipeV, 2 stages per rank placed V-style",
-                ScheduleKind::DualPipeV,
-                2,
-            ),
-            PipelineConfig {
-                partition: "parameters",
-                ..row(
-                    "pp.1f1b.parameters",
-                    "1F1B with stages balanced by parameter count",
-                    ScheduleKind::OneFOneB,
-                    1,
-                )
-            },
-            PipelineConfig {
-                partition: PIPELINE_TYPE_PARTITION,
-                ..row(
-                    "pp.1f1b.type",
-                    "1F1B with stages balanced by transformer blocks and linears \
-                     (type:REGEX partition)",
-                    ScheduleKind::OneFOneB,
-                    1,
-                )
-            },
-            PipelineConfig {
-                checkpoint_every: Some(2),
-                ..row(
-                    "pp.1f1b.checkpoint",
-                    "1F1B with activation checkpointing every 2 layers (recomputed in backward)",
-                    ScheduleKind::OneFOneB,
-                    1,
-                )
-            },
-            PipelineConfig {
-                checkpoint_every: Some(1),
-                ..row(
-                    "pp.1f1b.checkpoint_each",
-                    "1F1B recomputing every layer on its own: a saved boundary feeding several \
-                     later segments (the transformer's encoder output, read by every decoder \
-                     layer) gathers its gradient from each",
-                    ScheduleKind::OneFOneB,
-                    1,
-                )
-            },
-            PipelineConfig {
-                data_parallel: 2,
-                ..row(
-                    "pp.1f1b.dp2",
-                    "PP×DP: 2 data-parallel replicas of a 1F1B pipeline (world 4 and up)",
-                    ScheduleKind::OneFOneB,
-                    1,
-                )
-            },
-        ]
+        let mut rows = schedule_rows();
+        rows.extend(one_f_one_b_option_rows());
+        rows
     });
     &TABLE
+}
+
+/// The plain row (uniform partition, no checkpointing, no data parallelism) others vary.
+fn uniform_row(
+    name: &'static str,
+    description: &'static str,
+    schedule: ScheduleKind,
+    virtual_stages: usize,
+) -> PipelineConfig {
+    PipelineConfig {
+        name,
+        description,
+        schedule,
+        virtual_stages,
+        partition: "uniform",
+        checkpoint_every: None,
+        data_parallel: 1,
+        uneven_microbatches: false,
+    }
+}
+
+/// One row per built-in schedule (GPipe's with uneven microbatches), uniform partition.
+fn schedule_rows() -> Vec<PipelineConfig> {
+    vec![
+        PipelineConfig {
+            uneven_microbatches: true,
+            ..uniform_row(
+                "pp.gpipe",
+                "GPipe: every forward, then every backward; 2N-1 microbatches of unequal \
+                 sizes (each loss scaled by its own size)",
+                ScheduleKind::GPipe,
+                1,
+            )
+        },
+        uniform_row(
+            "pp.1f1b",
+            "1F1B: warm-up forwards, then one forward one backward",
+            ScheduleKind::OneFOneB,
+            1,
+        ),
+        uniform_row(
+            "pp.interleaved_1f1b",
+            "Interleaved 1F1B, 2 stages per rank placed loop-style",
+            ScheduleKind::Interleaved1F1B,
+            2,
+        ),
+        uniform_row(
+            "pp.looped_bfs",
+            "Looped BFS, 2 stages per rank: each local stage runs every microbatch in turn",
+            ScheduleKind::LoopedBfs,
+            2,
+        ),
+        uniform_row(
+            "pp.interleaved_zb",
+            "Interleaved zero bubble (ZB-H1), backward split into input (I) and weight (W) \
+             gradients, 2 stages per rank",
+            ScheduleKind::InterleavedZeroBubble,
+            2,
+        ),
+        uniform_row(
+            "pp.zbv",
+            "ZBV zero bubble, 2 stages per rank placed V-style",
+            ScheduleKind::Zbv,
+            2,
+        ),
+        uniform_row(
+            "pp.dualpipev",
+            "DualPipeV, 2 stages per rank placed V-style",
+            ScheduleKind::DualPipeV,
+            2,
+        ),
+    ]
+}
+
+/// 1F1B under each partition method, checkpointing and data-parallel option.
+fn one_f_one_b_option_rows() -> Vec<PipelineConfig> {
+    vec![
+        PipelineConfig {
+            partition: "parameters",
+            ..uniform_row(
+                "pp.1f1b.parameters",
+                "1F1B with stages balanced by parameter count",
+                ScheduleKind::OneFOneB,
+                1,
+            )
+        },
+        PipelineConfig {
+            partition: PIPELINE_TYPE_PARTITION,
+            ..uniform_row(
+                "pp.1f1b.type",
+                "1F1B with stages balanced by transformer blocks and linears \
+                 (type:REGEX partition)",
+                ScheduleKind::OneFOneB,
+                1,
+            )
+        },
+        PipelineConfig {
+            checkpoint_every: Some(2),
+            ..uniform_row(
+                "pp.1f1b.checkpoint",
+                "1F1B with activation checkpointing every 2 layers (recomputed in backward)",
+                ScheduleKind::OneFOneB,
+                1,
+            )
+        },
+        PipelineConfig {
+            checkpoint_every: Some(1),
+            ..uniform_row(
+                "pp.1f1b.checkpoint_each",
+                "1F1B recomputing every layer on its own: a saved boundary feeding several \
+                 later segments (the transformer's encoder output, read by every decoder \
+                 layer) gathers its gradient from each",
+                ScheduleKind::OneFOneB,
+                1,
+            )
+        },
+        PipelineConfig {
+            data_parallel: 2,
+            ..uniform_row(
+                "pp.1f1b.dp2",
+                "PP×DP: 2 data-parallel replicas of a 1F1B pipeline (world 4 and up)",
+                ScheduleKind::OneFOneB,
+                1,
+            )
+        },
+    ]
 }
 
 /// Which pipeline configuration: an index into [`pipeline_configs`].

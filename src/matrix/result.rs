@@ -154,80 +154,21 @@ impl MatrixResult {
     /// the total time. Memory columns are KiB of rank 0's full parameters at their peak and
     /// of its shards (DDP: the whole model, kept on every rank).
     pub fn render_table(&self) -> String {
-        const NOTE: usize = 10;
-        let headers = [
-            "model",
-            "config",
-            "reference",
-            "world",
-            "result",
-            "max abs err",
-            "max ULP",
-            "margin",
-            "peak params KiB",
-            "shard KiB",
-            "first failure / note",
-        ];
-        let kib =
-            |bytes: Option<u64>| bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / 1024.0));
         let cells: Vec<[String; 11]> = self
             .rows
             .iter()
             .filter(|r| !r.inapplicable)
-            .map(|r| {
-                [
-                    r.model.clone(),
-                    r.config.clone(),
-                    r.reference.clone(),
-                    r.world_size.to_string(),
-                    r.status.label().to_owned(),
-                    r.max_abs_err.map_or("-".into(), fmt_num),
-                    r.max_ulp.map_or("-".into(), fmt_ulp),
-                    r.margin.map_or("-".into(), fmt_num),
-                    kib(r.memory.map(|m| m.full_param_bytes_peak)),
-                    kib(r.memory.map(|m| m.shard_bytes)),
-                    match (&r.status, &r.note) {
-                        // The model's reason is a sentence: printed once below the table.
-                        (RowStatus::Skip, Some(n)) if n.starts_with(NO_SINGLE) => {
-                            format!("{NO_SINGLE} (see below)")
-                        }
-                        // So is an override's reason.
-                        (_, Some(n)) if n.contains(OVERRIDE) => {
-                            let at = n.find(OVERRIDE).unwrap_or(0);
-                            format!("{}{OVERRIDE} (see below)", &n[..at])
-                        }
-                        (_, note) => note.clone().unwrap_or_default(),
-                    },
-                ]
-            })
+            .map(table_cells)
             .collect();
-        let mut widths = headers.map(str::len);
-        for row in &cells {
-            for (w, c) in widths.iter_mut().zip(row.iter()).take(NOTE) {
-                *w = (*w).max(c.chars().count());
-            }
-        }
         let mut out = String::new();
-        let line = |out: &mut String, row: &[&str]| {
-            let mut text = String::new();
-            for (i, cell) in row.iter().enumerate() {
-                if i == NOTE {
-                    text.push_str(cell);
-                } else if (3..NOTE).contains(&i) && i != 4 {
-                    let _ = write!(text, "{cell:>w$}  ", w = widths[i]);
-                } else {
-                    let _ = write!(text, "{cell:<w$}  ", w = widths[i]);
-                }
-            }
-            out.push_str(text.trim_end());
-            out.push('\n');
-        };
-        line(&mut out, &headers);
-        for row in &cells {
-            let refs: Vec<&str> = row.iter().map(String::as_str).collect();
-            line(&mut out, &refs);
-        }
+        write_grid(&mut out, &cells);
         self.write_notes(&mut out);
+        self.write_totals(&mut out);
+        out
+    }
+
+    /// The lines below the table's notes: verdict counts, inapplicable pairs, runs and time.
+    fn write_totals(&self, out: &mut String) {
         let passed = self
             .rows
             .iter()
@@ -264,7 +205,6 @@ impl MatrixResult {
             lockstep_harness::report::plural(self.runs, "run"),
             self.elapsed.as_secs_f64()
         );
-        out
     }
 
     /// What the table's rows refer to, below it: each model's reason for a skip once, each
@@ -324,6 +264,83 @@ impl MatrixResult {
                 let _ = writeln!(out, "  {l}");
             }
         }
+    }
+}
+
+/// The table's columns; the last ([`NOTE_COLUMN`]) is free text, left unpadded.
+const TABLE_HEADERS: [&str; 11] = [
+    "model",
+    "config",
+    "reference",
+    "world",
+    "result",
+    "max abs err",
+    "max ULP",
+    "margin",
+    "peak params KiB",
+    "shard KiB",
+    "first failure / note",
+];
+
+/// Index of the note column in [`TABLE_HEADERS`].
+const NOTE_COLUMN: usize = 10;
+
+/// One table row's cells, in [`TABLE_HEADERS`] order, with long reasons left for below.
+fn table_cells(r: &Row) -> [String; 11] {
+    let kib =
+        |bytes: Option<u64>| bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / 1024.0));
+    [
+        r.model.clone(),
+        r.config.clone(),
+        r.reference.clone(),
+        r.world_size.to_string(),
+        r.status.label().to_owned(),
+        r.max_abs_err.map_or("-".into(), fmt_num),
+        r.max_ulp.map_or("-".into(), fmt_ulp),
+        r.margin.map_or("-".into(), fmt_num),
+        kib(r.memory.map(|m| m.full_param_bytes_peak)),
+        kib(r.memory.map(|m| m.shard_bytes)),
+        match (&r.status, &r.note) {
+            // The model's reason is a sentence: printed once below the table.
+            (RowStatus::Skip, Some(n)) if n.starts_with(NO_SINGLE) => {
+                format!("{NO_SINGLE} (see below)")
+            }
+            // So is an override's reason.
+            (_, Some(n)) if n.contains(OVERRIDE) => {
+                let at = n.find(OVERRIDE).unwrap_or(0);
+                format!("{}{OVERRIDE} (see below)", &n[..at])
+            }
+            (_, note) => note.clone().unwrap_or_default(),
+        },
+    ]
+}
+
+/// Writes the header and `cells` as aligned columns (numbers right-aligned, the note last).
+fn write_grid(out: &mut String, cells: &[[String; 11]]) {
+    let mut widths = TABLE_HEADERS.map(str::len);
+    for row in cells {
+        for (w, c) in widths.iter_mut().zip(row.iter()).take(NOTE_COLUMN) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let line = |out: &mut String, row: &[&str]| {
+        let mut text = String::new();
+        for (i, cell) in row.iter().enumerate() {
+            if i == NOTE_COLUMN {
+                text.push_str(cell);
+            } else if (3..NOTE_COLUMN).contains(&i) && i != 4 {
+                let _ = write!(text, "{cell:>w$}  ", w = widths[i]);
+            } else {
+                let _ = write!(text, "{cell:<w$}  ", w = widths[i]);
+            }
+        }
+        out.push_str(text.trim_end());
+        out.push('\n');
+    };
+    line(out, &TABLE_HEADERS);
+    for row in cells {
+        let refs: Vec<&str> = row.iter().map(String::as_str).collect();
+        line(out, &refs);
     }
 }
 
