@@ -320,134 +320,209 @@ fn issue(
     op: usize,
     len: usize,
     blocking: bool,
-) -> Result<(Vec<Work>, Check), CommError> {
-    // A blocking call's work is already done when it returns.
-    let run = |start: &dyn Fn() -> Result<Work, CommError>,
-               block: &dyn Fn() -> Result<(), CommError>| {
-        if blocking {
+) -> Issued {
+    let members = g.global_ranks().to_vec();
+    let (size, me) = (g.size(), g.rank());
+    let mine = members[me];
+    let issuing = Issuing {
+        g,
+        iteration,
+        op,
+        len,
+        blocking,
+        members,
+        size,
+        me,
+        mine,
+    };
+    match kind {
+        StormOp::AllReduceSum => issuing.all_reduce(ReduceOp::Sum, |a, b| a + b),
+        StormOp::AllReduceMax => issuing.all_reduce(ReduceOp::Max, f32::max),
+        StormOp::AllGather => issuing.all_gather(),
+        StormOp::ReduceScatter => issuing.reduce_scatter(),
+        StormOp::Broadcast => issuing.broadcast(),
+        StormOp::AllToAll => issuing.all_to_all(),
+        StormOp::Barrier => Ok((
+            vec![issuing.run(&|| g.barrier_async(), &|| g.barrier())?],
+            Box::new(|| Ok(())) as Check,
+        )),
+        StormOp::SendRecvRing => issuing.send_recv_ring(),
+    }
+}
+
+/// An issued operation's work handles and the check of its result, or why it could not be
+/// issued.
+type Issued = Result<(Vec<Work>, Check), CommError>;
+
+/// The dtype and device of every storm tensor.
+const F32S: (Kind, Device) = (Kind::Float, Device::Cpu);
+
+/// One operation being issued: its group, where it sits in the storm and this rank's place
+/// in the group, shared by every collective's issuing helper.
+struct Issuing<'a> {
+    g: &'a dyn ProcessGroup,
+    iteration: usize,
+    op: usize,
+    /// f32 elements per rank.
+    len: usize,
+    /// Through the blocking call rather than the asynchronous one.
+    blocking: bool,
+    /// The group's members' global ranks.
+    members: Vec<usize>,
+    size: usize,
+    /// This rank's rank in the group.
+    me: usize,
+    /// This rank's global rank.
+    mine: usize,
+}
+
+impl Issuing<'_> {
+    /// Runs the operation through the blocking call (its work is then already done when it
+    /// returns) or starts it asynchronously, as this operation was drawn.
+    fn run(
+        &self,
+        start: &dyn Fn() -> Result<Work, CommError>,
+        block: &dyn Fn() -> Result<(), CommError>,
+    ) -> Result<Work, CommError> {
+        if self.blocking {
             block().map(|()| Work::done(Ok(())))
         } else {
             start()
         }
-    };
-    let members = g.global_ranks().to_vec();
-    let (size, me) = (g.size(), g.rank());
-    let mine = members[me];
-    let f32s = (Kind::Float, Device::Cpu);
-    Ok(match kind {
-        StormOp::AllReduceSum | StormOp::AllReduceMax => {
-            let t = values(mine, iteration, op, len);
-            let (reduce, combine): (ReduceOp, fn(f32, f32) -> f32) = match kind {
-                StormOp::AllReduceSum => (ReduceOp::Sum, |a, b| a + b),
-                _ => (ReduceOp::Max, f32::max),
-            };
-            let work = run(&|| g.all_reduce_async(&t, reduce), &|| {
-                g.all_reduce(&t, reduce)
-            })?;
-            let check: Check = Box::new(move || {
-                expect(&t, |i| {
-                    members
-                        .iter()
-                        .map(|&r| value(r, iteration, op, i))
-                        .reduce(combine)
-                        .unwrap_or(0.0)
-                })
-            });
-            (vec![work], check)
+    }
+
+    /// This rank's values for the operation, `len` of them.
+    fn own_values(&self, len: usize) -> Tensor {
+        values(self.mine, self.iteration, self.op, len)
+    }
+
+    /// An all-reduce by `reduce`, checked against `combine` folded over the members' values.
+    fn all_reduce(&self, reduce: ReduceOp, combine: fn(f32, f32) -> f32) -> Issued {
+        let g = self.g;
+        let t = self.own_values(self.len);
+        let work = self.run(&|| g.all_reduce_async(&t, reduce), &|| {
+            g.all_reduce(&t, reduce)
+        })?;
+        let (members, iteration, op) = (self.members.clone(), self.iteration, self.op);
+        let check: Check = Box::new(move || {
+            expect(&t, |i| {
+                members
+                    .iter()
+                    .map(|&r| value(r, iteration, op, i))
+                    .reduce(combine)
+                    .unwrap_or(0.0)
+            })
+        });
+        Ok((vec![work], check))
+    }
+
+    /// An all-gather, checked against every member's values in group order.
+    fn all_gather(&self) -> Issued {
+        let (g, len) = (self.g, self.len);
+        let input = self.own_values(len);
+        let out = Tensor::full([(len * self.size) as i64], -1.0, F32S);
+        let work = self.run(&|| g.all_gather_async(&out, &input), &|| {
+            g.all_gather(&out, &input)
+        })?;
+        let (members, iteration, op) = (self.members.clone(), self.iteration, self.op);
+        let check: Check = Box::new(move || {
+            let _keep = &input;
+            expect(&out, |i| value(members[i / len], iteration, op, i % len))
+        });
+        Ok((vec![work], check))
+    }
+
+    /// A summing reduce-scatter, checked against the sum of the members' values of this
+    /// rank's chunk.
+    fn reduce_scatter(&self) -> Issued {
+        let (g, len, me) = (self.g, self.len, self.me);
+        let input = self.own_values(len * self.size);
+        let out = Tensor::full([len as i64], -1.0, F32S);
+        let work = self.run(
+            &|| g.reduce_scatter_async(&out, &input, ReduceOp::Sum),
+            &|| g.reduce_scatter(&out, &input, ReduceOp::Sum),
+        )?;
+        let (members, iteration, op) = (self.members.clone(), self.iteration, self.op);
+        let check: Check = Box::new(move || {
+            let _keep = &input;
+            expect(&out, |i| {
+                members
+                    .iter()
+                    .map(|&r| value(r, iteration, op, me * len + i))
+                    .sum()
+            })
+        });
+        Ok((vec![work], check))
+    }
+
+    /// A broadcast from a root that moves with the iteration and operation, checked against
+    /// the root's values.
+    fn broadcast(&self) -> Issued {
+        let (g, iteration, op) = (self.g, self.iteration, self.op);
+        let root = (iteration + op) % self.size;
+        let t = if self.me == root {
+            self.own_values(self.len)
+        } else {
+            Tensor::full([self.len as i64], -1.0, F32S)
+        };
+        let work = self.run(&|| g.broadcast_async(&t, root), &|| g.broadcast(&t, root))?;
+        let root_global = self.members[root];
+        let check: Check = Box::new(move || expect(&t, |i| value(root_global, iteration, op, i)));
+        Ok((vec![work], check))
+    }
+
+    /// An all-to-all of uneven splits, checked against what every member sent this rank.
+    fn all_to_all(&self) -> Issued {
+        let (g, iteration, op, me, size) = (self.g, self.iteration, self.op, self.me, self.size);
+        let len = self.len;
+        // Uneven rows of width 3: rank s sends (s + d + op) % 3 (+ len / 3000) rows to d.
+        let width = 3usize;
+        let rows = |s: usize, d: usize| (s + d + op) % 3 + len / 3000;
+        let in_splits: Vec<usize> = (0..size).map(|d| rows(me, d)).collect();
+        let out_splits: Vec<usize> = (0..size).map(|s| rows(s, me)).collect();
+        let cell = move |s: usize, d: usize, k: usize| -> f32 {
+            ((s * 7 + d * 3 + k + op + iteration) % 997) as f32
+        };
+        let mut data = Vec::new();
+        for (d, &r) in in_splits.iter().enumerate() {
+            data.extend((0..r * width).map(|k| cell(me, d, k)));
         }
-        StormOp::AllGather => {
-            let input = values(mine, iteration, op, len);
-            let out = Tensor::full([(len * size) as i64], -1.0, f32s);
-            let work = run(&|| g.all_gather_async(&out, &input), &|| {
-                g.all_gather(&out, &input)
-            })?;
-            let check: Check = Box::new(move || {
-                let _keep = &input;
-                expect(&out, |i| value(members[i / len], iteration, op, i % len))
-            });
-            (vec![work], check)
+        let input = Tensor::from_slice(&data).reshape([-1, width as i64]);
+        let total: usize = out_splits.iter().sum();
+        let out = Tensor::full([total as i64, width as i64], -1.0, F32S);
+        let work = self.run(
+            &|| g.all_to_all_async(&out, &input, &out_splits, &in_splits),
+            &|| g.all_to_all(&out, &input, &out_splits, &in_splits),
+        )?;
+        let mut want = Vec::new();
+        for (s, &r) in out_splits.iter().enumerate() {
+            want.extend((0..r * width).map(|k| cell(s, me, k)));
         }
-        StormOp::ReduceScatter => {
-            let input = values(mine, iteration, op, len * size);
-            let out = Tensor::full([len as i64], -1.0, f32s);
-            let work = run(
-                &|| g.reduce_scatter_async(&out, &input, ReduceOp::Sum),
-                &|| g.reduce_scatter(&out, &input, ReduceOp::Sum),
-            )?;
-            let check: Check = Box::new(move || {
-                let _keep = &input;
-                expect(&out, |i| {
-                    members
-                        .iter()
-                        .map(|&r| value(r, iteration, op, me * len + i))
-                        .sum()
-                })
-            });
-            (vec![work], check)
+        let check: Check = Box::new(move || {
+            let _keep = &input;
+            expect(&out, |i| want[i])
+        });
+        Ok((vec![work], check))
+    }
+
+    /// A send to the next rank of the group and a receive from the previous one (always
+    /// asynchronous), checked against the previous rank's values; nothing in a group of one.
+    fn send_recv_ring(&self) -> Issued {
+        let (g, size, me) = (self.g, self.size, self.me);
+        if size == 1 {
+            return Ok((Vec::new(), Box::new(|| Ok(()))));
         }
-        StormOp::Broadcast => {
-            let root = (iteration + op) % size;
-            let t = if me == root {
-                values(mine, iteration, op, len)
-            } else {
-                Tensor::full([len as i64], -1.0, f32s)
-            };
-            let work = run(&|| g.broadcast_async(&t, root), &|| g.broadcast(&t, root))?;
-            let root_global = members[root];
-            let check: Check =
-                Box::new(move || expect(&t, |i| value(root_global, iteration, op, i)));
-            (vec![work], check)
-        }
-        StormOp::AllToAll => {
-            // Uneven rows of width 3: rank s sends (s + d + op) % 3 (+ len / 3000) rows to d.
-            let width = 3usize;
-            let rows = |s: usize, d: usize| (s + d + op) % 3 + len / 3000;
-            let in_splits: Vec<usize> = (0..size).map(|d| rows(me, d)).collect();
-            let out_splits: Vec<usize> = (0..size).map(|s| rows(s, me)).collect();
-            let cell = move |s: usize, d: usize, k: usize| -> f32 {
-                ((s * 7 + d * 3 + k + op + iteration) % 997) as f32
-            };
-            let mut data = Vec::new();
-            for (d, &r) in in_splits.iter().enumerate() {
-                data.extend((0..r * width).map(|k| cell(me, d, k)));
-            }
-            let input = Tensor::from_slice(&data).reshape([-1, width as i64]);
-            let total: usize = out_splits.iter().sum();
-            let out = Tensor::full([total as i64, width as i64], -1.0, f32s);
-            let work = run(
-                &|| g.all_to_all_async(&out, &input, &out_splits, &in_splits),
-                &|| g.all_to_all(&out, &input, &out_splits, &in_splits),
-            )?;
-            let mut want = Vec::new();
-            for (s, &r) in out_splits.iter().enumerate() {
-                want.extend((0..r * width).map(|k| cell(s, me, k)));
-            }
-            let check: Check = Box::new(move || {
-                let _keep = &input;
-                expect(&out, |i| want[i])
-            });
-            (vec![work], check)
-        }
-        StormOp::Barrier => (
-            vec![run(&|| g.barrier_async(), &|| g.barrier())?],
-            Box::new(|| Ok(())) as Check,
-        ),
-        StormOp::SendRecvRing => {
-            if size == 1 {
-                return Ok((Vec::new(), Box::new(|| Ok(()))));
-            }
-            let (next, prev) = ((me + 1) % size, (me + size - 1) % size);
-            let payload = values(mine, iteration, op, len);
-            let out = Tensor::full([len as i64], -1.0, f32s);
-            let tag = op as u64;
-            let sent = g.send_async(&payload, next, tag)?;
-            let received = g.recv_async(&out, prev, tag)?;
-            let from = members[prev];
-            let check: Check = Box::new(move || {
-                let _keep = &payload;
-                expect(&out, |i| value(from, iteration, op, i))
-            });
-            (vec![sent, received], check)
-        }
-    })
+        let (next, prev) = ((me + 1) % size, (me + size - 1) % size);
+        let payload = self.own_values(self.len);
+        let out = Tensor::full([self.len as i64], -1.0, F32S);
+        let tag = self.op as u64;
+        let sent = g.send_async(&payload, next, tag)?;
+        let received = g.recv_async(&out, prev, tag)?;
+        let (from, iteration, op) = (self.members[prev], self.iteration, self.op);
+        let check: Check = Box::new(move || {
+            let _keep = &payload;
+            expect(&out, |i| value(from, iteration, op, i))
+        });
+        Ok((vec![sent, received], check))
+    }
 }

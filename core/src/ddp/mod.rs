@@ -164,42 +164,8 @@ impl Ddp {
             _ => rank_local.contains(name),
         };
         let params = distinct_parameters(params);
-        broadcast_named_from_rank0(
-            group.as_ref(),
-            params
-                .iter()
-                .filter(|(name, _)| !rank_local.contains(name))
-                .map(|(n, p)| (n.as_str(), p)),
-        )?;
-        if fault != Some(Fault::NoBufferBroadcast) {
-            broadcast_named_from_rank0(
-                group.as_ref(),
-                buffers.iter().map(|(n, b)| (n.as_str(), b)),
-            )?;
-        }
-        let precision = match (precision, opts.mixed_precision) {
-            (Some((cast, names)), Some(policy)) => {
-                let mut low = Vec::new();
-                let mut low_of = vec![None; params.len()];
-                for (index, (name, param)) in params.iter().enumerate() {
-                    if names.contains(name) {
-                        low_of[index] = Some(low.len());
-                        low.push(LowParam {
-                            index,
-                            param: param.shallow_clone(),
-                            master: param.data(),
-                        });
-                    }
-                }
-                Some(Precision {
-                    policy,
-                    cast,
-                    low,
-                    low_of,
-                })
-            }
-            _ => None,
-        };
+        broadcast_initial(&group, &params, &buffers, rank_local, &fault)?;
+        let precision = precision_state(&params, precision, opts.mixed_precision);
         // Low-precision gradients are reduced in `reduce_dtype`; the others (BatchNorm kept
         // in fp32) in their own dtype, as FSDP leaves those modules out of its policy.
         let reduce_kind = |i: usize| match &precision {
@@ -228,22 +194,10 @@ impl Ddp {
             bucket_group,
             replicate,
         }));
-        let mut hooks = Vec::new();
-        if opts.overlap && opts.comm_hook.is_none() {
-            let params: Vec<Tensor> = lock(&state)
-                .params
-                .iter()
-                .map(|(_, t)| t.shallow_clone())
-                .collect();
-            for (i, p) in params.iter().enumerate() {
-                let state = state.clone();
-                hooks.push(register_post_accumulate_grad_hook(p, move |_| {
-                    lock(&state)
-                        .param_ready(i)
-                        .map_err(|e| AutogradError::msg(format!("ddp bucket launch: {e}")))
-                })?);
-            }
-        }
+        let hooks = match opts.overlap && opts.comm_hook.is_none() {
+            true => launch_hooks(&state)?,
+            false => Vec::new(),
+        };
         // The construction's broadcasts are set-up, not a step's traffic.
         counts.take();
         Ok(Ddp {
@@ -547,4 +501,78 @@ pub fn train_ddp_hierarchical(
         ..opts
     };
     train_ddp(model, world_group, cfg, opts)
+}
+
+/// Rank 0's parameters (rank-local ones aside) and buffers on every rank, so replicas start
+/// equal (a planted fault may skip the buffers).
+fn broadcast_initial(
+    group: &Arc<dyn ProcessGroup>,
+    params: &[(String, Tensor)],
+    buffers: &[(String, Tensor)],
+    rank_local: &HashSet<String>,
+    fault: &Option<Fault>,
+) -> Result<(), DdpError> {
+    broadcast_named_from_rank0(
+        group.as_ref(),
+        params
+            .iter()
+            .filter(|(name, _)| !rank_local.contains(name))
+            .map(|(n, p)| (n.as_str(), p)),
+    )?;
+    if *fault != Some(Fault::NoBufferBroadcast) {
+        broadcast_named_from_rank0(group.as_ref(), buffers.iter().map(|(n, b)| (n.as_str(), b)))?;
+    }
+    Ok(())
+}
+
+/// Mixed precision's bookkeeping: which parameters compute in low precision (their fp32
+/// masters kept apart), when both a cast and a policy were given.
+fn precision_state(
+    params: &[(String, Tensor)],
+    precision: Option<(CastInputs, BTreeSet<String>)>,
+    policy: Option<MixedPrecision>,
+) -> Option<Precision> {
+    match (precision, policy) {
+        (Some((cast, names)), Some(policy)) => {
+            let mut low = Vec::new();
+            let mut low_of = vec![None; params.len()];
+            for (index, (name, param)) in params.iter().enumerate() {
+                if names.contains(name) {
+                    low_of[index] = Some(low.len());
+                    low.push(LowParam {
+                        index,
+                        param: param.shallow_clone(),
+                        master: param.data(),
+                    });
+                }
+            }
+            Some(Precision {
+                policy,
+                cast,
+                low,
+                low_of,
+            })
+        }
+        _ => None,
+    }
+}
+
+/// Post-accumulate-grad hooks that launch a bucket's reduction as soon as its last gradient
+/// is ready (overlapping communication with the rest of backward).
+fn launch_hooks(state: &Arc<Mutex<State>>) -> Result<Vec<HookHandle>, DdpError> {
+    let params: Vec<Tensor> = lock(state)
+        .params
+        .iter()
+        .map(|(_, t)| t.shallow_clone())
+        .collect();
+    let mut hooks = Vec::new();
+    for (i, p) in params.iter().enumerate() {
+        let state = state.clone();
+        hooks.push(register_post_accumulate_grad_hook(p, move |_| {
+            lock(&state)
+                .param_ready(i)
+                .map_err(|e| AutogradError::msg(format!("ddp bucket launch: {e}")))
+        })?);
+    }
+    Ok(hooks)
 }

@@ -66,7 +66,6 @@ pub fn train_pipeline_with(
     let world_size = world.size();
     let tp = within.tp.max(1);
     let (plan, sharded) = plan_within(model, world_size, opts, within)?;
-    let dp = plan.data_parallel;
     let counts = CollectiveCounts::new();
     let counted = |g: Arc<dyn ProcessGroup>| -> Arc<dyn ProcessGroup> {
         Arc::new(CountingGroup::new(g, counts.clone()))
@@ -81,7 +80,6 @@ pub fn train_pipeline_with(
         tp_rank,
     } = PipelineMesh::new(world, &plan, tp, &counted)?;
     let (edge_groups, holder_groups) = pipeline_groups(world, &plan, tp, &counted)?;
-
     // The tensors this rank computes with: the model's own, or its TP shards.
     let model_params = model.named_parameters();
     let stage_tp = match &tpg {
@@ -93,83 +91,37 @@ pub fn train_pipeline_with(
     // Where this rank computes: every buffer it creates (handshakes, tokens, the loss and
     // norm scalars, the record's gathers) goes there, as its groups take tensors on it.
     let device = parameters_device(&named)?;
-    let held: Vec<usize> = (0..named.len())
-        .filter(|&i| plan.holders[i].contains(&rank))
-        .collect();
-    let replicas = (dp > 1).then_some(dpg.as_ref());
+    let held = held_by(&plan, rank, named.len());
+    let replicas = (plan.data_parallel > 1).then_some(dpg.as_ref());
     broadcast_initial(&plan, &named, &held, &holder_groups, replicas)?;
 
     let stage_params = stage_parameters(model, &plan, &named);
-
     let data_ranks = plan.data_ranks(replica, world_size);
-    // Every microbatch shape is probed before any parameter is sharded (a probe runs the
-    // model's own forward).
-    let mut metas_by_size: HashMap<Vec<i64>, Arc<Vec<TensorMeta>>> = HashMap::new();
-    let first = microbatch::split(model, &data_ranks, 0, plan.microbatches)?;
-    step_metas(model, &first.batches, &mut metas_by_size, false, 0)?;
-
-    let mut actions: Vec<Action> = plan.schedule.actions[rank].clone();
-    if let Some(PipelineFault::DropAction(label)) = &opts.fault {
-        actions.retain(|a| a.to_string() != *label);
-    }
+    let metas_by_size = probe_shapes(model, &data_ranks, plan.microbatches)?;
+    let mut actions = rank_actions(&plan, rank, opts);
     let held_params: Vec<(String, Tensor)> = held.iter().map(|&i| handle(&named[i])).collect();
-    // PP×FSDP: this rank's stage's parameters, one unit sharded over dp, driven by the
-    // schedule's actions.
-    let data = match sharded {
-        true => {
-            let unit = stage_unit(&plan, rank, &mut actions, &held_params, &dpg, opts)?;
-            DataLayer::new(Some(unit), Vec::new())
-        }
-        false => DataLayer::new(None, held_params.iter().map(handle).collect()),
-    }
-    .freed_by_schedule();
+    let data = stage_data(&plan, rank, &mut actions, &held_params, &dpg, opts, sharded)?;
     let skip_tied = opts.fault == Some(PipelineFault::SkipTiedReduce);
     let reduce_tied = || reduce_tied_parts(&plan, &held, &named, &holder_groups, skip_tied);
-    let sharding = |action: &Action| -> Result<(), PipelineError> {
-        let Some(unit) = data.unit() else {
-            return Ok(());
-        };
-        let mut unit = unit.borrow_mut();
-        match action.kind {
-            ActionKind::Unshard => unit.unshard()?,
-            ActionKind::Reshard => unit.reshard()?,
-            ActionKind::ReduceGrad => {
-                // In DDP's order: tied parts summed across stages, then averaged over dp.
-                reduce_tied()?;
-                unit.reduce_gradients()?;
-            }
-            _ => {}
-        }
-        Ok(())
-    };
-    let loss_fn = stage_tp.as_ref().map(|s| {
-        move |batch: &Batch, output: &Tensor| -> Result<Tensor, PipelineError> {
-            s.loss(model, batch, output)
-        }
-    });
-    let compute = stage_tp.as_ref().map(|s| &s.hooks);
+    let sharding = |action: &Action| apply_sharding(action, &data, &reduce_tied);
+    let loss_fn = stage_tp
+        .as_ref()
+        .map(|s| move |batch: &Batch, output: &Tensor| s.loss(model, batch, output));
     let executor = Executor {
-        model,
-        flow: &plan.flow,
-        deps: &plan.dataflow.deps,
-        output_deps: &plan.dataflow.output_deps,
-        stage_ranks: &plan.stage_ranks,
-        rank,
-        device,
-        edge_groups: &edge_groups,
-        stage_params: &stage_params,
-        checkpoint_every: opts.checkpoint_every,
-        unscaled_loss: opts.fault == Some(PipelineFault::UnscaledLoss),
-        swap_first_microbatches: opts.fault == Some(PipelineFault::SwapMicrobatches),
-        overwrite_boundary_grads: opts.fault == Some(PipelineFault::OverwriteSavedBoundaryGrad),
-        compute,
+        compute: stage_tp.as_ref().map(|s| &s.hooks),
         loss: loss_fn.as_ref().map(|f| f as &LossFn<'_>),
         sharding: data.unit().map(|_| &sharding as &ShardingFn<'_>),
+        ..stage_executor(
+            model,
+            &plan,
+            rank,
+            device,
+            &edge_groups,
+            &stage_params,
+            opts,
+        )
     };
-    let tp_part = stage_tp
-        .as_ref()
-        .filter(|_| tp > 1)
-        .map_or(String::new(), |_| format!("tp{tp_rank}/{tp}."));
+    let tp_part = tp_coordinate_part(stage_tp.is_some() && tp > 1, tp_rank, tp);
     let steps = StepLoop {
         model,
         plan: &plan,
@@ -202,6 +154,121 @@ pub fn train_pipeline_with(
         traces,
         plan,
     })
+}
+
+/// The tensor-parallel part of a stage's shard coordinates (`tp0/2.`), empty when the stages
+/// are not split.
+fn tp_coordinate_part(split: bool, tp_rank: usize, tp: usize) -> String {
+    match split {
+        true => format!("tp{tp_rank}/{tp}."),
+        false => String::new(),
+    }
+}
+
+/// The indices of the parameters this rank's stages hold.
+fn held_by(plan: &PipelinePlan, rank: usize, count: usize) -> Vec<usize> {
+    (0..count)
+        .filter(|&i| plan.holders[i].contains(&rank))
+        .collect()
+}
+
+/// The data dimension over the held parameters: replicated, or (PP×FSDP) this rank's
+/// stage's parameters as one unit sharded over dp, driven by the schedule's actions (which
+/// gain its unshard, reshard and reduce steps).
+fn stage_data(
+    plan: &PipelinePlan,
+    rank: usize,
+    actions: &mut Vec<Action>,
+    held_params: &[(String, Tensor)],
+    dp: &Arc<dyn ProcessGroup>,
+    opts: &PipelineOptions,
+    sharded: bool,
+) -> Result<DataLayer, PipelineError> {
+    let data = match sharded {
+        true => {
+            let unit = stage_unit(plan, rank, actions, held_params, dp, opts)?;
+            DataLayer::new(Some(unit), Vec::new())
+        }
+        false => DataLayer::new(None, held_params.iter().map(handle).collect()),
+    };
+    Ok(data.freed_by_schedule())
+}
+
+/// Every microbatch shape's activations, probed before any parameter is sharded (a probe runs
+/// the model's own forward).
+fn probe_shapes(
+    model: &dyn Model,
+    data_ranks: &[usize],
+    microbatches: usize,
+) -> Result<HashMap<Vec<i64>, Arc<Vec<TensorMeta>>>, PipelineError> {
+    let mut metas_by_size = HashMap::new();
+    let first = microbatch::split(model, data_ranks, 0, microbatches)?;
+    step_metas(model, &first.batches, &mut metas_by_size, false, 0)?;
+    Ok(metas_by_size)
+}
+
+/// This rank's actions of the schedule (less the one a planted fault drops).
+fn rank_actions(plan: &PipelinePlan, rank: usize, opts: &PipelineOptions) -> Vec<Action> {
+    let mut actions: Vec<Action> = plan.schedule.actions[rank].clone();
+    if let Some(PipelineFault::DropAction(label)) = &opts.fault {
+        actions.retain(|a| a.to_string() != *label);
+    }
+    actions
+}
+
+/// What one of FSDP's schedule actions (`UNSHARD`, `RESHARD`, `REDUCE_GRAD`) does to the
+/// stage's unit under PP×FSDP; nothing without one.
+fn apply_sharding(
+    action: &Action,
+    data: &DataLayer,
+    reduce_tied: &dyn Fn() -> Result<(), PipelineError>,
+) -> Result<(), PipelineError> {
+    let Some(unit) = data.unit() else {
+        return Ok(());
+    };
+    let mut unit = unit.borrow_mut();
+    match action.kind {
+        ActionKind::Unshard => unit.unshard()?,
+        ActionKind::Reshard => unit.reshard()?,
+        ActionKind::ReduceGrad => {
+            // In DDP's order: tied parts summed across stages, then averaged over dp.
+            reduce_tied()?;
+            unit.reduce_gradients()?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// The executor of this rank's stages, with the model computing its own layers and loss and
+/// no sharding actions (the caller sets those under TP and FSDP).
+fn stage_executor<'a>(
+    model: &'a dyn Model,
+    plan: &'a PipelinePlan,
+    rank: usize,
+    device: Device,
+    edge_groups: &'a HashMap<(usize, usize), Arc<dyn ProcessGroup>>,
+    stage_params: &'a [Vec<(usize, Tensor)>],
+    opts: &PipelineOptions,
+) -> Executor<'a> {
+    Executor {
+        model,
+        flow: &plan.flow,
+        deps: &plan.dataflow.deps,
+        output_deps: &plan.dataflow.output_deps,
+        stage_ranks: &plan.stage_ranks,
+        rank,
+        device,
+        edge_groups,
+        stage_params,
+        checkpoint_every: opts.checkpoint_every,
+        unscaled_loss: opts.fault == Some(PipelineFault::UnscaledLoss),
+        swap_first_microbatches: opts.fault == Some(PipelineFault::SwapMicrobatches),
+        overwrite_boundary_grads: opts.fault == Some(PipelineFault::OverwriteSavedBoundaryGrad),
+        compute: None,
+        loss: None,
+        sharding: None,
+    }
 }
 
 /// Where every parameter lived, for the record (and so the report): the stages that use it

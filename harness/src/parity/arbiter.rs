@@ -24,12 +24,12 @@
 //! constants were chosen from measurements across models, steps, seeds, world sizes and CPU
 //! capabilities (docs/parity.md, "The fp64 arbiter").
 
-use super::compare::{
-    conclude, fold_summaries, location, unravel, Against, Comparison, FailurePoint, Measured,
-    ParamSummary, ScalarDiff, Stats, StepComparison,
+use super::comparison::{
+    location, unravel, Comparison, FailurePoint, ParamSummary, ScalarDiff, Stats, StepComparison,
 };
 use super::envelope::{ArbiterSummary, Envelope, EnvelopePoint, StepEnvelope};
 use super::tolerance::{ulp_distance, Mode, Quantity};
+use super::verdict::{conclude, fold_summaries, structural_mismatches, Against, Measured};
 use lockstep_core::comm::DType;
 use lockstep_core::record::{NamedTensor, RunRecord};
 use std::collections::HashMap;
@@ -447,9 +447,20 @@ pub fn arbitrate_with_spread(
     env: &Envelope,
     log: ArbiterLog<'_>,
 ) -> Comparison {
-    let mut structural = super::compare::structural_mismatches(run, ref32);
+    let mut arbitration = Arbitration::new(run, ref32, spread, ref64, env, log);
+    let steps = (0..arbitration.step_count())
+        .map(|step| arbitration.judge_step(step))
+        .collect();
+    let final_state = arbitration.judge_final_state();
+    arbitration.finish(steps, final_state)
+}
+
+/// What does not line up between the run, the fp32 reference and its float64 shadow, before
+/// any value is judged.
+fn arbiter_structural(run: &RunRecord, ref32: &RunRecord, ref64: &RunRecord) -> Vec<String> {
+    let mut structural = structural_mismatches(run, ref32);
     structural.extend(
-        super::compare::structural_mismatches(ref32, ref64)
+        structural_mismatches(ref32, ref64)
             .into_iter()
             .map(|s| format!("fp32 reference against its float64 shadow: {s}")),
     );
@@ -460,42 +471,94 @@ pub fn arbitrate_with_spread(
                 .into(),
         );
     }
-    let mut judging = Judging {
-        env,
-        noise_so_far: HashMap::new(),
-        worst: None,
-        log,
-        row: format!(
-            "{},{},{}",
-            run.spec.model, run.spec.config, ref32.spec.config
-        ),
-    };
-    let mut losses = Stats::default();
-    let mut grad_norms = Stats::default();
-    let both_grads = match (&run.grads, &ref32.grads, &ref64.grads) {
-        (Some(a), Some(b), Some(c)) => Some((a, b, c)),
-        _ => None,
-    };
-    let mut grads_total = both_grads.map(|_| Stats::default());
-    let mut grad_summaries = Vec::new();
-    let overflowed = reference_overflow(ref32);
-    let n_steps = ref64.losses.len().min(overflowed.unwrap_or(usize::MAX));
-    let mut steps = Vec::with_capacity(n_steps);
-    for step in 0..n_steps {
-        let mut step_env = StepEnvelope {
-            run_to_f64: 0.0,
-            reference_to_f64: 0.0,
-            margin: 0.0,
+    structural
+}
+
+/// A step's (or the final state's) distances before any quantity is folded in.
+fn empty_step_envelope() -> StepEnvelope {
+    StepEnvelope {
+        run_to_f64: 0.0,
+        reference_to_f64: 0.0,
+        margin: 0.0,
+    }
+}
+
+/// One arbitration in progress: the records it weighs, the judging context, and what the
+/// steps measured so far, shared by the per-step and the final-state passes of
+/// [`arbitrate_with_spread`].
+struct Arbitration<'a, 'w> {
+    run: &'a RunRecord,
+    ref32: &'a RunRecord,
+    spread: &'a [&'a RunRecord],
+    ref64: &'a RunRecord,
+    judging: Judging<'a, 'w>,
+    /// The first step at which the fp32 reference overflowed: nothing from it on is judged.
+    overflowed: Option<usize>,
+    structural: Vec<String>,
+    losses: Stats,
+    grad_norms: Stats,
+    grads_total: Option<Stats>,
+    grad_summaries: Vec<ParamSummary>,
+}
+
+impl<'a, 'w> Arbitration<'a, 'w> {
+    /// Starts an arbitration with what does not line up before any value is judged.
+    fn new(
+        run: &'a RunRecord,
+        ref32: &'a RunRecord,
+        spread: &'a [&'a RunRecord],
+        ref64: &'a RunRecord,
+        env: &'a Envelope,
+        log: ArbiterLog<'w>,
+    ) -> Self {
+        let judging = Judging {
+            env,
+            noise_so_far: HashMap::new(),
+            worst: None,
+            log,
+            row: format!(
+                "{},{},{}",
+                run.spec.model, run.spec.config, ref32.spec.config
+            ),
         };
-        let loss = judging.scalar(
-            &mut losses,
+        let all_grads = run.grads.is_some() && ref32.grads.is_some() && ref64.grads.is_some();
+        Arbitration {
+            run,
+            ref32,
+            spread,
+            ref64,
+            judging,
+            overflowed: reference_overflow(ref32),
+            structural: arbiter_structural(run, ref32, ref64),
+            losses: Stats::default(),
+            grad_norms: Stats::default(),
+            grads_total: all_grads.then(Stats::default),
+            grad_summaries: Vec::new(),
+        }
+    }
+
+    /// The steps to judge: the shadow's, up to the first the fp32 reference overflowed at.
+    fn step_count(&self) -> usize {
+        self.ref64
+            .losses
+            .len()
+            .min(self.overflowed.unwrap_or(usize::MAX))
+    }
+
+    /// Judges everything recorded at `step`: the loss, the gradient norm and, when all three
+    /// records have them, the gradients.
+    fn judge_step(&mut self, step: usize) -> StepComparison {
+        let (run, ref32, ref64, spread) = (self.run, self.ref32, self.ref64, self.spread);
+        let mut step_env = empty_step_envelope();
+        let loss = self.judging.scalar(
+            &mut self.losses,
             (Quantity::Loss, step),
             [&run.losses, &ref32.losses, &ref64.losses],
             &spread.iter().map(|v| &v.losses).collect::<Vec<_>>(),
             &mut step_env,
         );
-        let grad_norm = judging.scalar(
-            &mut grad_norms,
+        let grad_norm = self.judging.scalar(
+            &mut self.grad_norms,
             (Quantity::GradNorm, step),
             [&run.grad_norms, &ref32.grad_norms, &ref64.grad_norms],
             &spread.iter().map(|v| &v.grad_norms).collect::<Vec<_>>(),
@@ -504,89 +567,107 @@ pub fn arbitrate_with_spread(
         let mut passed = [&loss, &grad_norm]
             .into_iter()
             .all(|d| d.as_ref().is_some_and(|d| d.passed));
-        let grads = both_grads.and_then(|(a, b, c)| {
-            let (a, b, c) = (a.get(step)?, b.get(step)?, c.get(step)?);
-            let what = format!("gradients at step {step}");
-            let spread_grads: Vec<&[NamedTensor]> = spread
-                .iter()
-                .filter_map(|v| v.grads.as_ref()?.get(step).map(Vec::as_slice))
-                .collect();
-            let (stats, per_tensor) = judge_tensors(
-                &mut judging,
-                [a, b, c],
-                &spread_grads,
-                (Quantity::Grads, Some(step), &what),
-                &mut structural,
-                &mut step_env,
-            );
-            fold_summaries(&mut grad_summaries, per_tensor);
-            if let Some(total) = grads_total.as_mut() {
-                total.merge(&stats);
-            }
-            Some(stats)
-        });
+        let grads = self.judge_step_grads(step, &mut step_env);
         passed &= grads.as_ref().is_none_or(|g| g.passed);
-        steps.push(StepComparison {
+        StepComparison {
             step,
             loss,
             grad_norm,
             grads,
             passed,
             envelope: Some(step_env),
-        });
+        }
     }
-    let state = |r: &RunRecord| -> Vec<NamedTensor> {
-        r.params.iter().chain(&r.buffers).cloned().collect()
-    };
-    let (run_state, ref32_state, ref64_state) = match overflowed {
-        None => (state(run), state(ref32), state(ref64)),
-        Some(_) => (Vec::new(), Vec::new(), Vec::new()),
-    };
-    let spread_state: Vec<Vec<NamedTensor>> = spread.iter().map(|v| state(v)).collect();
-    let spread_state: Vec<&[NamedTensor]> = spread_state.iter().map(Vec::as_slice).collect();
-    let mut final_env = StepEnvelope {
-        run_to_f64: 0.0,
-        reference_to_f64: 0.0,
-        margin: 0.0,
-    };
-    let (params, param_summaries) = judge_tensors(
-        &mut judging,
-        [&run_state, &ref32_state, &ref64_state],
-        &spread_state,
-        (Quantity::Params, None, "final parameters and buffers"),
-        &mut structural,
-        &mut final_env,
-    );
-    // A near-tie in the reference's routing may explain a failure better than drift.
-    let near_tie = ref64.routing_min_gap.map(|gap| {
-        format!(
-            "the reference routed tokens by top-k, its closest decision a probability gap of \
-             {}: if that is within the run's distance to float64, the run may have chosen \
-             another expert there (a near-tie flipped, not rounding drift)",
-            crate::report::fmt_num(gap)
+
+    /// Judges one step's gradients tensor by tensor and folds them into the run's totals;
+    /// `None` when a record has no gradients for `step`.
+    fn judge_step_grads(&mut self, step: usize, step_env: &mut StepEnvelope) -> Option<Stats> {
+        let (run, ref32, ref64) = (self.run, self.ref32, self.ref64);
+        let (Some(a), Some(b), Some(c)) = (&run.grads, &ref32.grads, &ref64.grads) else {
+            return None;
+        };
+        let (a, b, c) = (a.get(step)?, b.get(step)?, c.get(step)?);
+        let what = format!("gradients at step {step}");
+        let spread_grads: Vec<&[NamedTensor]> = self
+            .spread
+            .iter()
+            .filter_map(|v| v.grads.as_ref()?.get(step).map(Vec::as_slice))
+            .collect();
+        let (stats, per_tensor) = judge_tensors(
+            &mut self.judging,
+            [a, b, c],
+            &spread_grads,
+            (Quantity::Grads, Some(step), &what),
+            &mut self.structural,
+            step_env,
+        );
+        fold_summaries(&mut self.grad_summaries, per_tensor);
+        if let Some(total) = self.grads_total.as_mut() {
+            total.merge(&stats);
+        }
+        Some(stats)
+    }
+
+    /// Judges the final parameters and buffers (none when the fp32 reference overflowed:
+    /// its final state then measures no rounding).
+    fn judge_final_state(&mut self) -> (Stats, Vec<ParamSummary>) {
+        let state = |r: &RunRecord| -> Vec<NamedTensor> {
+            r.params.iter().chain(&r.buffers).cloned().collect()
+        };
+        let (run_state, ref32_state, ref64_state) = match self.overflowed {
+            None => (state(self.run), state(self.ref32), state(self.ref64)),
+            Some(_) => (Vec::new(), Vec::new(), Vec::new()),
+        };
+        let spread_state: Vec<Vec<NamedTensor>> = self.spread.iter().map(|v| state(v)).collect();
+        let spread_state: Vec<&[NamedTensor]> = spread_state.iter().map(Vec::as_slice).collect();
+        let mut final_env = empty_step_envelope();
+        judge_tensors(
+            &mut self.judging,
+            [&run_state, &ref32_state, &ref64_state],
+            &spread_state,
+            (Quantity::Params, None, "final parameters and buffers"),
+            &mut self.structural,
+            &mut final_env,
         )
-    });
-    let measured = Measured {
-        structural,
-        losses,
-        grad_norms,
-        params,
-        grads: grads_total,
-        param_summaries,
-        grad_summaries,
-        steps,
-    };
-    let against = Against {
-        // The row is against the training the shadow stands for (`single@4`), whichever fp32
-        // run gave the envelope (a mixed-precision row's is its DDP reference).
-        reference: ref64.spec.config.replace(".f64@", "@"),
-        reference_spec: ref32.spec.clone(),
-        mode: Mode::Arbiter,
-        override_reason: None,
-    };
-    let mut summary = summary(env, judging.worst, overflowed);
-    summary.spread_from = spread.iter().map(|v| v.spec.config.clone()).collect();
-    conclude(run, against, measured, near_tie, Some(summary))
+    }
+
+    /// The verdict, from the steps and the final state judged, with the arbiter's figures.
+    fn finish(
+        self,
+        steps: Vec<StepComparison>,
+        (params, param_summaries): (Stats, Vec<ParamSummary>),
+    ) -> Comparison {
+        // A near-tie in the reference's routing may explain a failure better than drift.
+        let near_tie = self.ref64.routing_min_gap.map(|gap| {
+            format!(
+                "the reference routed tokens by top-k, its closest decision a probability gap \
+                 of {}: if that is within the run's distance to float64, the run may have \
+                 chosen another expert there (a near-tie flipped, not rounding drift)",
+                crate::report::fmt_num(gap)
+            )
+        });
+        let measured = Measured {
+            structural: self.structural,
+            losses: self.losses,
+            grad_norms: self.grad_norms,
+            params,
+            grads: self.grads_total,
+            param_summaries,
+            grad_summaries: self.grad_summaries,
+            steps,
+        };
+        let against = Against {
+            // The row is against the training the shadow stands for (`single@4`), whichever
+            // fp32 run gave the envelope (a mixed-precision row's is its DDP reference).
+            reference: self.ref64.spec.config.replace(".f64@", "@"),
+            reference_spec: self.ref32.spec.clone(),
+            mode: Mode::Arbiter,
+            override_reason: None,
+        };
+        let mut summary = summary(self.judging.env, self.judging.worst, self.overflowed);
+        summary.spread_from = self.spread.iter().map(|v| v.spec.config.clone()).collect();
+        conclude(self.run, against, measured, near_tie, Some(summary))
+    }
 }
 
 /// The arbiter's figures of a row: its constants, where it came closest to its envelope, and

@@ -40,8 +40,10 @@
 
 mod arbiter;
 mod compare;
+mod comparison;
 mod envelope;
 mod tolerance;
+mod verdict;
 
 pub use arbiter::{arbitrate, arbitrate_with_spread, ArbiterLog};
 pub use envelope::{ArbiterSummary, Envelope, EnvelopePoint, StepEnvelope, ENVELOPE};

@@ -469,11 +469,7 @@ pub fn compare_reports(
     if !(options.factor.is_finite() && options.factor >= 1.0) {
         return Err(ReportError::InvalidFactor(options.factor));
     }
-    let floor = if options.zero_floor.is_finite() && options.zero_floor > 0.0 {
-        options.zero_floor
-    } else {
-        f64::MIN_POSITIVE
-    };
+    let floor = noise_floor(options);
     let base_map = index(base, "base")?;
     let new_map = index(new, "new")?;
     let errored: BTreeMap<Key, &RunError> = new
@@ -483,102 +479,21 @@ pub fn compare_reports(
         .collect();
     let mut rows = Vec::new();
     for key in errored.keys() {
-        let (model, config, reference) = key.clone();
-        let b = base_map.get(key);
-        rows.push(CompareRow {
-            model,
-            config,
-            reference,
-            quantity: None,
-            base_err: b.map(|b| b.overall().max_abs_err),
-            new_err: None,
-            growth: None,
-            change: None,
-            regressed: Vec::new(),
-            base_passed: b.map(|b| b.passed),
-            new_passed: None,
-            grew: false,
-            status: RowStatus::Errored,
-        });
+        let b = base_map.get(key).copied();
+        rows.push(uncompared_row(key, RowStatus::Errored, b, None));
     }
     for (key, b) in &base_map {
-        let (model, config, reference) = key.clone();
         if errored.contains_key(key) {
             continue;
         }
-        let Some(n) = new_map.get(key) else {
-            rows.push(CompareRow {
-                model,
-                config,
-                reference,
-                quantity: None,
-                base_err: Some(b.overall().max_abs_err),
-                new_err: None,
-                growth: None,
-                change: None,
-                regressed: Vec::new(),
-                base_passed: Some(b.passed),
-                new_passed: None,
-                grew: false,
-                status: RowStatus::Vanished,
-            });
-            continue;
-        };
-        let all = drifts(b, n, floor, options.factor);
-        let mut regressed: Vec<Drift> = all.iter().filter(|d| d.regressed).cloned().collect();
-        // Worst first; a stable sort keeps model order among equals.
-        regressed.sort_by(|x, y| y.change.cmp_severity(x.change));
-        let headline = regressed.first().cloned().or_else(|| {
-            all.iter()
-                .max_by(|x, y| x.change.cmp_severity(y.change))
-                .cloned()
-        });
-        let grew = all.iter().any(|d| d.change.is_growth(options.factor));
-        let status = if b.passed && !n.passed {
-            RowStatus::CrossedTolerance
-        } else if grew {
-            RowStatus::Grew
-        } else if !b.passed && n.passed {
-            RowStatus::Fixed
-        } else if !n.passed {
-            RowStatus::StillFailing
-        } else {
-            RowStatus::Ok
-        };
-        rows.push(CompareRow {
-            model,
-            config,
-            reference,
-            quantity: headline.as_ref().map(|d| d.quantity),
-            base_err: headline.as_ref().map(|d| d.base_err),
-            new_err: headline.as_ref().map(|d| d.new_err),
-            growth: headline.as_ref().and_then(|d| d.change.factor()),
-            change: headline.as_ref().map(|d| d.change),
-            regressed,
-            base_passed: Some(b.passed),
-            new_passed: Some(n.passed),
-            grew,
-            status,
+        rows.push(match new_map.get(key) {
+            Some(n) => compared_row(key, b, n, floor, options.factor),
+            None => uncompared_row(key, RowStatus::Vanished, Some(b), None),
         });
     }
     for (key, n) in &new_map {
         if !base_map.contains_key(key) && !errored.contains_key(key) {
-            let (model, config, reference) = key.clone();
-            rows.push(CompareRow {
-                model,
-                config,
-                reference,
-                quantity: None,
-                base_err: None,
-                new_err: Some(n.overall().max_abs_err),
-                growth: None,
-                change: None,
-                regressed: Vec::new(),
-                base_passed: None,
-                new_passed: Some(n.passed),
-                grew: false,
-                status: RowStatus::Added,
-            });
+            rows.push(uncompared_row(key, RowStatus::Added, None, Some(n)));
         }
     }
     rows.sort_by_key(|r| r.status);
@@ -586,6 +501,84 @@ pub fn compare_reports(
         options: *options,
         rows,
     })
+}
+
+/// The error at or below which a drift is noise: the options' floor, or the smallest normal
+/// number when that is not a positive finite value.
+fn noise_floor(options: &CompareOptions) -> f64 {
+    if options.zero_floor.is_finite() && options.zero_floor > 0.0 {
+        options.zero_floor
+    } else {
+        f64::MIN_POSITIVE
+    }
+}
+
+/// The row of a configuration whose values were not compared (it errored, vanished or was
+/// added): each side's overall error and verdict where that side has a comparison.
+fn uncompared_row(
+    key: &Key,
+    status: RowStatus,
+    base: Option<&Comparison>,
+    new: Option<&Comparison>,
+) -> CompareRow {
+    let (model, config, reference) = key.clone();
+    CompareRow {
+        model,
+        config,
+        reference,
+        quantity: None,
+        base_err: base.map(|b| b.overall().max_abs_err),
+        new_err: new.map(|n| n.overall().max_abs_err),
+        growth: None,
+        change: None,
+        regressed: Vec::new(),
+        base_passed: base.map(|b| b.passed),
+        new_passed: new.map(|n| n.passed),
+        grew: false,
+        status,
+    }
+}
+
+/// The row of a configuration in both reports: every quantity's drift, the worst regressed
+/// one (else the one that grew the most) in the columns, and the most severe status.
+fn compared_row(key: &Key, b: &Comparison, n: &Comparison, floor: f64, factor: f64) -> CompareRow {
+    let (model, config, reference) = key.clone();
+    let all = drifts(b, n, floor, factor);
+    let mut regressed: Vec<Drift> = all.iter().filter(|d| d.regressed).cloned().collect();
+    // Worst first; a stable sort keeps model order among equals.
+    regressed.sort_by(|x, y| y.change.cmp_severity(x.change));
+    let headline = regressed.first().cloned().or_else(|| {
+        all.iter()
+            .max_by(|x, y| x.change.cmp_severity(y.change))
+            .cloned()
+    });
+    let grew = all.iter().any(|d| d.change.is_growth(factor));
+    let status = if b.passed && !n.passed {
+        RowStatus::CrossedTolerance
+    } else if grew {
+        RowStatus::Grew
+    } else if !b.passed && n.passed {
+        RowStatus::Fixed
+    } else if !n.passed {
+        RowStatus::StillFailing
+    } else {
+        RowStatus::Ok
+    };
+    CompareRow {
+        model,
+        config,
+        reference,
+        quantity: headline.as_ref().map(|d| d.quantity),
+        base_err: headline.as_ref().map(|d| d.base_err),
+        new_err: headline.as_ref().map(|d| d.new_err),
+        growth: headline.as_ref().and_then(|d| d.change.factor()),
+        change: headline.as_ref().map(|d| d.change),
+        regressed,
+        base_passed: Some(b.passed),
+        new_passed: Some(n.passed),
+        grew,
+        status,
+    }
 }
 
 /// Reads two report files and compares them.

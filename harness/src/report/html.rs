@@ -104,25 +104,34 @@ impl Axis {
     }
 }
 
+/// A line plot of `series` over the steps, as one inline SVG element (`log`: a log y axis).
 fn svg_plot(title: &str, y_label: &str, series: &[Series], log: bool) -> String {
-    let plot_w = WIDTH - LEFT - RIGHT;
-    let plot_h = HEIGHT - TOP - BOTTOM;
-    let x_max = series
-        .iter()
-        .flat_map(|s| s.points.iter().map(|p| p.0))
-        .fold(0.0f64, f64::max)
-        .max(1.0);
-    let y = Axis::new(
-        series.iter().flat_map(|s| s.points.iter().map(|p| p.1)),
-        log,
-    );
-    let px = |x: f64| LEFT + x / x_max * plot_w;
-    let py = |v: f64| TOP + (1.0 - y.unit(v)) * plot_h;
+    let frame = Frame::new(series, log);
     let mut out = String::new();
     let _ = writeln!(
         out,
         "<svg class=\"plot\" role=\"img\" viewBox=\"0 0 {WIDTH} {HEIGHT}\" width=\"{WIDTH}\" height=\"{HEIGHT}\">"
     );
+    plot_title(&mut out, title);
+    frame.draw_axes(&mut out, y_label);
+    for (i, s) in series.iter().enumerate() {
+        frame.draw_series(&mut out, i, s);
+    }
+    if log {
+        let _ = writeln!(
+            out,
+            "<text x=\"{}\" y=\"{}\" class=\"n\">zero drawn at {}</text>",
+            LEFT + frame.plot_w + 10.0,
+            TOP + frame.plot_h,
+            fmt_num(frame.y.floor)
+        );
+    }
+    out.push_str("</svg>\n");
+    out
+}
+
+/// A plot's title: as a tooltip, and drawn over the plot.
+fn plot_title(out: &mut String, title: &str) {
     let _ = writeln!(out, "<title>{}</title>", xml_escape(title));
     // Left-aligned from the edge, and squeezed to the width when long: a centred long title
     // (a matrix row's name) ran off the left edge.
@@ -137,73 +146,100 @@ fn svg_plot(title: &str, y_label: &str, series: &[Series], log: bool) -> String 
         "<text x=\"8\" y=\"18\" text-anchor=\"start\" class=\"t\"{squeeze}>{}</text>",
         xml_escape(title)
     );
-    let _ = writeln!(
-        out,
-        "<rect x=\"{LEFT}\" y=\"{TOP}\" width=\"{plot_w}\" height=\"{plot_h}\" fill=\"none\" stroke=\"#999\"/>"
-    );
-    for (f, label) in y.ticks() {
-        let yy = TOP + (1.0 - f) * plot_h;
-        let _ = writeln!(
-            out,
-            "<line x1=\"{LEFT}\" x2=\"{}\" y1=\"{yy:.1}\" y2=\"{yy:.1}\" stroke=\"#eee\"/><text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>",
-            LEFT + plot_w,
-            LEFT - 4.0,
-            yy + 4.0,
-            xml_escape(&label)
+}
+
+/// Where a plot's data lands: the plotting area and both axes' ranges, shared by everything
+/// drawn in it.
+struct Frame {
+    plot_w: f64,
+    plot_h: f64,
+    /// The last step drawn (at least 1).
+    x_max: f64,
+    y: Axis,
+}
+
+impl Frame {
+    /// The frame that holds every point of `series`.
+    fn new(series: &[Series], log: bool) -> Self {
+        let x_max = series
+            .iter()
+            .flat_map(|s| s.points.iter().map(|p| p.0))
+            .fold(0.0f64, f64::max)
+            .max(1.0);
+        let y = Axis::new(
+            series.iter().flat_map(|s| s.points.iter().map(|p| p.1)),
+            log,
         );
-    }
-    let x_ticks = (x_max as usize).clamp(1, 10);
-    for i in 0..=x_ticks {
-        let x = x_max * i as f64 / x_ticks as f64;
-        let _ = writeln!(
-            out,
-            "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>",
-            px(x),
-            TOP + plot_h + 14.0,
-            x.round()
-        );
-    }
-    let _ = writeln!(
-        out,
-        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">step</text>",
-        LEFT + plot_w / 2.0,
-        HEIGHT - 6.0
-    );
-    let _ = writeln!(
-        out,
-        "<text transform=\"translate(14 {}) rotate(-90)\" text-anchor=\"middle\">{}</text>",
-        TOP + plot_h / 2.0,
-        xml_escape(y_label)
-    );
-    for (i, s) in series.iter().enumerate() {
-        // Break the line at non-finite values instead of drawing through them.
-        let mut segments: Vec<Vec<(f64, f64)>> = vec![Vec::new()];
-        for &(x, v) in &s.points {
-            if v.is_finite() {
-                if let Some(seg) = segments.last_mut() {
-                    seg.push((px(x), py(v)));
-                }
-            } else {
-                // Mark NaN / infinite values on the top edge so a diverged run is visible.
-                let _ = writeln!(
-                    out,
-                    "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\" fill=\"{}\">{}</text>",
-                    px(x),
-                    TOP - 2.0,
-                    s.color,
-                    if v.is_nan() { "NaN" } else { "inf" }
-                );
-                if segments.last().is_some_and(|seg| !seg.is_empty()) {
-                    segments.push(Vec::new());
-                }
-            }
+        Frame {
+            plot_w: WIDTH - LEFT - RIGHT,
+            plot_h: HEIGHT - TOP - BOTTOM,
+            x_max,
+            y,
         }
+    }
+
+    /// The pixel column of step `x`.
+    fn px(&self, x: f64) -> f64 {
+        LEFT + x / self.x_max * self.plot_w
+    }
+
+    /// The pixel row of value `v`.
+    fn py(&self, v: f64) -> f64 {
+        TOP + (1.0 - self.y.unit(v)) * self.plot_h
+    }
+
+    /// The plotting area's border, grid lines, ticks and axis labels.
+    fn draw_axes(&self, out: &mut String, y_label: &str) {
+        let (plot_w, plot_h) = (self.plot_w, self.plot_h);
+        let _ = writeln!(
+            out,
+            "<rect x=\"{LEFT}\" y=\"{TOP}\" width=\"{plot_w}\" height=\"{plot_h}\" fill=\"none\" stroke=\"#999\"/>"
+        );
+        for (f, label) in self.y.ticks() {
+            let yy = TOP + (1.0 - f) * plot_h;
+            let _ = writeln!(
+                out,
+                "<line x1=\"{LEFT}\" x2=\"{}\" y1=\"{yy:.1}\" y2=\"{yy:.1}\" stroke=\"#eee\"/><text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>",
+                LEFT + plot_w,
+                LEFT - 4.0,
+                yy + 4.0,
+                xml_escape(&label)
+            );
+        }
+        let x_ticks = (self.x_max as usize).clamp(1, 10);
+        for i in 0..=x_ticks {
+            let x = self.x_max * i as f64 / x_ticks as f64;
+            let _ = writeln!(
+                out,
+                "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>",
+                self.px(x),
+                TOP + plot_h + 14.0,
+                x.round()
+            );
+        }
+        let _ = writeln!(
+            out,
+            "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">step</text>",
+            LEFT + plot_w / 2.0,
+            HEIGHT - 6.0
+        );
+        let _ = writeln!(
+            out,
+            "<text transform=\"translate(14 {}) rotate(-90)\" text-anchor=\"middle\">{}</text>",
+            TOP + plot_h / 2.0,
+            xml_escape(y_label)
+        );
+    }
+
+    /// Series `s` (the `i`-th): its line, its non-finite values marked on the top edge, and
+    /// its legend entry.
+    fn draw_series(&self, out: &mut String, i: usize, s: &Series) {
         let dash = if s.dashed {
             " stroke-dasharray=\"5 3\""
         } else {
             ""
         };
-        for seg in segments.iter().filter(|seg| !seg.is_empty()) {
+        for seg in self.segments(out, s).iter().filter(|seg| !seg.is_empty()) {
             let pts: Vec<String> = seg.iter().map(|(x, y)| format!("{x:.1},{y:.1}")).collect();
             let _ = writeln!(
                 out,
@@ -221,7 +257,7 @@ fn svg_plot(title: &str, y_label: &str, series: &[Series], log: bool) -> String 
             }
         }
         let ly = TOP + 12.0 + i as f64 * 16.0;
-        let lx = LEFT + plot_w + 10.0;
+        let lx = LEFT + self.plot_w + 10.0;
         let _ = writeln!(
             out,
             "<line x1=\"{lx}\" x2=\"{}\" y1=\"{ly}\" y2=\"{ly}\" stroke=\"{}\" stroke-width=\"2\"{dash}/><text x=\"{}\" y=\"{}\">{}</text>",
@@ -232,17 +268,33 @@ fn svg_plot(title: &str, y_label: &str, series: &[Series], log: bool) -> String 
             xml_escape(&s.label)
         );
     }
-    if log {
-        let _ = writeln!(
-            out,
-            "<text x=\"{}\" y=\"{}\" class=\"n\">zero drawn at {}</text>",
-            LEFT + plot_w + 10.0,
-            TOP + plot_h,
-            fmt_num(y.floor)
-        );
+
+    /// The pixel runs of `s` between its non-finite values (a line is broken there instead of
+    /// drawn through them), writing to `out` the marks of those values on the top edge, so a
+    /// diverged run is visible.
+    fn segments(&self, out: &mut String, s: &Series) -> Vec<Vec<(f64, f64)>> {
+        let mut segments: Vec<Vec<(f64, f64)>> = vec![Vec::new()];
+        for &(x, v) in &s.points {
+            if v.is_finite() {
+                if let Some(seg) = segments.last_mut() {
+                    seg.push((self.px(x), self.py(v)));
+                }
+            } else {
+                let _ = writeln!(
+                    out,
+                    "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\" fill=\"{}\">{}</text>",
+                    self.px(x),
+                    TOP - 2.0,
+                    s.color,
+                    if v.is_nan() { "NaN" } else { "inf" }
+                );
+                if segments.last().is_some_and(|seg| !seg.is_empty()) {
+                    segments.push(Vec::new());
+                }
+            }
+        }
+        segments
     }
-    out.push_str("</svg>\n");
-    out
 }
 
 fn loss_plot(title: &str, steps: &[&StepRow]) -> String {
@@ -395,6 +447,27 @@ pub fn render_html(report: &Report) -> String {
         out,
         "<title>Lockstep parity report</title>\n<style>{STYLE}</style>\n</head>\n<body>"
     );
+    render_headline(report, &mut out);
+    render_summary_table(report, &mut out);
+    for e in &report.errors {
+        let name = format!("{} / {} vs {}", e.model, e.config, e.reference);
+        let _ = writeln!(
+            out,
+            "<section>\n<h2>{}</h2>\n<p class=\"fail\">ERROR: {}</p>\n<pre class=\"diag\">{}</pre>\n</section>",
+            xml_escape(&name),
+            xml_escape(&e.message),
+            xml_escape(&e.details)
+        );
+    }
+    for c in &report.comparisons {
+        render_section(report, c, &mut out);
+    }
+    out.push_str("</body>\n</html>\n");
+    out
+}
+
+/// The page's heading, the environment and the headline with the tool that wrote it.
+fn render_headline(report: &Report, out: &mut String) {
     let _ = writeln!(out, "<h1>Lockstep parity report</h1>");
     if let Some(line) = report.environment_line() {
         let _ = writeln!(out, "<p class=\"environment\">{}</p>", xml_escape(&line));
@@ -418,6 +491,11 @@ pub fn render_html(report: &Report) -> String {
         xml_escape(&report.tool),
         report.schema_version
     );
+}
+
+/// The summary table: one row per comparison, then per run that errored or was skipped
+/// (with memory columns when runs measured memory).
+fn render_summary_table(report: &Report, out: &mut String) {
     let memory = report.has_memory();
     out.push_str("<table>\n<tr><th>model</th><th>config</th><th>reference</th><th>result</th><th>max abs err</th><th>max rel err</th><th>max ULP</th><th>margin</th>");
     if memory {
@@ -425,29 +503,7 @@ pub fn render_html(report: &Report) -> String {
     }
     out.push_str("</tr>\n");
     for c in &report.comparisons {
-        let all = c.overall();
-        let _ = write!(
-            out,
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td class=\"{}\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>",
-            xml_escape(&c.model),
-            xml_escape(&c.config),
-            xml_escape(&c.reference),
-            if c.passed { "pass" } else { "fail" },
-            if c.passed { "pass" } else { "FAIL" },
-            fmt_num(all.max_abs_err),
-            fmt_num(all.max_rel_err),
-            fmt_ulp(all.max_ulp),
-            fmt_num(all.margin)
-        );
-        if memory {
-            let _ = write!(
-                out,
-                "<td class=\"num\">{}</td><td class=\"num\">{}</td>",
-                fmt_kib(c.memory.map(|m| m.full_param_bytes_peak)),
-                fmt_kib(c.memory.map(|m| m.shard_bytes))
-            );
-        }
-        out.push_str("</tr>\n");
+        render_summary_row(c, memory, out);
     }
     for e in &report.errors {
         let _ = writeln!(
@@ -472,66 +528,84 @@ pub fn render_html(report: &Report) -> String {
         );
     }
     out.push_str("</table>\n");
-    for e in &report.errors {
-        let name = format!("{} / {} vs {}", e.model, e.config, e.reference);
-        let _ = writeln!(
+}
+
+/// One comparison's row of the summary table (`memory`: with the memory columns).
+fn render_summary_row(c: &Comparison, memory: bool, out: &mut String) {
+    let all = c.overall();
+    let _ = write!(
+        out,
+        "<tr><td>{}</td><td>{}</td><td>{}</td><td class=\"{}\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>",
+        xml_escape(&c.model),
+        xml_escape(&c.config),
+        xml_escape(&c.reference),
+        if c.passed { "pass" } else { "fail" },
+        if c.passed { "pass" } else { "FAIL" },
+        fmt_num(all.max_abs_err),
+        fmt_num(all.max_rel_err),
+        fmt_ulp(all.max_ulp),
+        fmt_num(all.margin)
+    );
+    if memory {
+        let _ = write!(
             out,
-            "<section>\n<h2>{}</h2>\n<p class=\"fail\">ERROR: {}</p>\n<pre class=\"diag\">{}</pre>\n</section>",
-            xml_escape(&name),
-            xml_escape(&e.message),
-            xml_escape(&e.details)
+            "<td class=\"num\">{}</td><td class=\"num\">{}</td>",
+            fmt_kib(c.memory.map(|m| m.full_param_bytes_peak)),
+            fmt_kib(c.memory.map(|m| m.shard_bytes))
         );
     }
-    for c in &report.comparisons {
-        let name = format!("{} / {} vs {}", c.model, c.config, c.reference);
-        let _ = writeln!(out, "<section>\n<h2>{}</h2>", xml_escape(&name));
-        let _ = writeln!(
-            out,
-            "<p class=\"{}\">{}</p>",
-            if c.passed { "pass" } else { "fail" },
-            if c.passed { "passed" } else { "FAILED" }
-        );
-        if let Some(d) = &c.diagnosis {
-            let _ = writeln!(out, "<p class=\"diag\">{}</p>", xml_escape(d));
-        }
-        if let Some(line) = cross_rank_line(c) {
-            let class = if c.cross_rank.as_ref().is_some_and(|x| x.mismatch.is_some()) {
-                "fail"
-            } else {
-                "pass"
-            };
-            let _ = writeln!(
-                out,
-                "<p class=\"cross-rank {class}\">{}</p>",
-                xml_escape(&line)
-            );
-        }
-        for line in [plan_line(c), collectives_line(c)].into_iter().flatten() {
-            let _ = writeln!(out, "<p class=\"plan\">{}</p>", xml_escape(&line));
-        }
-        out.push_str(&param_table(c));
-        if c.arbiter.is_some() {
-            let _ = writeln!(
-                out,
-                "<p>fp64 arbiter: run / fp32 reference distance to float64 {}</p>",
-                xml_escape(&super::arbiter_cell(c))
-            );
-        }
-        if let Some(r) = &c.override_reason {
-            let _ = writeln!(out, "<p>Tolerance override: {}</p>", xml_escape(r));
-        }
-        let steps: Vec<&StepRow> = report.steps_of(c).collect();
-        out.push_str(&loss_plot(&format!("loss: {name}"), &steps));
-        if c.arbiter.is_some() {
-            out.push_str(&envelope_plot(
-                &format!("distance to fp64 per step: {name}"),
-                &steps,
-            ));
+    out.push_str("</tr>\n");
+}
+
+/// One comparison's section: its verdict and diagnosis, the cross-rank check, the plan, the
+/// per-parameter table, and its plots.
+fn render_section(report: &Report, c: &Comparison, out: &mut String) {
+    let name = format!("{} / {} vs {}", c.model, c.config, c.reference);
+    let _ = writeln!(out, "<section>\n<h2>{}</h2>", xml_escape(&name));
+    let _ = writeln!(
+        out,
+        "<p class=\"{}\">{}</p>",
+        if c.passed { "pass" } else { "fail" },
+        if c.passed { "passed" } else { "FAILED" }
+    );
+    if let Some(d) = &c.diagnosis {
+        let _ = writeln!(out, "<p class=\"diag\">{}</p>", xml_escape(d));
+    }
+    if let Some(line) = cross_rank_line(c) {
+        let class = if c.cross_rank.as_ref().is_some_and(|x| x.mismatch.is_some()) {
+            "fail"
         } else {
-            out.push_str(&error_plot(&format!("error per step: {name}"), &steps));
-        }
-        out.push_str("</section>\n");
+            "pass"
+        };
+        let _ = writeln!(
+            out,
+            "<p class=\"cross-rank {class}\">{}</p>",
+            xml_escape(&line)
+        );
     }
-    out.push_str("</body>\n</html>\n");
-    out
+    for line in [plan_line(c), collectives_line(c)].into_iter().flatten() {
+        let _ = writeln!(out, "<p class=\"plan\">{}</p>", xml_escape(&line));
+    }
+    out.push_str(&param_table(c));
+    if c.arbiter.is_some() {
+        let _ = writeln!(
+            out,
+            "<p>fp64 arbiter: run / fp32 reference distance to float64 {}</p>",
+            xml_escape(&super::arbiter_cell(c))
+        );
+    }
+    if let Some(r) = &c.override_reason {
+        let _ = writeln!(out, "<p>Tolerance override: {}</p>", xml_escape(r));
+    }
+    let steps: Vec<&StepRow> = report.steps_of(c).collect();
+    out.push_str(&loss_plot(&format!("loss: {name}"), &steps));
+    if c.arbiter.is_some() {
+        out.push_str(&envelope_plot(
+            &format!("distance to fp64 per step: {name}"),
+            &steps,
+        ));
+    } else {
+        out.push_str(&error_plot(&format!("error per step: {name}"), &steps));
+    }
+    out.push_str("</section>\n");
 }

@@ -21,6 +21,16 @@ fn cell(text: &str) -> String {
 /// reasons.
 pub fn render_markdown(report: &Report) -> String {
     let mut out = String::new();
+    render_header(report, &mut out);
+    render_summary_table(report, &mut out);
+    render_errors(report, &mut out);
+    render_sections(report, &mut out);
+    render_overrides(report, &mut out);
+    out
+}
+
+/// The title, the environment and the headline with the tool that wrote the report.
+fn render_header(report: &Report, out: &mut String) {
     let _ = writeln!(out, "# Lockstep parity report\n");
     if let Some(line) = report.environment_line() {
         let _ = writeln!(out, "{line}\n");
@@ -34,6 +44,10 @@ pub fn render_markdown(report: &Report) -> String {
         " ({}, schema {}).\n",
         report.tool, report.schema_version
     );
+}
+
+/// The summary table: one line per comparison, then per run that errored or was skipped.
+fn render_summary_table(report: &Report, out: &mut String) {
     // Memory columns only when some run measured memory (FSDP, and DDP in the matrix).
     let memory = report.has_memory();
     let _ = writeln!(
@@ -47,31 +61,7 @@ pub fn render_markdown(report: &Report) -> String {
         if memory { "---: | ---: | " } else { "" }
     );
     for c in &report.comparisons {
-        let all = c.overall();
-        let failure = c.diagnosis.as_deref().unwrap_or("");
-        let memory_cells = if memory {
-            format!(
-                "{} | {} | ",
-                fmt_kib(c.memory.map(|m| m.full_param_bytes_peak)),
-                fmt_kib(c.memory.map(|m| m.shard_bytes))
-            )
-        } else {
-            String::new()
-        };
-        let _ = writeln!(
-            out,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {memory_cells}{} |",
-            cell(&c.model),
-            cell(&c.config),
-            cell(&c.reference),
-            if c.passed { "pass" } else { "**FAIL**" },
-            fmt_num(all.max_abs_err),
-            fmt_num(all.max_rel_err),
-            fmt_ulp(all.max_ulp),
-            fmt_num(all.margin),
-            cell(&super::arbiter_cell(c)),
-            cell(failure)
-        );
+        render_summary_row(c, memory, out);
     }
     for e in &report.errors {
         let _ = writeln!(
@@ -95,23 +85,59 @@ pub fn render_markdown(report: &Report) -> String {
             cell(&k.reason)
         );
     }
-    if !report.errors.is_empty() {
-        let _ = writeln!(out, "\n## Errors\n");
-        for e in &report.errors {
-            let _ = writeln!(
-                out,
-                "<details><summary>{} / {} vs {}: {}</summary>\n<pre>{}</pre>\n</details>\n",
-                xml_escape(&e.model),
-                xml_escape(&e.config),
-                xml_escape(&e.reference),
-                xml_escape(&e.message),
-                xml_escape(&e.details)
-            );
-        }
+}
+
+/// One comparison's line of the summary table (`memory`: with the memory columns).
+fn render_summary_row(c: &Comparison, memory: bool, out: &mut String) {
+    let all = c.overall();
+    let failure = c.diagnosis.as_deref().unwrap_or("");
+    let memory_cells = if memory {
+        format!(
+            "{} | {} | ",
+            fmt_kib(c.memory.map(|m| m.full_param_bytes_peak)),
+            fmt_kib(c.memory.map(|m| m.shard_bytes))
+        )
+    } else {
+        String::new()
+    };
+    let _ = writeln!(
+        out,
+        "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {memory_cells}{} |",
+        cell(&c.model),
+        cell(&c.config),
+        cell(&c.reference),
+        if c.passed { "pass" } else { "**FAIL**" },
+        fmt_num(all.max_abs_err),
+        fmt_num(all.max_rel_err),
+        fmt_ulp(all.max_ulp),
+        fmt_num(all.margin),
+        cell(&super::arbiter_cell(c)),
+        cell(failure)
+    );
+}
+
+/// The errored runs' details, folded, when any run errored.
+fn render_errors(report: &Report, out: &mut String) {
+    if report.errors.is_empty() {
+        return;
     }
-    render_sections(report, &mut out);
-    // Each reason once (a matrix applies one override to many rows), with the rows it
-    // governed.
+    let _ = writeln!(out, "\n## Errors\n");
+    for e in &report.errors {
+        let _ = writeln!(
+            out,
+            "<details><summary>{} / {} vs {}: {}</summary>\n<pre>{}</pre>\n</details>\n",
+            xml_escape(&e.model),
+            xml_escape(&e.config),
+            xml_escape(&e.reference),
+            xml_escape(&e.message),
+            xml_escape(&e.details)
+        );
+    }
+}
+
+/// The tolerance overrides, each reason once (a matrix applies one override to many rows),
+/// with the rows it governed.
+fn render_overrides(report: &Report, out: &mut String) {
     let mut overrides: Vec<(&str, Vec<String>)> = Vec::new();
     for c in &report.comparisons {
         let Some(reason) = c.override_reason.as_deref() else {
@@ -129,7 +155,6 @@ pub fn render_markdown(report: &Report) -> String {
             let _ = writeln!(out, "- {} (for {})", cell(reason), cell(&rows.join(", ")));
         }
     }
-    out
 }
 
 /// One section per comparison (failing ones first; passing ones only in small reports): the
