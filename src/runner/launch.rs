@@ -4,21 +4,17 @@
 //! back.
 
 use super::builtin::train_builtin;
-use super::fork::launch_forked;
 use super::hand_back::{
     attach_cross_rank, hand_back_digest, hand_back_record, probe_for, read_record,
     take_handed_back, RankError,
 };
 use super::references::run_single;
-use super::scratch::scratch_path;
-use super::settings::{
-    launch_failed, lockstep_program, run_spec, ModelBuilder, RunFailed, RunSettings, TrainFn,
-};
+use super::settings::{lockstep_program, run_spec, ModelBuilder, RunFailed, RunSettings, TrainFn};
 use crate::configs::{Config, Precision};
-use lockstep_core::comm::Backend;
 use lockstep_core::record::RunRecord;
 use lockstep_core::train::TrainConfig;
-use lockstep_harness::{launch, LaunchOptions, RankCommand, RankCtx, RankSpawn};
+use lockstep_harness::launch::{run_ranks, scratch_path, shares_one_launch};
+use lockstep_harness::{RankCommand, RankCtx};
 use lockstep_models::{zoo, Model, OnDevice};
 use std::path::PathBuf;
 
@@ -44,9 +40,6 @@ pub fn run_config(
     }
     drop(probe);
     if settings.execs_lockstep_ranks() {
-        if let Some(external) = super::external::launch() {
-            return run_external_rank(external, model_name, config, world_size, settings);
-        }
         return run_exec(model_name, config, world_size, settings);
     }
     let dtype = config.precision().map_or("fp32", Precision::label);
@@ -101,7 +94,7 @@ pub fn run_launched(
         Ok(())
     };
     let label = format!("{model_name}/{config}");
-    let launched = launch_forked(world_size, settings, &label, &out, &body);
+    let launched = run_ranks(&settings.rank_launch(world_size, &label, &out), &body);
     read_record(&out, launched, world_size)
 }
 
@@ -164,8 +157,7 @@ pub fn run_configs_together(
         || configs.contains(&Config::Single)
         || settings.execs_ranks()
         || settings.faults.is_some()
-        || super::self_exec::serving().is_some()
-        || (super::external::launch().is_none() && super::self_exec::execs_here().unwrap_or(true))
+        || !shares_one_launch()
     {
         return configs
             .iter()
@@ -212,7 +204,8 @@ pub fn run_configs_together(
         Ok(())
     };
     let label = format!("{model_name}/subtests@{world_size}");
-    let mut failure = launch_forked(world_size, settings, &label, &outs[0], &body).err();
+    let launch = settings.rank_launch(world_size, &label, &outs[0]);
+    let mut failure = run_ranks(&launch, &body).err();
     let mut records: Vec<Option<RunRecord>> = outs
         .iter()
         .map(|out| {
@@ -247,16 +240,63 @@ pub fn run_configs_together(
 }
 
 /// One launch of `world_size` exec'd ranks (`lockstep rank`) training built-in `config` of
-/// zoo model `model_name`; rank 0's record comes back through a scratch file as from forked
-/// ranks.
+/// zoo model `model_name` (under an external launch, this process as one of them, training
+/// as an exec'd rank does: [`super::rank_cmd::RankRun::train`]); rank 0's record comes back
+/// as from forked ranks.
 pub(super) fn run_exec(
     model_name: &str,
     config: Config,
     world_size: usize,
     settings: &RunSettings,
 ) -> Result<RunRecord, RunFailed> {
-    // What the rank's command line cannot carry is refused, never dropped: a planted fault
-    // (DDP runs are where it goes) and an optimizer other than the default.
+    let external = super::external::launch().is_some();
+    refuse_what_exec_cannot_carry(model_name, config, settings, external)?;
+    let out = scratch_path(model_name, world_size);
+    if out.to_str().is_none() && !external {
+        return Err(RunFailed::simple(format!(
+            "exec'd ranks are told their record's path on the command line, and {} is not \
+             UTF-8: set TMPDIR to a UTF-8 path",
+            out.display()
+        )));
+    }
+    let run = super::rank_cmd::RankRun::of(model_name, config, settings, &out);
+    let command = || -> Result<RankCommand, RunFailed> {
+        Ok(RankCommand {
+            program: lockstep_program()?,
+            args: run.args(),
+            // cuBLAS picks reduction orders per call unless its workspace is fixed, NCCL its
+            // algorithm by size: the bitwise repeat rows need the same bits from a fresh
+            // process.
+            env: settings.rank_env(),
+        })
+    };
+    let label = format!("{model_name}/{}", config.at(world_size));
+    let launch = lockstep_harness::launch::RankLaunch {
+        exec: Some(&command),
+        ..settings.rank_launch(world_size, &label, &out)
+    };
+    let launched = run_ranks(&launch, &|ctx: &RankCtx| run.train(ctx));
+    read_record(&out, launched, world_size)
+}
+
+/// What an exec'd rank's command line cannot carry is refused, never dropped: a planted
+/// fault (DDP runs are where it goes; under an external launch a fault plan too, which
+/// forked ranks only take), and a model outside the zoo.
+fn refuse_what_exec_cannot_carry(
+    model_name: &str,
+    config: Config,
+    settings: &RunSettings,
+    external: bool,
+) -> Result<(), RunFailed> {
+    if external {
+        if settings.fault.is_some() || settings.faults.is_some() {
+            return Err(RunFailed::simple(
+                "a planted fault or fault plan runs in forked ranks only, not in exec'd or \
+                 NCCL ranks",
+            ));
+        }
+        return Ok(());
+    }
     if settings.fault.is_some()
         && matches!(
             config,
@@ -272,68 +312,5 @@ pub(super) fn run_exec(
             "exec'd ranks (NCCL, --exec-ranks) build zoo models only; `{model_name}` is not one"
         )));
     }
-    let program = lockstep_program()?;
-    let out = scratch_path(model_name, world_size);
-    if out.to_str().is_none() {
-        return Err(RunFailed::simple(format!(
-            "exec'd ranks are told their record's path on the command line, and {} is not \
-             UTF-8: set TMPDIR to a UTF-8 path",
-            out.display()
-        )));
-    }
-    let run = super::rank_cmd::RankRun::of(model_name, config, settings, &out);
-    let opts = LaunchOptions {
-        world_size,
-        timeout: settings.timeout,
-        backend: match settings.backend {
-            Backend::Cpu => "cpu",
-            Backend::Nccl => "nccl",
-        }
-        .into(),
-    };
-    let args = run.args();
-    // cuBLAS picks reduction orders per call unless its workspace is fixed, NCCL its algorithm
-    // by size: the bitwise repeat rows need the same bits from a fresh process.
-    let env = settings.rank_env();
-    let command = |_rank: usize| RankCommand {
-        program: program.clone(),
-        args: args.clone(),
-        env: env.clone(),
-    };
-    let launched = launch(&opts, RankSpawn::Exec(&command))
-        .map(drop)
-        .map_err(launch_failed);
-    read_record(&out, launched, world_size)
-}
-
-/// Built-in `config` of zoo model `model_name` with this process as one rank of an external
-/// launch, training as an exec'd rank does ([`super::rank_cmd::RankRun::train`]): under
-/// NCCL on its `LOCAL_RANK`'s GPU (this process was never forked, so CUDA is usable), on the
-/// CPU under `--exec-ranks`. Rank 0's record comes back through the run's store.
-pub(super) fn run_external_rank(
-    external: &lockstep_core::comm::ExternalLaunch,
-    model_name: &str,
-    config: Config,
-    world_size: usize,
-    settings: &RunSettings,
-) -> Result<RunRecord, RunFailed> {
-    if settings.fault.is_some() || settings.faults.is_some() {
-        return Err(RunFailed::simple(
-            "a planted fault or fault plan runs in forked ranks only, not in exec'd or \
-             NCCL ranks",
-        ));
-    }
-    let out = scratch_path(model_name, world_size);
-    let run = super::rank_cmd::RankRun::of(model_name, config, settings, &out);
-    let body = |ctx: &RankCtx| run.train(ctx);
-    let label = format!("{model_name}/{}", config.at(world_size));
-    let launched = super::external::run(
-        external,
-        world_size,
-        settings.backend,
-        &label,
-        settings.timeout,
-        &body,
-    );
-    read_record(&out, launched, world_size)
+    Ok(())
 }

@@ -2,14 +2,13 @@
 //! shadow, the teacher-forced references of the step-local check, and the fp64 arbiter's
 //! verdict over them. Computed in the launching process with the ranks' thread count.
 
-use super::fork::launch_forked;
 use super::hand_back::{hand_back_record, read_record, RankError};
-use super::scratch::scratch_path;
 use super::settings::{run_spec, ModelBuilder, RunFailed, RunSettings};
 use crate::configs::Config;
 use lockstep_core::comm::Backend;
 use lockstep_core::record::RunRecord;
 use lockstep_core::train::single_device_reference;
+use lockstep_harness::launch::{run_ranks, scratch_path};
 use lockstep_harness::RankCtx;
 use lockstep_models::{decisions, Model, OnDevice};
 
@@ -69,7 +68,7 @@ pub fn in_process_reference(
         let record = reference().map_err(|e| e.details)?;
         hand_back_record(&record, &out)
     };
-    let launched = launch_forked(1, settings, "reference", &out, &body);
+    let launched = run_ranks(&settings.rank_launch(1, "reference", &out), &body);
     read_record(&out, launched, 0)
 }
 

@@ -6,7 +6,9 @@ use lockstep_core::comm::{Backend, FaultMode};
 use lockstep_core::ddp::Fault;
 use lockstep_core::record::{RunRecord, RunSpec};
 use lockstep_core::train::{OptimizerConfig, TrainConfig};
-use lockstep_harness::{LaunchError, RankCtx};
+use lockstep_harness::launch::RankLaunch;
+pub use lockstep_harness::launch::{launch_failed, one_line, RunFailed};
+use lockstep_harness::RankCtx;
 use lockstep_models::{zoo, Model, ModelError};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -131,37 +133,6 @@ impl RunSettings {
     }
 }
 
-/// Why a run produced no record: its own failure, kept whole for the reports.
-#[derive(Clone, Debug)]
-pub struct RunFailed {
-    /// What failed, in one line.
-    pub line: String,
-    /// Everything the launcher reported.
-    pub details: String,
-    /// Whether the run outlived its timeout (a hang), rather than failing.
-    pub timed_out: bool,
-}
-
-impl RunFailed {
-    /// A failure whose one line is the whole story (nothing was launched).
-    pub fn simple(text: impl Into<String>) -> Self {
-        let line = text.into();
-        RunFailed {
-            details: line.clone(),
-            line,
-            timed_out: false,
-        }
-    }
-}
-
-impl std::fmt::Display for RunFailed {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.details)
-    }
-}
-
-impl std::error::Error for RunFailed {}
-
 /// A run's record, or why it has none: what every run of a matrix cell, a parity test or a
 /// sensitivity analysis comes back as.
 pub type RecordResult = Result<RunRecord, RunFailed>;
@@ -197,24 +168,25 @@ pub fn run_spec(
     }
 }
 
-/// A failed launch as a [`RunFailed`] carrying the launcher's whole account.
-pub fn launch_failed(e: LaunchError) -> RunFailed {
-    let details = e.to_string();
-    RunFailed {
-        line: one_line(&details),
-        details,
-        timed_out: matches!(e, LaunchError::Timeout(_)),
-    }
-}
-
-/// The launcher's failure report runs over many lines; tables get its first one and the
-/// first line naming a rank's message.
-pub fn one_line(text: &str) -> String {
-    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
-    let first = lines.next().unwrap_or("launch failed").to_owned();
-    match lines.find(|l| l.contains("failed") || l.contains("error")) {
-        Some(detail) if detail != first => format!("{first} {detail}"),
-        _ => first,
+impl RunSettings {
+    /// A launch of this run's ranks, named `label`, rank 0 handing its record back at `out`:
+    /// the harness chooses the mode ([`lockstep_harness::launch::run_ranks`]).
+    pub fn rank_launch<'a>(
+        &self,
+        world_size: usize,
+        label: &'a str,
+        out: &'a Path,
+    ) -> RankLaunch<'a> {
+        RankLaunch {
+            world_size,
+            timeout: self.timeout,
+            backend: self.backend,
+            label,
+            out,
+            fault_plan: self.faults.is_some(),
+            cuda: self.computes_on_cuda(),
+            exec: None,
+        }
     }
 }
 

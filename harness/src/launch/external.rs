@@ -19,11 +19,11 @@
 //! to fail, by a store counter) and its message from the store, every later launch returns
 //! at once without joining ([`stopped`]), and the driver stops with that message.
 
+use super::failed::{one_line, RunFailed};
 use super::hand_back::{begin_store_body, end_store_body, receive_handed_back, RankError};
-use super::settings::RunFailed;
+use crate::RankCtx;
 use lockstep_core::comm::flight;
 use lockstep_core::comm::{Backend, ExternalLaunch, RunStore, World};
-use lockstep_harness::RankCtx;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -101,7 +101,7 @@ fn stop(failed: RunFailed) -> RunFailed {
 }
 
 /// A scratch path every rank names alike (a store key in disguise), under an external launch.
-pub(crate) fn scratch_path(tag: &str) -> Option<PathBuf> {
+pub fn scratch_path(tag: &str) -> Option<PathBuf> {
     launch()?;
     let n = SCRATCH.fetch_add(1, Ordering::AcqRel);
     Some(std::env::temp_dir().join(format!("lockstep-ext-{tag}-{n}.json")))
@@ -125,7 +125,7 @@ struct RankAccount {
 /// Runs `body` as this process's rank of a launch of `world_size` ranks labelled `label`,
 /// then exchanges outcomes and handed-back values through the store (see the module doc).
 /// A failure on any rank comes back, the same on every rank, and stops the run.
-pub(crate) fn run(
+pub fn run(
     launch: &ExternalLaunch,
     world_size: usize,
     backend: Backend,
@@ -143,7 +143,7 @@ pub(crate) fn run(
         return Err(RunFailed::simple(reason));
     }
     // This process is a rank now: the ranks' thread rule, as a launched rank applies.
-    lockstep_harness::threads::use_rank_threads();
+    crate::threads::use_rank_threads();
     let rank = launch.rank;
     let world = World::from_env_for(backend, label).map_err(|e| {
         stop(RunFailed::simple(format!(
@@ -315,7 +315,7 @@ fn timeout_failure(
         }
     }
     RunFailed {
-        line: super::settings::one_line(&line),
+        line: one_line(&line),
         details,
         timed_out: true,
     }
@@ -387,7 +387,7 @@ fn dead_ranks(outcomes: &[Option<RankAccount>], missing: &[usize], label: &str) 
         }
     }
     RunFailed {
-        line: super::settings::one_line(&line),
+        line: one_line(&line),
         details,
         timed_out: false,
     }
@@ -413,7 +413,7 @@ fn judge_outcomes(outcomes: &[RankAccount], label: &str) -> Result<(), RunFailed
         details.push_str(&format!("rank {r}: {m}\n"));
     }
     Err(RunFailed {
-        line: super::settings::one_line(&line),
+        line: one_line(&line),
         details,
         timed_out: false,
     })

@@ -9,7 +9,7 @@
 //! a rank that diverged fails the run even when rank 0's numbers match the reference
 //! ([`lockstep_core::consistency`]).
 
-use super::settings::RunFailed;
+use super::failed::RunFailed;
 use lockstep_core::comm::{CommError, RunStore};
 use lockstep_core::consistency::{check_digests, RankDigest, StateProbe};
 use lockstep_core::record::RunRecord;
@@ -214,7 +214,7 @@ pub fn attach_cross_rank(record: Option<&mut RunRecord>, out: &Path, world_size:
 
 /// Rank 0's record from `out` (removed), unless the launch failed, with the comparison of
 /// the `world_size` ranks' state digests.
-pub(super) fn read_record(
+pub fn read_record(
     out: &Path,
     launched: Result<(), RunFailed>,
     world_size: usize,
@@ -244,4 +244,27 @@ pub(super) fn read_record(
 /// Rank 0's record, written where the launching process reads it back.
 pub fn hand_back_record(record: &RunRecord, out: &Path) -> Result<(), RankError> {
     hand_back_json("the record", out, record)
+}
+
+/// Where the record of a run of `model` at `world_size` is handed back.
+pub fn scratch_path(model: &str, world_size: usize) -> PathBuf {
+    // An exec'd rank writes where its launcher reads, whichever launch it computes this for.
+    if let Some(path) = super::self_exec::record_path() {
+        return path;
+    }
+    let safe: String = model
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    // Under an external launch the "file" is a store key, named alike on every rank.
+    if let Some(path) = super::external::scratch_path(&format!("{safe}-{world_size}")) {
+        return path;
+    }
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    std::env::temp_dir().join(format!(
+        "lockstep-run-{}-{safe}-{world_size}-{nonce:x}.json",
+        std::process::id()
+    ))
 }

@@ -2,7 +2,7 @@
 //!
 //! Forking a rank from a process in which other threads run (libtest's other tests) can hand
 //! the child a lock held forever, so where fork is not safe
-//! ([`lockstep_harness::fork_is_safe_here`]) a launch of forked ranks becomes a launch of
+//! ([`crate::fork_is_safe_here`]) a launch of forked ranks becomes a launch of
 //! exec'd ones: each rank is the test binary re-run with the test's exact name
 //! (`NAME --exact --nocapture --test-threads 1`), told by [`LAUNCH`] which launch of the
 //! test it is a rank of. The re-run test executes the same code from the start; every launch
@@ -17,8 +17,10 @@
 //!
 //! Slower than fork (each rank loads libtorch afresh: about 0.4 s of CPU per rank here).
 
-use super::settings::RunFailed;
-use lockstep_harness::{launch, LaunchOptions, RankCommand, RankCtx, RankSpawn};
+use super::failed::{launch_failed, RunFailed};
+use super::hand_back::RankError;
+use super::{launch, LaunchOptions, RankCommand, RankSpawn};
+use crate::RankCtx;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -124,7 +126,7 @@ pub fn record_path() -> Option<PathBuf> {
 pub fn execs_here() -> Result<bool, RunFailed> {
     let on_test_thread = std::thread::current().name().is_some_and(|n| n != "main");
     if !on_test_thread {
-        return Ok(!lockstep_harness::fork_is_safe_here());
+        return Ok(!crate::fork_is_safe_here());
     }
     match std::env::var("LOCKSTEP_SPAWN").ok().as_deref() {
         Some("exec") => Ok(true),
@@ -132,7 +134,7 @@ pub fn execs_here() -> Result<bool, RunFailed> {
         Some(other) => Err(RunFailed::simple(format!(
             "LOCKSTEP_SPAWN={other:?}: expected exec or fork"
         ))),
-        None => Ok(!lockstep_harness::fork_is_safe_here()),
+        None => Ok(!crate::fork_is_safe_here()),
     }
 }
 
@@ -153,7 +155,7 @@ pub fn launch_without_fork(
     out: &std::path::Path,
     faults: bool,
     cuda: bool,
-    body: &(dyn Fn(&RankCtx) -> Result<(), super::hand_back::RankError> + Sync),
+    body: &(dyn Fn(&RankCtx) -> Result<(), RankError> + Sync),
 ) -> Option<Result<(), RunFailed>> {
     if let Some(want) = serving() {
         AT_EXIT.call_once(|| {
@@ -164,7 +166,7 @@ pub fn launch_without_fork(
         });
         if next_name(label) == want {
             MATCHED.store(true, Ordering::SeqCst);
-            lockstep_harness::rank_main(|ctx: &RankCtx| body(ctx));
+            crate::rank_main(|ctx: &RankCtx| body(ctx));
         }
         return Some(Err(RunFailed::simple(SKIPPED)));
     }
@@ -235,5 +237,5 @@ fn exec_launch(
     };
     launch(&opts, RankSpawn::Exec(&command))
         .map(drop)
-        .map_err(super::settings::launch_failed)
+        .map_err(launch_failed)
 }

@@ -1,5 +1,24 @@
-//! The parent side: starts one process per rank, hosts the store, watches the ranks, and
-//! turns whatever went wrong into a report that names the rank and says why.
+//! Launching a run's ranks, in one place: [`run_ranks`] chooses the mode ([`mode`](self):
+//! forked, the calling test re-run ([`self_exec`]), a command exec'd per rank, or this process
+//! as one rank of torchrun/srun ([`external`])), [`hand_back`] brings rank 0's record and
+//! every rank's state digest back (a file, or a store key), and [`RunFailed`] is what comes
+//! back otherwise.
+//!
+//! This file is the parent side every mode but the external one shares: it starts one process
+//! per rank, hosts the store, watches the ranks, and turns whatever went wrong into a report
+//! that names the rank and says why.
+
+pub mod external;
+mod failed;
+pub mod hand_back;
+mod mode;
+pub mod self_exec;
+
+pub use failed::{launch_failed, one_line, RunFailed};
+pub use hand_back::{scratch_path, RankError};
+pub use mode::{
+    run_ranks, shares_one_launch, ExecCommand, RankBody, RankLaunch, NCCL_RUNS_MISSING,
+};
 
 use crate::error::{LaunchError, RankEnd, RankReport};
 use lockstep_core::comm::flight::{self, OpRecord};
@@ -44,6 +63,7 @@ const POLL: Duration = Duration::from_millis(5);
 const DUMP_GRACE: Duration = Duration::from_secs(2);
 
 /// What a rank's process runs: the program and arguments, before the launcher adds env.
+#[derive(Clone, Debug)]
 pub struct RankCommand {
     /// The executable, usually the current test binary.
     pub program: PathBuf,
