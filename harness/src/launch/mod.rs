@@ -385,27 +385,7 @@ pub fn launch(opts: &LaunchOptions, spawn: RankSpawn<'_>) -> Result<LaunchSummar
     let started = Instant::now();
     // Start every rank before any output-draining or store thread exists, so no forked rank
     // can inherit a lock one of those threads held at the moment of the fork.
-    let mut ranks = Ranks(Vec::with_capacity(opts.world_size));
-    let mut pipes = Vec::with_capacity(opts.world_size);
-    for rank in 0..opts.world_size {
-        let info = RankInfo {
-            rank,
-            world_size: opts.world_size,
-            store: store.addr().to_string(),
-            secret: secret.clone(),
-            run_dir: run_dir.path().to_owned(),
-            backend: opts.backend.clone(),
-        };
-        let (pid, out, err) = spawn_rank(&spawn, info)?;
-        ranks.0.push(RankProc {
-            pid,
-            stdout: Tail::default(),
-            stderr: Tail::default(),
-            drains: Vec::new(),
-            end: None,
-        });
-        pipes.push((out, err));
-    }
+    let (mut ranks, pipes) = spawn_ranks(opts, &spawn, &store, &secret, run_dir.path())?;
     store
         .serve()
         .map_err(|e| LaunchError::Invalid(format!("cannot start the store: {e}")))?;
@@ -423,8 +403,54 @@ pub fn launch(opts: &LaunchOptions, spawn: RankSpawn<'_>) -> Result<LaunchSummar
             ),
         ];
     }
+    watch(&mut ranks, &store, run_dir.path(), started, opts.timeout)
+}
 
-    let deadline = started + opts.timeout;
+/// Each rank's stdout and stderr pipes, read by the drain threads once every rank started.
+type RankPipes = Vec<(OwnedFd, OwnedFd)>;
+
+/// Starts every rank (forked or exec'd), each with its output pipes.
+fn spawn_ranks(
+    opts: &LaunchOptions,
+    spawn: &RankSpawn<'_>,
+    store: &StoreServer,
+    secret: &str,
+    run_dir: &Path,
+) -> Result<(Ranks, RankPipes), LaunchError> {
+    let mut ranks = Ranks(Vec::with_capacity(opts.world_size));
+    let mut pipes = Vec::with_capacity(opts.world_size);
+    for rank in 0..opts.world_size {
+        let info = RankInfo {
+            rank,
+            world_size: opts.world_size,
+            store: store.addr().to_string(),
+            secret: secret.to_owned(),
+            run_dir: run_dir.to_owned(),
+            backend: opts.backend.clone(),
+        };
+        let (pid, out, err) = spawn_rank(spawn, info)?;
+        ranks.0.push(RankProc {
+            pid,
+            stdout: Tail::default(),
+            stderr: Tail::default(),
+            drains: Vec::new(),
+            end: None,
+        });
+        pipes.push((out, err));
+    }
+    Ok((ranks, pipes))
+}
+
+/// Watches the ranks until every one succeeded, one failed (the others are stopped and the
+/// culprit named), or the timeout passed (every rank's flight recorder is dumped first).
+fn watch(
+    ranks: &mut Ranks,
+    store: &StoreServer,
+    run_dir: &Path,
+    started: Instant,
+    timeout: Duration,
+) -> Result<LaunchSummary, LaunchError> {
+    let deadline = started + timeout;
     loop {
         let mut running = 0;
         let mut first_failure = None;
@@ -443,35 +469,35 @@ pub fn launch(opts: &LaunchOptions, spawn: RankSpawn<'_>) -> Result<LaunchSummar
             }
         }
         if first_failure.is_some() {
-            settle(&mut ranks, &store);
-            let culprit = culprit(&ranks, &store);
-            stop_all(&mut ranks, RankEnd::KilledByLauncher);
+            settle(ranks, store);
+            let culprit = culprit(ranks, store);
+            stop_all(ranks, RankEnd::KilledByLauncher);
             return Err(LaunchError::RankFailed(reports(
-                &mut ranks,
-                &store,
+                ranks,
+                store,
                 Some(culprit),
                 None,
             )));
         }
         if running == 0 {
             let elapsed = started.elapsed();
-            let rank_reports = reports(&mut ranks, &store, None, None);
+            let rank_reports = reports(ranks, store, None, None);
             return Ok(LaunchSummary {
                 elapsed,
                 ranks: rank_reports.ranks,
             });
         }
         if Instant::now() >= deadline {
-            request_dumps(&ranks);
-            let dumps = wait_for_dumps(&ranks, run_dir.path());
+            request_dumps(ranks);
+            let dumps = wait_for_dumps(ranks, run_dir);
             // A rank that ended meanwhile says how (SIGUSR1's default action kills a rank that
             // had not yet installed its dump handler: it was stuck before joining the run).
             for r in ranks.0.iter_mut().filter(|r| r.end.is_none()) {
                 r.end = r.poll();
             }
-            stop_all(&mut ranks, RankEnd::TimedOut);
-            let mut report = reports(&mut ranks, &store, None, Some(dumps));
-            report.timeout = Some(opts.timeout);
+            stop_all(ranks, RankEnd::TimedOut);
+            let mut report = reports(ranks, store, None, Some(dumps));
+            report.timeout = Some(timeout);
             return Err(LaunchError::Timeout(report));
         }
         std::thread::sleep(POLL);
