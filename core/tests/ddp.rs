@@ -1,7 +1,7 @@
 //! DDP against the references, and the checker catching DDP's classic bugs.
 
 use lockstep_core::comm::DType;
-use lockstep_core::ddp::{train_ddp, Ddp, DdpOptions, Fault, MarkedReduction};
+use lockstep_core::ddp::{train_ddp, Ddp, DdpFault, DdpOptions, MarkedReduction};
 use lockstep_core::record::{RunRecord, RunSpec};
 use lockstep_core::train::{single_device_reference, OptimizerConfig, TrainConfig};
 use lockstep_harness::parity::{compare, Comparison, Quantity, TolerancePolicy};
@@ -146,7 +146,7 @@ fn first_failure(c: &Comparison) -> (Quantity, Option<usize>, Option<String>) {
 fn planted_sum_instead_of_average_is_caught() {
     lockstep_harness::run(2, |ctx| {
         let faulty = DdpOptions {
-            fault: Some(Fault::SumInsteadOfAverage),
+            fault: Some(DdpFault::SumInsteadOfAverage),
             ..DdpOptions::default()
         };
         let run = ddp_run(ctx, "nested", faulty, false);
@@ -175,7 +175,7 @@ fn planted_sum_instead_of_average_is_caught() {
 fn planted_unreduced_parameter_is_named() {
     lockstep_harness::run(2, |ctx| {
         let faulty = DdpOptions {
-            fault: Some(Fault::SkipParameter("module.1.0.weight".into())),
+            fault: Some(DdpFault::SkipParameter("module.1.0.weight".into())),
             ..DdpOptions::default()
         };
         let run = ddp_run(ctx, "nested", faulty, true);
@@ -199,7 +199,7 @@ fn planted_unreduced_parameter_is_named() {
 
 #[test]
 fn planted_missing_buffer_broadcast_is_caught() {
-    for (fault, should_pass) in [(None, true), (Some(Fault::NoBufferBroadcast), false)] {
+    for (fault, should_pass) in [(None, true), (Some(DdpFault::NoBufferBroadcast), false)] {
         lockstep_harness::run(2, |ctx| {
             let m = zoo::build("transformer", 0, ctx.rank()).expect("model");
             if ctx.rank() == 1 {
@@ -230,7 +230,7 @@ fn planted_expert_reduction_is_caught() {
     lockstep_harness::run(2, |ctx| {
         let correct = ddp_run(ctx, "moe", DdpOptions::default(), false);
         let faulty = DdpOptions {
-            fault: Some(Fault::ReduceExperts),
+            fault: Some(DdpFault::ReduceExperts),
             ..DdpOptions::default()
         };
         let run = ddp_run(ctx, "moe", faulty, false);

@@ -7,7 +7,7 @@
 mod common;
 
 use lockstep_core::comm::DType;
-use lockstep_core::ddp::{train_ddp, Ddp, DdpError, DdpOptions, Fault};
+use lockstep_core::ddp::{train_ddp, Ddp, DdpError, DdpFault, DdpOptions};
 use lockstep_core::mixed_reference::{mixed_precision_reference, HalfType};
 use lockstep_core::precision::{
     cast_buffers, low_precision_params, CastInputs, Chain, MixedPrecision, PrecisionError,
@@ -195,11 +195,11 @@ fn ddp_is_bitwise_the_independent_mixed_precision_reference(
 #[rstest]
 fn mixed_precision_bugs_fail_against_the_independent_reference(
     #[values(
-        Fault::ComputeInOtherHalf,
-        Fault::ReduceInComputeDtype,
-        Fault::HalfPrecisionMaster
+        DdpFault::ComputeInOtherHalf,
+        DdpFault::ReduceInComputeDtype,
+        DdpFault::HalfPrecisionMaster
     )]
-    fault: Fault,
+    fault: DdpFault,
     #[values(HalfType::Bf16, HalfType::Fp16)] half: HalfType,
 ) {
     let policy = match half {

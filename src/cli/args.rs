@@ -298,7 +298,7 @@ pub(crate) struct StressArgs {
     /// Plant a bug in every DDP run (as `matrix --fault`), e.g. `stall` to prove a hang is
     /// found.
     #[arg(long, hide = true, value_parser = parse_fault)]
-    pub(crate) fault: Option<lockstep_core::ddp::Fault>,
+    pub(crate) fault: Option<lockstep_core::ddp::DdpFault>,
 }
 
 #[derive(clap::Args)]
@@ -315,7 +315,7 @@ pub(crate) struct MatrixArgs {
     /// averaged), no-buffer-broadcast, reduce-experts, stall (the last rank hangs before its
     /// first gradient reduction), or skip=PARAM.
     #[arg(long, hide = true, value_parser = parse_fault)]
-    pub(crate) fault: Option<lockstep_core::ddp::Fault>,
+    pub(crate) fault: Option<lockstep_core::ddp::DdpFault>,
     /// List the configs (with the models each applies to) and the models, then exit.
     #[arg(long)]
     pub(crate) list: bool,
@@ -496,18 +496,18 @@ pub(crate) fn parse_backend(text: &str) -> Result<lockstep_core::comm::Backend, 
         .map_err(|e: lockstep_core::CommError| e.to_string())
 }
 
-pub(crate) fn parse_fault(text: &str) -> Result<lockstep_core::ddp::Fault, String> {
-    use lockstep_core::ddp::Fault;
+pub(crate) fn parse_fault(text: &str) -> Result<lockstep_core::ddp::DdpFault, String> {
+    use lockstep_core::ddp::DdpFault;
     match text {
-        "sum" => Ok(Fault::SumInsteadOfAverage),
-        "no-buffer-broadcast" => Ok(Fault::NoBufferBroadcast),
-        "reduce-experts" => Ok(Fault::ReduceExperts),
-        "stall" => Ok(Fault::StallLastRank),
-        "other-half" => Ok(Fault::ComputeInOtherHalf),
-        "reduce-in-half" => Ok(Fault::ReduceInComputeDtype),
-        "half-master" => Ok(Fault::HalfPrecisionMaster),
+        "sum" => Ok(DdpFault::SumInsteadOfAverage),
+        "no-buffer-broadcast" => Ok(DdpFault::NoBufferBroadcast),
+        "reduce-experts" => Ok(DdpFault::ReduceExperts),
+        "stall" => Ok(DdpFault::StallLastRank),
+        "other-half" => Ok(DdpFault::ComputeInOtherHalf),
+        "reduce-in-half" => Ok(DdpFault::ReduceInComputeDtype),
+        "half-master" => Ok(DdpFault::HalfPrecisionMaster),
         _ => match text.strip_prefix("skip=") {
-            Some(param) if !param.is_empty() => Ok(Fault::SkipParameter(param.to_owned())),
+            Some(param) if !param.is_empty() => Ok(DdpFault::SkipParameter(param.to_owned())),
             _ => Err(
                 "expected sum, no-buffer-broadcast, reduce-experts, stall, other-half, \
                      reduce-in-half, half-master or skip=PARAM"

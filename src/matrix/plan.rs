@@ -22,7 +22,7 @@ pub struct MatrixOptions {
     /// (not just the final parameters).
     pub record_grads: bool,
     /// A bug planted in every DDP run, to show the matrix catches it (checker tests only).
-    pub fault: Option<Fault>,
+    pub fault: Option<DdpFault>,
     /// Run a cell's launched configurations in one launch each (subtests); `false` gives
     /// every run a launch of its own (`--isolated`, slower, for bisecting a suspect run).
     pub subtests: bool,
@@ -82,7 +82,7 @@ pub struct Plan {
     /// Whether runs record per-step gradients.
     pub record_grads: bool,
     /// The planted bug every DDP run carries, if any.
-    pub fault: Option<Fault>,
+    pub fault: Option<DdpFault>,
     /// Whether a cell's launched configurations share one launch (see [`MatrixOptions`]).
     pub subtests: bool,
     /// The backend launched ranks use (see [`MatrixOptions::backend`]).

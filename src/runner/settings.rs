@@ -3,7 +3,7 @@
 //! failed run.
 
 use lockstep_core::comm::{Backend, FaultMode};
-use lockstep_core::ddp::Fault;
+use lockstep_core::ddp::DdpFault;
 use lockstep_core::record::{RunRecord, RunSpec};
 use lockstep_core::train::{OptimizerConfig, TrainConfig};
 use lockstep_harness::launch::RankLaunch;
@@ -37,7 +37,7 @@ pub struct RunSettings {
     /// The optimizer every run steps with.
     pub optimizer: OptimizerConfig,
     /// A planted bug for DDP runs (checker tests only).
-    pub fault: Option<Fault>,
+    pub fault: Option<DdpFault>,
     /// The backend launched ranks communicate over, recorded in every run's spec. NCCL runs
     /// exec their ranks (CUDA cannot live in a forked child), each on its `LOCAL_RANK`'s GPU,
     /// and the single-device reference on GPU 0.

@@ -1,7 +1,7 @@
 //! A composition as data, its named mesh at a world size, and the checks that refuse it
 //! before any rank starts.
 
-use crate::expert_parallel::run::EpError;
+use crate::expert_parallel::EpError;
 use crate::expert_parallel::{check_expert_plan, Dispatcher, EpOptions};
 use crate::pipeline::{
     plan_pipeline, PartitionMethod, PipelineError, PipelineOptions, PipelinePlan, ScheduleChoice,

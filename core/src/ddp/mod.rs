@@ -33,7 +33,7 @@ mod buckets;
 mod options;
 
 pub use options::{
-    CommHook, DdpError, DdpOptions, Fault, GradBucket, GradReduction, MarkedReduction,
+    CommHook, DdpError, DdpFault, DdpOptions, GradBucket, GradReduction, MarkedReduction,
 };
 
 use crate::autograd::{register_post_accumulate_grad_hook, set_grad, AutogradError, HookHandle};
@@ -159,8 +159,8 @@ impl Ddp {
         let replicate = replicate.map(counted);
         let fault = opts.fault.clone();
         let excluded = |name: &str| match &fault {
-            Some(Fault::SkipParameter(p)) if p == name => true,
-            Some(Fault::ReduceExperts) => false,
+            Some(DdpFault::SkipParameter(p)) if p == name => true,
+            Some(DdpFault::ReduceExperts) => false,
             _ => rank_local.contains(name),
         };
         let params = distinct_parameters(params);
@@ -179,7 +179,7 @@ impl Ddp {
                 bucket_of[i] = Some(b);
             }
         }
-        let op = if fault == Some(Fault::SumInsteadOfAverage) {
+        let op = if fault == Some(DdpFault::SumInsteadOfAverage) {
             ReduceOp::Sum
         } else {
             ReduceOp::Avg
@@ -268,7 +268,7 @@ impl Ddp {
         for lp in &mp.low {
             set_grad(&lp.param, None)?;
             let low = lp.master.f_to_kind(mp.policy.param_dtype)?;
-            if self.opts.fault == Some(Fault::HalfPrecisionMaster) {
+            if self.opts.fault == Some(DdpFault::HalfPrecisionMaster) {
                 lp.master.shallow_clone().f_copy_(&low)?;
             }
             lp.param.shallow_clone().f_set_data(&low)?;
@@ -283,7 +283,7 @@ impl Ddp {
     pub fn finish_gradients(&mut self) -> Result<(), DdpError> {
         let mut state = lock(&self.state);
         let (rank, size) = (state.group.rank(), state.group.size());
-        if self.opts.fault == Some(Fault::StallLastRank) && size > 1 && rank == size - 1 {
+        if self.opts.fault == Some(DdpFault::StallLastRank) && size > 1 && rank == size - 1 {
             loop {
                 std::thread::sleep(std::time::Duration::from_secs(1));
             }
@@ -407,7 +407,7 @@ impl Drop for Ddp {
 impl StepHooks for Ddp {
     fn before_forward(&mut self, _step: usize) -> Result<(), TrainError> {
         let broadcast =
-            self.opts.broadcast_buffers && self.opts.fault != Some(Fault::NoBufferBroadcast);
+            self.opts.broadcast_buffers && self.opts.fault != Some(DdpFault::NoBufferBroadcast);
         if broadcast {
             self.broadcast_buffers().map_err(into_train)?;
         }
@@ -510,7 +510,7 @@ fn broadcast_initial(
     params: &[(String, Tensor)],
     buffers: &[(String, Tensor)],
     rank_local: &HashSet<String>,
-    fault: &Option<Fault>,
+    fault: &Option<DdpFault>,
 ) -> Result<(), DdpError> {
     broadcast_named_from_rank0(
         group.as_ref(),
@@ -519,7 +519,7 @@ fn broadcast_initial(
             .filter(|(name, _)| !rank_local.contains(name))
             .map(|(n, p)| (n.as_str(), p)),
     )?;
-    if *fault != Some(Fault::NoBufferBroadcast) {
+    if *fault != Some(DdpFault::NoBufferBroadcast) {
         broadcast_named_from_rank0(group.as_ref(), buffers.iter().map(|(n, b)| (n.as_str(), b)))?;
     }
     Ok(())

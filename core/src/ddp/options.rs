@@ -20,7 +20,7 @@ pub enum DdpError {
 
 /// A bug planted on purpose, to prove the parity checker catches it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Fault {
+pub enum DdpFault {
     /// Gradients summed across ranks instead of averaged (a divisor bug).
     SumInsteadOfAverage,
     /// This parameter's gradient is never reduced.
@@ -43,12 +43,12 @@ pub enum Fault {
     HalfPrecisionMaster,
 }
 
-impl Fault {
+impl DdpFault {
     /// `policy` as a run carrying this fault trains under it: the policy-level bugs rewrite
     /// the preset; every other fault leaves it as it is.
     pub(super) fn planted_in(&self, policy: MixedPrecision) -> MixedPrecision {
         match self {
-            Fault::ComputeInOtherHalf => MixedPrecision {
+            DdpFault::ComputeInOtherHalf => MixedPrecision {
                 param_dtype: match policy.param_dtype {
                     Kind::BFloat16 => Kind::Half,
                     Kind::Half => Kind::BFloat16,
@@ -56,7 +56,7 @@ impl Fault {
                 },
                 ..policy
             },
-            Fault::ReduceInComputeDtype => MixedPrecision {
+            DdpFault::ReduceInComputeDtype => MixedPrecision {
                 reduce_dtype: policy.param_dtype,
                 ..policy
             },
@@ -77,7 +77,7 @@ pub struct DdpOptions {
     /// Replaces the per-bucket all-reduce (runs after backward, in bucket order).
     pub comm_hook: Option<Arc<dyn CommHook>>,
     /// A planted bug, for checker tests only.
-    pub fault: Option<Fault>,
+    pub fault: Option<DdpFault>,
     /// Train under this mixed-precision policy (see the module documentation); `None` is
     /// plain fp32 DDP. Needs a model that supports layer hooks.
     pub mixed_precision: Option<MixedPrecision>,

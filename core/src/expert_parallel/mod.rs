@@ -27,6 +27,7 @@ pub mod error;
 pub mod experts;
 pub mod grads;
 pub mod moe;
+pub mod options;
 pub mod router;
 pub mod run;
 
@@ -37,8 +38,9 @@ pub use error::MoeError;
 pub use experts::{experts_per_rank, EpGroup, ExpertParams};
 pub use grads::{ep_groups, expert_data_parallel_groups, reduce_expert_grads};
 pub use moe::{moe_forward, Dispatcher, MoeConfig, MoeOutput};
+pub use options::{EpError, EpFault, EpOptions};
 pub use router::{capacity, check_top_k, keep_mask, load_balancing_loss, route, Routing};
 pub use run::{
     check_expert_plan, check_expert_plan_with, train_expert_parallel,
-    train_expert_parallel_with_plan, EpFault, EpOptions,
+    train_expert_parallel_with_plan,
 };

@@ -8,12 +8,12 @@
 //! names its mixtures trains expert-parallel; every step's collectives are counted into the
 //! run record.
 
-use super::moe::Dispatcher;
+use super::options::{EpError, EpFault, EpOptions};
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
 use crate::compose::data::DataLayer;
 use crate::compose::DataParallel;
 use crate::consistency::{StateKind, StateProbe};
-use crate::fsdp::{Fsdp, FsdpError};
+use crate::fsdp::Fsdp;
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::tensor_parallel::hooks::{ExpertsParallel, PlanHooks};
 use crate::tensor_parallel::run::aliases;
@@ -21,69 +21,10 @@ use crate::train::{
     train_from, GradientView, Optimizer, StepHooks, StepLoss, TrainConfig, TrainError, TrainStart,
 };
 use lockstep_models::plan::ParallelStyle;
-use lockstep_models::{LayerHooks, Model, ModelError, ParallelPlan};
+use lockstep_models::{LayerHooks, Model, ParallelPlan};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use tch::Tensor;
-
-/// How an expert-parallel run is configured.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct EpOptions {
-    /// Ranks the experts of a layer are spread over; the world is `world / ep` replicas.
-    pub ep: usize,
-    /// How tokens reach their experts' ranks (two implementations, cross-checked).
-    pub dispatcher: Dispatcher,
-    /// `None`: no token is dropped (the zoo's dense layer computes every choice).
-    pub capacity_factor: Option<f64>,
-    /// How the dense (non-expert) parameters are kept over the world: replicated and
-    /// all-reduced (DDP), or sharded (EP×FSDP: one FSDP unit over every rank).
-    pub data_parallel: DataParallel,
-    /// A planted bug (checker tests only).
-    pub fault: Option<EpFault>,
-}
-
-/// A planted expert-parallel bug.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EpFault {
-    /// Expert gradients counted once per `ep` rank, as if reduced over `ep` as well (EP = 2
-    /// doubles them).
-    ExpertGradsReducedOverEp,
-    /// EP×FSDP: the experts are sharded over `dp` along with the dense parameters, so a
-    /// gather assembles an expert from different ranks' experts.
-    ExpertsShardedOverDp,
-    /// The capacity check off by one: every expert takes one choice more than its
-    /// capacity, so a rank drops one token choice fewer per overflowing expert.
-    CapacityOffByOne,
-}
-
-/// Everything an expert-parallel run can fail with.
-#[derive(Debug, thiserror::Error)]
-pub enum EpError {
-    /// The options cannot run (e.g. an `ep` that does not divide the experts or world).
-    #[error("expert parallel: {0}")]
-    Invalid(String),
-    /// Routing or dispatching tokens failed.
-    #[error(transparent)]
-    Moe(#[from] super::moe::MoeError),
-    /// A parallel layer could not be built from the model's layer.
-    #[error(transparent)]
-    Layers(#[from] crate::tensor_parallel::layers::TpLayerError),
-    /// Building or running the model failed.
-    #[error(transparent)]
-    Model(#[from] ModelError),
-    /// The training loop failed.
-    #[error(transparent)]
-    Train(#[from] TrainError),
-    /// A collective failed.
-    #[error(transparent)]
-    Comm(#[from] crate::CommError),
-    /// Sharding the dense parameters (EP×FSDP) failed.
-    #[error(transparent)]
-    Shard(#[from] FsdpError),
-    /// A libtorch call failed.
-    #[error("libtorch: {0}")]
-    Torch(#[from] tch::TchError),
-}
 
 /// Checks before any rank starts that `model` can run expert-parallel at `world_size`: its
 /// plan names a mixture of experts ([`ParallelStyle::Expert`]) whose experts divide by the

@@ -10,6 +10,8 @@ use super::layers::{
     column_parallel_linear, enter_column, row_parallel_linear, vocab_parallel_cross_entropy,
     vocab_parallel_embedding, ColumnOptions, Reduction, RowOptions, TpGroup,
 };
+use super::options::TpFault;
+use super::plan::{ancestors, module_of};
 use crate::autograd::collectives::scatter_to_sequence_parallel;
 use crate::expert_parallel::moe::moe_forward_planted;
 use crate::expert_parallel::{Dispatcher, ExpertParams, MoeConfig};
@@ -17,22 +19,6 @@ use lockstep_models::plan::{matches_module, ParallelPlan, ParallelStyle};
 use lockstep_models::{LayerHooks, LayerSpec, ModelError, MoeSpec, NoHooks};
 use std::collections::HashMap;
 use tch::Tensor;
-
-/// A planted tensor-parallel bug (checker tests only).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TpFault {
-    /// The column-parallel entry passes gradients through without the all-reduce, as a
-    /// row-parallel pair whose backward lacks its reduction.
-    MissingBackwardAllReduce,
-    /// Sequence-parallel LayerNorm gradients are not summed over the TP group.
-    SkipSequenceGradReduce,
-    /// Every TP rank applies the first rank's slice of a split activation's dropout mask
-    /// (ranks drawing the same mask where they must differ).
-    SameDropoutMask,
-    /// FSDP×TP: TP-sharded parameters' gradients are also summed over the data dimension
-    /// before FSDP's reduce-scatter averages them there (reduced over `dp` twice).
-    ShardedGradsReducedOverDpTwice,
-}
 
 /// How the plan's [`ParallelStyle::Expert`] modules run when expert parallelism is on.
 pub(crate) struct ExpertsParallel {
@@ -212,21 +198,6 @@ impl PlanHooks {
         .map_err(hook_err)?;
         Ok(out.output.f_reshape(x.size().as_slice())?)
     }
-}
-
-/// The module path of parameter `name` (`None` for a top-level parameter).
-pub(crate) fn module_of(name: &str) -> Option<&str> {
-    name.rsplit_once('.').map(|(m, _)| m)
-}
-
-/// `module` and every ancestor path of it, innermost first.
-pub(crate) fn ancestors(module: &str) -> impl Iterator<Item = &str> {
-    let mut next = Some(module);
-    std::iter::from_fn(move || {
-        let cur = next?;
-        next = cur.rsplit_once('.').map(|(a, _)| a);
-        Some(cur)
-    })
 }
 
 /// Whether `a` and `b` are the same tensor (same memory, shape and strides): the

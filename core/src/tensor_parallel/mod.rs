@@ -28,6 +28,7 @@
 
 pub mod hooks;
 pub mod layers;
+pub mod options;
 pub mod plan;
 pub mod run;
 
@@ -37,9 +38,8 @@ pub use layers::{
     TpGroup, TpLayerError,
 };
 
-pub use hooks::TpFault;
+pub use options::{TpError, TpFault, TpOptions};
 pub use plan::{placements, Placement, TpPlan, TpPlanError, TpRule, TpStyle};
 pub use run::{
-    check_plan, check_plan_with, model_plan, train_tensor_parallel,
-    train_tensor_parallel_with_plan, TpError, TpOptions,
+    check_plan, check_plan_with, model_plan, train_tensor_parallel, train_tensor_parallel_with_plan,
 };

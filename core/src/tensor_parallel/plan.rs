@@ -2,7 +2,6 @@
 //! written: [`lockstep_models::plan`]) makes of each parameter — and the check, before any
 //! rank starts, that the plan fits the model and the TP size.
 
-use super::hooks::{ancestors, module_of};
 use lockstep_models::plan::{matches_module, ParallelPlan, ParallelStyle, PlanRule};
 use lockstep_models::Model;
 use std::collections::BTreeMap;
@@ -200,4 +199,19 @@ pub fn placements(
         });
     }
     Ok(out)
+}
+
+/// The module path of parameter `name` (`None` for a top-level parameter).
+pub(crate) fn module_of(name: &str) -> Option<&str> {
+    name.rsplit_once('.').map(|(m, _)| m)
+}
+
+/// `module` and every ancestor path of it, innermost first.
+pub(crate) fn ancestors(module: &str) -> impl Iterator<Item = &str> {
+    let mut next = Some(module);
+    std::iter::from_fn(move || {
+        let cur = next?;
+        next = cur.rsplit_once('.').map(|(a, _)| a);
+        Some(cur)
+    })
 }

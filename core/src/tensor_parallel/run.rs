@@ -4,68 +4,22 @@
 //! gradients summed over TP, replicas averaged over data parallelism, the optimizer on this
 //! rank's shards, and a record of full tensors.
 
-use super::hooks::{PlanHooks, TpFault};
+use super::hooks::PlanHooks;
+use super::options::{TpError, TpFault, TpOptions};
 use super::plan::{placements, Placement, TpPlan, TpPlanError};
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
 use crate::compose::data::DataLayer;
 use crate::compose::DataParallel;
 use crate::consistency::{StateKind, StateProbe};
-use crate::fsdp::{Fsdp, FsdpError};
+use crate::fsdp::Fsdp;
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::train::{
     train_from, GradientView, Optimizer, StepHooks, StepLoss, TrainConfig, TrainError, TrainStart,
 };
-use lockstep_models::{Batch, LayerHooks, LossReduction, Model, ModelError, NoHooks};
+use lockstep_models::{Batch, LayerHooks, LossReduction, Model, NoHooks};
 use std::collections::HashMap;
 use std::sync::Arc;
 use tch::Tensor;
-
-/// How a tensor-parallel run is configured.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TpOptions {
-    /// Tensor-parallel size; the world is `tp × (world / tp)` data-parallel replicas.
-    pub tp: usize,
-    /// Megatron sequence parallelism: activations between blocks live on sequence shards.
-    pub sequence_parallel: bool,
-    /// How the data dimension (`world / tp` replicas) keeps parameters and reduces
-    /// gradients: replicated (DDP), sharded (FSDP×TP) or hybrid-sharded (HSDP×TP).
-    pub data_parallel: DataParallel,
-    /// A planted bug (checker tests only).
-    pub fault: Option<TpFault>,
-}
-
-/// Everything a tensor-parallel run can fail with.
-#[derive(Debug, thiserror::Error)]
-pub enum TpError {
-    /// The plan does not fit the model or the TP size.
-    #[error(transparent)]
-    Plan(#[from] TpPlanError),
-    /// A parallel layer could not be built from the model's layer.
-    #[error(transparent)]
-    Layers(#[from] super::layers::TpLayerError),
-    /// The run cannot go ahead as configured (a sequence length the TP size does not divide, a
-    /// batch without its target).
-    #[error("tensor parallel: {0}")]
-    Invalid(String),
-    /// Building or running the model failed.
-    #[error(transparent)]
-    Model(#[from] ModelError),
-    /// The training loop failed.
-    #[error(transparent)]
-    Train(#[from] TrainError),
-    /// A collective failed.
-    #[error(transparent)]
-    Comm(#[from] crate::CommError),
-    /// A differentiable collective's autograd bridge failed.
-    #[error(transparent)]
-    Autograd(#[from] crate::AutogradError),
-    /// Sharding the data dimension (FSDP×TP) failed.
-    #[error(transparent)]
-    Shard(#[from] FsdpError),
-    /// A libtorch call failed.
-    #[error("libtorch: {0}")]
-    Torch(#[from] tch::TchError),
-}
 
 /// The plan `model` offers for `opts` (its [`Model::parallel_plan`]), or the one clear
 /// refusal of a model that offers none.

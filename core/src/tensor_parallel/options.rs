@@ -1,0 +1,71 @@
+//! Tensor parallelism's face: its options (the TP size, sequence parallelism, the data
+//! dimension stacked on it), the bugs it can plant on purpose, and its error type.
+
+use super::plan::TpPlanError;
+use crate::compose::DataParallel;
+use crate::fsdp::FsdpError;
+use crate::train::TrainError;
+use lockstep_models::ModelError;
+
+/// A planted tensor-parallel bug (checker tests only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpFault {
+    /// The column-parallel entry passes gradients through without the all-reduce, as a
+    /// row-parallel pair whose backward lacks its reduction.
+    MissingBackwardAllReduce,
+    /// Sequence-parallel LayerNorm gradients are not summed over the TP group.
+    SkipSequenceGradReduce,
+    /// Every TP rank applies the first rank's slice of a split activation's dropout mask
+    /// (ranks drawing the same mask where they must differ).
+    SameDropoutMask,
+    /// FSDP×TP: TP-sharded parameters' gradients are also summed over the data dimension
+    /// before FSDP's reduce-scatter averages them there (reduced over `dp` twice).
+    ShardedGradsReducedOverDpTwice,
+}
+
+/// How a tensor-parallel run is configured.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TpOptions {
+    /// Tensor-parallel size; the world is `tp × (world / tp)` data-parallel replicas.
+    pub tp: usize,
+    /// Megatron sequence parallelism: activations between blocks live on sequence shards.
+    pub sequence_parallel: bool,
+    /// How the data dimension (`world / tp` replicas) keeps parameters and reduces
+    /// gradients: replicated (DDP), sharded (FSDP×TP) or hybrid-sharded (HSDP×TP).
+    pub data_parallel: DataParallel,
+    /// A planted bug (checker tests only).
+    pub fault: Option<TpFault>,
+}
+
+/// Everything a tensor-parallel run can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum TpError {
+    /// The plan does not fit the model or the TP size.
+    #[error(transparent)]
+    Plan(#[from] TpPlanError),
+    /// A parallel layer could not be built from the model's layer.
+    #[error(transparent)]
+    Layers(#[from] super::layers::TpLayerError),
+    /// The run cannot go ahead as configured (a sequence length the TP size does not divide, a
+    /// batch without its target).
+    #[error("tensor parallel: {0}")]
+    Invalid(String),
+    /// Building or running the model failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The training loop failed.
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    /// A collective failed.
+    #[error(transparent)]
+    Comm(#[from] crate::CommError),
+    /// A differentiable collective's autograd bridge failed.
+    #[error(transparent)]
+    Autograd(#[from] crate::AutogradError),
+    /// Sharding the data dimension (FSDP×TP) failed.
+    #[error(transparent)]
+    Shard(#[from] FsdpError),
+    /// A libtorch call failed.
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+}
