@@ -9,7 +9,7 @@ use lockstep_harness::parity::{
 };
 use lockstep_harness::report::{
     compare_reports, read_json, render_html, render_junit, render_markdown, write_all,
-    write_atomic, write_json, Change, CompareOptions, Report, ReportError, RowStatus,
+    write_atomic, write_json, Change, CompareOptions, Report, ReportError, RowTrend,
     SCHEMA_VERSION,
 };
 use std::time::Duration;
@@ -705,7 +705,7 @@ fn with_error(config: &str, err: f64) -> lockstep_harness::parity::Comparison {
     compare(&run, &reference, &f32_policy())
 }
 
-fn status_of(result: &lockstep_harness::report::ReportComparison, config: &str) -> RowStatus {
+fn status_of(result: &lockstep_harness::report::ReportComparison, config: &str) -> RowTrend {
     result
         .rows
         .iter()
@@ -732,12 +732,12 @@ fn compare_flags_growth_crossing_and_vanishing() {
     ]);
     let result = compare_reports(&base, &new, &CompareOptions::default()).unwrap();
     assert!(result.has_regression());
-    assert_eq!(status_of(&result, "grows"), RowStatus::Grew);
-    assert_eq!(status_of(&result, "crosses"), RowStatus::CrossedTolerance);
-    assert_eq!(status_of(&result, "vanishes"), RowStatus::Vanished);
-    assert_eq!(status_of(&result, "steady"), RowStatus::Ok);
-    assert_eq!(status_of(&result, "fixed"), RowStatus::Fixed);
-    assert_eq!(status_of(&result, "added"), RowStatus::Added);
+    assert_eq!(status_of(&result, "grows"), RowTrend::Grew);
+    assert_eq!(status_of(&result, "crosses"), RowTrend::CrossedTolerance);
+    assert_eq!(status_of(&result, "vanishes"), RowTrend::Vanished);
+    assert_eq!(status_of(&result, "steady"), RowTrend::Ok);
+    assert_eq!(status_of(&result, "fixed"), RowTrend::Fixed);
+    assert_eq!(status_of(&result, "added"), RowTrend::Added);
     let grows = result.rows.iter().find(|r| r.config == "grows").unwrap();
     assert_eq!(grows.quantity, Some(Quantity::Params));
     assert!((grows.growth.unwrap() - 100.0).abs() < 1e-6);
@@ -758,7 +758,7 @@ fn compare_flags_growth_crossing_and_vanishing() {
         },
     )
     .unwrap();
-    assert_eq!(status_of(&loose, "grows"), RowStatus::Ok);
+    assert_eq!(status_of(&loose, "grows"), RowTrend::Ok);
     assert_eq!(loose.regressions().count(), 2);
 }
 
@@ -781,8 +781,8 @@ fn compare_growth_from_zero_uses_the_floor() {
     let base = Report::new(vec![with_error("noise", 0.0), with_error("real", 0.0)]);
     let new = Report::new(vec![with_error("noise", 1e-15), with_error("real", 1e-9)]);
     let result = compare_reports(&base, &new, &CompareOptions::default()).unwrap();
-    assert_eq!(status_of(&result, "noise"), RowStatus::Ok);
-    assert_eq!(status_of(&result, "real"), RowStatus::Grew);
+    assert_eq!(status_of(&result, "noise"), RowTrend::Ok);
+    assert_eq!(status_of(&result, "real"), RowTrend::Grew);
     assert!(matches!(
         compare_reports(
             &base,
@@ -1073,7 +1073,7 @@ fn compare_lists_every_regressed_quantity_and_no_factor_from_zero() {
     let new = Report::new(vec![compare(&buggy, &reference, &policy)]);
     let result = compare_reports(&base, &new, &CompareOptions::default()).unwrap();
     let row = &result.rows[0];
-    assert_eq!(row.status, RowStatus::CrossedTolerance);
+    assert_eq!(row.status, RowTrend::CrossedTolerance);
     let regressed: Vec<&str> = row.regressed.iter().map(|d| d.what.as_str()).collect();
     for what in [
         "grad_norm",
@@ -1118,7 +1118,7 @@ fn compare_growth_factors_come_only_from_a_measurable_base() {
     };
     let result = compare_reports(&base, &new, &options).unwrap();
     let row = |config: &str| result.rows.iter().find(|r| r.config == config).unwrap();
-    assert_eq!(row("sub").status, RowStatus::Grew);
+    assert_eq!(row("sub").status, RowTrend::Grew);
     assert_eq!(row("sub").growth, None);
     assert!(matches!(row("sub").change, Some(Change::FromNoise { .. })));
     assert_eq!(row("nan").change, Some(Change::NonFinite));

@@ -47,7 +47,7 @@ impl Default for CompareOptions {
 
 /// The verdict on one configuration, most severe first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum RowStatus {
+pub enum RowTrend {
     /// Its run failed in the new report (crashed, hung): nothing was compared, which is
     /// never better than a failing comparison.
     Errored,
@@ -67,30 +67,27 @@ pub enum RowStatus {
     Ok,
 }
 
-impl RowStatus {
+impl RowTrend {
     /// Whether this status fails the comparison.
     pub fn is_regression(self) -> bool {
         matches!(
             self,
-            RowStatus::Errored
-                | RowStatus::Vanished
-                | RowStatus::CrossedTolerance
-                | RowStatus::Grew
+            RowTrend::Errored | RowTrend::Vanished | RowTrend::CrossedTolerance | RowTrend::Grew
         )
     }
 }
 
-impl std::fmt::Display for RowStatus {
+impl std::fmt::Display for RowTrend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
-            RowStatus::Errored => "ERRORED",
-            RowStatus::Vanished => "VANISHED",
-            RowStatus::CrossedTolerance => "CROSSED TOLERANCE",
-            RowStatus::Grew => "GREW",
-            RowStatus::StillFailing => "still failing",
-            RowStatus::Fixed => "fixed",
-            RowStatus::Added => "added",
-            RowStatus::Ok => "ok",
+            RowTrend::Errored => "ERRORED",
+            RowTrend::Vanished => "VANISHED",
+            RowTrend::CrossedTolerance => "CROSSED TOLERANCE",
+            RowTrend::Grew => "GREW",
+            RowTrend::StillFailing => "still failing",
+            RowTrend::Fixed => "fixed",
+            RowTrend::Added => "added",
+            RowTrend::Ok => "ok",
         })
     }
 }
@@ -213,7 +210,7 @@ pub struct CompareRow {
     /// crossed tolerance).
     pub grew: bool,
     /// The most severe finding.
-    pub status: RowStatus,
+    pub status: RowTrend,
 }
 
 /// The outcome of [`compare_reports`].
@@ -324,7 +321,7 @@ fn row_cells(r: &CompareRow) -> [String; 10] {
         r.change.map_or_else(|| "-".to_owned(), |c| c.to_string()),
         verdict(r.base_passed),
         verdict(r.new_passed),
-        if r.grew && r.status != RowStatus::Grew {
+        if r.grew && r.status != RowTrend::Grew {
             format!("{} (and grew)", r.status)
         } else {
             r.status.to_string()
@@ -480,7 +477,7 @@ pub fn compare_reports(
     let mut rows = Vec::new();
     for key in errored.keys() {
         let b = base_map.get(key).copied();
-        rows.push(uncompared_row(key, RowStatus::Errored, b, None));
+        rows.push(uncompared_row(key, RowTrend::Errored, b, None));
     }
     for (key, b) in &base_map {
         if errored.contains_key(key) {
@@ -488,12 +485,12 @@ pub fn compare_reports(
         }
         rows.push(match new_map.get(key) {
             Some(n) => compared_row(key, b, n, floor, options.factor),
-            None => uncompared_row(key, RowStatus::Vanished, Some(b), None),
+            None => uncompared_row(key, RowTrend::Vanished, Some(b), None),
         });
     }
     for (key, n) in &new_map {
         if !base_map.contains_key(key) && !errored.contains_key(key) {
-            rows.push(uncompared_row(key, RowStatus::Added, None, Some(n)));
+            rows.push(uncompared_row(key, RowTrend::Added, None, Some(n)));
         }
     }
     rows.sort_by_key(|r| r.status);
@@ -517,7 +514,7 @@ fn noise_floor(options: &CompareOptions) -> f64 {
 /// added): each side's overall error and verdict where that side has a comparison.
 fn uncompared_row(
     key: &Key,
-    status: RowStatus,
+    status: RowTrend,
     base: Option<&Comparison>,
     new: Option<&Comparison>,
 ) -> CompareRow {
@@ -554,15 +551,15 @@ fn compared_row(key: &Key, b: &Comparison, n: &Comparison, floor: f64, factor: f
     });
     let grew = all.iter().any(|d| d.change.is_growth(factor));
     let status = if b.passed && !n.passed {
-        RowStatus::CrossedTolerance
+        RowTrend::CrossedTolerance
     } else if grew {
-        RowStatus::Grew
+        RowTrend::Grew
     } else if !b.passed && n.passed {
-        RowStatus::Fixed
+        RowTrend::Fixed
     } else if !n.passed {
-        RowStatus::StillFailing
+        RowTrend::StillFailing
     } else {
-        RowStatus::Ok
+        RowTrend::Ok
     };
     CompareRow {
         model,

@@ -17,7 +17,7 @@ pub use lockstep_core::num;
 pub use atomic::write_atomic;
 pub use compare::{
     compare_report_files, compare_reports, Change, CompareOptions, CompareRow, Drift,
-    ReportComparison, RowStatus,
+    ReportComparison, RowTrend,
 };
 pub use html::render_html;
 pub use json::{read_json, render_json};

@@ -19,7 +19,7 @@ pub fn to_csv(schedule: &Schedule) -> String {
 /// Reads a schedule from CSV (as [`to_csv`] or PyTorch writes it). Rows are ranks; empty
 /// cells (PyTorch's idle steps) are skipped; `\r\n` line ends are accepted. The number of
 /// stages is one more than the highest stage index, the number of microbatches one more than
-/// the highest microbatch index. Placement is `stage_ranks` when given (that each row's stages
+/// the highest microbatch index. StageLayout is `stage_ranks` when given (that each row's stages
 /// live on its rank is then [`super::validate()`]'s to check), else inferred from which row
 /// lists each stage — a stage on two rows, or on none, is an error. CSV carries no edges:
 /// they are the chain (a caller with skip connections sets its own); the name is `csv`.

@@ -6,7 +6,7 @@
 //! increasing order for F, for B/I and for W: the executor's channels are FIFO per edge.
 
 use super::error::ScheduleError;
-use super::ir::{Placement, Schedule};
+use super::ir::{Schedule, StageLayout};
 use super::{loop_orders, v_orders};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -68,10 +68,10 @@ impl ScheduleKind {
     }
 
     /// How the schedule lays its stages on ranks.
-    pub fn placement(self) -> Placement {
+    pub fn placement(self) -> StageLayout {
         match self {
-            ScheduleKind::Zbv | ScheduleKind::DualPipeV => Placement::V,
-            _ => Placement::Loop,
+            ScheduleKind::Zbv | ScheduleKind::DualPipeV => StageLayout::V,
+            _ => StageLayout::Loop,
         }
     }
 
@@ -331,9 +331,9 @@ mod tests {
 
     #[test]
     fn placements_and_defaults() {
-        assert_eq!(ScheduleKind::Zbv.placement(), Placement::V);
-        assert_eq!(ScheduleKind::DualPipeV.placement(), Placement::V);
-        assert_eq!(ScheduleKind::Interleaved1F1B.placement(), Placement::Loop);
+        assert_eq!(ScheduleKind::Zbv.placement(), StageLayout::V);
+        assert_eq!(ScheduleKind::DualPipeV.placement(), StageLayout::V);
+        assert_eq!(ScheduleKind::Interleaved1F1B.placement(), StageLayout::Loop);
         for kind in ScheduleKind::all() {
             let v = kind.default_virtual();
             let single = matches!(kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB);

@@ -283,7 +283,7 @@ impl fmt::Display for Schedule {
 
 /// How stages are laid out on ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum Placement {
+pub enum StageLayout {
     /// Rank `r` holds stages `r, r + p, r + 2p, …` (interleaved / looped schedules).
     Loop,
     /// Zig-zag: chunk `c` of `p` consecutive stages runs on ranks `0..p` when `c` is even and
@@ -292,14 +292,14 @@ pub enum Placement {
     V,
 }
 
-impl Placement {
+impl StageLayout {
     /// The rank holding `stage` with `p` ranks.
     pub fn rank_of(self, stage: usize, p: usize) -> usize {
         let (chunk, offset) = (stage / p, stage % p);
         match self {
-            Placement::Loop => offset,
-            Placement::V if chunk % 2 == 0 => offset,
-            Placement::V => p - 1 - offset,
+            StageLayout::Loop => offset,
+            StageLayout::V if chunk % 2 == 0 => offset,
+            StageLayout::V => p - 1 - offset,
         }
     }
 
@@ -382,11 +382,14 @@ mod tests {
 
     #[test]
     fn placements() {
-        assert_eq!(Placement::Loop.stage_ranks(3, 2), vec![0, 1, 2, 0, 1, 2]);
-        assert_eq!(Placement::V.stage_ranks(3, 2), vec![0, 1, 2, 2, 1, 0]);
-        assert_eq!(Placement::V.stage_ranks(2, 4), vec![0, 1, 1, 0, 0, 1, 1, 0]);
-        assert_eq!(Placement::Loop.stage_ranks(4, 1), vec![0, 1, 2, 3]);
-        let s = Schedule::new("t", 3, 1, Placement::V.stage_ranks(3, 2), vec![vec![]; 3]);
+        assert_eq!(StageLayout::Loop.stage_ranks(3, 2), vec![0, 1, 2, 0, 1, 2]);
+        assert_eq!(StageLayout::V.stage_ranks(3, 2), vec![0, 1, 2, 2, 1, 0]);
+        assert_eq!(
+            StageLayout::V.stage_ranks(2, 4),
+            vec![0, 1, 1, 0, 0, 1, 1, 0]
+        );
+        assert_eq!(StageLayout::Loop.stage_ranks(4, 1), vec![0, 1, 2, 3]);
+        let s = Schedule::new("t", 3, 1, StageLayout::V.stage_ranks(3, 2), vec![vec![]; 3]);
         assert_eq!(s.stages(), 6);
         assert_eq!(s.stages_of_rank(1), vec![1, 4]);
         assert_eq!(s.loss_stage(), 5);

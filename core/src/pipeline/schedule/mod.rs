@@ -31,7 +31,7 @@ mod validate;
 pub use csv::{from_csv, to_csv};
 pub use error::{ScheduleError, Wait};
 pub use generate::{generate, ScheduleKind};
-pub use ir::{chain_edges, Action, ActionKind, Placement, Schedule};
+pub use ir::{chain_edges, Action, ActionKind, Schedule, StageLayout};
 pub use lower::lower;
 pub use simulate::{simulate, simulate_costed, Costs, Simulation, Span};
 pub use table::render_table;
