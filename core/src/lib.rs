@@ -18,6 +18,7 @@ pub mod fsdp;
 pub mod machine;
 pub mod mixed_reference;
 pub mod num;
+pub mod parallelism;
 pub mod pipeline;
 pub mod precision;
 pub mod record;

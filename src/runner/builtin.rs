@@ -1,22 +1,22 @@
 //! The built-in configurations' rank body: from a catalog [`Config`] to the parallelism that
-//! trains it (`train_builtin`), and DDP's options per configuration.
+//! trains it, as data (`parallelism_of`), trained through core's one entry point
+//! (`train_builtin`), and DDP's options per configuration.
 
 use super::settings::RunSettings;
 use crate::configs::{Config, ModelParallelKind, Precision};
-use lockstep_core::ddp::{train_ddp, DdpOptions, GradReduction};
-use lockstep_core::expert_parallel::train_expert_parallel;
-use lockstep_core::fsdp::{hybrid_mesh, train_fsdp, train_fsdp_hybrid};
-use lockstep_core::pipeline::train_pipeline;
+use lockstep_core::ddp::{DdpOptions, GradReduction};
+use lockstep_core::fsdp::hybrid_mesh;
+use lockstep_core::parallelism::{train_parallel, Parallelism};
 use lockstep_core::record::{MemoryStats, RunRecord};
 use lockstep_core::replica::distinct_parameters;
-use lockstep_core::tensor_parallel::{train_tensor_parallel, TpOptions};
+use lockstep_core::tensor_parallel::TpOptions;
 use lockstep_core::train::TrainConfig;
 use lockstep_harness::RankCtx;
 use lockstep_models::Model;
 
-/// One rank's training under built-in configuration `config` (not `single`). The planted
-/// fault, if any, goes into DDP runs only (mixed precision included): the others are checked
-/// against DDP.
+/// One rank's training under built-in configuration `config` (not `single`): the
+/// parallelism it names ([`parallelism_of`]) through core's one entry point. DDP's record
+/// gains its memory figures, for scale next to FSDP's.
 pub fn train_builtin(
     config: Config,
     ctx: &RankCtx,
@@ -24,63 +24,61 @@ pub fn train_builtin(
     cfg: &TrainConfig,
     settings: &RunSettings,
 ) -> Result<RunRecord, String> {
+    let parallelism = parallelism_of(config, ctx, settings)?;
+    let mut record = train_parallel(model, ctx.world(), cfg, &parallelism)
+        .map_err(|e| format!("{}: {e}", config.name()))?;
+    if let Parallelism::Ddp(_) = parallelism {
+        record.memory = Some(replica_memory(model));
+    }
+    Ok(record)
+}
+
+/// The parallelism built-in configuration `config` names at this rank's world size: the
+/// catalog's row read as core's [`Parallelism`]. The planted fault, if any, goes into DDP
+/// runs only (mixed precision included): the others are checked against DDP.
+pub fn parallelism_of(
+    config: Config,
+    ctx: &RankCtx,
+    settings: &RunSettings,
+) -> Result<Parallelism, String> {
     let world_size = ctx.world_size();
-    let named = |e: &dyn std::fmt::Display| format!("{}: {e}", config.name());
-    match config {
+    Ok(match config {
         Config::ModelParallel(id) => {
             let mp = id.get();
             match mp.kind {
                 ModelParallelKind::Tensor {
                     tp,
                     sequence_parallel,
-                } => {
-                    let opts = TpOptions {
-                        tp,
-                        sequence_parallel,
-                        data_parallel: Default::default(),
-                        fault: None,
-                    };
-                    train_tensor_parallel(model, ctx.world(), cfg, &opts).map_err(|e| named(&e))
-                }
+                } => Parallelism::Tensor(TpOptions {
+                    tp,
+                    sequence_parallel,
+                    data_parallel: Default::default(),
+                    fault: None,
+                }),
                 ModelParallelKind::Expert { ep, dispatcher } => {
-                    let opts = mp.expert_options(ep, dispatcher);
-                    train_expert_parallel(model, ctx.world(), cfg, &opts).map_err(|e| named(&e))
+                    Parallelism::Expert(mp.expert_options(ep, dispatcher))
                 }
             }
         }
-        Config::Composed(id) => {
-            let composition = id.get().composition;
-            lockstep_core::compose::train_composed(model, ctx.world(), cfg, composition, None)
-                .map_err(|e| named(&e))
-        }
-        Config::Pipeline(id) => {
-            let opts = id.get().options(world_size)?;
-            train_pipeline(model, ctx.world(), cfg, &opts)
-                .map(|run| run.record)
-                .map_err(|e| named(&e))
-        }
+        Config::Composed(id) => Parallelism::Composed(id.get().composition),
+        Config::Pipeline(id) => Parallelism::Pipeline(id.get().options(world_size)?),
         Config::Fsdp(id) => {
             let f = id.get();
-            let opts = f.options.clone();
-            let fsdp = match f.layout.shard_size(world_size)? {
-                None => train_fsdp(model, ctx.group(), cfg, opts),
-                Some(shard) => train_fsdp_hybrid(model, ctx.world(), ctx.group(), shard, cfg, opts),
-            };
-            fsdp.map_err(|e| named(&e))
+            Parallelism::Fsdp {
+                options: f.options.clone(),
+                shard_size: f.layout.shard_size(world_size)?,
+            }
         }
         Config::Single => {
-            Err("single is the in-process reference, not a launched configuration".into())
+            return Err("single is the in-process reference, not a launched configuration".into())
         }
         Config::Ddp | Config::DdpMixed(_) | Config::DdpHybridOrder => {
-            let opts = DdpOptions {
+            Parallelism::Ddp(DdpOptions {
                 fault: settings.fault.clone(),
                 ..ddp_options(config, ctx)?
-            };
-            let mut record = train_ddp(model, ctx.group(), cfg, opts).map_err(|e| named(&e))?;
-            record.memory = Some(replica_memory(model));
-            Ok(record)
+            })
         }
-    }
+    })
 }
 
 /// The bucket size of the built-in DDP configurations: small, so that every zoo model past
