@@ -15,6 +15,7 @@
 
 pub mod dataflow;
 mod executor;
+mod groups;
 mod handshake;
 pub mod microbatch;
 pub mod options;
@@ -24,6 +25,7 @@ pub mod reference;
 pub mod run;
 pub mod schedule;
 mod stage;
+mod strategy;
 pub mod stage_parallel;
 pub mod trace;
 

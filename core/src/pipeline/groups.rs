@@ -1,0 +1,154 @@
+//! The pipeline's process groups on a rank (stage-to-stage, replicas, the stage's tensor
+//! parallel group, every edge and every set of stages holding one tensor) and what travels
+//! over them outside the schedule: the initial broadcast and the tied gradients' sum.
+
+use super::plan::PipelinePlan;
+use super::strategy::grad_or_zeros;
+use super::PipelineError;
+use crate::comm::{DeviceMesh, ProcessGroup, ReduceOp, World};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use tch::Tensor;
+
+/// The pipeline's groups on this rank: the stage-to-stage one (`pp`), the replicas' (`dp`),
+/// the stage's tensor-parallel one when `tp > 1`, and this rank's coordinates.
+pub(super) struct PipelineMesh {
+    pub(super) pp: Arc<dyn ProcessGroup>,
+    pub(super) dp: Arc<dyn ProcessGroup>,
+    pub(super) tp: Option<Arc<dyn ProcessGroup>>,
+    pub(super) rank: usize,
+    pub(super) replica: usize,
+    pub(super) tp_rank: usize,
+}
+
+impl PipelineMesh {
+    /// `[dp, pp, tp]` over `world` (a plain pipeline keeps its historical two-dimensional
+    /// mesh and group names); `counted` wraps the groups whose traffic the record counts.
+    pub(super) fn new(
+        world: &World,
+        plan: &PipelinePlan,
+        tp: usize,
+        counted: &dyn Fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup>,
+    ) -> Result<Self, PipelineError> {
+        let (p, dp) = (plan.ranks, plan.data_parallel);
+        if tp > 1 {
+            let mesh = DeviceMesh::new(world, &[("dp", dp), ("pp", p), ("tp", tp)])?;
+            Ok(PipelineMesh {
+                pp: mesh.group("pp")?,
+                dp: counted(mesh.group("dp")?),
+                tp: Some(counted(mesh.group("tp")?)),
+                rank: mesh.coordinate("pp")?,
+                replica: mesh.coordinate("dp")?,
+                tp_rank: mesh.coordinate("tp")?,
+            })
+        } else {
+            let mesh = DeviceMesh::new(world, &[("dp", dp), ("pp", p)])?;
+            Ok(PipelineMesh {
+                pp: mesh.group("pp")?,
+                dp: counted(mesh.group("dp")?),
+                tp: None,
+                rank: mesh.coordinate("pp")?,
+                replica: mesh.coordinate("dp")?,
+                tp_rank: 0,
+            })
+        }
+    }
+}
+
+/// Groups between stages that exchange activations (by edge) and among the stages that hold
+/// one tied weight (by holder set), created in the same order on every rank.
+pub(super) type StageGroups = (
+    HashMap<(usize, usize), Arc<dyn ProcessGroup>>,
+    BTreeMap<Vec<usize>, Arc<dyn ProcessGroup>>,
+);
+
+/// The edge and tied-weight groups of `plan`, one per (replica, TP rank).
+pub(super) fn pipeline_groups(
+    world: &World,
+    plan: &PipelinePlan,
+    tp: usize,
+    counted: &dyn Fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup>,
+) -> Result<StageGroups, PipelineError> {
+    let (p, dp) = (plan.ranks, plan.data_parallel);
+    let global = |d: usize, r: usize, t: usize| (d * p + r) * tp + t;
+    let mut edge_groups = HashMap::new();
+    for e in &plan.flow.edges {
+        let (a, b) = (plan.stage_ranks[e.from], plan.stage_ranks[e.to]);
+        if a == b {
+            continue;
+        }
+        let partition: Vec<Vec<usize>> = (0..dp)
+            .flat_map(|d| (0..tp).map(move |t| vec![global(d, a, t), global(d, b, t)]))
+            .collect();
+        if let Some(g) = world.new_groups(&partition, "pp-edge")? {
+            edge_groups.insert((e.from, e.to), counted(g));
+        }
+    }
+    let mut holder_sets: Vec<Vec<usize>> = plan
+        .holders
+        .iter()
+        .filter(|h| h.len() > 1)
+        .map(|h| h.iter().copied().collect())
+        .collect();
+    holder_sets.sort();
+    holder_sets.dedup();
+    let mut holder_groups = BTreeMap::new();
+    for set in &holder_sets {
+        let partition: Vec<Vec<usize>> = (0..dp)
+            .flat_map(|d| (0..tp).map(move |t| set.iter().map(|&r| global(d, r, t)).collect()))
+            .collect();
+        if let Some(g) = world.new_groups(&partition, "pp-tied")? {
+            holder_groups.insert(set.clone(), counted(g));
+        }
+    }
+    Ok((edge_groups, holder_groups))
+}
+
+/// A tied weight starts from its lowest holder's value; replicas (`replicas`, when the
+/// pipeline has several) from replica 0's.
+pub(super) fn broadcast_initial(
+    plan: &PipelinePlan,
+    named: &[(String, Tensor)],
+    held: &[usize],
+    holder_groups: &BTreeMap<Vec<usize>, Arc<dyn ProcessGroup>>,
+    replicas: Option<&dyn ProcessGroup>,
+) -> Result<(), PipelineError> {
+    let _guard = tch::no_grad_guard();
+    for &i in held {
+        if let Some(g) = holder_groups.get(&holder_set(plan, i)) {
+            g.broadcast(&named[i].1, 0)?;
+        }
+    }
+    if let Some(group) = replicas {
+        for &i in held {
+            group.broadcast(&named[i].1, 0)?;
+        }
+    }
+    Ok(())
+}
+
+/// The ranks holding parameter `i` (several for a tied weight), as its group's key.
+pub(super) fn holder_set(plan: &PipelinePlan, i: usize) -> Vec<usize> {
+    plan.holders[i].iter().copied().collect()
+}
+
+/// Tied weights: every holder of each held tied weight ends with the sum of every holder's
+/// part of its gradient (nothing with the planted `skip` fault).
+pub(super) fn reduce_tied_parts(
+    plan: &PipelinePlan,
+    held: &[usize],
+    named: &[(String, Tensor)],
+    holder_groups: &BTreeMap<Vec<usize>, Arc<dyn ProcessGroup>>,
+    skip: bool,
+) -> Result<(), PipelineError> {
+    for &i in held {
+        let (name, t) = &named[i];
+        let g = grad_or_zeros(t)?;
+        if let Some(group) = holder_groups.get(&holder_set(plan, i)).filter(|_| !skip) {
+            group
+                .all_reduce(&g, ReduceOp::Sum)
+                .map_err(|e| PipelineError::Execution(format!("reducing tied `{name}`: {e}")))?;
+        }
+    }
+    Ok(())
+}
