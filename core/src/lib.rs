@@ -13,7 +13,7 @@ pub mod compose;
 pub mod consistency;
 pub mod ddp;
 pub mod expert_parallel;
-mod failure;
+pub mod failure;
 pub mod fsdp;
 pub mod machine;
 pub mod mixed_reference;

@@ -12,8 +12,10 @@ use crate::train::{clip_coefficient, observe_stepped, scale_gradients, Optimizer
 use std::cell::RefCell;
 use tch::Tensor;
 
-/// One rank's data dimension under a model-splitting parallelism.
-pub(crate) struct DataLayer {
+/// One rank's data dimension under a model-splitting parallelism (built by Lockstep's own
+/// strategies; a strategy that has one hands it to the loop through
+/// [`StepHooks::data_layer`](crate::train::StepHooks::data_layer)).
+pub struct DataLayer {
     /// Stepped as they are: every tensor the split left when the dimension replicates; those
     /// the unit leaves out when it shards (an expert-parallel rank's experts).
     whole: Vec<(String, Tensor)>,

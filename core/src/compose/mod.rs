@@ -15,7 +15,7 @@
 //! [`train_composed`] runs it through the parallelisms' own training loops, which take the
 //! data dimension as an option.
 
-pub(crate) mod data;
+pub mod data;
 mod plan;
 mod run;
 

@@ -3,9 +3,7 @@
 
 use super::moe::Dispatcher;
 use crate::compose::DataParallel;
-use crate::fsdp::FsdpError;
-use crate::train::TrainError;
-use lockstep_models::ModelError;
+use crate::failure::{split_failure_from, SplitFailure};
 
 /// How an expert-parallel run is configured.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -49,19 +47,9 @@ pub enum EpError {
     /// A parallel layer could not be built from the model's layer.
     #[error(transparent)]
     Layers(#[from] crate::tensor_parallel::layers::TpLayerError),
-    /// Building or running the model failed.
+    /// What any model-splitting run can fail with (the model, a collective, the loop...).
     #[error(transparent)]
-    Model(#[from] ModelError),
-    /// The training loop failed.
-    #[error(transparent)]
-    Train(#[from] TrainError),
-    /// A collective failed.
-    #[error(transparent)]
-    Comm(#[from] crate::CommError),
-    /// Sharding the dense parameters (EP×FSDP) failed.
-    #[error(transparent)]
-    Shard(#[from] FsdpError),
-    /// A libtorch call failed.
-    #[error("libtorch: {0}")]
-    Torch(#[from] tch::TchError),
+    Failed(Box<SplitFailure>),
 }
+
+split_failure_from!(EpError);

@@ -267,13 +267,8 @@ impl StepHooks for EpRun {
         })
     }
 
-    fn local_gradients(
-        &mut self,
-        _params: &[(String, Tensor)],
-        _step: usize,
-    ) -> Result<Vec<(String, Tensor)>, TrainError> {
-        // Reduced in `sync_gradients`, which gives an expert no token chose a zero gradient.
-        Ok(Vec::new())
+    fn data_layer(&self) -> Option<&DataLayer> {
+        Some(&self.data)
     }
 
     fn sync_gradients(&mut self, _grads: &[(String, Tensor)]) -> Result<(), TrainError> {
@@ -310,23 +305,6 @@ impl StepHooks for EpRun {
     ) -> Result<GradientView, TrainError> {
         let full = self.full(|t| t.grad()).map_err(TrainError::strategy)?;
         GradientView::of_full(full, keep)
-    }
-
-    fn clip_gradients(
-        &mut self,
-        max_norm: f64,
-        total: f64,
-        _grads: &[(String, Tensor)],
-    ) -> Result<(), TrainError> {
-        self.data.clip(max_norm, total)
-    }
-
-    fn optimizer_step(
-        &mut self,
-        optimizer: &mut dyn Optimizer,
-        _params: &[(String, Tensor)],
-    ) -> Result<bool, TrainError> {
-        self.data.step(optimizer)
     }
 
     fn observe_state(

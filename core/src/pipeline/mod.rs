@@ -25,8 +25,8 @@ pub mod reference;
 pub mod run;
 pub mod schedule;
 mod stage;
-mod strategy;
 pub mod stage_parallel;
+mod strategy;
 pub mod trace;
 
 pub use options::{PipelineError, PipelineFault, PipelineOptions, ScheduleChoice};

@@ -3,10 +3,7 @@
 
 use super::partition::PartitionMethod;
 use super::schedule::{Schedule, ScheduleError, ScheduleKind};
-use crate::autograd::AutogradError;
-use crate::comm::CommError;
-use crate::train::TrainError;
-use lockstep_models::ModelError;
+use crate::failure::{split_failure_from, SplitFailure};
 
 /// Which schedule a pipeline runs.
 #[derive(Clone, Debug, PartialEq)]
@@ -103,22 +100,9 @@ pub enum PipelineError {
     /// An action could not run (its inputs are missing: the schedule is wrong).
     #[error("pipeline execution: {0}")]
     Execution(String),
-    /// Building, splitting or running the model failed.
+    /// What any model-splitting run can fail with (the model, a collective, the loop...).
     #[error(transparent)]
-    Model(#[from] ModelError),
-    /// A send, receive or collective failed.
-    #[error(transparent)]
-    Comm(#[from] CommError),
-    /// The autograd bridge failed (backward across a stage boundary).
-    #[error(transparent)]
-    Autograd(#[from] AutogradError),
-    /// The optimizer step or gradient handling failed.
-    #[error(transparent)]
-    Train(#[from] TrainError),
-    /// FSDP's sharding of a stage (PP×FSDP) failed.
-    #[error(transparent)]
-    Shard(#[from] crate::fsdp::FsdpError),
-    /// A libtorch call failed.
-    #[error("libtorch: {0}")]
-    Torch(#[from] tch::TchError),
+    Failed(Box<SplitFailure>),
 }
+
+split_failure_from!(PipelineError);

@@ -174,14 +174,8 @@ impl StepHooks for PipelineStrategy<'_> {
         })
     }
 
-    fn local_gradients(
-        &mut self,
-        _params: &[(String, Tensor)],
-        _step: usize,
-    ) -> Result<Vec<(String, Tensor)>, TrainError> {
-        // A stage holds some parameters (and under PP×FSDP its unit frees them): reduced
-        // where they live by `sync_gradients`, seen by the record through `gradient_view`.
-        Ok(Vec::new())
+    fn data_layer(&self) -> Option<&DataLayer> {
+        Some(self.steps.data)
     }
 
     fn sync_gradients(&mut self, _grads: &[(String, Tensor)]) -> Result<(), TrainError> {
@@ -240,23 +234,6 @@ impl StepHooks for PipelineStrategy<'_> {
         )
         .map_err(TrainError::strategy)?;
         Ok(GradientView { norm, full: None })
-    }
-
-    fn clip_gradients(
-        &mut self,
-        max_norm: f64,
-        total: f64,
-        _grads: &[(String, Tensor)],
-    ) -> Result<(), TrainError> {
-        self.steps.data.clip(max_norm, total)
-    }
-
-    fn optimizer_step(
-        &mut self,
-        optimizer: &mut dyn Optimizer,
-        _params: &[(String, Tensor)],
-    ) -> Result<bool, TrainError> {
-        self.steps.data.step(optimizer)
     }
 
     fn observe_state(

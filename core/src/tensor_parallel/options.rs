@@ -3,9 +3,7 @@
 
 use super::plan::TpPlanError;
 use crate::compose::DataParallel;
-use crate::fsdp::FsdpError;
-use crate::train::TrainError;
-use lockstep_models::ModelError;
+use crate::failure::{split_failure_from, SplitFailure};
 
 /// A planted tensor-parallel bug (checker tests only).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,22 +48,9 @@ pub enum TpError {
     /// batch without its target).
     #[error("tensor parallel: {0}")]
     Invalid(String),
-    /// Building or running the model failed.
+    /// What any model-splitting run can fail with (the model, a collective, the loop...).
     #[error(transparent)]
-    Model(#[from] ModelError),
-    /// The training loop failed.
-    #[error(transparent)]
-    Train(#[from] TrainError),
-    /// A collective failed.
-    #[error(transparent)]
-    Comm(#[from] crate::CommError),
-    /// A differentiable collective's autograd bridge failed.
-    #[error(transparent)]
-    Autograd(#[from] crate::AutogradError),
-    /// Sharding the data dimension (FSDP×TP) failed.
-    #[error(transparent)]
-    Shard(#[from] FsdpError),
-    /// A libtorch call failed.
-    #[error("libtorch: {0}")]
-    Torch(#[from] tch::TchError),
+    Failed(Box<SplitFailure>),
 }
+
+split_failure_from!(TpError);

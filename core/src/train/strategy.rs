@@ -10,6 +10,7 @@
 use super::optim::Optimizer;
 use super::{global_mean, grad_norm, gradients, mean_loss, TrainError};
 use crate::comm::ProcessGroup;
+use crate::compose::data::DataLayer;
 use crate::consistency::{StateKind, StateProbe};
 use crate::record::CollectiveEntry;
 use lockstep_models::{LayerHooks, Model, NoHooks};
@@ -91,15 +92,28 @@ pub trait StepHooks {
         })
     }
 
+    /// The data dimension a model-splitting strategy (tensor, expert or pipeline
+    /// parallelism) stacks on the tensors it leaves this rank: the loop then clips and steps
+    /// through it, and the strategy reduces gradients where they live. `None` (the default)
+    /// for a wrapper over the whole model.
+    fn data_layer(&self) -> Option<&DataLayer> {
+        None
+    }
+
     /// Every trained tensor's gradient after backward, for [`StepHooks::sync_gradients`]. By
     /// default a tensor without one is an error (synchronizing a partial set would
-    /// desynchronize ranks); expert parallelism gives an expert no token chose a zero one.
+    /// desynchronize ranks). Under a [`StepHooks::data_layer`] none: the strategy reduces
+    /// gradients where they live (its tensors, or the unit's) and the record sees them
+    /// through [`StepHooks::gradient_view`].
     fn local_gradients(
         &mut self,
         params: &[(String, Tensor)],
         step: usize,
     ) -> Result<Vec<(String, Tensor)>, TrainError> {
-        gradients(params, step)
+        match self.data_layer() {
+            Some(_) => Ok(Vec::new()),
+            None => gradients(params, step),
+        }
     }
 
     /// Makes the gradients of this rank the synchronized ones, after backward.
@@ -144,14 +158,18 @@ pub trait StepHooks {
     }
 
     /// Runs the optimizer step itself, if the wrapper owns the parameters the optimizer must
-    /// update (FSDP steps its shard). Returns `false` (the default) to let
-    /// [`train`](super::train) step the model's parameters as usual.
+    /// update (FSDP steps its shard, a [`StepHooks::data_layer`] what it holds). Returns
+    /// `false` (the default) to let [`train`](super::train) step the model's parameters as
+    /// usual.
     fn optimizer_step(
         &mut self,
-        _optimizer: &mut dyn Optimizer,
+        optimizer: &mut dyn Optimizer,
         _params: &[(String, Tensor)],
     ) -> Result<bool, TrainError> {
-        Ok(false)
+        match self.data_layer() {
+            Some(data) => data.step(optimizer),
+            None => Ok(false),
+        }
     }
 
     /// Runs after the last step, before the record captures parameters and buffers: a wrapper
@@ -162,14 +180,18 @@ pub trait StepHooks {
 
     /// Clips this step's gradients for [`Model::max_grad_norm`] `max_norm`, `total` being
     /// the global gradient norm the record reports and `grads` this rank's full gradients.
-    /// The default scales `grads` ([`clip_coefficient`]); a sharding wrapper clips its shards
-    /// by the norm it computes over them.
+    /// The default scales `grads` ([`clip_coefficient`]), or under a
+    /// [`StepHooks::data_layer`] what it steps; a sharding wrapper clips its shards by the
+    /// norm it computes over them.
     fn clip_gradients(
         &mut self,
         max_norm: f64,
         total: f64,
         grads: &[(String, Tensor)],
     ) -> Result<(), TrainError> {
+        if let Some(data) = self.data_layer() {
+            return data.clip(max_norm, total);
+        }
         scale_gradients(
             grads.iter().map(|(_, g)| g),
             clip_coefficient(max_norm, total),

@@ -1,0 +1,116 @@
+//! What a rank needs to join a run: [`InitOptions`], the [`Backend`] its groups use, and
+//! the default timeouts (collective and rendezvous) with the variables that set them.
+//!
+//! Apart from [`World`](super::World) because these are plain settings, read by a launcher
+//! or a test before any connection exists.
+
+use crate::comm::CommError;
+use std::time::Duration;
+
+/// Which engine runs the collectives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// Deterministic Rust collectives over TCP; CUDA tensors are staged through host memory.
+    Cpu,
+    /// NCCL on CUDA devices (feature `nccl`).
+    Nccl,
+}
+
+impl std::str::FromStr for Backend {
+    type Err = CommError;
+    fn from_str(s: &str) -> Result<Self, CommError> {
+        match s {
+            "cpu" => Ok(Backend::Cpu),
+            "nccl" => Ok(Backend::Nccl),
+            other => Err(CommError::InvalidArgument(format!(
+                "unknown backend {other:?}; expected cpu or nccl"
+            ))),
+        }
+    }
+}
+
+/// What a rank needs to join a run.
+#[derive(Clone, Debug)]
+pub struct InitOptions {
+    /// This rank, 0-based.
+    pub rank: usize,
+    /// Ranks in the run; every rank must pass the same value.
+    pub world_size: usize,
+    /// `host:port` of the store.
+    pub store_addr: String,
+    /// The run's secret, presented to the store and to every peer.
+    pub secret: String,
+    /// Address this rank listens on for peers and publishes to them. Empty: derived from the
+    /// store connection (its local address, so peers on other hosts can reach it; loopback
+    /// when the store is local). An unspecified address (`0.0.0.0`) listens everywhere and
+    /// publishes the derived one.
+    pub listen_host: String,
+    /// Which process-group implementation the world uses.
+    pub backend: Backend,
+    /// CUDA device for the NCCL backend (usually `LOCAL_RANK`).
+    pub device: usize,
+    /// How long any single wait inside a collective (or a later group's creation) may take.
+    pub timeout: Duration,
+    /// How long joining may take: reaching the store, every rank arriving, the world group
+    /// connecting. Short, so a rank that never comes is named quickly.
+    pub rendezvous_timeout: Duration,
+    /// Prefix of every store key this run uses, so several runs sharing one store (tests in
+    /// one externally launched process) never see each other's keys.
+    pub namespace: String,
+    /// What this rank is running (a test name), published at rendezvous: ranks that joined
+    /// one run for different tests fail with both names instead of mixing their messages.
+    pub run_label: String,
+    /// Names this run's shared-memory slots (`/dev/shm/lockstep-{shm_tag}-…`); a launcher
+    /// that sets it removes what ranks that died mid-operation left behind.
+    pub shm_tag: String,
+}
+
+impl InitOptions {
+    /// Options for `rank` of `world_size` on loopback with the CPU backend.
+    pub fn local(
+        rank: usize,
+        world_size: usize,
+        store_addr: impl Into<String>,
+        secret: impl Into<String>,
+    ) -> Self {
+        InitOptions {
+            rank,
+            world_size,
+            store_addr: store_addr.into(),
+            secret: secret.into(),
+            listen_host: "127.0.0.1".into(),
+            backend: Backend::Cpu,
+            device: 0,
+            timeout: default_timeout(),
+            rendezvous_timeout: default_rendezvous_timeout(),
+            namespace: "lockstep/".into(),
+            run_label: String::new(),
+            shm_tag: format!("p{}", std::process::id()),
+        }
+    }
+}
+
+/// Environment variable for the rendezvous timeout, in seconds.
+pub const RENDEZVOUS_TIMEOUT_VAR: &str = "LOCKSTEP_RENDEZVOUS_TIMEOUT_SECS";
+
+/// The default rendezvous timeout: `LOCKSTEP_RENDEZVOUS_TIMEOUT_SECS` or 60 s. Separate from
+/// the collective timeout so that a rank that never arrives (it crashed, has a wrong secret,
+/// cannot reach the store) is named within a minute, not after half an hour.
+pub fn default_rendezvous_timeout() -> Duration {
+    std::env::var(RENDEZVOUS_TIMEOUT_VAR)
+        .ok()
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map(Duration::from_secs_f64)
+        .unwrap_or(Duration::from_secs(60))
+}
+
+/// The default collective timeout: `LOCKSTEP_COMM_TIMEOUT_SECS` or 30 minutes. Launchers
+/// detect hangs earlier and print every rank's flight recorder.
+pub fn default_timeout() -> Duration {
+    std::env::var("LOCKSTEP_COMM_TIMEOUT_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map(Duration::from_secs_f64)
+        .unwrap_or(Duration::from_secs(1800))
+}
