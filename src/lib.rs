@@ -11,6 +11,7 @@ pub mod checkpoint;
 pub mod configs;
 pub mod device;
 pub mod env_report;
+pub mod judge_cmd;
 pub mod matrix;
 pub mod parity_test;
 pub mod run_cmd;

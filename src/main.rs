@@ -7,11 +7,12 @@ use clap::Parser;
 use cli::args::{Cli, Command, RunArgs, ScheduleArgs};
 use cli::bad_input;
 use cli::bench::run_bench;
+use cli::judge::run_judge;
 use cli::matrix::{run_matrix, run_stress};
 use cli::sensitivity::run_sensitivity;
+use cli::setup::run_setup;
 use lockstep::bench::{self};
 use lockstep::harness::report::{compare_report_files, CompareOptions};
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 fn main() -> Result<ExitCode> {
@@ -45,36 +46,7 @@ fn main() -> Result<ExitCode> {
             libtorch,
             lockstep,
             offline,
-        } => {
-            use lockstep::setup_cmd;
-            let Some(libtorch) = libtorch
-                .or_else(|| std::env::var_os("LIBTORCH").map(PathBuf::from))
-                .or_else(setup_cmd::built_libtorch)
-            else {
-                eprintln!("error: no libtorch known: pass --libtorch DIR or set LIBTORCH");
-                return Ok(ExitCode::from(2));
-            };
-            let opts = setup_cmd::SetupOptions {
-                dir,
-                lockstep: lockstep.unwrap_or_else(setup_cmd::built_checkout),
-                libtorch,
-                offline,
-            };
-            match setup_cmd::setup(&opts) {
-                Ok(report) => {
-                    for change in &report.changes {
-                        println!("set up: {change}");
-                    }
-                    for todo in &report.todo {
-                        println!("to do: {todo}");
-                    }
-                    if report.changes.is_empty() && report.todo.is_empty() {
-                        println!("already set up: nothing to change");
-                    }
-                }
-                Err(e) => return Ok(bad_input(e)),
-            }
-        }
+        } => return Ok(run_setup(dir, libtorch, lockstep, offline)),
         Command::Env { json } => {
             let report = lockstep::env_report::collect();
             if json {
@@ -84,6 +56,19 @@ fn main() -> Result<ExitCode> {
             }
         }
         Command::Matrix(args) => return run_matrix(args),
+        Command::Judge {
+            run,
+            reference,
+            shadow,
+            out,
+        } => {
+            return Ok(run_judge(lockstep::judge_cmd::JudgeOptions {
+                run,
+                reference,
+                shadow,
+                out,
+            }))
+        }
         Command::Rank(args) => {
             lockstep::runner::rank_cmd::rank_main(lockstep::runner::rank_cmd::RankRun {
                 model: args.model,

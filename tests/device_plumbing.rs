@@ -96,7 +96,7 @@ const ALLOWED: &[Allowed] = &[
         why: "the CPU backend stages any device's tensor through host memory and copies back",
     },
     Allowed {
-        file: "core/src/comm/faulty.rs",
+        file: "core/src/comm/faulty/alter.rs",
         snippet: "let host = t",
         why: "the fault-injecting group compares two tensors' bytes on the host",
     },

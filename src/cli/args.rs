@@ -65,6 +65,25 @@ pub(crate) enum Command {
         #[arg(long, default_value_t = 1e-12)]
         floor: f64,
     },
+    /// Judge a training job Lockstep did not run (a PyTorch job recorded with
+    /// python/lockstep_probe): its record against the single-device reference trained from the
+    /// same start and batches, by the fp64 arbiter when the float64 shadow is given (else the
+    /// fp32 dtype table). Writes report.json, report.md, junit.xml and report.html into --out;
+    /// exit 0 passed, 1 a check failed, 2 bad input (nothing written). See docs/judge.md.
+    Judge {
+        /// The job's record (a directory with record.json, or the file).
+        #[arg(long)]
+        run: PathBuf,
+        /// The fp32 single-device reference's record.
+        #[arg(long)]
+        reference: PathBuf,
+        /// The reference's float64 shadow's record: the fp64 arbiter judges with it.
+        #[arg(long)]
+        shadow: Option<PathBuf>,
+        /// Where the reports go.
+        #[arg(long, default_value = "lockstep-judge")]
+        out: PathBuf,
+    },
     /// Run every model x config at each world size on the CPU backend and check parity.
     ///
     /// DDP is compared with the single-device reference (fp64 arbiter) and with a fresh

@@ -3,8 +3,10 @@
 
 pub(crate) mod args;
 pub(crate) mod bench;
+pub(crate) mod judge;
 pub(crate) mod matrix;
 pub(crate) mod sensitivity;
+pub(crate) mod setup;
 
 use std::process::ExitCode;
 

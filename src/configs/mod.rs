@@ -61,6 +61,7 @@ pub const MIXED_VS_SINGLE_REASON: &str = "a bf16 or fp16 run is farther from the
 mod catalog;
 mod compositions;
 mod edges;
+mod fsdp;
 mod model_parallel;
 #[cfg(test)]
 mod option_coverage;
@@ -69,5 +70,6 @@ mod pipeline;
 pub use catalog::*;
 pub use compositions::*;
 pub use edges::*;
+pub use fsdp::*;
 pub use model_parallel::*;
 pub use pipeline::*;

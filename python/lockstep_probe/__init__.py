@@ -1,0 +1,22 @@
+"""Record a PyTorch training job so that Lockstep judges it (`lockstep judge`).
+
+A run directory holds `record.json` (Lockstep's `RunRecord`: per-step losses and gradient
+norms, every full gradient per step, every full parameter and buffer at the end, what the
+cross-rank check found), plus `init.pt` and `batches.pt`, the initial state and every
+rank's batches, from which `train_references` trains the single-device references on the
+same start and the same global batches. See docs/judge.md.
+
+Three lines in a training loop::
+
+    rec = lockstep_probe.Recorder("out/run", model, name="mlp", config="fsdp2", steps=N)
+    ...
+        rec.batch(x, y)           # this rank's batch, before forward
+        loss.backward()
+        rec.step(loss)            # after backward, before optimizer.step()
+    rec.finish()
+"""
+
+from .record import Recorder, RecordError
+from .reference import ReferenceError, train_references
+
+__all__ = ["Recorder", "RecordError", "ReferenceError", "train_references"]

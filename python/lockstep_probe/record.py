@@ -1,0 +1,249 @@
+"""The recorder: what a rank of a PyTorch job hands Lockstep, written in Lockstep's own run
+record format (`record.json`, the `RunRecord` the Rust side reads), with the initial state and
+the batches the references need."""
+
+import hashlib
+import json
+import math
+import os
+import pickle
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# Lockstep's `DType` names, by torch dtype.
+_DTYPES = {
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "Bool",
+}
+
+
+class RecordError(Exception):
+    """The recorder was used out of order, or a tensor cannot be recorded."""
+
+
+def _world():
+    """(rank, world size) of the default process group, or (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def full_tensor(t):
+    """`t` at full size: a DTensor (FSDP2, TP) gathered from its shards (a collective every
+    rank must call), anything else as it is."""
+    gather = getattr(t, "full_tensor", None)
+    return gather() if callable(gather) else t
+
+
+def _is_replicated(t):
+    """Whether every rank holds the same copy of `t` (a plain tensor, or a DTensor whose every
+    placement is Replicate): the copies the cross-rank check compares."""
+    placements = getattr(t, "placements", None)
+    if placements is None:
+        return True
+    return all(type(p).__name__ == "Replicate" for p in placements)
+
+
+def gather_objects(obj, world):
+    """`obj` of every rank, in rank order, on every rank: pickled into byte tensors (torch's
+    own `all_gather_object` needs NumPy, which a job need not have)."""
+    if world == 1:
+        return [obj]
+    data = pickle.dumps(obj)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    longest = int(max(s.item() for s in sizes))
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    every = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(every, mine)
+    return [pickle.loads(bytes(t[: int(n.item())].tolist())) for t, n in zip(every, sizes)]
+
+
+def _number(x):
+    """A float as Lockstep's JSON writes it: NaN and infinities as strings."""
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return x
+
+
+def named_tensor(name, t):
+    """`t` as Lockstep's `NamedTensor`: values widened to float64 (exact for every float
+    dtype), the original dtype kept so distances are counted in its ULPs."""
+    t = t.detach()
+    if t.dtype not in _DTYPES:
+        raise RecordError(f"`{name}` has dtype {t.dtype}, which Lockstep does not record")
+    values = t.to("cpu", torch.float64).reshape(-1).tolist()
+    return {
+        "name": name,
+        "dtype": _DTYPES[t.dtype],
+        "shape": list(t.shape),
+        "values": [_number(v) for v in values],
+    }
+
+
+def write_json_atomically(path, value):
+    """Writes `value` as JSON at `path` through a temporary file: a reader never sees half a
+    record, and a failed write leaves what was there."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
+
+
+def _digest(t):
+    """A replicated copy's identity: its element sum (for the message) and a hash of its
+    bytes (the comparison is bitwise)."""
+    host = t.detach().to("cpu").contiguous().clone()  # a compact storage of its own
+    return float(host.double().sum()), hashlib.sha1(bytes(host.untyped_storage())).hexdigest()
+
+
+class Recorder:
+    """Records one rank's training for Lockstep.
+
+    `out` is the run's directory (rank 0 writes it); `model` the module being trained (FSDP2,
+    DTensor TP or plain); `name` the model's name and `config` the parallelism's, as the
+    report shows them; `seed` what the run was seeded with. `world_size` overrides the
+    process group's size (a single-device reference stands in for a world of ranks).
+    """
+
+    def __init__(self, out, model, *, name, config, seed=0, steps=None, record_grads=True,
+                 world_size=None, backend=None):
+        self.out = Path(out)
+        self.model = model
+        self.rank, self.world = _world()
+        self.spec = {
+            "model": name,
+            "config": config,
+            "world_size": world_size or self.world,
+            "backend": backend or (dist.get_backend() if self.world > 1 else "none"),
+            "dtype": "fp32",
+            "steps": 0,
+            "seed": seed,
+        }
+        self.declared_steps = steps
+        self.record_grads = record_grads
+        self.losses, self.grad_norms, self.grads = [], [], []
+        self.batches, self.pending_batch = [], None
+        self.cross_rank = {"ranks": self.world, "compared": 0}
+        self.finished = False
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+        init = {n: full_tensor(t).detach().to("cpu").clone() for n, t in model.state_dict().items()}
+        dtypes = {t.dtype for t in init.values() if t.is_floating_point()}
+        if len(dtypes) == 1:
+            self.spec["dtype"] = {torch.float32: "fp32", torch.float64: "fp64"}.get(dtypes.pop(), "mixed")
+        if self.rank == 0:
+            torch.save(init, self.out / "init.pt")
+
+    def batch(self, *tensors):
+        """This rank's batch for the coming step (inputs, targets...), before its forward:
+        the references train on every rank's batch in rank order."""
+        self.pending_batch = tuple(t.detach().to("cpu").clone() for t in tensors)
+
+    def step(self, loss):
+        """After backward, before the optimizer step: records the global loss (the mean of
+        every rank's), the global gradient norm, every full gradient, and compares the
+        replicated parameters every rank holds (after the previous update)."""
+        if self.finished:
+            raise RecordError("step() after finish()")
+        self._check_replicas(len(self.losses), "param")
+        value = loss.detach().to("cpu", torch.float64).reshape(1).clone()
+        if self.world > 1:
+            dist.all_reduce(value)
+            value /= self.world
+        self.losses.append(float(value[0]))
+        squares, grads = 0.0, []
+        for name, p in self.model.named_parameters():
+            if p.grad is None:
+                raise RecordError(f"`{name}` has no gradient at step {len(self.losses) - 1}: "
+                                  "call step() after backward")
+            g = full_tensor(p.grad)
+            squares += float(g.detach().double().pow(2).sum())
+            if self.record_grads and self.rank == 0:
+                grads.append(named_tensor(name, g))
+        self.grad_norms.append(math.sqrt(squares))
+        if self.record_grads:
+            self.grads.append(grads)
+        self._gather_batch()
+
+    def _gather_batch(self):
+        """Every rank's batch of this step, on rank 0."""
+        mine = self.pending_batch
+        self.pending_batch = None
+        every = gather_objects(mine, self.world)
+        if self.rank == 0:
+            self.batches.append(every)
+
+    def _check_replicas(self, step, kind):
+        """Compares every replicated parameter's bits across ranks; keeps the first mismatch,
+        naming the tensor and the ranks on each side."""
+        if self.world == 1 or "mismatch" in self.cross_rank:
+            return
+        mine = {n: _digest(p) for n, p in self.model.named_parameters() if _is_replicated(p)}
+        every = gather_objects(mine, self.world)
+        self.cross_rank["compared"] += len(mine)
+        for name in mine:
+            base = every[0].get(name)
+            differing = [r for r in range(self.world) if every[r].get(name) != base]
+            if differing:
+                self.cross_rank["mismatch"] = {
+                    "step": max(step - 1, 0) if kind == "param" else step,
+                    "kind": kind,
+                    "name": name,
+                    "coord": "",
+                    "holders": list(range(self.world)),
+                    "agreeing": [r for r in range(self.world) if r not in differing],
+                    "differing": differing,
+                    "sums": [base[0], every[differing[0]][name][0]],
+                    "shapes": [],
+                }
+                return
+
+    def finish(self):
+        """After the last step: records every full parameter and buffer, compares the final
+        replicas, and writes `record.json` (rank 0)."""
+        if self.finished:
+            raise RecordError("finish() called twice")
+        self.finished = True
+        steps = len(self.losses)
+        if self.declared_steps is not None and steps != self.declared_steps:
+            raise RecordError(f"{steps} steps recorded, {self.declared_steps} declared")
+        self._check_replicas(steps, "final")
+        params = [(n, full_tensor(p)) for n, p in self.model.named_parameters()]
+        buffers = [(n, full_tensor(b)) for n, b in self.model.named_buffers()]
+        if self.rank == 0:
+            self._write(steps, params, buffers)
+        if self.world > 1:
+            # No rank leaves (and tears its process group down) while rank 0 still writes.
+            dist.barrier()
+
+    def _write(self, steps, params, buffers):
+        """Rank 0's files: the record, and the batches the references train on."""
+        self.spec["steps"] = steps
+        record = {
+            "spec": self.spec,
+            "losses": [_number(x) for x in self.losses],
+            "grad_norms": [_number(x) for x in self.grad_norms],
+            "params": [named_tensor(n, t) for n, t in params],
+            "buffers": [named_tensor(n, t) for n, t in buffers],
+            "grads": self.grads if self.record_grads else None,
+        }
+        if self.world > 1:
+            record["cross_rank"] = self.cross_rank
+        if self.batches and all(x is not None for ranks in self.batches for x in ranks):
+            torch.save(self.batches, self.out / "batches.pt")
+        write_json_atomically(self.out / "record.json", record)

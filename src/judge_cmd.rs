@@ -1,0 +1,115 @@
+//! `lockstep judge`: Lockstep's verdict on a training job it did not run. A PyTorch job
+//! recorded with `python/lockstep_probe` (or any program writing Lockstep's run record) is
+//! judged against its single-device fp32 reference by the fp64 arbiter when the float64
+//! shadow is given (else by the fp32 dtype table), with the same engine, reports and exit
+//! codes as the matrix (docs/judge.md).
+
+use lockstep_core::record::RunRecord;
+use lockstep_harness::parity::{arbitrate, compare, Comparison, TolerancePolicy, ENVELOPE};
+use lockstep_harness::report::{prepare_dir, write_all, Report, ReportError, ReportFiles};
+use std::path::{Path, PathBuf};
+
+/// What `lockstep judge` reads and where it writes.
+#[derive(Clone, Debug)]
+pub struct JudgeOptions {
+    /// The job's record: a directory holding `record.json`, or the file itself.
+    pub run: PathBuf,
+    /// The single-device fp32 reference's record, from the same start and batches.
+    pub reference: PathBuf,
+    /// The reference's float64 shadow: with it the fp64 arbiter judges.
+    pub shadow: Option<PathBuf>,
+    /// Where the report set goes (`report.json`, `.md`, `.html`, `junit.xml`).
+    pub out: PathBuf,
+}
+
+/// Why a job could not be judged (bad input: exit 2).
+#[derive(Debug, thiserror::Error)]
+pub enum JudgeError {
+    /// A record could not be read.
+    #[error("{path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A record is not Lockstep's run record (damaged, truncated, another format).
+    #[error("{path}: not a Lockstep run record: {detail}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// What the parser found.
+        detail: String,
+    },
+    /// The records do not describe the same training (other world size or step count).
+    #[error("{0}")]
+    Mismatch(String),
+    /// The report could not be written.
+    #[error(transparent)]
+    Report(#[from] ReportError),
+}
+
+/// A run record from `path` (a directory's `record.json`, or the file), or an error naming
+/// the file and what is wrong with it.
+pub fn read_record(path: &Path) -> Result<RunRecord, JudgeError> {
+    let file = match path.is_dir() {
+        true => path.join("record.json"),
+        false => path.to_owned(),
+    };
+    let text = std::fs::read_to_string(&file).map_err(|source| JudgeError::Read {
+        path: file.clone(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|e| JudgeError::Parse {
+        path: file,
+        detail: e.to_string(),
+    })
+}
+
+/// Refuses records that cannot describe the same training: a reference standing for another
+/// world size, or another number of steps.
+fn same_training(run: &RunRecord, reference: &RunRecord, what: &str) -> Result<(), JudgeError> {
+    let (a, b) = (&run.spec, &reference.spec);
+    if a.world_size != b.world_size || a.steps != b.steps {
+        return Err(JudgeError::Mismatch(format!(
+            "the run ({}, world {}, {} steps) and the {what} ({}, world {}, {} steps) are not \
+             the same training: record the {what} from the run's own start and batches",
+            a.config, a.world_size, a.steps, b.config, b.world_size, b.steps
+        )));
+    }
+    Ok(())
+}
+
+/// The verdict on the job: the fp64 arbiter's with a shadow, else the fp32 dtype table's.
+pub fn judge_records(
+    run: &RunRecord,
+    reference: &RunRecord,
+    shadow: Option<&RunRecord>,
+) -> Result<Comparison, JudgeError> {
+    same_training(run, reference, "reference")?;
+    Ok(match shadow {
+        Some(shadow) => {
+            same_training(run, shadow, "shadow")?;
+            arbitrate(run, reference, shadow, &ENVELOPE, None)
+        }
+        None => compare(
+            run,
+            reference,
+            &TolerancePolicy::dtype_table(lockstep_core::comm::DType::F32),
+        ),
+    })
+}
+
+/// Reads the records, judges the job and writes the report set; the report says whether it
+/// passed. Nothing is written when an input is bad.
+pub fn judge(opts: &JudgeOptions) -> Result<(Report, ReportFiles), JudgeError> {
+    let run = read_record(&opts.run)?;
+    let reference = read_record(&opts.reference)?;
+    let shadow = opts.shadow.as_deref().map(read_record).transpose()?;
+    let comparison = judge_records(&run, &reference, shadow.as_ref())?;
+    let report = Report::new(vec![comparison])
+        .with_environment(Some(lockstep_harness::report::environment()));
+    prepare_dir(&opts.out)?;
+    let files = write_all(&report, &opts.out)?;
+    Ok((report, files))
+}

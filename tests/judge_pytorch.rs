@@ -1,0 +1,165 @@
+//! `lockstep judge` on PyTorch jobs it did not run: `examples/torch_fsdp2.py` (FSDP2,
+//! `fully_shard` per linear, gloo, world 2, under torchrun) recorded with
+//! `python/lockstep_probe`, its single-device reference and float64 shadow trained by the
+//! package from the run's own start and batches, judged by the fp64 arbiter. The job and the
+//! job with gradient accumulation done right pass; accumulation that zeroes the gradients
+//! between microbatches (NeMo Automodel#3530's bug) fails naming the first wrong tensor and
+//! step; a damaged record is bad input (exit 2) naming the file, with nothing written.
+//!
+//! Needs a Python with torch (`ci/setup-libtorch` installs one); without it the tests say why
+//! and pass, as the other PyTorch tests do.
+
+#[path = "../core/tests/common/mod.rs"]
+mod common;
+
+use anyhow::{ensure, Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `python3 ARGS` with torch on its path; `None` (after saying why) without one.
+fn python(args: &[&str]) -> Option<Result<Output>> {
+    let Some((python, site)) = common::python_with_torch() else {
+        eprintln!("SKIP: no Python with torch (run ci/setup-libtorch)");
+        return None;
+    };
+    let mut cmd = Command::new(python);
+    cmd.arg("-W").arg("ignore").args(args).current_dir(root());
+    if let Some(site) = site {
+        cmd.env("PYTHONPATH", site);
+    }
+    Some(cmd.output().context("run python"))
+}
+
+fn succeeded(what: &str, out: Output) -> Result<()> {
+    ensure!(
+        out.status.success(),
+        "{what}: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+/// Records the FSDP2 job (with `extra` flags) and its references in `dir`; `false` when no
+/// Python with torch is here.
+fn record_job(dir: &Path, extra: &[&str]) -> Result<bool> {
+    let dir = dir.to_str().context("utf-8 temp dir")?;
+    // A port of its own: tests run concurrently, and torchrun's default would be shared.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port()
+        .to_string();
+    let mut train = vec![
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        &port,
+        "examples/torch_fsdp2.py",
+        "train",
+        dir,
+    ];
+    train.extend_from_slice(extra);
+    let Some(out) = python(&train) else {
+        return Ok(false);
+    };
+    succeeded("torchrun examples/torch_fsdp2.py train", out?)?;
+    let Some(out) = python(&["examples/torch_fsdp2.py", "reference", dir]) else {
+        return Ok(false);
+    };
+    succeeded("examples/torch_fsdp2.py reference", out?)?;
+    Ok(true)
+}
+
+/// `lockstep judge` over `dir`'s records: its exit code and output.
+fn judge(dir: &Path) -> Result<Output> {
+    Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .arg("judge")
+        .arg("--run")
+        .arg(dir.join("run"))
+        .arg("--reference")
+        .arg(dir.join("reference"))
+        .arg("--shadow")
+        .arg(dir.join("shadow"))
+        .arg("--out")
+        .arg(dir.join("report"))
+        .output()
+        .context("run lockstep judge")
+}
+
+fn report(dir: &Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(dir.join("report/report.json"))?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+#[test]
+fn a_correct_fsdp2_job_passes_the_fp64_arbiter() -> Result<()> {
+    for extra in [&[][..], &["--accumulate", "2"][..]] {
+        let dir = tempfile::tempdir()?;
+        if !record_job(dir.path(), extra)? {
+            return Ok(());
+        }
+        let out = judge(dir.path())?;
+        ensure!(
+            out.status.code() == Some(0),
+            "{extra:?}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let report = report(dir.path())?;
+        let comparison = &report["comparisons"][0];
+        ensure!(comparison["mode"] == "arbiter", "{comparison}");
+        ensure!(comparison["config"] == "fsdp2", "{comparison}");
+    }
+    Ok(())
+}
+
+#[test]
+fn accumulation_that_zeroes_gradients_is_caught_naming_the_tensor() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    if !record_job(dir.path(), &["--bug", "accumulation-zeroes"])? {
+        return Ok(());
+    }
+    let out = judge(dir.path())?;
+    ensure!(
+        out.status.code() == Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let report = report(dir.path())?;
+    let first = &report["comparisons"][0]["first_failure"];
+    let tensor = first["tensor"].as_str().unwrap_or_default();
+    ensure!(
+        tensor.ends_with("weight") || tensor.ends_with("bias"),
+        "the first failure names a parameter: {first}"
+    );
+    ensure!(
+        first["step"] == 0,
+        "the bug shows at the first step: {first}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_damaged_record_is_bad_input_naming_the_file() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    for side in ["run", "reference", "shadow"] {
+        std::fs::create_dir(dir.path().join(side))?;
+        std::fs::write(dir.path().join(side).join("record.json"), "{\"spec\": {")?;
+    }
+    let out = judge(dir.path())?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(out.status.code() == Some(2), "{stderr}");
+    ensure!(
+        stderr.contains("run/record.json") && stderr.contains("not a Lockstep run record"),
+        "{stderr}"
+    );
+    ensure!(!dir.path().join("report").exists(), "nothing written");
+    Ok(())
+}
