@@ -7,6 +7,8 @@
     # the verdict
     lockstep judge --run OUT/run --reference OUT/reference --shadow OUT/shadow --out OUT/report
 
+`bench OUT` times a step with the recorder (`bench none`: without it), for its overhead.
+
 `--bug accumulation-zeroes` plants a bug of the kind NeMo Automodel#3530 reported: gradient
 accumulation over two microbatches that zeroes the gradients between them, so only the
 second microbatch's survives; the loss still looks plausible. `--accumulate 2` is the same
@@ -17,6 +19,7 @@ The three lines that hand the job to Lockstep are marked `# lockstep`.
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -52,7 +55,7 @@ def optimizer(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def train(out, bug, accumulate):
+def train(out, bug, accumulate, record=True):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -67,10 +70,12 @@ def train(out, bug, accumulate):
     fully_shard(model, mesh=mesh)
     opt = optimizer(model.parameters())
     rec = lockstep_probe.Recorder(Path(out) / "run", model, name="mlp", config="fsdp2",  # lockstep
-                                  seed=SEED, steps=STEPS)
+                                  seed=SEED, steps=STEPS) if record else None
+    started = time.perf_counter()
     for step in range(STEPS):
         x, y = batch(rank, step)
-        rec.batch(x, y)  # lockstep
+        if rec:
+            rec.batch(x, y)  # lockstep
         opt.zero_grad()
         if accumulate == 1:
             loss = loss_fn(model, x, y)
@@ -84,15 +89,20 @@ def train(out, bug, accumulate):
                 part.backward()
                 losses.append(part.detach())
             loss = sum(losses)
-        rec.step(loss)  # lockstep
+        if rec:
+            rec.step(loss)  # lockstep
         opt.step()
-    rec.finish()  # lockstep
+    dist.barrier()
+    seconds = (time.perf_counter() - started) / STEPS  # the steps, the record's end aside
+    if rec:
+        rec.finish()  # lockstep
     dist.destroy_process_group()
+    return seconds
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["train", "reference"])
+    parser.add_argument("mode", choices=["train", "reference", "bench"])
     parser.add_argument("out")
     parser.add_argument("--bug", choices=["accumulation-zeroes"])
     parser.add_argument("--accumulate", type=int, default=1)
@@ -101,6 +111,11 @@ def main():
         args.accumulate = 2
     if args.mode == "train":
         train(args.out, args.bug, args.accumulate)
+    elif args.mode == "bench":
+        record = args.out != "none"
+        seconds = train(args.out, args.bug, args.accumulate, record=record)
+        if dist.is_available() and int(__import__("os").environ.get("RANK", "0")) == 0:
+            print(f"{'recorded' if record else 'plain'}: {seconds * 1e3:.2f} ms per step")
     else:
         lockstep_probe.train_references(build_model, loss_fn, optimizer, Path(args.out) / "run",
                                         args.out)

@@ -1,10 +1,14 @@
-//! `lockstep judge` on PyTorch jobs it did not run: `examples/torch_fsdp2.py` (FSDP2,
-//! `fully_shard` per linear, gloo, world 2, under torchrun) recorded with
-//! `python/lockstep_probe`, its single-device reference and float64 shadow trained by the
-//! package from the run's own start and batches, judged by the fp64 arbiter. The job and the
-//! job with gradient accumulation done right pass; accumulation that zeroes the gradients
-//! between microbatches (NeMo Automodel#3530's bug) fails naming the first wrong tensor and
-//! step; a damaged record is bad input (exit 2) naming the file, with nothing written.
+//! `lockstep judge` on PyTorch jobs it did not run, recorded with `python/lockstep_probe`
+//! (gloo, world 2, under torchrun), their single-device reference and float64 shadow trained
+//! by the package from the run's own start and batches, judged by the fp64 arbiter:
+//!
+//! - `examples/torch_fsdp2.py` (FSDP2, `fully_shard` per linear) passes, and with gradient
+//!   accumulation done right; accumulation that zeroes the gradients between microbatches
+//!   (NeMo Automodel#3530's bug) fails naming the first wrong tensor and step;
+//! - `examples/torch_tp.py` (DTensor column- and row-parallel linears) passes; one rank whose
+//!   replicated bias gradient misses its reduction fails naming the tensor, the step and the
+//!   ranks on each side;
+//! - a damaged record is bad input (exit 2) naming the file, with nothing written.
 //!
 //! Needs a Python with torch (`ci/setup-libtorch` installs one); without it the tests say why
 //! and pass, as the other PyTorch tests do.
@@ -15,6 +19,9 @@ mod common;
 use anyhow::{ensure, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+
+const FSDP2: &str = "examples/torch_fsdp2.py";
+const TP: &str = "examples/torch_tp.py";
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -44,9 +51,9 @@ fn succeeded(what: &str, out: Output) -> Result<()> {
     Ok(())
 }
 
-/// Records the FSDP2 job (with `extra` flags) and its references in `dir`; `false` when no
-/// Python with torch is here.
-fn record_job(dir: &Path, extra: &[&str]) -> Result<bool> {
+/// Records the job `script` (with `extra` flags) and its references in `dir`; `false` when
+/// no Python with torch is here.
+fn record_job(script: &str, dir: &Path, extra: &[&str]) -> Result<bool> {
     let dir = dir.to_str().context("utf-8 temp dir")?;
     // A port of its own: tests run concurrently, and torchrun's default would be shared.
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
@@ -62,7 +69,7 @@ fn record_job(dir: &Path, extra: &[&str]) -> Result<bool> {
         "127.0.0.1",
         "--master-port",
         &port,
-        "examples/torch_fsdp2.py",
+        script,
         "train",
         dir,
     ];
@@ -70,11 +77,11 @@ fn record_job(dir: &Path, extra: &[&str]) -> Result<bool> {
     let Some(out) = python(&train) else {
         return Ok(false);
     };
-    succeeded("torchrun examples/torch_fsdp2.py train", out?)?;
-    let Some(out) = python(&["examples/torch_fsdp2.py", "reference", dir]) else {
+    succeeded(&format!("torchrun {script} train"), out?)?;
+    let Some(out) = python(&[script, "reference", dir]) else {
         return Ok(false);
     };
-    succeeded("examples/torch_fsdp2.py reference", out?)?;
+    succeeded(&format!("{script} reference"), out?)?;
     Ok(true)
 }
 
@@ -103,7 +110,7 @@ fn report(dir: &Path) -> Result<serde_json::Value> {
 fn a_correct_fsdp2_job_passes_the_fp64_arbiter() -> Result<()> {
     for extra in [&[][..], &["--accumulate", "2"][..]] {
         let dir = tempfile::tempdir()?;
-        if !record_job(dir.path(), extra)? {
+        if !record_job(FSDP2, dir.path(), extra)? {
             return Ok(());
         }
         let out = judge(dir.path())?;
@@ -123,7 +130,7 @@ fn a_correct_fsdp2_job_passes_the_fp64_arbiter() -> Result<()> {
 #[test]
 fn accumulation_that_zeroes_gradients_is_caught_naming_the_tensor() -> Result<()> {
     let dir = tempfile::tempdir()?;
-    if !record_job(dir.path(), &["--bug", "accumulation-zeroes"])? {
+    if !record_job(FSDP2, dir.path(), &["--bug", "accumulation-zeroes"])? {
         return Ok(());
     }
     let out = judge(dir.path())?;
@@ -142,6 +149,39 @@ fn accumulation_that_zeroes_gradients_is_caught_naming_the_tensor() -> Result<()
     ensure!(
         first["step"] == 0,
         "the bug shows at the first step: {first}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_dtensor_tp_job_passes_and_a_replica_that_skips_a_reduction_is_named() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    if !record_job(TP, dir.path(), &[])? {
+        return Ok(());
+    }
+    let out = judge(dir.path())?;
+    ensure!(
+        out.status.code() == Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let dir = tempfile::tempdir()?;
+    if !record_job(TP, dir.path(), &["--bug", "replica-skips-reduce"])? {
+        return Ok(());
+    }
+    let out = judge(dir.path())?;
+    ensure!(
+        out.status.code() == Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let report = report(dir.path())?;
+    let mismatch = &report["comparisons"][0]["cross_rank"]["mismatch"];
+    ensure!(mismatch["name"] == "2.bias", "{mismatch}");
+    ensure!(mismatch["step"] == 1, "{mismatch}");
+    ensure!(
+        mismatch["differing"] == serde_json::json!([1]),
+        "{mismatch}"
     );
     Ok(())
 }

@@ -107,6 +107,8 @@ def write_json_atomically(path, value):
 def _digest(t):
     """A replicated copy's identity: its element sum (for the message) and a hash of its
     bytes (the comparison is bitwise)."""
+    local = getattr(t, "to_local", None)
+    t = local() if callable(local) else t  # a replicated DTensor's copy is its local tensor
     host = t.detach().to("cpu").contiguous().clone()  # a compact storage of its own
     return float(host.double().sum()), hashlib.sha1(bytes(host.untyped_storage())).hexdigest()
 
