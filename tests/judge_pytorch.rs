@@ -8,6 +8,9 @@
 //! - `examples/torch_tp.py` (DTensor column- and row-parallel linears) passes; one rank whose
 //!   replicated bias gradient misses its reduction fails naming the tensor, the step and the
 //!   ranks on each side;
+//! - `examples/torch_pipeline.py` (`torch.distributed.pipelining`, two stages, GPipe and
+//!   1F1B) passes; microbatch gradients summed instead of averaged (torchtitan#2972) fails at
+//!   step 0 naming the tensor;
 //! - a damaged record is bad input (exit 2) naming the file, with nothing written.
 //!
 //! Needs a Python with torch (`ci/setup-libtorch` installs one); without it the tests say why
@@ -22,6 +25,7 @@ use std::process::{Command, Output};
 
 const FSDP2: &str = "examples/torch_fsdp2.py";
 const TP: &str = "examples/torch_tp.py";
+const PIPELINE: &str = "examples/torch_pipeline.py";
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -182,6 +186,44 @@ fn a_dtensor_tp_job_passes_and_a_replica_that_skips_a_reduction_is_named() -> Re
     ensure!(
         mismatch["differing"] == serde_json::json!([1]),
         "{mismatch}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_pipelining_job_passes_under_gpipe_and_1f1b_and_unscaled_gradients_are_caught() -> Result<()> {
+    for schedule in ["gpipe", "1f1b"] {
+        let dir = tempfile::tempdir()?;
+        if !record_job(PIPELINE, dir.path(), &["--schedule", schedule])? {
+            return Ok(());
+        }
+        let out = judge(dir.path())?;
+        ensure!(
+            out.status.code() == Some(0),
+            "{schedule}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    let dir = tempfile::tempdir()?;
+    if !record_job(PIPELINE, dir.path(), &["--bug", "unscaled-grads"])? {
+        return Ok(());
+    }
+    let out = judge(dir.path())?;
+    ensure!(
+        out.status.code() == Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let report = report(dir.path())?;
+    let first = &report["comparisons"][0]["first_failure"];
+    let tensor = first["tensor"].as_str().unwrap_or_default();
+    ensure!(
+        tensor.ends_with("weight") || tensor.ends_with("bias"),
+        "the first failure names a parameter: {first}"
+    );
+    ensure!(
+        first["step"] == 0,
+        "the bug shows at the first step: {first}"
     );
     Ok(())
 }

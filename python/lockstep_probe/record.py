@@ -116,21 +116,27 @@ def _digest(t):
 class Recorder:
     """Records one rank's training for Lockstep.
 
-    `out` is the run's directory (rank 0 writes it); `model` the module being trained (FSDP2,
-    DTensor TP or plain); `name` the model's name and `config` the parallelism's, as the
-    report shows them; `seed` what the run was seeded with. `world_size` overrides the
-    process group's size (a single-device reference stands in for a world of ranks).
+    `out` is the run's directory (rank 0 writes it); `model` the module this rank trains
+    (FSDP2, DTensor TP, plain, or its pipeline stage); `name` the model's name and `config` the
+    parallelism's, as the report shows them; `seed` what the run was seeded with.
+
+    `stages=True` for a pipeline: every rank holds other parameters (its stages'), the
+    record's model is their union gathered on rank 0, only the last stage passes its loss,
+    every rank trains on the same global batch, and the references stand for one data rank.
+    `world_size` overrides how many data ranks the run stands for (a single-device reference
+    stands in for a world of ranks).
     """
 
     def __init__(self, out, model, *, name, config, seed=0, steps=None, record_grads=True,
-                 world_size=None, backend=None):
+                 world_size=None, backend=None, stages=False):
         self.out = Path(out)
         self.model = model
+        self.stages = stages
         self.rank, self.world = _world()
         self.spec = {
             "model": name,
             "config": config,
-            "world_size": world_size or self.world,
+            "world_size": world_size or (1 if stages else self.world),
             "backend": backend or (dist.get_backend() if self.world > 1 else "none"),
             "dtype": "fp32",
             "steps": 0,
@@ -144,56 +150,84 @@ class Recorder:
         self.finished = False
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
-        init = {n: full_tensor(t).detach().to("cpu").clone() for n, t in model.state_dict().items()}
-        dtypes = {t.dtype for t in init.values() if t.is_floating_point()}
-        if len(dtypes) == 1:
-            self.spec["dtype"] = {torch.float32: "fp32", torch.float64: "fp64"}.get(dtypes.pop(), "mixed")
+        init = self._merged({n: full_tensor(t).detach().to("cpu").clone()
+                             for n, t in model.state_dict().items()})
         if self.rank == 0:
+            dtypes = {t.dtype for t in init.values() if t.is_floating_point()}
+            if len(dtypes) == 1:
+                self.spec["dtype"] = {torch.float32: "fp32", torch.float64: "fp64"}.get(
+                    dtypes.pop(), "mixed")
             torch.save(init, self.out / "init.pt")
+
+    def _merged(self, mine):
+        """This rank's dict, or under `stages` every rank's merged in rank order (on rank 0)."""
+        if not self.stages or self.world == 1:
+            return mine
+        merged = {}
+        for part in gather_objects(mine, self.world):
+            merged.update(part)
+        return merged
 
     def batch(self, *tensors):
         """This rank's batch for the coming step (inputs, targets...), before its forward:
-        the references train on every rank's batch in rank order."""
+        the references train on every rank's batch in rank order (a pipeline's every rank
+        passes the same global batch)."""
         self.pending_batch = tuple(t.detach().to("cpu").clone() for t in tensors)
 
     def step(self, loss):
         """After backward, before the optimizer step: records the global loss (the mean of
-        every rank's), the global gradient norm, every full gradient, and compares the
-        replicated parameters every rank holds (after the previous update)."""
+        every rank's; a pipeline's last stage passes it, the others `None`), the global
+        gradient norm, every full gradient, and compares the replicated parameters every
+        rank holds (after the previous update)."""
         if self.finished:
             raise RecordError("step() after finish()")
-        self._check_replicas(len(self.losses), "param")
-        value = loss.detach().to("cpu", torch.float64).reshape(1).clone()
-        if self.world > 1:
-            dist.all_reduce(value)
-            value /= self.world
-        self.losses.append(float(value[0]))
-        squares, grads = 0.0, []
+        step = len(self.losses)
+        self._check_replicas(step, "param")
+        self.losses.append(self._global_loss(loss))
+        squares, grads = 0.0, {}
         for name, p in self.model.named_parameters():
             if p.grad is None:
-                raise RecordError(f"`{name}` has no gradient at step {len(self.losses) - 1}: "
+                raise RecordError(f"`{name}` has no gradient at step {step}: "
                                   "call step() after backward")
             g = full_tensor(p.grad)
             squares += float(g.detach().double().pow(2).sum())
-            if self.record_grads and self.rank == 0:
-                grads.append(named_tensor(name, g))
+            if self.record_grads and (self.stages or self.rank == 0):
+                grads[name] = named_tensor(name, g)
+        if self.stages and self.world > 1:
+            squares = sum(gather_objects(squares, self.world))
+            grads = self._merged(grads)
         self.grad_norms.append(math.sqrt(squares))
         if self.record_grads:
-            self.grads.append(grads)
+            self.grads.append(list(grads.values()))
         self._gather_batch()
 
+    def _global_loss(self, loss):
+        """The step's loss over the world: the mean of every rank's, or a pipeline's last
+        stage's."""
+        value = torch.zeros(1, dtype=torch.float64)
+        if loss is not None:
+            value += loss.detach().to("cpu", torch.float64).reshape(1)
+        elif not self.stages:
+            raise RecordError("step(None): only a pipeline's other stages (stages=True) pass no loss")
+        if self.world > 1:
+            dist.all_reduce(value)
+            if not self.stages:
+                value /= self.world
+        return float(value[0])
+
     def _gather_batch(self):
-        """Every rank's batch of this step, on rank 0."""
+        """Every rank's batch of this step, on rank 0 (a pipeline's: rank 0's, the global
+        batch every stage was given)."""
         mine = self.pending_batch
         self.pending_batch = None
-        every = gather_objects(mine, self.world)
+        every = [mine] if self.stages else gather_objects(mine, self.world)
         if self.rank == 0:
             self.batches.append(every)
 
     def _check_replicas(self, step, kind):
         """Compares every replicated parameter's bits across ranks; keeps the first mismatch,
-        naming the tensor and the ranks on each side."""
-        if self.world == 1 or "mismatch" in self.cross_rank:
+        naming the tensor and the ranks on each side (pipeline stages hold no copies)."""
+        if self.world == 1 or self.stages or "mismatch" in self.cross_rank:
             return
         mine = {n: _digest(p) for n, p in self.model.named_parameters() if _is_replicated(p)}
         every = gather_objects(mine, self.world)
@@ -225,13 +259,20 @@ class Recorder:
         if self.declared_steps is not None and steps != self.declared_steps:
             raise RecordError(f"{steps} steps recorded, {self.declared_steps} declared")
         self._check_replicas(steps, "final")
-        params = [(n, full_tensor(p)) for n, p in self.model.named_parameters()]
-        buffers = [(n, full_tensor(b)) for n, b in self.model.named_buffers()]
+        params = self._recorded(self.model.named_parameters())
+        buffers = self._recorded(self.model.named_buffers())
         if self.rank == 0:
-            self._write(steps, params, buffers)
+            self._write(steps, list(params.values()), list(buffers.values()))
         if self.world > 1:
             # No rank leaves (and tears its process group down) while rank 0 still writes.
             dist.barrier()
+
+    def _recorded(self, named):
+        """`named` tensors at full size as the record holds them, on rank 0 (every rank
+        gathers its DTensors; only the ranks whose part the record needs encode theirs)."""
+        full = [(n, full_tensor(t)) for n, t in named]
+        keep = self.stages or self.rank == 0
+        return self._merged({n: named_tensor(n, t) for n, t in full} if keep else {})
 
     def _write(self, steps, params, buffers):
         """Rank 0's files: the record, and the batches the references train on."""
@@ -240,11 +281,11 @@ class Recorder:
             "spec": self.spec,
             "losses": [_number(x) for x in self.losses],
             "grad_norms": [_number(x) for x in self.grad_norms],
-            "params": [named_tensor(n, t) for n, t in params],
-            "buffers": [named_tensor(n, t) for n, t in buffers],
+            "params": params,
+            "buffers": buffers,
             "grads": self.grads if self.record_grads else None,
         }
-        if self.world > 1:
+        if self.world > 1 and not self.stages:
             record["cross_rank"] = self.cross_rank
         if self.batches and all(x is not None for ranks in self.batches for x in ranks):
             torch.save(self.batches, self.out / "batches.pt")

@@ -1,0 +1,113 @@
+"""A PyTorch `torch.distributed.pipelining` job judged by Lockstep (docs/judge.md).
+
+    python3 -m torch.distributed.run --nproc-per-node 2 examples/torch_pipeline.py train OUT [--schedule 1f1b]
+    python3 examples/torch_pipeline.py reference OUT
+    lockstep judge --run OUT/run --reference OUT/reference --shadow OUT/shadow --out OUT/report
+
+The MLP is cut into two stages, one per rank, and trained by GPipe or 1F1B over four
+microbatches of the global batch. `--bug unscaled-grads` plants the bug torchtitan#2972
+describes: the microbatches' gradients summed rather than averaged (`scale_grads=False`),
+so the pipeline's gradients are four times the non-pipelined run's, which the loss does
+not show at the first step.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+import lockstep_probe  # noqa: E402
+
+STEPS = 4
+SEED = 5
+MICROBATCHES = 4
+BATCH = 8
+
+
+def build_model():
+    torch.manual_seed(SEED)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 4))
+
+
+def batch(step):
+    """The step's global batch (every stage is given it; the first feeds the inputs, the last
+    the targets)."""
+    g = torch.Generator().manual_seed(SEED * 10_000 + step)
+    return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 4, generator=g)
+
+
+def loss_fn(model, x, y):
+    return nn.functional.mse_loss(model(x), y)
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def stage_of(model, rank):
+    """This rank's stage, and what crosses its edges per microbatch (given, so no stage
+    probes shapes at run time)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    mb = BATCH // MICROBATCHES
+    if rank == 0:
+        module, shapes = model[0:2], dict(input_args=(torch.empty(mb, 8),),
+                                          output_args=torch.empty(mb, 16),
+                                          output_grads=torch.empty(mb, 16))
+    else:
+        module, shapes = model[2:], dict(input_args=(torch.empty(mb, 16, requires_grad=True),),
+                                         output_args=torch.empty(mb, 4),
+                                         input_grads=(torch.empty(mb, 16),))
+    return module, PipelineStage(module, rank, 2, torch.device("cpu"), **shapes)
+
+
+def train(out, schedule, bug):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    module, stage = stage_of(build_model(), rank)
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    pipe = kind(stage, n_microbatches=MICROBATCHES,
+                loss_fn=lambda out, y: nn.functional.mse_loss(out, y),
+                scale_grads=bug != "unscaled-grads")
+    opt = optimizer(module.parameters())
+    rec = lockstep_probe.Recorder(Path(out) / "run", module, name="mlp",  # lockstep
+                                  config=f"pp2.{schedule}", seed=SEED, steps=STEPS, stages=True)
+    for step in range(STEPS):
+        x, y = batch(step)
+        rec.batch(x, y)  # lockstep
+        opt.zero_grad()
+        losses = []
+        if rank == 0:
+            pipe.step(x)
+        else:
+            pipe.step(target=y, losses=losses)
+        rec.step(sum(losses) / len(losses) if losses else None)  # lockstep
+        opt.step()
+    rec.finish()  # lockstep
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["train", "reference"])
+    parser.add_argument("out")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
+    parser.add_argument("--bug", choices=["unscaled-grads"])
+    args = parser.parse_args()
+    if args.mode == "train":
+        train(args.out, args.schedule, args.bug)
+    else:
+        lockstep_probe.train_references(build_model, loss_fn, optimizer, Path(args.out) / "run",
+                                        args.out)
+
+
+if __name__ == "__main__":
+    main()
