@@ -385,6 +385,9 @@ def _ce_rank(rank, world, directory, store_path):
             out[f"{reduction}.loss"] = loss.to_local().detach().clone()
             out[f"{reduction}.grad"] = local.grad.detach().clone()
         write_safetensors(Path(directory) / f"ce.torch.{rank}.safetensors", out)
+        # No rank tears gloo down while a peer's last collective is still in flight: that
+        # aborts the peer ("terminate called without an active exception") under load.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
