@@ -11,6 +11,10 @@ parameter's gradient misses its reduction (here halved, as a partial sum left un
 would be), so that rank's copy of the bias drifts from the others' while rank 0's numbers
 look right. The recorder compares every replicated copy bit for bit after every step, and
 the verdict names the tensor, the step and the ranks on each side.
+
+`--bug bias-grad-unreduced` plants Megatron's classic: every rank keeps only its own rows'
+part of the replicated bias's gradient (the partial sum a sequence-parallel layer leaves),
+never summed over the group, so every rank steps the bias by a wrong gradient.
 """
 
 import argparse
@@ -65,10 +69,17 @@ def train(out, bug):
         x, y = batch(step)
         rec.batch(x, y)  # lockstep
         opt.zero_grad()
-        loss = loss_fn(model, x, y)
+        out = model(x)
+        loss = nn.functional.mse_loss(out, y)
         loss.backward()
         if bug == "replica-skips-reduce" and rank == 1 and step == 1:
             model[2].bias.grad.to_local().mul_(0.5)  # the bug: this rank's partial sum
+        if bug == "bias-grad-unreduced":
+            # The bug: the bias's gradient from this rank's rows only, never all-reduced.
+            rows = x.shape[0] // world
+            d_out = 2 * (out.detach() - y) / out.numel()
+            mine = d_out[rank * rows:(rank + 1) * rows].sum(0)
+            model[2].bias.grad.to_local().copy_(mine)
         rec.step(loss)  # lockstep
         opt.step()
     rec.finish()  # lockstep
@@ -79,7 +90,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["train", "reference"])
     parser.add_argument("out")
-    parser.add_argument("--bug", choices=["replica-skips-reduce"])
+    parser.add_argument("--bug", choices=["replica-skips-reduce", "bias-grad-unreduced"])
     args = parser.parse_args()
     if args.mode == "train":
         train(args.out, args.bug)
