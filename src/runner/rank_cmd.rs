@@ -83,11 +83,7 @@ impl RankRun {
             "--seed".into(),
             self.seed.to_string(),
             "--backend".into(),
-            match self.backend {
-                Backend::Cpu => "cpu",
-                Backend::Nccl => "nccl",
-            }
-            .into(),
+            self.backend.name().into(),
             "--device".into(),
             self.device.name().into(),
             "--out".into(),

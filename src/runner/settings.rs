@@ -156,10 +156,9 @@ pub fn run_spec(
         model: model.to_owned(),
         config: config.to_owned(),
         world_size,
-        backend: match settings.backend {
-            _ if config.starts_with("single") => "none",
-            Backend::Cpu => "cpu",
-            Backend::Nccl => "nccl",
+        backend: match config.starts_with("single") {
+            true => "none",
+            false => settings.backend.name(),
         }
         .into(),
         dtype: dtype.to_owned(),

@@ -99,11 +99,7 @@ fn exec_ranks(req: &RankLaunch<'_>, command: &RankCommand) -> Result<(), RunFail
     let opts = LaunchOptions {
         world_size: req.world_size,
         timeout: req.timeout,
-        backend: match req.backend {
-            Backend::Cpu => "cpu",
-            Backend::Nccl => "nccl",
-        }
-        .into(),
+        backend: req.backend.name().into(),
     };
     let command = |_rank: usize| command.clone();
     launch(&opts, RankSpawn::Exec(&command))

@@ -16,6 +16,17 @@ pub enum Backend {
     Nccl,
 }
 
+impl Backend {
+    /// The backend's name as command lines, records and launchers spell it (what
+    /// [`FromStr`](std::str::FromStr) reads back).
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+            Backend::Nccl => "nccl",
+        }
+    }
+}
+
 impl std::str::FromStr for Backend {
     type Err = CommError;
     fn from_str(s: &str) -> Result<Self, CommError> {
