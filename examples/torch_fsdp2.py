@@ -14,6 +14,13 @@ accumulation over two microbatches that zeroes the gradients between them, so on
 second microbatch's survives; the loss still looks plausible. `--accumulate 2` is the same
 accumulation done right (it must pass).
 
+`--mesh hsdp` (an even world of at least 4) shards each parameter over pairs of ranks and
+replicates the shards across the pairs (HSDP: a 2-D mesh, replicate x shard). Each
+replicate group's copies of a shard must stay bit-identical; `--bug replica-shard-drifts`
+plants a bug that gathering full tensors cannot see: the last rank's shard of one gradient is
+halved, so its copy drifts from its replica's while every full tensor rank 0 gathers (from
+its own replica) looks right. The recorder compares the copies and names the tensor.
+
 The three lines that hand the job to Lockstep are marked `# lockstep`.
 """
 
@@ -56,21 +63,32 @@ def optimizer(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def train(out, bug, accumulate, record=True):
+def device_mesh(kind, world):
+    """FSDP's 1-D mesh, or HSDP's 2-D one (replicate x shard pairs); its config name."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    if kind == "fsdp":
+        return init_device_mesh("cpu", (world,)), "fsdp2"
+    if world < 4 or world % 2:
+        sys.exit(f"--mesh hsdp needs an even world of at least 4 ranks, not {world}")
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    return mesh, f"hsdp{world // 2}x2"
+
+
+def train(out, bug, accumulate, mesh_kind="fsdp", record=True):
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     model = build_model()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh, config = device_mesh(mesh_kind, world)
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = optimizer(model.parameters())
-    rec = lockstep_probe.Recorder(Path(out) / "run", model, name="mlp", config="fsdp2",  # lockstep
+    rec = lockstep_probe.Recorder(Path(out) / "run", model, name="mlp", config=config,  # lockstep
                                   seed=SEED, steps=STEPS) if record else None
     started = time.perf_counter()
     for step in range(STEPS):
@@ -90,6 +108,8 @@ def train(out, bug, accumulate, record=True):
                 part.backward()
                 losses.append(part.detach())
             loss = sum(losses)
+        if bug == "replica-shard-drifts" and rank == world - 1 and step == 1:
+            model[0].weight.grad.to_local().mul_(0.5)  # the bug: one copy of one shard
         if rec:
             rec.step(loss)  # lockstep
         opt.step()
@@ -105,16 +125,17 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["train", "reference", "bench"])
     parser.add_argument("out")
-    parser.add_argument("--bug", choices=["accumulation-zeroes"])
+    parser.add_argument("--bug", choices=["accumulation-zeroes", "replica-shard-drifts"])
     parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--mesh", choices=["fsdp", "hsdp"], default="fsdp")
     args = parser.parse_args()
-    if args.bug and args.accumulate == 1:
+    if args.bug == "accumulation-zeroes" and args.accumulate == 1:
         args.accumulate = 2
     if args.mode == "train":
-        train(args.out, args.bug, args.accumulate)
+        train(args.out, args.bug, args.accumulate, args.mesh)
     elif args.mode == "bench":
         record = args.out != "none"
-        seconds = train(args.out, args.bug, args.accumulate, record=record)
+        seconds = train(args.out, args.bug, args.accumulate, args.mesh, record=record)
         if os.environ.get("RANK", "0") == "0":
             print(f"{'recorded' if record else 'plain'}: {seconds * 1e3:.2f} ms per step")
     else:

@@ -4,11 +4,20 @@
     python3 examples/torch_pipeline.py reference OUT
     lockstep judge --run OUT/run --reference OUT/reference --shadow OUT/shadow --out OUT/report
 
-The MLP is cut into two stages, one per rank, and trained by GPipe or 1F1B over four
-microbatches of the global batch. `--bug unscaled-grads` plants the bug torchtitan#2972
-describes: the microbatches' gradients summed rather than averaged (`scale_grads=False`),
-so the pipeline's gradients are four times the non-pipelined run's, which the loss does
-not show at the first step.
+The classifier is cut into two stages, one per rank, and trained by GPipe or 1F1B over four
+microbatches of the global batch. Some rows are padding (target -100, ignored by the loss),
+and the microbatches hold unequal numbers of real rows, as packed or padded sequences do.
+The loss the non-pipelined model minimizes is the mean over the batch's real rows, so each
+microbatch's loss is its rows' sum over the whole batch's count of real rows, summed over
+the microbatches (`scale_grads=False`).
+
+Two planted bugs:
+- `--bug per-microbatch-mean`: each microbatch's own mean, scaled by 1/M (`scale_grads`),
+  the pipelining default; with unequal microbatches that weighs a row of a short microbatch
+  more than one of a full microbatch, so the gradients are not the model's;
+- `--bug unscaled-grads` (torchtitan#2972): each microbatch's mean, summed rather than
+  averaged, so the pipeline's gradients are about four times the non-pipelined run's, which
+  the loss does not show at the first step.
 """
 
 import argparse
@@ -26,23 +35,38 @@ STEPS = 4
 SEED = 5
 MICROBATCHES = 4
 BATCH = 8
+CLASSES = 6
+PADDING = -100  # cross_entropy's ignore_index
+PADDED_ROWS = [3, 5, 7]  # microbatches of 2, 1, 1 and 1 real rows
 
 
 def build_model():
     torch.manual_seed(SEED)
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-                         nn.Linear(16, 4))
+                         nn.Linear(16, CLASSES))
 
 
 def batch(step):
     """The step's global batch (every stage is given it; the first feeds the inputs, the last
-    the targets)."""
+    the targets), its padded rows' targets set to `PADDING`."""
     g = torch.Generator().manual_seed(SEED * 10_000 + step)
-    return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 4, generator=g)
+    x, y = torch.randn(BATCH, 8, generator=g), torch.randint(CLASSES, (BATCH,), generator=g)
+    y[PADDED_ROWS] = PADDING
+    return x, y
 
 
 def loss_fn(model, x, y):
-    return nn.functional.mse_loss(model(x), y)
+    """The model's loss: the mean over the batch's real rows."""
+    return nn.functional.cross_entropy(model(x), y, ignore_index=PADDING)
+
+
+def microbatch_loss(bug, real_rows):
+    """The pipeline's loss of one microbatch: its real rows' share of the batch mean (their sum
+    over the batch's count `real_rows[0]`), or, planted, the microbatch's own mean."""
+    if bug:
+        return lambda out, y: nn.functional.cross_entropy(out, y, ignore_index=PADDING)
+    return lambda out, y: nn.functional.cross_entropy(
+        out, y, ignore_index=PADDING, reduction="sum") / real_rows[0]
 
 
 def optimizer(params):
@@ -61,7 +85,7 @@ def stage_of(model, rank):
                                           output_grads=torch.empty(mb, 16))
     else:
         module, shapes = model[2:], dict(input_args=(torch.empty(mb, 16, requires_grad=True),),
-                                         output_args=torch.empty(mb, 4),
+                                         output_args=torch.empty(mb, CLASSES),
                                          input_grads=(torch.empty(mb, 16),))
     return module, PipelineStage(module, rank, 2, torch.device("cpu"), **shapes)
 
@@ -74,9 +98,9 @@ def train(out, schedule, bug):
     torch.set_num_threads(1)
     module, stage = stage_of(build_model(), rank)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    pipe = kind(stage, n_microbatches=MICROBATCHES,
-                loss_fn=lambda out, y: nn.functional.mse_loss(out, y),
-                scale_grads=bug != "unscaled-grads")
+    real_rows = [0]
+    pipe = kind(stage, n_microbatches=MICROBATCHES, loss_fn=microbatch_loss(bug, real_rows),
+                scale_grads=bug == "per-microbatch-mean")
     opt = optimizer(module.parameters())
     rec = lockstep_probe.Recorder(Path(out) / "run", module, name="mlp",  # lockstep
                                   config=f"pp2.{schedule}", seed=SEED, steps=STEPS, stages=True)
@@ -88,8 +112,10 @@ def train(out, schedule, bug):
         if rank == 0:
             pipe.step(x)
         else:
+            real_rows[0] = int((y != PADDING).sum())
             pipe.step(target=y, losses=losses)
-        rec.step(sum(losses) / len(losses) if losses else None)  # lockstep
+        loss = (sum(losses) / len(losses) if bug else sum(losses)) if losses else None
+        rec.step(loss)  # lockstep
         opt.step()
     rec.finish()  # lockstep
     dist.destroy_process_group()
@@ -100,7 +126,7 @@ def main():
     parser.add_argument("mode", choices=["train", "reference"])
     parser.add_argument("out")
     parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
-    parser.add_argument("--bug", choices=["unscaled-grads"])
+    parser.add_argument("--bug", choices=["per-microbatch-mean", "unscaled-grads"])
     args = parser.parse_args()
     if args.mode == "train":
         train(args.out, args.schedule, args.bug)

@@ -4,8 +4,11 @@
     python3 examples/torch_tp.py reference OUT
     lockstep judge --run OUT/run --reference OUT/reference --shadow OUT/shadow --out OUT/report
 
-The MLP's first linear is column-parallel, its last row-parallel (`parallelize_module`), so
-the row-parallel bias is replicated on every rank. `--bug replica-skips-reduce` plants the
+The classifier's first linear is column-parallel, its second row-parallel
+(`parallelize_module`), so the row-parallel bias is replicated on every rank; its output
+layer is column-parallel too and leaves its logits sharded over the classes, and the
+cross-entropy is computed on the shards (`loss_parallel`), as a vocabulary-parallel LM head
+is. `--bug replica-skips-reduce` plants the
 kind of bug Megatron-LM#7452 and torchtitan#771 describe: on one rank a replicated
 parameter's gradient misses its reduction (here halved, as a partial sum left unreduced
 would be), so that rank's copy of the bias drifts from the others' while rank 0's numbers
@@ -32,19 +35,23 @@ STEPS = 4
 SEED = 11
 
 
+CLASSES = 12
+
+
 def build_model():
     torch.manual_seed(SEED)
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(),
+                         nn.Linear(16, CLASSES))
 
 
 def batch(step):
     """The step's batch: every rank of a TP group computes on the same one."""
     g = torch.Generator().manual_seed(SEED * 10_000 + step)
-    return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+    return torch.randn(8, 8, generator=g), torch.randint(CLASSES, (8,), generator=g)
 
 
 def loss_fn(model, x, y):
-    return nn.functional.mse_loss(model(x), y)
+    return nn.functional.cross_entropy(model(x), y)
 
 
 def optimizer(params):
@@ -53,15 +60,23 @@ def optimizer(params):
 
 def train(out, bug):
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+                                                   loss_parallel, parallelize_module)
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     model = build_model()
     mesh = init_device_mesh("cpu", (world,))
-    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    parallelize_module(model, mesh, {
+        "0": ColwiseParallel(),
+        "2": RowwiseParallel(),
+        # Logits stay sharded over the classes for `loss_parallel`.
+        "4": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    })
+    hidden = {}  # the row-parallel layer's output, for the planted bias bug
+    model[2].register_forward_hook(lambda _m, _i, out: hidden.update(out=out))
     opt = optimizer(model.parameters())
     rec = lockstep_probe.Recorder(Path(out) / "run", model, name="mlp", config="tp2",  # lockstep
                                   seed=SEED, steps=STEPS)
@@ -69,17 +84,19 @@ def train(out, bug):
         x, y = batch(step)
         rec.batch(x, y)  # lockstep
         opt.zero_grad()
-        out = model(x)
-        loss = nn.functional.mse_loss(out, y)
-        loss.backward()
+        logits = model(x)
+        if bug == "bias-grad-unreduced":
+            hidden["out"].retain_grad()
+        with loss_parallel():
+            loss = nn.functional.cross_entropy(logits, y)
+            loss.backward()
         if bug == "replica-skips-reduce" and rank == 1 and step == 1:
             model[2].bias.grad.to_local().mul_(0.5)  # the bug: this rank's partial sum
         if bug == "bias-grad-unreduced":
             # The bug: the bias's gradient from this rank's rows only, never all-reduced.
             rows = x.shape[0] // world
-            d_out = 2 * (out.detach() - y) / out.numel()
-            mine = d_out[rank * rows:(rank + 1) * rows].sum(0)
-            model[2].bias.grad.to_local().copy_(mine)
+            d_out = hidden["out"].grad
+            model[2].bias.grad.to_local().copy_(d_out[rank * rows:(rank + 1) * rows].sum(0))
         rec.step(loss)  # lockstep
         opt.step()
     rec.finish()  # lockstep

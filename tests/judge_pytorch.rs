@@ -1,17 +1,21 @@
 //! `lockstep judge` on PyTorch jobs it did not run, recorded with `python/lockstep_probe`
-//! (gloo, world 2, under torchrun), their single-device reference and float64 shadow trained
-//! by the package from the run's own start and batches, judged by the fp64 arbiter:
+//! (gloo, worlds 2 and 4, under torchrun), their single-device reference and float64 shadow
+//! trained by the package from the run's own start and batches, judged by the fp64 arbiter:
 //!
 //! - `examples/torch_fsdp2.py` (FSDP2, `fully_shard` per linear) passes, and with gradient
 //!   accumulation done right; accumulation that zeroes the gradients between microbatches
-//!   (NeMo Automodel#3530's bug) fails naming the first wrong tensor and step;
-//! - `examples/torch_tp.py` (DTensor column- and row-parallel linears) passes; one rank whose
-//!   replicated bias gradient misses its reduction fails naming the tensor, the step and the
-//!   ranks on each side; every rank keeping only its rows' part of the bias gradient
-//!   (Megatron's unreduced bias) fails at step 0 naming the bias;
+//!   (NeMo Automodel#3530's bug) fails naming the first wrong tensor and step; as HSDP at
+//!   world 4 (2 replicas of 2 shards) it passes, and one replica's shard drifting from its
+//!   twin (invisible in the full tensors rank 0 gathers) is named with its copy and ranks;
+//! - `examples/torch_tp.py` (DTensor column- and row-parallel linears, class-sharded logits
+//!   under `loss_parallel`) passes at worlds 2 and 4; one rank whose replicated bias gradient
+//!   misses its reduction fails naming the tensor, the step and the ranks on each side; every
+//!   rank keeping only its rows' part of the bias gradient (Megatron's unreduced bias) fails
+//!   at step 0 naming the bias;
 //! - `examples/torch_pipeline.py` (`torch.distributed.pipelining`, two stages, GPipe and
-//!   1F1B) passes; microbatch gradients summed instead of averaged (torchtitan#2972) fails at
-//!   step 0 naming the tensor;
+//!   1F1B, microbatches of unequal real rows) passes; each microbatch's own mean scaled by
+//!   1/M fails, and microbatch gradients summed instead of averaged (torchtitan#2972) fails,
+//!   each at step 0 naming the tensor;
 //! - a damaged record is bad input (exit 2) naming the file, with nothing written.
 //!
 //! Needs a Python with torch (`ci/setup-libtorch` installs one); without it the tests say why
@@ -58,20 +62,21 @@ fn succeeded(what: &str, out: Output) -> Result<()> {
     Ok(())
 }
 
-/// Records the job `script` (with `extra` flags) and its references in `dir`; `false` when
-/// no Python with torch is here.
-fn record_job(script: &str, dir: &Path, extra: &[&str]) -> Result<bool> {
+/// Records the job `script` at `world` ranks (with `extra` flags) and its references in
+/// `dir`; `false` when no Python with torch is here.
+fn record_job(script: &str, world: usize, dir: &Path, extra: &[&str]) -> Result<bool> {
     let dir = dir.to_str().context("utf-8 temp dir")?;
     // A port of its own: tests run concurrently, and torchrun's default would be shared.
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port()
         .to_string();
+    let world = world.to_string();
     let mut train = vec![
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
-        "2",
+        &world,
         "--master-addr",
         "127.0.0.1",
         "--master-port",
@@ -119,11 +124,16 @@ fn report(dir: &Path) -> Result<serde_json::Value> {
     Ok(serde_json::from_str(&text)?)
 }
 
-/// Records `script` with `extra` flags, judges it and insists on exit code `want`: the
-/// report's one comparison, or `None` without a Python with torch.
-fn judged(script: &str, extra: &[&str], want: i32) -> Result<Option<serde_json::Value>> {
+/// Records `script` at `world` ranks with `extra` flags, judges it and insists on exit code
+/// `want`: the report's one comparison, or `None` without a Python with torch.
+fn judged(
+    script: &str,
+    world: usize,
+    extra: &[&str],
+    want: i32,
+) -> Result<Option<serde_json::Value>> {
     let dir = tempfile::tempdir()?;
-    if !record_job(script, dir.path(), extra)? {
+    if !record_job(script, world, dir.path(), extra)? {
         return Ok(None);
     }
     let out = judge(dir.path())?;
@@ -155,7 +165,7 @@ fn first_failure_at_step_0(comparison: &serde_json::Value) -> Result<()> {
 #[test]
 fn a_correct_fsdp2_job_passes_the_fp64_arbiter() -> Result<()> {
     for extra in [&[][..], &["--accumulate", "2"][..]] {
-        let Some(comparison) = judged(FSDP2, extra, 0)? else {
+        let Some(comparison) = judged(FSDP2, 2, extra, 0)? else {
             return Ok(());
         };
         ensure!(comparison["mode"] == "arbiter", "{comparison}");
@@ -165,8 +175,31 @@ fn a_correct_fsdp2_job_passes_the_fp64_arbiter() -> Result<()> {
 }
 
 #[test]
+fn an_hsdp_job_passes_and_a_replica_shard_that_drifted_is_named() -> Result<()> {
+    let Some(comparison) = judged(FSDP2, 4, &["--mesh", "hsdp"], 0)? else {
+        return Ok(());
+    };
+    ensure!(comparison["config"] == "hsdp2x2", "{comparison}");
+    ensure!(
+        comparison["cross_rank"]["compared"].as_u64() > Some(0),
+        "the replicas' shards were compared: {comparison}"
+    );
+    let Some(comparison) = judged(FSDP2, 4, &["--mesh", "hsdp", "--bug", "replica-shard-drifts"], 1)?
+    else {
+        return Ok(());
+    };
+    let mismatch = &comparison["cross_rank"]["mismatch"];
+    ensure!(mismatch["name"] == "0.weight", "{mismatch}");
+    ensure!(mismatch["coord"] == "shard=1", "{mismatch}");
+    ensure!(mismatch["step"] == 1, "{mismatch}");
+    ensure!(mismatch["holders"] == serde_json::json!([1, 3]), "{mismatch}");
+    ensure!(mismatch["differing"] == serde_json::json!([3]), "{mismatch}");
+    Ok(())
+}
+
+#[test]
 fn accumulation_that_zeroes_gradients_is_caught_naming_the_tensor() -> Result<()> {
-    match judged(FSDP2, &["--bug", "accumulation-zeroes"], 1)? {
+    match judged(FSDP2, 2, &["--bug", "accumulation-zeroes"], 1)? {
         Some(comparison) => first_failure_at_step_0(&comparison),
         None => Ok(()),
     }
@@ -174,10 +207,12 @@ fn accumulation_that_zeroes_gradients_is_caught_naming_the_tensor() -> Result<()
 
 #[test]
 fn a_dtensor_tp_job_passes_and_a_replica_that_skips_a_reduction_is_named() -> Result<()> {
-    if judged(TP, &[], 0)?.is_none() {
-        return Ok(());
+    for world in [2, 4] {
+        if judged(TP, world, &[], 0)?.is_none() {
+            return Ok(());
+        }
     }
-    let Some(comparison) = judged(TP, &["--bug", "replica-skips-reduce"], 1)? else {
+    let Some(comparison) = judged(TP, 2, &["--bug", "replica-skips-reduce"], 1)? else {
         return Ok(());
     };
     let mismatch = &comparison["cross_rank"]["mismatch"];
@@ -192,7 +227,7 @@ fn a_dtensor_tp_job_passes_and_a_replica_that_skips_a_reduction_is_named() -> Re
 
 #[test]
 fn a_tp_bias_gradient_left_unreduced_is_caught_at_the_first_step() -> Result<()> {
-    let Some(comparison) = judged(TP, &["--bug", "bias-grad-unreduced"], 1)? else {
+    let Some(comparison) = judged(TP, 2, &["--bug", "bias-grad-unreduced"], 1)? else {
         return Ok(());
     };
     first_failure_at_step_0(&comparison)?;
@@ -205,13 +240,26 @@ fn a_tp_bias_gradient_left_unreduced_is_caught_at_the_first_step() -> Result<()>
 }
 
 #[test]
-fn a_pipelining_job_passes_under_gpipe_and_1f1b_and_unscaled_gradients_are_caught() -> Result<()> {
+fn a_pipelining_job_passes_under_gpipe_and_1f1b() -> Result<()> {
     for schedule in ["gpipe", "1f1b"] {
-        if judged(PIPELINE, &["--schedule", schedule], 0)?.is_none() {
+        if judged(PIPELINE, 2, &["--schedule", schedule], 0)?.is_none() {
             return Ok(());
         }
     }
-    match judged(PIPELINE, &["--bug", "unscaled-grads"], 1)? {
+    Ok(())
+}
+
+#[test]
+fn a_pipeline_loss_scaled_by_one_over_m_with_unequal_microbatches_is_caught() -> Result<()> {
+    match judged(PIPELINE, 2, &["--bug", "per-microbatch-mean"], 1)? {
+        Some(comparison) => first_failure_at_step_0(&comparison),
+        None => Ok(()),
+    }
+}
+
+#[test]
+fn pipeline_gradients_summed_over_microbatches_are_caught() -> Result<()> {
+    match judged(PIPELINE, 2, &["--bug", "unscaled-grads"], 1)? {
         Some(comparison) => first_failure_at_step_0(&comparison),
         None => Ok(()),
     }

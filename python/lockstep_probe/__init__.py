@@ -17,6 +17,6 @@ Three lines in a training loop::
 """
 
 from .record import Recorder, RecordError
-from .reference import ReferenceError, train_references
+from .reference import ReferenceError, deterministic, train_references
 
-__all__ = ["Recorder", "RecordError", "ReferenceError", "train_references"]
+__all__ = ["Recorder", "RecordError", "ReferenceError", "deterministic", "train_references"]

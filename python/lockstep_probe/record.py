@@ -43,13 +43,31 @@ def full_tensor(t):
     return gather() if callable(gather) else t
 
 
-def _is_replicated(t):
-    """Whether every rank holds the same copy of `t` (a plain tensor, or a DTensor whose every
-    placement is Replicate): the copies the cross-rank check compares."""
+def copy_group(t):
+    """Which ranks hold the same bits of `t` as this one, as a key every such rank computes
+    alike: a plain tensor is one copy on every rank (key `()`); a DTensor's local part is
+    shared by the ranks whose mesh coordinates agree on every dimension it is not replicated
+    over (a TP-replicated bias: every rank of the mesh; an HSDP shard: the ranks of its
+    replicate dimension). `None`: this rank holds no part of it, or no part that another
+    rank copies."""
     placements = getattr(t, "placements", None)
     if placements is None:
-        return True
-    return all(type(p).__name__ == "Replicate" for p in placements)
+        return ()
+    mesh = t.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None or all(type(p).__name__ != "Replicate" for p in placements):
+        return None
+    names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
+    return tuple((names[d], coordinate[d]) for d, p in enumerate(placements)
+                 if type(p).__name__ != "Replicate")
+
+
+def comm_device():
+    """Where the recorder's own collectives keep their tensors: the current GPU under NCCL
+    (which moves only CUDA tensors), the CPU under gloo or without a process group."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def gather_objects(obj, world):
@@ -57,17 +75,18 @@ def gather_objects(obj, world):
     own `all_gather_object` needs NumPy, which a job need not have)."""
     if world == 1:
         return [obj]
+    device = comm_device()
     data = pickle.dumps(obj)
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(sizes, size)
-    longest = int(max(s.item() for s in sizes))
-    mine = torch.zeros(longest, dtype=torch.uint8)
+    sizes = [int(n.item()) for n in sizes]
+    mine = torch.zeros(max(sizes), dtype=torch.uint8)
     if data:
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    every = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(every, mine)
-    return [pickle.loads(bytes(t[: int(n.item())].tolist())) for t, n in zip(every, sizes)]
+    every = [torch.zeros(max(sizes), dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(every, mine.to(device))
+    return [pickle.loads(bytes(t[:n].cpu().tolist())) for t, n in zip(every, sizes)]
 
 
 def _number(x):
@@ -204,16 +223,16 @@ class Recorder:
     def _global_loss(self, loss):
         """The step's loss over the world: the mean of every rank's, or a pipeline's last
         stage's."""
-        value = torch.zeros(1, dtype=torch.float64)
-        if loss is not None:
-            value += loss.detach().to("cpu", torch.float64).reshape(1)
+        value = torch.zeros(1, dtype=torch.float64, device=comm_device())
+        if loss is not None:  # a DTensor loss (`loss_parallel`) is replicated: its full value
+            value += full_tensor(loss.detach()).to(value.device, torch.float64).reshape(1)
         elif not self.stages:
             raise RecordError("step(None): only a pipeline's other stages (stages=True) pass no loss")
         if self.world > 1:
             dist.all_reduce(value)
             if not self.stages:
                 value /= self.world
-        return float(value[0])
+        return float(value[0].cpu())
 
     def _gather_batch(self):
         """Every rank's batch of this step, on rank 0 (a pipeline's: rank 0's, the global
@@ -225,29 +244,42 @@ class Recorder:
             self.batches.append(every)
 
     def _check_replicas(self, step, kind):
-        """Compares every replicated parameter's bits across ranks; keeps the first mismatch,
-        naming the tensor and the ranks on each side (pipeline stages hold no copies)."""
+        """Compares the bits of every copy of every parameter across the ranks holding it (a
+        replicated tensor on every rank, an HSDP shard across its replicate group); keeps the
+        first mismatch, naming the tensor, the copy and the ranks on each side (pipeline
+        stages hold no copies)."""
         if self.world == 1 or self.stages or "mismatch" in self.cross_rank:
             return
-        mine = {n: _digest(p) for n, p in self.model.named_parameters() if _is_replicated(p)}
+        mine = {}
+        for name, p in self.model.named_parameters():
+            group = copy_group(p)
+            if group is not None:
+                mine[name] = (group, _digest(p))
         every = gather_objects(mine, self.world)
-        self.cross_rank["compared"] += len(mine)
-        for name in mine:
-            base = every[0].get(name)
-            differing = [r for r in range(self.world) if every[r].get(name) != base]
-            if differing:
-                self.cross_rank["mismatch"] = {
-                    "step": max(step - 1, 0) if kind == "param" else step,
-                    "kind": kind,
-                    "name": name,
-                    "coord": "",
-                    "holders": list(range(self.world)),
-                    "agreeing": [r for r in range(self.world) if r not in differing],
-                    "differing": differing,
-                    "sums": [base[0], every[differing[0]][name][0]],
-                    "shapes": [],
-                }
-                return
+        for name in sorted(set().union(*every)):
+            groups = {}
+            for rank, held in enumerate(every):
+                if name in held:
+                    groups.setdefault(held[name][0], []).append(rank)
+            for group, holders in groups.items():
+                if len(holders) < 2:
+                    continue
+                self.cross_rank["compared"] += 1
+                base = every[holders[0]][name][1]
+                differing = [r for r in holders if every[r][name][1] != base]
+                if differing:
+                    self.cross_rank["mismatch"] = {
+                        "step": max(step - 1, 0) if kind == "param" else step,
+                        "kind": kind,
+                        "name": name,
+                        "coord": ",".join(f"{d}={c}" for d, c in group),
+                        "holders": holders,
+                        "agreeing": [r for r in holders if r not in differing],
+                        "differing": differing,
+                        "sums": [base[0], every[differing[0]][name][1][0]],
+                        "shapes": [],
+                    }
+                    return
 
     def finish(self):
         """After the last step: records every full parameter and buffer, compares the final

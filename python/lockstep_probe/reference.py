@@ -3,6 +3,8 @@ initial state and every rank's batches: the fp32 single-device reference and its
 shadow, the arbiter's two inputs (docs/parity.md)."""
 
 import json
+import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,8 +29,7 @@ def _load(run_dir):
         spec = json.loads(paths["record.json"].read_text())["spec"]
     except (ValueError, KeyError) as e:
         raise ReferenceError(f"{paths['record.json']}: not a Lockstep run record ({e})") from e
-    init = torch.load(paths["init.pt"])
-    batches = torch.load(paths["batches.pt"])
+    init, batches = (_load_tensors(paths[n]) for n in ("init.pt", "batches.pt"))
     if len(batches) != spec["steps"]:
         raise ReferenceError(f"{paths['batches.pt']}: {len(batches)} steps of batches for a run "
                              f"of {spec['steps']} steps")
@@ -37,6 +38,14 @@ def _load(run_dir):
             raise ReferenceError(f"step {step}: batches of {len(ranks)} ranks for a world of "
                                  f"{spec['world_size']}")
     return spec, init, batches
+
+
+def _load_tensors(path):
+    """A file the recorder saved, on the CPU, or an error naming it when damaged."""
+    try:
+        return torch.load(path, map_location="cpu")
+    except Exception as e:  # torch raises several kinds for a truncated or foreign file
+        raise ReferenceError(f"{path}: not readable as the recorder wrote it ({e})") from e
 
 
 def _check_same_tensors(model, init):
@@ -70,25 +79,57 @@ def _refuse_narrow_outputs(model):
             for n, m in model.named_modules()]
 
 
-def _widen(batch, dtype):
-    return tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+def _placed(batch, dtype, device):
+    """A rank's batch on `device`, its floating-point tensors in `dtype`."""
+    return tuple(t.to(device, dtype) if t.is_floating_point() else t.to(device) for t in batch)
 
 
-def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, config):
+@contextmanager
+def deterministic(device="cpu"):
+    """Lockstep's determinism settings for the duration (docs/gpu.md): deterministic
+    algorithms (an op without a deterministic kernel fails naming itself), one CPU thread; on
+    CUDA also cuDNN deterministic without autotuning, no TF32 in matmuls or convolutions (TF32
+    rounds inputs to 10 mantissa bits: not fp32 arithmetic) and cuBLAS's fixed workspace,
+    which must be set before the process's first cuBLAS call. A job judged on GPUs runs under
+    the same settings: `with lockstep_probe.deterministic("cuda"):` around its loop."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        workspace = os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        if workspace not in (":4096:8", ":16:8"):
+            raise ReferenceError(f"CUBLAS_WORKSPACE_CONFIG={workspace}: deterministic cuBLAS "
+                                 "needs :4096:8 or :16:8")
+    saved = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    if cuda:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved[0])
+        torch.use_deterministic_algorithms(saved[1])
+        (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) = saved[2:]
+
+
+def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, config, device):
     """One single-device training from `init` over the global batches: each step's objective
     is every rank's loss in rank order, summed, divided by the world size (what a data-parallel
     job's averaged gradients are the gradient of)."""
     model = model_fn()
     _check_same_tensors(model, init)
     model.load_state_dict(init, strict=True)
-    model.to(dtype)
+    model.to(device, dtype)
     hooks = _refuse_narrow_outputs(model) if dtype == torch.float64 else []
     optimizer = optimizer_fn(model.parameters())
     rec = Recorder(out, model, name=spec["model"], config=config, seed=spec["seed"],
                    world_size=spec["world_size"], backend=spec["backend"])
     for ranks in batches:
         optimizer.zero_grad()
-        losses = [loss_fn(model, *_widen(b, dtype)) for b in ranks]
+        losses = [loss_fn(model, *_placed(b, dtype, device)) for b in ranks]
         loss = sum(losses) / len(losses)
         loss.backward()
         rec.step(loss)
@@ -98,23 +139,24 @@ def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, con
     rec.finish()
 
 
-def train_references(model_fn, loss_fn, optimizer_fn, run_dir, out_dir, *, shadow=True):
+def train_references(model_fn, loss_fn, optimizer_fn, run_dir, out_dir, *, shadow=True,
+                     device="cpu", shadow_device=None):
     """Trains the references of the run recorded in `run_dir` into `out_dir/reference` (fp32)
-    and `out_dir/shadow` (float64), on this process's CPU, one thread, deterministic
-    algorithms: `model_fn()` builds the model (any initial values: the run's are loaded),
-    `loss_fn(model, *batch)` one rank's loss, `optimizer_fn(params)` the optimizer."""
+    and `out_dir/shadow` (float64), under `deterministic` settings: `model_fn()` builds the
+    model (any initial values: the run's are loaded), `loss_fn(model, *batch)` one rank's
+    loss, `optimizer_fn(params)` the optimizer.
+
+    `device` is where the fp32 reference trains ("cpu", or "cuda" for a GPU job: the same
+    kernels as the job's); `shadow_device` the float64 shadow's (default: `device`; "cpu"
+    when the GPU's float64 is slow or a kernel lacks a float64 CUDA version: the shadow
+    only has to be accurate, not fast)."""
     spec, init, batches = _load(run_dir)
     out_dir = Path(out_dir)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    shadow_device = shadow_device or device
+    with deterministic(device):
         _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out_dir / "reference",
-               torch.float32, "single")
-        if shadow:
+               torch.float32, "single", device)
+    if shadow:
+        with deterministic(shadow_device):
             _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out_dir / "shadow",
-                   torch.float64, "single.f64")
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
-        torch.set_num_threads(threads)
+                   torch.float64, "single.f64", shadow_device)
