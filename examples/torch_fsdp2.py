@@ -7,6 +7,9 @@
     # the verdict
     lockstep judge --run OUT/run --reference OUT/reference --shadow OUT/shadow --out OUT/report
 
+`--device cuda` runs it on GPUs (NCCL, one GPU per rank) under Lockstep's determinism
+settings, and trains the reference on a GPU and the float64 shadow on the CPU.
+
 `bench OUT` times a step with the recorder (`bench none`: without it), for its overhead.
 
 `--bug accumulation-zeroes` plants a bug of the kind NeMo Automodel#3530 reported: gradient
@@ -63,26 +66,35 @@ def optimizer(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def device_mesh(kind, world):
+def device_mesh(kind, world, device):
     """FSDP's 1-D mesh, or HSDP's 2-D one (replicate x shard pairs); its config name."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if kind == "fsdp":
-        return init_device_mesh("cpu", (world,)), "fsdp2"
+        return init_device_mesh(device.type, (world,)), "fsdp2"
     if world < 4 or world % 2:
         sys.exit(f"--mesh hsdp needs an even world of at least 4 ranks, not {world}")
-    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("replicate", "shard"))
     return mesh, f"hsdp{world // 2}x2"
 
 
-def train(out, bug, accumulate, mesh_kind="fsdp", record=True):
+def train(out, bug, accumulate, mesh_kind="fsdp", record=True, device="cpu"):
+    with lockstep_probe.deterministic(device):
+        return train_deterministically(out, bug, accumulate, mesh_kind, record, device)
+
+
+def train_deterministically(out, bug, accumulate, mesh_kind, record, device):
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
-    model = build_model()
-    mesh, config = device_mesh(mesh_kind, world)
+    model = build_model().to(device)
+    mesh, config = device_mesh(mesh_kind, world, device)
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -92,9 +104,7 @@ def train(out, bug, accumulate, mesh_kind="fsdp", record=True):
                                   seed=SEED, steps=STEPS) if record else None
     started = time.perf_counter()
     for step in range(STEPS):
-        x, y = batch(rank, step)
-        if rec:
-            rec.batch(x, y)  # lockstep
+        x, y = (t.to(device) for t in batch(rank, step))
         opt.zero_grad()
         if accumulate == 1:
             loss = loss_fn(model, x, y)
@@ -111,7 +121,7 @@ def train(out, bug, accumulate, mesh_kind="fsdp", record=True):
         if bug == "replica-shard-drifts" and rank == world - 1 and step == 1:
             model[0].weight.grad.to_local().mul_(0.5)  # the bug: one copy of one shard
         if rec:
-            rec.step(loss)  # lockstep
+            rec.step(loss, x, y)  # lockstep
         opt.step()
     dist.barrier()
     seconds = (time.perf_counter() - started) / STEPS  # the steps, the record's end aside
@@ -128,19 +138,21 @@ def main():
     parser.add_argument("--bug", choices=["accumulation-zeroes", "replica-shard-drifts"])
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--mesh", choices=["fsdp", "hsdp"], default="fsdp")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     if args.bug == "accumulation-zeroes" and args.accumulate == 1:
         args.accumulate = 2
     if args.mode == "train":
-        train(args.out, args.bug, args.accumulate, args.mesh)
+        train(args.out, args.bug, args.accumulate, args.mesh, device=args.device)
     elif args.mode == "bench":
         record = args.out != "none"
-        seconds = train(args.out, args.bug, args.accumulate, args.mesh, record=record)
+        seconds = train(args.out, args.bug, args.accumulate, args.mesh, record=record,
+                        device=args.device)
         if os.environ.get("RANK", "0") == "0":
             print(f"{'recorded' if record else 'plain'}: {seconds * 1e3:.2f} ms per step")
     else:
         lockstep_probe.train_references(build_model, loss_fn, optimizer, Path(args.out) / "run",
-                                        args.out)
+                                        args.out, device=args.device, shadow_device="cpu")
 
 
 if __name__ == "__main__":

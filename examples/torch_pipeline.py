@@ -106,7 +106,6 @@ def train(out, schedule, bug):
                                   config=f"pp2.{schedule}", seed=SEED, steps=STEPS, stages=True)
     for step in range(STEPS):
         x, y = batch(step)
-        rec.batch(x, y)  # lockstep
         opt.zero_grad()
         losses = []
         if rank == 0:
@@ -115,7 +114,7 @@ def train(out, schedule, bug):
             real_rows[0] = int((y != PADDING).sum())
             pipe.step(target=y, losses=losses)
         loss = (sum(losses) / len(losses) if bug else sum(losses)) if losses else None
-        rec.step(loss)  # lockstep
+        rec.step(loss, x, y)  # lockstep
         opt.step()
     rec.finish()  # lockstep
     dist.destroy_process_group()

@@ -78,11 +78,10 @@ def train(out, bug):
     hidden = {}  # the row-parallel layer's output, for the planted bias bug
     model[2].register_forward_hook(lambda _m, _i, out: hidden.update(out=out))
     opt = optimizer(model.parameters())
-    rec = lockstep_probe.Recorder(Path(out) / "run", model, name="mlp", config="tp2",  # lockstep
-                                  seed=SEED, steps=STEPS)
+    rec = lockstep_probe.Recorder(Path(out) / "run", model, name="mlp",  # lockstep
+                                  config=f"tp{world}", seed=SEED, steps=STEPS)
     for step in range(STEPS):
         x, y = batch(step)
-        rec.batch(x, y)  # lockstep
         opt.zero_grad()
         logits = model(x)
         if bug == "bias-grad-unreduced":
@@ -97,7 +96,7 @@ def train(out, bug):
             rows = x.shape[0] // world
             d_out = hidden["out"].grad
             model[2].bias.grad.to_local().copy_(d_out[rank * rows:(rank + 1) * rows].sum(0))
-        rec.step(loss)  # lockstep
+        rec.step(loss, x, y)  # lockstep
         opt.step()
     rec.finish()  # lockstep
     dist.destroy_process_group()

@@ -184,9 +184,24 @@ fn bundle_around_this_build(dir: &std::path::Path, torch_version: &str) {
     let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     std::fs::create_dir_all(dir.join("bin")).expect("bundle folder");
     std::fs::copy(env!("CARGO_BIN_EXE_lockstep"), dir.join("bin/lockstep")).expect("binary");
-    for file in ["run", "summarize.py", "CUDA_CONFIGS"] {
+    for file in ["run", "judge", "summarize.py", "CUDA_CONFIGS"] {
         std::fs::copy(repo.join("ci/bundle").join(file), dir.join(file)).expect("bundle file");
     }
+    let probe = dir.join("python/lockstep_probe");
+    std::fs::create_dir_all(&probe).expect("bundle python folder");
+    for entry in std::fs::read_dir(repo.join("python/lockstep_probe")).expect("lockstep_probe") {
+        let path = entry.expect("lockstep_probe entry").path();
+        if path.extension().is_some_and(|e| e == "py") {
+            std::fs::copy(&path, probe.join(path.file_name().expect("file name")))
+                .expect("probe file");
+        }
+    }
+    std::fs::create_dir_all(dir.join("examples")).expect("bundle examples folder");
+    std::fs::copy(
+        repo.join("examples/torch_fsdp2.py"),
+        dir.join("examples/torch_fsdp2.py"),
+    )
+    .expect("FSDP2 example");
     std::fs::write(dir.join("TORCH_VERSION"), torch_version).expect("TORCH_VERSION");
 }
 
@@ -230,6 +245,12 @@ fn gpu_bundle_run_passes_its_cpu_part_here() {
         "{stdout}"
     );
     assert!(stdout.contains("matrix-cpu: "), "{stdout}");
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.contains("judge-cpu") && l.contains(" ok ")),
+        "the judge step passed on the CPU: {stdout}"
+    );
     assert!(
         stdout.contains(" 0 failed, 0 run errors; bitwise repeat rows"),
         "{stdout}"

@@ -184,7 +184,12 @@ fn an_hsdp_job_passes_and_a_replica_shard_that_drifted_is_named() -> Result<()> 
         comparison["cross_rank"]["compared"].as_u64() > Some(0),
         "the replicas' shards were compared: {comparison}"
     );
-    let Some(comparison) = judged(FSDP2, 4, &["--mesh", "hsdp", "--bug", "replica-shard-drifts"], 1)?
+    let Some(comparison) = judged(
+        FSDP2,
+        4,
+        &["--mesh", "hsdp", "--bug", "replica-shard-drifts"],
+        1,
+    )?
     else {
         return Ok(());
     };
@@ -192,8 +197,14 @@ fn an_hsdp_job_passes_and_a_replica_shard_that_drifted_is_named() -> Result<()> 
     ensure!(mismatch["name"] == "0.weight", "{mismatch}");
     ensure!(mismatch["coord"] == "shard=1", "{mismatch}");
     ensure!(mismatch["step"] == 1, "{mismatch}");
-    ensure!(mismatch["holders"] == serde_json::json!([1, 3]), "{mismatch}");
-    ensure!(mismatch["differing"] == serde_json::json!([3]), "{mismatch}");
+    ensure!(
+        mismatch["holders"] == serde_json::json!([1, 3]),
+        "{mismatch}"
+    );
+    ensure!(
+        mismatch["differing"] == serde_json::json!([3]),
+        "{mismatch}"
+    );
     Ok(())
 }
 
@@ -280,5 +291,55 @@ fn a_damaged_record_is_bad_input_naming_the_file() -> Result<()> {
         "{stderr}"
     );
     ensure!(!dir.path().join("report").exists(), "nothing written");
+    Ok(())
+}
+
+/// A one-process job recorded with `lockstep_probe`, then misused as `script` goes on; what
+/// it printed.
+fn probe_misuse(script: &str) -> Result<Option<Output>> {
+    let dir = tempfile::tempdir()?;
+    let program = format!(
+        "import sys; sys.path.insert(0, 'python')\n\
+         import torch, lockstep_probe\n\
+         from torch import nn\n\
+         out = {:?}\n\
+         model = nn.Linear(3, 2)\n\
+         opt = torch.optim.SGD(model.parameters(), lr=0.1)\n\
+         rec = lockstep_probe.Recorder(out + '/run', model, name='lin', config='single', steps=1)\n\
+         x = torch.randn(4, 3)\n\
+         model(x).sum().backward()\n\
+         {script}",
+        dir.path().to_str().context("utf-8 temp dir")?
+    );
+    python(&["-c", &program]).transpose()
+}
+
+#[test]
+fn misuse_of_the_recorder_and_the_references_is_named() -> Result<()> {
+    // A step without its batch: the references could not train.
+    let Some(out) = probe_misuse("rec.step(torch.tensor(1.0))")? else {
+        return Ok(());
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success() && stderr.contains("RecordError: step 0: no batch"),
+        "{stderr}"
+    );
+    // A reference model whose tensors differ from the run's: the first one is named.
+    let Some(out) = probe_misuse(
+        "rec.step(torch.tensor(1.0), x)\nopt.step()\nrec.finish()\n\
+         lockstep_probe.train_references(lambda: nn.Linear(3, 5), lambda m, x: m(x).sum(),\n\
+             lambda p: torch.optim.SGD(p, lr=0.1), out + '/run', out)",
+    )?
+    else {
+        return Ok(());
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success()
+            && stderr
+                .contains("ReferenceError: `bias` is [2] in the run, [5] in the reference model"),
+        "{stderr}"
+    );
     Ok(())
 }

@@ -10,9 +10,8 @@ Three lines in a training loop::
 
     rec = lockstep_probe.Recorder("out/run", model, name="mlp", config="fsdp2", steps=N)
     ...
-        rec.batch(x, y)           # this rank's batch, before forward
         loss.backward()
-        rec.step(loss)            # after backward, before optimizer.step()
+        rec.step(loss, x, y)      # after backward, before optimizer.step(): loss, this rank's batch
     rec.finish()
 """
 

@@ -143,11 +143,12 @@ class Recorder:
     record's model is their union gathered on rank 0, only the last stage passes its loss,
     every rank trains on the same global batch, and the references stand for one data rank.
     `world_size` overrides how many data ranks the run stands for (a single-device reference
-    stands in for a world of ranks).
+    stands in for a world of ranks); `keep_batches=False` records no batches (the references'
+    own records need none).
     """
 
     def __init__(self, out, model, *, name, config, seed=0, steps=None, record_grads=True,
-                 world_size=None, backend=None, stages=False):
+                 world_size=None, backend=None, stages=False, keep_batches=True):
         self.out = Path(out)
         self.model = model
         self.stages = stages
@@ -164,7 +165,7 @@ class Recorder:
         self.declared_steps = steps
         self.record_grads = record_grads
         self.losses, self.grad_norms, self.grads = [], [], []
-        self.batches, self.pending_batch = [], None
+        self.batches, self.pending_batch, self.keep_batches = [], None, keep_batches
         self.cross_rank = {"ranks": self.world, "compared": 0}
         self.finished = False
         if self.rank == 0:
@@ -188,16 +189,22 @@ class Recorder:
         return merged
 
     def batch(self, *tensors):
-        """This rank's batch for the coming step (inputs, targets...), before its forward:
-        the references train on every rank's batch in rank order (a pipeline's every rank
-        passes the same global batch)."""
+        """This rank's batch for the coming step (inputs, targets...), before a forward that
+        changes it in place; otherwise pass it to `step`."""
         self.pending_batch = tuple(t.detach().to("cpu").clone() for t in tensors)
 
-    def step(self, loss):
+    def step(self, loss, *batch):
         """After backward, before the optimizer step: records the global loss (the mean of
         every rank's; a pipeline's last stage passes it, the others `None`), the global
-        gradient norm, every full gradient, and compares the replicated parameters every
-        rank holds (after the previous update)."""
+        gradient norm, every full gradient, and compares the copies of every parameter the
+        ranks hold (after the previous update). `batch` is this rank's batch of the step
+        (inputs, targets...) unless `batch()` was given it: the references train on every
+        rank's batch in rank order (a pipeline's every rank passes the same global batch)."""
+        if batch:
+            self.batch(*batch)
+        if self.keep_batches and self.pending_batch is None:
+            raise RecordError(f"step {len(self.losses)}: no batch: pass it to step(loss, *batch) "
+                              "(or to batch() before the forward)")
         if self.finished:
             raise RecordError("step() after finish()")
         step = len(self.losses)
@@ -237,6 +244,8 @@ class Recorder:
     def _gather_batch(self):
         """Every rank's batch of this step, on rank 0 (a pipeline's: rank 0's, the global
         batch every stage was given)."""
+        if not self.keep_batches:
+            return
         mine = self.pending_batch
         self.pending_batch = None
         every = [mine] if self.stages else gather_objects(mine, self.world)
@@ -319,6 +328,6 @@ class Recorder:
         }
         if self.world > 1 and not self.stages:
             record["cross_rank"] = self.cross_rank
-        if self.batches and all(x is not None for ranks in self.batches for x in ranks):
+        if self.keep_batches:
             torch.save(self.batches, self.out / "batches.pt")
         write_json_atomically(self.out / "record.json", record)

@@ -126,7 +126,7 @@ def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, con
     hooks = _refuse_narrow_outputs(model) if dtype == torch.float64 else []
     optimizer = optimizer_fn(model.parameters())
     rec = Recorder(out, model, name=spec["model"], config=config, seed=spec["seed"],
-                   world_size=spec["world_size"], backend=spec["backend"])
+                   world_size=spec["world_size"], backend=spec["backend"], keep_batches=False)
     for ranks in batches:
         optimizer.zero_grad()
         losses = [loss_fn(model, *_placed(b, dtype, device)) for b in ranks]
