@@ -291,6 +291,27 @@ fn a_damaged_record_is_bad_input_naming_the_file() -> Result<()> {
         "{stderr}"
     );
     ensure!(!dir.path().join("report").exists(), "nothing written");
+
+    // A record whose tensor file was truncated: the file is named.
+    let record = r#"{"spec": {"model": "m", "config": "fsdp2", "world_size": 2, "backend": "gloo",
+        "dtype": "fp32", "steps": 0, "seed": 0}, "losses": [], "grad_norms": [],
+        "params": [{"name": "w", "key": "param/w"}], "buffers": [], "grads": null,
+        "tensor_file": "tensors.safetensors"}"#;
+    for side in ["run", "reference", "shadow"] {
+        std::fs::write(dir.path().join(side).join("record.json"), record)?;
+        std::fs::write(
+            dir.path().join(side).join("tensors.safetensors"),
+            [8u8, 0, 0],
+        )?;
+    }
+    let out = judge(dir.path())?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(out.status.code() == Some(2), "{stderr}");
+    ensure!(
+        stderr.contains("run/tensors.safetensors") && stderr.contains("not a usable safetensors"),
+        "{stderr}"
+    );
+    ensure!(!dir.path().join("report").exists(), "nothing written");
     Ok(())
 }
 

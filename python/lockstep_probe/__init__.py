@@ -2,7 +2,8 @@
 
 A run directory holds `record.json` (Lockstep's `RunRecord`: per-step losses and gradient
 norms, every full gradient per step, every full parameter and buffer at the end, what the
-cross-rank check found), plus `init.pt` and `batches.pt`, the initial state and every
+cross-rank check found) naming its tensors in `tensors.safetensors`, plus `init.pt` and
+`batches.pt`, the initial state and every
 rank's batches, from which `train_references` trains the single-device references on the
 same start and the same global batches. See docs/judge.md.
 

@@ -4,6 +4,8 @@
 //! shadow is given (else by the fp32 dtype table), with the same engine, reports and exit
 //! codes as the matrix (docs/judge.md).
 
+mod tensor_file;
+
 use lockstep_core::record::RunRecord;
 use lockstep_harness::parity::{arbitrate, compare, Comparison, TolerancePolicy, ENVELOPE};
 use lockstep_harness::report::{prepare_dir, write_all, Report, ReportError, ReportFiles};
@@ -41,6 +43,14 @@ pub enum JudgeError {
         /// What the parser found.
         detail: String,
     },
+    /// A record's tensor file is missing, damaged, or lacks a tensor the record names.
+    #[error("{path}: {detail}")]
+    Tensors {
+        /// The tensor file.
+        path: PathBuf,
+        /// What is wrong with it.
+        detail: String,
+    },
     /// The records do not describe the same training (other world size or step count).
     #[error("{0}")]
     Mismatch(String),
@@ -49,8 +59,9 @@ pub enum JudgeError {
     Report(#[from] ReportError),
 }
 
-/// A run record from `path` (a directory's `record.json`, or the file), or an error naming
-/// the file and what is wrong with it.
+/// A run record from `path` (a directory's `record.json`, or the file), its tensors' values
+/// read from the tensor file it names, if any (docs/judge.md, "The record format"); or an
+/// error naming the file and what is wrong with it.
 pub fn read_record(path: &Path) -> Result<RunRecord, JudgeError> {
     let file = match path.is_dir() {
         true => path.join("record.json"),
@@ -60,10 +71,13 @@ pub fn read_record(path: &Path) -> Result<RunRecord, JudgeError> {
         path: file.clone(),
         source,
     })?;
-    serde_json::from_str(&text).map_err(|e| JudgeError::Parse {
-        path: file,
+    let parse = |e: serde_json::Error| JudgeError::Parse {
+        path: file.clone(),
         detail: e.to_string(),
-    })
+    };
+    let mut record: serde_json::Value = serde_json::from_str(&text).map_err(parse)?;
+    tensor_file::fill_values(&mut record, file.parent().unwrap_or(Path::new(".")))?;
+    serde_json::from_value(record).map_err(parse)
 }
 
 /// Refuses records that cannot describe the same training: a reference standing for another
