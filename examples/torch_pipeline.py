@@ -1,11 +1,14 @@
 """A PyTorch `torch.distributed.pipelining` job judged by Lockstep (docs/judge.md).
 
     python3 -m torch.distributed.run --nproc-per-node 2 examples/torch_pipeline.py train OUT [--schedule 1f1b]
+    python3 -m torch.distributed.run --nproc-per-node 4 examples/torch_pipeline.py train OUT --dp 2
     python3 examples/torch_pipeline.py reference OUT
     lockstep judge --run OUT/run --reference OUT/reference --shadow OUT/shadow --out OUT/report
 
 The classifier is cut into two stages, one per rank, and trained by GPipe or 1F1B over four
-microbatches of the global batch. Some rows are padding (target -100, ignored by the loss),
+microbatches of the global batch. `--dp N` (world 2N) runs N such pipelines on a dp x pp
+mesh, each stage sharded over its replicas with FSDP2 (PP x FSDP, as torchtitan composes
+them), each pipeline on its own batch. Some rows are padding (target -100, ignored by the loss),
 and the microbatches hold unequal numbers of real rows, as packed or padded sequences do.
 The loss the non-pipelined model minimizes is the mean over the batch's real rows, so each
 microbatch's loss is its rows' sum over the whole batch's count of real rows, summed over
@@ -46,10 +49,11 @@ def build_model():
                          nn.Linear(16, CLASSES))
 
 
-def batch(step):
-    """The step's global batch (every stage is given it; the first feeds the inputs, the last
-    the targets), its padded rows' targets set to `PADDING`."""
-    g = torch.Generator().manual_seed(SEED * 10_000 + step)
+def batch(step, replica=0):
+    """The step's global batch of data-parallel replica `replica` (each of its pipeline's
+    stages is given it; the first feeds the inputs, the last the targets), its padded rows'
+    targets set to `PADDING`."""
+    g = torch.Generator().manual_seed(SEED * 10_000 + step * 100 + replica)
     x, y = torch.randn(BATCH, 8, generator=g), torch.randint(CLASSES, (BATCH,), generator=g)
     y[PADDED_ROWS] = PADDING
     return x, y
@@ -73,9 +77,9 @@ def optimizer(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def stage_of(model, rank):
-    """This rank's stage, and what crosses its edges per microbatch (given, so no stage
-    probes shapes at run time)."""
+def stage_of(model, rank, group=None):
+    """This rank's stage (`rank` in its pipeline, whose process group is `group`), and what
+    crosses its edges per microbatch (given, so no stage probes shapes at run time)."""
     from torch.distributed.pipelining import PipelineStage
 
     mb = BATCH // MICROBATCHES
@@ -87,25 +91,44 @@ def stage_of(model, rank):
         module, shapes = model[2:], dict(input_args=(torch.empty(mb, 16, requires_grad=True),),
                                          output_args=torch.empty(mb, CLASSES),
                                          input_grads=(torch.empty(mb, 16),))
-    return module, PipelineStage(module, rank, 2, torch.device("cpu"), **shapes)
+    return module, PipelineStage(module, rank, 2, torch.device("cpu"), group=group, **shapes)
 
 
-def train(out, schedule, bug):
+def meshes(replicas):
+    """This rank's place: (its stage, its pipeline's group, its replica, the dp mesh) on a
+    `replicas` x 2 mesh (data-parallel x pipeline), or one pipeline without one."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if replicas == 1:
+        return dist.get_rank(), None, 0, None
+    world = dist.get_world_size()
+    if world != 2 * replicas:
+        sys.exit(f"--dp {replicas} needs {2 * replicas} ranks (two stages each), not {world}")
+    mesh = init_device_mesh("cpu", (replicas, 2), mesh_dim_names=("dp", "pp"))
+    return (mesh["pp"].get_local_rank(), mesh["pp"].get_group(), mesh["dp"].get_local_rank(),
+            mesh["dp"])
+
+
+def train(out, schedule, bug, replicas=1):
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     torch.set_num_threads(1)
-    module, stage = stage_of(build_model(), rank)
+    rank, pipeline, replica, dp_mesh = meshes(replicas)
+    module, stage = stage_of(build_model(), rank, pipeline)
+    if dp_mesh is not None:
+        fully_shard(module, mesh=dp_mesh)  # each stage sharded over its replicas (PP x FSDP)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     real_rows = [0]
     pipe = kind(stage, n_microbatches=MICROBATCHES, loss_fn=microbatch_loss(bug, real_rows),
                 scale_grads=bug == "per-microbatch-mean")
     opt = optimizer(module.parameters())
-    rec = lockstep_probe.Recorder(Path(out) / "run", module, name="mlp",  # lockstep
-                                  config=f"pp2.{schedule}", seed=SEED, steps=STEPS, stages=True)
+    config = f"pp2.{schedule}" if replicas == 1 else f"pp2.fsdp{replicas}.{schedule}"
+    rec = lockstep_probe.Recorder(Path(out) / "run", module, name="mlp", config=config,  # lockstep
+                                  seed=SEED, steps=STEPS, stages=True, data=(replica, replicas))
     for step in range(STEPS):
-        x, y = batch(step)
+        x, y = batch(step, replica)
         opt.zero_grad()
         losses = []
         if rank == 0:
@@ -126,9 +149,11 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
     parser.add_argument("--bug", choices=["per-microbatch-mean", "unscaled-grads"])
+    parser.add_argument("--dp", type=int, default=1,
+                        help="data-parallel replicas of the pipeline (FSDP over each stage)")
     args = parser.parse_args()
     if args.mode == "train":
-        train(args.out, args.schedule, args.bug)
+        train(args.out, args.schedule, args.bug, args.dp)
     else:
         lockstep_probe.train_references(build_model, loss_fn, optimizer, Path(args.out) / "run",
                                         args.out)

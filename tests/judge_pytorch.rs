@@ -14,7 +14,8 @@
 //!   rank keeping only its rows' part of the bias gradient (Megatron's unreduced bias) fails
 //!   at step 0 naming the bias;
 //! - `examples/torch_pipeline.py` (`torch.distributed.pipelining`, two stages, GPipe and
-//!   1F1B, microbatches of unequal real rows) passes; each microbatch's own mean scaled by
+//!   1F1B, microbatches of unequal real rows) passes, alone at world 2 and as two replicas
+//!   with FSDP over each stage (PP x FSDP) at world 4; each microbatch's own mean scaled by
 //!   1/M fails, and microbatch gradients summed instead of averaged (torchtitan#2972) fails,
 //!   each at step 0 naming the tensor;
 //! - a damaged record or tensor file is bad input (exit 2) naming the file, with nothing
@@ -282,10 +283,18 @@ fn a_tp_bias_gradient_left_unreduced_is_caught_at_the_first_step() -> Result<()>
 }
 
 #[test]
-fn a_pipelining_job_passes_under_gpipe_and_1f1b() -> Result<()> {
-    for schedule in ["gpipe", "1f1b"] {
-        if judged(PIPELINE, 2, &["--schedule", schedule], 0)?.is_none() {
-            return Ok(());
+fn a_pipelining_job_passes_under_gpipe_and_1f1b_alone_and_sharded_over_replicas() -> Result<()> {
+    for (world, replicas) in [(2, "1"), (4, "2")] {
+        for schedule in ["gpipe", "1f1b"] {
+            let extra = ["--schedule", schedule, "--dp", replicas];
+            let Some(comparison) = judged(PIPELINE, world, &extra, 0)? else {
+                return Ok(());
+            };
+            let config = match replicas {
+                "1" => format!("pp2.{schedule}"),
+                _ => format!("pp2.fsdp2.{schedule}"),
+            };
+            ensure!(comparison["config"] == config.as_str(), "{comparison}");
         }
     }
     Ok(())

@@ -124,22 +124,30 @@ class Recorder:
 
     `stages=True` for a pipeline: every rank holds other parameters (its stages'), the
     record's model is their union gathered on rank 0, only the last stage passes its loss,
-    every rank trains on the same global batch, and the references stand for one data rank.
+    every rank of a pipeline trains on the same global batch, and the references stand for one
+    data rank. With data parallelism over pipelines, `data=(index, size)` says which replica
+    this rank's pipeline is and how many there are: the model is the first replica's, the
+    references stand for `size` data ranks (each pipeline's batch in replica order), and the
+    replicas' copies of each stage are compared.
     `world_size` overrides how many data ranks the run stands for (a single-device reference
     stands in for a world of ranks); `keep_batches=False` records no batches (the references'
     own records need none).
     """
 
     def __init__(self, out, model, *, name, config, seed=0, steps=None, record_grads=True,
-                 world_size=None, backend=None, stages=False, keep_batches=True):
+                 world_size=None, backend=None, stages=False, data=None, keep_batches=True):
         self.out = Path(out)
         self.model = model
         self.stages = stages
         self.rank, self.world = _world()
+        if data is not None and not stages:
+            raise RecordError("data=(index, size) describes replicas of a pipeline: pass "
+                              "stages=True (other data parallelism needs no declaring)")
+        self.data_index, self.data_size = data or (0, 1)
         self.spec = {
             "model": name,
             "config": config,
-            "world_size": world_size or (1 if stages else self.world),
+            "world_size": world_size or (self.data_size if stages else self.world),
             "backend": backend or (dist.get_backend() if self.world > 1 else "none"),
             "dtype": "fp32",
             "steps": 0,
@@ -162,12 +170,19 @@ class Recorder:
                     dtypes.pop(), "mixed")
             torch.save(init, self.out / "init.pt")
 
+    def _first_replica(self, mine):
+        """`mine` of every rank of the first data-parallel replica (under `stages`: its
+        pipeline's stages), in rank order."""
+        every = gather_objects((self.data_index, mine), self.world)
+        return [part for index, part in every if index == 0]
+
     def _merged(self, mine):
-        """This rank's dict, or under `stages` every rank's merged in rank order (on rank 0)."""
+        """This rank's dict, or under `stages` the first replica's stages' merged (on rank
+        0)."""
         if not self.stages or self.world == 1:
             return mine
         merged = {}
-        for part in gather_objects(mine, self.world):
+        for part in self._first_replica(mine):
             merged.update(part)
         return merged
 
@@ -203,7 +218,7 @@ class Recorder:
             if self.record_grads and (self.stages or self.rank == 0):
                 grads[name] = host_copy(name, g)
         if self.stages and self.world > 1:
-            squares = sum(gather_objects(squares, self.world))
+            squares = sum(self._first_replica(squares))
             grads = self._merged(grads)
         self.grad_norms.append(math.sqrt(squares))
         if self.record_grads and self.rank == 0:
@@ -220,27 +235,34 @@ class Recorder:
             raise RecordError("step(None): only a pipeline's other stages (stages=True) pass no loss")
         if self.world > 1:
             dist.all_reduce(value)
-            if not self.stages:
-                value /= self.world
+            value /= self.data_size if self.stages else self.world
         return float(value[0].cpu())
 
     def _gather_batch(self):
-        """Every rank's batch of this step, on rank 0 (a pipeline's: rank 0's, the global
-        batch every stage was given)."""
+        """Every rank's batch of this step, on rank 0; under `stages` every pipeline's global
+        batch (which each of its stages was given), in replica order."""
         if not self.keep_batches:
             return
         mine = self.pending_batch
         self.pending_batch = None
-        every = [mine] if self.stages else gather_objects(mine, self.world)
+        if self.stages and self.data_size == 1:
+            every = [mine]
+        elif self.stages:
+            per_replica = {}
+            for index, batch in gather_objects((self.data_index, mine), self.world):
+                per_replica.setdefault(index, batch)
+            every = [per_replica[i] for i in range(self.data_size)]
+        else:
+            every = gather_objects(mine, self.world)
         if self.rank == 0:
             self.batches.append(every)
 
     def _check_replicas(self, step, kind):
         """Compares the bits of every copy of every parameter across the ranks holding it (a
         replicated tensor on every rank, an HSDP shard across its replicate group); keeps the
-        first mismatch, naming the tensor, the copy and the ranks on each side (pipeline
-        stages hold no copies)."""
-        if self.world == 1 or self.stages or "mismatch" in self.cross_rank:
+        first mismatch, naming the tensor, the copy and the ranks on each side (a pipeline's
+        stages hold copies only across data-parallel replicas)."""
+        if self.world == 1 or (self.stages and self.data_size == 1) or "mismatch" in self.cross_rank:
             return
         mine = {}
         for name, p in self.model.named_parameters():
@@ -319,7 +341,7 @@ class Recorder:
                       if self.record_grads else None),
             "tensor_file": TENSOR_FILE,
         }
-        if self.world > 1 and not self.stages:
+        if self.world > 1 and (not self.stages or self.data_size > 1):
             record["cross_rank"] = self.cross_rank
         if self.keep_batches:
             torch.save(self.batches, self.out / "batches.pt")
