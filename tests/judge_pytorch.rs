@@ -94,12 +94,25 @@ fn record_job(script: &str, world: usize, dir: &Path, extra: &[&str]) -> Result<
         return Ok(false);
     };
     // Gloo's teardown sometimes aborts a rank under heavy load ("terminate called without an
-    // active exception", a PyTorch issue outside the job and outside Lockstep): one retry.
-    if !out.status.success() && String::from_utf8_lossy(&out.stderr).contains(GLOO_ABORT) {
-        eprintln!("{script}: gloo aborted a rank; retrying once");
-        out = python(&train).transpose()?.context("python vanished")?;
+    // active exception", a PyTorch issue outside the job and outside Lockstep). Rank 0 writes
+    // `record.json` last, after every rank's final collective: with it on disk the job's
+    // output is complete and the abort came after it, so the record is judged; without it,
+    // one retry.
+    let aborted = |out: &Output| {
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains(GLOO_ABORT)
+    };
+    let complete = Path::new(dir).join("run/record.json").is_file();
+    if aborted(&out) && complete {
+        eprintln!("{script}: gloo aborted a rank after the record was complete; judging it");
+    } else {
+        if aborted(&out) {
+            eprintln!(
+                "{script}: gloo aborted a rank before the record was complete; retrying once"
+            );
+            out = python(&train).transpose()?.context("python vanished")?;
+        }
+        succeeded(&format!("torchrun {script} train"), out)?;
     }
-    succeeded(&format!("torchrun {script} train"), out)?;
     let Some(out) = python(&[script, "reference", dir]) else {
         return Ok(false);
     };
