@@ -206,8 +206,9 @@ class Recorder:
         if self.finished:
             raise RecordError("step() after finish()")
         step = len(self.losses)
-        self._check_replicas(step, "param")
-        self.losses.append(self._global_loss(loss))
+        every = self._exchange(loss)
+        self._compare_copies(step, "param", [digests for _, digests, _, _ in every])
+        self.losses.append(self._mean_loss([value for _, _, value, _ in every]))
         squares, grads = 0.0, {}
         for name, p in self.model.named_parameters():
             if p.grad is None:
@@ -223,53 +224,63 @@ class Recorder:
         self.grad_norms.append(math.sqrt(squares))
         if self.record_grads and self.rank == 0:
             self.grads.append(grads)
-        self._gather_batch()
+        self._keep_batches(every)
 
-    def _global_loss(self, loss):
-        """The step's loss over the world: the mean of every rank's, or a pipeline's last
-        stage's."""
-        value = torch.zeros(1, dtype=torch.float64, device=comm_device())
-        if loss is not None:  # a DTensor loss (`loss_parallel`) is replicated: its full value
-            value += full_tensor(loss.detach()).to(value.device, torch.float64).reshape(1)
-        elif not self.stages:
+    def _exchange(self, loss):
+        """The step's one collective of the recorder's own: every rank's (replica, digests of
+        its parameters' copies, loss, batch), in rank order, on every rank."""
+        if loss is None and not self.stages:
             raise RecordError("step(None): only a pipeline's other stages (stages=True) pass no loss")
-        if self.world > 1:
-            dist.all_reduce(value)
-            value /= self.data_size if self.stages else self.world
-        return float(value[0].cpu())
+        # A DTensor loss (`loss_parallel`) is replicated: its full value is the local one.
+        value = None if loss is None else float(full_tensor(loss.detach()).double().cpu())
+        batch, self.pending_batch = self.pending_batch, None
+        mine = (self.data_index, self._digests(), value, batch if self.keep_batches else None)
+        return gather_objects(mine, self.world)
 
-    def _gather_batch(self):
+    def _mean_loss(self, values):
+        """The step's loss over the world: the mean of every rank's, or of every pipeline's
+        (its last stage's)."""
+        present = [v for v in values if v is not None]
+        return sum(present) / (self.data_size if self.stages else len(values))
+
+    def _keep_batches(self, every):
         """Every rank's batch of this step, on rank 0; under `stages` every pipeline's global
         batch (which each of its stages was given), in replica order."""
-        if not self.keep_batches:
+        if not self.keep_batches or self.rank != 0:
             return
-        mine = self.pending_batch
-        self.pending_batch = None
-        if self.stages and self.data_size == 1:
-            every = [mine]
-        elif self.stages:
+        if self.stages:
             per_replica = {}
-            for index, batch in gather_objects((self.data_index, mine), self.world):
+            for index, _, _, batch in every:
                 per_replica.setdefault(index, batch)
-            every = [per_replica[i] for i in range(self.data_size)]
+            self.batches.append([per_replica[i] for i in range(self.data_size)])
         else:
-            every = gather_objects(mine, self.world)
-        if self.rank == 0:
-            self.batches.append(every)
+            self.batches.append([batch for _, _, _, batch in every])
 
-    def _check_replicas(self, step, kind):
-        """Compares the bits of every copy of every parameter across the ranks holding it (a
-        replicated tensor on every rank, an HSDP shard across its replicate group); keeps the
-        first mismatch, naming the tensor, the copy and the ranks on each side (a pipeline's
-        stages hold copies only across data-parallel replicas)."""
-        if self.world == 1 or (self.stages and self.data_size == 1) or "mismatch" in self.cross_rank:
-            return
-        mine = {}
+    def _checks_copies(self):
+        """Whether copies are compared: some rank may hold another's copy (a pipeline's stages
+        do only across data-parallel replicas), and no mismatch was found yet."""
+        return (self.world > 1 and not (self.stages and self.data_size == 1)
+                and "mismatch" not in self.cross_rank)
+
+    def _digests(self):
+        """This rank's parameters that other ranks hold copies of: name -> (copy group,
+        digest); `None` when copies are not compared."""
+        if not self._checks_copies():
+            return None
+        digests = {}
         for name, p in self.model.named_parameters():
             group = copy_group(p)
             if group is not None:
-                mine[name] = (group, _digest(p))
-        every = gather_objects(mine, self.world)
+                digests[name] = (group, _digest(p))
+        return digests
+
+    def _compare_copies(self, step, kind, every):
+        """Compares the bits of every copy of every parameter across the ranks holding it (a
+        replicated tensor on every rank, an HSDP shard across its replicate group, a stage
+        across pipeline replicas), from every rank's digests; keeps the first mismatch,
+        naming the tensor, the copy and the ranks on each side."""
+        if not self._checks_copies():
+            return
         for name in sorted(set().union(*every)):
             groups = {}
             for rank, held in enumerate(every):
@@ -304,7 +315,8 @@ class Recorder:
         steps = len(self.losses)
         if self.declared_steps is not None and steps != self.declared_steps:
             raise RecordError(f"{steps} steps recorded, {self.declared_steps} declared")
-        self._check_replicas(steps, "final")
+        if self._checks_copies():
+            self._compare_copies(steps, "final", gather_objects(self._digests(), self.world))
         params = self._recorded(self.model.named_parameters())
         buffers = self._recorded(self.model.named_buffers())
         if self.rank == 0:
