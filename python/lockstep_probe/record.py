@@ -16,6 +16,7 @@ from .tensor_file import DTYPE_CODES, raw_bytes, write_tensor_file
 
 TENSOR_FILE = "tensors.safetensors"
 
+
 class RecordError(Exception):
     """The recorder was used out of order, or a tensor cannot be recorded."""
 
