@@ -78,7 +78,7 @@ def gather_objects(obj, world):
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     every = [torch.zeros(max(sizes), dtype=torch.uint8, device=device) for _ in range(world)]
     dist.all_gather(every, mine.to(device))
-    return [pickle.loads(bytes(t[:n].cpu().tolist())) for t, n in zip(every, sizes)]
+    return [pickle.loads(raw_bytes(t[:n])) for t, n in zip(every, sizes)]
 
 
 def _number(x):
@@ -162,7 +162,7 @@ class Recorder:
         self.finished = False
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
-        init = self._merged({n: full_tensor(t).detach().to("cpu").clone()
+        init = self._merged({n: host_copy(n, full_tensor(t))
                              for n, t in model.state_dict().items()})
         if self.rank == 0:
             dtypes = {t.dtype for t in init.values() if t.is_floating_point()}
@@ -199,13 +199,13 @@ class Recorder:
         ranks hold (after the previous update). `batch` is this rank's batch of the step
         (inputs, targets...) unless `batch()` was given it: the references train on every
         rank's batch in rank order (a pipeline's every rank passes the same global batch)."""
+        if self.finished:
+            raise RecordError("step() after finish()")
         if batch:
             self.batch(*batch)
         if self.keep_batches and self.pending_batch is None:
             raise RecordError(f"step {len(self.losses)}: no batch: pass it to step(loss, *batch) "
                               "(or to batch() before the forward)")
-        if self.finished:
-            raise RecordError("step() after finish()")
         step = len(self.losses)
         every = self._exchange(loss)
         self._compare_copies(step, "param", [digests for _, digests, _, _ in every])
@@ -257,11 +257,14 @@ class Recorder:
         else:
             self.batches.append([batch for _, _, _, batch in every])
 
+    def _holds_copies(self):
+        """Whether some rank may hold another's copy of a tensor (a pipeline's stages do only
+        across data-parallel replicas): the record then says what the copy check found."""
+        return self.world > 1 and not (self.stages and self.data_size == 1)
+
     def _checks_copies(self):
-        """Whether copies are compared: some rank may hold another's copy (a pipeline's stages
-        do only across data-parallel replicas), and no mismatch was found yet."""
-        return (self.world > 1 and not (self.stages and self.data_size == 1)
-                and "mismatch" not in self.cross_rank)
+        """Whether copies are compared now: ranks hold copies and no mismatch was found yet."""
+        return self._holds_copies() and "mismatch" not in self.cross_rank
 
     def _digests(self):
         """This rank's parameters that other ranks hold copies of: name -> (copy group,
@@ -354,7 +357,7 @@ class Recorder:
                       if self.record_grads else None),
             "tensor_file": TENSOR_FILE,
         }
-        if self.world > 1 and (not self.stages or self.data_size > 1):
+        if self._holds_copies():
             record["cross_rank"] = self.cross_rank
         if self.keep_batches:
             torch.save(self.batches, self.out / "batches.pt")

@@ -24,7 +24,7 @@ def _load(run_dir):
     for name, path in paths.items():
         if not path.is_file():
             raise ReferenceError(f"{path}: missing (was the run recorded with "
-                                 f"{'rec.batch(...) each step' if name == 'batches.pt' else 'lockstep_probe.Recorder'}?)")
+                                 f"{'its batches given to rec.step' if name == 'batches.pt' else 'lockstep_probe.Recorder'}?)")
     try:
         spec = json.loads(paths["record.json"].read_text())["spec"]
     except (ValueError, KeyError) as e:
