@@ -48,12 +48,13 @@ fn python(args: &[&str]) -> Option<Result<Output>> {
         eprintln!("SKIP: no Python with torch (run ci/setup-libtorch)");
         return None;
     };
-    let mut cmd = Command::new(python);
-    cmd.arg("-W").arg("ignore").args(args).current_dir(root());
-    if let Some(site) = site {
-        cmd.env("PYTHONPATH", site);
-    }
-    Some(cmd.output().context("run python"))
+    let mut cmd = common::torch_python(&python, &site);
+    Some(
+        cmd.args(args)
+            .current_dir(root())
+            .output()
+            .context("run python"),
+    )
 }
 
 fn succeeded(what: &str, out: Output) -> Result<()> {
@@ -190,6 +191,39 @@ fn first_failure_at_step_0(comparison: &serde_json::Value) -> Result<()> {
     Ok(())
 }
 
+/// The job `script` with `bug` planted fails the arbiter at step 0 naming a parameter: its
+/// comparison, or `None` without a Python with torch.
+fn caught_at_step_0(script: &str, bug: &str) -> Result<Option<serde_json::Value>> {
+    let Some(comparison) = judged(script, 2, &["--bug", bug], 1)? else {
+        return Ok(None);
+    };
+    first_failure_at_step_0(&comparison)?;
+    Ok(Some(comparison))
+}
+
+/// The copy check's mismatch in `comparison` names `name` after `step`, held by `holders`
+/// with `differing` apart (`coord`: which copy, empty for a tensor every rank holds whole).
+fn copies_parted(
+    comparison: &serde_json::Value,
+    name: &str,
+    coord: &str,
+    step: usize,
+    holders: &[usize],
+    differing: &[usize],
+) -> Result<()> {
+    let mismatch = &comparison["cross_rank"]["mismatch"];
+    let want = serde_json::json!({
+        "name": name, "coord": coord, "step": step, "holders": holders, "differing": differing,
+    });
+    for (field, value) in want.as_object().into_iter().flatten() {
+        ensure!(
+            &mismatch[field] == value,
+            "{field} is not {value}: {mismatch}"
+        );
+    }
+    Ok(())
+}
+
 #[test]
 fn a_correct_fsdp2_job_passes_the_fp64_arbiter() -> Result<()> {
     let Some(comparison) = judged(FSDP2, 2, &[], 0)? else {
@@ -219,19 +253,7 @@ fn an_hsdp_job_passes_and_a_replica_shard_that_drifted_is_named() -> Result<()> 
     else {
         return Ok(());
     };
-    let mismatch = &comparison["cross_rank"]["mismatch"];
-    ensure!(mismatch["name"] == "0.weight", "{mismatch}");
-    ensure!(mismatch["coord"] == "shard=1", "{mismatch}");
-    ensure!(mismatch["step"] == 1, "{mismatch}");
-    ensure!(
-        mismatch["holders"] == serde_json::json!([1, 3]),
-        "{mismatch}"
-    );
-    ensure!(
-        mismatch["differing"] == serde_json::json!([3]),
-        "{mismatch}"
-    );
-    Ok(())
+    copies_parted(&comparison, "0.weight", "shard=1", 1, &[1, 3], &[3])
 }
 
 #[test]
@@ -271,22 +293,14 @@ fn a_dtensor_tp_job_passes_and_a_replica_that_skips_a_reduction_is_named() -> Re
     let Some(comparison) = judged(TP, 2, &["--bug", "replica-skips-reduce"], 1)? else {
         return Ok(());
     };
-    let mismatch = &comparison["cross_rank"]["mismatch"];
-    ensure!(mismatch["name"] == "2.bias", "{mismatch}");
-    ensure!(mismatch["step"] == 1, "{mismatch}");
-    ensure!(
-        mismatch["differing"] == serde_json::json!([1]),
-        "{mismatch}"
-    );
-    Ok(())
+    copies_parted(&comparison, "2.bias", "", 1, &[0, 1], &[1])
 }
 
 #[test]
 fn a_tp_bias_gradient_left_unreduced_is_caught_at_the_first_step() -> Result<()> {
-    let Some(comparison) = judged(TP, 2, &["--bug", "bias-grad-unreduced"], 1)? else {
+    let Some(comparison) = caught_at_step_0(TP, "bias-grad-unreduced")? else {
         return Ok(());
     };
-    first_failure_at_step_0(&comparison)?;
     ensure!(
         comparison["first_failure"]["tensor"] == "2.bias",
         "{}",
@@ -324,18 +338,12 @@ fn pipelines_sharded_over_replicas_pass_under_gpipe_and_1f1b() -> Result<()> {
 
 #[test]
 fn a_pipeline_loss_scaled_by_one_over_m_with_unequal_microbatches_is_caught() -> Result<()> {
-    match judged(PIPELINE, 2, &["--bug", "per-microbatch-mean"], 1)? {
-        Some(comparison) => first_failure_at_step_0(&comparison),
-        None => Ok(()),
-    }
+    caught_at_step_0(PIPELINE, "per-microbatch-mean").map(drop)
 }
 
 #[test]
 fn pipeline_gradients_summed_over_microbatches_are_caught() -> Result<()> {
-    match judged(PIPELINE, 2, &["--bug", "unscaled-grads"], 1)? {
-        Some(comparison) => first_failure_at_step_0(&comparison),
-        None => Ok(()),
-    }
+    caught_at_step_0(PIPELINE, "unscaled-grads").map(drop)
 }
 
 #[test]

@@ -21,7 +21,6 @@ use lockstep_models::zoo;
 use rstest::rstest;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 use tch::{Device, Kind, Tensor};
 
@@ -34,16 +33,12 @@ const SEED: u64 = 3;
 /// Runs `pytorch_twins.py COMMAND DIR` and insists it succeeded.
 fn twins(python: &str, site: &Option<PathBuf>, command: &str, dir: &Path) -> Result<()> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/pytorch_twins.py");
-    let mut cmd = Command::new(python);
-    cmd.arg("-W")
-        .arg("ignore")
+    let out = common::torch_python(python, site)
         .arg(&script)
         .arg(command)
-        .arg(dir);
-    if let Some(site) = site {
-        cmd.env("PYTHONPATH", site);
-    }
-    let out = cmd.output().context("run python")?;
+        .arg(dir)
+        .output()
+        .context("run python")?;
     ensure!(
         out.status.success(),
         "pytorch_twins.py {command}: {}\n{}",

@@ -383,6 +383,17 @@ pub fn python_with_torch() -> Option<(String, Option<std::path::PathBuf>)> {
     found.then_some((python, site))
 }
 
+/// `python` (as [`python_with_torch`] found it) with its torch on `PYTHONPATH` and Python's
+/// warnings off (torch warns on import when NumPy is missing), ready for its arguments.
+pub fn torch_python(python: &str, site: &Option<std::path::PathBuf>) -> std::process::Command {
+    let mut cmd = std::process::Command::new(python);
+    cmd.arg("-W").arg("ignore");
+    if let Some(site) = site {
+        cmd.env("PYTHONPATH", site);
+    }
+    cmd
+}
+
 /// Every `.rs` file under `dir`, sorted.
 pub fn rust_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
     let mut entries: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
