@@ -2,6 +2,10 @@
 //! (gloo, worlds 2 and 4, under torchrun), their single-device reference and float64 shadow
 //! trained by the package from the run's own start and batches, judged by the fp64 arbiter:
 //!
+//! - `examples/torch_ddp.py` (the `DistributedDataParallel` wrapper handed to the recorder)
+//!   passes, and with gradient accumulation under `no_sync()` done right; the last
+//!   microbatch under `no_sync()` too (gradients never averaged) is named by the copy check,
+//!   and a loss divided by the world size on top of DDP's averaging fails at step 0;
 //! - `examples/torch_fsdp2.py` (FSDP2, `fully_shard` per linear) passes, and with gradient
 //!   accumulation done right; accumulation that zeroes the gradients between microbatches
 //!   (NeMo Automodel#3530's bug) fails naming the first wrong tensor and step, and
@@ -32,6 +36,7 @@ use anyhow::{ensure, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+const DDP: &str = "examples/torch_ddp.py";
 const FSDP2: &str = "examples/torch_fsdp2.py";
 const TP: &str = "examples/torch_tp.py";
 const PIPELINE: &str = "examples/torch_pipeline.py";
@@ -222,6 +227,34 @@ fn copies_parted(
         );
     }
     Ok(())
+}
+
+#[test]
+fn a_ddp_job_passes_with_and_without_accumulation_under_no_sync() -> Result<()> {
+    for extra in [&[][..], &["--accumulate", "2"]] {
+        let Some(comparison) = judged(DDP, 2, extra, 0)? else {
+            return Ok(());
+        };
+        ensure!(comparison["config"] == "ddp", "{comparison}");
+        ensure!(
+            comparison["cross_rank"]["compared"].as_u64() > Some(0),
+            "the replicas' parameters were compared: {comparison}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn ddp_gradients_never_averaged_are_named_by_the_copy_check() -> Result<()> {
+    let Some(comparison) = judged(DDP, 2, &["--bug", "no-sync-always"], 1)? else {
+        return Ok(());
+    };
+    copies_parted(&comparison, "0.bias", "", 0, &[0, 1], &[1])
+}
+
+#[test]
+fn a_ddp_loss_divided_by_the_world_again_is_caught_at_the_first_step() -> Result<()> {
+    caught_at_step_0(DDP, "loss-over-world").map(drop)
 }
 
 #[test]

@@ -35,6 +35,13 @@ def full_tensor(t):
     return gather() if callable(gather) else t
 
 
+def unwrapped(model):
+    """The module a DDP wrapper trains (its parameters under the names the single-device
+    references use, without DDP's `module.` prefix); any other module as it is."""
+    ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
+    return model.module if ddp is not None and isinstance(model, ddp) else model
+
+
 def copy_group(t):
     """Which ranks hold the same bits of `t` as this one, as a key every such rank computes
     alike: a plain tensor is one copy on every rank (key `()`); a DTensor's local part is
@@ -120,8 +127,9 @@ class Recorder:
     """Records one rank's training for Lockstep.
 
     `out` is the run's directory (rank 0 writes it); `model` the module this rank trains
-    (FSDP2, DTensor TP, plain, or its pipeline stage); `name` the model's name and `config` the
-    parallelism's, as the report shows them; `seed` what the run was seeded with.
+    (DDP-wrapped, FSDP2, DTensor TP, plain, or its pipeline stage); `name` the model's name
+    and `config` the parallelism's, as the report shows them; `seed` what the run was seeded
+    with.
 
     `stages=True` for a pipeline: every rank holds other parameters (its stages'), the
     record's model is their union gathered on rank 0, only the last stage passes its loss,
@@ -138,7 +146,7 @@ class Recorder:
     def __init__(self, out, model, *, name, config, seed=0, steps=None, record_grads=True,
                  world_size=None, backend=None, stages=False, data=None, keep_batches=True):
         self.out = Path(out)
-        self.model = model
+        self.model = unwrapped(model)
         self.stages = stages
         self.rank, self.world = _world()
         if data is not None and not stages:
@@ -163,7 +171,7 @@ class Recorder:
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
         init = self._merged({n: host_copy(n, full_tensor(t))
-                             for n, t in model.state_dict().items()})
+                             for n, t in self.model.state_dict().items()})
         if self.rank == 0:
             dtypes = {t.dtype for t in init.values() if t.is_floating_point()}
             if len(dtypes) == 1:

@@ -1,0 +1,111 @@
+"""A PyTorch DDP training job judged by Lockstep (docs/judge.md).
+
+    # the job, under torchrun (gloo on the CPU; NCCL works the same on GPUs)
+    python3 -m torch.distributed.run --nproc-per-node 2 examples/torch_ddp.py train OUT
+    # its single-device references from the same start and batches (one process)
+    python3 examples/torch_ddp.py reference OUT
+    # the verdict
+    lockstep judge --run OUT/run --reference OUT/reference --shadow OUT/shadow --out OUT/report
+
+The recorder takes the DDP wrapper itself: it records the wrapped module, under the names the
+single-device references use.
+
+`--accumulate 2` accumulates gradients over two microbatches, skipping DDP's all-reduce on the
+first with `no_sync()`, as the DDP documentation shows (it must pass). Two planted bugs, each a
+classic of DDP jobs:
+
+- `--bug no-sync-always`: every microbatch under `no_sync()`, the last one too, so gradients
+  are never averaged. Each rank steps with its own gradients and the replicas part; the loss
+  still falls. The recorder's copy check names the first parameter whose replicas differ.
+- `--bug loss-over-world`: the loss divided by the world size "to average it", on top of the
+  averaging DDP already does, so every gradient is 1/N of what it should be.
+
+The three lines that hand the job to Lockstep are marked `# lockstep`.
+"""
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+import lockstep_probe  # noqa: E402
+
+STEPS = 5
+SEED = 11
+CLASSES = 5
+
+
+def build_model():
+    torch.manual_seed(SEED)
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, CLASSES),
+    )
+
+
+def batch(rank, step):
+    """Rank `rank`'s batch at `step`: the same on every run."""
+    g = torch.Generator().manual_seed(SEED * 10_000 + step * 100 + rank)
+    return torch.randn(8, 16, generator=g), torch.randint(CLASSES, (8,), generator=g)
+
+
+def loss_fn(model, x, y):
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def optimizer(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+
+
+def train(out, bug, accumulate):
+    with lockstep_probe.deterministic("cpu"):
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = DistributedDataParallel(build_model())
+        opt = optimizer(model.parameters())
+        rec = lockstep_probe.Recorder(Path(out) / "run", model, name="classifier",  # lockstep
+                                      config="ddp", seed=SEED, steps=STEPS)
+        for step in range(STEPS):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            losses = []
+            parts = list(zip(x.chunk(accumulate), y.chunk(accumulate)))
+            for i, (mx, my) in enumerate(parts):
+                last = i == len(parts) - 1
+                # Right: skip the all-reduce on every microbatch but the last.
+                skip = bug == "no-sync-always" or not last
+                with model.no_sync() if skip else contextlib.nullcontext():
+                    part = loss_fn(model, mx, my) / accumulate
+                    if bug == "loss-over-world":
+                        part = part / world  # the bug: DDP averages over the ranks already
+                    part.backward()
+                losses.append(part.detach())
+            rec.step(sum(losses), x, y)  # lockstep
+            opt.step()
+        rec.finish()  # lockstep
+        dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["train", "reference"])
+    parser.add_argument("out")
+    parser.add_argument("--bug", choices=["no-sync-always", "loss-over-world"])
+    parser.add_argument("--accumulate", type=int, default=1)
+    args = parser.parse_args()
+    if args.bug == "no-sync-always" and args.accumulate == 1:
+        args.accumulate = 2
+    if args.mode == "train":
+        train(args.out, args.bug, args.accumulate)
+    else:
+        lockstep_probe.train_references(build_model, loss_fn, optimizer, Path(args.out) / "run",
+                                        args.out)
+
+
+if __name__ == "__main__":
+    main()
