@@ -6,6 +6,9 @@
 //!   passes, and with gradient accumulation under `no_sync()` done right; the last
 //!   microbatch under `no_sync()` too (gradients never averaged) is named by the copy check,
 //!   and a loss divided by the world size on top of DDP's averaging fails at step 0;
+//! - `examples/torch_fsdp1.py` (the first FSDP, one unit per linear, gradients clipped with
+//!   its own `clip_grad_norm_`) passes; `torch.nn.utils.clip_grad_norm_` on its flat shards
+//!   (each rank clipping by its own shard's norm) fails naming the tensor;
 //! - `examples/torch_fsdp2.py` (FSDP2, `fully_shard` per linear) passes, and with gradient
 //!   accumulation done right; accumulation that zeroes the gradients between microbatches
 //!   (NeMo Automodel#3530's bug) fails naming the first wrong tensor and step, and
@@ -23,8 +26,8 @@
 //!   1/M fails, and microbatch gradients summed instead of averaged (torchtitan#2972) fails,
 //!   each at step 0 naming the tensor;
 //! - a damaged record or tensor file is bad input (exit 2) naming the file, with nothing
-//!   written; a step without its batch and a reference model that differs from the run are
-//!   refused naming what is wrong.
+//!   written; a step without its batch, a reference model that differs from the run and a
+//!   first-FSDP model without `use_orig_params` are refused naming what is wrong.
 //!
 //! Needs a Python with torch (`ci/setup-libtorch` installs one); without it the tests say why
 //! and pass, as the other PyTorch tests do.
@@ -37,6 +40,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 const DDP: &str = "examples/torch_ddp.py";
+const FSDP1: &str = "examples/torch_fsdp1.py";
 const FSDP2: &str = "examples/torch_fsdp2.py";
 const TP: &str = "examples/torch_tp.py";
 const PIPELINE: &str = "examples/torch_pipeline.py";
@@ -258,6 +262,28 @@ fn a_ddp_loss_divided_by_the_world_again_is_caught_at_the_first_step() -> Result
 }
 
 #[test]
+fn a_first_fsdp_job_passes_and_clipping_by_each_shards_own_norm_is_caught() -> Result<()> {
+    let Some(comparison) = judged(FSDP1, 2, &[], 0)? else {
+        return Ok(());
+    };
+    ensure!(comparison["config"] == "fsdp1", "{comparison}");
+    let Some(comparison) = judged(FSDP1, 2, &["--bug", "local-clip"], 1)? else {
+        return Ok(());
+    };
+    // Step 0's gradients are recorded before the clipping: the first wrong update shows in
+    // step 1's.
+    let first = &comparison["first_failure"];
+    ensure!(first["step"] == 1, "{first}");
+    ensure!(
+        first["tensor"]
+            .as_str()
+            .is_some_and(|t| t.ends_with("weight") || t.ends_with("bias")),
+        "{first}"
+    );
+    Ok(())
+}
+
+#[test]
 fn a_correct_fsdp2_job_passes_the_fp64_arbiter() -> Result<()> {
     let Some(comparison) = judged(FSDP2, 2, &[], 0)? else {
         return Ok(());
@@ -463,6 +489,22 @@ fn misuse_of_the_recorder_and_the_references_is_named() -> Result<()> {
         !out.status.success()
             && stderr
                 .contains("ReferenceError: `bias` is [2] in the run, [5] in the reference model"),
+        "{stderr}"
+    );
+    // The first FSDP without `use_orig_params=True`: its whole gradients cannot be read.
+    let Some(out) = probe_misuse(
+        "import torch.distributed as dist\n\
+         from torch.distributed.fsdp import FullyShardedDataParallel\n\
+         dist.init_process_group('gloo', init_method='file://' + out + '/store', rank=0, world_size=1)\n\
+         flat = FullyShardedDataParallel(nn.Linear(3, 2), use_orig_params=False, device_id=torch.device('cpu'))\n\
+         lockstep_probe.Recorder(out + '/fsdp1', flat, name='lin', config='fsdp1')",
+    )?
+    else {
+        return Ok(());
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success() && stderr.contains("is recorded with use_orig_params=True"),
         "{stderr}"
     );
     Ok(())

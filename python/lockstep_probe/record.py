@@ -2,6 +2,7 @@
 record format (`record.json`, the `RunRecord` the Rust side reads), with the initial state and
 the batches the references need."""
 
+import contextlib
 import hashlib
 import json
 import math
@@ -40,6 +41,32 @@ def unwrapped(model):
     references use, without DDP's `module.` prefix); any other module as it is."""
     ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
     return model.module if ddp is not None and isinstance(model, ddp) else model
+
+
+def fsdp1_class():
+    """PyTorch's first FSDP wrapper class (`FullyShardedDataParallel`), or `None` where this
+    torch has none."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return None
+    return FullyShardedDataParallel
+
+
+def is_fsdp1(model):
+    """Whether `model` is wrapped by the first FSDP, whose parameters are flat shards under
+    its own names (FSDP2's `fully_shard` keeps the module's own, as DTensors)."""
+    fsdp1 = fsdp1_class()
+    return fsdp1 is not None and isinstance(model, fsdp1)
+
+
+def full_view(model):
+    """A context in which `model`'s parameters are whole, under the model's own names, with
+    their whole gradients: the first FSDP's `summon_full_params` (a collective every rank
+    enters), or nothing to do for any other module (FSDP2 and DTensor gather per tensor)."""
+    if not is_fsdp1(model):
+        return contextlib.nullcontext()
+    return fsdp1_class().summon_full_params(model, writeback=False, with_grads=True)
 
 
 def copy_group(t):
@@ -127,7 +154,7 @@ class Recorder:
     """Records one rank's training for Lockstep.
 
     `out` is the run's directory (rank 0 writes it); `model` the module this rank trains
-    (DDP-wrapped, FSDP2, DTensor TP, plain, or its pipeline stage); `name` the model's name
+    (DDP- or FSDP-wrapped, FSDP2, DTensor TP, plain, or its pipeline stage); `name` the model's name
     and `config` the parallelism's, as the report shows them; `seed` what the run was seeded
     with.
 
@@ -147,6 +174,10 @@ class Recorder:
                  world_size=None, backend=None, stages=False, data=None, keep_batches=True):
         self.out = Path(out)
         self.model = unwrapped(model)
+        if is_fsdp1(self.model) and not getattr(self.model, "_use_orig_params", True):
+            raise RecordError("a FullyShardedDataParallel job is recorded with "
+                              "use_orig_params=True: the recorder reads its whole gradients "
+                              "through summon_full_params(with_grads=True), which needs it")
         self.stages = stages
         self.rank, self.world = _world()
         if data is not None and not stages:
@@ -219,14 +250,15 @@ class Recorder:
         self._compare_copies(step, "param", [digests for _, digests, _, _ in every])
         self.losses.append(self._mean_loss([value for _, _, value, _ in every]))
         squares, grads = 0.0, {}
-        for name, p in self.model.named_parameters():
-            if p.grad is None:
-                raise RecordError(f"`{name}` has no gradient at step {step}: "
-                                  "call step() after backward")
-            g = full_tensor(p.grad)
-            squares += float(g.detach().double().pow(2).sum())
-            if self.record_grads and (self.stages or self.rank == 0):
-                grads[name] = host_copy(name, g)
+        with full_view(self.model):
+            for name, p in self.model.named_parameters():
+                if p.grad is None:
+                    raise RecordError(f"`{name}` has no gradient at step {step}: "
+                                      "call step() after backward")
+                g = full_tensor(p.grad)
+                squares += float(g.detach().double().pow(2).sum())
+                if self.record_grads and (self.stages or self.rank == 0):
+                    grads[name] = host_copy(name, g)
         if self.stages and self.world > 1:
             squares = sum(self._first_replica(squares))
             grads = self._merged(grads)
@@ -267,8 +299,11 @@ class Recorder:
 
     def _holds_copies(self):
         """Whether some rank may hold another's copy of a tensor (a pipeline's stages do only
-        across data-parallel replicas): the record then says what the copy check found."""
-        return self.world > 1 and not (self.stages and self.data_size == 1)
+        across data-parallel replicas; the first FSDP's flat shards are each rank's own, and
+        which of them a hybrid shard replicates is not said): the record then says what the
+        copy check found."""
+        return (self.world > 1 and not (self.stages and self.data_size == 1)
+                and not is_fsdp1(self.model))
 
     def _checks_copies(self):
         """Whether copies are compared now: ranks hold copies and no mismatch was found yet."""
@@ -329,8 +364,9 @@ class Recorder:
             raise RecordError(f"{steps} steps recorded, {self.declared_steps} declared")
         if self._checks_copies():
             self._compare_copies(steps, "final", gather_objects(self._digests(), self.world))
-        params = self._recorded(self.model.named_parameters())
-        buffers = self._recorded(self.model.named_buffers())
+        with full_view(self.model):
+            params = self._recorded(self.model.named_parameters())
+            buffers = self._recorded(self.model.named_buffers())
         if self.rank == 0:
             self._write(steps, params, buffers)
         if self.world > 1:

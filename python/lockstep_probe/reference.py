@@ -115,10 +115,12 @@ def deterministic(device="cpu"):
          torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) = saved[2:]
 
 
-def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, config, device):
+def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, config, device,
+           max_grad_norm):
     """One single-device training from `init` over the global batches: each step's objective
     is every rank's loss in rank order, summed, divided by the world size (what a data-parallel
-    job's averaged gradients are the gradient of)."""
+    job's averaged gradients are the gradient of); its gradients clipped to `max_grad_norm`
+    after they are recorded, when given."""
     model = model_fn()
     _check_same_tensors(model, init)
     model.load_state_dict(init, strict=True)
@@ -133,6 +135,8 @@ def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, con
         loss = sum(losses) / len(losses)
         loss.backward()
         rec.step(loss)
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()
     for h in hooks:
         h.remove()
@@ -140,7 +144,7 @@ def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, con
 
 
 def train_references(model_fn, loss_fn, optimizer_fn, run_dir, out_dir, *, shadow=True,
-                     device="cpu", shadow_device=None):
+                     device="cpu", shadow_device=None, max_grad_norm=None):
     """Trains the references of the run recorded in `run_dir` into `out_dir/reference` (fp32)
     and `out_dir/shadow` (float64), under `deterministic` settings: `model_fn()` builds the
     model (any initial values: the run's are loaded), `loss_fn(model, *batch)` one rank's
@@ -149,14 +153,18 @@ def train_references(model_fn, loss_fn, optimizer_fn, run_dir, out_dir, *, shado
     `device` is where the fp32 reference trains ("cpu", or "cuda" for a GPU job: the same
     kernels as the job's); `shadow_device` the float64 shadow's (default: `device`; "cpu"
     when the GPU's float64 is slow or a kernel lacks a float64 CUDA version: the shadow
-    only has to be accurate, not fast)."""
+    only has to be accurate, not fast).
+
+    `max_grad_norm`: the job clips its gradients to this global norm after `rec.step` and
+    before the optimizer step (FSDP1's `model.clip_grad_norm_`, `clip_grad_norm_` on DTensors);
+    the references clip theirs to the same."""
     spec, init, batches = _load(run_dir)
     out_dir = Path(out_dir)
     shadow_device = shadow_device or device
     with deterministic(device):
         _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out_dir / "reference",
-               torch.float32, "single", device)
+               torch.float32, "single", device, max_grad_norm)
     if shadow:
         with deterministic(shadow_device):
             _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out_dir / "shadow",
-                   torch.float64, "single.f64", shadow_device)
+                   torch.float64, "single.f64", shadow_device, max_grad_norm)
