@@ -39,6 +39,7 @@ import lockstep_probe  # noqa: E402
 STEPS = 5
 SEED = 11
 CLASSES = 5
+PRECISIONS = {"bf16": torch.bfloat16}
 
 
 def build_model():
@@ -62,14 +63,18 @@ def optimizer(params):
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
 
 
-def train(out, bug, accumulate):
+def train(out, bug, accumulate, precision):
     with lockstep_probe.deterministic("cpu"):
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
         model = DistributedDataParallel(build_model())
         opt = optimizer(model.parameters())
+        config = f"ddp.autocast-{precision}" if precision else "ddp"
         rec = lockstep_probe.Recorder(Path(out) / "run", model, name="classifier",  # lockstep
-                                      config="ddp", seed=SEED, steps=STEPS)
+                                      config=config, seed=SEED, steps=STEPS)
+        # `--precision bf16`: the forward under autocast (matmuls in bf16).
+        narrow = PRECISIONS.get(precision)
+        autocast = torch.autocast("cpu", dtype=narrow) if narrow else contextlib.nullcontext()
         for step in range(STEPS):
             x, y = batch(rank, step)
             opt.zero_grad()
@@ -80,7 +85,8 @@ def train(out, bug, accumulate):
                 # Right: skip the all-reduce on every microbatch but the last.
                 skip = bug == "no-sync-always" or not last
                 with model.no_sync() if skip else contextlib.nullcontext():
-                    part = loss_fn(model, mx, my) / accumulate
+                    with autocast:
+                        part = loss_fn(model, mx, my) / accumulate
                     if bug == "loss-over-world":
                         part = part / world  # the bug: DDP averages over the ranks already
                     part.backward()
@@ -97,14 +103,15 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--bug", choices=["no-sync-always", "loss-over-world"])
     parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--precision", choices=["bf16"])
     args = parser.parse_args()
     if args.bug == "no-sync-always" and args.accumulate == 1:
         args.accumulate = 2
     if args.mode == "train":
-        train(args.out, args.bug, args.accumulate)
+        train(args.out, args.bug, args.accumulate, args.precision)
     else:
         lockstep_probe.train_references(build_model, loss_fn, optimizer, Path(args.out) / "run",
-                                        args.out)
+                                        args.out, autocast=PRECISIONS.get(args.precision))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ Each linear layer is an FSDP unit (`ModuleWrapPolicy`), FULL_SHARD, `use_orig_pa
 it). The job clips its gradients to a global norm of 0.5 with FSDP's own
 `model.clip_grad_norm_`, and the references clip theirs the same (`max_grad_norm`).
 
+`--precision bf16` trains under FSDP's `MixedPrecision(param_dtype=torch.bfloat16,
+reduce_dtype=torch.float32)`, its references in the same precision.
+
 `--bug local-clip` plants the classic FSDP1 pitfall: `torch.nn.utils.clip_grad_norm_` on the
 wrapped model's parameters, which are each rank's flat shards. Every rank computes the norm
 of its own shard only and scales by its own factor, so the update is wrong while the loss
@@ -35,6 +38,7 @@ import lockstep_probe  # noqa: E402
 STEPS = 5
 SEED = 13
 MAX_GRAD_NORM = 0.5
+PRECISIONS = {"bf16": torch.bfloat16}
 
 
 def build_model():
@@ -59,9 +63,13 @@ def optimizer(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def train(out, bug):
-    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+def train(out, bug, precision):
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    # `--precision bf16`: bf16 compute, fp32 gradient reduction and optimizer.
+    narrow = PRECISIONS.get(precision)
+    policy = MixedPrecision(param_dtype=narrow, reduce_dtype=torch.float32) if narrow else None
 
     with lockstep_probe.deterministic("cpu"):
         dist.init_process_group("gloo")
@@ -69,10 +77,11 @@ def train(out, bug):
         model = FullyShardedDataParallel(
             build_model(), sharding_strategy=ShardingStrategy.FULL_SHARD,
             auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True,
-            device_id=torch.device("cpu"))
+            mixed_precision=policy, device_id=torch.device("cpu"))
         opt = optimizer(model.parameters())
         rec = lockstep_probe.Recorder(Path(out) / "run", model, name="mlp",  # lockstep
-                                      config="fsdp1", seed=SEED, steps=STEPS)
+                                      config=f"fsdp1.{precision}" if precision else "fsdp1",
+                                      seed=SEED, steps=STEPS)
         for step in range(STEPS):
             x, y = batch(rank, step)
             opt.zero_grad()
@@ -94,12 +103,14 @@ def main():
     parser.add_argument("mode", choices=["train", "reference"])
     parser.add_argument("out")
     parser.add_argument("--bug", choices=["local-clip"])
+    parser.add_argument("--precision", choices=["bf16"])
     args = parser.parse_args()
     if args.mode == "train":
-        train(args.out, args.bug)
+        train(args.out, args.bug, args.precision)
     else:
         lockstep_probe.train_references(build_model, loss_fn, optimizer, Path(args.out) / "run",
-                                        args.out, max_grad_norm=MAX_GRAD_NORM)
+                                        args.out, max_grad_norm=MAX_GRAD_NORM,
+                                        param_dtype=PRECISIONS.get(args.precision))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ import lockstep_probe  # noqa: E402
 
 STEPS = 5
 SEED = 7
+PRECISIONS = {"bf16": torch.bfloat16}
 
 
 def build_model():
@@ -78,13 +79,14 @@ def device_mesh(kind, world, device):
     return mesh, f"hsdp{world // 2}x2"
 
 
-def train(out, bug, accumulate, mesh_kind="fsdp", record=True, device="cpu"):
+def train(out, bug, accumulate, mesh_kind="fsdp", record=True, device="cpu", precision=None):
     with lockstep_probe.deterministic(device):
-        return train_deterministically(out, bug, accumulate, mesh_kind, record, device)
+        return train_deterministically(out, bug, accumulate, mesh_kind, record, device,
+                                       precision)
 
 
-def train_deterministically(out, bug, accumulate, mesh_kind, record, device):
-    from torch.distributed.fsdp import fully_shard
+def train_deterministically(out, bug, accumulate, mesh_kind, record, device, precision):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -94,12 +96,18 @@ def train_deterministically(out, bug, accumulate, mesh_kind, record, device):
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model().to(device)
+    if bug == "bf16-master-weights":
+        model.to(torch.bfloat16)  # the bug: as loaded with torch_dtype=bfloat16; no fp32 master
     mesh, config = device_mesh(mesh_kind, world, device)
+    # bf16 compute, fp32 gradient reduction and optimizer (`--precision bf16`).
+    policy = MixedPrecisionPolicy(param_dtype=PRECISIONS.get(precision),
+                                  reduce_dtype=torch.float32)
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     opt = optimizer(model.parameters())
+    config += f".{precision}" if precision else ""
     rec = lockstep_probe.Recorder(Path(out) / "run", model, name="mlp", config=config,  # lockstep
                                   seed=SEED, steps=STEPS) if record else None
     started = time.perf_counter()
@@ -135,15 +143,18 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["train", "reference", "bench"])
     parser.add_argument("out")
-    parser.add_argument("--bug", choices=["accumulation-zeroes", "replica-shard-drifts"])
+    parser.add_argument("--bug", choices=["accumulation-zeroes", "replica-shard-drifts",
+                                          "bf16-master-weights"])
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--mesh", choices=["fsdp", "hsdp"], default="fsdp")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--precision", choices=["bf16"])
     args = parser.parse_args()
     if args.bug == "accumulation-zeroes" and args.accumulate == 1:
         args.accumulate = 2
     if args.mode == "train":
-        train(args.out, args.bug, args.accumulate, args.mesh, device=args.device)
+        train(args.out, args.bug, args.accumulate, args.mesh, device=args.device,
+              precision=args.precision)
     elif args.mode == "bench":
         record = args.out != "none"
         seconds = train(args.out, args.bug, args.accumulate, args.mesh, record=record,
@@ -152,7 +163,8 @@ def main():
             print(f"{'recorded' if record else 'plain'}: {seconds * 1e3:.2f} ms per step")
     else:
         lockstep_probe.train_references(build_model, loss_fn, optimizer, Path(args.out) / "run",
-                                        args.out, device=args.device, shadow_device="cpu")
+                                        args.out, device=args.device, shadow_device="cpu",
+                                        param_dtype=PRECISIONS.get(args.precision))
 
 
 if __name__ == "__main__":

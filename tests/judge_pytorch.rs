@@ -6,6 +6,10 @@
 //!   passes, and with gradient accumulation under `no_sync()` done right; the last
 //!   microbatch under `no_sync()` too (gradients never averaged) is named by the copy check,
 //!   and a loss divided by the world size on top of DDP's averaging fails at step 0;
+//! - mixed precision: FSDP2 under a bf16 `MixedPrecisionPolicy`, the first FSDP under bf16
+//!   `MixedPrecision` and DDP under bf16 autocast pass against references that compute in the same precision; under bf16 the
+//!   accumulation bug is still caught at step 0, and parameters kept in bf16 with no fp32
+//!   master weights fail;
 //! - `examples/torch_fsdp1.py` (the first FSDP, one unit per linear, gradients clipped with
 //!   its own `clip_grad_norm_`) passes; `torch.nn.utils.clip_grad_norm_` on its flat shards
 //!   (each rank clipping by its own shard's norm) fails naming the tensor;
@@ -123,7 +127,12 @@ fn record_job(script: &str, world: usize, dir: &Path, extra: &[&str]) -> Result<
         }
         succeeded(&format!("torchrun {script} train"), out)?;
     }
-    let Some(out) = python(&[script, "reference", dir]) else {
+    // The references compute in the job's precision: they take its `--precision`.
+    let mut reference = vec![script, "reference", dir];
+    if let Some(at) = extra.iter().position(|&flag| flag == "--precision") {
+        reference.extend_from_slice(&extra[at..(at + 2).min(extra.len())]);
+    }
+    let Some(out) = python(&reference) else {
         return Ok(false);
     };
     succeeded(&format!("{script} reference"), out?)?;
@@ -259,6 +268,54 @@ fn ddp_gradients_never_averaged_are_named_by_the_copy_check() -> Result<()> {
 #[test]
 fn a_ddp_loss_divided_by_the_world_again_is_caught_at_the_first_step() -> Result<()> {
     caught_at_step_0(DDP, "loss-over-world").map(drop)
+}
+
+#[test]
+fn mixed_precision_jobs_pass_against_references_in_their_precision() -> Result<()> {
+    let jobs: [(&str, &str); 3] = [
+        (FSDP2, "fsdp2.bf16"),
+        (FSDP1, "fsdp1.bf16"),
+        (DDP, "ddp.autocast-bf16"),
+    ];
+    for (script, config) in jobs {
+        let Some(comparison) = judged(script, 2, &["--precision", "bf16"], 0)? else {
+            return Ok(());
+        };
+        ensure!(comparison["config"] == config, "{comparison}");
+    }
+    Ok(())
+}
+
+#[test]
+fn bugs_under_mixed_precision_are_caught() -> Result<()> {
+    // A sharding bug stands far above bf16's noise: still named at the first step.
+    let bf16 = ["--precision", "bf16"];
+    let Some(comparison) = judged(
+        FSDP2,
+        2,
+        &[&bf16[..], &["--bug", "accumulation-zeroes"]].concat(),
+        1,
+    )?
+    else {
+        return Ok(());
+    };
+    first_failure_at_step_0(&comparison)?;
+    // Parameters kept in bf16 (no fp32 master weights): the updates round away.
+    let Some(comparison) = judged(
+        FSDP2,
+        2,
+        &[&bf16[..], &["--bug", "bf16-master-weights"]].concat(),
+        1,
+    )?
+    else {
+        return Ok(());
+    };
+    let first = &comparison["first_failure"];
+    ensure!(
+        first["dtype"] == "BF16",
+        "the failure shows the run's bf16 values: {first}"
+    );
+    Ok(())
 }
 
 #[test]
@@ -489,6 +546,22 @@ fn misuse_of_the_recorder_and_the_references_is_named() -> Result<()> {
         !out.status.success()
             && stderr
                 .contains("ReferenceError: `bias` is [2] in the run, [5] in the reference model"),
+        "{stderr}"
+    );
+    // Two precisions at once: the references cannot compute in both.
+    let Some(out) = probe_misuse(
+        "rec.step(torch.tensor(1.0), x)\nopt.step()\nrec.finish()\n\
+         lockstep_probe.train_references(lambda: nn.Linear(3, 2), lambda m, x: m(x).sum(),\n\
+             lambda p: torch.optim.SGD(p, lr=0.1), out + '/run', out,\n\
+             param_dtype=torch.bfloat16, autocast=torch.bfloat16)",
+    )?
+    else {
+        return Ok(());
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success()
+            && stderr.contains("param_dtype and autocast describe two precisions"),
         "{stderr}"
     );
     // The first FSDP without `use_orig_params=True`: its whole gradients cannot be read.

@@ -2,6 +2,8 @@
 initial state and every rank's batches: the fp32 single-device reference and its float64
 shadow, the arbiter's two inputs (docs/parity.md)."""
 
+import contextlib
+import copy
 import json
 import os
 from contextlib import contextmanager
@@ -10,6 +12,9 @@ from pathlib import Path
 import torch
 
 from .record import Recorder
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 class ReferenceError(Exception):
@@ -115,28 +120,97 @@ def deterministic(device="cpu"):
          torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) = saved[2:]
 
 
+class _Fp32:
+    """A step as the model's own dtype computes it: every rank's loss over its batch, their
+    mean, one backward."""
+
+    def __init__(self, model, dtype, device):
+        self.model, self.dtype, self.device = model, dtype, device
+
+    def context(self):
+        return contextlib.nullcontext()
+
+    def step(self, loss_fn, ranks):
+        """The step's loss, after its backward put the gradients on the model."""
+        with self.context():
+            losses = [loss_fn(self.model, *_placed(b, self.dtype, self.device)) for b in ranks]
+        loss = sum(losses) / len(losses)
+        loss.backward()
+        return loss
+
+
+class _Autocast(_Fp32):
+    """The job's forward under `torch.autocast` in `autocast` (matmuls narrow, parameters and
+    gradients fp32): the same autocast around every rank's loss."""
+
+    def __init__(self, model, dtype, device, autocast):
+        super().__init__(model, dtype, device)
+        self.autocast = autocast
+
+    def context(self):
+        return torch.autocast(torch.device(self.device).type, dtype=self.autocast)
+
+
+class _CastParams(_Fp32):
+    """FSDP's mixed precision (`MixedPrecisionPolicy(param_dtype=D, reduce_dtype=float32)`,
+    FSDP1's `MixedPrecision`) on one device: each rank's forward and backward on a copy of the
+    fp32 parameters cast to D, its floating inputs cast to D, and its D gradients averaged over
+    the ranks in fp32 onto the fp32 parameters, as FSDP reduces them."""
+
+    def __init__(self, model, dtype, device, param_dtype):
+        super().__init__(model, dtype, device)
+        self.param_dtype = param_dtype
+        self.narrow = copy.deepcopy(model).to(param_dtype)
+
+    def step(self, loss_fn, ranks):
+        pairs = list(zip(self.model.parameters(), self.narrow.parameters()))
+        with torch.no_grad():
+            for wide, narrow in pairs:
+                narrow.copy_(wide)
+                wide.grad = torch.zeros_like(wide)
+        losses = []
+        for b in ranks:
+            for _, narrow in pairs:
+                narrow.grad = None
+            loss = loss_fn(self.narrow, *_placed(b, self.param_dtype, self.device))
+            loss.backward()
+            losses.append(float(loss))
+            with torch.no_grad():
+                for wide, narrow in pairs:
+                    wide.grad += narrow.grad.to(wide.dtype)
+        with torch.no_grad():
+            for wide, _ in pairs:
+                wide.grad /= len(ranks)
+        return torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
+
+
 def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, config, device,
-           max_grad_norm):
+           options):
     """One single-device training from `init` over the global batches: each step's objective
     is every rank's loss in rank order, summed, divided by the world size (what a data-parallel
-    job's averaged gradients are the gradient of); its gradients clipped to `max_grad_norm`
-    after they are recorded, when given."""
+    job's averaged gradients are the gradient of), computed in the job's mixed precision when
+    `options` names one (the fp32 reference; never the float64 shadow); its gradients clipped
+    to `options["max_grad_norm"]` after they are recorded, when given."""
     model = model_fn()
     _check_same_tensors(model, init)
     model.load_state_dict(init, strict=True)
     model.to(device, dtype)
     hooks = _refuse_narrow_outputs(model) if dtype == torch.float64 else []
     optimizer = optimizer_fn(model.parameters())
+    if options.get("param_dtype") is not None:
+        compute = _CastParams(model, dtype, device, options["param_dtype"])
+    elif options.get("autocast") is not None:
+        compute = _Autocast(model, dtype, device, options["autocast"])
+    else:
+        compute = _Fp32(model, dtype, device)
     rec = Recorder(out, model, name=spec["model"], config=config, seed=spec["seed"],
                    world_size=spec["world_size"], backend=spec["backend"], keep_batches=False)
     for ranks in batches:
         optimizer.zero_grad()
-        losses = [loss_fn(model, *_placed(b, dtype, device)) for b in ranks]
-        loss = sum(losses) / len(losses)
-        loss.backward()
+        loss = compute.step(loss_fn, ranks)
         rec.step(loss)
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        if options.get("max_grad_norm") is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), options["max_grad_norm"])
         optimizer.step()
     for h in hooks:
         h.remove()
@@ -144,7 +218,8 @@ def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, con
 
 
 def train_references(model_fn, loss_fn, optimizer_fn, run_dir, out_dir, *, shadow=True,
-                     device="cpu", shadow_device=None, max_grad_norm=None):
+                     device="cpu", shadow_device=None, max_grad_norm=None, param_dtype=None,
+                     autocast=None):
     """Trains the references of the run recorded in `run_dir` into `out_dir/reference` (fp32)
     and `out_dir/shadow` (float64), under `deterministic` settings: `model_fn()` builds the
     model (any initial values: the run's are loaded), `loss_fn(model, *batch)` one rank's
@@ -157,14 +232,28 @@ def train_references(model_fn, loss_fn, optimizer_fn, run_dir, out_dir, *, shado
 
     `max_grad_norm`: the job clips its gradients to this global norm after `rec.step` and
     before the optimizer step (FSDP1's `model.clip_grad_norm_`, `clip_grad_norm_` on DTensors);
-    the references clip theirs to the same."""
+    the references clip theirs to the same.
+
+    A mixed-precision job names its precision, and the fp32 reference computes as it does, so
+    that its distance to the float64 shadow is the noise a correct job in that precision shows
+    (the arbiter's envelope; the shadow stays float64 throughout): `param_dtype=torch.bfloat16`
+    for FSDP's mixed precision (parameters and inputs cast for the forward and backward,
+    gradients reduced in fp32), `autocast=torch.bfloat16` for a forward under
+    `torch.autocast`."""
+    if param_dtype is not None and autocast is not None:
+        raise ReferenceError("param_dtype and autocast describe two precisions: pass the one "
+                             "the job uses")
     spec, init, batches = _load(run_dir)
     out_dir = Path(out_dir)
     shadow_device = shadow_device or device
+    narrow = param_dtype or autocast
+    name = "single" if narrow is None else f"single.{_DTYPE_NAMES.get(narrow, str(narrow))}"
+    options = {"max_grad_norm": max_grad_norm, "param_dtype": param_dtype, "autocast": autocast}
     with deterministic(device):
         _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out_dir / "reference",
-               torch.float32, "single", device, max_grad_norm)
+               torch.float32, name, device, options)
     if shadow:
         with deterministic(shadow_device):
             _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out_dir / "shadow",
-                   torch.float64, "single.f64", shadow_device, max_grad_norm)
+                   torch.float64, "single.f64", shadow_device,
+                   {"max_grad_norm": max_grad_norm})
