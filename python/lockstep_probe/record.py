@@ -154,9 +154,9 @@ class Recorder:
     """Records one rank's training for Lockstep.
 
     `out` is the run's directory (rank 0 writes it); `model` the module this rank trains
-    (DDP- or FSDP-wrapped, FSDP2, DTensor TP, plain, or its pipeline stage); `name` the model's name
-    and `config` the parallelism's, as the report shows them; `seed` what the run was seeded
-    with.
+    (DDP- or FSDP-wrapped, FSDP2, DTensor TP, plain, or its pipeline stage); `name` the
+    model's name and `config` the parallelism's, as the report shows them; `seed` what the
+    run was seeded with.
 
     `stages=True` for a pipeline: every rank holds other parameters (its stages'), the
     record's model is their union gathered on rank 0, only the last stage passes its loss,

@@ -120,7 +120,7 @@ def deterministic(device="cpu"):
          torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) = saved[2:]
 
 
-class _Fp32:
+class _OwnDtype:
     """A step as the model's own dtype computes it: every rank's loss over its batch, their
     mean, one backward."""
 
@@ -139,7 +139,7 @@ class _Fp32:
         return loss
 
 
-class _Autocast(_Fp32):
+class _Autocast(_OwnDtype):
     """The job's forward under `torch.autocast` in `autocast` (matmuls narrow, parameters and
     gradients fp32): the same autocast around every rank's loss."""
 
@@ -151,16 +151,21 @@ class _Autocast(_Fp32):
         return torch.autocast(torch.device(self.device).type, dtype=self.autocast)
 
 
-class _CastParams(_Fp32):
+class _CastParams(_OwnDtype):
     """FSDP's mixed precision (`MixedPrecisionPolicy(param_dtype=D, reduce_dtype=float32)`,
     FSDP1's `MixedPrecision`) on one device: each rank's forward and backward on a copy of the
     fp32 parameters cast to D, its floating inputs cast to D, and its D gradients averaged over
-    the ranks in fp32 onto the fp32 parameters, as FSDP reduces them."""
+    the ranks in fp32 onto the fp32 parameters, as FSDP reduces them. The buffers are not cast
+    (neither FSDP casts them by default): the copy shares the model's."""
 
     def __init__(self, model, dtype, device, param_dtype):
         super().__init__(model, dtype, device)
         self.param_dtype = param_dtype
-        self.narrow = copy.deepcopy(model).to(param_dtype)
+        self.narrow = copy.deepcopy(model)
+        for wide, narrow in zip(model.modules(), self.narrow.modules()):
+            narrow._buffers = wide._buffers
+        for p in self.narrow.parameters():
+            p.data = p.data.to(param_dtype)
 
     def step(self, loss_fn, ranks):
         pairs = list(zip(self.model.parameters(), self.narrow.parameters()))
@@ -202,7 +207,7 @@ def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, con
     elif options.get("autocast") is not None:
         compute = _Autocast(model, dtype, device, options["autocast"])
     else:
-        compute = _Fp32(model, dtype, device)
+        compute = _OwnDtype(model, dtype, device)
     rec = Recorder(out, model, name=spec["model"], config=config, seed=spec["seed"],
                    world_size=spec["world_size"], backend=spec["backend"], keep_batches=False)
     for ranks in batches:
