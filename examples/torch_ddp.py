@@ -15,8 +15,9 @@ first with `no_sync()`, as the DDP documentation shows (it must pass). Two plant
 classic of DDP jobs:
 
 - `--bug no-sync-always`: every microbatch under `no_sync()`, the last one too, so gradients
-  are never averaged. Each rank steps with its own gradients and the replicas part; the loss
-  still falls. The recorder's copy check names the first parameter whose replicas differ.
+  are never averaged. Each rank steps with its own gradients and the replicas part, while
+  the loss looks as plausible as a correct run's. The recorder's copy check names the first
+  parameter whose replicas differ.
 - `--bug loss-over-world`: the loss divided by the world size "to average it", on top of the
   averaging DDP already does, so every gradient is 1/N of what it should be.
 

@@ -19,7 +19,7 @@ reduce_dtype=torch.float32)`, its references in the same precision.
 `--bug local-clip` plants the classic FSDP1 pitfall: `torch.nn.utils.clip_grad_norm_` on the
 wrapped model's parameters, which are each rank's flat shards. Every rank computes the norm
 of its own shard only and scales by its own factor, so the update is wrong while the loss
-still falls.
+looks as plausible as a correct run's.
 
 The three lines that hand the job to Lockstep are marked `# lockstep`.
 """
