@@ -8,7 +8,9 @@
     lockstep judge --run OUT/run --reference OUT/reference --shadow OUT/shadow --out OUT/report
 
 The recorder takes the DDP wrapper itself: it records the wrapped module, under the names the
-single-device references use.
+single-device references use. `--compile` compiles the model with `torch.compile` before DDP
+wraps it (TorchInductor's fused kernels against the eager references: did compiling change the
+math?); the recorder unwraps the compiled module too.
 
 `--accumulate 2` accumulates gradients over two microbatches, skipping DDP's all-reduce on the
 first with `no_sync()`, as the DDP documentation shows (it must pass). Two planted bugs, each a
@@ -64,13 +66,16 @@ def optimizer(params):
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
 
 
-def train(out, bug, accumulate, precision):
+def train(out, bug, accumulate, precision, compile):
     with lockstep_probe.deterministic("cpu"):
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
-        model = DistributedDataParallel(build_model())
+        # `--compile`: the model compiled by TorchInductor (its own fused kernels), then wrapped.
+        model = build_model()
+        model = DistributedDataParallel(torch.compile(model) if compile else model)
         opt = optimizer(model.parameters())
-        config = f"ddp.autocast-{precision}" if precision else "ddp"
+        config = "ddp" + (".compiled" if compile else "")
+        config += f".autocast-{precision}" if precision else ""
         rec = lockstep_probe.Recorder(Path(out) / "run", model, name="classifier",  # lockstep
                                       config=config, seed=SEED, steps=STEPS)
         # `--precision bf16`: the forward under autocast (matmuls in bf16).
@@ -105,11 +110,12 @@ def main():
     parser.add_argument("--bug", choices=["no-sync-always", "loss-over-world"])
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--precision", choices=["bf16"])
+    parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     if args.bug == "no-sync-always" and args.accumulate == 1:
         args.accumulate = 2
     if args.mode == "train":
-        train(args.out, args.bug, args.accumulate, args.precision)
+        train(args.out, args.bug, args.accumulate, args.precision, args.compile)
     else:
         lockstep_probe.train_references(build_model, loss_fn, optimizer, Path(args.out) / "run",
                                         args.out, autocast=PRECISIONS.get(args.precision))

@@ -3,7 +3,8 @@
 //! trained by the package from the run's own start and batches, judged by the fp64 arbiter:
 //!
 //! - `examples/torch_ddp.py` (the `DistributedDataParallel` wrapper handed to the recorder)
-//!   passes, and with gradient accumulation under `no_sync()` done right; the last
+//!   passes, with gradient accumulation under `no_sync()` done right, and compiled by
+//!   `torch.compile` against eager references; the last
 //!   microbatch under `no_sync()` too (gradients never averaged) is named by the copy check,
 //!   and a loss divided by the world size on top of DDP's averaging fails at step 0;
 //! - mixed precision: FSDP2 under a bf16 `MixedPrecisionPolicy`, the first FSDP under bf16
@@ -259,6 +260,16 @@ fn a_ddp_job_passes_with_and_without_accumulation_under_no_sync() -> Result<()> 
             "the replicas' parameters were compared: {comparison}"
         );
     }
+    Ok(())
+}
+
+#[test]
+fn a_compiled_ddp_job_passes_against_eager_references() -> Result<()> {
+    // TorchInductor's fused kernels round differently from eager: within the envelope.
+    let Some(comparison) = judged(DDP, 2, &["--compile"], 0)? else {
+        return Ok(());
+    };
+    ensure!(comparison["config"] == "ddp.compiled", "{comparison}");
     Ok(())
 }
 

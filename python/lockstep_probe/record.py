@@ -37,10 +37,17 @@ def full_tensor(t):
 
 
 def unwrapped(model):
-    """The module a DDP wrapper trains (its parameters under the names the single-device
-    references use, without DDP's `module.` prefix); any other module as it is."""
+    """The module that DDP and `torch.compile` wrappers train, in any nesting (its parameters
+    under the names the single-device references use, without DDP's `module.` or compile's
+    `_orig_mod.` prefix); any other module as it is."""
     ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
-    return model.module if ddp is not None and isinstance(model, ddp) else model
+    while True:
+        if ddp is not None and isinstance(model, ddp):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod  # torch.compile's OptimizedModule
+        else:
+            return model
 
 
 def fsdp1_class():
@@ -154,8 +161,8 @@ class Recorder:
     """Records one rank's training for Lockstep.
 
     `out` is the run's directory (rank 0 writes it); `model` the module this rank trains
-    (DDP- or FSDP-wrapped, FSDP2, DTensor TP, plain, or its pipeline stage); `name` the
-    model's name and `config` the parallelism's, as the report shows them; `seed` what the
+    (compiled, DDP- or FSDP-wrapped, FSDP2, DTensor TP, plain, or its pipeline stage); `name`
+    the model's name and `config` the parallelism's, as the report shows them; `seed` what the
     run was seeded with.
 
     `stages=True` for a pipeline: every rank holds other parameters (its stages'), the
