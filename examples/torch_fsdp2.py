@@ -24,6 +24,12 @@ plants a bug that gathering full tensors cannot see: the last rank's shard of on
 halved, so its copy drifts from its replica's while every full tensor rank 0 gathers (from
 its own replica) looks right. The recorder compares the copies and names the tensor.
 
+`--precision bf16` trains under FSDP2's `MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+reduce_dtype=torch.float32)`, its references in the same precision; `--bug
+bf16-master-weights` then keeps the parameters themselves in bf16 (no fp32 master weights).
+`--compile` compiles each layer in place before the linear ones are sharded, as torchtitan
+does its blocks (the recorder drops the compiled modules' `_orig_mod` from the names).
+
 The three lines that hand the job to Lockstep are marked `# lockstep`.
 """
 
@@ -79,16 +85,17 @@ def device_mesh(kind, world, device):
     return mesh, f"hsdp{world // 2}x2"
 
 
-def train(out, bug, accumulate, mesh_kind="fsdp", record=True, device="cpu", precision=None):
-    with lockstep_probe.deterministic(device):
-        return train_deterministically(out, bug, accumulate, mesh_kind, record, device,
-                                       precision)
+def train(args, record=True):
+    """The job under `args`' options; the mean seconds of a step."""
+    with lockstep_probe.deterministic(args.device):
+        return train_deterministically(args, record)
 
 
-def train_deterministically(out, bug, accumulate, mesh_kind, record, device, precision):
+def train_deterministically(args, record):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if device == "cuda":
+    bug, accumulate = args.bug, args.accumulate
+    if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         device = torch.device("cuda", torch.cuda.current_device())
     else:
@@ -98,18 +105,23 @@ def train_deterministically(out, bug, accumulate, mesh_kind, record, device, pre
     model = build_model().to(device)
     if bug == "bf16-master-weights":
         model.to(torch.bfloat16)  # the bug: as loaded with torch_dtype=bfloat16; no fp32 master
-    mesh, config = device_mesh(mesh_kind, world, device)
+    mesh, config = device_mesh(args.mesh, world, device)
     # bf16 compute, fp32 gradient reduction and optimizer (`--precision bf16`).
-    policy = MixedPrecisionPolicy(param_dtype=PRECISIONS.get(precision),
+    policy = MixedPrecisionPolicy(param_dtype=PRECISIONS.get(args.precision),
                                   reduce_dtype=torch.float32)
-    for layer in model:
+    for i, layer in enumerate(model):
+        if args.compile:
+            # Each layer compiled in place, the linear ones then sharded, as torchtitan
+            # compiles its blocks before sharding them.
+            model[i] = torch.compile(layer)
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
+            fully_shard(model[i], mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     opt = optimizer(model.parameters())
-    config += f".{precision}" if precision else ""
-    rec = lockstep_probe.Recorder(Path(out) / "run", model, name="mlp", config=config,  # lockstep
-                                  seed=SEED, steps=STEPS) if record else None
+    config += ".compiled" if args.compile else ""
+    config += f".{args.precision}" if args.precision else ""
+    rec = lockstep_probe.Recorder(Path(args.out) / "run", model, name="mlp",  # lockstep
+                                  config=config, seed=SEED, steps=STEPS) if record else None
     started = time.perf_counter()
     for step in range(STEPS):
         x, y = (t.to(device) for t in batch(rank, step))
@@ -149,16 +161,15 @@ def main():
     parser.add_argument("--mesh", choices=["fsdp", "hsdp"], default="fsdp")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--precision", choices=["bf16"])
+    parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     if args.bug == "accumulation-zeroes" and args.accumulate == 1:
         args.accumulate = 2
     if args.mode == "train":
-        train(args.out, args.bug, args.accumulate, args.mesh, device=args.device,
-              precision=args.precision)
+        train(args)
     elif args.mode == "bench":
         record = args.out != "none"
-        seconds = train(args.out, args.bug, args.accumulate, args.mesh, record=record,
-                        device=args.device)
+        seconds = train(args, record=record)
         if os.environ.get("RANK", "0") == "0":
             print(f"{'recorded' if record else 'plain'}: {seconds * 1e3:.2f} ms per step")
     else:

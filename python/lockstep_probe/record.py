@@ -50,6 +50,17 @@ def unwrapped(model):
             return model
 
 
+def model_name(name):
+    """A tensor's name as the single-device model has it: without the `_orig_mod` segments
+    of submodules compiled in place (torchtitan compiles each block, then shards it)."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def named(items):
+    """`(name, tensor)` pairs under the single-device model's names (`model_name`)."""
+    return [(model_name(n), t) for n, t in items]
+
+
 def fsdp1_class():
     """PyTorch's first FSDP wrapper class (`FullyShardedDataParallel`), or `None` where this
     torch has none."""
@@ -209,7 +220,7 @@ class Recorder:
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
         init = self._merged({n: host_copy(n, full_tensor(t))
-                             for n, t in self.model.state_dict().items()})
+                             for n, t in named(self.model.state_dict().items())})
         if self.rank == 0:
             dtypes = {t.dtype for t in init.values() if t.is_floating_point()}
             if len(dtypes) == 1:
@@ -258,7 +269,7 @@ class Recorder:
         self.losses.append(self._mean_loss([value for _, _, value, _ in every]))
         squares, grads = 0.0, {}
         with full_view(self.model):
-            for name, p in self.model.named_parameters():
+            for name, p in named(self.model.named_parameters()):
                 if p.grad is None:
                     raise RecordError(f"`{name}` has no gradient at step {step}: "
                                       "call step() after backward")
@@ -322,7 +333,7 @@ class Recorder:
         if not self._checks_copies():
             return None
         digests = {}
-        for name, p in self.model.named_parameters():
+        for name, p in named(self.model.named_parameters()):
             group = copy_group(p)
             if group is not None:
                 digests[name] = (group, _digest(p))
@@ -372,8 +383,8 @@ class Recorder:
         if self._checks_copies():
             self._compare_copies(steps, "final", gather_objects(self._digests(), self.world))
         with full_view(self.model):
-            params = self._recorded(self.model.named_parameters())
-            buffers = self._recorded(self.model.named_buffers())
+            params = self._recorded(named(self.model.named_parameters()))
+            buffers = self._recorded(named(self.model.named_buffers()))
         if self.rank == 0:
             self._write(steps, params, buffers)
         if self.world > 1:
