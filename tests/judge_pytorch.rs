@@ -16,9 +16,9 @@
 //!   (each rank clipping by its own shard's norm) fails naming the tensor;
 //! - `examples/torch_fsdp2.py` (FSDP2, `fully_shard` per linear) passes, with its layers
 //!   compiled in place too, and with gradient accumulation done right; accumulation that
-//!   zeroes the gradients between microbatches (NeMo Automodel#3530's bug) fails naming the first wrong tensor and step, and
-//!   `lockstep compare` of the two reports flags the regression; as HSDP at
-//!   world 4 (2 replicas of 2 shards) it passes, and one replica's shard drifting from its
+//!   zeroes the gradients between microbatches (NeMo Automodel#3530's bug) fails naming the
+//!   first wrong tensor and step, and `lockstep compare` of the two reports flags the
+//!   regression; as HSDP at world 4 (2 replicas of 2 shards) it passes, and one replica's shard drifting from its
 //!   twin (invisible in the full tensors rank 0 gathers) is named with its copy and ranks;
 //! - `examples/torch_tp.py` (DTensor column- and row-parallel linears, class-sharded logits
 //!   under `loss_parallel`) passes at worlds 2 and 4; one rank whose replicated bias gradient
