@@ -8,9 +8,9 @@
 //!   microbatch under `no_sync()` too (gradients never averaged) is named by the copy check,
 //!   and a loss divided by the world size on top of DDP's averaging fails at step 0;
 //! - mixed precision: FSDP2 under a bf16 `MixedPrecisionPolicy`, the first FSDP under bf16
-//!   `MixedPrecision` and DDP under bf16 autocast pass against references that compute in the same precision; under bf16 the
-//!   accumulation bug is still caught at step 0, and parameters kept in bf16 with no fp32
-//!   master weights fail;
+//!   `MixedPrecision` and DDP under bf16 autocast pass against references that compute in
+//!   the same precision; under bf16 the accumulation bug is still caught at step 0, and
+//!   parameters kept in bf16 with no fp32 master weights fail;
 //! - `examples/torch_fsdp1.py` (the first FSDP, one unit per linear, gradients clipped with
 //!   its own `clip_grad_norm_`) passes; `torch.nn.utils.clip_grad_norm_` on its flat shards
 //!   (each rank clipping by its own shard's norm) fails naming the tensor;
@@ -18,8 +18,9 @@
 //!   compiled in place too, and with gradient accumulation done right; accumulation that
 //!   zeroes the gradients between microbatches (NeMo Automodel#3530's bug) fails naming the
 //!   first wrong tensor and step, and `lockstep compare` of the two reports flags the
-//!   regression; as HSDP at world 4 (2 replicas of 2 shards) it passes, and one replica's shard drifting from its
-//!   twin (invisible in the full tensors rank 0 gathers) is named with its copy and ranks;
+//!   regression; as HSDP at world 4 (2 replicas of 2 shards) it passes, and one replica's
+//!   shard drifting from its twin (invisible in the full tensors rank 0 gathers) is named
+//!   with its copy and ranks;
 //! - `examples/torch_tp.py` (DTensor column- and row-parallel linears, class-sharded logits
 //!   under `loss_parallel`) passes at worlds 2 and 4; one rank whose replicated bias gradient
 //!   misses its reduction fails naming the tensor, the step and the ranks on each side; every
@@ -580,8 +581,10 @@ fn misuse_of_the_recorder_and_the_references_is_named() -> Result<()> {
     let Some(out) = probe_misuse(
         "import torch.distributed as dist\n\
          from torch.distributed.fsdp import FullyShardedDataParallel\n\
-         dist.init_process_group('gloo', init_method='file://' + out + '/store', rank=0, world_size=1)\n\
-         flat = FullyShardedDataParallel(nn.Linear(3, 2), use_orig_params=False, device_id=torch.device('cpu'))\n\
+         dist.init_process_group('gloo', init_method='file://' + out + '/store',\n\
+             rank=0, world_size=1)\n\
+         flat = FullyShardedDataParallel(nn.Linear(3, 2), use_orig_params=False,\n\
+             device_id=torch.device('cpu'))\n\
          lockstep_probe.Recorder(out + '/fsdp1', flat, name='lin', config='fsdp1')",
     )?
     else {
