@@ -32,8 +32,10 @@
 //!   1/M fails, and microbatch gradients summed instead of averaged (torchtitan#2972) fails,
 //!   each at step 0 naming the tensor;
 //! - a damaged record or tensor file is bad input (exit 2) naming the file, with nothing
-//!   written; a step without its batch, a reference model that differs from the run and a
-//!   first-FSDP model without `use_orig_params` are refused naming what is wrong.
+//!   written; a step without its batch or before backward, a reference model that differs
+//!   from the run, two precisions at once and a first-FSDP model without `use_orig_params`
+//!   are refused naming what is wrong; a parameter the job never uses is recorded with its
+//!   zero gradient, and the job passes.
 //!
 //! Needs a Python with torch (`ci/setup-libtorch` installs one); without it the tests say why
 //! and pass, as the other PyTorch tests do.
@@ -514,6 +516,58 @@ fn a_damaged_record_is_bad_input_naming_the_file() -> Result<()> {
     Ok(())
 }
 
+#[test]
+fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<()> {
+    // Its gradient stays `None` in the job and in the references alike (a head not used, an
+    // expert no token reached): recorded as the zero it is, and the job passes.
+    let dir = tempfile::tempdir()?;
+    let program = format!(
+        "import sys; sys.path.insert(0, 'python')\n\
+         import torch, lockstep_probe\n\
+         from torch import nn\n\
+         out = {:?}\n\
+         class Net(nn.Module):\n\
+         \x20   def __init__(self):\n\
+         \x20       super().__init__()\n\
+         \x20       torch.manual_seed(0)\n\
+         \x20       self.body, self.spare = nn.Linear(4, 3), nn.Linear(4, 3)\n\
+         \x20   def forward(self, x):\n\
+         \x20       return self.body(x)\n\
+         def loss_fn(m, x, y):\n\
+         \x20   return nn.functional.mse_loss(m(x), y)\n\
+         def sgd(p):\n\
+         \x20   return torch.optim.SGD(p, lr=0.1)\n\
+         model = Net()\n\
+         opt = sgd(model.parameters())\n\
+         rec = lockstep_probe.Recorder(out + '/run', model, name='net', config='single', steps=3)\n\
+         g = torch.Generator().manual_seed(1)\n\
+         for _ in range(3):\n\
+         \x20   x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)\n\
+         \x20   opt.zero_grad()\n\
+         \x20   loss = loss_fn(model, x, y)\n\
+         \x20   loss.backward()\n\
+         \x20   rec.step(loss, x, y)\n\
+         \x20   opt.step()\n\
+         rec.finish()\n\
+         lockstep_probe.train_references(Net, loss_fn, sgd, out + '/run', out)\n",
+        dir.path().to_str().context("utf-8 temp dir")?
+    );
+    let Some(out) = python(&["-c", &program]) else {
+        return Ok(());
+    };
+    succeeded("a job with an unused parameter", out?)?;
+    let out = judge(dir.path())?;
+    ensure!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let comparison = &report(dir.path())?["comparisons"][0];
+    ensure!(comparison["passed"] == true, "{comparison}");
+    Ok(())
+}
+
 /// A one-process job recorded with `lockstep_probe`, then misused as `script` goes on; what
 /// it printed.
 fn probe_misuse(script: &str) -> Result<Option<Output>> {
@@ -559,6 +613,17 @@ fn misuse_of_the_recorder_and_the_references_is_named() -> Result<()> {
         !out.status.success()
             && stderr
                 .contains("ReferenceError: `bias` is [2] in the run, [5] in the reference model"),
+        "{stderr}"
+    );
+    // A step before backward: no gradient at all.
+    let Some(out) =
+        probe_misuse("model.zero_grad(set_to_none=True)\nrec.step(torch.tensor(1.0), x)")?
+    else {
+        return Ok(());
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success() && stderr.contains("no parameter has a gradient at step 0"),
         "{stderr}"
     );
     // Two precisions at once: the references cannot compute in both.

@@ -269,11 +269,14 @@ class Recorder:
         self.losses.append(self._mean_loss([value for _, _, value, _ in every]))
         squares, grads = 0.0, {}
         with full_view(self.model):
-            for name, p in named(self.model.named_parameters()):
-                if p.grad is None:
-                    raise RecordError(f"`{name}` has no gradient at step {step}: "
-                                      "call step() after backward")
-                g = full_tensor(p.grad)
+            params = named(self.model.named_parameters())
+            if params and all(p.grad is None for _, p in params):
+                raise RecordError(f"no parameter has a gradient at step {step}: "
+                                  "call step() after backward")
+            for name, p in params:
+                # A parameter the step did not use has no gradient: its gradient is zero.
+                g = (full_tensor(p.grad) if p.grad is not None
+                     else torch.zeros(p.shape, dtype=p.dtype))
                 squares += float(g.detach().double().pow(2).sum())
                 if self.record_grads and (self.stages or self.rank == 0):
                     grads[name] = host_copy(name, g)
