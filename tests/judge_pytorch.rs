@@ -519,7 +519,8 @@ fn a_damaged_record_is_bad_input_naming_the_file() -> Result<()> {
 #[test]
 fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<()> {
     // Its gradient stays `None` in the job and in the references alike (a head not used, an
-    // expert no token reached): recorded as the zero it is, and the job passes.
+    // expert no token reached): recorded as the zero it is, and the job passes. The
+    // references in mixed precision leave it without a gradient too.
     let dir = tempfile::tempdir()?;
     let program = format!(
         "import sys; sys.path.insert(0, 'python')\n\
@@ -549,7 +550,9 @@ fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<(
          \x20   rec.step(loss, x, y)\n\
          \x20   opt.step()\n\
          rec.finish()\n\
-         lockstep_probe.train_references(Net, loss_fn, sgd, out + '/run', out)\n",
+         lockstep_probe.train_references(Net, loss_fn, sgd, out + '/run', out)\n\
+         lockstep_probe.train_references(Net, loss_fn, sgd, out + '/run', out + '/bf16',\n\
+         \x20   param_dtype=torch.bfloat16, shadow=False)\n",
         dir.path().to_str().context("utf-8 temp dir")?
     );
     let Some(out) = python(&["-c", &program]) else {

@@ -172,20 +172,18 @@ class _CastParams(_OwnDtype):
         with torch.no_grad():
             for wide, narrow in pairs:
                 narrow.copy_(wide)
-                wide.grad = torch.zeros_like(wide)
-        losses = []
+        sums, losses = {}, []
         for b in ranks:
-            for _, narrow in pairs:
-                narrow.grad = None
+            self.narrow.zero_grad(set_to_none=True)
             loss = loss_fn(self.narrow, *_placed(b, self.param_dtype, self.device))
             loss.backward()
             losses.append(float(loss))
-            with torch.no_grad():
-                for wide, narrow in pairs:
-                    wide.grad += narrow.grad.to(wide.dtype)
-        with torch.no_grad():
-            for wide, _ in pairs:
-                wide.grad /= len(ranks)
+            for i, (wide, narrow) in enumerate(pairs):
+                if narrow.grad is not None:  # a parameter no rank used keeps no gradient
+                    g = narrow.grad.to(wide.dtype)
+                    sums[i] = g if i not in sums else sums[i] + g
+        for i, (wide, _) in enumerate(pairs):
+            wide.grad = sums[i] / len(ranks) if i in sums else None
         return torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
 
 
