@@ -77,8 +77,9 @@ def train(out, bug, accumulate, precision, compile):
         config = "ddp" + (".compiled" if compile else "")
         config += f".autocast-{precision}" if precision else ""
         rec = lockstep_probe.Recorder(Path(out) / "run", model, name="classifier",  # lockstep
-                                      config=config, seed=SEED, steps=STEPS)
-        # `--precision bf16`: the forward under autocast (matmuls in bf16).
+                                      config=config, seed=SEED, steps=STEPS, precision=precision)
+        # `--precision bf16`: the forward under autocast (matmuls in bf16), which the
+        # recorder cannot see: `precision=` tells it.
         narrow = PRECISIONS.get(precision)
         autocast = torch.autocast("cpu", dtype=narrow) if narrow else contextlib.nullcontext()
         for step in range(STEPS):

@@ -33,8 +33,8 @@
 //!   each at step 0 naming the tensor;
 //! - a damaged record or tensor file is bad input (exit 2) naming the file, with nothing
 //!   written; a step without its batch or before backward, a reference model that differs
-//!   from the run, two precisions at once and a first-FSDP model without `use_orig_params`
-//!   are refused naming what is wrong; a parameter the job never uses is recorded with its
+//!   from the run, two precisions at once, references in another precision than the job's
+//!   and a first-FSDP model without `use_orig_params` are refused naming what is wrong; a parameter the job never uses is recorded with its
 //!   zero gradient, and the job passes.
 //!
 //! Needs a Python with torch (`ci/setup-libtorch` installs one); without it the tests say why
@@ -301,10 +301,16 @@ fn mixed_precision_jobs_pass_against_references_in_their_precision() -> Result<(
         (DDP, "ddp.autocast-bf16"),
     ];
     for (script, config) in jobs {
-        let Some(comparison) = judged(script, 2, &["--precision", "bf16"], 0)? else {
+        let dir = tempfile::tempdir()?;
+        let Some(comparison) = judged_in(dir.path(), script, 2, &["--precision", "bf16"], 0)?
+        else {
             return Ok(());
         };
         ensure!(comparison["config"] == config, "{comparison}");
+        // FSDP's policies are read from the model; autocast is declared to the recorder.
+        let record = std::fs::read_to_string(dir.path().join("run/record.json"))?;
+        let spec = &serde_json::from_str::<serde_json::Value>(&record)?["spec"];
+        ensure!(spec["dtype"] == "bf16", "{script}: {spec}");
     }
     Ok(())
 }
@@ -520,7 +526,8 @@ fn a_damaged_record_is_bad_input_naming_the_file() -> Result<()> {
 fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<()> {
     // Its gradient stays `None` in the job and in the references alike (a head not used, an
     // expert no token reached): recorded as the zero it is, and the job passes. The
-    // references in mixed precision leave it without a gradient too.
+    // references in mixed precision (for the same job declared bf16) leave it without a
+    // gradient too.
     let dir = tempfile::tempdir()?;
     let program = format!(
         "import sys; sys.path.insert(0, 'python')\n\
@@ -538,21 +545,25 @@ fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<(
          \x20   return nn.functional.mse_loss(m(x), y)\n\
          def sgd(p):\n\
          \x20   return torch.optim.SGD(p, lr=0.1)\n\
-         model = Net()\n\
-         opt = sgd(model.parameters())\n\
-         rec = lockstep_probe.Recorder(out + '/run', model, name='net', config='single', steps=3)\n\
-         g = torch.Generator().manual_seed(1)\n\
-         for _ in range(3):\n\
-         \x20   x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)\n\
-         \x20   opt.zero_grad()\n\
-         \x20   loss = loss_fn(model, x, y)\n\
-         \x20   loss.backward()\n\
-         \x20   rec.step(loss, x, y)\n\
-         \x20   opt.step()\n\
-         rec.finish()\n\
+         def record(run, precision):\n\
+         \x20   model = Net()\n\
+         \x20   opt = sgd(model.parameters())\n\
+         \x20   rec = lockstep_probe.Recorder(run, model, name='net', config='single', steps=3,\n\
+         \x20                                 precision=precision)\n\
+         \x20   g = torch.Generator().manual_seed(1)\n\
+         \x20   for _ in range(3):\n\
+         \x20       x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)\n\
+         \x20       opt.zero_grad()\n\
+         \x20       loss = loss_fn(model, x, y)\n\
+         \x20       loss.backward()\n\
+         \x20       rec.step(loss, x, y)\n\
+         \x20       opt.step()\n\
+         \x20   rec.finish()\n\
+         record(out + '/run', None)\n\
          lockstep_probe.train_references(Net, loss_fn, sgd, out + '/run', out)\n\
-         lockstep_probe.train_references(Net, loss_fn, sgd, out + '/run', out + '/bf16',\n\
-         \x20   param_dtype=torch.bfloat16, shadow=False)\n",
+         record(out + '/declared-bf16', 'bf16')\n\
+         lockstep_probe.train_references(Net, loss_fn, sgd, out + '/declared-bf16',\n\
+         \x20   out + '/bf16', param_dtype=torch.bfloat16, shadow=False)\n",
         dir.path().to_str().context("utf-8 temp dir")?
     );
     let Some(out) = python(&["-c", &program]) else {
@@ -643,6 +654,24 @@ fn misuse_of_the_recorder_and_the_references_is_named() -> Result<()> {
     ensure!(
         !out.status.success()
             && stderr.contains("param_dtype and autocast describe two precisions"),
+        "{stderr}"
+    );
+    // References narrower than the job: they would widen its envelope and hide bugs.
+    let Some(out) = probe_misuse(
+        "rec.step(torch.tensor(1.0), x)\nopt.step()\nrec.finish()\n\
+         lockstep_probe.train_references(lambda: nn.Linear(3, 2), lambda m, x: m(x).sum(),\n\
+             lambda p: torch.optim.SGD(p, lr=0.1), out + '/run', out, autocast=torch.bfloat16)",
+    )?
+    else {
+        return Ok(());
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success()
+            && stderr.contains(
+                "the run computes in its parameters' dtype (fp32), and its \
+                 references were asked to compute in bf16"
+            ),
         "{stderr}"
     );
     // The first FSDP without `use_orig_params=True`: its whole gradients cannot be read.

@@ -87,6 +87,24 @@ def full_view(model):
     return fsdp1_class().summon_full_params(model, writeback=False, with_grads=True)
 
 
+PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def declared_precision(model):
+    """The narrow dtype's name ("bf16", "fp16") that the FSDP wrapping of `model` computes in:
+    a `MixedPrecisionPolicy` of `fully_shard` on any of its modules, or the first FSDP's
+    `MixedPrecision`; `None` when it has none (autocast is not seen here: say it)."""
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        policy = getattr(state(), "_mp_policy", None) if callable(state) else None
+        if policy is None and is_fsdp1(module):
+            policy = module.mixed_precision
+        dtype = getattr(policy, "param_dtype", None)
+        if dtype in PRECISION_NAMES:
+            return PRECISION_NAMES[dtype]
+    return None
+
+
 def copy_group(t):
     """Which ranks hold the same bits of `t` as this one, as a key every such rank computes
     alike: a plain tensor is one copy on every rank (key `()`); a DTensor's local part is
@@ -183,15 +201,24 @@ class Recorder:
     this rank's pipeline is and how many there are: the model is the first replica's, the
     references stand for `size` data ranks (each pipeline's batch in replica order), and the
     replicas' copies of each stage are compared.
+    `precision` ("bf16", "fp16") names the narrow dtype the job computes in when FSDP's
+    mixed-precision policy does not say it (a forward under `torch.autocast`); the record
+    carries it, and the references must compute in it.
     `world_size` overrides how many data ranks the run stands for (a single-device reference
     stands in for a world of ranks); `keep_batches=False` records no batches (the references'
     own records need none).
     """
 
     def __init__(self, out, model, *, name, config, seed=0, steps=None, record_grads=True,
-                 world_size=None, backend=None, stages=False, data=None, keep_batches=True):
+                 world_size=None, backend=None, stages=False, data=None, keep_batches=True,
+                 precision=None):
         self.out = Path(out)
         self.model = unwrapped(model)
+        precision = precision or declared_precision(self.model)
+        if precision not in (None, *PRECISION_NAMES.values()):
+            raise RecordError(f"precision={precision!r}: Lockstep knows "
+                              f"{', '.join(PRECISION_NAMES.values())} (or None for the "
+                              "parameters' own dtype)")
         if is_fsdp1(self.model) and not getattr(self.model, "_use_orig_params", True):
             raise RecordError("a FullyShardedDataParallel job is recorded with "
                               "use_orig_params=True: the recorder reads its whole gradients "
@@ -223,7 +250,9 @@ class Recorder:
                              for n, t in named(self.model.state_dict().items())})
         if self.rank == 0:
             dtypes = {t.dtype for t in init.values() if t.is_floating_point()}
-            if len(dtypes) == 1:
+            if precision is not None:
+                self.spec["dtype"] = precision
+            elif len(dtypes) == 1:
                 self.spec["dtype"] = {torch.float32: "fp32", torch.float64: "fp64"}.get(
                     dtypes.pop(), "mixed")
             torch.save(init, self.out / "init.pt")

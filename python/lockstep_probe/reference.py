@@ -11,10 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .record import Recorder
-
-
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+from .record import PRECISION_NAMES, Recorder
 
 
 class ReferenceError(Exception):
@@ -187,6 +184,25 @@ class _CastParams(_OwnDtype):
         return torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
 
 
+def _same_precision(spec, narrow):
+    """The narrow dtype's name the references compute in (`None`: the model's own), or an
+    error when it is not the run's: references narrower than the job would widen its
+    envelope and hide bugs, wider ones would fail a correct job."""
+    if narrow is not None and narrow not in PRECISION_NAMES:
+        raise ReferenceError(f"{narrow}: the references compute in "
+                             f"{' or '.join(map(str, PRECISION_NAMES))}")
+    theirs = spec["dtype"] if spec["dtype"] in PRECISION_NAMES.values() else None
+    mine = PRECISION_NAMES.get(narrow)
+    if mine != theirs:
+        run = f"in {theirs}" if theirs else f"in its parameters' dtype ({spec['dtype']})"
+        asked = f"in {mine}" if mine else "in fp32"
+        raise ReferenceError(f"the run computes {run}, and its references were asked to "
+                             f"compute {asked}: pass param_dtype= (FSDP's mixed precision) or "
+                             "autocast= as the job computes, or declare the job's autocast "
+                             "with Recorder(precision=...)")
+    return mine
+
+
 def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, config, device,
            options):
     """One single-device training from `init` over the global batches: each step's objective
@@ -206,8 +222,10 @@ def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, con
         compute = _Autocast(model, dtype, device, options["autocast"])
     else:
         compute = _OwnDtype(model, dtype, device)
+    narrow = options.get("param_dtype") or options.get("autocast")
     rec = Recorder(out, model, name=spec["model"], config=config, seed=spec["seed"],
-                   world_size=spec["world_size"], backend=spec["backend"], keep_batches=False)
+                   world_size=spec["world_size"], backend=spec["backend"], keep_batches=False,
+                   precision=PRECISION_NAMES.get(narrow))
     for ranks in batches:
         optimizer.zero_grad()
         loss = compute.step(loss_fn, ranks)
@@ -247,10 +265,11 @@ def train_references(model_fn, loss_fn, optimizer_fn, run_dir, out_dir, *, shado
         raise ReferenceError("param_dtype and autocast describe two precisions: pass the one "
                              "the job uses")
     spec, init, batches = _load(run_dir)
+    narrow = param_dtype or autocast
+    precision = _same_precision(spec, narrow)
     out_dir = Path(out_dir)
     shadow_device = shadow_device or device
-    narrow = param_dtype or autocast
-    name = "single" if narrow is None else f"single.{_DTYPE_NAMES.get(narrow, str(narrow))}"
+    name = "single" if precision is None else f"single.{precision}"
     options = {"max_grad_norm": max_grad_norm, "param_dtype": param_dtype, "autocast": autocast}
     with deterministic(device):
         _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out_dir / "reference",
