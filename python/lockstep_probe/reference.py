@@ -174,7 +174,7 @@ class _CastParams(_OwnDtype):
             self.narrow.zero_grad(set_to_none=True)
             loss = loss_fn(self.narrow, *_placed(b, self.param_dtype, self.device))
             loss.backward()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             for i, (wide, narrow) in enumerate(pairs):
                 if narrow.grad is not None:  # a parameter no rank used keeps no gradient
                     g = narrow.grad.to(wide.dtype)
@@ -203,35 +203,40 @@ def _same_precision(spec, narrow):
     return mine
 
 
-def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, config, device,
-           options):
+def _compute(param_dtype, autocast):
+    """How the fp32 reference computes a step, as the job does: a callable of (model, dtype,
+    device) that gives the step's computation."""
+    if param_dtype is not None:
+        return lambda model, dtype, device: _CastParams(model, dtype, device, param_dtype)
+    if autocast is not None:
+        return lambda model, dtype, device: _Autocast(model, dtype, device, autocast)
+    return _OwnDtype
+
+
+def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, config, device, *,
+           compute=_OwnDtype, precision=None, max_grad_norm=None):
     """One single-device training from `init` over the global batches: each step's objective
     is every rank's loss in rank order, summed, divided by the world size (what a data-parallel
-    job's averaged gradients are the gradient of), computed in the job's mixed precision when
-    `options` names one (the fp32 reference; never the float64 shadow); its gradients clipped
-    to `options["max_grad_norm"]` after they are recorded, when given."""
+    job's averaged gradients are the gradient of), each step computed by `compute` (the job's
+    mixed precision, named `precision` in the record, for the fp32 reference; never for the
+    float64 shadow); its gradients clipped to `max_grad_norm` after they are recorded, when
+    given."""
     model = model_fn()
     _check_same_tensors(model, init)
     model.load_state_dict(init, strict=True)
     model.to(device, dtype)
     hooks = _refuse_narrow_outputs(model) if dtype == torch.float64 else []
     optimizer = optimizer_fn(model.parameters())
-    if options.get("param_dtype") is not None:
-        compute = _CastParams(model, dtype, device, options["param_dtype"])
-    elif options.get("autocast") is not None:
-        compute = _Autocast(model, dtype, device, options["autocast"])
-    else:
-        compute = _OwnDtype(model, dtype, device)
-    narrow = options.get("param_dtype") or options.get("autocast")
+    stepper = compute(model, dtype, device)
     rec = Recorder(out, model, name=spec["model"], config=config, seed=spec["seed"],
                    world_size=spec["world_size"], backend=spec["backend"], keep_batches=False,
-                   precision=PRECISION_NAMES.get(narrow))
+                   precision=precision)
     for ranks in batches:
         optimizer.zero_grad()
-        loss = compute.step(loss_fn, ranks)
+        loss = stepper.step(loss_fn, ranks)
         rec.step(loss)
-        if options.get("max_grad_norm") is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), options["max_grad_norm"])
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()
     for h in hooks:
         h.remove()
@@ -265,17 +270,15 @@ def train_references(model_fn, loss_fn, optimizer_fn, run_dir, out_dir, *, shado
         raise ReferenceError("param_dtype and autocast describe two precisions: pass the one "
                              "the job uses")
     spec, init, batches = _load(run_dir)
-    narrow = param_dtype or autocast
-    precision = _same_precision(spec, narrow)
+    precision = _same_precision(spec, param_dtype or autocast)
     out_dir = Path(out_dir)
     shadow_device = shadow_device or device
     name = "single" if precision is None else f"single.{precision}"
-    options = {"max_grad_norm": max_grad_norm, "param_dtype": param_dtype, "autocast": autocast}
     with deterministic(device):
         _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out_dir / "reference",
-               torch.float32, name, device, options)
+               torch.float32, name, device, compute=_compute(param_dtype, autocast),
+               precision=precision, max_grad_norm=max_grad_norm)
     if shadow:
         with deterministic(shadow_device):
             _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out_dir / "shadow",
-                   torch.float64, "single.f64", shadow_device,
-                   {"max_grad_norm": max_grad_norm})
+                   torch.float64, "single.f64", shadow_device, max_grad_norm=max_grad_norm)
