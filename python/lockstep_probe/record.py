@@ -3,6 +3,7 @@ record format (`record.json`, the `RunRecord` the Rust side reads), with the ini
 the batches the references need."""
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -61,6 +62,7 @@ def named(items):
     return [(model_name(n), t) for n, t in items]
 
 
+@functools.cache
 def fsdp1_class():
     """PyTorch's first FSDP wrapper class (`FullyShardedDataParallel`), or `None` where this
     torch has none."""
