@@ -582,9 +582,11 @@ fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<(
     Ok(())
 }
 
-/// A one-process job recorded with `lockstep_probe`, then misused as `script` goes on; what
-/// it printed.
-fn probe_misuse(script: &str) -> Result<Option<Output>> {
+/// A one-process job recorded with `lockstep_probe`, then misused as `script` goes on (its
+/// `references(build, **options)` finishes the record and trains the references): the
+/// misuse must be refused with `refusal` in the error. Nothing is checked without a Python
+/// with torch.
+fn refused(script: &str, refusal: &str) -> Result<()> {
     let dir = tempfile::tempdir()?;
     let program = format!(
         "import sys; sys.path.insert(0, 'python')\n\
@@ -596,86 +598,56 @@ fn probe_misuse(script: &str) -> Result<Option<Output>> {
          rec = lockstep_probe.Recorder(out + '/run', model, name='lin', config='single', steps=1)\n\
          x = torch.randn(4, 3)\n\
          model(x).sum().backward()\n\
+         def references(build=lambda: nn.Linear(3, 2), **options):\n\
+         \x20   rec.step(torch.tensor(1.0), x)\n\
+         \x20   opt.step()\n\
+         \x20   rec.finish()\n\
+         \x20   lockstep_probe.train_references(build, lambda m, x: m(x).sum(),\n\
+         \x20       lambda p: torch.optim.SGD(p, lr=0.1), out + '/run', out, **options)\n\
          {script}",
         dir.path().to_str().context("utf-8 temp dir")?
     );
-    python(&["-c", &program]).transpose()
+    let Some(out) = python(&["-c", &program]).transpose()? else {
+        return Ok(());
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success() && stderr.contains(refusal),
+        "`{script}` is not refused with `{refusal}`: {stderr}"
+    );
+    Ok(())
 }
 
 #[test]
 fn misuse_of_the_recorder_and_the_references_is_named() -> Result<()> {
     // A step without its batch: the references could not train.
-    let Some(out) = probe_misuse("rec.step(torch.tensor(1.0))")? else {
-        return Ok(());
-    };
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    ensure!(
-        !out.status.success() && stderr.contains("RecordError: step 0: no batch"),
-        "{stderr}"
-    );
+    refused(
+        "rec.step(torch.tensor(1.0))",
+        "RecordError: step 0: no batch",
+    )?;
     // A reference model whose tensors differ from the run's: the first one is named.
-    let Some(out) = probe_misuse(
-        "rec.step(torch.tensor(1.0), x)\nopt.step()\nrec.finish()\n\
-         lockstep_probe.train_references(lambda: nn.Linear(3, 5), lambda m, x: m(x).sum(),\n\
-             lambda p: torch.optim.SGD(p, lr=0.1), out + '/run', out)",
-    )?
-    else {
-        return Ok(());
-    };
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    ensure!(
-        !out.status.success()
-            && stderr
-                .contains("ReferenceError: `bias` is [2] in the run, [5] in the reference model"),
-        "{stderr}"
-    );
+    refused(
+        "references(lambda: nn.Linear(3, 5))",
+        "ReferenceError: `bias` is [2] in the run, [5] in the reference model",
+    )?;
     // A step before backward: no gradient at all.
-    let Some(out) =
-        probe_misuse("model.zero_grad(set_to_none=True)\nrec.step(torch.tensor(1.0), x)")?
-    else {
-        return Ok(());
-    };
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    ensure!(
-        !out.status.success() && stderr.contains("no parameter has a gradient at step 0"),
-        "{stderr}"
-    );
+    refused(
+        "model.zero_grad(set_to_none=True)\nrec.step(torch.tensor(1.0), x)",
+        "no parameter has a gradient at step 0",
+    )?;
     // Two precisions at once: the references cannot compute in both.
-    let Some(out) = probe_misuse(
-        "rec.step(torch.tensor(1.0), x)\nopt.step()\nrec.finish()\n\
-         lockstep_probe.train_references(lambda: nn.Linear(3, 2), lambda m, x: m(x).sum(),\n\
-             lambda p: torch.optim.SGD(p, lr=0.1), out + '/run', out,\n\
-             param_dtype=torch.bfloat16, autocast=torch.bfloat16)",
-    )?
-    else {
-        return Ok(());
-    };
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    ensure!(
-        !out.status.success()
-            && stderr.contains("param_dtype and autocast describe two precisions"),
-        "{stderr}"
-    );
+    refused(
+        "references(param_dtype=torch.bfloat16, autocast=torch.bfloat16)",
+        "param_dtype and autocast describe two precisions",
+    )?;
     // References narrower than the job: they would widen its envelope and hide bugs.
-    let Some(out) = probe_misuse(
-        "rec.step(torch.tensor(1.0), x)\nopt.step()\nrec.finish()\n\
-         lockstep_probe.train_references(lambda: nn.Linear(3, 2), lambda m, x: m(x).sum(),\n\
-             lambda p: torch.optim.SGD(p, lr=0.1), out + '/run', out, autocast=torch.bfloat16)",
-    )?
-    else {
-        return Ok(());
-    };
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    ensure!(
-        !out.status.success()
-            && stderr.contains(
-                "the run computes in its parameters' dtype (fp32), and its \
-                 references were asked to compute in bf16"
-            ),
-        "{stderr}"
-    );
+    refused(
+        "references(autocast=torch.bfloat16)",
+        "the run computes in its parameters' dtype (fp32), and its references were asked to \
+         compute in bf16",
+    )?;
     // The first FSDP without `use_orig_params=True`: its whole gradients cannot be read.
-    let Some(out) = probe_misuse(
+    refused(
         "import torch.distributed as dist\n\
          from torch.distributed.fsdp import FullyShardedDataParallel\n\
          dist.init_process_group('gloo', init_method='file://' + out + '/store',\n\
@@ -683,14 +655,6 @@ fn misuse_of_the_recorder_and_the_references_is_named() -> Result<()> {
          flat = FullyShardedDataParallel(nn.Linear(3, 2), use_orig_params=False,\n\
              device_id=torch.device('cpu'))\n\
          lockstep_probe.Recorder(out + '/fsdp1', flat, name='lin', config='fsdp1')",
-    )?
-    else {
-        return Ok(());
-    };
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    ensure!(
-        !out.status.success() && stderr.contains("is recorded with use_orig_params=True"),
-        "{stderr}"
-    );
-    Ok(())
+        "is recorded with use_orig_params=True",
+    )
 }
