@@ -1864,7 +1864,7 @@ fn a_pipeline_report_lists_each_parameters_stage() {
         .collect();
     assert!(
         ops.contains(&"send on pp-edge[0,1]".to_owned())
-            && ops.contains(&"recv on pp-edge[0,1]".to_owned())
+            && ops.contains(&"recv on pp-grad[0,1]".to_owned())
             && ops.contains(&"all_reduce on pp-tied[0,1]".to_owned()),
         "{ops:?}"
     );

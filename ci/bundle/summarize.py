@@ -29,9 +29,12 @@ print(f"  driver CUDA {gpu.get('driver_cuda', '?')}, runtime CUDA {gpu.get('cuda
       f"cuDNN {gpu.get('cudnn', '?')}, NCCL {env.get('nccl', '?')}")
 print()
 print("steps (name, verdict, seconds, command):")
-with open(os.path.join(out, "steps.txt")) as f:
-    for line in f:
-        print("  " + line.rstrip()[:150])
+try:
+    with open(os.path.join(out, "steps.txt")) as f:
+        for line in f:
+            print("  " + line.rstrip()[:150])
+except OSError:
+    print("  (none yet)")
 if gpus == 0:
     print()
     print("no GPU here: the GPU steps refused before running anything (what CI checks):")
@@ -42,6 +45,8 @@ if gpus == 0:
         except OSError:
             reason = "(no log)"
         print(f"  {name}: {reason[:160]}")
+    print("the cuda-FAMILY steps ran on the CPU as a GPU host runs them (--device cpu "
+          "--exec-ranks: the same configurations, launches and limits)")
 print()
 walls = {}
 for name in sorted(os.listdir(out)):

@@ -228,11 +228,19 @@ fn counts(record: &RunRecord, step: usize) -> BTreeMap<(String, String), u64> {
 type Counts = BTreeMap<(String, String), u64>;
 
 /// One pipeline step's counts without the stage boundary's point-to-point traffic, and that
-/// traffic: (the rest, sends, receives) on the `pp-edge` groups.
+/// traffic: (the rest, sends, receives) on the `pp-edge` (activations) and `pp-grad`
+/// (gradients) groups together.
 fn boundary(record: &RunRecord, step: usize) -> (Counts, Option<u64>, Option<u64>) {
     let mut got = counts(record, step);
-    let sends = got.remove(&("send".to_owned(), "pp-edge".to_owned()));
-    let recvs = got.remove(&("recv".to_owned(), "pp-edge".to_owned()));
+    let mut take = |op: &str| {
+        let parts: Vec<u64> = ["pp-edge", "pp-grad"]
+            .iter()
+            .filter_map(|g| got.remove(&(op.to_owned(), (*g).to_owned())))
+            .collect();
+        (!parts.is_empty()).then(|| parts.iter().sum())
+    };
+    let sends = take("send");
+    let recvs = take("recv");
     (got, sends, recvs)
 }
 

@@ -1,7 +1,7 @@
 //! The rank side: what a re-executed test process (or a torchrun-launched one) does.
 
 use crate::launch::{env, write_dump, RankInfo};
-use lockstep_core::comm::{Backend, DeviceMesh, InitOptions, ProcessGroup, World};
+use lockstep_core::comm::{Backend, DeviceMesh, InitOptions, PointToPoint, ProcessGroup, World};
 use lockstep_core::CommError;
 use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
@@ -162,7 +162,9 @@ impl RankEnv {
                 .unwrap_or(Backend::Cpu);
             World::from_env_for(backend, &self.opts.run_label)
         } else {
-            World::init(self.opts.clone())
+            let mut opts = self.opts.clone();
+            opts.p2p = PointToPoint::from_env()?;
+            World::init(opts)
         }
     }
 }

@@ -346,11 +346,17 @@ pub(crate) struct MatrixArgs {
     #[arg(long)]
     pub(crate) json: bool,
     /// The backend launched ranks use: cpu (forked ranks), or nccl: exec'd ranks, each on
-    /// the GPU of its LOCAL_RANK, the single-device reference on GPU 0, for DDP and FSDP
-    /// configurations (the others keep CPU buffers); refused before anything runs (exit 2)
-    /// without the `nccl` feature or one GPU per rank (docs/gpu.md).
+    /// the GPU of its LOCAL_RANK, where every configuration trains, the single-device
+    /// reference on GPU 0; refused before anything runs (exit 2) without the `nccl` feature
+    /// or one GPU per rank (docs/gpu.md).
     #[arg(long, default_value = "cpu", value_parser = parse_backend)]
     pub(crate) backend: lockstep_core::comm::Backend,
+    /// When a send completes on the CPU backend: buffered (when its bytes are handed over),
+    /// or rendezvous (only once the receiver posted the matching receive, as NCCL does), which
+    /// proves on the CPU that no configuration relies on buffered sends; a run that does
+    /// fails naming the send. Default: the LOCKSTEP_P2P variable, else buffered.
+    #[arg(long, value_parser = parse_p2p)]
+    pub(crate) p2p: Option<lockstep_core::comm::PointToPoint>,
     #[command(flatten)]
     pub(crate) compute: ComputeArgs,
     /// Exec every rank as a fresh `lockstep rank` process instead of forking (what NCCL
@@ -510,7 +516,12 @@ pub(crate) enum BenchCommand {
 }
 
 /// `--backend`: the names `lockstep env` lists (cpu, nccl).
-pub(crate) fn parse_backend(text: &str) -> Result<lockstep_core::comm::Backend, String> {
+pub(crate) fn parse_p2p(s: &str) -> Result<lockstep_core::comm::PointToPoint, String> {
+    s.parse()
+        .map_err(|e: lockstep_core::CommError| e.to_string())
+}
+
+fn parse_backend(text: &str) -> Result<lockstep_core::comm::Backend, String> {
     text.parse()
         .map_err(|e: lockstep_core::CommError| e.to_string())
 }

@@ -84,6 +84,11 @@ pub(crate) fn matrix_run_options(
     opts.tf32 = args.compute.tf32;
     opts.exec_ranks = args.exec_ranks;
     opts.arbiter_log = args.arbiter_log.clone();
+    if let Some(mode) = args.p2p {
+        // Every rank reads it when it joins; forked and exec'd ranks inherit it.
+        std::env::set_var(lockstep_core::comm::P2P_VAR, mode.name());
+    }
+    lockstep_core::comm::PointToPoint::from_env().map_err(|e| bad_input(e.to_string()))?;
     Ok(opts)
 }
 

@@ -20,6 +20,13 @@ pub trait ProcessGroup: Send + Sync {
     fn global_ranks(&self) -> &[usize];
     /// The backend's name (`cpu`, `nccl`).
     fn backend(&self) -> &'static str;
+    /// The NCCL group this is, so that operations on several NCCL groups can be issued as
+    /// one NCCL group call ([`crate::comm::p2p::batch_isend_irecv`]). `None` for every other
+    /// group, wrappers included (they then see each operation through their own methods).
+    #[cfg(feature = "nccl")]
+    fn as_nccl(&self) -> Option<&crate::comm::nccl::NcclGroup> {
+        None
+    }
 
     /// Reduces `tensor` across the group in place.
     fn all_reduce_async(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work, CommError>;

@@ -39,6 +39,7 @@ mod label;
 mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod p2p;
 mod store;
 mod types;
 pub(crate) mod work;
@@ -53,11 +54,12 @@ pub use faulty::{
 pub use group::ProcessGroup;
 pub use label::labelled;
 pub use mesh::DeviceMesh;
+pub use p2p::{batch_isend_irecv, post_batch, P2pKind, P2pOp, Posted};
 pub use store::{StoreClient, StoreServer};
 pub use types::{DType, OpKind, ReduceOp};
 pub use work::{Completion, Latch, Work};
 pub use world::{
     default_rendezvous_timeout, default_timeout, host_identity, torchelastic_in_env, Backend,
-    ExternalLaunch, GroupWrapper, InitOptions, RunStore, RunStoreError, World,
-    RENDEZVOUS_TIMEOUT_VAR, RUN_STORE_MAX_VALUE, STORE_PORT_VAR,
+    ExternalLaunch, GroupWrapper, InitOptions, PointToPoint, RunStore, RunStoreError, World,
+    P2P_VAR, RENDEZVOUS_TIMEOUT_VAR, RUN_STORE_MAX_VALUE, STORE_PORT_VAR,
 };

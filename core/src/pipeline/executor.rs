@@ -4,17 +4,21 @@
 //! its backward yields their gradients), the outputs it produced for other stages (with
 //! their graph), its scaled loss on the last stage, and the gradients that came back. Stages
 //! on the same rank hand tensors over in memory; between ranks every dataflow edge has its
-//! own two-rank group, so each (edge, direction) is a FIFO of its own and messages of
-//! different stage pairs cannot overtake each other. An action whose inputs are missing is
+//! own two-rank group per direction ([`Way`]), so each (edge, direction) is a FIFO of its own
+//! and messages of different stage pairs cannot overtake each other. Consecutive sends and
+//! receives run as one batch whose sends are waited for only at the end of the step, so no
+//! schedule relies on buffered sends (NCCL's rendezvous; see `Executor::exchange`). An action whose inputs are missing is
 //! an error naming it — the schedule, not the executor, decides the order.
 
 use super::dataflow::{StageFlow, TensorMeta};
+use super::groups::{EdgeGroups, Way};
 use super::schedule::{Action, ActionKind};
 use super::stage::{run_range, RangeOutput, RangeRun};
 use super::trace::TraceEvent;
 use super::PipelineError;
 use crate::autograd::{self, GradOptions};
-use crate::comm::ProcessGroup;
+use crate::comm::p2p::{self, P2pKind, P2pOp};
+use crate::comm::{ProcessGroup, Work};
 use lockstep_models::{Batch, LayerHooks, Model};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -103,9 +107,9 @@ pub(crate) struct Executor<'a> {
     /// Where this rank's stages compute (their parameters' device): the tokens of empty
     /// edges are created there, as the edge groups take tensors on it.
     pub device: Device,
-    /// The two-rank group of every cross-rank edge this rank is on, by (from, to); the
+    /// The two-rank groups of every cross-rank edge this rank is on, one per way; the
     /// producer is group rank 0.
-    pub edge_groups: &'a HashMap<(usize, usize), Arc<dyn ProcessGroup>>,
+    pub edge_groups: &'a EdgeGroups,
     /// Per stage: the parameters a W action differentiates (canonical name index, tensor).
     pub stage_params: &'a [Vec<(usize, Tensor)>],
     /// Recompute every `k` layers in backward instead of keeping activations.
@@ -141,6 +145,16 @@ pub(crate) struct StepOutcome {
     pub events: Vec<TraceEvent>,
 }
 
+/// Where a received tensor goes once its batch's receives finished.
+enum Arrival {
+    /// An empty edge's token: nowhere.
+    Token,
+    /// Layer `k`'s output, an input of (stage, microbatch).
+    Input(usize, usize, usize),
+    /// A gradient of layer `k`'s output, sent back to (stage, microbatch).
+    OutputGrad(usize, usize, usize),
+}
+
 /// The one-element tensor an edge that carries no layer output sends, so every schedule's
 /// dependencies hold: created on the stage's compute device, as everything sent is.
 fn token(device: Device) -> Result<Tensor, tch::TchError> {
@@ -174,13 +188,14 @@ impl Executor<'_> {
             .collect()
     }
 
-    fn group(&self, from: usize, to: usize) -> Result<&Arc<dyn ProcessGroup>, PipelineError> {
-        self.edge_groups.get(&(from, to)).ok_or_else(|| {
+    fn group(&self, from: usize, to: usize, way: Way) -> Result<&dyn ProcessGroup, PipelineError> {
+        let group = self.edge_groups.get(&(from, to, way)).ok_or_else(|| {
             PipelineError::Execution(format!(
                 "rank {} has no channel for the edge from stage {from} to stage {to}",
                 self.rank
             ))
-        })
+        })?;
+        Ok(group.as_ref())
     }
 
     fn remote(&self, a: usize, b: usize) -> bool {
@@ -196,19 +211,37 @@ impl Executor<'_> {
         let mut slots: HashMap<(usize, usize), Slot> = HashMap::new();
         let mut objective = 0.0;
         let mut events = Vec::with_capacity(actions.len());
-        for action in actions {
+        let mut sends = Vec::new();
+        let mut i = 0;
+        while i < actions.len() {
             let begin = now_us();
             let t0 = Instant::now();
-            self.run_action(action, data, &mut slots, &mut objective)?;
-            if action.kind.is_compute() || action.kind.is_comm() {
-                events.push(TraceEvent {
-                    action: action.to_string(),
-                    compute: action.kind.is_compute(),
-                    begin_us: begin,
-                    duration_us: t0.elapsed().as_micros() as u64,
-                });
+            // Consecutive sends and receives are one batch; see `exchange`.
+            let n = actions[i..]
+                .iter()
+                .take_while(|a| a.kind.is_comm())
+                .count()
+                .max(1);
+            let ran = &actions[i..i + n];
+            if ran[0].kind.is_comm() {
+                sends.extend(self.exchange(ran, data, &mut slots)?);
+            } else {
+                self.run_action(&ran[0], data, &mut slots, &mut objective)?;
             }
+            for action in ran {
+                if action.kind.is_compute() || action.kind.is_comm() {
+                    events.push(TraceEvent {
+                        action: action.to_string(),
+                        compute: action.kind.is_compute(),
+                        begin_us: begin,
+                        duration_us: t0.elapsed().as_micros() as u64,
+                    });
+                }
+            }
+            i += n;
         }
+        // Every send of the step is done once its receive was posted: the step ends here.
+        p2p::wait_all(sends)?;
         for ((stage, mb), slot) in &slots {
             if slot.pending_weight.is_some() {
                 return Err(PipelineError::Execution(format!(
@@ -247,14 +280,14 @@ impl Executor<'_> {
                 data.batches.len()
             )));
         }
-        let metas = data.metas[mb].as_slice();
         match action.kind {
             ActionKind::Forward => {
                 let loss = self.forward(stage, mb, data, slots)?;
                 *objective += loss;
             }
-            ActionKind::SendF => self.send_forward(action, mb, slots)?,
-            ActionKind::RecvF => self.recv_forward(stage, mb, metas, slots)?,
+            ActionKind::SendF | ActionKind::RecvF | ActionKind::SendB | ActionKind::RecvB => {
+                self.exchange(std::slice::from_ref(action), data, slots)?;
+            }
             ActionKind::FullBackward | ActionKind::BackwardInput => {
                 let weight_later = action.kind == ActionKind::BackwardInput;
                 self.backward(stage, mb, data, slots, weight_later)?;
@@ -267,143 +300,180 @@ impl Executor<'_> {
                     .ok_or_else(|| self.missing(action, "its I has not run"))?;
                 self.weight(stage, pending)?;
             }
-            ActionKind::SendB => self.send_backward(action, mb, metas, slots)?,
-            ActionKind::RecvB => self.recv_backward(stage, mb, metas, slots)?,
             ActionKind::Unshard | ActionKind::Reshard | ActionKind::ReduceGrad => {}
         }
         Ok(())
     }
 
-    /// SEND_F: every layer output a remote consumer needs (a token for an empty edge).
-    fn send_forward(
+    /// Runs a run of consecutive communication actions as one batch of sends and receives
+    /// (grouped point-to-point: one `ncclGroupStart` … `ncclGroupEnd` on NCCL), waits for
+    /// its receives and files what arrived, and returns its sends, left running until the
+    /// step ends. No schedule relies on buffered sends this way: under NCCL's rendezvous a
+    /// send completes only once its receive is posted, and a rank that waited for its own
+    /// sends before receiving would hang wherever two ranks send to each other first (1F1B's
+    /// steady state, interleaved and V schedules). A receive waits only for sends that its
+    /// peer posts before it, which the schedule's simulation (with sends that never block)
+    /// proved always happens; each way of an edge has a group of its own ([`Way`]), so a
+    /// pending send never holds a transfer the other way behind it.
+    fn exchange(
         &self,
-        action: &Action,
-        mb: usize,
+        actions: &[Action],
+        data: &StepData,
         slots: &mut HashMap<(usize, usize), Slot>,
-    ) -> Result<(), PipelineError> {
-        let stage = action.stage;
-        let slot = slots.entry((stage, mb)).or_default();
-        if !slot.forwarded {
-            return Err(self.missing(action, "its forward has not run"));
-        }
-        for e in self
-            .flow
-            .outputs_of(stage)
-            .filter(|e| self.remote(e.from, e.to))
-        {
-            let g = self.group(e.from, e.to)?;
-            if e.layers.is_empty() {
-                g.send(&token(self.device)?, 1, mb as u64)?;
+    ) -> Result<Vec<Work>, PipelineError> {
+        let mut outgoing: Vec<(&dyn ProcessGroup, usize, u64, Tensor)> = Vec::new();
+        // Where each received tensor goes: (group, peer, tag, buffer, its slot entry).
+        let mut incoming: Vec<(&dyn ProcessGroup, usize, u64, Tensor, Arrival)> = Vec::new();
+        for action in actions {
+            let (stage, kind) = (action.stage, action.kind);
+            let Some(mb) = action.microbatch else {
+                return Err(self.missing(action, "a send or receive names no microbatch"));
+            };
+            if stage >= self.stage_ranks.len() || self.stage_ranks[stage] != self.rank {
+                return Err(PipelineError::Execution(format!(
+                    "rank {}: action {action} is for a stage this rank does not hold",
+                    self.rank
+                )));
             }
-            for k in &e.layers {
-                let t = slot
-                    .outputs
-                    .get(k)
-                    .or_else(|| slot.saved.get(k))
-                    .ok_or_else(|| {
-                        self.missing(action, &format!("layer {k}'s output was not kept"))
-                    })?;
-                g.send(&t.f_detach()?.f_contiguous()?, 1, mb as u64)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// RECV_F: the remote producers' outputs, kept as the stage's (leaf) inputs.
-    fn recv_forward(
-        &self,
-        stage: usize,
-        mb: usize,
-        metas: &[TensorMeta],
-        slots: &mut HashMap<(usize, usize), Slot>,
-    ) -> Result<(), PipelineError> {
-        for e in self
-            .flow
-            .inputs_of(stage)
-            .filter(|e| self.remote(e.from, e.to))
-        {
-            let g = self.group(e.from, e.to)?;
-            if e.layers.is_empty() {
-                g.recv(&token(self.device)?, 0, mb as u64)?;
-            }
-            for &k in &e.layers {
-                let t = metas[k].zeros()?;
-                g.recv(&t, 0, mb as u64)?;
-                slots
-                    .entry((stage, mb))
-                    .or_default()
-                    .inputs
-                    .insert(k, leaf(t)?);
-            }
-        }
-        Ok(())
-    }
-
-    /// SEND_B: the gradients of the stage's float inputs back to their remote producers.
-    fn send_backward(
-        &self,
-        action: &Action,
-        mb: usize,
-        metas: &[TensorMeta],
-        slots: &mut HashMap<(usize, usize), Slot>,
-    ) -> Result<(), PipelineError> {
-        let stage = action.stage;
-        let slot = slots.entry((stage, mb)).or_default();
-        let grads = slot
-            .input_grads
-            .as_ref()
-            .ok_or_else(|| self.missing(action, "its backward has not run"))?;
-        for e in self
-            .flow
-            .inputs_of(stage)
-            .filter(|e| self.remote(e.from, e.to))
-        {
-            let g = self.group(e.from, e.to)?;
-            let floats = self.float_layers(&e.layers, metas);
-            if floats.is_empty() {
-                g.send(&token(self.device)?, 0, mb as u64)?;
-            }
-            for k in floats {
-                let grad = grads
-                    .get(&k)
-                    .ok_or_else(|| self.missing(action, &format!("no gradient for layer {k}")))?;
-                g.send(&grad.f_contiguous()?, 0, mb as u64)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// RECV_B: the gradients remote consumers send back for the stage's float outputs.
-    fn recv_backward(
-        &self,
-        stage: usize,
-        mb: usize,
-        metas: &[TensorMeta],
-        slots: &mut HashMap<(usize, usize), Slot>,
-    ) -> Result<(), PipelineError> {
-        for e in self
-            .flow
-            .outputs_of(stage)
-            .filter(|e| self.remote(e.from, e.to))
-        {
-            let g = self.group(e.from, e.to)?;
-            let floats = self.float_layers(&e.layers, metas);
-            if floats.is_empty() {
-                g.recv(&token(self.device)?, 1, mb as u64)?;
-            }
-            for k in floats {
-                let t = metas[k].zeros()?;
-                g.recv(&t, 1, mb as u64)?;
-                slots
-                    .entry((stage, mb))
-                    .or_default()
-                    .out_grads
-                    .entry(k)
-                    .or_default()
-                    .push(t);
+            let metas = data.metas.get(mb).map(|m| m.as_slice()).ok_or_else(|| {
+                PipelineError::Execution(format!(
+                    "rank {}: action {action} names microbatch {mb}, but the step has {}",
+                    self.rank,
+                    data.batches.len()
+                ))
+            })?;
+            let tag = mb as u64;
+            match kind {
+                ActionKind::SendF => {
+                    let slot = slots.entry((stage, mb)).or_default();
+                    if !slot.forwarded {
+                        return Err(self.missing(action, "its forward has not run"));
+                    }
+                    for e in self
+                        .flow
+                        .outputs_of(stage)
+                        .filter(|e| self.remote(e.from, e.to))
+                    {
+                        let g = self.group(e.from, e.to, Way::Activations)?;
+                        if e.layers.is_empty() {
+                            outgoing.push((g, 1, tag, token(self.device)?));
+                        }
+                        for k in &e.layers {
+                            let t = slot
+                                .outputs
+                                .get(k)
+                                .or_else(|| slot.saved.get(k))
+                                .ok_or_else(|| {
+                                    self.missing(
+                                        action,
+                                        &format!("layer {k}'s output was not kept"),
+                                    )
+                                })?;
+                            outgoing.push((g, 1, tag, t.f_detach()?.f_contiguous()?));
+                        }
+                    }
+                }
+                ActionKind::RecvF => {
+                    for e in self
+                        .flow
+                        .inputs_of(stage)
+                        .filter(|e| self.remote(e.from, e.to))
+                    {
+                        let g = self.group(e.from, e.to, Way::Activations)?;
+                        if e.layers.is_empty() {
+                            incoming.push((g, 0, tag, token(self.device)?, Arrival::Token));
+                        }
+                        for &k in &e.layers {
+                            let buffer = metas[k].zeros()?;
+                            incoming.push((g, 0, tag, buffer, Arrival::Input(stage, mb, k)));
+                        }
+                    }
+                }
+                ActionKind::SendB => {
+                    let grads = slots
+                        .entry((stage, mb))
+                        .or_default()
+                        .input_grads
+                        .as_ref()
+                        .ok_or_else(|| self.missing(action, "its backward has not run"))?;
+                    for e in self
+                        .flow
+                        .inputs_of(stage)
+                        .filter(|e| self.remote(e.from, e.to))
+                    {
+                        let g = self.group(e.from, e.to, Way::Gradients)?;
+                        let floats = self.float_layers(&e.layers, metas);
+                        if floats.is_empty() {
+                            outgoing.push((g, 0, tag, token(self.device)?));
+                        }
+                        for k in floats {
+                            let grad = grads.get(&k).ok_or_else(|| {
+                                self.missing(action, &format!("no gradient for layer {k}"))
+                            })?;
+                            outgoing.push((g, 0, tag, grad.f_contiguous()?));
+                        }
+                    }
+                }
+                ActionKind::RecvB => {
+                    for e in self
+                        .flow
+                        .outputs_of(stage)
+                        .filter(|e| self.remote(e.from, e.to))
+                    {
+                        let g = self.group(e.from, e.to, Way::Gradients)?;
+                        let floats = self.float_layers(&e.layers, metas);
+                        if floats.is_empty() {
+                            incoming.push((g, 1, tag, token(self.device)?, Arrival::Token));
+                        }
+                        for k in floats {
+                            let buffer = metas[k].zeros()?;
+                            incoming.push((g, 1, tag, buffer, Arrival::OutputGrad(stage, mb, k)));
+                        }
+                    }
+                }
+                _ => return Err(self.missing(action, "it is not a send or a receive")),
             }
         }
-        Ok(())
+        let ops: Vec<P2pOp<'_>> = outgoing
+            .iter()
+            .map(|(group, peer, tag, tensor)| (group, peer, tag, tensor, P2pKind::Send))
+            .chain(
+                incoming
+                    .iter()
+                    .map(|(group, peer, tag, tensor, _)| (group, peer, tag, tensor, P2pKind::Recv)),
+            )
+            .map(|(group, peer, tag, tensor, kind)| P2pOp {
+                group: *group,
+                kind,
+                tensor,
+                peer: *peer,
+                tag: *tag,
+            })
+            .collect();
+        let posted = p2p::post_batch(&ops)?;
+        p2p::wait_all(posted.receives)?;
+        for (_, _, _, t, arrival) in incoming {
+            match arrival {
+                Arrival::Token => {}
+                Arrival::Input(stage, mb, k) => {
+                    slots
+                        .entry((stage, mb))
+                        .or_default()
+                        .inputs
+                        .insert(k, leaf(t)?);
+                }
+                Arrival::OutputGrad(stage, mb, k) => {
+                    slots
+                        .entry((stage, mb))
+                        .or_default()
+                        .out_grads
+                        .entry(k)
+                        .or_default()
+                        .push(t);
+                }
+            }
+        }
+        Ok(posted.sends)
     }
 
     fn missing(&self, action: &Action, why: &str) -> PipelineError {

@@ -55,12 +55,26 @@ impl PipelineMesh {
     }
 }
 
-/// Groups between stages that exchange activations (by edge) and among the stages that hold
-/// one tied weight (by holder set), created in the same order on every rank.
-pub(super) type StageGroups = (
-    HashMap<(usize, usize), Arc<dyn ProcessGroup>>,
-    BTreeMap<Vec<usize>, Arc<dyn ProcessGroup>>,
-);
+/// Which way a cross-rank edge's messages travel. Each way has a group of its own, so a
+/// send left pending one way (the executor never waits for its sends before the step ends)
+/// never queues a transfer the other way behind it: on NCCL, operations of one group run in
+/// issue order on one stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Way {
+    /// Layer outputs, producer to consumer (`pp-edge` groups).
+    Activations,
+    /// Their gradients, consumer to producer (`pp-grad` groups).
+    Gradients,
+}
+
+/// The groups of every cross-rank edge this rank is on, by (producer stage, consumer stage,
+/// way); the producer is group rank 0 in both.
+pub(crate) type EdgeGroups = HashMap<(usize, usize, Way), Arc<dyn ProcessGroup>>;
+
+/// Groups between stages that exchange activations and gradients (by edge and way) and
+/// among the stages that hold one tied weight (by holder set), created in the same order on
+/// every rank.
+pub(super) type StageGroups = (EdgeGroups, BTreeMap<Vec<usize>, Arc<dyn ProcessGroup>>);
 
 /// The edge and tied-weight groups of `plan`, one per (replica, TP rank).
 pub(super) fn pipeline_groups(
@@ -80,8 +94,10 @@ pub(super) fn pipeline_groups(
         let partition: Vec<Vec<usize>> = (0..dp)
             .flat_map(|d| (0..tp).map(move |t| vec![global(d, a, t), global(d, b, t)]))
             .collect();
-        if let Some(g) = world.new_groups(&partition, "pp-edge")? {
-            edge_groups.insert((e.from, e.to), counted(g));
+        for (way, name) in [(Way::Activations, "pp-edge"), (Way::Gradients, "pp-grad")] {
+            if let Some(g) = world.new_groups(&partition, name)? {
+                edge_groups.insert((e.from, e.to, way), counted(g));
+            }
         }
     }
     let mut holder_sets: Vec<Vec<usize>> = plan

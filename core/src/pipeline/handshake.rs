@@ -2,11 +2,10 @@
 //! they will send on every cross-rank edge, consumers check them, before any activation moves.
 
 use super::dataflow::TensorMeta;
+use super::groups::{EdgeGroups, Way};
 use super::plan::PipelinePlan;
 use super::PipelineError;
-use crate::comm::ProcessGroup;
-use std::collections::HashMap;
-use std::sync::Arc;
+use crate::comm::{batch_isend_irecv, P2pKind, P2pOp};
 use tch::{Device, Kind, Tensor};
 
 const META_SLOTS: usize = 10;
@@ -46,7 +45,7 @@ fn encode(metas: &[&TensorMeta]) -> Vec<i64> {
 pub(super) fn handshake(
     plan: &PipelinePlan,
     rank: usize,
-    groups: &HashMap<(usize, usize), Arc<dyn ProcessGroup>>,
+    groups: &EdgeGroups,
     metas: &[TensorMeta],
     device: Device,
     plant_wrong_shape: bool,
@@ -71,52 +70,105 @@ pub(super) fn handshake(
             .collect::<Vec<_>>()
             .join("; ")
     };
+    // Two batches (grouped point-to-point: no send waits for a receive this rank posts
+    // later, as NCCL's rendezvous requires): announcements out and in, then verdicts back.
+    let group = |e: &super::dataflow::StageEdge, way: Way| -> Result<_, PipelineError> {
+        groups.get(&(e.from, e.to, way)).ok_or_else(|| {
+            PipelineError::Execution(format!(
+                "rank {rank} has no channel for the edge from stage {} to stage {}",
+                e.from, e.to
+            ))
+        })
+    };
+    let mut announced = Vec::new();
+    let mut expected = Vec::new();
     for (n, e) in remote.iter().enumerate() {
-        if plan.stage_ranks[e.from] == rank && !e.layers.is_empty() {
-            let mut v = encode(&e.layers.iter().map(|&k| &metas[k]).collect::<Vec<_>>());
+        if e.layers.is_empty() {
+            continue;
+        }
+        let encoded = encode(&e.layers.iter().map(|&k| &metas[k]).collect::<Vec<_>>());
+        if plan.stage_ranks[e.from] == rank {
+            let mut v = encoded;
             if plant_wrong_shape && n == 0 {
                 v[2] += 1;
             }
-            let announced = Tensor::from_slice(&v).f_to_device(device)?;
-            groups[&(e.from, e.to)].send(&announced, 1, 0)?;
+            announced.push((*e, Tensor::from_slice(&v).f_to_device(device)?));
+        } else if plan.stage_ranks[e.to] == rank {
+            let got = Tensor::f_zeros([encoded.len() as i64], (Kind::Int64, device))?;
+            expected.push((*e, encoded, got));
         }
     }
+    let mut ops = Vec::new();
+    for (e, t) in &announced {
+        ops.push(P2pOp {
+            group: group(e, Way::Activations)?.as_ref(),
+            kind: P2pKind::Send,
+            tensor: t,
+            peer: 1,
+            tag: 0,
+        });
+    }
+    for (e, _, got) in &expected {
+        ops.push(P2pOp {
+            group: group(e, Way::Activations)?.as_ref(),
+            kind: P2pKind::Recv,
+            tensor: got,
+            peer: 0,
+            tag: 0,
+        });
+    }
+    batch_isend_irecv(&ops)?;
+
     let mut failure = None;
-    for e in &remote {
-        if plan.stage_ranks[e.to] == rank && !e.layers.is_empty() {
-            let expected = encode(&e.layers.iter().map(|&k| &metas[k]).collect::<Vec<_>>());
-            let got = Tensor::f_zeros([expected.len() as i64], (Kind::Int64, device))?;
-            let g = &groups[&(e.from, e.to)];
-            g.recv(&got, 0, 0)?;
-            let got: Vec<i64> = Vec::try_from(&got)?;
-            let ok = got == expected;
-            g.send(
-                &Tensor::from_slice(&[i64::from(ok)]).f_to_device(device)?,
-                0,
-                1,
-            )?;
-            if !ok && failure.is_none() {
-                failure = Some(PipelineError::ShapeMismatch {
-                    producer: e.from,
-                    consumer: e.to,
-                    announced: describe(&e.layers, &got),
-                    expected: describe(&e.layers, &expected),
-                });
-            }
+    let mut verdicts_out = Vec::new();
+    for (e, expected, got) in &expected {
+        let got: Vec<i64> = Vec::try_from(got)?;
+        let ok = &got == expected;
+        verdicts_out.push((
+            *e,
+            Tensor::from_slice(&[i64::from(ok)]).f_to_device(device)?,
+        ));
+        if !ok && failure.is_none() {
+            failure = Some(PipelineError::ShapeMismatch {
+                producer: e.from,
+                consumer: e.to,
+                announced: describe(&e.layers, &got),
+                expected: describe(&e.layers, expected),
+            });
         }
     }
-    for e in &remote {
-        if plan.stage_ranks[e.from] == rank && !e.layers.is_empty() {
-            let verdict = Tensor::f_zeros([1], (Kind::Int64, device))?;
-            groups[&(e.from, e.to)].recv(&verdict, 1, 1)?;
-            if verdict.f_int64_value(&[0])? != 1 && failure.is_none() {
-                failure = Some(PipelineError::ShapeMismatch {
-                    producer: e.from,
-                    consumer: e.to,
-                    announced: "(what this stage announced)".into(),
-                    expected: format!("what stage {} expects (see its error)", e.to),
-                });
-            }
+    let verdicts_in: Vec<_> = announced
+        .iter()
+        .map(|(e, _)| Ok((*e, Tensor::f_zeros([1], (Kind::Int64, device))?)))
+        .collect::<Result<_, PipelineError>>()?;
+    let mut ops = Vec::new();
+    for (e, t) in &verdicts_out {
+        ops.push(P2pOp {
+            group: group(e, Way::Gradients)?.as_ref(),
+            kind: P2pKind::Send,
+            tensor: t,
+            peer: 0,
+            tag: 1,
+        });
+    }
+    for (e, t) in &verdicts_in {
+        ops.push(P2pOp {
+            group: group(e, Way::Gradients)?.as_ref(),
+            kind: P2pKind::Recv,
+            tensor: t,
+            peer: 1,
+            tag: 1,
+        });
+    }
+    batch_isend_irecv(&ops)?;
+    for (e, verdict) in &verdicts_in {
+        if verdict.f_int64_value(&[0])? != 1 && failure.is_none() {
+            failure = Some(PipelineError::ShapeMismatch {
+                producer: e.from,
+                consumer: e.to,
+                announced: "(what this stage announced)".into(),
+                expected: format!("what stage {} expects (see its error)", e.to),
+            });
         }
     }
     match failure {

@@ -5,6 +5,7 @@
 use super::dataflow::TensorMeta;
 use super::executor::Executor;
 use super::executor::{LossFn, ShardingFn};
+use super::groups::EdgeGroups;
 use super::groups::{broadcast_initial, pipeline_groups, reduce_tied_parts, PipelineMesh};
 use super::microbatch;
 use super::options::{PipelineFault, PipelineOptions};
@@ -245,7 +246,7 @@ fn stage_executor<'a>(
     plan: &'a PipelinePlan,
     rank: usize,
     device: Device,
-    edge_groups: &'a HashMap<(usize, usize), Arc<dyn ProcessGroup>>,
+    edge_groups: &'a EdgeGroups,
     stage_params: &'a [Vec<(usize, Tensor)>],
     opts: &PipelineOptions,
 ) -> Executor<'a> {

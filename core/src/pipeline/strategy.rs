@@ -4,6 +4,7 @@
 
 use super::dataflow::{probe, TensorMeta};
 use super::executor::{Executor, StepData};
+use super::groups::EdgeGroups;
 use super::handshake::handshake;
 use super::microbatch;
 use super::options::{PipelineFault, PipelineOptions};
@@ -39,7 +40,7 @@ pub(super) struct StepLoop<'a> {
     pub(super) data: &'a DataLayer,
     pub(super) pp: &'a dyn ProcessGroup,
     pub(super) dp: &'a dyn ProcessGroup,
-    pub(super) edge_groups: &'a HashMap<(usize, usize), Arc<dyn ProcessGroup>>,
+    pub(super) edge_groups: &'a EdgeGroups,
     pub(super) counts: &'a CollectiveCounts,
     pub(super) data_ranks: &'a [usize],
     pub(super) rank: usize,

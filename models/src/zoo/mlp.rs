@@ -26,7 +26,7 @@ const BATCH: i64 = 5;
 #[derive(Debug)]
 pub struct MlpStack {
     name: &'static str,
-    sizes: [i64; 5],
+    sizes: Vec<i64>,
     rank: usize,
     seed: u64,
     linears: Vec<Linear>,
@@ -36,20 +36,33 @@ pub struct MlpStack {
 impl MlpStack {
     /// `mlp`: draws every linear, in forward order, from the run's parameter seed.
     pub fn new(run_seed: u64, rank: usize) -> Result<Self, ModelError> {
-        Self::with_sizes("mlp", SIZES, run_seed, rank)
+        Self::with_sizes("mlp", &SIZES, run_seed, rank)
     }
 
     /// `mlp_wide`: the same stack at widths that make every collective a large message.
     pub fn wide(run_seed: u64, rank: usize) -> Result<Self, ModelError> {
-        Self::with_sizes("mlp_wide", WIDE_SIZES, run_seed, rank)
+        Self::with_sizes("mlp_wide", &WIDE_SIZES, run_seed, rank)
     }
 
-    fn with_sizes(
+    /// A stack of `sizes.len() - 1` linears with ReLUs between them, named `name`: stacks of
+    /// a user's own depth and width (e.g. wide layers whose activations make every pipeline
+    /// message large). The first size must be at least the last (the target is a function of
+    /// the first features).
+    pub fn with_sizes(
         name: &'static str,
-        sizes: [i64; 5],
+        sizes: &[i64],
         run_seed: u64,
         rank: usize,
     ) -> Result<Self, ModelError> {
+        if sizes.len() < 2 || sizes[0] < sizes[sizes.len() - 1] {
+            return Err(ModelError::InvalidConfig {
+                model: name.into(),
+                reason: format!(
+                    "a stack needs at least two sizes, the first no smaller than the last (the \
+                     target is a function of the first features); got {sizes:?}"
+                ),
+            });
+        }
         let mut store = ParamStore::default();
         let guard = seed::lock_seeded(seed::param_seed(run_seed));
         let mut linears = Vec::new();
@@ -65,7 +78,7 @@ impl MlpStack {
         drop(guard);
         Ok(MlpStack {
             name,
-            sizes,
+            sizes: sizes.to_vec(),
             rank,
             seed: run_seed,
             linears,
@@ -118,7 +131,7 @@ impl Model for MlpStack {
             Tensor::f_rand([BATCH, self.sizes[0]], F32)
         })?;
         let target = x
-            .f_narrow(1, 0, self.sizes[4])?
+            .f_narrow(1, 0, self.sizes[self.sizes.len() - 1])?
             .f_mul_scalar(3.0)?
             .f_sin()?;
         Ok(Batch {
@@ -171,6 +184,15 @@ impl Model for MlpStack {
                 model: self.name.into(),
                 reason: "missing target".into(),
             })?;
+        // In the target's precision (fp32) under a mixed-precision policy, as autocast
+        // computes mse_loss: torch 2.11's backward refuses a bf16 output against an fp32
+        // target, and 2.13 promotes the output to fp32 itself, so on 2.13 the bits are the
+        // same either way.
+        let output = if output.kind() == target.kind() {
+            output.shallow_clone()
+        } else {
+            output.f_to_kind(target.kind())?
+        };
         Ok(output.f_mse_loss(target, tch::Reduction::Sum)?)
     }
 }

@@ -12,7 +12,7 @@ use super::shm;
 use super::tensor::Staged;
 use crate::comm::flight::{self, OpState};
 use crate::comm::work::{lock, Latch};
-use crate::comm::{CommError, DType, OpKind, ReduceOp, Work};
+use crate::comm::{CommError, DType, OpKind, PointToPoint, ReduceOp, Work};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
@@ -44,10 +44,13 @@ pub struct CpuGroup {
     exec: Executor,
     pub(super) send_seq: Vec<AtomicU64>,
     pub(super) recv_seq: Vec<AtomicU64>,
+    /// When a send completes: at once, or once its receive is posted.
+    pub(super) p2p: PointToPoint,
 }
 
 impl CpuGroup {
     /// Builds a group from established links (`links[rank]` is `None`).
+    /// `p2p`: when its sends complete (see [`PointToPoint`]).
     /// `shm_run_tag`: set when every member runs on this machine, so large messages may use
     /// shared memory; slot names start with `/lockstep-{tag}-`, which lets a launcher remove
     /// the slots of ranks that died in the middle of an operation.
@@ -58,6 +61,7 @@ impl CpuGroup {
         links: Vec<Option<Link>>,
         timeout: Duration,
         shm_run_tag: Option<&str>,
+        p2p: PointToPoint,
     ) -> Result<Self, CommError> {
         let size = global_ranks.len();
         let shm = shm_run_tag.map(|run| {
@@ -104,6 +108,7 @@ impl CpuGroup {
             },
             send_seq: (0..size).map(|_| AtomicU64::new(0)).collect(),
             recv_seq: (0..size).map(|_| AtomicU64::new(0)).collect(),
+            p2p,
         })
     }
 

@@ -81,11 +81,12 @@ impl Inbox {
 
     fn deliver(&self, message: Message) {
         let h = &message.header;
-        // Point-to-point messages match by order; their tag is checked by the receiver.
-        let tag = if h.channel == Channel::PointToPoint {
-            0
-        } else {
+        // Point-to-point messages (and the notices of posted receives) match by order; their
+        // tag is checked by the receiver.
+        let tag = if h.channel == Channel::Collective {
             h.tag
+        } else {
+            0
         };
         let key = (h.channel, h.seq, tag);
         lock(&self.state).messages.insert(key, message);

@@ -13,7 +13,7 @@ use super::tensor::Staged;
 use super::wire::{Channel, Header};
 use crate::comm::flight::{self, OpState};
 use crate::comm::work::{lock, Completion, Latch};
-use crate::comm::{CommError, OpKind, ProcessGroup, ReduceOp, Work};
+use crate::comm::{CommError, OpKind, PointToPoint, ProcessGroup, ReduceOp, Work};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use tch::Tensor;
@@ -88,6 +88,72 @@ impl Completion for PendingRecv {
                 .shared
                 .link(self.src)
                 .map(|l| l.inbox.contains((Channel::PointToPoint, self.seq, 0)))
+                .unwrap_or(true)
+    }
+}
+
+/// A send under [`PointToPoint::Rendezvous`]: its bytes are already on their way, and it
+/// completes once the receiver's notice that it posted the matching receive arrives.
+struct PendingSend {
+    shared: Arc<Shared>,
+    dst: usize,
+    seq: u64,
+    tag: u64,
+    latch: Arc<Latch>,
+    flight_id: u64,
+    /// Held by the one waiter that takes the notice (a second waiter finds the latch done).
+    waiting: Mutex<()>,
+}
+
+impl PendingSend {
+    fn await_posted(&self) -> Result<(), CommError> {
+        let sh = &self.shared;
+        let notice = sh
+            .link(self.dst)?
+            .inbox
+            .take((Channel::Posted, self.seq, 0), self.dst, sh.timeout)
+            .map_err(|e| match e {
+                CommError::Timeout { seconds, .. } => CommError::Timeout {
+                    what: format!(
+                        "rank {} to post the receive of message #{} (tag {}) that rank {} \
+                         (this rank) sent in group {}: point-to-point is in rendezvous mode \
+                         (as NCCL), so a send waits for its receive, and code that sends \
+                         before receiving on both sides hangs",
+                        self.dst, self.seq, self.tag, sh.rank, sh.name
+                    ),
+                    seconds,
+                },
+                other => other,
+            })?;
+        let h = &notice.header;
+        if h.tag != self.tag {
+            return Err(CommError::Mismatch(format!(
+                "group {} message #{} from rank {} (this rank) to rank {}: sent with tag {}, \
+                 but rank {} posted its receive with tag {}",
+                sh.name, self.seq, sh.rank, self.dst, self.tag, self.dst, h.tag
+            )));
+        }
+        pool::give(notice.data);
+        Ok(())
+    }
+}
+
+impl Completion for PendingSend {
+    fn wait(&self) -> Result<(), CommError> {
+        let waiting = lock(&self.waiting);
+        if !self.latch.is_completed() {
+            finish(self.flight_id, &self.latch, self.await_posted());
+        }
+        drop(waiting);
+        self.latch.wait()
+    }
+
+    fn is_completed(&self) -> bool {
+        self.latch.is_completed()
+            || self
+                .shared
+                .link(self.dst)
+                .map(|l| l.inbox.contains((Channel::Posted, self.seq, 0)))
                 .unwrap_or(true)
     }
 }
@@ -173,6 +239,19 @@ impl ProcessGroup for CpuGroup {
             .link(dst)?
             .send(&header, Payload::Owned(t.bytes().to_vec()));
         let latch = Latch::new();
+        if self.p2p == PointToPoint::Rendezvous && result.is_ok() {
+            // NCCL's rule: the send is done only once the receiver posted its receive.
+            flight::update(flight_id, OpState::Started);
+            return Ok(Work::new(Arc::new(PendingSend {
+                shared: self.shared.clone(),
+                dst,
+                seq,
+                tag,
+                latch,
+                flight_id,
+                waiting: Mutex::new(()),
+            })));
+        }
         finish(flight_id, &latch, result.map(|_| ()));
         Ok(Work::new(latch))
     }
@@ -193,6 +272,28 @@ impl ProcessGroup for CpuGroup {
             Some(src),
             crate::comm::label::current(),
         );
+        if self.p2p == PointToPoint::Rendezvous {
+            // Tell the sender this receive is posted: under rendezvous that completes its send.
+            let notice = Header {
+                channel: Channel::Posted,
+                op: OpKind::Recv,
+                dtype: Some(t.dtype),
+                reduce: None,
+                seq,
+                tag,
+                shape: t.shape(),
+                elems: 0,
+                payload: 0,
+            };
+            if let Err(e) = self
+                .shared
+                .link(src)?
+                .send(&notice, Payload::Owned(Vec::new()))
+            {
+                flight::update(flight_id, OpState::Failed(e.to_string()));
+                return Err(e);
+            }
+        }
         Ok(Work::new(Arc::new(PendingRecv {
             shared: self.shared.clone(),
             src,

@@ -16,6 +16,9 @@ pub enum Channel {
     Collective = 0,
     /// Sends and receives: sequenced per pair of ranks.
     PointToPoint = 1,
+    /// A receiver's notice that it posted receive `seq` (no payload): what completes the
+    /// matching send under [`PointToPoint::Rendezvous`](crate::comm::PointToPoint).
+    Posted = 2,
 }
 
 /// What one message says about itself.
@@ -70,6 +73,7 @@ impl Header {
         let channel = match b[4] {
             0 => Channel::Collective,
             1 => Channel::PointToPoint,
+            2 => Channel::Posted,
             _ => return None,
         };
         let ndim = b[40] as usize;

@@ -302,22 +302,24 @@ fn cstr(ptr: *const c_char) -> Option<String> {
     }
 }
 
-/// `tch::Cuda::synchronize` without its panic: waits for every kernel on `device`, and returns
-/// libtorch's error (e.g. an earlier asynchronous CUDA failure) instead of unwinding.
-pub(super) fn synchronize_device(device: usize) -> Result<(), CommError> {
-    // SAFETY: plain libtorch C calls; the error string is owned by us and freed with free().
-    unsafe {
-        torch_sys::cuda::atc_synchronize(device as i64);
-        let err = torch_sys::get_and_reset_last_err();
-        if err.is_null() {
-            return Ok(());
-        }
-        let text = CStr::from_ptr(err).to_string_lossy().into_owned();
-        libc::free(err.cast());
-        Err(CommError::Torch(tch::TchError::Torch(format!(
-            "synchronizing cuda:{device} before an NCCL call: {text}"
-        ))))
-    }
+/// Waits for every kernel libtorch queued on its current stream of `device` (the one the
+/// inputs of an NCCL operation were computed on), and nothing else: NCCL operations still
+/// pending on the groups' own streams (a send whose receive is not posted yet) must not block
+/// the next one, or a rank that sends ahead (as the pipeline executor does) would hang as on
+/// a buffered-send assumption. The caller binds the device's primary context.
+pub(super) fn synchronize_compute_stream(device: usize) -> Result<(), CommError> {
+    let stream = crate::autograd::current_cuda_stream(device).map_err(|e| {
+        CommError::Nccl(format!(
+            "reading libtorch's current stream on cuda:{device} before an NCCL call: {e}"
+        ))
+    })?;
+    // SAFETY: a stream handle libtorch owns for the life of the process; the primary context
+    // of its device is bound to this thread by the caller.
+    unsafe { cudarc::driver::result::stream::synchronize(stream.cast()) }.map_err(|e| {
+        CommError::Nccl(format!(
+            "synchronizing libtorch's current stream on cuda:{device} before an NCCL call: {e}"
+        ))
+    })
 }
 
 /// A CUDA driver failure as a `CommError::Nccl`.

@@ -13,7 +13,7 @@ use std::ffi::{c_int, c_void};
 use tch::{Device, Kind, Tensor};
 
 /// The NCCL datatype carrying `d` (booleans travel as bytes).
-fn nccl_dtype(d: DType) -> ncclDataType_t {
+pub(super) fn nccl_dtype(d: DType) -> ncclDataType_t {
     match d {
         DType::F32 => ncclDataType_t::ncclFloat32,
         DType::F64 => ncclDataType_t::ncclFloat64,
@@ -169,6 +169,10 @@ impl ProcessGroup for NcclGroup {
 
     fn name(&self) -> &str {
         &self.shared.name
+    }
+
+    fn as_nccl(&self) -> Option<&NcclGroup> {
+        Some(self)
     }
 
     fn global_ranks(&self) -> &[usize] {

@@ -27,6 +27,8 @@ pub(super) struct NcclWork {
     /// The outcome once known; its lock also serializes concurrent waiters.
     pub(super) outcome: Mutex<Option<Result<(), String>>>,
     pub(super) done: AtomicBool,
+    /// Flight records of further operations this work finishes (a grouped batch's).
+    pub(super) also_completes: Vec<u64>,
 }
 
 impl NcclWork {
@@ -68,9 +70,11 @@ impl NcclWork {
             return result.clone();
         }
         let result = self.poll().map_err(|e| e.to_string());
-        match &result {
-            Ok(()) => flight::update(self.flight_id, OpState::Completed),
-            Err(e) => flight::update(self.flight_id, OpState::Failed(e.clone())),
+        for id in std::iter::once(self.flight_id).chain(self.also_completes.iter().copied()) {
+            match &result {
+                Ok(()) => flight::update(id, OpState::Completed),
+                Err(e) => flight::update(id, OpState::Failed(e.clone())),
+            }
         }
         lock(&self.keep_alive).clear();
         *outcome = Some(result.clone());

@@ -5,7 +5,7 @@
 //! Apart from the collectives themselves ([`super::collectives`]), which only describe what
 //! to enqueue, and from the completion handles ([`super::completion`]).
 
-use super::api::{api, check, cuda_error, synchronize_device, NcclApi, UNIQUE_ID_BYTES};
+use super::api::{api, check, cuda_error, synchronize_compute_stream, NcclApi, UNIQUE_ID_BYTES};
 use super::communicator::{CommHandle, CommState, Shared};
 use super::completion::NcclWork;
 use crate::comm::flight::{self, OpState};
@@ -200,7 +200,7 @@ impl NcclGroup {
         Ok(())
     }
 
-    /// Enqueues one operation: synchronizes the device, takes the group lock (program order),
+    /// Enqueues one operation: waits for libtorch's compute stream, takes the group lock (program order),
     /// records it in the flight recorder, runs `enqueue` on the group's stream and returns a
     /// `Work` that completes with the event recorded after it and keeps `keep` alive till then.
     #[allow(clippy::too_many_arguments)]
@@ -219,9 +219,13 @@ impl NcclGroup {
     {
         let shared = &self.shared;
         // Outside the group lock, so a waiter can still take it to check for asynchronous
-        // NCCL errors while the device drains.
+        // NCCL errors while the compute stream drains.
         // A failure is reported below, once the operation is in the flight recorder.
-        let synced = synchronize_device(self.device);
+        let synced = shared
+            .ctx
+            .bind_to_thread()
+            .map_err(cuda_error("binding the primary context"))
+            .and_then(|_| synchronize_compute_stream(self.device));
         let mut state = lock(&shared.state);
         if let Some(reason) = &state.aborted {
             return Err(CommError::Nccl(format!(
@@ -278,6 +282,7 @@ impl NcclGroup {
                     keep_alive: Mutex::new(keep),
                     outcome: Mutex::new(None),
                     done: AtomicBool::new(false),
+                    also_completes: Vec::new(),
                 })))
             }
             Err(e) => {

@@ -6,25 +6,25 @@
 //! `all_to_all` with uneven splits is a grouped set of `ncclSend`/`ncclRecv`, and the barrier is
 //! an all-reduce of one element.
 //!
-//! # Synchronization (interim scheme)
+//! # Synchronization
 //!
-//! The design enqueues NCCL work on libtorch's *current* stream, but the C++ bridge that hands
-//! us that stream does not exist yet. Until it does, this backend is synchronized conservatively
-//! instead, so it is correct whatever stream libtorch used:
-//!
-//! 1. before enqueuing, the whole device is synchronized (`torch::cuda::synchronize`), so every
-//!    kernel libtorch issued that produces the inputs has finished;
-//! 2. the NCCL call is enqueued on a stream the group owns, created on the device's *primary*
-//!    context (the one libtorch's runtime API uses), and a CUDA event is recorded after it;
+//! 1. before enqueuing, libtorch's current stream on the device is synchronized (read through
+//!    the C++ bridge, `autograd::current_cuda_stream`), so every kernel libtorch issued that
+//!    produces the inputs has finished; the groups' own streams are not waited for, so an
+//!    operation still pending on one of them (a send whose receive the peer has not posted)
+//!    never blocks the next operation on another group;
+//! 2. the NCCL call is enqueued on a stream the group owns (non-blocking, created on the
+//!    device's *primary* context, the one libtorch's runtime API uses), and a CUDA event is
+//!    recorded after it;
 //! 3. the returned [`Work`] completes once that event has completed; it keeps the tensors alive
 //!    until then, so libtorch's caching allocator cannot recycle memory NCCL still uses, and
 //!    dropping an unfinished `Work` waits for it for the same reason.
 //!
-//! The cost: each new operation waits for everything already queued on the device, including
-//! the previous collective, so collectives overlap with compute issued after them but not with
-//! each other. Waiting polls the event and `ncclCommGetAsyncError`; an asynchronous NCCL error
-//! (a peer died, a network failure) aborts the communicator and fails this and every later
-//! operation of the group instead of hanging.
+//! Operations of one group run in issue order on its stream; sends and receives issued
+//! together go through [`crate::comm::p2p::post_batch`], one `ncclGroupStart` …
+//! `ncclGroupEnd` across groups. Waiting polls the event and `ncclCommGetAsyncError`; an
+//! asynchronous NCCL error (a peer died, a network failure) aborts the communicator and
+//! fails this and every later operation of the group instead of hanging.
 //!
 //! Unlike the CPU backend, mismatched shapes across ranks are not detected here (NCCL has no
 //! cheap way to compare them): they hang or produce garbage, and the flight recorder is what
@@ -46,6 +46,8 @@ mod collectives;
 mod communicator;
 mod completion;
 mod group;
+mod grouped;
 
 pub use api::nccl_version;
 pub use group::NcclGroup;
+pub(crate) use grouped::grouped_p2p;

@@ -165,6 +165,7 @@ pub(super) fn connect_group(
         links,
         opts.timeout,
         same_host.then_some(opts.shm_tag.as_str()),
+        opts.p2p,
     )?))
 }
 

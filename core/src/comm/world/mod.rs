@@ -26,7 +26,8 @@ mod run_store;
 
 pub use external::{torchelastic_in_env, ExternalLaunch, STORE_PORT_VAR};
 pub use options::{
-    default_rendezvous_timeout, default_timeout, Backend, InitOptions, RENDEZVOUS_TIMEOUT_VAR,
+    default_rendezvous_timeout, default_timeout, Backend, InitOptions, PointToPoint, P2P_VAR,
+    RENDEZVOUS_TIMEOUT_VAR,
 };
 pub use rendezvous::host_identity;
 pub use run_store::{RunStore, RunStoreError, RUN_STORE_MAX_VALUE};
@@ -183,6 +184,7 @@ impl World {
             namespace: format!("lockstep/run{run}/"),
             run_label: label.to_owned(),
             shm_tag: format!("p{}", std::process::id()),
+            p2p: PointToPoint::from_env()?,
         };
         Self::init_hosting(opts, hosted)
     }

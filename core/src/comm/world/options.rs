@@ -74,6 +74,61 @@ pub struct InitOptions {
     /// Names this run's shared-memory slots (`/dev/shm/lockstep-{shm_tag}-…`); a launcher
     /// that sets it removes what ranks that died mid-operation left behind.
     pub shm_tag: String,
+    /// When a CPU-backend send completes: at once (buffered), or only once its receive is
+    /// posted (NCCL's rendezvous), to prove on the CPU that nothing relies on buffering.
+    pub p2p: PointToPoint,
+}
+
+/// When a send completes on the CPU backend.
+///
+/// NCCL's `ncclSend` completes only once the peer posted the matching `ncclRecv`: two ranks
+/// that both send before they receive hang there as soon as the messages are too large for
+/// NCCL to buffer. The CPU backend normally completes a send at once (it copies the bytes),
+/// which hides such code; [`PointToPoint::Rendezvous`] gives it NCCL's rule, so a CPU run
+/// proves the code never relies on buffered sends.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PointToPoint {
+    /// A send completes when its bytes are handed to the transport.
+    #[default]
+    Buffered,
+    /// A send completes only once the receiver posted the matching receive.
+    Rendezvous,
+}
+
+/// Environment variable choosing [`PointToPoint`] for every rank of a run: `buffered`
+/// (the default) or `rendezvous`. Launched ranks inherit it.
+pub const P2P_VAR: &str = "LOCKSTEP_P2P";
+
+impl PointToPoint {
+    /// The mode as [`P2P_VAR`] and command lines spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            PointToPoint::Buffered => "buffered",
+            PointToPoint::Rendezvous => "rendezvous",
+        }
+    }
+
+    /// The mode [`P2P_VAR`] names; buffered when it is unset. A value that names no mode is
+    /// an error, not a silent default: a run meant to prove rendezvous must not run buffered.
+    pub fn from_env() -> Result<Self, CommError> {
+        match std::env::var(P2P_VAR) {
+            Ok(v) => v.parse(),
+            Err(_) => Ok(PointToPoint::Buffered),
+        }
+    }
+}
+
+impl std::str::FromStr for PointToPoint {
+    type Err = CommError;
+    fn from_str(s: &str) -> Result<Self, CommError> {
+        match s.trim() {
+            "buffered" | "" => Ok(PointToPoint::Buffered),
+            "rendezvous" => Ok(PointToPoint::Rendezvous),
+            other => Err(CommError::InvalidArgument(format!(
+                "{P2P_VAR}={other:?} names no point-to-point mode; expected buffered or rendezvous"
+            ))),
+        }
+    }
 }
 
 impl InitOptions {
@@ -97,6 +152,7 @@ impl InitOptions {
             namespace: "lockstep/".into(),
             run_label: String::new(),
             shm_tag: format!("p{}", std::process::id()),
+            p2p: PointToPoint::default(),
         }
     }
 }

@@ -1,0 +1,208 @@
+//! A batch of sends and receives over one or more NCCL groups issued as one NCCL group call
+//! (`ncclGroupStart` … `ncclGroupEnd`), so no send of the batch waits for a receive the same
+//! rank posts later: what [`crate::comm::p2p::batch_isend_irecv`] runs when every group is an
+//! NCCL group.
+//!
+//! Apart from the single-group launch path ([`super::group`]) because it spans groups: one
+//! device synchronization, every group's lock taken in one order, one flight record per
+//! operation, and one completion event per group's stream.
+
+use super::api::{check, cuda_error, synchronize_compute_stream};
+use super::collectives::nccl_dtype;
+use super::communicator::CommState;
+use super::completion::NcclWork;
+use super::group::NcclGroup;
+use crate::comm::flight::{self, OpState};
+use crate::comm::p2p::{P2pKind, P2pOp};
+use crate::comm::work::lock;
+use crate::comm::{CommError, OpKind, Work};
+use cudarc::nccl::sys::cudaStream_t;
+use std::ffi::c_int;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, MutexGuard};
+use tch::Tensor;
+
+/// Issues `ops` (each on `groups[i]`, the NCCL group behind `ops[i].group`) as one NCCL
+/// group call and returns one work per distinct group, each complete once that group's
+/// share of the batch finished, with whether that share receives anything.
+pub(crate) fn grouped_p2p(
+    ops: &[P2pOp<'_>],
+    groups: &[&NcclGroup],
+) -> Result<Vec<(bool, Work)>, CommError> {
+    // The distinct groups, in a fixed order (by address) so two batches lock them alike.
+    let mut distinct: Vec<&NcclGroup> = Vec::new();
+    for g in groups {
+        if !distinct.iter().any(|d| std::ptr::eq(*d, *g)) {
+            distinct.push(g);
+        }
+    }
+    distinct.sort_by_key(|g| *g as *const NcclGroup as usize);
+    let device = distinct[0].device;
+    let mut dtypes = Vec::with_capacity(ops.len());
+    for (op, g) in ops.iter().zip(groups) {
+        if g.device != device {
+            return Err(CommError::InvalidArgument(format!(
+                "a grouped send/receive batch spans cuda:{device} and cuda:{} (groups {} and \
+                 {}); one batch runs on one device",
+                g.device, distinct[0].shared.name, g.shared.name
+            )));
+        }
+        let what = match op.kind {
+            P2pKind::Send => "send destination",
+            P2pKind::Recv => "recv source",
+        };
+        g.check_peer(op.peer, what)?;
+        if op.peer == g.rank {
+            return Err(CommError::InvalidArgument(format!(
+                "{what} is this rank ({}) in group {}: NCCL never matches it; copy locally",
+                op.peer, g.shared.name
+            )));
+        }
+        dtypes.push(g.check_tensor(op.tensor, "tensor")?);
+    }
+    let synced = distinct[0]
+        .shared
+        .ctx
+        .bind_to_thread()
+        .map_err(cuda_error("binding the primary context"))
+        .and_then(|_| synchronize_compute_stream(device));
+    let mut states: Vec<MutexGuard<'_, CommState>> =
+        distinct.iter().map(|g| lock(&g.shared.state)).collect();
+    for (g, state) in distinct.iter().zip(&states) {
+        if let Some(reason) = &state.aborted {
+            return Err(CommError::Nccl(format!(
+                "group {}: the communicator was aborted after an earlier failure: {reason}",
+                g.shared.name
+            )));
+        }
+    }
+    let index_of = |g: &NcclGroup| {
+        distinct
+            .iter()
+            .position(|d| std::ptr::eq(*d, g))
+            .unwrap_or(0)
+    };
+    let mut flight_ids = Vec::with_capacity(ops.len());
+    for ((op, g), dtype) in ops.iter().zip(groups).zip(&dtypes) {
+        let state = &mut states[index_of(g)];
+        let (kind, seq) = match op.kind {
+            P2pKind::Send => {
+                state.send_seq[op.peer] += 1;
+                (OpKind::Send, state.send_seq[op.peer])
+            }
+            P2pKind::Recv => {
+                state.recv_seq[op.peer] += 1;
+                (OpKind::Recv, state.recv_seq[op.peer])
+            }
+        };
+        flight_ids.push(flight::record(
+            &g.shared.name,
+            seq,
+            kind,
+            vec![op.tensor.size()],
+            Some(*dtype),
+            Some(op.peer),
+            crate::comm::label::current(),
+        ));
+    }
+    let enqueued = (|| {
+        synced?;
+        distinct[0]
+            .shared
+            .ctx
+            .bind_to_thread()
+            .map_err(cuda_error("binding the primary context"))?;
+        let api = distinct[0].shared.api;
+        // SAFETY: plain NCCL call; every started group is ended below.
+        check(api, unsafe { (api.group_start)() }, None, "ncclGroupStart")?;
+        let mut first_error = Ok(());
+        for ((op, g), dtype) in ops.iter().zip(groups).zip(&dtypes) {
+            let comm = states[index_of(g)].comm.0;
+            let stream: cudaStream_t = g.shared.stream.cu_stream().cast();
+            let (ptr, count) = (op.tensor.data_ptr(), op.tensor.numel());
+            // SAFETY: dense CUDA buffers of `count` elements, kept alive by the works below
+            // until the kernels finished; peers are ranks of their groups (< size, fit c_int).
+            let rc = unsafe {
+                match op.kind {
+                    P2pKind::Send => (api.send)(
+                        ptr,
+                        count,
+                        nccl_dtype(*dtype),
+                        op.peer as c_int,
+                        comm,
+                        stream,
+                    ),
+                    P2pKind::Recv => (api.recv)(
+                        ptr,
+                        count,
+                        nccl_dtype(*dtype),
+                        op.peer as c_int,
+                        comm,
+                        stream,
+                    ),
+                }
+            };
+            if first_error.is_ok() {
+                first_error = check(api, rc, Some(comm), "ncclSend/ncclRecv (grouped)");
+            }
+        }
+        // A started group must be ended, even after a failed call inside it.
+        // SAFETY: ends the group started above.
+        let end = check(api, unsafe { (api.group_end)() }, None, "ncclGroupEnd");
+        first_error.and(end)?;
+        distinct
+            .iter()
+            .map(|g| {
+                g.shared
+                    .stream
+                    .record_event(None)
+                    .map_err(cuda_error("recording the completion event"))
+            })
+            .collect::<Result<Vec<_>, _>>()
+    })();
+    drop(states);
+    let events = match enqueued {
+        Ok(events) => events,
+        Err(e) => {
+            for id in flight_ids {
+                flight::update(id, OpState::Failed(e.to_string()));
+            }
+            return Err(e);
+        }
+    };
+    for id in &flight_ids {
+        flight::update(*id, OpState::Started);
+    }
+    // One work per group: it keeps that group's tensors alive and completes its operations'
+    // flight records (the first one carries the work; the others are marked with it).
+    let works = distinct
+        .iter()
+        .zip(events)
+        .map(|(g, event)| {
+            let mine: Vec<usize> = (0..ops.len())
+                .filter(|&i| std::ptr::eq(groups[i], *g))
+                .collect();
+            let keep: Vec<Tensor> = mine
+                .iter()
+                .map(|&i| ops[i].tensor.shallow_clone())
+                .collect();
+            let work = NcclWork {
+                shared: Arc::clone(&g.shared),
+                event,
+                flight_id: flight_ids[mine[0]],
+                what: format!(
+                    "{} grouped send/receive operation(s) on group {}",
+                    mine.len(),
+                    g.shared.name
+                ),
+                keep_alive: Mutex::new(keep),
+                outcome: Mutex::new(None),
+                done: AtomicBool::new(false),
+                also_completes: mine[1..].iter().map(|&i| flight_ids[i]).collect(),
+            };
+            let receives = mine.iter().any(|&i| ops[i].kind == P2pKind::Recv);
+            (receives, Work::new(Arc::new(work)))
+        })
+        .collect();
+    Ok(works)
+}
