@@ -1970,3 +1970,36 @@ fn placement_of<'a>(c: &'a lockstep::harness::parity::Comparison, tensor: &str) 
         .find(|p| p.tensor == tensor)
         .map(|p| p.placement.as_str())
 }
+
+/// Every pipeline configuration and every composition with a pipeline, at world 2, 4 and 8,
+/// with sends completing only once their receive is posted (NCCL's rendezvous): none relies
+/// on buffered sends (docs/comm.md). An unknown mode is refused before anything runs.
+#[test]
+fn pipelines_and_compositions_run_under_rendezvous_point_to_point() {
+    let scratch = Scratch::new("rendezvous");
+    let run = matrix_into(
+        &scratch.0,
+        &[
+            "--p2p",
+            "rendezvous",
+            "--world-size",
+            "2,4,8",
+            "--configs",
+            "pp*,*pp2*",
+            "--models",
+            "mlp_wide,gpt",
+        ],
+    );
+    assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
+    assert!(
+        run.stdout.contains(" 0 failed, 0 skipped, 0 run errors"),
+        "{}",
+        run.stdout
+    );
+    let bad = Scratch::new("rendezvous-bad");
+    refused(
+        &["--p2p", "eager", "--models", "mlp"],
+        &bad.0,
+        &["eager", "buffered", "rendezvous"],
+    );
+}
