@@ -31,6 +31,9 @@
 //!   with FSDP over each stage (PP x FSDP) at world 4; each microbatch's own mean scaled by
 //!   1/M fails, and microbatch gradients summed instead of averaged (torchtitan#2972) fails,
 //!   each at step 0 naming the tensor;
+//! - references are bound to their run: the run's own folder as its reference, a reference
+//!   as the shadow, references of another start, other batches or another model, and
+//!   references that do not say where they come from are bad input (exit 2) naming both sides;
 //! - a damaged record or tensor file is bad input (exit 2) naming the file, with nothing
 //!   written; a step without its batch or before backward, a reference model that differs
 //!   from the run, two precisions at once, references in another precision than the job's
@@ -657,4 +660,109 @@ fn misuse_of_the_recorder_and_the_references_is_named() -> Result<()> {
          lockstep_probe.Recorder(out + '/fsdp1', flat, name='lin', config='fsdp1')",
         "is recorded with use_orig_params=True",
     )
+}
+
+/// `lockstep judge` with `--run`, `--reference` and `--shadow` given apart: exit code and
+/// stderr.
+fn judge_with(run: &Path, reference: &Path, shadow: &Path, out: &Path) -> Result<(i32, String)> {
+    let out = Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .arg("judge")
+        .arg("--run")
+        .arg(run)
+        .arg("--reference")
+        .arg(reference)
+        .arg("--shadow")
+        .arg(shadow)
+        .arg("--out")
+        .arg(out)
+        .output()
+        .context("run lockstep judge")?;
+    Ok((
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+/// References are bound to the run they were trained from: the run's own folder given as its
+/// reference, a reference given as the shadow, references of another start or other batches,
+/// references that do not say where they come from and a reference of another model are bad
+/// input (exit 2) naming both sides, with nothing written; the bound ones pass.
+#[test]
+fn references_not_trained_from_the_run_are_refused() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let d = dir.path();
+    if !record_job(FSDP2, 2, d, &[])? {
+        println!("SKIP: no Python with torch here (ci/setup-libtorch installs one)");
+        return Ok(());
+    }
+    let (run, reference, shadow) = (d.join("run"), d.join("reference"), d.join("shadow"));
+    let report = d.join("report");
+    let refused = |got: (i32, String), want: &[&str]| -> Result<()> {
+        ensure!(got.0 == 2, "exit {}, not 2: {}", got.0, got.1);
+        for text in want {
+            ensure!(got.1.contains(text), "`{text}` not in: {}", got.1);
+        }
+        ensure!(!report.exists(), "a refused judgement wrote its report");
+        Ok(())
+    };
+    refused(
+        judge_with(&run, &run, &shadow, &report)?,
+        &["is a job's run record", "reference"],
+    )?;
+    refused(
+        judge_with(&run, &reference, &reference, &report)?,
+        &["the shadow", "is a reference record"],
+    )?;
+    // Copies of the reference whose record says it was trained from another start, from
+    // other batches, or does not say.
+    let tampered = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| -> Result<PathBuf> {
+        let copy = d.join(name);
+        std::fs::create_dir_all(&copy)?;
+        for entry in std::fs::read_dir(&reference)? {
+            let entry = entry?;
+            std::fs::copy(entry.path(), copy.join(entry.file_name()))?;
+        }
+        let mut record: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(copy.join("record.json"))?)?;
+        edit(&mut record);
+        std::fs::write(copy.join("record.json"), record.to_string())?;
+        Ok(copy)
+    };
+    let other_start = tampered("other-start", &|r| {
+        r["trained_from"]["init"] = serde_json::json!("0".repeat(64));
+    })?;
+    refused(
+        judge_with(&run, &other_start, &shadow, &report)?,
+        &[
+            "was not trained from the run",
+            "another initial state",
+            "000000000000",
+        ],
+    )?;
+    let other_batches = tampered("other-batches", &|r| {
+        r["trained_from"]["batches"][1] = serde_json::json!("f".repeat(64));
+    })?;
+    refused(
+        judge_with(&run, &other_batches, &shadow, &report)?,
+        &["other batches: from step 1 on"],
+    )?;
+    let unsaid = tampered("unsaid", &|r| {
+        r.as_object_mut().map(|o| o.remove("trained_from"));
+    })?;
+    refused(
+        judge_with(&run, &unsaid, &shadow, &report)?,
+        &["does not say which run it was trained from"],
+    )?;
+    // A reference of another model (here: one parameter fewer) is bad input too, not a
+    // numerical verdict.
+    let other_model = tampered("other-model", &|r| {
+        r["params"].as_array_mut().map(|p| p.remove(0));
+    })?;
+    refused(
+        judge_with(&run, &other_model, &shadow, &report)?,
+        &["not the same model", "missing"],
+    )?;
+    let (code, stderr) = judge_with(&run, &reference, &shadow, &report)?;
+    ensure!(code == 0, "the bound references: exit {code}: {stderr}");
+    Ok(())
 }

@@ -188,6 +188,37 @@ def _digest(t):
     return float(t.detach().double().sum()), hashlib.sha1(raw_bytes(t)).hexdigest()
 
 
+def digest_state(state):
+    """The identity of a state dict (name -> tensor): a SHA-256 over every name, dtype, shape
+    and byte, in name order. What binds references to the start they were trained from."""
+    h = hashlib.sha256()
+    for name, t in sorted(state.items()):
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(raw_bytes(t))
+    return h.hexdigest()
+
+
+def digest_step_batches(ranks):
+    """The identity of one step's batches (every rank's, or every pipeline's, in order): a
+    SHA-256 over every tensor's position, dtype, shape and bytes."""
+    h = hashlib.sha256()
+    for r, batch in enumerate(ranks):
+        for i, t in enumerate(batch):
+            h.update(f"{r}.{i}|{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(raw_bytes(t))
+    return h.hexdigest()
+
+
+def digest_config(spec):
+    """The identity of what a run trained: its model, world size, step count and seed (the
+    configuration's name differs between a run and its references by design)."""
+    key = json.dumps([spec["model"], spec["world_size"], spec["steps"], spec["seed"]])
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+KINDS = ("run", "reference", "shadow")
+
+
 class Recorder:
     """Records one rank's training for Lockstep.
 
@@ -209,11 +240,24 @@ class Recorder:
     `world_size` overrides how many data ranks the run stands for (a single-device reference
     stands in for a world of ranks); `keep_batches=False` records no batches (the references'
     own records need none).
+
+    The record binds itself: a job's (`kind="run"`) carries the digests of its initial state,
+    of every step's batches and of its configuration; a reference's or shadow's (`kind=
+    "reference"` / `"shadow"`, written by `train_references`) carries, as `trained_from`, the
+    digests of the run it was trained from, so `lockstep judge` refuses references of another
+    run.
     """
 
     def __init__(self, out, model, *, name, config, seed=0, steps=None, record_grads=True,
                  world_size=None, backend=None, stages=False, data=None, keep_batches=True,
-                 precision=None):
+                 precision=None, kind="run", trained_from=None):
+        if kind not in KINDS:
+            raise RecordError(f"kind={kind!r}: a record is one of {', '.join(KINDS)}")
+        if (kind == "run") != (trained_from is None):
+            raise RecordError("a run's record binds its own start and batches; a reference's "
+                              "or shadow's names the run's with trained_from=")
+        self.kind, self.trained_from = kind, trained_from
+        self.batch_digests = []
         self.out = Path(out)
         self.model = unwrapped(model)
         precision = precision or declared_precision(self.model)
@@ -257,6 +301,7 @@ class Recorder:
             elif len(dtypes) == 1:
                 self.spec["dtype"] = {torch.float32: "fp32", torch.float64: "fp64"}.get(
                     dtypes.pop(), "mixed")
+            self.init_digest = digest_state(init)
             torch.save(init, self.out / "init.pt")
 
     def _first_replica(self, mine):
@@ -348,6 +393,7 @@ class Recorder:
             self.batches.append([per_replica[i] for i in range(self.data_size)])
         else:
             self.batches.append([batch for _, _, _, batch in every])
+        self.batch_digests.append(digest_step_batches(self.batches[-1]))
 
     def _holds_copies(self):
         """Whether some rank may hold another's copy of a tensor (a pipeline's stages do only
@@ -452,7 +498,16 @@ class Recorder:
             "grads": ([keyed(f"grad/{step}", grads) for step, grads in enumerate(self.grads)]
                       if self.record_grads else None),
             "tensor_file": TENSOR_FILE,
+            "kind": self.kind,
         }
+        if self.kind == "run":
+            record["binding"] = {
+                "init": self.init_digest,
+                "batches": self.batch_digests if self.keep_batches else None,
+                "config": digest_config(self.spec),
+            }
+        else:
+            record["trained_from"] = self.trained_from
         if self._holds_copies():
             record["cross_rank"] = self.cross_rank
         if self.keep_batches:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .record import PRECISION_NAMES, Recorder
+from .record import (PRECISION_NAMES, Recorder, digest_config, digest_state,
+                     digest_step_batches)
 
 
 class ReferenceError(Exception):
@@ -213,8 +214,15 @@ def _compute(param_dtype, autocast):
     return _OwnDtype
 
 
+def _binding(spec, init, batches):
+    """The digests of the run the references are trained from, as its record binds them."""
+    return {"init": digest_state(init),
+            "batches": [digest_step_batches(ranks) for ranks in batches],
+            "config": digest_config(spec)}
+
+
 def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, config, device, *,
-           compute=_OwnDtype, precision=None, max_grad_norm=None):
+           compute=_OwnDtype, precision=None, max_grad_norm=None, kind="reference"):
     """One single-device training from `init` over the global batches: each step's objective
     is every rank's loss in rank order, summed, divided by the world size (what a data-parallel
     job's averaged gradients are the gradient of), each step computed by `compute` (the job's
@@ -230,7 +238,7 @@ def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, con
     stepper = compute(model, dtype, device)
     rec = Recorder(out, model, name=spec["model"], config=config, seed=spec["seed"],
                    world_size=spec["world_size"], backend=spec["backend"], keep_batches=False,
-                   precision=precision)
+                   precision=precision, kind=kind, trained_from=_binding(spec, init, batches))
     for ranks in batches:
         optimizer.zero_grad()
         loss = stepper.step(loss_fn, ranks)
@@ -281,4 +289,5 @@ def train_references(model_fn, loss_fn, optimizer_fn, run_dir, out_dir, *, shado
     if shadow:
         with deterministic(shadow_device):
             _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out_dir / "shadow",
-                   torch.float64, "single.f64", shadow_device, max_grad_norm=max_grad_norm)
+                   torch.float64, "single.f64", shadow_device, max_grad_norm=max_grad_norm,
+                   kind="shadow")

@@ -4,8 +4,10 @@
 //! shadow is given (else by the fp32 dtype table), with the same engine, reports and exit
 //! codes as the matrix (docs/judge.md).
 
+pub mod binding;
 mod tensor_file;
 
+use binding::{check_bound, Provenance};
 use lockstep_core::record::RunRecord;
 use lockstep_harness::parity::{arbitrate, compare, Comparison, TolerancePolicy, ENVELOPE};
 use lockstep_harness::report::{prepare_dir, write_all, Report, ReportError, ReportFiles};
@@ -54,6 +56,14 @@ pub enum JudgeError {
     /// The records do not describe the same training (other world size or step count).
     #[error("{0}")]
     Mismatch(String),
+    /// A reference or shadow not trained from this run, of the wrong kind or dtype
+    /// ([`binding::check_bound`]).
+    #[error("{0}")]
+    Unbound(String),
+    /// The reference's model differs from the run's (a tensor missing on one side, or of
+    /// another shape): not a numerical verdict.
+    #[error("the run and its references are not the same model: {0}")]
+    Structure(String),
     /// The report could not be written.
     #[error(transparent)]
     Report(#[from] ReportError),
@@ -63,6 +73,11 @@ pub enum JudgeError {
 /// read from the tensor file it names, if any (docs/judge.md, "The record format"); or an
 /// error naming the file and what is wrong with it.
 pub fn read_record(path: &Path) -> Result<RunRecord, JudgeError> {
+    read_bound_record(path).map(|(record, _)| record)
+}
+
+/// [`read_record`] with what the record says about where it comes from.
+pub fn read_bound_record(path: &Path) -> Result<(RunRecord, Provenance), JudgeError> {
     let file = match path.is_dir() {
         true => path.join("record.json"),
         false => path.to_owned(),
@@ -76,8 +91,9 @@ pub fn read_record(path: &Path) -> Result<RunRecord, JudgeError> {
         detail: e.to_string(),
     };
     let mut record: serde_json::Value = serde_json::from_str(&text).map_err(parse)?;
+    let provenance = Provenance::read(&file, &record)?;
     tensor_file::fill_values(&mut record, file.parent().unwrap_or(Path::new(".")))?;
-    serde_json::from_value(record).map_err(parse)
+    Ok((serde_json::from_value(record).map_err(parse)?, provenance))
 }
 
 /// Refuses records that cannot describe the same training: a reference standing for another
@@ -117,10 +133,21 @@ pub fn judge_records(
 /// Reads the records, judges the job and writes the report set; the report says whether it
 /// passed. Nothing is written when an input is bad.
 pub fn judge(opts: &JudgeOptions) -> Result<(Report, ReportFiles), JudgeError> {
-    let run = read_record(&opts.run)?;
-    let reference = read_record(&opts.reference)?;
-    let shadow = opts.shadow.as_deref().map(read_record).transpose()?;
+    let (run, run_from) = read_bound_record(&opts.run)?;
+    let (reference, reference_from) = read_bound_record(&opts.reference)?;
+    check_bound(&run_from, &reference_from, "reference")?;
+    let shadow = match opts.shadow.as_deref() {
+        Some(path) => {
+            let (shadow, shadow_from) = read_bound_record(path)?;
+            check_bound(&run_from, &shadow_from, "shadow")?;
+            Some(shadow)
+        }
+        None => None,
+    };
     let comparison = judge_records(&run, &reference, shadow.as_ref())?;
+    if !comparison.structural.is_empty() {
+        return Err(JudgeError::Structure(comparison.structural.join("; ")));
+    }
     let report = Report::new(vec![comparison])
         .with_environment(Some(lockstep_harness::report::environment()));
     prepare_dir(&opts.out)?;

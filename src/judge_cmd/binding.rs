@@ -1,0 +1,174 @@
+//! What ties a reference to the run it judges: a job's record carries the digests of its
+//! initial state, of every step's batches and of its configuration (`binding`); a reference's
+//! and a shadow's carry the digests of the run they were trained from (`trained_from`), and
+//! their kind. A reference of another run, the run's own folder given as its reference, or
+//! an fp32 record given as the shadow would otherwise be judged as if they fit, and a buggy
+//! job could pass.
+
+use super::JudgeError;
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+/// The digests one record is bound to (SHA-256, hexadecimal).
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+pub struct Digests {
+    /// Of the initial state (every name, dtype, shape and byte).
+    pub init: String,
+    /// Of each step's batches (every rank's, in rank order); `null` when none were kept.
+    pub batches: Option<Vec<String>>,
+    /// Of the model, world size, step count and seed.
+    pub config: String,
+}
+
+/// What a record says about where it comes from, read beside the run record itself.
+#[derive(Clone, Debug)]
+pub struct Provenance {
+    /// The record file, for messages.
+    pub path: PathBuf,
+    /// `run`, `reference` or `shadow`; `None` for a record that does not say.
+    pub kind: Option<String>,
+    /// A run's own digests.
+    pub binding: Option<Digests>,
+    /// A reference's or shadow's: the run's digests it was trained from.
+    pub trained_from: Option<Digests>,
+    /// The record's dtype (`fp32`, `fp64`, `bf16`, …).
+    pub dtype: String,
+}
+
+impl Provenance {
+    /// Reads the provenance fields of a record's JSON (`file` names it in errors).
+    pub fn read(file: &Path, record: &serde_json::Value) -> Result<Provenance, JudgeError> {
+        let field = |name: &str| -> Result<Option<Digests>, JudgeError> {
+            match record.get(name) {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(v) => {
+                    serde_json::from_value(v.clone())
+                        .map(Some)
+                        .map_err(|e| JudgeError::Parse {
+                            path: file.to_owned(),
+                            detail: format!("`{name}`: {e}"),
+                        })
+                }
+            }
+        };
+        Ok(Provenance {
+            path: file.to_owned(),
+            kind: record
+                .get("kind")
+                .and_then(|k| k.as_str())
+                .map(str::to_owned),
+            binding: field("binding")?,
+            trained_from: field("trained_from")?,
+            dtype: record
+                .pointer("/spec/dtype")
+                .and_then(|d| d.as_str())
+                .unwrap_or("?")
+                .to_owned(),
+        })
+    }
+}
+
+/// A digest as messages show it: its first 12 hexadecimal digits.
+fn short(digest: &str) -> &str {
+    digest.get(..12).unwrap_or(digest)
+}
+
+/// Refuses (bad input, exit 2, naming both sides) a `role` record (`reference` or `shadow`)
+/// that was not trained from `run`, is of another kind, or (a shadow) is not float64.
+pub fn check_bound(run: &Provenance, other: &Provenance, role: &str) -> Result<(), JudgeError> {
+    let refuse = |why: String| JudgeError::Unbound(why);
+    if let Some(kind) = run.kind.as_deref().filter(|k| *k != "run") {
+        return Err(refuse(format!(
+            "--run {} is a {kind} record (trained by train_references), not a job's run",
+            run.path.display()
+        )));
+    }
+    match other.kind.as_deref() {
+        Some(kind) if kind == role => {}
+        Some("run") => {
+            return Err(refuse(format!(
+                "the {role} {} is a job's run record, not a single-device {role} trained from \
+                 the run (was --{role} pointed at a run's folder?)",
+                other.path.display()
+            )))
+        }
+        Some(kind) => {
+            return Err(refuse(format!(
+                "the {role} {} is a {kind} record: pass the {role} train_references wrote \
+                 (out/{role})",
+                other.path.display()
+            )))
+        }
+        None => {
+            return Err(refuse(format!(
+                "the {role} {} does not say what it is (no `kind`): train it with \
+                 lockstep_probe.train_references from the run",
+                other.path.display()
+            )))
+        }
+    }
+    if role == "shadow" && other.dtype != "fp64" {
+        return Err(refuse(format!(
+            "the shadow {} computes in {}, not float64: the arbiter measures rounding against \
+             a float64 shadow (train_references writes it as out/shadow)",
+            other.path.display(),
+            other.dtype
+        )));
+    }
+    let Some(ours) = &run.binding else {
+        return Err(refuse(format!(
+            "the run {} carries no binding (the digests of its initial state, batches and \
+             configuration), so no reference can be shown to be its: record it with this \
+             lockstep_probe (docs/judge.md, \"The record format\")",
+            run.path.display()
+        )));
+    };
+    let Some(theirs) = &other.trained_from else {
+        return Err(refuse(format!(
+            "the {role} {} does not say which run it was trained from: train it with this \
+             lockstep_probe's train_references from the run",
+            other.path.display()
+        )));
+    };
+    let mut differences = Vec::new();
+    if theirs.init != ours.init {
+        differences.push(format!(
+            "another initial state (digest {} against the run's {})",
+            short(&theirs.init),
+            short(&ours.init)
+        ));
+    }
+    if theirs.batches != ours.batches {
+        let step = match (&theirs.batches, &ours.batches) {
+            (Some(a), Some(b)) => a.iter().zip(b).position(|(x, y)| x != y).map_or(
+                format!("{} steps against {}", a.len(), b.len()),
+                |s| {
+                    format!(
+                        "from step {s} on ({} against the run's {})",
+                        short(&a[s]),
+                        short(&b[s])
+                    )
+                },
+            ),
+            _ => "one side kept none".into(),
+        };
+        differences.push(format!("other batches: {step}"));
+    }
+    if theirs.config != ours.config {
+        differences.push(format!(
+            "another model, world size, step count or seed (digest {} against the run's {})",
+            short(&theirs.config),
+            short(&ours.config)
+        ));
+    }
+    if differences.is_empty() {
+        return Ok(());
+    }
+    Err(refuse(format!(
+        "the {role} {} was not trained from the run {}: {}; train it from this run \
+         (train_references(..., run_dir, ...))",
+        other.path.display(),
+        run.path.display(),
+        differences.join("; ")
+    )))
+}
