@@ -24,6 +24,11 @@ plants a bug that gathering full tensors cannot see: the last rank's shard of on
 halved, so its copy drifts from its replica's while every full tensor rank 0 gathers (from
 its own replica) looks right. The recorder compares the copies and names the tensor.
 
+`--bug same-batch-everywhere` gives every rank rank 0's batch (a data loader without a
+`DistributedSampler`), and `--bug loader-stuck` repeats each rank's batch of step 1 from then
+on: the numbers of both match their references (trained on the same wrong data), and the
+recorder's data checks fail them with their own finding.
+
 `--precision bf16` trains under FSDP2's `MixedPrecisionPolicy(param_dtype=torch.bfloat16,
 reduce_dtype=torch.float32)`, its references in the same precision; `--bug
 bf16-master-weights` then keeps the parameters themselves in bf16 (no fp32 master weights).
@@ -124,7 +129,13 @@ def train_deterministically(args, record):
                                   config=config, seed=SEED, steps=STEPS) if record else None
     started = time.perf_counter()
     for step in range(STEPS):
-        x, y = (t.to(device) for t in batch(rank, step))
+        if bug == "same-batch-everywhere":
+            x, y = batch(0, step)  # the bug: no DistributedSampler; every rank reads rank 0's
+        elif bug == "loader-stuck":
+            x, y = batch(rank, min(step, 1))  # the bug: the loader stops advancing at step 1
+        else:
+            x, y = batch(rank, step)
+        x, y = x.to(device), y.to(device)
         opt.zero_grad()
         if accumulate == 1:
             loss = loss_fn(model, x, y)
@@ -156,7 +167,8 @@ def main():
     parser.add_argument("mode", choices=["train", "reference", "bench"])
     parser.add_argument("out")
     parser.add_argument("--bug", choices=["accumulation-zeroes", "replica-shard-drifts",
-                                          "bf16-master-weights"])
+                                          "bf16-master-weights", "same-batch-everywhere",
+                                          "loader-stuck"])
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--mesh", choices=["fsdp", "hsdp"], default="fsdp")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

@@ -78,8 +78,10 @@ def train(out, bug):
     hidden = {}  # the row-parallel layer's output, for the planted bias bug
     model[2].register_forward_hook(lambda _m, _i, out: hidden.update(out=out))
     opt = optimizer(model.parameters())
+    # Every TP rank computes on the same batch, on purpose: said, so the data check allows it.
     rec = lockstep_probe.Recorder(Path(out) / "run", model, name="mlp",  # lockstep
-                                  config=f"tp{world}", seed=SEED, steps=STEPS)
+                                  config=f"tp{world}", seed=SEED, steps=STEPS,
+                                  replicated_data=True)
     for step in range(STEPS):
         x, y = batch(step)
         opt.zero_grad()

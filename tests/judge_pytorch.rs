@@ -31,6 +31,8 @@
 //!   with FSDP over each stage (PP x FSDP) at world 4; each microbatch's own mean scaled by
 //!   1/M fails, and microbatch gradients summed instead of averaged (torchtitan#2972) fails,
 //!   each at step 0 naming the tensor;
+//! - every rank reading the same batch, and a loader that stops advancing, fail with their
+//!   own finding though the numbers match;
 //! - references are bound to their run: the run's own folder as its reference, a reference
 //!   as the shadow, references of another start, other batches or another model, and
 //!   references that do not say where they come from are bad input (exit 2) naming both sides;
@@ -764,5 +766,30 @@ fn references_not_trained_from_the_run_are_refused() -> Result<()> {
     )?;
     let (code, stderr) = judge_with(&run, &reference, &shadow, &report)?;
     ensure!(code == 0, "the bound references: exit {code}: {stderr}");
+    Ok(())
+}
+
+/// Bad data fails with its own finding though the numbers match the references (trained on
+/// the same data): every rank reading rank 0's batch (no `DistributedSampler`), and a loader
+/// that stops advancing. A TP job that gives every rank the same batch on purpose says so
+/// (`replicated_data=True`) and passes (`a_dtensor_tp_job_passes...`).
+#[test]
+fn the_same_batch_on_every_rank_and_a_stuck_loader_are_caught() -> Result<()> {
+    for (bug, finding) in [
+        (
+            "same-batch-everywhere",
+            "every data-parallel rank received the same batch at step 0",
+        ),
+        (
+            "loader-stuck",
+            "data-parallel rank 0's batch at step 2 repeats the batch of step 1",
+        ),
+    ] {
+        let Some(c) = judged(FSDP2, 2, &["--bug", bug], 1)? else {
+            return Ok(());
+        };
+        let diagnosis = c["diagnosis"].as_str().unwrap_or_default();
+        ensure!(diagnosis.contains(finding), "{bug}: {diagnosis}");
+    }
     Ok(())
 }

@@ -241,6 +241,13 @@ class Recorder:
     stands in for a world of ranks); `keep_batches=False` records no batches (the references'
     own records need none).
 
+    The data is checked as it is recorded: every data-parallel rank (every pipeline replica
+    under `stages`) receiving the same batch at a step (a loader without a
+    `DistributedSampler`), or a rank's batch repeating one of an earlier step (a loader that
+    does not advance), fails the job with its own finding. `replicated_data=True` says the
+    job gives every rank the same batch on purpose (tensor parallelism alone), which turns the
+    first check off.
+
     The record binds itself: a job's (`kind="run"`) carries the digests of its initial state,
     of every step's batches and of its configuration; a reference's or shadow's (`kind=
     "reference"` / `"shadow"`, written by `train_references`) carries, as `trained_from`, the
@@ -250,7 +257,7 @@ class Recorder:
 
     def __init__(self, out, model, *, name, config, seed=0, steps=None, record_grads=True,
                  world_size=None, backend=None, stages=False, data=None, keep_batches=True,
-                 precision=None, kind="run", trained_from=None):
+                 precision=None, kind="run", trained_from=None, replicated_data=False):
         if kind not in KINDS:
             raise RecordError(f"kind={kind!r}: a record is one of {', '.join(KINDS)}")
         if (kind == "run") != (trained_from is None):
@@ -258,6 +265,9 @@ class Recorder:
                               "or shadow's names the run's with trained_from=")
         self.kind, self.trained_from = kind, trained_from
         self.batch_digests = []
+        self.replicated_data = replicated_data
+        # The data checks' findings, and every earlier (step, rank) of each batch digest.
+        self.data_findings, self.seen_batches = [], {}
         self.out = Path(out)
         self.model = unwrapped(model)
         precision = precision or declared_precision(self.model)
@@ -394,6 +404,33 @@ class Recorder:
         else:
             self.batches.append([batch for _, _, _, batch in every])
         self.batch_digests.append(digest_step_batches(self.batches[-1]))
+        self._check_data(len(self.batches) - 1, self.batches[-1])
+
+    def _check_data(self, step, ranks):
+        """The data checks of one step (rank 0): one finding of each kind at most."""
+        who = "pipeline replica" if self.stages else "data-parallel rank"
+        digests = [digest_step_batches([b]) for b in ranks]
+        kinds = {f["kind"] for f in self.data_findings}
+        if (len(digests) > 1 and len(set(digests)) == 1 and not self.replicated_data
+                and "same_batch" not in kinds):
+            self.data_findings.append({
+                "kind": "same_batch", "step": step,
+                "text": f"every {who} received the same batch at step {step} "
+                        f"({len(digests)} of them): a data loader without a DistributedSampler "
+                        "(or indexed by the wrong rank) trains every rank on the same data; "
+                        "if the job replicates its data on purpose (tensor parallelism "
+                        "alone), record it with Recorder(replicated_data=True)"})
+        for r, d in enumerate(digests):
+            earlier = self.seen_batches.get(d)
+            if earlier is not None and "repeated_batch" not in kinds:
+                self.data_findings.append({
+                    "kind": "repeated_batch", "step": step,
+                    "text": f"{who} {r}'s batch at step {step} repeats the batch of step "
+                            f"{earlier[0]} ({who} {earlier[1]}): the data loader does not "
+                            "advance"})
+                kinds.add("repeated_batch")
+        for r, d in enumerate(digests):
+            self.seen_batches.setdefault(d, (step, r))
 
     def _holds_copies(self):
         """Whether some rank may hold another's copy of a tensor (a pipeline's stages do only
@@ -501,6 +538,7 @@ class Recorder:
             "kind": self.kind,
         }
         if self.kind == "run":
+            record["data"] = self.data_findings
             record["binding"] = {
                 "init": self.init_digest,
                 "batches": self.batch_digests if self.keep_batches else None,

@@ -1,3 +1,6 @@
+//! What a record says about where it comes from, beside its numbers: what ties a reference
+//! to the run it judges, and what the recorder found wrong with the run's data.
+//!
 //! What ties a reference to the run it judges: a job's record carries the digests of its
 //! initial state, of every step's batches and of its configuration (`binding`); a reference's
 //! and a shadow's carry the digests of the run they were trained from (`trained_from`), and
@@ -33,6 +36,9 @@ pub struct Provenance {
     pub trained_from: Option<Digests>,
     /// The record's dtype (`fp32`, `fp64`, `bf16`, …).
     pub dtype: String,
+    /// A run's data findings (the same batch on every rank, a batch repeated from an earlier
+    /// step), in words: each fails the job.
+    pub data_findings: Vec<String>,
 }
 
 impl Provenance {
@@ -64,6 +70,17 @@ impl Provenance {
                 .and_then(|d| d.as_str())
                 .unwrap_or("?")
                 .to_owned(),
+            data_findings: record
+                .get("data")
+                .and_then(|d| d.as_array())
+                .map(|findings| {
+                    findings
+                        .iter()
+                        .filter_map(|f| f.get("text").and_then(|t| t.as_str()))
+                        .map(str::to_owned)
+                        .collect()
+                })
+                .unwrap_or_default(),
         })
     }
 }

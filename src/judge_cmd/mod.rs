@@ -130,6 +130,20 @@ pub fn judge_records(
     })
 }
 
+/// A job whose data the recorder found wrong fails whatever its numbers: the references
+/// trained on the same wrong data, so they cannot see it. The findings lead the diagnosis.
+fn fail_on_data_findings(comparison: &mut Comparison, findings: &[String]) {
+    if findings.is_empty() {
+        return;
+    }
+    let found = format!("data: {}", findings.join("; "));
+    comparison.diagnosis = Some(match comparison.diagnosis.take() {
+        Some(numbers) => format!("{found}. {numbers}"),
+        None => found,
+    });
+    comparison.passed = false;
+}
+
 /// Reads the records, judges the job and writes the report set; the report says whether it
 /// passed. Nothing is written when an input is bad.
 pub fn judge(opts: &JudgeOptions) -> Result<(Report, ReportFiles), JudgeError> {
@@ -144,10 +158,11 @@ pub fn judge(opts: &JudgeOptions) -> Result<(Report, ReportFiles), JudgeError> {
         }
         None => None,
     };
-    let comparison = judge_records(&run, &reference, shadow.as_ref())?;
+    let mut comparison = judge_records(&run, &reference, shadow.as_ref())?;
     if !comparison.structural.is_empty() {
         return Err(JudgeError::Structure(comparison.structural.join("; ")));
     }
+    fail_on_data_findings(&mut comparison, &run_from.data_findings);
     let report = Report::new(vec![comparison])
         .with_environment(Some(lockstep_harness::report::environment()));
     prepare_dir(&opts.out)?;
