@@ -1384,3 +1384,31 @@ fn the_arbiter_envelope_is_the_widest_of_the_correct_fp32_runs() {
     let c = arbitrate_with_spread(&run, &reference, &[&overflowed], &exact, &ENVELOPE, None);
     assert!(!c.passed);
 }
+
+/// A passing arbiter row whose error columns are large (a value near zero: a tiny absolute
+/// error is a huge ULP count) says, under the table, why the margin and not those columns is
+/// the verdict; a report without such a row says nothing.
+#[test]
+fn a_passing_row_with_large_ulp_counts_is_explained() {
+    use lockstep_harness::parity::{arbitrate, ENVELOPE};
+    use lockstep_harness::report::LARGE_DISTANCES_NOTE;
+    let near_zero = |config: &str, w: f64| {
+        record(
+            config,
+            &[1.0, 1.0, 1.0],
+            vec![tensor("b", DType::F32, &[1], &[w])],
+        )
+    };
+    let ref64 = near_zero("single.f64@2", 1e-12);
+    let ref32 = near_zero("single@2", 1e-12 + 1e-9);
+    let run = near_zero("ddp@2", 1e-12 + 2e-9);
+    let c = arbitrate(&run, &ref32, &ref64, &ENVELOPE, None);
+    assert!(c.passed, "{:?}", c.diagnosis);
+    assert!(c.overall().max_ulp >= 1000, "{}", c.overall().max_ulp);
+    let report = Report::new(vec![c]);
+    let md = render_markdown(&report);
+    assert!(md.contains(LARGE_DISTANCES_NOTE), "{md}");
+    assert!(render_html(&report).contains("the margin is the verdict"));
+    let quiet = render_markdown(&Report::new(sample_comparisons()));
+    assert!(!quiet.contains(LARGE_DISTANCES_NOTE), "{quiet}");
+}

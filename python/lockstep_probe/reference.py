@@ -24,6 +24,10 @@ def _load(run_dir):
     """The run's record spec, initial state and batches, or an error naming what is missing."""
     run_dir = Path(run_dir)
     paths = {n: run_dir / n for n in ("record.json", "init.pt", "batches.pt")}
+    if paths["init.pt"].is_file() and not paths["record.json"].is_file():
+        raise ReferenceError(f"{paths['record.json']}: missing, while {paths['init.pt'].name} is "
+                             "there: the run started recording but never reached rec.finish() "
+                             "(did it crash or stop early? its log says why)")
     for name, path in paths.items():
         if not path.is_file():
             raise ReferenceError(f"{path}: missing (was the run recorded with "

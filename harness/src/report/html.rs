@@ -449,6 +449,17 @@ pub fn render_html(report: &Report) -> String {
     );
     render_headline(report, &mut out);
     render_summary_table(report, &mut out);
+    if report
+        .comparisons
+        .iter()
+        .any(super::markdown::passed_with_large_distances)
+    {
+        let _ = writeln!(
+            out,
+            "<p class=\"note\">{}</p>",
+            xml_escape(super::markdown::LARGE_DISTANCES_NOTE)
+        );
+    }
     for e in &report.errors {
         let name = format!("{} / {} vs {}", e.model, e.config, e.reference);
         let _ = writeln!(

@@ -85,6 +85,27 @@ fn render_summary_table(report: &Report, out: &mut String) {
             cell(&k.reason)
         );
     }
+    if report.comparisons.iter().any(passed_with_large_distances) {
+        let _ = writeln!(out, "\n{LARGE_DISTANCES_NOTE}");
+    }
+}
+
+/// ULP counts from which a passing row's columns look alarming to a reader.
+const ALARMING_ULP: u64 = 1000;
+
+/// Why a passing arbiter row may show a large error or ULP count: the columns are maxima over
+/// every tensor and step, and on a value whose true value is near zero they measure nothing.
+pub const LARGE_DISTANCES_NOTE: &str = "Reading a passing row with large error or ULP columns: \
+under the fp64 arbiter the margin is the verdict. The error and ULP columns are the largest \
+over every tensor and step, and on a value whose true value is near zero (a bias gradient \
+averaging to 0, a parameter AdamW moves by its full step whatever the gradient's size) a tiny \
+absolute error is a huge relative error or ULP count, which says nothing about correctness. \
+The arbiter instead compares each tensor's distance to the float64 shadow with the fp32 \
+reference's own distance, which rounding alone gives (docs/parity.md, the fp64 arbiter).";
+
+/// An arbiter row that passed while its error columns would alarm a reader.
+pub(super) fn passed_with_large_distances(c: &Comparison) -> bool {
+    c.passed && c.mode == crate::parity::Mode::Arbiter && c.overall().max_ulp >= ALARMING_ULP
 }
 
 /// One comparison's line of the summary table (`memory`: with the memory columns).

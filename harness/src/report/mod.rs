@@ -23,7 +23,7 @@ pub use html::render_html;
 pub use json::{read_json, render_json};
 pub use junit::render_junit;
 pub(crate) use junit::xml_escape;
-pub use markdown::render_markdown;
+pub use markdown::{render_markdown, LARGE_DISTANCES_NOTE};
 pub use tensors::{cross_rank_line, param_rows, ParamRow, MAX_PARAM_ROWS};
 
 use crate::parity::{Comparison, StepComparison};
