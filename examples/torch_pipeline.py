@@ -43,10 +43,20 @@ PADDING = -100  # cross_entropy's ignore_index
 PADDED_ROWS = [3, 5, 7]  # microbatches of 2, 1, 1 and 1 real rows
 
 
-def build_model():
+def build_model(tied=False):
+    """The classifier; `tied`: its hidden linear used twice, once on each stage (index 2 and
+    index 4 are one module, as an output head tied to an embedding is one weight)."""
     torch.manual_seed(SEED)
+    if tied:
+        shared = nn.Linear(16, 16)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), shared, nn.Tanh(), shared, nn.Tanh(),
+                             nn.Linear(16, CLASSES))
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
                          nn.Linear(16, CLASSES))
+
+
+# Under --tied, stage 1 holds the shared linear as index 4; the model lists it as index 2.
+TIED_ALIASES = {"4.weight": "2.weight", "4.bias": "2.bias"}
 
 
 def batch(step, replica=0):
@@ -83,12 +93,13 @@ def stage_of(model, rank, group=None):
     from torch.distributed.pipelining import PipelineStage
 
     mb = BATCH // MICROBATCHES
+    cut = 4 if len(model) == 7 else 2  # the tied model's stage 0 ends after the shared linear
     if rank == 0:
-        module, shapes = model[0:2], dict(input_args=(torch.empty(mb, 8),),
+        module, shapes = model[0:cut], dict(input_args=(torch.empty(mb, 8),),
                                           output_args=torch.empty(mb, 16),
                                           output_grads=torch.empty(mb, 16))
     else:
-        module, shapes = model[2:], dict(input_args=(torch.empty(mb, 16, requires_grad=True),),
+        module, shapes = model[cut:], dict(input_args=(torch.empty(mb, 16, requires_grad=True),),
                                          output_args=torch.empty(mb, CLASSES),
                                          input_grads=(torch.empty(mb, 16),))
     return module, PipelineStage(module, rank, 2, torch.device("cpu"), group=group, **shapes)
@@ -109,24 +120,31 @@ def meshes(replicas):
             mesh["dp"])
 
 
-def train(out, schedule, bug, replicas=1):
+def train(out, schedule, bug, replicas=1, tied=False):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, pipeline, replica, dp_mesh = meshes(replicas)
-    module, stage = stage_of(build_model(), rank, pipeline)
+    if tied and replicas != 1:
+        sys.exit("--tied runs one pipeline (--dp 1)")
+    module, stage = stage_of(build_model(tied), rank, pipeline)
     if dp_mesh is not None:
         fully_shard(module, mesh=dp_mesh)  # each stage sharded over its replicas (PP x FSDP)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     real_rows = [0]
-    pipe = kind(stage, n_microbatches=MICROBATCHES, loss_fn=microbatch_loss(bug, real_rows),
+    scaled = bug in ("per-microbatch-mean", "unscaled-grads")
+    pipe = kind(stage, n_microbatches=MICROBATCHES,
+                loss_fn=microbatch_loss(bug if scaled else None, real_rows),
                 scale_grads=bug == "per-microbatch-mean")
     opt = optimizer(module.parameters())
     config = f"pp2.{schedule}" if replicas == 1 else f"pp2.fsdp{replicas}.{schedule}"
+    config += ".tied" if tied else ""
     rec = lockstep_probe.Recorder(Path(out) / "run", module, name="mlp", config=config,  # lockstep
-                                  seed=SEED, steps=STEPS, stages=True, data=(replica, replicas))
+                                  seed=SEED, steps=STEPS, stages=True, data=(replica, replicas),
+                                  tied=TIED_ALIASES if tied else None)
+    shared = (module[2] if rank == 0 else module[0]) if tied else None  # the tied linear
     for step in range(STEPS):
         x, y = batch(step, replica)
         opt.zero_grad()
@@ -136,7 +154,13 @@ def train(out, schedule, bug, replicas=1):
         else:
             real_rows[0] = int((y != PADDING).sum())
             pipe.step(target=y, losses=losses)
-        loss = (sum(losses) / len(losses) if bug else sum(losses)) if losses else None
+        if tied and bug != "tied-unsynced":
+            # Each stage holds its own copy of the tied linear: its gradient is the sum of both
+            # stages' parts (the bug leaves each stage with its own part).
+            for p in shared.parameters():
+                dist.all_reduce(p.grad, group=pipeline)
+        scaled = bug in ("per-microbatch-mean", "unscaled-grads")
+        loss = (sum(losses) / len(losses) if scaled else sum(losses)) if losses else None
         rec.step(loss, x, y)  # lockstep
         opt.step()
     rec.finish()  # lockstep
@@ -148,15 +172,18 @@ def main():
     parser.add_argument("mode", choices=["train", "reference"])
     parser.add_argument("out")
     parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
-    parser.add_argument("--bug", choices=["per-microbatch-mean", "unscaled-grads"])
+    parser.add_argument("--bug", choices=["per-microbatch-mean", "unscaled-grads",
+                                          "tied-unsynced"])
+    parser.add_argument("--tied", action="store_true",
+                        help="a linear shared by both stages (a weight tied across stages)")
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel replicas of the pipeline (FSDP over each stage)")
     args = parser.parse_args()
     if args.mode == "train":
-        train(args.out, args.schedule, args.bug, args.dp)
+        train(args.out, args.schedule, args.bug, args.dp, args.tied)
     else:
-        lockstep_probe.train_references(build_model, loss_fn, optimizer, Path(args.out) / "run",
-                                        args.out)
+        lockstep_probe.train_references(lambda: build_model(args.tied), loss_fn, optimizer,
+                                        Path(args.out) / "run", args.out)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@
 //!   misses its reduction fails naming the tensor, the step and the ranks on each side; every
 //!   rank keeping only its rows' part of the bias gradient (Megatron's unreduced bias) fails
 //!   at step 0 naming the bias;
+//! - a weight tied across pipeline stages passes, counted once in the norm, and copies the
+//!   stages forgot to sum are named;
 //! - `examples/torch_pipeline.py` (`torch.distributed.pipelining`, two stages, GPipe and
 //!   1F1B, microbatches of unequal real rows) passes, alone at world 2 and as two replicas
 //!   with FSDP over each stage (PP x FSDP) at world 4; each microbatch's own mean scaled by
@@ -140,6 +142,10 @@ fn record_job(script: &str, world: usize, dir: &Path, extra: &[&str]) -> Result<
     let mut reference = vec![script, "reference", dir];
     if let Some(at) = extra.iter().position(|&flag| flag == "--precision") {
         reference.extend_from_slice(&extra[at..(at + 2).min(extra.len())]);
+    }
+    // A tied model is built tied for its references too.
+    if extra.contains(&"--tied") {
+        reference.push("--tied");
     }
     let Some(out) = python(&reference) else {
         return Ok(false);
@@ -791,5 +797,37 @@ fn the_same_batch_on_every_rank_and_a_stuck_loader_are_caught() -> Result<()> {
         let diagnosis = c["diagnosis"].as_str().unwrap_or_default();
         ensure!(diagnosis.contains(finding), "{bug}: {diagnosis}");
     }
+    Ok(())
+}
+
+/// A weight tied across pipeline stages (a linear both stages use, each holding a copy whose
+/// gradients the stages sum): counted once in the gradient norm, the job passes under GPipe
+/// and 1F1B; copies left unsynced drift after the first update and are named by the copy
+/// check, with the stages' ranks on each side.
+#[test]
+fn a_weight_tied_across_stages_passes_and_unsynced_copies_are_named() -> Result<()> {
+    for schedule in ["gpipe", "1f1b"] {
+        let Some(c) = judged(PIPELINE, 2, &["--tied", "--schedule", schedule], 0)? else {
+            return Ok(());
+        };
+        ensure!(
+            c["config"] == format!("pp2.{schedule}.tied").as_str(),
+            "{c}"
+        );
+    }
+    let Some(c) = judged(PIPELINE, 2, &["--tied", "--bug", "tied-unsynced"], 1)? else {
+        return Ok(());
+    };
+    let mismatch = &c["cross_rank"]["mismatch"];
+    ensure!(
+        mismatch["name"]
+            .as_str()
+            .is_some_and(|n| n.starts_with("2.")),
+        "{mismatch}"
+    );
+    ensure!(
+        mismatch["holders"] == serde_json::json!([0, 1]),
+        "{mismatch}"
+    );
     Ok(())
 }

@@ -237,6 +237,13 @@ class Recorder:
     `precision` ("bf16", "fp16") names the narrow dtype the job computes in when FSDP's
     mixed-precision policy does not say it (a forward under `torch.autocast`); the record
     carries it, and the references must compute in it.
+    Weights tied across stages: a parameter every stage holding it lists under the same name
+    is one parameter, counted once in the gradient norm, its copies compared bit for bit after
+    every step (a tied gradient the stages did not sum makes them drift, named). A stage that
+    holds a tied weight under another name than the single-device model lists it (a head at
+    index 4 sharing index 2's linear: `model.named_parameters()` lists `2.weight` only) says
+    so with `tied={"4.weight": "2.weight", ...}` (alias -> the model's name).
+
     `world_size` overrides how many data ranks the run stands for (a single-device reference
     stands in for a world of ranks); `keep_batches=False` records no batches (the references'
     own records need none).
@@ -257,7 +264,8 @@ class Recorder:
 
     def __init__(self, out, model, *, name, config, seed=0, steps=None, record_grads=True,
                  world_size=None, backend=None, stages=False, data=None, keep_batches=True,
-                 precision=None, kind="run", trained_from=None, replicated_data=False):
+                 precision=None, kind="run", trained_from=None, replicated_data=False,
+                 tied=None):
         if kind not in KINDS:
             raise RecordError(f"kind={kind!r}: a record is one of {', '.join(KINDS)}")
         if (kind == "run") != (trained_from is None):
@@ -266,6 +274,7 @@ class Recorder:
         self.kind, self.trained_from = kind, trained_from
         self.batch_digests = []
         self.replicated_data = replicated_data
+        self.tied = dict(tied or {})
         # The data checks' findings, and every earlier (step, rank) of each batch digest.
         self.data_findings, self.seen_batches = [], {}
         self.out = Path(out)
@@ -303,7 +312,11 @@ class Recorder:
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
         init = self._merged({n: host_copy(n, full_tensor(t))
-                             for n, t in named(self.model.state_dict().items())})
+                             for n, t in self._named(self.model.state_dict().items())})
+        for alias, name in self.tied.items():
+            # The single-device model's state dict lists a tied weight under every name.
+            if name in init:
+                init[alias] = init[name]
         if self.rank == 0:
             dtypes = {t.dtype for t in init.values() if t.is_floating_point()}
             if precision is not None:
@@ -313,6 +326,11 @@ class Recorder:
                     dtypes.pop(), "mixed")
             self.init_digest = digest_state(init)
             torch.save(init, self.out / "init.pt")
+
+    def _named(self, items):
+        """`(name, tensor)` pairs under the single-device model's names, tied aliases under
+        the name they alias."""
+        return [(self.tied.get(n, n), t) for n, t in named(items)]
 
     def _first_replica(self, mine):
         """`mine` of every rank of the first data-parallel replica (under `stages`: its
@@ -353,9 +371,9 @@ class Recorder:
         every = self._exchange(loss)
         self._compare_copies(step, "param", [digests for _, digests, _, _ in every])
         self.losses.append(self._mean_loss([value for _, _, value, _ in every]))
-        squares, grads = 0.0, {}
+        squares, grads = {}, {}
         with full_view(self.model):
-            params = named(self.model.named_parameters())
+            params = self._named(self.model.named_parameters())
             if params and all(p.grad is None for _, p in params):
                 raise RecordError(f"no parameter has a gradient at step {step}: "
                                   "call step() after backward")
@@ -363,13 +381,18 @@ class Recorder:
                 # A parameter the step did not use has no gradient: its gradient is zero.
                 g = (full_tensor(p.grad) if p.grad is not None
                      else torch.zeros(p.shape, dtype=p.dtype))
-                squares += float(g.detach().double().pow(2).sum())
+                squares[name] = float(g.detach().double().pow(2).sum())
                 if self.record_grads and (self.stages or self.rank == 0):
                     grads[name] = host_copy(name, g)
         if self.stages and self.world > 1:
-            squares = sum(self._first_replica(squares))
+            # A weight tied across stages is one parameter: its square counted once.
+            merged = {}
+            for part in self._first_replica(squares):
+                for name, value in part.items():
+                    merged.setdefault(name, value)
+            squares = merged
             grads = self._merged(grads)
-        self.grad_norms.append(math.sqrt(squares))
+        self.grad_norms.append(math.sqrt(sum(squares.values())))
         if self.record_grads and self.rank == 0:
             self.grads.append(grads)
         self._keep_batches(every)
@@ -433,12 +456,11 @@ class Recorder:
             self.seen_batches.setdefault(d, (step, r))
 
     def _holds_copies(self):
-        """Whether some rank may hold another's copy of a tensor (a pipeline's stages do only
-        across data-parallel replicas; the first FSDP's flat shards are each rank's own, and
-        which of them a hybrid shard replicates is not said): the record then says what the
-        copy check found."""
-        return (self.world > 1 and not (self.stages and self.data_size == 1)
-                and not is_fsdp1(self.model))
+        """Whether some rank may hold another's copy of a tensor (a pipeline's stages across
+        data-parallel replicas, and a weight tied across stages; the first FSDP's flat shards
+        are each rank's own, and which of them a hybrid shard replicates is not said): the
+        record then says what the copy check found."""
+        return self.world > 1 and not is_fsdp1(self.model)
 
     def _checks_copies(self):
         """Whether copies are compared now: ranks hold copies and no mismatch was found yet."""
@@ -450,7 +472,7 @@ class Recorder:
         if not self._checks_copies():
             return None
         digests = {}
-        for name, p in named(self.model.named_parameters()):
+        for name, p in self._named(self.model.named_parameters()):
             group = copy_group(p)
             if group is not None:
                 digests[name] = (group, _digest(p))
@@ -500,8 +522,8 @@ class Recorder:
         if self._checks_copies():
             self._compare_copies(steps, "final", gather_objects(self._digests(), self.world))
         with full_view(self.model):
-            params = self._recorded(named(self.model.named_parameters()))
-            buffers = self._recorded(named(self.model.named_buffers()))
+            params = self._recorded(self._named(self.model.named_parameters()))
+            buffers = self._recorded(self._named(self.model.named_buffers()))
         if self.rank == 0:
             self._write(steps, params, buffers)
         if self.world > 1:
