@@ -11,7 +11,7 @@
 //! an error naming it — the schedule, not the executor, decides the order.
 
 use super::dataflow::{StageFlow, TensorMeta};
-use super::groups::{EdgeGroups, Way};
+use super::edges::{EdgeGroups, Way};
 use super::schedule::{Action, ActionKind};
 use super::stage::{run_range, RangeOutput, RangeRun};
 use super::trace::TraceEvent;

@@ -2,6 +2,7 @@
 //! parallel group, every edge and every set of stages holding one tensor) and what travels
 //! over them outside the schedule: the initial broadcast and the tied gradients' sum.
 
+use super::edges::{EdgeGroups, Way};
 use super::plan::PipelinePlan;
 use super::strategy::grad_or_zeros;
 use super::PipelineError;
@@ -54,22 +55,6 @@ impl PipelineMesh {
         }
     }
 }
-
-/// Which way a cross-rank edge's messages travel. Each way has a group of its own, so a
-/// send left pending one way (the executor never waits for its sends before the step ends)
-/// never queues a transfer the other way behind it: on NCCL, operations of one group run in
-/// issue order on one stream.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum Way {
-    /// Layer outputs, producer to consumer (`pp-edge` groups).
-    Activations,
-    /// Their gradients, consumer to producer (`pp-grad` groups).
-    Gradients,
-}
-
-/// The groups of every cross-rank edge this rank is on, by (producer stage, consumer stage,
-/// way); the producer is group rank 0 in both.
-pub(crate) type EdgeGroups = HashMap<(usize, usize, Way), Arc<dyn ProcessGroup>>;
 
 /// Groups between stages that exchange activations and gradients (by edge and way) and
 /// among the stages that hold one tied weight (by holder set), created in the same order on

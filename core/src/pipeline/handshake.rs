@@ -2,7 +2,7 @@
 //! they will send on every cross-rank edge, consumers check them, before any activation moves.
 
 use super::dataflow::TensorMeta;
-use super::groups::{EdgeGroups, Way};
+use super::edges::{EdgeGroups, Way};
 use super::plan::PipelinePlan;
 use super::PipelineError;
 use crate::comm::{batch_isend_irecv, P2pKind, P2pOp};

@@ -14,6 +14,7 @@
 //! for bit where the math allows.
 
 pub mod dataflow;
+mod edges;
 mod executor;
 mod groups;
 mod handshake;

@@ -3,9 +3,9 @@
 //! step on the parameters this rank holds, and a record comparable with any other run.
 
 use super::dataflow::TensorMeta;
+use super::edges::EdgeGroups;
 use super::executor::Executor;
 use super::executor::{LossFn, ShardingFn};
-use super::groups::EdgeGroups;
 use super::groups::{broadcast_initial, pipeline_groups, reduce_tied_parts, PipelineMesh};
 use super::microbatch;
 use super::options::{PipelineFault, PipelineOptions};

@@ -3,8 +3,8 @@
 //! where they live; the record sees full tensors gathered from their owning stages.
 
 use super::dataflow::{probe, TensorMeta};
+use super::edges::EdgeGroups;
 use super::executor::{Executor, StepData};
-use super::groups::EdgeGroups;
 use super::handshake::handshake;
 use super::microbatch;
 use super::options::{PipelineFault, PipelineOptions};
