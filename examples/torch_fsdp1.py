@@ -21,6 +21,12 @@ wrapped model's parameters, which are each rank's flat shards. Every rank comput
 of its own shard only and scales by its own factor, so the update is wrong while the loss
 looks as plausible as a correct run's.
 
+`--hybrid` (an even world of at least 4) uses HYBRID_SHARD on a replicate x shard mesh: each
+parameter is sharded over pairs of ranks, and the pairs are replicas whose flat shards must
+stay bit-identical. `--bug replica-shard-drifts` halves the last rank's shard of one gradient
+at step 1: every full tensor rank 0 gathers (from its own replica) looks right, and the
+recorder's copy check names the tensor and the ranks on each side.
+
 The three lines that hand the job to Lockstep are marked `# lockstep`.
 """
 
@@ -63,7 +69,7 @@ def optimizer(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def train(out, bug, precision):
+def train(out, bug, precision, hybrid=False):
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -73,20 +79,34 @@ def train(out, bug, precision):
 
     with lockstep_probe.deterministic("cpu"):
         dist.init_process_group("gloo")
-        rank = dist.get_rank()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if hybrid:
+            # HYBRID_SHARD: each parameter sharded over pairs of ranks, the pairs replicas.
+            from torch.distributed.device_mesh import init_device_mesh
+
+            if world < 4 or world % 2:
+                sys.exit(f"--hybrid needs an even world of at least 4 ranks, not {world}")
+            placement = dict(sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                             device_mesh=init_device_mesh("cpu", (world // 2, 2),
+                                                          mesh_dim_names=("replicate", "shard")))
+        else:
+            placement = dict(sharding_strategy=ShardingStrategy.FULL_SHARD)
         model = FullyShardedDataParallel(
-            build_model(), sharding_strategy=ShardingStrategy.FULL_SHARD,
-            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True,
-            mixed_precision=policy, device_id=torch.device("cpu"))
+            build_model(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True,
+            mixed_precision=policy, device_id=torch.device("cpu"), **placement)
+        config = f"fsdp1.hybrid{world // 2}x2" if hybrid else "fsdp1"
         opt = optimizer(model.parameters())
         rec = lockstep_probe.Recorder(Path(out) / "run", model, name="mlp",  # lockstep
-                                      config=f"fsdp1.{precision}" if precision else "fsdp1",
+                                      config=f"{config}.{precision}" if precision else config,
                                       seed=SEED, steps=STEPS)
         for step in range(STEPS):
             x, y = batch(rank, step)
             opt.zero_grad()
             loss = loss_fn(model, x, y)
             loss.backward()
+            if bug == "replica-shard-drifts" and rank == world - 1 and step == 1:
+                # The bug: one replica's copy of its flat shard of one gradient is halved.
+                next(p for p in model.parameters() if p.grad is not None and p.numel()).grad.mul_(0.5)
             rec.step(loss, x, y)  # lockstep
             if bug == "local-clip":
                 # The bug: each rank's norm is its own shard's.
@@ -102,11 +122,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["train", "reference"])
     parser.add_argument("out")
-    parser.add_argument("--bug", choices=["local-clip"])
+    parser.add_argument("--bug", choices=["local-clip", "replica-shard-drifts"])
+    parser.add_argument("--hybrid", action="store_true",
+                        help="HYBRID_SHARD on a 2-D mesh (an even world of at least 4)")
     parser.add_argument("--precision", choices=["bf16"])
     args = parser.parse_args()
     if args.mode == "train":
-        train(args.out, args.bug, args.precision)
+        train(args.out, args.bug, args.precision, args.hybrid)
     else:
         lockstep_probe.train_references(build_model, loss_fn, optimizer, Path(args.out) / "run",
                                         args.out, max_grad_norm=MAX_GRAD_NORM,

@@ -12,7 +12,8 @@
 //!   the same precision; under bf16 the accumulation bug is still caught at step 0, and
 //!   parameters kept in bf16 with no fp32 master weights fail;
 //! - `examples/torch_fsdp1.py` (the first FSDP, one unit per linear, gradients clipped with
-//!   its own `clip_grad_norm_`) passes; `torch.nn.utils.clip_grad_norm_` on its flat shards
+//!   its own `clip_grad_norm_`) passes, under HYBRID_SHARD too (its replicas' flat shards
+//!   compared, a drifted one named); `torch.nn.utils.clip_grad_norm_` on its flat shards
 //!   (each rank clipping by its own shard's norm) fails naming the tensor;
 //! - `examples/torch_fsdp2.py` (FSDP2, `fully_shard` per linear) passes, with its layers
 //!   compiled in place too, and with gradient accumulation done right; accumulation that
@@ -827,6 +828,35 @@ fn a_weight_tied_across_stages_passes_and_unsynced_copies_are_named() -> Result<
     );
     ensure!(
         mismatch["holders"] == serde_json::json!([0, 1]),
+        "{mismatch}"
+    );
+    Ok(())
+}
+
+/// The first FSDP under HYBRID_SHARD (pairs of ranks sharding, the pairs replicas) passes,
+/// its replicas' flat shards compared bit for bit; one replica's shard of a gradient halved
+/// at step 1 (invisible in the full tensors rank 0 gathers) is named with its copy and ranks.
+#[test]
+fn a_first_fsdp_hybrid_shard_job_passes_and_a_drifted_replica_shard_is_named() -> Result<()> {
+    let Some(c) = judged(FSDP1, 4, &["--hybrid"], 0)? else {
+        return Ok(());
+    };
+    ensure!(c["config"] == "fsdp1.hybrid2x2", "{c}");
+    ensure!(
+        c["cross_rank"]["compared"].as_u64() > Some(0),
+        "the replicas' shards were compared: {c}"
+    );
+    let Some(c) = judged(FSDP1, 4, &["--hybrid", "--bug", "replica-shard-drifts"], 1)? else {
+        return Ok(());
+    };
+    let mismatch = &c["cross_rank"]["mismatch"];
+    ensure!(mismatch["coord"] == "shard=1", "{mismatch}");
+    ensure!(
+        mismatch["holders"] == serde_json::json!([1, 3]),
+        "{mismatch}"
+    );
+    ensure!(
+        mismatch["differing"] == serde_json::json!([3]),
         "{mismatch}"
     );
     Ok(())

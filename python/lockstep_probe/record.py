@@ -107,6 +107,18 @@ def declared_precision(model):
     return None
 
 
+def fsdp1_shard_coordinate(model):
+    """Under the first FSDP's HYBRID_SHARD (or _HYBRID_SHARD_ZERO2), this rank's place in its
+    shard group, as a copy-group key: the ranks of every replica with the same place hold the
+    same flat shard. `None` for any other wrapping (FULL_SHARD's shards are each rank's own)."""
+    if not is_fsdp1(model):
+        return None
+    strategy = getattr(model, "sharding_strategy", None)
+    if "HYBRID" not in getattr(strategy, "name", ""):
+        return None
+    return (("shard", dist.get_rank(model.process_group)),)
+
+
 def copy_group(t):
     """Which ranks hold the same bits of `t` as this one, as a key every such rank computes
     alike: a plain tensor is one copy on every rank (key `()`); a DTensor's local part is
@@ -457,10 +469,11 @@ class Recorder:
 
     def _holds_copies(self):
         """Whether some rank may hold another's copy of a tensor (a pipeline's stages across
-        data-parallel replicas, and a weight tied across stages; the first FSDP's flat shards
-        are each rank's own, and which of them a hybrid shard replicates is not said): the
-        record then says what the copy check found."""
-        return self.world > 1 and not is_fsdp1(self.model)
+        data-parallel replicas, a weight tied across stages, the first FSDP's hybrid shards
+        across its replicas; FULL_SHARD's flat shards are each rank's own): the record then
+        says what the copy check found."""
+        return self.world > 1 and (not is_fsdp1(self.model)
+                                   or fsdp1_shard_coordinate(self.model) is not None)
 
     def _checks_copies(self):
         """Whether copies are compared now: ranks hold copies and no mismatch was found yet."""
@@ -472,8 +485,11 @@ class Recorder:
         if not self._checks_copies():
             return None
         digests = {}
+        # The first FSDP's parameters are views of this rank's flat shard: a hybrid shard's
+        # copies are the replicas' ranks at the same place in their shard groups.
+        fsdp1_key = fsdp1_shard_coordinate(self.model)
         for name, p in self._named(self.model.named_parameters()):
-            group = copy_group(p)
+            group = copy_group(p) if fsdp1_key is None else fsdp1_key
             if group is not None:
                 digests[name] = (group, _digest(p))
         return digests
