@@ -18,6 +18,11 @@ the verdict names the tensor, the step and the ranks on each side.
 `--bug bias-grad-unreduced` plants Megatron's classic: every rank keeps only its own rows'
 part of the replicated bias's gradient (the partial sum a sequence-parallel layer leaves),
 never summed over the group, so every rank steps the bias by a wrong gradient.
+
+`--bug bias-before-reduce` plants a forward bug: every rank adds the row-parallel layer's
+bias to its partial sum before the all-reduce, so layer `2`'s output carries the bias once
+per rank. The gradients first show it at the output layer; the recorder's module outputs
+(step 0) name layer `2`, where it happened.
 """
 
 import argparse
@@ -77,6 +82,11 @@ def train(out, bug):
     })
     hidden = {}  # the row-parallel layer's output, for the planted bias bug
     model[2].register_forward_hook(lambda _m, _i, out: hidden.update(out=out))
+    if bug == "bias-before-reduce":
+        # The bug: every rank adds the row-parallel layer's bias to its partial sum before the
+        # all-reduce, so the output carries the bias `world` times (a forward bug in `2`).
+        model[2].register_forward_hook(
+            lambda m, _i, out: out + (world - 1) * m.bias.to_local())
     opt = optimizer(model.parameters())
     # Every TP rank computes on the same batch, on purpose: said, so the data check allows it.
     rec = lockstep_probe.Recorder(Path(out) / "run", model, name="mlp",  # lockstep
@@ -108,7 +118,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["train", "reference"])
     parser.add_argument("out")
-    parser.add_argument("--bug", choices=["replica-skips-reduce", "bias-grad-unreduced"])
+    parser.add_argument("--bug", choices=["replica-skips-reduce", "bias-grad-unreduced",
+                                          "bias-before-reduce"])
     args = parser.parse_args()
     if args.mode == "train":
         train(args.out, args.bug)

@@ -36,6 +36,8 @@
 //!   each at step 0 naming the tensor;
 //! - every rank reading the same batch, and a loader that stops advancing, fail with their
 //!   own finding though the numbers match;
+//! - a forward bug (a row-parallel bias added before the reduction) is named at its module
+//!   by the recorded module outputs, not at the output layer's gradient;
 //! - references are bound to their run: the run's own folder as its reference, a reference
 //!   as the shadow, references of another start, other batches or another model, and
 //!   references that do not say where they come from are bad input (exit 2) naming both sides;
@@ -858,6 +860,24 @@ fn a_first_fsdp_hybrid_shard_job_passes_and_a_drifted_replica_shard_is_named() -
     ensure!(
         mismatch["differing"] == serde_json::json!([3]),
         "{mismatch}"
+    );
+    Ok(())
+}
+
+/// A forward bug is named at its own module: the row-parallel bias added on every rank
+/// before the reduction makes layer `2`'s output wrong at step 0, the first module output
+/// out of its envelope in execution order (the column-parallel layers' local shards are not
+/// judged), though the gradients first show it at the output layer. Correct jobs' module
+/// outputs pass (every other passing test judges them too).
+#[test]
+fn a_forward_bug_is_named_at_its_module() -> Result<()> {
+    let Some(c) = judged(TP, 2, &["--bug", "bias-before-reduce"], 1)? else {
+        return Ok(());
+    };
+    let diagnosis = c["diagnosis"].as_str().unwrap_or_default();
+    ensure!(
+        diagnosis.contains("forward: the first module output out of its envelope, in execution order, is step 0, rank 0: 2 "),
+        "{diagnosis}"
     );
     Ok(())
 }

@@ -51,6 +51,15 @@ def unwrapped(model):
             return model
 
 
+def _compiled(model):
+    """Whether `model` or any module in it runs under `torch.compile` (an `_orig_mod`)."""
+    ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
+    while ddp is not None and isinstance(model, ddp):
+        model = model.module
+    return any(isinstance(getattr(m, "_orig_mod", None), torch.nn.Module)
+               for m in model.modules())
+
+
 def model_name(name):
     """A tensor's name as the single-device model has it: without the `_orig_mod` segments
     of submodules compiled in place (torchtitan compiles each block, then shards it)."""
@@ -229,6 +238,8 @@ def digest_config(spec):
 
 
 KINDS = ("run", "reference", "shadow")
+# Models up to this many parameters record their module outputs at step 0 by default.
+ACTIVATION_PARAMETERS = 10_000_000
 
 
 class Recorder:
@@ -277,7 +288,7 @@ class Recorder:
     def __init__(self, out, model, *, name, config, seed=0, steps=None, record_grads=True,
                  world_size=None, backend=None, stages=False, data=None, keep_batches=True,
                  precision=None, kind="run", trained_from=None, replicated_data=False,
-                 tied=None):
+                 tied=None, activations=None):
         if kind not in KINDS:
             raise RecordError(f"kind={kind!r}: a record is one of {', '.join(KINDS)}")
         if (kind == "run") != (trained_from is None):
@@ -287,9 +298,13 @@ class Recorder:
         self.batch_digests = []
         self.replicated_data = replicated_data
         self.tied = dict(tied or {})
+        # Module outputs (forward), at the steps `activations` names.
+        self.data_rank = None
+        self.step_outputs, self.outputs, self.output_calls = [], [], {}
         # The data checks' findings, and every earlier (step, rank) of each batch digest.
         self.data_findings, self.seen_batches = [], {}
         self.out = Path(out)
+        compiled = _compiled(model)
         self.model = unwrapped(model)
         precision = precision or declared_precision(self.model)
         if precision not in (None, *PRECISION_NAMES.values()):
@@ -321,6 +336,11 @@ class Recorder:
         self.batches, self.pending_batch, self.keep_batches = [], None, keep_batches
         self.cross_rank = {"ranks": self.world, "compared": 0}
         self.finished = False
+        self.activation_steps = self._activation_steps(activations, compiled)
+        for module_name, module in self.model.named_modules():
+            if module_name and self.activation_steps:
+                module.register_forward_hook(
+                    functools.partial(self._record_output, model_name(module_name)))
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
         init = self._merged({n: host_copy(n, full_tensor(t))
@@ -338,6 +358,37 @@ class Recorder:
                     dtypes.pop(), "mixed")
             self.init_digest = digest_state(init)
             torch.save(init, self.out / "init.pt")
+
+    def _activation_steps(self, asked, compiled):
+        """The steps whose module outputs are recorded: `asked`, or by default step 0 for a
+        model of at most `ACTIVATION_PARAMETERS` parameters; none for a pipeline's stages
+        (not supported yet), a first-FSDP wrapper (its modules' outputs are not the
+        model's own names) or a model under `torch.compile` (its hooks would be traced)."""
+        if self.stages or is_fsdp1(self.model) or compiled:
+            if asked:
+                raise RecordError("activations= is not supported for a pipeline's stages, "
+                                  "the first FSDP or a compiled model yet")
+            return frozenset()
+        if asked is None:
+            size = sum(p.numel() for p in self.model.parameters())
+            return frozenset({0}) if size <= ACTIVATION_PARAMETERS else frozenset()
+        return frozenset(asked)
+
+    def _record_output(self, module_name, _module, _inputs, output):
+        """A forward hook: keeps the module's output (its first floating tensor, whole) when
+        this step's outputs are recorded."""
+        if self.finished or len(self.losses) not in self.activation_steps:
+            return
+        outs = output if isinstance(output, (tuple, list)) else (output,)
+        t = next((o for o in outs if torch.is_tensor(o) and o.is_floating_point()), None)
+        if t is None:
+            return
+        rank = self.rank if self.data_rank is None else self.data_rank
+        call = self.output_calls.get((rank, module_name), 0)
+        self.output_calls[(rank, module_name)] = call + 1
+        with torch.no_grad():
+            whole = full_tensor(t.detach())
+        self.step_outputs.append((rank, module_name, call, host_copy(module_name, whole)))
 
     def _named(self, items):
         """`(name, tensor)` pairs under the single-device model's names, tied aliases under
@@ -381,8 +432,11 @@ class Recorder:
                               "(or to batch() before the forward)")
         step = len(self.losses)
         every = self._exchange(loss)
-        self._compare_copies(step, "param", [digests for _, digests, _, _ in every])
-        self.losses.append(self._mean_loss([value for _, _, value, _ in every]))
+        self._compare_copies(step, "param", [digests for _, digests, _, _, _ in every])
+        if self.rank == 0:
+            for *_, outputs in every:
+                self.outputs.extend((step, *o) for o in outputs)
+        self.losses.append(self._mean_loss([value for _, _, value, _, _ in every]))
         squares, grads = {}, {}
         with full_view(self.model):
             params = self._named(self.model.named_parameters())
@@ -417,7 +471,9 @@ class Recorder:
         # A DTensor loss (`loss_parallel`) is replicated: its full value is the local one.
         value = None if loss is None else float(full_tensor(loss.detach()).double().cpu())
         batch, self.pending_batch = self.pending_batch, None
-        mine = (self.data_index, self._digests(), value, batch if self.keep_batches else None)
+        outputs, self.step_outputs, self.output_calls = self.step_outputs, [], {}
+        mine = (self.data_index, self._digests(), value, batch if self.keep_batches else None,
+                outputs)
         return gather_objects(mine, self.world)
 
     def _mean_loss(self, values):
@@ -433,11 +489,11 @@ class Recorder:
             return
         if self.stages:
             per_replica = {}
-            for index, _, _, batch in every:
+            for index, _, _, batch, _ in every:
                 per_replica.setdefault(index, batch)
             self.batches.append([per_replica[i] for i in range(self.data_size)])
         else:
-            self.batches.append([batch for _, _, _, batch in every])
+            self.batches.append([batch for _, _, _, batch, _ in every])
         self.batch_digests.append(digest_step_batches(self.batches[-1]))
         self._check_data(len(self.batches) - 1, self.batches[-1])
 
@@ -553,6 +609,17 @@ class Recorder:
         keep = self.stages or self.rank == 0
         return self._merged({n: host_copy(n, t) for n, t in full} if keep else {})
 
+    def _keyed_outputs(self, tensors):
+        """The recorded module outputs as record entries, in execution order (by step, then
+        data rank, then the order the modules ran), their tensors put in `tensors`."""
+        entries = []
+        for step, rank, module, call, t in sorted(self.outputs, key=lambda o: (o[0], o[1])):
+            name = f"step {step}, rank {rank}: {module}" + (f" (call {call + 1})" if call else "")
+            key = f"act/{step}/{rank}/{module}#{call}"
+            tensors[key] = t
+            entries.append({"name": name, "key": key})
+        return entries
+
     def _write(self, steps, params, buffers):
         """Rank 0's files: the tensor file, the record naming its tensors, and the batches
         the references train on (docs/judge.md, "The record format")."""
@@ -574,6 +641,8 @@ class Recorder:
                       if self.record_grads else None),
             "tensor_file": TENSOR_FILE,
             "kind": self.kind,
+            "activation_steps": sorted(self.activation_steps),
+            "activations": self._keyed_outputs(tensors),
         }
         if self.kind == "run":
             record["data"] = self.data_findings

@@ -33,7 +33,9 @@ def _load(run_dir):
             raise ReferenceError(f"{path}: missing (was the run recorded with "
                                  f"{'its batches given to rec.step' if name == 'batches.pt' else 'lockstep_probe.Recorder'}?)")
     try:
-        spec = json.loads(paths["record.json"].read_text())["spec"]
+        record = json.loads(paths["record.json"].read_text())
+        spec = record["spec"]
+        spec["activation_steps"] = record.get("activation_steps", [])
     except (ValueError, KeyError) as e:
         raise ReferenceError(f"{paths['record.json']}: not a Lockstep run record ({e})") from e
     init, batches = (_load_tensors(paths[n]) for n in ("init.pt", "batches.pt"))
@@ -132,10 +134,15 @@ class _OwnDtype:
     def context(self):
         return contextlib.nullcontext()
 
-    def step(self, loss_fn, ranks):
-        """The step's loss, after its backward put the gradients on the model."""
+    def step(self, loss_fn, ranks, rec=None):
+        """The step's loss, after its backward put the gradients on the model; `rec` is told
+        which data rank each forward stands for (the module outputs it records)."""
+        losses = []
         with self.context():
-            losses = [loss_fn(self.model, *_placed(b, self.dtype, self.device)) for b in ranks]
+            for i, b in enumerate(ranks):
+                if rec is not None:
+                    rec.data_rank = i
+                losses.append(loss_fn(self.model, *_placed(b, self.dtype, self.device)))
         loss = sum(losses) / len(losses)
         loss.backward()
         return loss
@@ -169,7 +176,8 @@ class _CastParams(_OwnDtype):
         for p in self.narrow.parameters():
             p.data = p.data.to(param_dtype)
 
-    def step(self, loss_fn, ranks):
+    def step(self, loss_fn, ranks, rec=None):
+        # The forward runs on the cast copy: no module outputs are recorded (`rec` unused).
         pairs = list(zip(self.model.parameters(), self.narrow.parameters()))
         with torch.no_grad():
             for wide, narrow in pairs:
@@ -222,7 +230,8 @@ def _binding(spec, init, batches):
     """The digests of the run the references are trained from, as its record binds them."""
     return {"init": digest_state(init),
             "batches": [digest_step_batches(ranks) for ranks in batches],
-            "config": digest_config(spec)}
+            "config": digest_config({k: spec[k] for k in ("model", "world_size", "steps",
+                                                          "seed")})}
 
 
 def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, config, device, *,
@@ -242,10 +251,11 @@ def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, con
     stepper = compute(model, dtype, device)
     rec = Recorder(out, model, name=spec["model"], config=config, seed=spec["seed"],
                    world_size=spec["world_size"], backend=spec["backend"], keep_batches=False,
-                   precision=precision, kind=kind, trained_from=_binding(spec, init, batches))
+                   precision=precision, kind=kind, trained_from=_binding(spec, init, batches),
+                   activations=spec["activation_steps"])
     for ranks in batches:
         optimizer.zero_grad()
-        loss = stepper.step(loss_fn, ranks)
+        loss = stepper.step(loss_fn, ranks, rec)
         rec.step(loss)
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)

@@ -5,10 +5,11 @@
 //! codes as the matrix (docs/judge.md).
 
 pub mod binding;
+pub mod forward;
 mod tensor_file;
 
 use binding::{check_bound, Provenance};
-use lockstep_core::record::RunRecord;
+use lockstep_core::record::{NamedTensor, RunRecord};
 use lockstep_harness::parity::{arbitrate, compare, Comparison, TolerancePolicy, ENVELOPE};
 use lockstep_harness::report::{prepare_dir, write_all, Report, ReportError, ReportFiles};
 use std::path::{Path, PathBuf};
@@ -78,6 +79,13 @@ pub fn read_record(path: &Path) -> Result<RunRecord, JudgeError> {
 
 /// [`read_record`] with what the record says about where it comes from.
 pub fn read_bound_record(path: &Path) -> Result<(RunRecord, Provenance), JudgeError> {
+    read_full_record(path).map(|(record, provenance, _)| (record, provenance))
+}
+
+/// [`read_bound_record`] with the module outputs the record kept, in execution order.
+pub fn read_full_record(
+    path: &Path,
+) -> Result<(RunRecord, Provenance, Vec<NamedTensor>), JudgeError> {
     let file = match path.is_dir() {
         true => path.join("record.json"),
         false => path.to_owned(),
@@ -93,7 +101,12 @@ pub fn read_bound_record(path: &Path) -> Result<(RunRecord, Provenance), JudgeEr
     let mut record: serde_json::Value = serde_json::from_str(&text).map_err(parse)?;
     let provenance = Provenance::read(&file, &record)?;
     tensor_file::fill_values(&mut record, file.parent().unwrap_or(Path::new(".")))?;
-    Ok((serde_json::from_value(record).map_err(parse)?, provenance))
+    let outputs = forward::read_outputs(&record);
+    Ok((
+        serde_json::from_value(record).map_err(parse)?,
+        provenance,
+        outputs,
+    ))
 }
 
 /// Refuses records that cannot describe the same training: a reference standing for another
@@ -130,6 +143,24 @@ pub fn judge_records(
     })
 }
 
+/// A module output out of its envelope fails the job and leads the diagnosis: it is where the
+/// forward went wrong, before any gradient showed it.
+fn name_the_forward_culprit(comparison: &mut Comparison, finding: Option<forward::ForwardFinding>) {
+    let Some(f) = finding else {
+        return;
+    };
+    let found = format!(
+        "forward: the first module output out of its envelope, in execution order, is {} \
+         (margin {:.3e}; {} outputs judged)",
+        f.name, f.margin, f.judged
+    );
+    comparison.diagnosis = Some(match comparison.diagnosis.take() {
+        Some(rest) => format!("{found}. {rest}"),
+        None => found,
+    });
+    comparison.passed = false;
+}
+
 /// A job whose data the recorder found wrong fails whatever its numbers: the references
 /// trained on the same wrong data, so they cannot see it. The findings lead the diagnosis.
 fn fail_on_data_findings(comparison: &mut Comparison, findings: &[String]) {
@@ -147,20 +178,28 @@ fn fail_on_data_findings(comparison: &mut Comparison, findings: &[String]) {
 /// Reads the records, judges the job and writes the report set; the report says whether it
 /// passed. Nothing is written when an input is bad.
 pub fn judge(opts: &JudgeOptions) -> Result<(Report, ReportFiles), JudgeError> {
-    let (run, run_from) = read_bound_record(&opts.run)?;
-    let (reference, reference_from) = read_bound_record(&opts.reference)?;
+    let (run, run_from, run_outputs) = read_full_record(&opts.run)?;
+    let (reference, reference_from, reference_outputs) = read_full_record(&opts.reference)?;
     check_bound(&run_from, &reference_from, "reference")?;
     let shadow = match opts.shadow.as_deref() {
         Some(path) => {
-            let (shadow, shadow_from) = read_bound_record(path)?;
+            let (shadow, shadow_from, shadow_outputs) = read_full_record(path)?;
             check_bound(&run_from, &shadow_from, "shadow")?;
-            Some(shadow)
+            Some((shadow, shadow_outputs))
         }
         None => None,
     };
-    let mut comparison = judge_records(&run, &reference, shadow.as_ref())?;
+    let mut comparison = judge_records(&run, &reference, shadow.as_ref().map(|(s, _)| s))?;
     if !comparison.structural.is_empty() {
         return Err(JudgeError::Structure(comparison.structural.join("; ")));
+    }
+    if let Some((shadow, shadow_outputs)) = &shadow {
+        let finding = forward::first_bad_output(
+            (&run, &run_outputs),
+            (&reference, &reference_outputs),
+            (shadow, shadow_outputs),
+        );
+        name_the_forward_culprit(&mut comparison, finding);
     }
     fail_on_data_findings(&mut comparison, &run_from.data_findings);
     let report = Report::new(vec![comparison])
