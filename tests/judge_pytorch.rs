@@ -38,6 +38,9 @@
 //!   own finding though the numbers match;
 //! - a forward bug (a row-parallel bias added before the reduction) is named at its module
 //!   by the recorded module outputs, not at the output layer's gradient;
+//! - Hugging Face transformers' Llama (`examples/hf_llama.py`, code nobody here wrote) passes
+//!   under its own `tp_plan` and under FSDP2, and a loss divided by the world again fails
+//!   (needs `ci/setup-python-extras`);
 //! - references are bound to their run: the run's own folder as its reference, a reference
 //!   as the shadow, references of another start, other batches or another model, and
 //!   references that do not say where they come from are bad input (exit 2) naming both sides;
@@ -62,6 +65,7 @@ const FSDP1: &str = "examples/torch_fsdp1.py";
 const FSDP2: &str = "examples/torch_fsdp2.py";
 const TP: &str = "examples/torch_tp.py";
 const PIPELINE: &str = "examples/torch_pipeline.py";
+const HF_LLAMA: &str = "examples/hf_llama.py";
 /// What a gloo rank prints when its process group is torn down under it.
 const GLOO_ABORT: &str = "terminate called without an active exception";
 
@@ -71,17 +75,40 @@ fn root() -> PathBuf {
 
 /// `python3 ARGS` with torch on its path; `None` (after saying why) without one.
 fn python(args: &[&str]) -> Option<Result<Output>> {
+    python_with(args, None)
+}
+
+/// [`python`] with `extra` (a folder of packages beyond torch) on `PYTHONPATH` too.
+fn python_with(args: &[&str], extra: Option<&Path>) -> Option<Result<Output>> {
     let Some((python, site)) = common::python_with_torch() else {
         eprintln!("SKIP: no Python with torch (run ci/setup-libtorch)");
         return None;
     };
     let mut cmd = common::torch_python(&python, &site);
+    if let Some(extra) = extra {
+        let mut path = extra.as_os_str().to_owned();
+        if let Some(site) = &site {
+            path.push(":");
+            path.push(site);
+        }
+        cmd.env("PYTHONPATH", path);
+    }
     Some(
         cmd.args(args)
             .current_dir(root())
             .output()
             .context("run python"),
     )
+}
+
+/// The folder `ci/setup-python-extras` installs transformers into, when it did.
+fn python_extras() -> Option<PathBuf> {
+    let cache = std::env::var_os("LOCKSTEP_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("lockstep")))
+        .or_else(|| std::env::var_os("HOME").map(|d| PathBuf::from(d).join(".cache/lockstep")))?;
+    let extras = cache.join("python-extras");
+    extras.join("transformers").is_dir().then_some(extras)
 }
 
 fn succeeded(what: &str, out: Output) -> Result<()> {
@@ -97,6 +124,17 @@ fn succeeded(what: &str, out: Output) -> Result<()> {
 /// Records the job `script` at `world` ranks (with `extra` flags) and its references in
 /// `dir`; `false` when no Python with torch is here.
 fn record_job(script: &str, world: usize, dir: &Path, extra: &[&str]) -> Result<bool> {
+    record_job_with(script, world, dir, extra, None)
+}
+
+/// [`record_job`] with `packages` (a folder of Python packages beyond torch) importable.
+fn record_job_with(
+    script: &str,
+    world: usize,
+    dir: &Path,
+    extra: &[&str],
+    packages: Option<&Path>,
+) -> Result<bool> {
     let dir = dir.to_str().context("utf-8 temp dir")?;
     // A port of its own: tests run concurrently, and torchrun's default would be shared.
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
@@ -118,7 +156,7 @@ fn record_job(script: &str, world: usize, dir: &Path, extra: &[&str]) -> Result<
         dir,
     ];
     train.extend_from_slice(extra);
-    let Some(mut out) = python(&train).transpose()? else {
+    let Some(mut out) = python_with(&train, packages).transpose()? else {
         return Ok(false);
     };
     // Gloo's teardown sometimes aborts a rank under heavy load ("terminate called without an
@@ -137,7 +175,9 @@ fn record_job(script: &str, world: usize, dir: &Path, extra: &[&str]) -> Result<
             eprintln!(
                 "{script}: gloo aborted a rank before the record was complete; retrying once"
             );
-            out = python(&train).transpose()?.context("python vanished")?;
+            out = python_with(&train, packages)
+                .transpose()?
+                .context("python vanished")?;
         }
         succeeded(&format!("torchrun {script} train"), out)?;
     }
@@ -150,7 +190,7 @@ fn record_job(script: &str, world: usize, dir: &Path, extra: &[&str]) -> Result<
     if extra.contains(&"--tied") {
         reference.push("--tied");
     }
-    let Some(out) = python(&reference) else {
+    let Some(out) = python_with(&reference, packages) else {
         return Ok(false);
     };
     succeeded(&format!("{script} reference"), out?)?;
@@ -879,5 +919,42 @@ fn a_forward_bug_is_named_at_its_module() -> Result<()> {
         diagnosis.contains("forward: the first module output out of its envelope, in execution order, is step 0, rank 0: 2 "),
         "{diagnosis}"
     );
+    Ok(())
+}
+
+/// Hugging Face transformers' Llama (a small random config, nothing downloaded), under
+/// transformers' own `tp_plan` and under FSDP2, judged passing; the loss divided by the world
+/// size again (FSDP averages the gradients already) fails at step 0. Needs transformers
+/// (`ci/setup-python-extras`); without it the test says so and passes.
+#[test]
+fn hugging_face_llama_passes_under_its_own_tp_plan_and_fsdp2() -> Result<()> {
+    let Some(packages) = python_extras() else {
+        println!("SKIP: no transformers here (ci/setup-python-extras installs it)");
+        return Ok(());
+    };
+    let judged_hf = |extra: &[&str], want: i32| -> Result<Option<serde_json::Value>> {
+        let dir = tempfile::tempdir()?;
+        if !record_job_with(HF_LLAMA, 2, dir.path(), extra, Some(&packages))? {
+            return Ok(None);
+        }
+        let out = judge(dir.path())?;
+        ensure!(
+            out.status.code() == Some(want),
+            "{extra:?}: exit {:?}, not {want}: {}{}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(Some(report(dir.path())?["comparisons"][0].clone()))
+    };
+    for parallel in ["tp", "fsdp"] {
+        let Some(c) = judged_hf(&["--parallel", parallel], 0)? else {
+            return Ok(());
+        };
+        ensure!(c["config"] == format!("hf.{parallel}2").as_str(), "{c}");
+    }
+    if let Some(c) = judged_hf(&["--parallel", "fsdp", "--bug", "loss-over-world"], 1)? {
+        first_failure_at_step_0(&c)?;
+    }
     Ok(())
 }
