@@ -272,6 +272,10 @@ impl Link {
 
 impl Drop for Link {
     fn drop(&mut self) {
+        // Queued writes go out first: a send completes (buffered) before the writer thread
+        // has written its bytes, and a rank may drop its groups (exit) right after it; cutting
+        // the connection then would break the message its peer is still reading.
+        self.drain();
         let _ = self.shutdown.shutdown(std::net::Shutdown::Both);
     }
 }

@@ -99,6 +99,8 @@ struct PendingSend {
     dst: usize,
     seq: u64,
     tag: u64,
+    /// The write of the bytes, when the link's writer thread does it.
+    written: Option<Arc<Latch>>,
     latch: Arc<Latch>,
     flight_id: u64,
     /// Held by the one waiter that takes the notice (a second waiter finds the latch done).
@@ -134,7 +136,10 @@ impl PendingSend {
             )));
         }
         pool::give(notice.data);
-        Ok(())
+        match &self.written {
+            Some(written) => written.wait(),
+            None => Ok(()),
+        }
     }
 }
 
@@ -150,11 +155,12 @@ impl Completion for PendingSend {
 
     fn is_completed(&self) -> bool {
         self.latch.is_completed()
-            || self
-                .shared
-                .link(self.dst)
-                .map(|l| l.inbox.contains((Channel::Posted, self.seq, 0)))
-                .unwrap_or(true)
+            || (self.written.as_ref().is_none_or(|w| w.is_completed())
+                && self
+                    .shared
+                    .link(self.dst)
+                    .map(|l| l.inbox.contains((Channel::Posted, self.seq, 0)))
+                    .unwrap_or(true))
     }
 }
 
@@ -239,18 +245,22 @@ impl ProcessGroup for CpuGroup {
             .link(dst)?
             .send(&header, Payload::Owned(t.bytes().to_vec()));
         let latch = Latch::new();
-        if self.p2p == PointToPoint::Rendezvous && result.is_ok() {
-            // NCCL's rule: the send is done only once the receiver posted its receive.
-            flight::update(flight_id, OpState::Started);
-            return Ok(Work::new(Arc::new(PendingSend {
-                shared: self.shared.clone(),
-                dst,
-                seq,
-                tag,
-                latch,
-                flight_id,
-                waiting: Mutex::new(()),
-            })));
+        if self.p2p == PointToPoint::Rendezvous {
+            if let Ok(written) = &result {
+                // NCCL's rule: the send is done only once the receiver posted its receive
+                // (and, here, once its bytes left this process: a rank may exit after it).
+                flight::update(flight_id, OpState::Started);
+                return Ok(Work::new(Arc::new(PendingSend {
+                    shared: self.shared.clone(),
+                    dst,
+                    seq,
+                    tag,
+                    written: written.clone(),
+                    latch,
+                    flight_id,
+                    waiting: Mutex::new(()),
+                })));
+            }
         }
         finish(flight_id, &latch, result.map(|_| ()));
         Ok(Work::new(latch))
