@@ -286,7 +286,8 @@ impl Executor<'_> {
                 *objective += loss;
             }
             ActionKind::SendF | ActionKind::RecvF | ActionKind::SendB | ActionKind::RecvB => {
-                self.exchange(std::slice::from_ref(action), data, slots)?;
+                // `run_step` hands sends and receives to `exchange`, which keeps their works.
+                return Err(self.missing(action, "a send or receive runs in a batch"));
             }
             ActionKind::FullBackward | ActionKind::BackwardInput => {
                 let weight_later = action.kind == ActionKind::BackwardInput;

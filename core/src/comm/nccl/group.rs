@@ -258,11 +258,7 @@ impl NcclGroup {
         );
         let comm = state.comm.0;
         let enqueued = (|| {
-            synced?;
-            shared
-                .ctx
-                .bind_to_thread()
-                .map_err(cuda_error("binding the primary context"))?;
+            synced?; // the primary context is bound with it
             let stream: cudaStream_t = shared.stream.cu_stream().cast();
             enqueue(shared.api, comm, stream)?;
             shared

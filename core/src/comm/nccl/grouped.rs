@@ -4,7 +4,7 @@
 //! NCCL group.
 //!
 //! Apart from the single-group launch path ([`super::group`]) because it spans groups: one
-//! device synchronization, every group's lock taken in one order, one flight record per
+//! wait for libtorch's compute stream, every group's lock taken in one order, one flight record per
 //! operation, and one completion event per group's stream.
 
 use super::api::{check, cuda_error, synchronize_compute_stream};
@@ -106,12 +106,7 @@ pub(crate) fn grouped_p2p(
         ));
     }
     let enqueued = (|| {
-        synced?;
-        distinct[0]
-            .shared
-            .ctx
-            .bind_to_thread()
-            .map_err(cuda_error("binding the primary context"))?;
+        synced?; // the primary context is bound with it
         let api = distinct[0].shared.api;
         // SAFETY: plain NCCL call; every started group is ended below.
         check(api, unsafe { (api.group_start)() }, None, "ncclGroupStart")?;
