@@ -10,7 +10,9 @@
 `--device cuda` runs it on GPUs (NCCL, one GPU per rank) under Lockstep's determinism
 settings, and trains the reference on a GPU and the float64 shadow on the CPU.
 
-`bench OUT` times a step with the recorder (`bench none`: without it), for its overhead.
+`bench OUT` times the steps with the recorder (`bench none`: without it), and the time inside
+`rec.step` and `finish()`, for its overhead (`ci/bench-recorder` runs several launches of
+each); `--steps N` trains N steps, `--every k` records the full gradients every k-th step.
 
 `--bug accumulation-zeroes` plants a bug of the kind NeMo Automodel#3530 reported: gradient
 accumulation over two microbatches that zeroes the gradients between them, so only the
@@ -40,6 +42,7 @@ The three lines that hand the job to Lockstep are marked `# lockstep`.
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -91,7 +94,8 @@ def device_mesh(kind, world, device):
 
 
 def train(args, record=True):
-    """The job under `args`' options; the mean seconds of a step."""
+    """The job under `args`' options; the seconds of each step, of each `rec.step` in it
+    and of `finish()`."""
     with lockstep_probe.deterministic(args.device):
         return train_deterministically(args, record)
 
@@ -126,9 +130,11 @@ def train_deterministically(args, record):
     config += ".compiled" if args.compile else ""
     config += f".{args.precision}" if args.precision else ""
     rec = lockstep_probe.Recorder(Path(args.out) / "run", model, name="mlp",  # lockstep
-                                  config=config, seed=SEED, steps=STEPS) if record else None
-    started = time.perf_counter()
-    for step in range(STEPS):
+                                  config=config, seed=SEED, steps=args.steps,
+                                  every=args.every) if record else None
+    step_seconds, recorder_seconds = [], []
+    for step in range(args.steps):
+        started = time.perf_counter()
         if bug == "same-batch-everywhere":
             x, y = batch(0, step)  # the bug: no DistributedSampler; every rank reads rank 0's
         elif bug == "loader-stuck":
@@ -152,14 +158,18 @@ def train_deterministically(args, record):
         if bug == "replica-shard-drifts" and rank == world - 1 and step == 1:
             model[0].weight.grad.to_local().mul_(0.5)  # the bug: one copy of one shard
         if rec:
+            inside = time.perf_counter()
             rec.step(loss, x, y)  # lockstep
+            recorder_seconds.append(time.perf_counter() - inside)
         opt.step()
-    dist.barrier()
-    seconds = (time.perf_counter() - started) / STEPS  # the steps, the record's end aside
+        dist.barrier()  # a step ends when every rank's has
+        step_seconds.append(time.perf_counter() - started)
+    started = time.perf_counter()
     if rec:
         rec.finish()  # lockstep
+    finish_seconds = time.perf_counter() - started
     dist.destroy_process_group()
-    return seconds
+    return step_seconds, recorder_seconds, finish_seconds
 
 
 def main():
@@ -174,6 +184,10 @@ def main():
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--precision", choices=["bf16"])
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--steps", type=int, default=STEPS,
+                        help="steps to train (the references read the run's count)")
+    parser.add_argument("--every", type=int, default=1,
+                        help="record the full gradients every k-th step (Recorder(every=k))")
     args = parser.parse_args()
     if args.bug == "accumulation-zeroes" and args.accumulate == 1:
         args.accumulate = 2
@@ -181,9 +195,16 @@ def main():
         train(args)
     elif args.mode == "bench":
         record = args.out != "none"
-        seconds = train(args, record=record)
+        steps, inside, finish = train(args, record=record)
         if os.environ.get("RANK", "0") == "0":
-            print(f"{'recorded' if record else 'plain'}: {seconds * 1e3:.2f} ms per step")
+            # The first step warms up (allocations, and the module outputs the recorder
+            # keeps at step 0): the median of the others.
+            def median_ms(seconds):
+                return statistics.median(seconds[1:] or seconds) * 1e3
+
+            print(f"{'recorded' if record else 'plain'}: {median_ms(steps):.2f} ms per step "
+                  f"(median of {max(len(steps) - 1, 1)}), rec.step "
+                  f"{median_ms(inside) if inside else 0:.2f} ms, finish {finish * 1e3:.1f} ms")
     else:
         lockstep_probe.train_references(build_model, loss_fn, optimizer, Path(args.out) / "run",
                                         args.out, device=args.device, shadow_device="cpu",

@@ -41,9 +41,12 @@
 //! - Hugging Face transformers' Llama (`examples/hf_llama.py`, code nobody here wrote) passes
 //!   under its own `tp_plan` and under FSDP2, and a loss divided by the world again fails
 //!   (needs `ci/setup-python-extras`);
+//! - `Recorder(every=k)` records the full gradients of every k-th step, the references the
+//!   same steps: a correct job passes and a bug is still caught at step 0;
 //! - references are bound to their run: the run's own folder as its reference, a reference
 //!   as the shadow, references of another start, other batches or another model, and
-//!   references that do not say where they come from are bad input (exit 2) naming both sides;
+//!   references that do not say where they come from or hold their gradients at other steps
+//!   are bad input (exit 2) naming both sides;
 //! - a damaged record or tensor file is bad input (exit 2) naming the file, with nothing
 //!   written; a step without its batch or before backward, a reference model that differs
 //!   from the run, two precisions at once, references in another precision than the job's
@@ -813,9 +816,50 @@ fn references_not_trained_from_the_run_are_refused() -> Result<()> {
         judge_with(&run, &other_model, &shadow, &report)?,
         &["not the same model", "missing"],
     )?;
+    // A reference holding its gradients at other steps than the run (`Recorder(every=k)`).
+    let other_steps = tampered("other-steps", &|r| r["grads_every"] = serde_json::json!(2))?;
+    refused(
+        judge_with(&run, &other_steps, &shadow, &report)?,
+        &["its gradients recorded every 2 steps, the run's every 1"],
+    )?;
     let (code, stderr) = judge_with(&run, &reference, &shadow, &report)?;
     ensure!(code == 0, "the bound references: exit {code}: {stderr}");
     Ok(())
+}
+
+/// `Recorder(every=k)`, for long jobs: the full gradients of every k-th step only (the loss
+/// and the gradient norm of every step), the references' at the same steps; a correct job
+/// passes, and a bug is still caught at the first step.
+#[test]
+fn gradients_recorded_every_kth_step_keep_the_verdict() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let Some(comparison) = judged_in(dir.path(), FSDP2, 2, &["--every", "2"], 0)? else {
+        return Ok(());
+    };
+    for side in ["run", "reference", "shadow"] {
+        let text = std::fs::read_to_string(dir.path().join(side).join("record.json"))?;
+        let record: serde_json::Value = serde_json::from_str(&text)?;
+        let held: Vec<usize> = record["grads"]
+            .as_array()
+            .context("grads")?
+            .iter()
+            .map(|step| step.as_array().map_or(0, Vec::len))
+            .collect();
+        ensure!(
+            held == [8, 0, 8, 0, 8] && record["grads_every"] == 2,
+            "{side}: gradients of steps 0, 2 and 4 only: {held:?}"
+        );
+        ensure!(
+            record["grad_norms"].as_array().map(Vec::len) == Some(5),
+            "{side}: a gradient norm at every step"
+        );
+    }
+    ensure!(comparison["passed"] == true, "{comparison}");
+    let Some(comparison) = judged(FSDP2, 2, &["--every", "2", "--bug", "accumulation-zeroes"], 1)?
+    else {
+        return Ok(());
+    };
+    first_failure_at_step_0(&comparison)
 }
 
 /// Bad data fails with its own finding though the numbers match the references (trained on

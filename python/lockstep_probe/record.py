@@ -8,13 +8,14 @@ import hashlib
 import json
 import math
 import os
-import pickle
 from pathlib import Path
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
-from .tensor_file import DTYPE_CODES, raw_bytes, write_tensor_file
+from .gather import assemble, gather_to_root, parts_of
+from .tensor_file import DTYPE_CODES, TensorFileWriter, raw_bytes
 
 TENSOR_FILE = "tensors.safetensors"
 
@@ -147,33 +148,6 @@ def copy_group(t):
                  if type(p).__name__ != "Replicate")
 
 
-def comm_device():
-    """Where the recorder's own collectives keep their tensors: the current GPU under NCCL
-    (which moves only CUDA tensors), the CPU under gloo or without a process group."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def gather_objects(obj, world):
-    """`obj` of every rank, in rank order, on every rank: pickled into byte tensors (torch's
-    own `all_gather_object` needs NumPy, which a job need not have)."""
-    if world == 1:
-        return [obj]
-    device = comm_device()
-    data = pickle.dumps(obj)
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(sizes, size)
-    sizes = [int(n.item()) for n in sizes]
-    mine = torch.zeros(max(sizes), dtype=torch.uint8)
-    if data:
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    every = [torch.zeros(max(sizes), dtype=torch.uint8, device=device) for _ in range(world)]
-    dist.all_gather(every, mine.to(device))
-    return [pickle.loads(raw_bytes(t[:n])) for t, n in zip(every, sizes)]
-
-
 def _number(x):
     """A float as Lockstep's JSON writes it: NaN and infinities as strings."""
     if math.isnan(x):
@@ -267,6 +241,10 @@ class Recorder:
     index 4 sharing index 2's linear: `model.named_parameters()` lists `2.weight` only) says
     so with `tied={"4.weight": "2.weight", ...}` (alias -> the model's name).
 
+    `every=k` records the full gradients every k-th step only (steps 0, k, 2k...; the loss
+    and the gradient norm at every step), and compares the copies at those steps: for long
+    jobs, where a step's gathering is not free. The references record the same steps.
+
     `world_size` overrides how many data ranks the run stands for (a single-device reference
     stands in for a world of ranks); `keep_batches=False` records no batches (the references'
     own records need none).
@@ -288,7 +266,7 @@ class Recorder:
     def __init__(self, out, model, *, name, config, seed=0, steps=None, record_grads=True,
                  world_size=None, backend=None, stages=False, data=None, keep_batches=True,
                  precision=None, kind="run", trained_from=None, replicated_data=False,
-                 tied=None, activations=None):
+                 tied=None, activations=None, every=1):
         if kind not in KINDS:
             raise RecordError(f"kind={kind!r}: a record is one of {', '.join(KINDS)}")
         if (kind == "run") != (trained_from is None):
@@ -300,7 +278,7 @@ class Recorder:
         self.tied = dict(tied or {})
         # Module outputs (forward), at the steps `activations` names.
         self.data_rank = None
-        self.step_outputs, self.outputs, self.output_calls = [], [], {}
+        self.step_outputs, self.output_calls = [], {}
         # The data checks' findings, and every earlier (step, rank) of each batch digest.
         self.data_findings, self.seen_batches = [], {}
         self.out = Path(out)
@@ -332,7 +310,11 @@ class Recorder:
         }
         self.declared_steps = steps
         self.record_grads = record_grads
-        self.losses, self.grad_norms, self.grads = [], [], []
+        if not isinstance(every, int) or every < 1:
+            raise RecordError(f"every={every!r}: the full gradients are recorded every k-th "
+                              "step, k a whole number of at least 1")
+        self.every = every
+        self.losses, self.grad_norms, self.grad_entries, self.output_entries = [], [], [], []
         self.batches, self.pending_batch, self.keep_batches = [], None, keep_batches
         self.cross_rank = {"ranks": self.world, "compared": 0}
         self.finished = False
@@ -343,8 +325,8 @@ class Recorder:
                     functools.partial(self._record_output, model_name(module_name)))
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
-        init = self._merged({n: host_copy(n, full_tensor(t))
-                             for n, t in self._named(self.model.state_dict().items())})
+            self.writer = TensorFileWriter(self.out / TENSOR_FILE)
+        init, _, _ = self._gathered(self._named(self.model.state_dict().items()), True)
         for alias, name in self.tied.items():
             # The single-device model's state dict lists a tied weight under every name.
             if name in init:
@@ -395,21 +377,30 @@ class Recorder:
         the name they alias."""
         return [(self.tied.get(n, n), t) for n, t in named(items)]
 
-    def _first_replica(self, mine):
-        """`mine` of every rank of the first data-parallel replica (under `stages`: its
-        pipeline's stages), in rank order."""
-        every = gather_objects((self.data_index, mine), self.world)
-        return [part for index, part in every if index == 0]
+    def _sends_whole(self):
+        """Whether this rank's plain tensors are the record's: rank 0's, or under `stages`
+        those of every stage of the first replica (a tied weight's first stage counts)."""
+        return self.data_index == 0 if self.stages else self.rank == 0
 
-    def _merged(self, mine):
-        """This rank's dict, or under `stages` the first replica's stages' merged (on rank
-        0)."""
-        if not self.stages or self.world == 1:
-            return mine
-        merged = {}
-        for part in self._first_replica(mine):
-            merged.update(part)
-        return merged
+    def _gathered(self, named_tensors, keep, extra=None):
+        """The whole tensors of `named_tensors` and their sums of squares on rank 0 (`({},
+        {})` elsewhere), plus every rank's `extra` on rank 0, in one gather: each rank sends
+        its parts (rank 0 keeps its own); `keep=False` brings only the squares."""
+        for name, t in named_tensors:
+            if t.dtype not in DTYPE_CODES:
+                raise RecordError(f"`{name}` has dtype {t.dtype}, which Lockstep does not record")
+        parts = parts_of(named_tensors, sends_whole=self._sends_whole(), keep=keep)
+        every = gather_to_root((extra, [] if self.rank == 0 else parts), self.world)
+        if every is None:
+            return {}, {}, None
+        every[0] = (every[0][0], parts)
+        tensors, squares = assemble(p for _, p in every)
+        return tensors, squares, [e for e, _ in every]
+
+    def grads_recorded_at(self, step):
+        """Whether the full gradients of `step` are recorded (every `every`-th step, from
+        the first); the loss and the gradient norm are recorded at every step."""
+        return self.record_grads and step % self.every == 0
 
     def batch(self, *tensors):
         """This rank's batch for the coming step (inputs, targets...), before a forward that
@@ -419,10 +410,11 @@ class Recorder:
     def step(self, loss, *batch):
         """After backward, before the optimizer step: records the global loss (the mean of
         every rank's; a pipeline's last stage passes it, the others `None`), the global
-        gradient norm, every full gradient, and compares the copies of every parameter the
-        ranks hold (after the previous update). `batch` is this rank's batch of the step
-        (inputs, targets...) unless `batch()` was given it: the references train on every
-        rank's batch in rank order (a pipeline's every rank passes the same global batch)."""
+        gradient norm, the full gradients (at the steps `every` names), and compares the
+        copies of every parameter the ranks hold (after the previous update). `batch` is this
+        rank's batch of the step (inputs, targets...) unless `batch()` was given it: the
+        references train on every rank's batch in rank order (a pipeline's every rank passes
+        the same global batch). One gather to rank 0 brings it all."""
         if self.finished:
             raise RecordError("step() after finish()")
         if batch:
@@ -430,51 +422,45 @@ class Recorder:
         if self.keep_batches and self.pending_batch is None:
             raise RecordError(f"step {len(self.losses)}: no batch: pass it to step(loss, *batch) "
                               "(or to batch() before the forward)")
+        if loss is None and not self.stages:
+            raise RecordError("step(None): only a pipeline's other stages (stages=True) pass no loss")
         step = len(self.losses)
-        every = self._exchange(loss)
-        self._compare_copies(step, "param", [digests for _, digests, _, _, _ in every])
-        if self.rank == 0:
-            for *_, outputs in every:
-                self.outputs.extend((step, *o) for o in outputs)
-        self.losses.append(self._mean_loss([value for _, _, value, _, _ in every]))
-        squares, grads = {}, {}
+        keep = self.grads_recorded_at(step)
+        # Copies are digested as the ranks hold them (the first FSDP's flat shards), outside
+        # the full view.
+        contribution = self._contribution(loss, keep)
         with full_view(self.model):
             params = self._named(self.model.named_parameters())
             if params and all(p.grad is None for _, p in params):
                 raise RecordError(f"no parameter has a gradient at step {step}: "
                                   "call step() after backward")
-            for name, p in params:
-                # A parameter the step did not use has no gradient: its gradient is zero.
-                g = (full_tensor(p.grad) if p.grad is not None
-                     else torch.zeros(p.shape, dtype=p.dtype))
-                squares[name] = float(g.detach().double().pow(2).sum())
-                if self.record_grads and (self.stages or self.rank == 0):
-                    grads[name] = host_copy(name, g)
-        if self.stages and self.world > 1:
-            # A weight tied across stages is one parameter: its square counted once.
-            merged = {}
-            for part in self._first_replica(squares):
-                for name, value in part.items():
-                    merged.setdefault(name, value)
-            squares = merged
-            grads = self._merged(grads)
+            # A parameter the step did not use has no gradient: its gradient is zero.
+            grads = [(name, p.grad if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype))
+                     for name, p in params]
+            grads, squares, every = self._gathered(grads, keep, contribution)
+        if every is None:
+            self.losses.append(None)  # rank 0 alone keeps the record's figures
+            return
+        self._compare_copies(step, "param", [c.digests for c in every])
+        self.losses.append(self._mean_loss([c.loss for c in every]))
+        # A weight tied across stages is one parameter: its square counted once.
         self.grad_norms.append(math.sqrt(sum(squares.values())))
-        if self.record_grads and self.rank == 0:
-            self.grads.append(grads)
+        if self.record_grads:
+            self.grad_entries.append(self._keyed(f"grad/{step}", grads) if keep else [])
+        outputs = sorted((o for c in every for o in c.outputs), key=lambda o: o[0])
+        self._keep_outputs(step, outputs)
         self._keep_batches(every)
 
-    def _exchange(self, loss):
-        """The step's one collective of the recorder's own: every rank's (replica, digests of
-        its parameters' copies, loss, batch), in rank order, on every rank."""
-        if loss is None and not self.stages:
-            raise RecordError("step(None): only a pipeline's other stages (stages=True) pass no loss")
+    def _contribution(self, loss, compare):
+        """What this rank brings to rank 0 at a step besides its gradients: its replica, the
+        digests of its parameters' copies (at the steps whose gradients are recorded, when
+        `compare`), its loss, its batch and the module outputs it recorded."""
         # A DTensor loss (`loss_parallel`) is replicated: its full value is the local one.
         value = None if loss is None else float(full_tensor(loss.detach()).double().cpu())
         batch, self.pending_batch = self.pending_batch, None
         outputs, self.step_outputs, self.output_calls = self.step_outputs, [], {}
-        mine = (self.data_index, self._digests(), value, batch if self.keep_batches else None,
-                outputs)
-        return gather_objects(mine, self.world)
+        return Contribution(self.data_index, self._digests() if compare else None, value,
+                            batch if self.keep_batches else None, outputs)
 
     def _mean_loss(self, values):
         """The step's loss over the world: the mean of every rank's, or of every pipeline's
@@ -482,18 +468,37 @@ class Recorder:
         present = [v for v in values if v is not None]
         return sum(present) / (self.data_size if self.stages else len(values))
 
+    def _keyed(self, prefix, tensors):
+        """The record's entries for `tensors` (name -> tensor), their bytes handed to the
+        tensor file's writer under `prefix/name`."""
+        entries = []
+        for name, t in tensors.items():
+            key = f"{prefix}/{name}"
+            self.writer.add(key, t)
+            entries.append({"name": name, "key": key})
+        return entries
+
+    def _keep_outputs(self, step, outputs):
+        """The step's recorded module outputs (data rank, module, call, tensor), in execution
+        order within each data rank, handed to the tensor file's writer."""
+        for rank, module, call, t in outputs:
+            name = f"step {step}, rank {rank}: {module}" + (f" (call {call + 1})" if call else "")
+            key = f"act/{step}/{rank}/{module}#{call}"
+            self.writer.add(key, t)
+            self.output_entries.append({"name": name, "key": key})
+
     def _keep_batches(self, every):
         """Every rank's batch of this step, on rank 0; under `stages` every pipeline's global
         batch (which each of its stages was given), in replica order."""
-        if not self.keep_batches or self.rank != 0:
+        if not self.keep_batches:
             return
         if self.stages:
             per_replica = {}
-            for index, _, _, batch, _ in every:
-                per_replica.setdefault(index, batch)
+            for c in every:
+                per_replica.setdefault(c.replica, c.batch)
             self.batches.append([per_replica[i] for i in range(self.data_size)])
         else:
-            self.batches.append([batch for _, _, _, batch, _ in every])
+            self.batches.append([c.batch for c in every])
         self.batch_digests.append(digest_step_batches(self.batches[-1]))
         self._check_data(len(self.batches) - 1, self.batches[-1])
 
@@ -527,18 +532,14 @@ class Recorder:
         """Whether some rank may hold another's copy of a tensor (a pipeline's stages across
         data-parallel replicas, a weight tied across stages, the first FSDP's hybrid shards
         across its replicas; FULL_SHARD's flat shards are each rank's own): the record then
-        says what the copy check found."""
+        says what the copy check found. The same on every rank."""
         return self.world > 1 and (not is_fsdp1(self.model)
                                    or fsdp1_shard_coordinate(self.model) is not None)
 
-    def _checks_copies(self):
-        """Whether copies are compared now: ranks hold copies and no mismatch was found yet."""
-        return self._holds_copies() and "mismatch" not in self.cross_rank
-
     def _digests(self):
         """This rank's parameters that other ranks hold copies of: name -> (copy group,
-        digest); `None` when copies are not compared."""
-        if not self._checks_copies():
+        digest); `None` when no rank holds another's copy."""
+        if not self._holds_copies():
             return None
         digests = {}
         # The first FSDP's parameters are views of this rank's flat shard: a hybrid shard's
@@ -553,9 +554,10 @@ class Recorder:
     def _compare_copies(self, step, kind, every):
         """Compares the bits of every copy of every parameter across the ranks holding it (a
         replicated tensor on every rank, an HSDP shard across its replicate group, a stage
-        across pipeline replicas), from every rank's digests; keeps the first mismatch,
-        naming the tensor, the copy and the ranks on each side."""
-        if not self._checks_copies():
+        across pipeline replicas), from every rank's digests (rank 0; a rank's `None`: not
+        compared at this step); keeps the first mismatch, naming the tensor, the copy and
+        the ranks on each side."""
+        if "mismatch" in self.cross_rank or any(d is None for d in every):
             return
         for name in sorted(set().union(*every)):
             groups = {}
@@ -584,65 +586,42 @@ class Recorder:
 
     def finish(self):
         """After the last step: records every full parameter and buffer, compares the final
-        replicas, and writes `record.json` (rank 0)."""
+        copies, and writes `record.json` (rank 0), in one gather and a barrier."""
         if self.finished:
             raise RecordError("finish() called twice")
         self.finished = True
         steps = len(self.losses)
         if self.declared_steps is not None and steps != self.declared_steps:
             raise RecordError(f"{steps} steps recorded, {self.declared_steps} declared")
-        if self._checks_copies():
-            self._compare_copies(steps, "final", gather_objects(self._digests(), self.world))
+        digests = self._digests()
         with full_view(self.model):
-            params = self._recorded(self._named(self.model.named_parameters()))
-            buffers = self._recorded(self._named(self.model.named_buffers()))
+            params = self._named(self.model.named_parameters())
+            buffers = [(f"\0{n}", t) for n, t in self._named(self.model.named_buffers())]
+            state, _, digests = self._gathered(params + buffers, True, digests)
         if self.rank == 0:
-            self._write(steps, params, buffers)
+            self._compare_copies(steps, "final", digests)
+            self._write(steps, {n: t for n, t in state.items() if not n.startswith("\0")},
+                        {n[1:]: t for n, t in state.items() if n.startswith("\0")})
         if self.world > 1:
             # No rank leaves (and tears its process group down) while rank 0 still writes.
             dist.barrier()
-
-    def _recorded(self, named):
-        """`named` tensors at full size as the record holds them, on rank 0 (every rank
-        gathers its DTensors; only the ranks whose part the record needs copy theirs)."""
-        full = [(n, full_tensor(t)) for n, t in named]
-        keep = self.stages or self.rank == 0
-        return self._merged({n: host_copy(n, t) for n, t in full} if keep else {})
-
-    def _keyed_outputs(self, tensors):
-        """The recorded module outputs as record entries, in execution order (by step, then
-        data rank, then the order the modules ran), their tensors put in `tensors`."""
-        entries = []
-        for step, rank, module, call, t in sorted(self.outputs, key=lambda o: (o[0], o[1])):
-            name = f"step {step}, rank {rank}: {module}" + (f" (call {call + 1})" if call else "")
-            key = f"act/{step}/{rank}/{module}#{call}"
-            tensors[key] = t
-            entries.append({"name": name, "key": key})
-        return entries
 
     def _write(self, steps, params, buffers):
         """Rank 0's files: the tensor file, the record naming its tensors, and the batches
         the references train on (docs/judge.md, "The record format")."""
         self.spec["steps"] = steps
-        tensors = {}
-
-        def keyed(prefix, named):
-            for name, t in named.items():
-                tensors[f"{prefix}/{name}"] = t
-            return [{"name": name, "key": f"{prefix}/{name}"} for name in named]
-
         record = {
             "spec": self.spec,
             "losses": [_number(x) for x in self.losses],
             "grad_norms": [_number(x) for x in self.grad_norms],
-            "params": keyed("param", params),
-            "buffers": keyed("buffer", buffers),
-            "grads": ([keyed(f"grad/{step}", grads) for step, grads in enumerate(self.grads)]
-                      if self.record_grads else None),
+            "params": self._keyed("param", params),
+            "buffers": self._keyed("buffer", buffers),
+            "grads": self.grad_entries if self.record_grads else None,
+            "grads_every": self.every,
             "tensor_file": TENSOR_FILE,
             "kind": self.kind,
             "activation_steps": sorted(self.activation_steps),
-            "activations": self._keyed_outputs(tensors),
+            "activations": self.output_entries,
         }
         if self.kind == "run":
             record["data"] = self.data_findings
@@ -657,5 +636,15 @@ class Recorder:
             record["cross_rank"] = self.cross_rank
         if self.keep_batches:
             torch.save(self.batches, self.out / "batches.pt")
-        write_tensor_file(self.out / TENSOR_FILE, tensors)
+        self.writer.close()
         write_json_atomically(self.out / "record.json", record)
+
+
+class Contribution(NamedTuple):
+    """What each rank brings to rank 0 at a step besides its gradients' parts."""
+
+    replica: int
+    digests: Optional[dict]
+    loss: Optional[float]
+    batch: Optional[tuple]
+    outputs: list

@@ -36,6 +36,7 @@ def _load(run_dir):
         record = json.loads(paths["record.json"].read_text())
         spec = record["spec"]
         spec["activation_steps"] = record.get("activation_steps", [])
+        spec["grads_every"] = record.get("grads_every", 1)
     except (ValueError, KeyError) as e:
         raise ReferenceError(f"{paths['record.json']}: not a Lockstep run record ({e})") from e
     init, batches = (_load_tensors(paths[n]) for n in ("init.pt", "batches.pt"))
@@ -252,7 +253,7 @@ def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, con
     rec = Recorder(out, model, name=spec["model"], config=config, seed=spec["seed"],
                    world_size=spec["world_size"], backend=spec["backend"], keep_batches=False,
                    precision=precision, kind=kind, trained_from=_binding(spec, init, batches),
-                   activations=spec["activation_steps"])
+                   activations=spec["activation_steps"], every=spec["grads_every"])
     for ranks in batches:
         optimizer.zero_grad()
         loss = stepper.step(loss_fn, ranks, rec)

@@ -3,10 +3,14 @@
 little-endian header length, a JSON header mapping each key to its dtype, shape and byte
 range, padded with spaces to a multiple of 8, then the raw little-endian bytes."""
 
+import ctypes
 import json
 import os
+import queue
+import shutil
 import struct
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -25,31 +29,105 @@ DTYPE_CODES = {
 
 
 def raw_bytes(t):
-    """`t`'s elements as bytes, row-major, on the CPU (a compact copy of its own storage)."""
-    host = t.detach().to("cpu").contiguous().clone()
-    return bytes(host.untyped_storage())
+    """`t`'s elements as bytes, row-major, as the CPU holds them: one copy of its memory (a
+    storage converted with `bytes()` is read element by element, milliseconds per kilobyte)."""
+    host = t.detach().to("cpu").contiguous()
+    if host.nbytes == 0:
+        return b""
+    return ctypes.string_at(host.data_ptr(), host.nbytes)
+
+
+def _header_bytes(header):
+    """The safetensors header: its JSON padded with spaces to a multiple of 8."""
+    header = dict(header)
+    header["__metadata__"] = {"format": "lockstep-record"}
+    text = json.dumps(header).encode()
+    return text + b" " * (-len(text) % 8)
+
+
+def _check_byte_order():
+    if sys.byteorder != "little":
+        raise OSError("the safetensors format is little-endian; this host is not")
 
 
 def write_tensor_file(path, tensors):
     """Writes `tensors` (key -> tensor, in order) to `path` through a temporary file, so a
     reader never sees half of one."""
-    if sys.byteorder != "little":
-        raise OSError("the safetensors format is little-endian; this host is not")
-    header, blobs, offset = {}, [], 0
+    writer = TensorFileWriter(path, background=False)
     for key, t in tensors.items():
+        writer.add(key, t)
+    writer.close()
+
+
+class TensorFileWriter:
+    """A tensor file written as its tensors come: their bytes go to a body file beside
+    `path`, by a background thread when `background` (a step hands its gradients over and
+    goes on; memory holds one step's, not the run's), and `close()` writes the header and
+    copies the body after it (the kernel copies; nothing is read back into Python)."""
+
+    def __init__(self, path, background=True):
+        _check_byte_order()
+        self.path = Path(path)
+        self.body_path = self.path.with_name(self.path.name + ".body")
+        self.body = open(self.body_path, "wb")
+        self.header, self.offset, self.error = {}, 0, None
+        self.queue = queue.Queue(maxsize=2) if background else None
+        self.thread = None
+        if background:
+            self.thread = threading.Thread(target=self._drain, name="lockstep-record-writer",
+                                           daemon=True)
+            self.thread.start()
+
+    def add(self, key, t):
+        """Queues `t` (on the CPU, not changed afterwards) under `key`; an earlier write's
+        failure is raised here."""
+        if self.error is not None:
+            raise self.error
+        if key in self.header:
+            raise KeyError(f"`{key}` is in the tensor file twice")
+        if t.dtype not in DTYPE_CODES:
+            raise TypeError(f"`{key}` has dtype {t.dtype}, which Lockstep does not record")
+        self.header[key] = None  # its place, filled when written
+        if self.queue is None:
+            self._write(key, t)
+        else:
+            self.queue.put((key, t))
+
+    def _drain(self):
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            if self.error is None:
+                try:
+                    self._write(*item)
+                except Exception as e:  # raised to the recorder at its next add or close
+                    self.error = e
+
+    def _write(self, key, t):
         data = raw_bytes(t)
-        header[key] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape),
-                       "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    header["__metadata__"] = {"format": "lockstep-record"}
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    path = Path(path)
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for data in blobs:
-            f.write(data)
-    os.replace(tmp, path)
+        self.body.write(data)
+        self.header[key] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape),
+                            "data_offsets": [self.offset, self.offset + len(data)]}
+        self.offset += len(data)
+
+    def close(self):
+        """Writes the file at `path` (through a temporary file: a reader never sees half of
+        one) and removes the body."""
+        if self.thread is not None:
+            self.queue.put(None)
+            self.thread.join()
+        self.body.close()
+        try:
+            if self.error is not None:
+                raise self.error
+            tmp = self.path.with_name(self.path.name + ".partial")
+            text = _header_bytes(self.header)
+            with open(tmp, "wb") as f, open(self.body_path, "rb") as body:
+                f.write(struct.pack("<Q", len(text)))
+                f.write(text)
+                f.flush()
+                shutil.copyfileobj(body, f, 1 << 24)
+            os.replace(tmp, self.path)
+        finally:
+            self.body_path.unlink(missing_ok=True)

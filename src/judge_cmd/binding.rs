@@ -36,6 +36,9 @@ pub struct Provenance {
     pub trained_from: Option<Digests>,
     /// The record's dtype (`fp32`, `fp64`, `bf16`, …).
     pub dtype: String,
+    /// Every how many steps the record holds the full gradients (`Recorder(every=k)`; 1
+    /// when it does not say): a reference must hold them at the same steps.
+    pub grads_every: u64,
     /// A run's data findings (the same batch on every rank, a batch repeated from an earlier
     /// step), in words: each fails the job.
     pub data_findings: Vec<String>,
@@ -70,6 +73,10 @@ impl Provenance {
                 .and_then(|d| d.as_str())
                 .unwrap_or("?")
                 .to_owned(),
+            grads_every: record
+                .get("grads_every")
+                .and_then(|k| k.as_u64())
+                .unwrap_or(1),
             data_findings: record
                 .get("data")
                 .and_then(|d| d.as_array())
@@ -176,6 +183,12 @@ pub fn check_bound(run: &Provenance, other: &Provenance, role: &str) -> Result<(
             "another model, world size, step count or seed (digest {} against the run's {})",
             short(&theirs.config),
             short(&ours.config)
+        ));
+    }
+    if other.grads_every != run.grads_every {
+        differences.push(format!(
+            "its gradients recorded every {} steps, the run's every {}",
+            other.grads_every, run.grads_every
         ));
     }
     if differences.is_empty() {

@@ -1,0 +1,150 @@
+"""How the recorder brings a step's tensors to rank 0: in one gather, not one collective per
+tensor. A DTensor travels as this rank's local part and its offset in the whole tensor (rank
+0 puts the parts in place), a plain tensor whole from the one rank that sends it; each part
+carries its sum of squares, so the gradient norm needs no tensor to travel on the steps whose
+gradients are not recorded. Gathered to rank 0 only: no other rank holds the world's tensors."""
+
+import pickle
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from .tensor_file import raw_bytes
+
+
+def comm_device():
+    """Where the recorder's own collectives keep their tensors: the current GPU under NCCL
+    (which moves only CUDA tensors), the CPU under gloo or without a process group."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def gather_to_root(obj, world):
+    """`obj` of every rank, in rank order, on rank 0 (`None` on the others): its sizes, then
+    its pickled bytes padded to the largest, two collectives in all (torch's
+    `gather_object` needs NumPy, which a job need not have)."""
+    if world == 1:
+        return [obj]
+    device = comm_device()
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    sizes = [int(n.item()) for n in sizes]
+    mine = torch.zeros(max(sizes), dtype=torch.uint8)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    root = dist.get_rank() == 0
+    every = ([torch.zeros(max(sizes), dtype=torch.uint8, device=device) for _ in range(world)]
+             if root else None)
+    dist.gather(mine.to(device), every, dst=0)
+    if not root:
+        return None
+    return [pickle.loads(raw_bytes(t[:n])) for t, n in zip(every, sizes)]
+
+
+class Part(NamedTuple):
+    """One rank's piece of a named tensor: the whole tensor's shape, where the piece starts in
+    it (`None`: the piece is the whole tensor), the piece's sum of squares in float64, and the
+    piece itself on the CPU (`None` when only its square travels)."""
+
+    name: str
+    shape: tuple
+    offset: Optional[tuple]
+    square: float
+    tensor: Optional[torch.Tensor]
+
+
+def _placement_classes():
+    """DTensor's `Shard` and `Replicate` and the function that places a local shard, or
+    `None` where this torch lacks them (every DTensor is then gathered whole)."""
+    try:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:
+        return None
+    return Shard, Replicate, compute_local_shape_and_global_offset
+
+
+PLACEMENTS = _placement_classes()
+
+
+def _square(t):
+    return float(t.detach().double().pow(2).sum())
+
+
+def _host(t):
+    return t.detach().to("cpu").clone()
+
+
+def _placed_part(name, t, keep):
+    """A DTensor sharded only by `Shard` and `Replicate` (FSDP2, HSDP, TP): this rank's local
+    part at its offset, or `None` for a rank the part need not come from (one whose
+    coordinate on a replicated mesh dimension is not 0: another rank sends the same bits;
+    a rank outside the mesh). `False`: the placements are of another kind (strided or partial
+    shards), and the tensor is gathered whole."""
+    if PLACEMENTS is None:
+        return False
+    shard, replicate, place = PLACEMENTS
+    placements = t.placements
+    if any(type(p) not in (shard, replicate) for p in placements):
+        return False
+    coordinate = t.device_mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    if any(type(p) is replicate and coordinate[d] != 0 for d, p in enumerate(placements)):
+        return None
+    local = t.to_local()
+    local_shape, offset = place(t.shape, t.device_mesh, placements)
+    if tuple(local_shape) != tuple(local.shape):
+        raise ValueError(f"`{name}`: its local shard is {list(local.shape)}, its placements "
+                         f"{list(placements)} give {list(local_shape)}")
+    return Part(name, tuple(t.shape), tuple(offset), _square(local),
+                _host(local) if keep else None)
+
+
+def parts_of(named, *, sends_whole, keep):
+    """This rank's parts of the `(name, tensor)` pairs, to gather to rank 0: DTensors' local
+    parts (a DTensor of other placements gathered whole here, a collective every rank
+    calls in the same order), plain tensors whole when `sends_whole` (the rank whose copy
+    the record takes); `keep=False` sends only their squares."""
+    parts = []
+    for name, t in named:
+        if getattr(t, "placements", None) is not None:
+            part = _placed_part(name, t, keep)
+            if part is not False:
+                if part is not None:
+                    parts.append(part)
+                continue
+            t = t.full_tensor()
+        if sends_whole:
+            parts.append(Part(name, tuple(t.shape), None, _square(t), _host(t) if keep else None))
+    return parts
+
+
+def assemble(every_rank_parts):
+    """Rank 0's view of the gathered parts: the whole tensors (name -> tensor, in the order
+    first seen, for the parts that carried theirs) and every tensor's sum of squares. A piece
+    sent twice (a replica's copy, a weight tied across stages) counts once: the first, in
+    rank order; the copy check compares the others."""
+    tensors, squares, seen = {}, {}, set()
+    for parts in every_rank_parts:
+        for part in parts:
+            key = (part.name, part.offset)
+            if key in seen:
+                continue
+            seen.add(key)
+            squares[part.name] = squares.get(part.name, 0.0) + part.square
+            if part.tensor is None:
+                continue
+            if part.offset is None:
+                tensors[part.name] = part.tensor
+                continue
+            whole = tensors.get(part.name)
+            if whole is None:
+                whole = tensors[part.name] = torch.zeros(part.shape, dtype=part.tensor.dtype)
+            region = tuple(slice(o, o + n) for o, n in zip(part.offset, part.tensor.shape))
+            whole[region] = part.tensor
+    return tensors, squares
