@@ -23,6 +23,12 @@ classic of DDP jobs:
 - `--bug loss-over-world`: the loss divided by the world size "to average it", on top of the
   averaging DDP already does, so every gradient is 1/N of what it should be.
 
+`--precision fp16` trains under fp16 autocast with a `torch.amp.GradScaler` (its gradients
+unscaled before `rec.step`, then clipped to norm 1), whose first step overflows and is
+skipped: the recorder records the scale of each step and the skipped step, the references
+replay both. `--bug clip-before-unscale` (fp16) clips the gradients while they are still
+scaled, the classic mistake the AMP documentation warns of: clipped far too hard.
+
 The three lines that hand the job to Lockstep are marked `# lockstep`.
 """
 
@@ -42,7 +48,11 @@ import lockstep_probe  # noqa: E402
 STEPS = 5
 SEED = 11
 CLASSES = 5
-PRECISIONS = {"bf16": torch.bfloat16}
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# fp16: the GradScaler starts far too high (the first step overflows and is skipped, as real
+# jobs' first steps often are) and backs off fast.
+SCALER = {"init_scale": 2.0**24, "backoff_factor": 2.0**-8}
+MAX_NORM = 1.0
 
 
 def build_model():
@@ -76,8 +86,11 @@ def train(out, bug, accumulate, precision, compile):
         opt = optimizer(model.parameters())
         config = "ddp" + (".compiled" if compile else "")
         config += f".autocast-{precision}" if precision else ""
+        fp16 = precision == "fp16"
+        scaler = torch.amp.GradScaler("cpu", **SCALER) if fp16 else None
         rec = lockstep_probe.Recorder(Path(out) / "run", model, name="classifier",  # lockstep
-                                      config=config, seed=SEED, steps=STEPS, precision=precision)
+                                      config=config, seed=SEED, steps=STEPS, precision=precision,
+                                      scaler=scaler)
         # `--precision bf16`: the forward under autocast (matmuls in bf16), which the
         # recorder cannot see: `precision=` tells it.
         narrow = PRECISIONS.get(precision)
@@ -96,10 +109,21 @@ def train(out, bug, accumulate, precision, compile):
                         part = loss_fn(model, mx, my) / accumulate
                     if bug == "loss-over-world":
                         part = part / world  # the bug: DDP averages over the ranks already
-                    part.backward()
+                    (scaler.scale(part) if fp16 else part).backward()
                 losses.append(part.detach())
+            if fp16:
+                if bug == "clip-before-unscale":
+                    # the bug: clipped while still scaled, so clipped far too hard
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+                scaler.unscale_(opt)
             rec.step(sum(losses), x, y)  # lockstep
-            opt.step()
+            if fp16:
+                if bug != "clip-before-unscale":
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+                scaler.step(opt)  # skipped when the gradients overflowed
+                scaler.update()
+            else:
+                opt.step()
         rec.finish()  # lockstep
         dist.destroy_process_group()
 
@@ -108,18 +132,23 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["train", "reference"])
     parser.add_argument("out")
-    parser.add_argument("--bug", choices=["no-sync-always", "loss-over-world"])
+    parser.add_argument("--bug", choices=["no-sync-always", "loss-over-world",
+                                          "clip-before-unscale"])
     parser.add_argument("--accumulate", type=int, default=1)
-    parser.add_argument("--precision", choices=["bf16"])
+    parser.add_argument("--precision", choices=list(PRECISIONS))
     parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
+    if args.bug == "clip-before-unscale":
+        args.precision = "fp16"
     if args.bug == "no-sync-always" and args.accumulate == 1:
         args.accumulate = 2
     if args.mode == "train":
         train(args.out, args.bug, args.accumulate, args.precision, args.compile)
     else:
-        lockstep_probe.train_references(build_model, loss_fn, optimizer, Path(args.out) / "run",
-                                        args.out, autocast=PRECISIONS.get(args.precision))
+        lockstep_probe.train_references(
+            build_model, loss_fn, optimizer, Path(args.out) / "run", args.out,
+            autocast=PRECISIONS.get(args.precision),
+            max_grad_norm=MAX_NORM if args.precision == "fp16" else None)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@
 //! - Hugging Face transformers' Llama (`examples/hf_llama.py`, code nobody here wrote) passes
 //!   under its own `tp_plan` and under FSDP2, and a loss divided by the world again fails
 //!   (needs `ci/setup-python-extras`);
+//! - fp16 under a `GradScaler` whose first step overflows passes (the skipped step replayed
+//!   by the references, its gradients set aside), and clipping still-scaled gradients fails;
 //! - `Recorder(every=k)` records the full gradients of every k-th step, the references the
 //!   same steps: a correct job passes and a bug is still caught at step 0;
 //! - references are bound to their run: the run's own folder as its reference, a reference
@@ -703,6 +705,16 @@ fn misuse_of_the_recorder_and_the_references_is_named() -> Result<()> {
         "the run computes in its parameters' dtype (fp32), and its references were asked to \
          compute in bf16",
     )?;
+    // Gradients still scaled by the job's GradScaler: they would be recorded `scale` times
+    // too large.
+    refused(
+        "scaler = torch.amp.GradScaler('cpu')\n\
+         scaled = lockstep_probe.Recorder(out + '/scaled', model, name='lin', config='single',\n\
+             scaler=scaler)\n\
+         scaler.scale(model(x).sum()).backward()\n\
+         scaled.step(torch.tensor(1.0), x)",
+        "the GradScaler's gradients are still scaled: call scaler.unscale_(optimizer)",
+    )?;
     // The first FSDP without `use_orig_params=True`: its whole gradients cannot be read.
     refused(
         "import torch.distributed as dist\n\
@@ -827,6 +839,45 @@ fn references_not_trained_from_the_run_are_refused() -> Result<()> {
     Ok(())
 }
 
+/// fp16 with a `GradScaler` whose first step overflows: the recorder records the unscaled
+/// gradients, each step's scale and the skipped step; the references replay the scale and the
+/// skip, and the judge sets the skipped step's overflowed gradients aside (saying so): the
+/// job passes. Clipping while the gradients are still scaled (the mistake the AMP
+/// documentation warns of) fails at the first step that was not skipped.
+#[test]
+fn an_fp16_job_with_a_grad_scaler_passes_and_clipping_scaled_gradients_is_caught() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let d = dir.path();
+    if !record_job(DDP, 2, d, &["--precision", "fp16"])? {
+        return Ok(());
+    }
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("run/record.json"))?)?;
+    ensure!(
+        record["skipped_steps"] == serde_json::json!([0]) && record["spec"]["dtype"] == "fp16",
+        "the overflowed first step is recorded as skipped: {}",
+        record["skipped_steps"]
+    );
+    let out = judge(d)?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.code() == Some(0) && stdout.contains("loss scaler skipped step 0"),
+        "exit {:?}: {stdout}{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let Some(comparison) = judged(
+        DDP,
+        2,
+        &["--precision", "fp16", "--bug", "clip-before-unscale"],
+        1,
+    )?
+    else {
+        return Ok(());
+    };
+    first_failure_at(&comparison, 1)
+}
+
 /// `Recorder(every=k)`, for long jobs: the full gradients of every k-th step only (the loss
 /// and the gradient norm of every step), the references' at the same steps; a correct job
 /// passes, and a bug is still caught at the first step.
@@ -855,7 +906,12 @@ fn gradients_recorded_every_kth_step_keep_the_verdict() -> Result<()> {
         );
     }
     ensure!(comparison["passed"] == true, "{comparison}");
-    let Some(comparison) = judged(FSDP2, 2, &["--every", "2", "--bug", "accumulation-zeroes"], 1)?
+    let Some(comparison) = judged(
+        FSDP2,
+        2,
+        &["--every", "2", "--bug", "accumulation-zeroes"],
+        1,
+    )?
     else {
         return Ok(());
     };

@@ -5,6 +5,8 @@ carries its sum of squares, so the gradient norm needs no tensor to travel on th
 gradients are not recorded. Gathered to rank 0 only: no other rank holds the world's tensors."""
 
 import pickle
+import sys
+import time
 from typing import NamedTuple, Optional
 
 import torch
@@ -21,6 +23,45 @@ def comm_device():
     return torch.device("cpu")
 
 
+def _released(tensors, baselines, limit_seconds=2.0):
+    """Waits, the GIL released, until gloo's worker threads have let go of `tensors` (their
+    Python reference counts back to `baselines`, taken before the collective), for at most
+    `limit_seconds`.
+
+    A collective's work outlives its `wait()` on a gloo worker thread, and releasing it
+    releases its tensors through Python, which needs the GIL. Should the job's main thread,
+    holding the GIL, tear the process group down (DDP's reducer dropping it at exit) while a
+    worker still holds such a work, it waits for that worker forever: seen as DDP jobs hanging
+    at exit after their record was complete, once recording got fast (gdb: `runLoop` in
+    `take_gil` under `~AsyncWork`, the main thread in `~ProcessGroupGloo` joining it)."""
+    deadline = time.monotonic() + limit_seconds
+    while _references(tensors) != baselines:
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.0002)
+
+
+def _references(tensors):
+    """Each tensor's Python reference count, counted alike before and after a collective."""
+    return [sys.getrefcount(t) for t in tensors]
+
+
+def _collective(run, *tensors):
+    """`run()`, a collective on `tensors`, returning once it is done and its work has let go
+    of them (`_released`)."""
+    baselines = _references(tensors)
+    run()
+    _released(tensors, baselines)
+
+
+def wait_for_every_rank(world):
+    """Returns once every rank has called it (an all-reduce of one number)."""
+    if world == 1:
+        return
+    token = torch.zeros(1, device=comm_device())
+    _collective(lambda: dist.all_reduce(token), token)
+
+
 def gather_to_root(obj, world):
     """`obj` of every rank, in rank order, on rank 0 (`None` on the others): its sizes, then
     its pickled bytes padded to the largest, two collectives in all (torch's
@@ -31,7 +72,7 @@ def gather_to_root(obj, world):
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(sizes, size)
+    _collective(lambda: dist.all_gather(sizes, size), size, *sizes)
     sizes = [int(n.item()) for n in sizes]
     mine = torch.zeros(max(sizes), dtype=torch.uint8)
     if data:
@@ -39,7 +80,8 @@ def gather_to_root(obj, world):
     root = dist.get_rank() == 0
     every = ([torch.zeros(max(sizes), dtype=torch.uint8, device=device) for _ in range(world)]
              if root else None)
-    dist.gather(mine.to(device), every, dst=0)
+    mine = mine.to(device)
+    _collective(lambda: dist.gather(mine, every, dst=0), mine, *(every or []))
     if not root:
         return None
     return [pickle.loads(raw_bytes(t[:n])) for t, n in zip(every, sizes)]

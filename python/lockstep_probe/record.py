@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from .gather import assemble, gather_to_root, parts_of
+from .gather import assemble, gather_to_root, parts_of, wait_for_every_rank
 from .tensor_file import DTYPE_CODES, TensorFileWriter, raw_bytes
 
 TENSOR_FILE = "tensors.safetensors"
@@ -245,6 +245,12 @@ class Recorder:
     and the gradient norm at every step), and compares the copies at those steps: for long
     jobs, where a step's gathering is not free. The references record the same steps.
 
+    `scaler` is a job's `torch.amp.GradScaler` (or FSDP's `ShardedGradScaler`) under fp16: the
+    job calls `scaler.unscale_(optimizer)` before `rec.step`, the recorder records the true
+    gradients and the scale of each step, and a step whose gradients overflowed (the scaler
+    skips its update) is recorded as skipped: the references skip it too, at the same scale,
+    and `lockstep judge` leaves its overflowed gradients out of the comparison.
+
     `world_size` overrides how many data ranks the run stands for (a single-device reference
     stands in for a world of ranks); `keep_batches=False` records no batches (the references'
     own records need none).
@@ -266,13 +272,19 @@ class Recorder:
     def __init__(self, out, model, *, name, config, seed=0, steps=None, record_grads=True,
                  world_size=None, backend=None, stages=False, data=None, keep_batches=True,
                  precision=None, kind="run", trained_from=None, replicated_data=False,
-                 tied=None, activations=None, every=1):
+                 tied=None, activations=None, every=1, scaler=None, skipped_steps=None):
         if kind not in KINDS:
             raise RecordError(f"kind={kind!r}: a record is one of {', '.join(KINDS)}")
         if (kind == "run") != (trained_from is None):
             raise RecordError("a run's record binds its own start and batches; a reference's "
                               "or shadow's names the run's with trained_from=")
         self.kind, self.trained_from = kind, trained_from
+        if scaler is not None and kind != "run":
+            raise RecordError("scaler= is a job's: the references replay the steps it skipped")
+        # A job's loss scaler: its scale at each step, and the steps it skipped (their
+        # gradients overflowed); a reference's record lists the skipped steps it replayed.
+        self.scaler, self.loss_scales = scaler, []
+        self.skipped_steps = list(skipped_steps or [])
         self.batch_digests = []
         self.replicated_data = replicated_data
         self.tied = dict(tied or {})
@@ -426,6 +438,8 @@ class Recorder:
             raise RecordError("step(None): only a pipeline's other stages (stages=True) pass no loss")
         step = len(self.losses)
         keep = self.grads_recorded_at(step)
+        if self.scaler is not None:
+            self.loss_scales.append(self._loss_scale())
         # Copies are digested as the ranks hold them (the first FSDP's flat shards), outside
         # the full view.
         contribution = self._contribution(loss, keep)
@@ -445,11 +459,27 @@ class Recorder:
         self.losses.append(self._mean_loss([c.loss for c in every]))
         # A weight tied across stages is one parameter: its square counted once.
         self.grad_norms.append(math.sqrt(sum(squares.values())))
+        if self.scaler is not None and not math.isfinite(self.grad_norms[-1]):
+            # The scaler finds the same overflow and skips the optimizer step.
+            self.skipped_steps.append(step)
         if self.record_grads:
             self.grad_entries.append(self._keyed(f"grad/{step}", grads) if keep else [])
         outputs = sorted((o for c in every for o in c.outputs), key=lambda o: o[0])
         self._keep_outputs(step, outputs)
         self._keep_batches(every)
+
+    def _loss_scale(self):
+        """The job's loss scale at this step, once its gradients are unscaled (an error when
+        they are not: the recorder would read gradients `scale` times too large)."""
+        if not self.scaler.is_enabled():
+            return 1.0
+        states = getattr(self.scaler, "_per_optimizer_states", None)
+        if states is not None and all(getattr(state.get("stage"), "name", "") != "UNSCALED"
+                                      for state in states.values()):
+            raise RecordError(f"step {len(self.losses)}: the GradScaler's gradients are still "
+                              "scaled: call scaler.unscale_(optimizer) before rec.step (as "
+                              "before clipping), so that the true gradients are recorded")
+        return float(self.scaler.get_scale())
 
     def _contribution(self, loss, compare):
         """What this rank brings to rank 0 at a step besides its gradients: its replica, the
@@ -602,9 +632,8 @@ class Recorder:
             self._compare_copies(steps, "final", digests)
             self._write(steps, {n: t for n, t in state.items() if not n.startswith("\0")},
                         {n[1:]: t for n, t in state.items() if n.startswith("\0")})
-        if self.world > 1:
-            # No rank leaves (and tears its process group down) while rank 0 still writes.
-            dist.barrier()
+        # No rank leaves (and tears its process group down) while rank 0 still writes.
+        wait_for_every_rank(self.world)
 
     def _write(self, steps, params, buffers):
         """Rank 0's files: the tensor file, the record naming its tensors, and the batches
@@ -622,7 +651,10 @@ class Recorder:
             "kind": self.kind,
             "activation_steps": sorted(self.activation_steps),
             "activations": self.output_entries,
+            "skipped_steps": self.skipped_steps,
         }
+        if self.scaler is not None:
+            record["loss_scales"] = self.loss_scales
         if self.kind == "run":
             record["data"] = self.data_findings
             record["binding"] = {

@@ -37,6 +37,8 @@ def _load(run_dir):
         spec = record["spec"]
         spec["activation_steps"] = record.get("activation_steps", [])
         spec["grads_every"] = record.get("grads_every", 1)
+        spec["loss_scales"] = record.get("loss_scales")
+        spec["skipped_steps"] = record.get("skipped_steps", [])
     except (ValueError, KeyError) as e:
         raise ReferenceError(f"{paths['record.json']}: not a Lockstep run record ({e})") from e
     init, batches = (_load_tensors(paths[n]) for n in ("init.pt", "batches.pt"))
@@ -135,9 +137,11 @@ class _OwnDtype:
     def context(self):
         return contextlib.nullcontext()
 
-    def step(self, loss_fn, ranks, rec=None):
+    def step(self, loss_fn, ranks, rec=None, scale=None):
         """The step's loss, after its backward put the gradients on the model; `rec` is told
-        which data rank each forward stands for (the module outputs it records)."""
+        which data rank each forward stands for (the module outputs it records). `scale`:
+        the job's loss scale at this step, the backward scaled and the gradients unscaled
+        as its GradScaler does."""
         losses = []
         with self.context():
             for i, b in enumerate(ranks):
@@ -145,7 +149,8 @@ class _OwnDtype:
                     rec.data_rank = i
                 losses.append(loss_fn(self.model, *_placed(b, self.dtype, self.device)))
         loss = sum(losses) / len(losses)
-        loss.backward()
+        (loss if scale is None else loss * scale).backward()
+        _unscale(self.model.parameters(), scale)
         return loss
 
 
@@ -177,7 +182,7 @@ class _CastParams(_OwnDtype):
         for p in self.narrow.parameters():
             p.data = p.data.to(param_dtype)
 
-    def step(self, loss_fn, ranks, rec=None):
+    def step(self, loss_fn, ranks, rec=None, scale=None):
         # The forward runs on the cast copy: no module outputs are recorded (`rec` unused).
         pairs = list(zip(self.model.parameters(), self.narrow.parameters()))
         with torch.no_grad():
@@ -187,7 +192,7 @@ class _CastParams(_OwnDtype):
         for b in ranks:
             self.narrow.zero_grad(set_to_none=True)
             loss = loss_fn(self.narrow, *_placed(b, self.param_dtype, self.device))
-            loss.backward()
+            (loss if scale is None else loss * scale).backward()
             losses.append(float(loss.detach()))
             for i, (wide, narrow) in enumerate(pairs):
                 if narrow.grad is not None:  # a parameter no rank used keeps no gradient
@@ -195,7 +200,19 @@ class _CastParams(_OwnDtype):
                     sums[i] = g if i not in sums else sums[i] + g
         for i, (wide, _) in enumerate(pairs):
             wide.grad = sums[i] / len(ranks) if i in sums else None
+        _unscale(self.model.parameters(), scale)
         return torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
+
+
+def _unscale(params, scale):
+    """Divides the gradients by `scale` as `GradScaler.unscale_` does: times the float64
+    reciprocal rounded to float32."""
+    if scale is None:
+        return
+    inverse = torch.tensor(scale, dtype=torch.float64).reciprocal().float()
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(inverse.to(p.grad.device))
 
 
 def _same_precision(spec, narrow):
@@ -236,13 +253,16 @@ def _binding(spec, init, batches):
 
 
 def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, config, device, *,
-           compute=_OwnDtype, precision=None, max_grad_norm=None, kind="reference"):
+           compute=_OwnDtype, precision=None, max_grad_norm=None, kind="reference",
+           scales=None):
     """One single-device training from `init` over the global batches: each step's objective
     is every rank's loss in rank order, summed, divided by the world size (what a data-parallel
     job's averaged gradients are the gradient of), each step computed by `compute` (the job's
     mixed precision, named `precision` in the record, for the fp32 reference; never for the
     float64 shadow); its gradients clipped to `max_grad_norm` after they are recorded, when
-    given."""
+    given. `scales`: the job's loss scale at each step (the fp32 reference scales as it
+    did). A step the job's scaler skipped is skipped here too: its gradients recorded, no
+    update."""
     model = model_fn()
     _check_same_tensors(model, init)
     model.load_state_dict(init, strict=True)
@@ -253,11 +273,15 @@ def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, con
     rec = Recorder(out, model, name=spec["model"], config=config, seed=spec["seed"],
                    world_size=spec["world_size"], backend=spec["backend"], keep_batches=False,
                    precision=precision, kind=kind, trained_from=_binding(spec, init, batches),
-                   activations=spec["activation_steps"], every=spec["grads_every"])
-    for ranks in batches:
+                   activations=spec["activation_steps"], every=spec["grads_every"],
+                   skipped_steps=spec["skipped_steps"])
+    skipped = set(spec["skipped_steps"])
+    for step, ranks in enumerate(batches):
         optimizer.zero_grad()
-        loss = stepper.step(loss_fn, ranks, rec)
+        loss = stepper.step(loss_fn, ranks, rec, None if scales is None else scales[step])
         rec.step(loss)
+        if step in skipped:
+            continue  # the job's scaler skipped this update: so do the references
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()
@@ -288,7 +312,8 @@ def train_references(model_fn, loss_fn, optimizer_fn, run_dir, out_dir, *, shado
     (the arbiter's envelope; the shadow stays float64 throughout): `param_dtype=torch.bfloat16`
     for FSDP's mixed precision (parameters and inputs cast for the forward and backward,
     gradients reduced in fp32), `autocast=torch.bfloat16` for a forward under
-    `torch.autocast`."""
+    `torch.autocast`. A job recorded with its GradScaler (`Recorder(scaler=...)`, fp16) is
+    replayed at its loss scale of each step, and the steps its scaler skipped are skipped."""
     if param_dtype is not None and autocast is not None:
         raise ReferenceError("param_dtype and autocast describe two precisions: pass the one "
                              "the job uses")
@@ -300,7 +325,7 @@ def train_references(model_fn, loss_fn, optimizer_fn, run_dir, out_dir, *, shado
     with deterministic(device):
         _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out_dir / "reference",
                torch.float32, name, device, compute=_compute(param_dtype, autocast),
-               precision=precision, max_grad_norm=max_grad_norm)
+               precision=precision, max_grad_norm=max_grad_norm, scales=spec["loss_scales"])
     if shadow:
         with deterministic(shadow_device):
             _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out_dir / "shadow",

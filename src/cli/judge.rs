@@ -8,10 +8,13 @@ use std::process::ExitCode;
 /// input (nothing written).
 pub(crate) fn run_judge(opts: JudgeOptions) -> ExitCode {
     match judge(&opts) {
-        Ok((report, files)) => {
-            println!("{}", report.headline());
-            println!("reports: {}", files.markdown.display());
-            match report.passed() {
+        Ok(judged) => {
+            for note in &judged.notes {
+                println!("note: {note}");
+            }
+            println!("{}", judged.report.headline());
+            println!("reports: {}", judged.files.markdown.display());
+            match judged.report.passed() {
                 true => ExitCode::SUCCESS,
                 false => ExitCode::FAILURE,
             }

@@ -39,6 +39,9 @@ pub struct Provenance {
     /// Every how many steps the record holds the full gradients (`Recorder(every=k)`; 1
     /// when it does not say): a reference must hold them at the same steps.
     pub grads_every: u64,
+    /// The steps a job's loss scaler skipped (a run's), or that a reference skipped to
+    /// replay them: they must be the same.
+    pub skipped_steps: Vec<usize>,
     /// A run's data findings (the same batch on every rank, a batch repeated from an earlier
     /// step), in words: each fails the job.
     pub data_findings: Vec<String>,
@@ -77,6 +80,13 @@ impl Provenance {
                 .get("grads_every")
                 .and_then(|k| k.as_u64())
                 .unwrap_or(1),
+            skipped_steps: match record.get("skipped_steps") {
+                None | Some(serde_json::Value::Null) => Vec::new(),
+                Some(v) => serde_json::from_value(v.clone()).map_err(|e| JudgeError::Parse {
+                    path: file.to_owned(),
+                    detail: format!("`skipped_steps`: {e}"),
+                })?,
+            },
             data_findings: record
                 .get("data")
                 .and_then(|d| d.as_array())
@@ -189,6 +199,12 @@ pub fn check_bound(run: &Provenance, other: &Provenance, role: &str) -> Result<(
         differences.push(format!(
             "its gradients recorded every {} steps, the run's every {}",
             other.grads_every, run.grads_every
+        ));
+    }
+    if other.skipped_steps != run.skipped_steps {
+        differences.push(format!(
+            "it skipped steps {:?}, the run's loss scaler {:?}",
+            other.skipped_steps, run.skipped_steps
         ));
     }
     if differences.is_empty() {

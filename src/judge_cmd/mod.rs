@@ -6,6 +6,7 @@
 
 pub mod binding;
 pub mod forward;
+pub mod skipped;
 mod tensor_file;
 
 use binding::{check_bound, Provenance};
@@ -175,13 +176,24 @@ fn fail_on_data_findings(comparison: &mut Comparison, findings: &[String]) {
     comparison.passed = false;
 }
 
+/// A judged job: its report, the files written, and what the verdict set aside (steps a
+/// loss scaler skipped), in words.
+pub struct Judged {
+    /// The report (one comparison).
+    pub report: Report,
+    /// Where it was written.
+    pub files: ReportFiles,
+    /// What was left out of the comparison and why, for the reader.
+    pub notes: Vec<String>,
+}
+
 /// Reads the records, judges the job and writes the report set; the report says whether it
 /// passed. Nothing is written when an input is bad.
-pub fn judge(opts: &JudgeOptions) -> Result<(Report, ReportFiles), JudgeError> {
-    let (run, run_from, run_outputs) = read_full_record(&opts.run)?;
-    let (reference, reference_from, reference_outputs) = read_full_record(&opts.reference)?;
+pub fn judge(opts: &JudgeOptions) -> Result<Judged, JudgeError> {
+    let (mut run, run_from, run_outputs) = read_full_record(&opts.run)?;
+    let (mut reference, reference_from, reference_outputs) = read_full_record(&opts.reference)?;
     check_bound(&run_from, &reference_from, "reference")?;
-    let shadow = match opts.shadow.as_deref() {
+    let mut shadow = match opts.shadow.as_deref() {
         Some(path) => {
             let (shadow, shadow_from, shadow_outputs) = read_full_record(path)?;
             check_bound(&run_from, &shadow_from, "shadow")?;
@@ -189,6 +201,11 @@ pub fn judge(opts: &JudgeOptions) -> Result<(Report, ReportFiles), JudgeError> {
         }
         None => None,
     };
+    let mut records = vec![&mut run, &mut reference];
+    records.extend(shadow.as_mut().map(|(s, _)| s));
+    let notes: Vec<String> = skipped::set_aside(&mut records, &run_from.skipped_steps)
+        .into_iter()
+        .collect();
     let mut comparison = judge_records(&run, &reference, shadow.as_ref().map(|(s, _)| s))?;
     if !comparison.structural.is_empty() {
         return Err(JudgeError::Structure(comparison.structural.join("; ")));
@@ -206,5 +223,9 @@ pub fn judge(opts: &JudgeOptions) -> Result<(Report, ReportFiles), JudgeError> {
         .with_environment(Some(lockstep_harness::report::environment()));
     prepare_dir(&opts.out)?;
     let files = write_all(&report, &opts.out)?;
-    Ok((report, files))
+    Ok(Judged {
+        report,
+        files,
+        notes,
+    })
 }

@@ -1,0 +1,67 @@
+//! Steps a job's loss scaler skipped: under fp16 a `GradScaler` finds overflowed gradients,
+//! skips that step's update and lowers its scale. The recorder marks the step
+//! (`skipped_steps`), the references replay the skip, and the judge sets the step's
+//! gradients and gradient norm aside: they are infinite by design, while its loss and every
+//! later step (which shows whether the job really skipped the update) are judged as usual.
+
+use lockstep_core::record::RunRecord;
+
+/// Removes the gradients and gradient norm of every step in `skipped` from each record (the
+/// norm set to 0 on every side, so the three agree), and says what was set aside; `None`
+/// when nothing was skipped.
+pub fn set_aside(records: &mut [&mut RunRecord], skipped: &[usize]) -> Option<String> {
+    if skipped.is_empty() {
+        return None;
+    }
+    for record in records.iter_mut() {
+        for &step in skipped {
+            if let Some(norm) = record.grad_norms.get_mut(step) {
+                *norm = 0.0;
+            }
+            if let Some(grads) = record.grads.as_mut().and_then(|g| g.get_mut(step)) {
+                grads.clear();
+            }
+        }
+    }
+    let steps: Vec<String> = skipped.iter().map(usize::to_string).collect();
+    Some(format!(
+        "the job's loss scaler skipped step{} {} (its gradients overflowed); the references \
+         skipped {} too, and {} gradients are not compared",
+        if skipped.len() == 1 { "" } else { "s" },
+        steps.join(", "),
+        if skipped.len() == 1 { "it" } else { "them" },
+        if skipped.len() == 1 { "its" } else { "their" },
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lockstep_core::record::RunSpec;
+
+    fn record(norms: &[f64]) -> RunRecord {
+        let spec = RunSpec {
+            model: "mlp".into(),
+            config: "ddp".into(),
+            world_size: 2,
+            backend: "gloo".into(),
+            dtype: "fp16".into(),
+            steps: norms.len(),
+            seed: 0,
+        };
+        let mut r = RunRecord::start(spec, true);
+        r.grad_norms = norms.to_vec();
+        r.grads = Some(vec![Vec::new(); norms.len()]);
+        r
+    }
+
+    #[test]
+    fn a_skipped_steps_norms_agree_on_every_side_and_the_note_names_it() {
+        let (mut run, mut reference) = (record(&[f64::NAN, 1.0]), record(&[f64::NAN, 1.0]));
+        let note = set_aside(&mut [&mut run, &mut reference], &[0]);
+        assert_eq!(run.grad_norms, vec![0.0, 1.0]);
+        assert_eq!(reference.grad_norms, vec![0.0, 1.0]);
+        assert!(note.is_some_and(|n| n.contains("skipped step 0")));
+        assert!(set_aside(&mut [&mut run], &[]).is_none());
+    }
+}
