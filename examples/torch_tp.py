@@ -23,6 +23,12 @@ never summed over the group, so every rank steps the bias by a wrong gradient.
 bias to its partial sum before the all-reduce, so layer `2`'s output carries the bias once
 per rank. The gradients first show it at the output layer; the recorder's module outputs
 (step 0) name layer `2`, where it happened.
+
+`--bug input-grad-reduced-twice` plants a backward bug: the output layer's input gradient is
+all-reduced once more after its own reduction (Megatron's `f` operator's backward doubled up),
+so the gradient leaving layer `4` backward is `world` times too large. The forward is right;
+the gradients first show it at layer `2`'s parameters; the gradients the recorder keeps at
+the module outputs (step 0) name layer `4`, whose backward it is.
 """
 
 import argparse
@@ -87,6 +93,11 @@ def train(out, bug):
         # all-reduce, so the output carries the bias `world` times (a forward bug in `2`).
         model[2].register_forward_hook(
             lambda m, _i, out: out + (world - 1) * m.bias.to_local())
+    if bug == "input-grad-reduced-twice":
+        # The bug: the gradient layer 4's backward sends to its input (layer 3's output) is
+        # summed over the ranks once more, though every rank already holds the full sum.
+        model[3].register_forward_hook(
+            lambda _m, _i, out: out.register_hook(lambda g: g * world) and None)
     opt = optimizer(model.parameters())
     # Every TP rank computes on the same batch, on purpose: said, so the data check allows it.
     rec = lockstep_probe.Recorder(Path(out) / "run", model, name="mlp",  # lockstep
@@ -119,7 +130,7 @@ def main():
     parser.add_argument("mode", choices=["train", "reference"])
     parser.add_argument("out")
     parser.add_argument("--bug", choices=["replica-skips-reduce", "bias-grad-unreduced",
-                                          "bias-before-reduce"])
+                                          "bias-before-reduce", "input-grad-reduced-twice"])
     args = parser.parse_args()
     if args.mode == "train":
         train(args.out, args.bug)

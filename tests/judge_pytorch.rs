@@ -37,7 +37,8 @@
 //! - every rank reading the same batch, and a loader that stops advancing, fail with their
 //!   own finding though the numbers match;
 //! - a forward bug (a row-parallel bias added before the reduction) is named at its module
-//!   by the recorded module outputs, not at the output layer's gradient;
+//!   by the recorded module outputs, not at the output layer's gradient, and a backward bug
+//!   (an input gradient reduced twice) at its module by the gradients reaching the outputs;
 //! - Hugging Face transformers' Llama (`examples/hf_llama.py`, code nobody here wrote) passes
 //!   under its own `tp_plan` and under FSDP2, and a loss divided by the world again fails
 //!   (needs `ci/setup-python-extras`);
@@ -1017,6 +1018,25 @@ fn a_forward_bug_is_named_at_its_module() -> Result<()> {
     let diagnosis = c["diagnosis"].as_str().unwrap_or_default();
     ensure!(
         diagnosis.contains("forward: the first module output out of its envelope, in execution order, is step 0, rank 0: 2 "),
+        "{diagnosis}"
+    );
+    Ok(())
+}
+
+/// A backward bug (the output layer's input gradient reduced over the ranks twice) is named
+/// at that layer by the gradients the recorder keeps at the module outputs: the first one out
+/// of its envelope in backward order reaches layer `3`'s output, and the one before it
+/// (layer `4`'s, within) says whose backward sent it; the parameters first show it at layer
+/// `2`.
+#[test]
+fn a_backward_bug_is_named_at_its_module() -> Result<()> {
+    let Some(c) = judged(TP, 2, &["--bug", "input-grad-reduced-twice"], 1)? else {
+        return Ok(());
+    };
+    let diagnosis = c["diagnosis"].as_str().unwrap_or_default();
+    ensure!(
+        diagnosis.contains("backward: the first gradient out of its envelope, in backward order, is the one reaching the output of step 0, rank 0: 3 ")
+            && diagnosis.contains("the backward of `4` went wrong"),
         "{diagnosis}"
     );
     Ok(())

@@ -241,6 +241,12 @@ class Recorder:
     index 4 sharing index 2's linear: `model.named_parameters()` lists `2.weight` only) says
     so with `tied={"4.weight": "2.weight", ...}` (alias -> the model's name).
 
+    `activations` lists the steps whose module outputs are recorded, with the gradients that
+    backward brings to them (default: step 0 for models of at most 10M parameters; `[]`:
+    none): the judge names the first module, in execution order, whose output leaves its
+    envelope (a forward bug), else the first module whose backward sent a gradient out of
+    its envelope (a backward bug), before the parameters where either showed.
+
     `every=k` records the full gradients every k-th step only (steps 0, k, 2k...; the loss
     and the gradient norm at every step), and compares the copies at those steps: for long
     jobs, where a step's gathering is not free. The references record the same steps.
@@ -291,6 +297,8 @@ class Recorder:
         # Module outputs (forward), at the steps `activations` names.
         self.data_rank = None
         self.step_outputs, self.output_calls = [], {}
+        # The gradients reaching those outputs (backward), in the order backward reached them.
+        self.step_output_grads, self.output_grad_entries = [], []
         # The data checks' findings, and every earlier (step, rank) of each batch digest.
         self.data_findings, self.seen_batches = [], {}
         self.out = Path(out)
@@ -383,6 +391,19 @@ class Recorder:
         with torch.no_grad():
             whole = full_tensor(t.detach())
         self.step_outputs.append((rank, module_name, call, host_copy(module_name, whole)))
+        if t.requires_grad:
+            t.register_hook(functools.partial(self._record_output_grad, rank, module_name, call))
+
+    def _record_output_grad(self, rank, module_name, call, grad):
+        """A gradient hook on a recorded output: keeps the gradient that backward brought to
+        it (whole), as each rank's share of the step's loss: a job's rank differentiates its
+        own loss, the references the mean of every rank's, so a job's is divided by the
+        ranks its references stand for."""
+        with torch.no_grad():
+            whole = full_tensor(grad.detach())
+            if self.kind == "run" and self.spec["world_size"] > 1:
+                whole = whole / self.spec["world_size"]
+        self.step_output_grads.append((rank, module_name, call, host_copy(module_name, whole)))
 
     def _named(self, items):
         """`(name, tensor)` pairs under the single-device model's names, tied aliases under
@@ -464,8 +485,11 @@ class Recorder:
             self.skipped_steps.append(step)
         if self.record_grads:
             self.grad_entries.append(self._keyed(f"grad/{step}", grads) if keep else [])
-        outputs = sorted((o for c in every for o in c.outputs), key=lambda o: o[0])
-        self._keep_outputs(step, outputs)
+        by_rank = lambda o: o[0]  # noqa: E731 (a sort key)
+        self._keep_outputs(step, sorted((o for c in every for o in c.outputs), key=by_rank),
+                           "act", self.output_entries)
+        self._keep_outputs(step, sorted((o for c in every for o in c.output_grads), key=by_rank),
+                           "outgrad", self.output_grad_entries)
         self._keep_batches(every)
 
     def _loss_scale(self):
@@ -489,8 +513,9 @@ class Recorder:
         value = None if loss is None else float(full_tensor(loss.detach()).double().cpu())
         batch, self.pending_batch = self.pending_batch, None
         outputs, self.step_outputs, self.output_calls = self.step_outputs, [], {}
+        output_grads, self.step_output_grads = self.step_output_grads, []
         return Contribution(self.data_index, self._digests() if compare else None, value,
-                            batch if self.keep_batches else None, outputs)
+                            batch if self.keep_batches else None, outputs, output_grads)
 
     def _mean_loss(self, values):
         """The step's loss over the world: the mean of every rank's, or of every pipeline's
@@ -508,14 +533,15 @@ class Recorder:
             entries.append({"name": name, "key": key})
         return entries
 
-    def _keep_outputs(self, step, outputs):
-        """The step's recorded module outputs (data rank, module, call, tensor), in execution
-        order within each data rank, handed to the tensor file's writer."""
+    def _keep_outputs(self, step, outputs, prefix, entries):
+        """The step's recorded module outputs or their gradients (data rank, module, call,
+        tensor), in the order they came within each data rank, handed to the tensor file's
+        writer under `prefix/...` and listed in `entries`."""
         for rank, module, call, t in outputs:
             name = f"step {step}, rank {rank}: {module}" + (f" (call {call + 1})" if call else "")
-            key = f"act/{step}/{rank}/{module}#{call}"
+            key = f"{prefix}/{step}/{rank}/{module}#{call}"
             self.writer.add(key, t)
-            self.output_entries.append({"name": name, "key": key})
+            entries.append({"name": name, "key": key})
 
     def _keep_batches(self, every):
         """Every rank's batch of this step, on rank 0; under `stages` every pipeline's global
@@ -651,6 +677,7 @@ class Recorder:
             "kind": self.kind,
             "activation_steps": sorted(self.activation_steps),
             "activations": self.output_entries,
+            "output_grads": self.output_grad_entries,
             "skipped_steps": self.skipped_steps,
         }
         if self.scaler is not None:
@@ -680,3 +707,4 @@ class Contribution(NamedTuple):
     loss: Optional[float]
     batch: Optional[tuple]
     outputs: list
+    output_grads: list

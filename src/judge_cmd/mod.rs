@@ -83,10 +83,11 @@ pub fn read_bound_record(path: &Path) -> Result<(RunRecord, Provenance), JudgeEr
     read_full_record(path).map(|(record, provenance, _)| (record, provenance))
 }
 
-/// [`read_bound_record`] with the module outputs the record kept, in execution order.
+/// [`read_bound_record`] with the module outputs the record kept, in execution order, and
+/// the gradients backward brought to them.
 pub fn read_full_record(
     path: &Path,
-) -> Result<(RunRecord, Provenance, Vec<NamedTensor>), JudgeError> {
+) -> Result<(RunRecord, Provenance, forward::ModuleProbes), JudgeError> {
     let file = match path.is_dir() {
         true => path.join("record.json"),
         false => path.to_owned(),
@@ -102,7 +103,10 @@ pub fn read_full_record(
     let mut record: serde_json::Value = serde_json::from_str(&text).map_err(parse)?;
     let provenance = Provenance::read(&file, &record)?;
     tensor_file::fill_values(&mut record, file.parent().unwrap_or(Path::new(".")))?;
-    let outputs = forward::read_outputs(&record);
+    let outputs = forward::ModuleProbes {
+        outputs: forward::read_outputs(&record),
+        output_grads: forward::read_output_grads(&record),
+    };
     Ok((
         serde_json::from_value(record).map_err(parse)?,
         provenance,
@@ -145,16 +149,38 @@ pub fn judge_records(
 }
 
 /// A module output out of its envelope fails the job and leads the diagnosis: it is where the
-/// forward went wrong, before any gradient showed it.
-fn name_the_forward_culprit(comparison: &mut Comparison, finding: Option<forward::ForwardFinding>) {
-    let Some(f) = finding else {
-        return;
+/// forward went wrong, before any gradient showed it. Failing that, the first output whose
+/// gradient left its envelope names the module whose backward went wrong.
+fn name_the_culprit(
+    comparison: &mut Comparison,
+    forward: Option<forward::ForwardFinding>,
+    backward: Option<forward::ForwardFinding>,
+) {
+    let found = match (forward, backward) {
+        (Some(f), _) => format!(
+            "forward: the first module output out of its envelope, in execution order, is {} \
+             (margin {:.3e}; {} outputs judged)",
+            f.name, f.margin, f.judged
+        ),
+        (None, Some(b)) => {
+            let culprit = match &b.previous {
+                Some(p) => format!(
+                    "the backward of `{}` went wrong (the gradient it received at its output \
+                     was within)",
+                    forward::module_of(p)
+                ),
+                None => "the first gradient backward produced is already wrong: the loss's \
+                         own backward went wrong"
+                    .to_owned(),
+            };
+            format!(
+                "backward: the first gradient out of its envelope, in backward order, is the \
+                 one reaching the output of {} (margin {:.3e}; {} judged): {culprit}",
+                b.name, b.margin, b.judged
+            )
+        }
+        (None, None) => return,
     };
-    let found = format!(
-        "forward: the first module output out of its envelope, in execution order, is {} \
-         (margin {:.3e}; {} outputs judged)",
-        f.name, f.margin, f.judged
-    );
     comparison.diagnosis = Some(match comparison.diagnosis.take() {
         Some(rest) => format!("{found}. {rest}"),
         None => found,
@@ -190,14 +216,14 @@ pub struct Judged {
 /// Reads the records, judges the job and writes the report set; the report says whether it
 /// passed. Nothing is written when an input is bad.
 pub fn judge(opts: &JudgeOptions) -> Result<Judged, JudgeError> {
-    let (mut run, run_from, run_outputs) = read_full_record(&opts.run)?;
-    let (mut reference, reference_from, reference_outputs) = read_full_record(&opts.reference)?;
+    let (mut run, run_from, run_probes) = read_full_record(&opts.run)?;
+    let (mut reference, reference_from, reference_probes) = read_full_record(&opts.reference)?;
     check_bound(&run_from, &reference_from, "reference")?;
     let mut shadow = match opts.shadow.as_deref() {
         Some(path) => {
-            let (shadow, shadow_from, shadow_outputs) = read_full_record(path)?;
+            let (shadow, shadow_from, shadow_probes) = read_full_record(path)?;
             check_bound(&run_from, &shadow_from, "shadow")?;
-            Some((shadow, shadow_outputs))
+            Some((shadow, shadow_probes))
         }
         None => None,
     };
@@ -210,13 +236,19 @@ pub fn judge(opts: &JudgeOptions) -> Result<Judged, JudgeError> {
     if !comparison.structural.is_empty() {
         return Err(JudgeError::Structure(comparison.structural.join("; ")));
     }
-    if let Some((shadow, shadow_outputs)) = &shadow {
-        let finding = forward::first_bad_output(
-            (&run, &run_outputs),
-            (&reference, &reference_outputs),
-            (shadow, shadow_outputs),
+    if let Some((shadow, shadow_probes)) = &shadow {
+        let first_bad = |pick: fn(&forward::ModuleProbes) -> &[NamedTensor]| {
+            forward::first_bad_output(
+                (&run, pick(&run_probes)),
+                (&reference, pick(&reference_probes)),
+                (shadow, pick(shadow_probes)),
+            )
+        };
+        name_the_culprit(
+            &mut comparison,
+            first_bad(|p| &p.outputs),
+            first_bad(|p| &p.output_grads),
         );
-        name_the_forward_culprit(&mut comparison, finding);
     }
     fail_on_data_findings(&mut comparison, &run_from.data_findings);
     let report = Report::new(vec![comparison])

@@ -13,7 +13,7 @@ use std::path::Path;
 use tch::Tensor;
 
 /// Replaces every keyed tensor entry of `record` (parameters, buffers, every step's
-/// gradients, module outputs) by the inline tensor read from the record's tensor file, relative to `dir`.
+/// gradients, module outputs and their gradients) by the inline tensor read from the record's tensor file, relative to `dir`.
 /// A record without a tensor file is left as it is.
 pub fn fill_values(record: &mut Value, dir: &Path) -> Result<(), JudgeError> {
     let Some(name) = record.get("tensor_file").and_then(Value::as_str) else {
@@ -30,7 +30,7 @@ pub fn fill_values(record: &mut Value, dir: &Path) -> Result<(), JudgeError> {
     if let Value::Object(fields) = record {
         for (field, value) in fields.iter_mut() {
             match (field.as_str(), value) {
-                ("params" | "buffers" | "activations", Value::Array(items)) => {
+                ("params" | "buffers" | "activations" | "output_grads", Value::Array(items)) => {
                     entries.extend(items.iter_mut())
                 }
                 ("grads", Value::Array(steps)) => {
