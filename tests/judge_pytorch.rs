@@ -876,7 +876,16 @@ fn an_fp16_job_with_a_grad_scaler_passes_and_clipping_scaled_gradients_is_caught
     else {
         return Ok(());
     };
-    first_failure_at(&comparison, 1)
+    first_failure_at(&comparison, 1)?;
+    // Step 1's module outputs were not recorded (step 0's only, by default): the diagnosis
+    // says how to record them.
+    let diagnosis = comparison["diagnosis"].as_str().unwrap_or_default();
+    ensure!(
+        diagnosis.contains("module outputs were not recorded at step 1")
+            && diagnosis.contains("Recorder(..., activations=[0, 1])"),
+        "{diagnosis}"
+    );
+    Ok(())
 }
 
 /// `Recorder(every=k)`, for long jobs: the full gradients of every k-th step only (the loss

@@ -42,6 +42,8 @@ pub struct Provenance {
     /// The steps a job's loss scaler skipped (a run's), or that a reference skipped to
     /// replay them: they must be the same.
     pub skipped_steps: Vec<usize>,
+    /// The steps whose module outputs (and their gradients) the record kept.
+    pub activation_steps: Vec<usize>,
     /// A run's data findings (the same batch on every rank, a batch repeated from an earlier
     /// step), in words: each fails the job.
     pub data_findings: Vec<String>,
@@ -87,6 +89,10 @@ impl Provenance {
                     detail: format!("`skipped_steps`: {e}"),
                 })?,
             },
+            activation_steps: record
+                .get("activation_steps")
+                .and_then(|v| serde_json::from_value(v.clone()).ok())
+                .unwrap_or_default(),
             data_findings: record
                 .get("data")
                 .and_then(|d| d.as_array())

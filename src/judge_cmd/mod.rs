@@ -188,6 +188,29 @@ fn name_the_culprit(
     comparison.passed = false;
 }
 
+/// A failure first seen at a step whose module outputs were not recorded cannot be placed at
+/// a module: the diagnosis says which steps to record to place it.
+fn ask_for_the_failing_step(comparison: &mut Comparison, recorded: &[usize]) {
+    let Some(step) = comparison.first_failure.as_ref().and_then(|f| f.step) else {
+        return;
+    };
+    if comparison.passed || recorded.contains(&step) {
+        return;
+    }
+    let mut steps = recorded.to_vec();
+    steps.push(step);
+    let list: Vec<String> = steps.iter().map(usize::to_string).collect();
+    let hint = format!(
+        "module outputs were not recorded at step {step}, where the first failure is: to name \
+         the module, record the job again with Recorder(..., activations=[{}])",
+        list.join(", ")
+    );
+    comparison.diagnosis = Some(match comparison.diagnosis.take() {
+        Some(rest) => format!("{rest}. {hint}"),
+        None => hint,
+    });
+}
+
 /// A job whose data the recorder found wrong fails whatever its numbers: the references
 /// trained on the same wrong data, so they cannot see it. The findings lead the diagnosis.
 fn fail_on_data_findings(comparison: &mut Comparison, findings: &[String]) {
@@ -244,11 +267,11 @@ pub fn judge(opts: &JudgeOptions) -> Result<Judged, JudgeError> {
                 (shadow, pick(shadow_probes)),
             )
         };
-        name_the_culprit(
-            &mut comparison,
-            first_bad(|p| &p.outputs),
-            first_bad(|p| &p.output_grads),
-        );
+        let (forward, backward) = (first_bad(|p| &p.outputs), first_bad(|p| &p.output_grads));
+        if forward.is_none() && backward.is_none() {
+            ask_for_the_failing_step(&mut comparison, &run_from.activation_steps);
+        }
+        name_the_culprit(&mut comparison, forward, backward);
     }
     fail_on_data_findings(&mut comparison, &run_from.data_findings);
     let report = Report::new(vec![comparison])
