@@ -42,6 +42,9 @@
 //! - Hugging Face transformers' Llama (`examples/hf_llama.py`, code nobody here wrote) passes
 //!   under its own `tp_plan` and under FSDP2, and a loss divided by the world again fails
 //!   (needs `ci/setup-python-extras`);
+//! - torchtitan's own Llama 3 under its own `parallelize_llama` (FSDP, and TP with sequence
+//!   parallelism) passes, and a loss divided by the rank's own tokens under its summed FSDP
+//!   gradients fails (needs `ci/setup-python-extras`);
 //! - fp16 under a `GradScaler` whose first step overflows passes (the skipped step replayed
 //!   by the references, its gradients set aside), and clipping still-scaled gradients fails;
 //! - `Recorder(every=k)` records the full gradients of every k-th step, the references the
@@ -72,6 +75,7 @@ const FSDP2: &str = "examples/torch_fsdp2.py";
 const TP: &str = "examples/torch_tp.py";
 const PIPELINE: &str = "examples/torch_pipeline.py";
 const HF_LLAMA: &str = "examples/hf_llama.py";
+const TORCHTITAN: &str = "examples/torchtitan_llama.py";
 /// What a gloo rank prints when its process group is torn down under it.
 const GLOO_ABORT: &str = "terminate called without an active exception";
 
@@ -1029,6 +1033,47 @@ fn a_forward_bug_is_named_at_its_module() -> Result<()> {
         diagnosis.contains("forward: the first module output out of its envelope, in execution order, is step 0, rank 0: 2 "),
         "{diagnosis}"
     );
+    Ok(())
+}
+
+/// torchtitan's own Llama 3 under its own `parallelize_llama` (FSDP over the blocks, and TP
+/// with sequence parallelism), judged passing; each rank's loss divided by its own tokens
+/// instead of the step's (torchtitan's FSDP sums the ranks' gradients) fails at step 0. Needs
+/// torchtitan (`ci/setup-python-extras`); without it the test says so and passes.
+#[test]
+fn torchtitans_own_llama_passes_under_its_fsdp_and_tp_and_a_token_normalisation_bug_fails(
+) -> Result<()> {
+    let Some(packages) = python_extras().filter(|p| p.join("torchtitan").is_dir()) else {
+        println!("SKIP: no torchtitan here (ci/setup-python-extras installs it)");
+        return Ok(());
+    };
+    let judged_titan = |extra: &[&str], want: i32| -> Result<Option<serde_json::Value>> {
+        let dir = tempfile::tempdir()?;
+        if !record_job_with(TORCHTITAN, 2, dir.path(), extra, Some(&packages))? {
+            return Ok(None);
+        }
+        let out = judge(dir.path())?;
+        ensure!(
+            out.status.code() == Some(want),
+            "{extra:?}: exit {:?}, not {want}: {}{}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(Some(report(dir.path())?["comparisons"][0].clone()))
+    };
+    for parallel in ["fsdp", "tp"] {
+        let Some(c) = judged_titan(&["--parallel", parallel], 0)? else {
+            return Ok(());
+        };
+        ensure!(
+            c["config"] == format!("torchtitan.{parallel}2").as_str(),
+            "{c}"
+        );
+    }
+    if let Some(c) = judged_titan(&["--parallel", "fsdp", "--bug", "local-token-mean"], 1)? {
+        first_failure_at_step_0(&c)?;
+    }
     Ok(())
 }
 

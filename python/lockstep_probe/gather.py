@@ -118,7 +118,10 @@ PLACEMENTS = _placement_classes()
 
 
 def _square(t):
-    return float(t.detach().double().pow(2).sum())
+    t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)  # a rotary cache, say: its parts' squares
+    return float(t.double().pow(2).sum())
 
 
 def _host(t):

@@ -247,6 +247,10 @@ class Recorder:
     envelope (a forward bug), else the first module whose backward sent a gradient out of
     its envelope (a backward bug), before the parameters where either showed.
 
+    `loss_reduction="sum"`: the job sums its ranks' gradients instead of averaging them, each
+    rank's loss being its share of the global loss (torchtitan's FSDP, whose losses are
+    divided by the step's tokens over every rank): the record's loss is then the ranks' sum.
+
     `every=k` records the full gradients every k-th step only (steps 0, k, 2k...; the loss
     and the gradient norm at every step), and compares the copies at those steps: for long
     jobs, where a step's gathering is not free. The references record the same steps.
@@ -278,7 +282,8 @@ class Recorder:
     def __init__(self, out, model, *, name, config, seed=0, steps=None, record_grads=True,
                  world_size=None, backend=None, stages=False, data=None, keep_batches=True,
                  precision=None, kind="run", trained_from=None, replicated_data=False,
-                 tied=None, activations=None, every=1, scaler=None, skipped_steps=None):
+                 tied=None, activations=None, every=1, scaler=None, skipped_steps=None,
+                 loss_reduction="mean"):
         if kind not in KINDS:
             raise RecordError(f"kind={kind!r}: a record is one of {', '.join(KINDS)}")
         if (kind == "run") != (trained_from is None):
@@ -290,6 +295,11 @@ class Recorder:
         # A job's loss scaler: its scale at each step, and the steps it skipped (their
         # gradients overflowed); a reference's record lists the skipped steps it replayed.
         self.scaler, self.loss_scales = scaler, []
+        if loss_reduction not in ("mean", "sum"):
+            raise RecordError(f"loss_reduction={loss_reduction!r}: the ranks' gradients are "
+                              "averaged (\"mean\", DDP's and FSDP's default) or summed "
+                              "(\"sum\", each rank's loss its share of the global one)")
+        self.loss_reduction = loss_reduction
         self.skipped_steps = list(skipped_steps or [])
         self.batch_digests = []
         self.replicated_data = replicated_data
@@ -401,7 +411,7 @@ class Recorder:
         ranks its references stand for."""
         with torch.no_grad():
             whole = full_tensor(grad.detach())
-            if self.kind == "run" and self.spec["world_size"] > 1:
+            if self.kind == "run" and self.loss_reduction == "mean" and self.spec["world_size"] > 1:
                 whole = whole / self.spec["world_size"]
         self.step_output_grads.append((rank, module_name, call, host_copy(module_name, whole)))
 
@@ -420,7 +430,7 @@ class Recorder:
         {})` elsewhere), plus every rank's `extra` on rank 0, in one gather: each rank sends
         its parts (rank 0 keeps its own); `keep=False` brings only the squares."""
         for name, t in named_tensors:
-            if t.dtype not in DTYPE_CODES:
+            if t.dtype not in DTYPE_CODES and not t.is_complex():
                 raise RecordError(f"`{name}` has dtype {t.dtype}, which Lockstep does not record")
         parts = parts_of(named_tensors, sends_whole=self._sends_whole(), keep=keep)
         every = gather_to_root((extra, [] if self.rank == 0 else parts), self.world)
@@ -521,6 +531,8 @@ class Recorder:
         """The step's loss over the world: the mean of every rank's, or of every pipeline's
         (its last stage's)."""
         present = [v for v in values if v is not None]
+        if self.loss_reduction == "sum":
+            return sum(present)
         return sum(present) / (self.data_size if self.stages else len(values))
 
     def _keyed(self, prefix, tensors):
@@ -529,7 +541,8 @@ class Recorder:
         entries = []
         for name, t in tensors.items():
             key = f"{prefix}/{name}"
-            self.writer.add(key, t)
+            # A complex tensor (a rotary cache) as its real and imaginary parts.
+            self.writer.add(key, torch.view_as_real(t) if t.is_complex() else t)
             entries.append({"name": name, "key": key})
         return entries
 

@@ -266,7 +266,9 @@ def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, con
     model = model_fn()
     _check_same_tensors(model, init)
     model.load_state_dict(init, strict=True)
-    model.to(device, dtype)
+    # Floating tensors only: `Module.to(dtype)` would also cast a complex buffer (a rotary
+    # cache) to real, dropping its imaginary part.
+    model.to(device)._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
     hooks = _refuse_narrow_outputs(model) if dtype == torch.float64 else []
     optimizer = optimizer_fn(model.parameters())
     stepper = compute(model, dtype, device)
