@@ -413,10 +413,27 @@ fn bugs_under_mixed_precision_are_caught() -> Result<()> {
 
 #[test]
 fn a_first_fsdp_job_passes_and_clipping_by_each_shards_own_norm_is_caught() -> Result<()> {
-    let Some(comparison) = judged(FSDP1, 2, &[], 0)? else {
+    let dir = tempfile::tempdir()?;
+    let Some(comparison) = judged_in(dir.path(), FSDP1, 2, &[], 0)? else {
         return Ok(());
     };
     ensure!(comparison["config"] == "fsdp1", "{comparison}");
+    // Its module outputs and their gradients are recorded under the model's own names (the
+    // wrappers' `_fsdp_wrapped_module` left out), and judged passing.
+    let text = std::fs::read_to_string(dir.path().join("run/record.json"))?;
+    let record: serde_json::Value = serde_json::from_str(&text)?;
+    for list in ["activations", "output_grads"] {
+        let names: Vec<&str> = record[list]
+            .as_array()
+            .context("a list")?
+            .iter()
+            .filter_map(|e| e["name"].as_str())
+            .collect();
+        ensure!(
+            names.contains(&"step 0, rank 0: 0") && names.iter().all(|n| !n.contains("fsdp")),
+            "{list}: {names:?}"
+        );
+    }
     let Some(comparison) = judged(FSDP1, 2, &["--bug", "local-clip"], 1)? else {
         return Ok(());
     };

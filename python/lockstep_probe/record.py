@@ -62,9 +62,11 @@ def _compiled(model):
 
 
 def model_name(name):
-    """A tensor's name as the single-device model has it: without the `_orig_mod` segments
-    of submodules compiled in place (torchtitan compiles each block, then shards it)."""
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+    """A tensor's or module's name as the single-device model has it: without the
+    `_orig_mod` segments of submodules compiled in place (torchtitan compiles each block,
+    then shards it), nor the first FSDP's `_fsdp_wrapped_module` ones."""
+    return ".".join(part for part in name.split(".")
+                    if part not in ("_orig_mod", "_fsdp_wrapped_module"))
 
 
 def named(items):
@@ -350,7 +352,9 @@ class Recorder:
         self.finished = False
         self.activation_steps = self._activation_steps(activations, compiled)
         for module_name, module in self.model.named_modules():
-            if module_name and self.activation_steps:
+            # The first FSDP's wrappers return their module's output: that module is hooked.
+            if (self.activation_steps and model_name(module_name)
+                    and not is_fsdp1(module)):
                 module.register_forward_hook(
                     functools.partial(self._record_output, model_name(module_name)))
         if self.rank == 0:
@@ -374,12 +378,11 @@ class Recorder:
     def _activation_steps(self, asked, compiled):
         """The steps whose module outputs are recorded: `asked`, or by default step 0 for a
         model of at most `ACTIVATION_PARAMETERS` parameters; none for a pipeline's stages
-        (not supported yet), a first-FSDP wrapper (its modules' outputs are not the
-        model's own names) or a model under `torch.compile` (its hooks would be traced)."""
-        if self.stages or is_fsdp1(self.model) or compiled:
+        (not supported yet) or a model under `torch.compile` (its hooks would be traced)."""
+        if self.stages or compiled:
             if asked:
-                raise RecordError("activations= is not supported for a pipeline's stages, "
-                                  "the first FSDP or a compiled model yet")
+                raise RecordError("activations= is not supported for a pipeline's stages "
+                                  "or a compiled model yet")
             return frozenset()
         if asked is None:
             size = sum(p.numel() for p in self.model.parameters())
