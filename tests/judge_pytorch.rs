@@ -248,7 +248,30 @@ fn judged_in(
     extra: &[&str],
     want: i32,
 ) -> Result<Option<serde_json::Value>> {
-    if !record_job(script, world, dir, extra)? {
+    judged_in_with(dir, script, world, extra, want, None)
+}
+
+/// `judged` at world 2 with `packages` (a folder of Python packages beyond torch) importable.
+fn judged_with(
+    script: &str,
+    extra: &[&str],
+    want: i32,
+    packages: &Path,
+) -> Result<Option<serde_json::Value>> {
+    let dir = tempfile::tempdir()?;
+    judged_in_with(dir.path(), script, 2, extra, want, Some(packages))
+}
+
+/// `judged_in` with `packages` importable.
+fn judged_in_with(
+    dir: &Path,
+    script: &str,
+    world: usize,
+    extra: &[&str],
+    want: i32,
+    packages: Option<&Path>,
+) -> Result<Option<serde_json::Value>> {
+    if !record_job_with(script, world, dir, extra, packages)? {
         return Ok(None);
     }
     let out = judge(dir)?;
@@ -1064,21 +1087,7 @@ fn torchtitans_own_llama_passes_under_its_fsdp_and_tp_and_a_token_normalisation_
         println!("SKIP: no torchtitan here (ci/setup-python-extras installs it)");
         return Ok(());
     };
-    let judged_titan = |extra: &[&str], want: i32| -> Result<Option<serde_json::Value>> {
-        let dir = tempfile::tempdir()?;
-        if !record_job_with(TORCHTITAN, 2, dir.path(), extra, Some(&packages))? {
-            return Ok(None);
-        }
-        let out = judge(dir.path())?;
-        ensure!(
-            out.status.code() == Some(want),
-            "{extra:?}: exit {:?}, not {want}: {}{}",
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(Some(report(dir.path())?["comparisons"][0].clone()))
-    };
+    let judged_titan = |extra: &[&str], want: i32| judged_with(TORCHTITAN, extra, want, &packages);
     for parallel in ["fsdp", "tp"] {
         let Some(c) = judged_titan(&["--parallel", parallel], 0)? else {
             return Ok(());
@@ -1123,21 +1132,7 @@ fn hugging_face_llama_passes_under_its_own_tp_plan_and_fsdp2() -> Result<()> {
         println!("SKIP: no transformers here (ci/setup-python-extras installs it)");
         return Ok(());
     };
-    let judged_hf = |extra: &[&str], want: i32| -> Result<Option<serde_json::Value>> {
-        let dir = tempfile::tempdir()?;
-        if !record_job_with(HF_LLAMA, 2, dir.path(), extra, Some(&packages))? {
-            return Ok(None);
-        }
-        let out = judge(dir.path())?;
-        ensure!(
-            out.status.code() == Some(want),
-            "{extra:?}: exit {:?}, not {want}: {}{}",
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(Some(report(dir.path())?["comparisons"][0].clone()))
-    };
+    let judged_hf = |extra: &[&str], want: i32| judged_with(HF_LLAMA, extra, want, &packages);
     for parallel in ["tp", "fsdp"] {
         let Some(c) = judged_hf(&["--parallel", parallel], 0)? else {
             return Ok(());

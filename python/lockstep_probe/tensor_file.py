@@ -50,33 +50,22 @@ def _check_byte_order():
         raise OSError("the safetensors format is little-endian; this host is not")
 
 
-def write_tensor_file(path, tensors):
-    """Writes `tensors` (key -> tensor, in order) to `path` through a temporary file, so a
-    reader never sees half of one."""
-    writer = TensorFileWriter(path, background=False)
-    for key, t in tensors.items():
-        writer.add(key, t)
-    writer.close()
-
-
 class TensorFileWriter:
-    """A tensor file written as its tensors come: their bytes go to a body file beside
-    `path`, by a background thread when `background` (a step hands its gradients over and
-    goes on; memory holds one step's, not the run's), and `close()` writes the header and
-    copies the body after it (the kernel copies; nothing is read back into Python)."""
+    """A tensor file written as its tensors come: a background thread writes their bytes to
+    a body file beside `path` (a step hands its gradients over and goes on; memory holds one
+    step's, not the run's), and `close()` writes the header, then copies the body after it
+    in large chunks."""
 
-    def __init__(self, path, background=True):
+    def __init__(self, path):
         _check_byte_order()
         self.path = Path(path)
         self.body_path = self.path.with_name(self.path.name + ".body")
         self.body = open(self.body_path, "wb")
         self.header, self.offset, self.error = {}, 0, None
-        self.queue = queue.Queue(maxsize=2) if background else None
-        self.thread = None
-        if background:
-            self.thread = threading.Thread(target=self._drain, name="lockstep-record-writer",
-                                           daemon=True)
-            self.thread.start()
+        self.queue = queue.Queue(maxsize=2)
+        self.thread = threading.Thread(target=self._drain, name="lockstep-record-writer",
+                                       daemon=True)
+        self.thread.start()
 
     def add(self, key, t):
         """Queues `t` (on the CPU, not changed afterwards) under `key`; an earlier write's
@@ -88,10 +77,7 @@ class TensorFileWriter:
         if t.dtype not in DTYPE_CODES:
             raise TypeError(f"`{key}` has dtype {t.dtype}, which Lockstep does not record")
         self.header[key] = None  # its place, filled when written
-        if self.queue is None:
-            self._write(key, t)
-        else:
-            self.queue.put((key, t))
+        self.queue.put((key, t))
 
     def _drain(self):
         while True:
@@ -114,9 +100,8 @@ class TensorFileWriter:
     def close(self):
         """Writes the file at `path` (through a temporary file: a reader never sees half of
         one) and removes the body."""
-        if self.thread is not None:
-            self.queue.put(None)
-            self.thread.join()
+        self.queue.put(None)
+        self.thread.join()
         self.body.close()
         try:
             if self.error is not None:

@@ -140,3 +140,8 @@ fn same_step_and_rank(a: &str, b: &str) -> bool {
 pub fn module_of(entry: &str) -> &str {
     entry.split_once(": ").map_or(entry, |(_, m)| m)
 }
+
+/// The step an entry names (`step S, rank R: MODULE` → S).
+pub fn step_of(entry: &str) -> Option<usize> {
+    entry.strip_prefix("step ")?.split(',').next()?.parse().ok()
+}

@@ -181,11 +181,16 @@ fn name_the_culprit(
         }
         (None, None) => return,
     };
+    lead_diagnosis(comparison, found);
+    comparison.passed = false;
+}
+
+/// Puts `found` at the head of the comparison's diagnosis: it says where what follows began.
+fn lead_diagnosis(comparison: &mut Comparison, found: String) {
     comparison.diagnosis = Some(match comparison.diagnosis.take() {
         Some(rest) => format!("{found}. {rest}"),
         None => found,
     });
-    comparison.passed = false;
 }
 
 /// A failure first seen at a step whose module outputs were not recorded cannot be placed at
@@ -206,7 +211,7 @@ fn ask_for_the_failing_step(comparison: &mut Comparison, recorded: &[usize]) {
         list.join(", ")
     );
     comparison.diagnosis = Some(match comparison.diagnosis.take() {
-        Some(rest) => format!("{rest}. {hint}"),
+        Some(failure) => format!("{failure}. {hint}"),
         None => hint,
     });
 }
@@ -217,11 +222,7 @@ fn fail_on_data_findings(comparison: &mut Comparison, findings: &[String]) {
     if findings.is_empty() {
         return;
     }
-    let found = format!("data: {}", findings.join("; "));
-    comparison.diagnosis = Some(match comparison.diagnosis.take() {
-        Some(numbers) => format!("{found}. {numbers}"),
-        None => found,
-    });
+    lead_diagnosis(comparison, format!("data: {}", findings.join("; ")));
     comparison.passed = false;
 }
 
@@ -239,12 +240,13 @@ pub struct Judged {
 /// Reads the records, judges the job and writes the report set; the report says whether it
 /// passed. Nothing is written when an input is bad.
 pub fn judge(opts: &JudgeOptions) -> Result<Judged, JudgeError> {
-    let (mut run, run_from, run_probes) = read_full_record(&opts.run)?;
-    let (mut reference, reference_from, reference_probes) = read_full_record(&opts.reference)?;
+    let (mut run, run_from, mut run_probes) = read_full_record(&opts.run)?;
+    let (mut reference, reference_from, mut reference_probes) = read_full_record(&opts.reference)?;
     check_bound(&run_from, &reference_from, "reference")?;
     let mut shadow = match opts.shadow.as_deref() {
         Some(path) => {
-            let (shadow, shadow_from, shadow_probes) = read_full_record(path)?;
+            let (shadow, shadow_from, mut shadow_probes) = read_full_record(path)?;
+            skipped::set_aside_output_grads(&mut shadow_probes, &run_from.skipped_steps);
             check_bound(&run_from, &shadow_from, "shadow")?;
             Some((shadow, shadow_probes))
         }
@@ -255,6 +257,9 @@ pub fn judge(opts: &JudgeOptions) -> Result<Judged, JudgeError> {
     let notes: Vec<String> = skipped::set_aside(&mut records, &run_from.skipped_steps)
         .into_iter()
         .collect();
+    for probes in [&mut run_probes, &mut reference_probes] {
+        skipped::set_aside_output_grads(probes, &run_from.skipped_steps);
+    }
     let mut comparison = judge_records(&run, &reference, shadow.as_ref().map(|(s, _)| s))?;
     if !comparison.structural.is_empty() {
         return Err(JudgeError::Structure(comparison.structural.join("; ")));
