@@ -76,7 +76,7 @@ def optimizer(params):
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
 
 
-def train(out, bug, accumulate, precision, compile):
+def train(out, bug, accumulate, precision, compile, activations=None):
     with lockstep_probe.deterministic("cpu"):
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -90,7 +90,7 @@ def train(out, bug, accumulate, precision, compile):
         scaler = torch.amp.GradScaler("cpu", **SCALER) if fp16 else None
         rec = lockstep_probe.Recorder(Path(out) / "run", model, name="classifier",  # lockstep
                                       config=config, seed=SEED, steps=STEPS, precision=precision,
-                                      scaler=scaler)
+                                      scaler=scaler, activations=activations)
         # `--precision bf16`: the forward under autocast (matmuls in bf16), which the
         # recorder cannot see: `precision=` tells it.
         narrow = PRECISIONS.get(precision)
@@ -137,13 +137,17 @@ def main():
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--precision", choices=list(PRECISIONS))
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--activations", type=lambda v: [int(s) for s in v.split(",") if s],
+                        help="the steps whose module outputs are recorded, e.g. 0,3 "
+                             "(the recorder's default: the first 16)")
     args = parser.parse_args()
     if args.bug == "clip-before-unscale":
         args.precision = "fp16"
     if args.bug == "no-sync-always" and args.accumulate == 1:
         args.accumulate = 2
     if args.mode == "train":
-        train(args.out, args.bug, args.accumulate, args.precision, args.compile)
+        train(args.out, args.bug, args.accumulate, args.precision, args.compile,
+              args.activations)
     else:
         lockstep_probe.train_references(
             build_model, loss_fn, optimizer, Path(args.out) / "run", args.out,

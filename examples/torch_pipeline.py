@@ -20,7 +20,12 @@ Two planted bugs:
   more than one of a full microbatch, so the gradients are not the model's;
 - `--bug unscaled-grads` (torchtitan#2972): each microbatch's mean, summed rather than
   averaged, so the pipeline's gradients are about four times the non-pipelined run's, which
-  the loss does not show at the first step.
+  the loss does not show at the first step;
+- `--bug input-without-grad`: stage 1's input declared without `requires_grad`, so backward
+  stops at stage 1's first module and stage 0 is sent no gradient: the judge names that
+  module's backward;
+- `--bug tied-unsynced` (with `--tied`): each stage keeps its own part of the tied weight's
+  gradient.
 """
 
 import argparse
@@ -87,9 +92,11 @@ def optimizer(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def stage_of(model, rank, group=None):
+def stage_of(model, rank, group=None, input_grad=True):
     """This rank's stage (`rank` in its pipeline, whose process group is `group`), and what
-    crosses its edges per microbatch (given, so no stage probes shapes at run time)."""
+    crosses its edges per microbatch (given, so no stage probes shapes at run time); a later
+    stage's input must require its gradient (`input_grad=False` plants the bug where it does
+    not, and backward never reaches the earlier stage)."""
     from torch.distributed.pipelining import PipelineStage
 
     mb = BATCH // MICROBATCHES
@@ -99,7 +106,7 @@ def stage_of(model, rank, group=None):
                                           output_args=torch.empty(mb, 16),
                                           output_grads=torch.empty(mb, 16))
     else:
-        module, shapes = model[cut:], dict(input_args=(torch.empty(mb, 16, requires_grad=True),),
+        module, shapes = model[cut:], dict(input_args=(torch.empty(mb, 16, requires_grad=input_grad),),
                                          output_args=torch.empty(mb, CLASSES),
                                          input_grads=(torch.empty(mb, 16),))
     return module, PipelineStage(module, rank, 2, torch.device("cpu"), group=group, **shapes)
@@ -129,7 +136,8 @@ def train(out, schedule, bug, replicas=1, tied=False):
     rank, pipeline, replica, dp_mesh = meshes(replicas)
     if tied and replicas != 1:
         sys.exit("--tied runs one pipeline (--dp 1)")
-    module, stage = stage_of(build_model(tied), rank, pipeline)
+    module, stage = stage_of(build_model(tied), rank, pipeline,
+                             input_grad=bug != "input-without-grad")
     if dp_mesh is not None:
         fully_shard(module, mesh=dp_mesh)  # each stage sharded over its replicas (PP x FSDP)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
@@ -173,7 +181,7 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
     parser.add_argument("--bug", choices=["per-microbatch-mean", "unscaled-grads",
-                                          "tied-unsynced"])
+                                          "tied-unsynced", "input-without-grad"])
     parser.add_argument("--tied", action="store_true",
                         help="a linear shared by both stages (a weight tied across stages)")
     parser.add_argument("--dp", type=int, default=1,

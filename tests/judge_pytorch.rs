@@ -461,8 +461,15 @@ fn a_first_fsdp_job_passes_and_clipping_by_each_shards_own_norm_is_caught() -> R
         return Ok(());
     };
     // Step 0's gradients are recorded before the clipping: the first wrong update shows in
-    // step 1's.
-    first_failure_at(&comparison, 1)
+    // step 1's, and in step 1's module outputs, the diagnosis pointing at the update.
+    first_failure_at(&comparison, 1)?;
+    let diagnosis = comparison["diagnosis"].as_str().unwrap_or_default();
+    ensure!(
+        diagnosis.contains("is step 1, rank 0: ")
+            && diagnosis.contains("went wrong: the update after step 0"),
+        "{diagnosis}"
+    );
+    Ok(())
 }
 
 #[test]
@@ -585,6 +592,28 @@ fn a_pipeline_loss_scaled_by_one_over_m_with_unequal_microbatches_is_caught() ->
 #[test]
 fn pipeline_gradients_summed_over_microbatches_are_caught() -> Result<()> {
     caught_at_step_0(PIPELINE, "unscaled-grads").map(drop)
+}
+
+/// A pipeline's stages record their modules' outputs per microbatch, put back together as
+/// the whole batch's: a correct pipeline's pass (above), and a later stage whose input does
+/// not require its gradient (backward never reaches the stage before) is named at that
+/// stage's first module, whose backward sent nothing, under both schedules.
+#[test]
+fn a_stage_input_without_its_gradient_is_named_at_the_stage_first_module() -> Result<()> {
+    for schedule in ["gpipe", "1f1b"] {
+        let extra = ["--schedule", schedule, "--bug", "input-without-grad"];
+        let Some(c) = judged(PIPELINE, 2, &extra, 1)? else {
+            return Ok(());
+        };
+        first_failure_at_step_0(&c)?;
+        let diagnosis = c["diagnosis"].as_str().unwrap_or_default();
+        ensure!(
+            diagnosis.contains("the one reaching the output of step 0, rank 0: 1 ")
+                && diagnosis.contains("the backward of `2` went wrong"),
+            "{schedule}: {diagnosis}"
+        );
+    }
+    Ok(())
 }
 
 #[test]
@@ -921,8 +950,32 @@ fn an_fp16_job_with_a_grad_scaler_passes_and_clipping_scaled_gradients_is_caught
         return Ok(());
     };
     first_failure_at(&comparison, 1)?;
-    // Step 1's module outputs were not recorded (step 0's only, by default): the diagnosis
-    // says how to record them.
+    // Step 1's module outputs and the gradients reaching them are recorded (the first 16
+    // steps', by default) and within: the diagnosis says the gradients went wrong after.
+    let diagnosis = comparison["diagnosis"].as_str().unwrap_or_default();
+    ensure!(
+        diagnosis.contains(
+            "step 1's module outputs and the gradients backward brought to them were all within"
+        ),
+        "{diagnosis}"
+    );
+    // Recorded at step 0 only, the diagnosis says how to record step 1's.
+    let Some(comparison) = judged(
+        DDP,
+        2,
+        &[
+            "--precision",
+            "fp16",
+            "--bug",
+            "clip-before-unscale",
+            "--activations",
+            "0",
+        ],
+        1,
+    )?
+    else {
+        return Ok(());
+    };
     let diagnosis = comparison["diagnosis"].as_str().unwrap_or_default();
     ensure!(
         diagnosis.contains("module outputs were not recorded at step 1")

@@ -216,6 +216,27 @@ def digest_config(spec):
 KINDS = ("run", "reference", "shadow")
 # Models up to this many parameters record their module outputs at step 0 by default.
 ACTIVATION_PARAMETERS = 10_000_000
+# How many steps, from the first, record module outputs by default.
+ACTIVATION_STEPS = 16
+
+
+def by_data_rank(pairs):
+    """Recorded outputs, each paired with its place within its data rank, grouped by data rank
+    (their first field) and in that order within each."""
+    return [o for o, _ in sorted(pairs, key=lambda pair: (pair[0][0], pair[1]))]
+
+
+def whole_batches(recorded):
+    """A pipeline stage's recorded outputs (or their gradients) of one step, each (data rank,
+    module, call, tensor, microbatch), as the whole batch's: each module call's microbatches
+    concatenated along dimension 0 in microbatch order, in the order the calls came first.
+    A scalar output (a loss) has no batch dimension and is left out."""
+    pieces = {}
+    for rank, module, call, t, microbatch in recorded:
+        if t.dim() > 0:
+            pieces.setdefault((rank, module, call), []).append((microbatch, t))
+    return [(*slot, torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]))
+            for slot, parts in pieces.items()]
 
 
 class Recorder:
@@ -244,10 +265,14 @@ class Recorder:
     so with `tied={"4.weight": "2.weight", ...}` (alias -> the model's name).
 
     `activations` lists the steps whose module outputs are recorded, with the gradients that
-    backward brings to them (default: step 0 for models of at most 10M parameters; `[]`:
-    none): the judge names the first module, in execution order, whose output leaves its
-    envelope (a forward bug), else the first module whose backward sent a gradient out of
-    its envelope (a backward bug), before the parameters where either showed.
+    backward brings to them (default: the first 16 steps for models of at most 10M
+    parameters, so that the first failing step is among them; `[]`: none): at the first step
+    where either leaves its envelope, the judge names the first module, in execution order,
+    whose output does (a forward bug), else the first module whose backward sent a gradient
+    out of it (a backward bug), before the parameters where either showed. A pipeline's
+    stages record their modules' outputs per microbatch, put back together along the batch
+    dimension (pipelining's default split). A model under `torch.compile` records none: hooks
+    inside a compiled graph break it, and would change the kernels whose numerics are judged.
 
     `loss_reduction="sum"`: the job sums its ranks' gradients instead of averaging them, each
     rank's loss being its share of the global loss (torchtitan's FSDP, whose losses are
@@ -306,9 +331,10 @@ class Recorder:
         self.batch_digests = []
         self.replicated_data = replicated_data
         self.tied = dict(tied or {})
-        # Module outputs (forward), at the steps `activations` names.
+        # Module outputs (forward), at the steps `activations` names; a pipeline stage's per
+        # microbatch (its stage module's forwards this step).
         self.data_rank = None
-        self.step_outputs, self.output_calls = [], {}
+        self.step_outputs, self.output_calls, self.microbatch = [], {}, -1
         # The gradients reaching those outputs (backward), in the order backward reached them.
         self.step_output_grads, self.output_grad_entries = [], []
         # The data checks' findings, and every earlier (step, rank) of each batch digest.
@@ -351,6 +377,8 @@ class Recorder:
         self.cross_rank = {"ranks": self.world, "compared": 0}
         self.finished = False
         self.activation_steps = self._activation_steps(activations, compiled)
+        if self.activation_steps and stages:
+            self.model.register_forward_pre_hook(self._next_microbatch)
         for module_name, module in self.model.named_modules():
             # The first FSDP's wrappers return their module's output: that module is hooked.
             if (self.activation_steps and model_name(module_name)
@@ -376,38 +404,51 @@ class Recorder:
             torch.save(init, self.out / "init.pt")
 
     def _activation_steps(self, asked, compiled):
-        """The steps whose module outputs are recorded: `asked`, or by default step 0 for a
-        model of at most `ACTIVATION_PARAMETERS` parameters; none for a pipeline's stages
-        (not supported yet) or a model under `torch.compile` (its hooks would be traced)."""
-        if self.stages or compiled:
+        """The steps whose module outputs are recorded: `asked`, or by default the first
+        `ACTIVATION_STEPS` for a model of at most `ACTIVATION_PARAMETERS` parameters; none
+        for a model under `torch.compile` (its hooks would break the graph under judgement)."""
+        if compiled:
             if asked:
-                raise RecordError("activations= is not supported for a pipeline's stages "
-                                  "or a compiled model yet")
+                raise RecordError("activations= is not supported for a compiled model: hooks "
+                                  "inside its graph would break it and change the kernels "
+                                  "under judgement; record the job uncompiled to place a bug "
+                                  "at its module")
             return frozenset()
         if asked is None:
             size = sum(p.numel() for p in self.model.parameters())
-            return frozenset({0}) if size <= ACTIVATION_PARAMETERS else frozenset()
+            return (frozenset(range(ACTIVATION_STEPS)) if size <= ACTIVATION_PARAMETERS
+                    else frozenset())
         return frozenset(asked)
+
+    def _next_microbatch(self, _module, _inputs):
+        """A pipeline stage module's forward pre-hook: a new microbatch begins."""
+        self.microbatch += 1
 
     def _record_output(self, module_name, _module, _inputs, output):
         """A forward hook: keeps the module's output (its first floating tensor, whole) when
-        this step's outputs are recorded."""
+        this step's outputs are recorded; a pipeline stage's under its microbatch."""
         if self.finished or len(self.losses) not in self.activation_steps:
             return
         outs = output if isinstance(output, (tuple, list)) else (output,)
         t = next((o for o in outs if torch.is_tensor(o) and o.is_floating_point()), None)
-        if t is None:
+        # A pipeline stage's shape inference runs its modules on the meta device.
+        if t is None or t.device.type == "meta":
             return
-        rank = self.rank if self.data_rank is None else self.data_rank
-        call = self.output_calls.get((rank, module_name), 0)
-        self.output_calls[(rank, module_name)] = call + 1
+        # The data rank the references stand for: a stage's is its pipeline replica's.
+        rank = self.data_index if self.stages else (
+            self.rank if self.data_rank is None else self.data_rank)
+        slot = (rank, module_name, self.microbatch)
+        call = self.output_calls.get(slot, 0)
+        self.output_calls[slot] = call + 1
         with torch.no_grad():
             whole = full_tensor(t.detach())
-        self.step_outputs.append((rank, module_name, call, host_copy(module_name, whole)))
+        self.step_outputs.append((rank, module_name, call, host_copy(module_name, whole),
+                                  self.microbatch))
         if t.requires_grad:
-            t.register_hook(functools.partial(self._record_output_grad, rank, module_name, call))
+            t.register_hook(functools.partial(self._record_output_grad, rank, module_name, call,
+                                              self.microbatch))
 
-    def _record_output_grad(self, rank, module_name, call, grad):
+    def _record_output_grad(self, rank, module_name, call, microbatch, grad):
         """A gradient hook on a recorded output: keeps the gradient that backward brought to
         it (whole), as each rank's share of the step's loss: a job's rank differentiates its
         own loss, the references the mean of every rank's, so a job's is divided by the
@@ -416,7 +457,8 @@ class Recorder:
             whole = full_tensor(grad.detach())
             if self.kind == "run" and self.loss_reduction == "mean" and self.spec["world_size"] > 1:
                 whole = whole / self.spec["world_size"]
-        self.step_output_grads.append((rank, module_name, call, host_copy(module_name, whole)))
+        self.step_output_grads.append((rank, module_name, call, host_copy(module_name, whole),
+                                       microbatch))
 
     def _named(self, items):
         """`(name, tensor)` pairs under the single-device model's names, tied aliases under
@@ -498,11 +540,12 @@ class Recorder:
             self.skipped_steps.append(step)
         if self.record_grads:
             self.grad_entries.append(self._keyed(f"grad/{step}", grads) if keep else [])
-        by_rank = lambda o: o[0]  # noqa: E731 (a sort key)
-        self._keep_outputs(step, sorted((o for c in every for o in c.outputs), key=by_rank),
-                           "act", self.output_entries)
-        self._keep_outputs(step, sorted((o for c in every for o in c.output_grads), key=by_rank),
-                           "outgrad", self.output_grad_entries)
+        # Within a data rank, forward runs the stages in order and backward in reverse.
+        forward = [(o, i) for i, c in enumerate(every) for o in c.outputs]
+        backward = [(o, -i if self.stages else i) for i, c in enumerate(every)
+                    for o in c.output_grads]
+        self._keep_outputs(step, by_data_rank(forward), "act", self.output_entries)
+        self._keep_outputs(step, by_data_rank(backward), "outgrad", self.output_grad_entries)
         self._keep_batches(every)
 
     def _loss_scale(self):
@@ -527,6 +570,12 @@ class Recorder:
         batch, self.pending_batch = self.pending_batch, None
         outputs, self.step_outputs, self.output_calls = self.step_outputs, [], {}
         output_grads, self.step_output_grads = self.step_output_grads, []
+        self.microbatch = -1
+        if self.stages:
+            outputs, output_grads = whole_batches(outputs), whole_batches(output_grads)
+        else:
+            outputs = [o[:4] for o in outputs]
+            output_grads = [o[:4] for o in output_grads]
         return Contribution(self.data_index, self._digests() if compare else None, value,
                             batch if self.keep_batches else None, outputs, output_grads)
 

@@ -74,16 +74,24 @@ fn holding(like: &RunRecord, tensors: &[NamedTensor]) -> RunRecord {
     r
 }
 
+/// What judging the module outputs (or their gradients) found.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct OutputJudgement {
+    /// The steps at which at least one was judged.
+    pub judged_steps: Vec<usize>,
+    /// The first one out of its envelope, if any.
+    pub first_bad: Option<ForwardFinding>,
+}
+
 /// Judges the run's module outputs against the references' (fp64 arbiter: the shadow's are
 /// the float64 truth) and returns the first one in execution order out of its envelope.
 /// Outputs the three do not all hold at the same shape (a tensor-parallel layer's local
-/// shard, a module the references ran on a cast copy) are not judged. `None` when nothing
-/// could be judged or everything passed.
-pub fn first_bad_output(
+/// shard, a module the references ran on a cast copy) are not judged.
+pub fn judge_outputs(
     run: (&RunRecord, &[NamedTensor]),
     reference: (&RunRecord, &[NamedTensor]),
     shadow: (&RunRecord, &[NamedTensor]),
-) -> Option<ForwardFinding> {
+) -> OutputJudgement {
     let shape_of = |list: &[NamedTensor], name: &str| {
         list.iter()
             .find(|t| t.name == name)
@@ -99,8 +107,10 @@ pub fn first_bad_output(
         .cloned()
         .collect();
     if common.is_empty() {
-        return None;
+        return OutputJudgement::default();
     }
+    let mut judged_steps: Vec<usize> = common.iter().filter_map(|t| step_of(&t.name)).collect();
+    judged_steps.dedup();
     let pick = |list: &[NamedTensor]| -> Vec<NamedTensor> {
         common
             .iter()
@@ -114,7 +124,7 @@ pub fn first_bad_output(
         &ENVELOPE,
         None,
     );
-    common.iter().enumerate().find_map(|(i, t)| {
+    let first_bad = common.iter().enumerate().find_map(|(i, t)| {
         c.param_summaries
             .iter()
             .find(|s| s.name == t.name && !s.stats.passed)
@@ -127,7 +137,11 @@ pub fn first_bad_output(
                 margin: s.stats.margin,
                 judged: common.len(),
             })
-    })
+    });
+    OutputJudgement {
+        judged_steps,
+        first_bad,
+    }
 }
 
 /// Whether two entries (`step S, rank R: MODULE`) are of the same step and rank.

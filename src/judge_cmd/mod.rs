@@ -151,18 +151,33 @@ pub fn judge_records(
 /// A module output out of its envelope fails the job and leads the diagnosis: it is where the
 /// forward went wrong, before any gradient showed it. Failing that, the first output whose
 /// gradient left its envelope names the module whose backward went wrong.
+/// When the step before the forward finding's was recorded and judged within, the parameters
+/// that step's update left are what went wrong, and the diagnosis says so.
 fn name_the_culprit(
     comparison: &mut Comparison,
     forward: Option<forward::ForwardFinding>,
     backward: Option<forward::ForwardFinding>,
+    recorded: &[usize],
 ) {
-    let found = match (forward, backward) {
-        (Some(f), _) => format!(
-            "forward: the first module output out of its envelope, in execution order, is {} \
-             (margin {:.3e}; {} outputs judged)",
-            f.name, f.margin, f.judged
-        ),
-        (None, Some(b)) => {
+    let found = match first_to_show(forward, backward) {
+        Some(Culprit::Forward(f)) => {
+            let step = forward::step_of(&f.name).unwrap_or(0);
+            let cause = match step.checked_sub(1) {
+                Some(before) if recorded.contains(&before) => format!(
+                    ": step {before}'s module outputs and their gradients were all within, so \
+                     what step {step} began from went wrong: the update after step {before} \
+                     (the optimizer, clipping, a gradient changed after rec.step) or a state \
+                     the forward keeps between steps"
+                ),
+                _ => String::new(),
+            };
+            format!(
+                "forward: the first module output out of its envelope, in execution order, is \
+                 {} (margin {:.3e}; {} outputs judged){cause}",
+                f.name, f.margin, f.judged
+            )
+        }
+        Some(Culprit::Backward(b)) => {
             let culprit = match &b.previous {
                 Some(p) => format!(
                     "the backward of `{}` went wrong (the gradient it received at its output \
@@ -179,10 +194,35 @@ fn name_the_culprit(
                 b.name, b.margin, b.judged
             )
         }
-        (None, None) => return,
+        None => return,
     };
     lead_diagnosis(comparison, found);
     comparison.passed = false;
+}
+
+/// Where a job first went wrong, by its module outputs.
+#[derive(Debug, PartialEq)]
+enum Culprit {
+    /// A module's output.
+    Forward(forward::ForwardFinding),
+    /// The gradient reaching a module's output.
+    Backward(forward::ForwardFinding),
+}
+
+/// The finding at the first step either shows: a step's forward runs before its backward,
+/// and a backward bug at one step makes every later step's forward wrong, so a forward
+/// finding at a later step than the backward's is only its consequence.
+fn first_to_show(
+    forward: Option<forward::ForwardFinding>,
+    backward: Option<forward::ForwardFinding>,
+) -> Option<Culprit> {
+    match (forward, backward) {
+        (Some(f), Some(b)) if forward::step_of(&b.name) < forward::step_of(&f.name) => {
+            Some(Culprit::Backward(b))
+        }
+        (Some(f), _) => Some(Culprit::Forward(f)),
+        (None, b) => b.map(Culprit::Backward),
+    }
 }
 
 /// Puts `found` at the head of the comparison's diagnosis: it says where what follows began.
@@ -193,23 +233,39 @@ fn lead_diagnosis(comparison: &mut Comparison, found: String) {
     });
 }
 
-/// A failure first seen at a step whose module outputs were not recorded cannot be placed at
-/// a module: the diagnosis says which steps to record to place it.
-fn ask_for_the_failing_step(comparison: &mut Comparison, recorded: &[usize]) {
+/// A failure no module output placed: at a step whose module outputs were not recorded, the
+/// diagnosis says which steps to record to place it; at a step where they were judged and
+/// were all within, it says that a parameter's gradient itself went wrong.
+fn explain_a_failure_no_module_shows(
+    comparison: &mut Comparison,
+    recorded: &[usize],
+    judged: &[usize],
+) {
     let Some(step) = comparison.first_failure.as_ref().and_then(|f| f.step) else {
         return;
     };
-    if comparison.passed || recorded.contains(&step) {
+    if comparison.passed {
         return;
     }
-    let mut steps = recorded.to_vec();
-    steps.push(step);
-    let list: Vec<String> = steps.iter().map(usize::to_string).collect();
-    let hint = format!(
-        "module outputs were not recorded at step {step}, where the first failure is: to name \
-         the module, record the job again with Recorder(..., activations=[{}])",
-        list.join(", ")
-    );
+    let hint = if judged.contains(&step) {
+        format!(
+            "step {step}'s module outputs and the gradients backward brought to them were all \
+             within: what went wrong is a parameter's gradient itself, in a module's backward \
+             for its weights or after it (their reduction across ranks, clipping or scaling \
+             before rec.step)"
+        )
+    } else if !recorded.contains(&step) {
+        let mut steps = recorded.to_vec();
+        steps.push(step);
+        let list: Vec<String> = steps.iter().map(usize::to_string).collect();
+        format!(
+            "module outputs were not recorded at step {step}, where the first failure is: to \
+             name the module, record the job again with Recorder(..., activations=[{}])",
+            list.join(", ")
+        )
+    } else {
+        return;
+    };
     comparison.diagnosis = Some(match comparison.diagnosis.take() {
         Some(failure) => format!("{failure}. {hint}"),
         None => hint,
@@ -265,18 +321,31 @@ pub fn judge(opts: &JudgeOptions) -> Result<Judged, JudgeError> {
         return Err(JudgeError::Structure(comparison.structural.join("; ")));
     }
     if let Some((shadow, shadow_probes)) = &shadow {
-        let first_bad = |pick: fn(&forward::ModuleProbes) -> &[NamedTensor]| {
-            forward::first_bad_output(
+        let judge_outputs = |pick: fn(&forward::ModuleProbes) -> &[NamedTensor]| {
+            forward::judge_outputs(
                 (&run, pick(&run_probes)),
                 (&reference, pick(&reference_probes)),
                 (shadow, pick(shadow_probes)),
             )
         };
-        let (forward, backward) = (first_bad(|p| &p.outputs), first_bad(|p| &p.output_grads));
-        if forward.is_none() && backward.is_none() {
-            ask_for_the_failing_step(&mut comparison, &run_from.activation_steps);
+        let (forward, backward) = (
+            judge_outputs(|p| &p.outputs),
+            judge_outputs(|p| &p.output_grads),
+        );
+        if forward.first_bad.is_none() && backward.first_bad.is_none() {
+            explain_a_failure_no_module_shows(
+                &mut comparison,
+                &run_from.activation_steps,
+                &forward.judged_steps,
+            );
         }
-        name_the_culprit(&mut comparison, forward, backward);
+        let (forward, backward) = (forward.first_bad, backward.first_bad);
+        name_the_culprit(
+            &mut comparison,
+            forward,
+            backward,
+            &run_from.activation_steps,
+        );
     }
     fail_on_data_findings(&mut comparison, &run_from.data_findings);
     let report = Report::new(vec![comparison])
@@ -288,4 +357,37 @@ pub fn judge(opts: &JudgeOptions) -> Result<Judged, JudgeError> {
         files,
         notes,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn finding(name: &str) -> forward::ForwardFinding {
+        forward::ForwardFinding {
+            name: name.to_owned(),
+            previous: None,
+            margin: 2.0,
+            judged: 10,
+        }
+    }
+
+    #[test]
+    fn a_backward_bug_is_named_before_the_forward_it_spoils_at_the_next_step() {
+        let (f, b) = (finding("step 1, rank 0: 0"), finding("step 0, rank 0: 3"));
+        assert_eq!(
+            first_to_show(Some(f), Some(b.clone())),
+            Some(Culprit::Backward(b))
+        );
+    }
+
+    #[test]
+    fn at_the_same_step_the_forward_is_named_first() {
+        let (f, b) = (finding("step 2, rank 1: 4"), finding("step 2, rank 0: 1"));
+        assert_eq!(
+            first_to_show(Some(f.clone()), Some(b)),
+            Some(Culprit::Forward(f))
+        );
+        assert_eq!(first_to_show(None, None), None);
+    }
 }
