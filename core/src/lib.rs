@@ -11,6 +11,7 @@ pub mod autograd;
 pub mod comm;
 pub mod compose;
 pub mod consistency;
+pub mod context_parallel;
 pub mod ddp;
 pub mod expert_parallel;
 pub mod failure;

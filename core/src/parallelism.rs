@@ -7,6 +7,7 @@
 
 use crate::comm::World;
 use crate::compose::{train_composed, Composition, CompositionError};
+use crate::context_parallel::{train_context_parallel, CpError, CpOptions};
 use crate::ddp::{train_ddp, DdpError, DdpOptions};
 use crate::expert_parallel::{train_expert_parallel, EpError, EpOptions};
 use crate::fsdp::{train_fsdp, train_fsdp_hybrid, FsdpError, FsdpOptions};
@@ -33,6 +34,8 @@ pub enum Parallelism {
     Tensor(TpOptions),
     /// Expert parallelism under the model's own plan.
     Expert(EpOptions),
+    /// Context parallelism: every sequence split over a group of ranks.
+    Context(CpOptions),
     /// The model's layers as pipeline stages.
     Pipeline(PipelineOptions),
     /// Model-splitting and data parallelism composed on a named mesh.
@@ -54,6 +57,9 @@ pub enum ParallelError {
     /// Expert parallelism failed.
     #[error(transparent)]
     Expert(Box<EpError>),
+    /// Context parallelism failed.
+    #[error(transparent)]
+    Context(Box<CpError>),
     /// The pipeline failed.
     #[error(transparent)]
     Pipeline(Box<PipelineError>),
@@ -78,6 +84,7 @@ boxed_from!(
     Fsdp(FsdpError),
     Tensor(TpError),
     Expert(EpError),
+    Context(CpError),
     Pipeline(PipelineError),
     Composed(CompositionError),
 );
@@ -102,6 +109,7 @@ pub fn train_parallel(
         } => train_fsdp_hybrid(model, world, world.group(), *shard, cfg, options.clone())?,
         Parallelism::Tensor(options) => train_tensor_parallel(model, world, cfg, options)?,
         Parallelism::Expert(options) => train_expert_parallel(model, world, cfg, options)?,
+        Parallelism::Context(options) => train_context_parallel(model, world, cfg, options)?,
         Parallelism::Pipeline(options) => train_pipeline(model, world, cfg, options)?.record,
         Parallelism::Composed(composition) => {
             train_composed(model, world, cfg, *composition, None)?

@@ -95,3 +95,18 @@ pub fn multi_head_attention(
         .f_linear(w.out_proj_weight, Some(w.out_proj_bias))?;
     out.f_view([tgt_len, bsz, e])
 }
+
+/// Causal softmax attention `softmax(q·kᵀ/√d, future masked)·v` over `(B, H, T, d)` heads,
+/// every position attending to itself and the ones before it: the zoo decoder's attention
+/// and [`crate::LayerHooks::attention`]'s default, so a plan that does not split the sequence
+/// rounds exactly as the model alone.
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor, TchError> {
+    let t = q.size()[2];
+    let hd = q.size()[3];
+    let future = Tensor::f_ones([t, t], (tch::Kind::Bool, q.device()))?.f_triu(1)?;
+    q.f_matmul(&k.f_transpose(-2, -1)?)?
+        .f_mul_scalar(1.0 / (hd as f64).sqrt())?
+        .f_masked_fill(&future, f64::NEG_INFINITY)?
+        .f_softmax(-1, None)?
+        .f_matmul(v)
+}

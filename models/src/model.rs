@@ -168,6 +168,29 @@ pub trait LayerHooks {
         Ok(x.f_mul(&mask.f_to_kind(x.kind())?.f_to_device(x.device())?)?)
     }
 
+    /// The positions of the `len` tokens of each sequence this rank computes, for the
+    /// positional embedding: `0..len` by default; a context-parallel plan holds shards of the
+    /// sequence and returns their global positions (rotary or learned embeddings must see
+    /// where a token is in the whole sequence, not in the shard).
+    fn positions(&mut self, len: i64, device: tch::Device) -> Result<Tensor, ModelError> {
+        Ok(Tensor::f_arange(len, (tch::Kind::Int64, device))?)
+    }
+
+    /// Causal self-attention at `path` over heads `q`, `k`, `v` (`(B, H, T, d)`): every token
+    /// attends to itself and the tokens before it ([`crate::functional::causal_attention`]).
+    /// A context-parallel plan, holding shards of the sequence, brings the other shards' keys
+    /// and values to this rank's queries (ring attention, or an all-gather).
+    fn attention(
+        &mut self,
+        path: &str,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        let _ = path;
+        Ok(crate::functional::causal_attention(q, k, v)?)
+    }
+
     /// The mean cross-entropy of `logits` (`[N, V]`) against `target` (`[N]`), the logits
     /// coming from the module at `path`: a vocabulary-parallel plan computes it on this
     /// rank's vocabulary slice (loss parallel).
@@ -282,6 +305,19 @@ pub trait Model: Send {
     /// before the optimizer steps. `None` (the default): no clipping.
     fn max_grad_norm(&self) -> Option<f64> {
         None
+    }
+
+    /// Why context parallelism cannot split this model's sequences, if it cannot: a model
+    /// opts in by computing its positions and causal attention through
+    /// [`LayerHooks::positions`] and [`LayerHooks::attention`], its loss through
+    /// [`LayerHooks::cross_entropy`], its batch `(B, T)` tokens and targets shifted before the
+    /// cut. Refused by default.
+    fn context_parallel_blocker(&self) -> Option<String> {
+        Some(format!(
+            "{} does not compute its attention and positions through the layer hooks, so \
+             context parallelism cannot split its sequence",
+            self.name()
+        ))
     }
 
     /// How [`Model::loss_of`] reduces over samples: a pipeline splitting a batch into

@@ -144,6 +144,26 @@ impl LayerHooks for RangeHooks<'_> {
         }
     }
 
+    fn positions(&mut self, len: i64, device: tch::Device) -> Result<Tensor, ModelError> {
+        match self.run.compute {
+            Some(hooks) => hooks.borrow_mut().positions(len, device),
+            None => NoHooks.positions(len, device),
+        }
+    }
+
+    fn attention(
+        &mut self,
+        path: &str,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        match self.run.compute {
+            Some(hooks) => hooks.borrow_mut().attention(path, q, k, v),
+            None => NoHooks.attention(path, q, k, v),
+        }
+    }
+
     fn post_forward(&mut self, index: usize, output: Tensor) -> Result<Tensor, ModelError> {
         if self.run.capture.contains(&index) {
             self.captured.insert(index, output.shallow_clone());

@@ -16,7 +16,7 @@ use crate::record::{CollectiveEntry, RunRecord};
 use crate::train::{
     train_from, GradientView, Optimizer, StepHooks, StepLoss, TrainConfig, TrainError, TrainStart,
 };
-use lockstep_models::{Batch, LayerHooks, LossReduction, Model, NoHooks};
+use lockstep_models::{Batch, LayerHooks, LossReduction, Model, ModelError, NoHooks};
 use std::collections::HashMap;
 use std::sync::Arc;
 use tch::Tensor;
@@ -482,8 +482,13 @@ pub(crate) fn aliases(model: &dyn Model) -> Vec<(String, String)> {
         .collect()
 }
 
-/// The replica's batch: its data ranks' batches concatenated along the batch dimension.
-fn global_batch(model: &dyn Model, ranks: &[usize], step: usize) -> Result<Batch, TpError> {
+/// The replica's batch: its data ranks' batches concatenated along the batch dimension (a
+/// tensor- or context-parallel group trains on them as one).
+pub(crate) fn global_batch(
+    model: &dyn Model,
+    ranks: &[usize],
+    step: usize,
+) -> Result<Batch, ModelError> {
     let batches = ranks
         .iter()
         .map(|&r| model.input(r, step))

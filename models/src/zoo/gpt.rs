@@ -165,17 +165,21 @@ impl Attention {
         let q = heads(q)?;
         let k = heads(self.wk.call(m, x)?)?;
         let v = heads(self.wv.call(m, x)?)?;
-        let future = Tensor::f_ones([t, t], (Kind::Bool, q.device()))?.f_triu(1)?;
-        let scores = q
-            .f_matmul(&k.f_transpose(-2, -1)?)?
-            .f_mul_scalar(1.0 / (hd as f64).sqrt())?
-            .f_masked_fill(&future, f64::NEG_INFINITY)?;
-        let mut probs = scores.f_softmax(-1, None)?;
-        if let Some(d) = drop {
-            probs = d.apply(m, &path(&self.path, "dropout"), &probs, 1)?;
-        }
-        let out = probs
-            .f_matmul(&v)?
+        let attended = match drop {
+            // Without dropout the attention is the hooks' (a context-parallel plan's ring).
+            None => m.attention(&self.path, &q, &k, &v)?,
+            Some(d) => {
+                let future = Tensor::f_ones([t, t], (Kind::Bool, q.device()))?.f_triu(1)?;
+                let scores = q
+                    .f_matmul(&k.f_transpose(-2, -1)?)?
+                    .f_mul_scalar(1.0 / (hd as f64).sqrt())?
+                    .f_masked_fill(&future, f64::NEG_INFINITY)?;
+                let probs = scores.f_softmax(-1, None)?;
+                d.apply(m, &path(&self.path, "dropout"), &probs, 1)?
+                    .f_matmul(&v)?
+            }
+        };
+        let out = attended
             .f_transpose(1, 2)?
             .f_contiguous()?
             .f_view([b, t, -1])?;
@@ -487,6 +491,18 @@ impl Model for Gpt {
         self.max_grad_norm
     }
 
+    /// Its attention, positions and loss go through the hooks; dropout masks are drawn per
+    /// whole sequence, so `gpt_dropout` is refused.
+    fn context_parallel_blocker(&self) -> Option<String> {
+        (self.dropout > 0.0).then(|| {
+            format!(
+                "{} draws its dropout masks per whole sequence, which context parallelism \
+                 does not split",
+                self.name()
+            )
+        })
+    }
+
     fn rank(&self) -> usize {
         self.rank
     }
@@ -601,7 +617,7 @@ impl Model for Gpt {
         let tok = run.layer_hooked([tokens.shallow_clone()], |m, [tokens]| {
             m.embedding("tok_embeddings", &tokens, &self.tok_embeddings)
         })?;
-        let pos = Tensor::f_arange(t, (Kind::Int64, tokens.device()))?;
+        let pos = run.hooks().positions(t, tokens.device())?;
         let pos = run.layer_hooked([pos], |m, [pos]| {
             m.embedding("pos_embeddings", &pos, &self.pos_embeddings)
         })?;

@@ -1,0 +1,97 @@
+//! Context parallelism's face: its options (the CP size, how keys and values reach the
+//! queries, how the sequence is laid out over the ranks), the bugs it can plant on purpose,
+//! and its error type.
+
+use crate::failure::{split_failure_from, SplitFailure};
+
+/// How each rank's queries meet the other ranks' keys and values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CpDispatcher {
+    /// Ring attention: key/value blocks passed around the CP group, one hop per step, each
+    /// block's partial attention merged into the running one by its log-sum-exp (online
+    /// softmax); backward passes the gradients back around the same ring.
+    Ring,
+    /// Every rank's keys and values all-gathered, each rank's queries attending to the whole
+    /// sequence at once (backward reduce-scatters their gradients): the same computation
+    /// another way.
+    AllGather,
+}
+
+/// How a sequence's tokens are laid out over the CP ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SequenceLayout {
+    /// Causal load balancing: the sequence cut into `2·cp` chunks, rank `i` holding chunks
+    /// `i` and `2·cp − 1 − i`, so every rank does the same causal work.
+    Balanced,
+    /// Rank `i` holds the `i`-th of `cp` contiguous chunks (the last rank does the most
+    /// causal work).
+    Contiguous,
+}
+
+/// Bugs a context-parallel run can plant on purpose, each one reported in the wild; the
+/// tests prove the checker catches every one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CpFault {
+    /// Each rank's attention sees its own shard of keys and values only (torchtitan#2808: a
+    /// model's parallelize that shards the inputs by sequence but never applies CP to its
+    /// attention).
+    LocalAttentionOnly,
+    /// The reported loss is not summed over the CP ranks (torchtitan#3280: the loss reduced
+    /// over the tensor-parallel mesh only), so it is one shard's share.
+    LossNotReducedOverCp,
+    /// Labels shifted after the sequence was sharded (torchtitan#4544): each shard predicts
+    /// its own next tokens, and the token at every shard boundary is lost.
+    LabelsShiftedAfterSharding,
+    /// The load-balanced chunks put back in rank order, as if the layout were contiguous: keys
+    /// are masked by the wrong positions.
+    ChunksInRankOrder,
+    /// The online-softmax merge takes the block's maximum as the merged one, so the running
+    /// sums are never rescaled to a common maximum.
+    MergeWithBlockMax,
+    /// Gradients of replicated parameters averaged over data parallelism but not summed over
+    /// the CP ranks (each rank keeps its shard's part).
+    GradsNotReducedOverCp,
+    /// Gradients summed over the data ranks and divided by the CP size instead of the data
+    /// size: invisible when the two are equal, caught on a mesh where they differ.
+    DividedByCpSize,
+    /// Positions taken from the index within the shard, not within the sequence.
+    PositionsFromShard,
+}
+
+/// Context-parallel options.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CpOptions {
+    /// Ranks each sequence is split over; the rest of the world is data-parallel replicas.
+    pub cp: usize,
+    /// How queries meet the other shards' keys and values.
+    pub dispatcher: CpDispatcher,
+    /// How the sequence is cut over the ranks.
+    pub layout: SequenceLayout,
+    /// A bug to plant (tests only).
+    pub fault: Option<CpFault>,
+}
+
+impl CpOptions {
+    /// Ring attention over `cp` ranks, load-balanced: torchtitan's default.
+    pub fn ring(cp: usize) -> CpOptions {
+        CpOptions {
+            cp,
+            dispatcher: CpDispatcher::Ring,
+            layout: SequenceLayout::Balanced,
+            fault: None,
+        }
+    }
+}
+
+/// What a context-parallel run can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum CpError {
+    /// The options or the model do not fit (found before any rank starts).
+    #[error("context parallel: {0}")]
+    Invalid(String),
+    /// A collective, the model or autograd failed during the run.
+    #[error(transparent)]
+    Failed(Box<SplitFailure>),
+}
+
+split_failure_from!(CpError);

@@ -1,0 +1,169 @@
+//! Context parallelism on the zoo decoders: ring attention and the all-gather dispatcher,
+//! load-balanced and contiguous, at CP 2 and 4 (and CP 2 under data parallelism) against one
+//! device by the fp64 arbiter; the single-device attention in the ring's merge order equal
+//! to the plain one up to rounding; every planted bug caught; bad sizes refused before any
+//! rank starts, naming what does not divide.
+
+#[path = "../core/tests/common/mod.rs"]
+mod common;
+mod judge;
+
+use lockstep_core::context_parallel::{
+    check_context_parallel, ring_order_attention, train_context_parallel, CpDispatcher, CpFault,
+    CpOptions, SequenceLayout,
+};
+use lockstep_core::record::RunRecord;
+use lockstep_harness::parity::Comparison;
+use lockstep_harness::RankCtx;
+use lockstep_models::functional::causal_attention;
+use lockstep_models::zoo;
+use rstest::rstest;
+use tch::{Device, Kind, Tensor};
+
+const STEPS: usize = 3;
+
+fn cp_run(ctx: &RankCtx, model: &str, opts: &CpOptions) -> RunRecord {
+    let m = zoo::build(model, 0, ctx.rank()).expect("model");
+    let cfg = common::train_config(ctx, model, "cp", "fp32", STEPS);
+    train_context_parallel(m.as_ref(), ctx.world(), &cfg, opts).expect("context-parallel run")
+}
+
+/// `run` judged against one process on `world` ranks' batches by the fp64 arbiter.
+fn against_single(run: &RunRecord, model: &str, world: usize) -> Comparison {
+    judge::judged_against_single(
+        run,
+        &|seed, rank| zoo::build(model, seed, rank),
+        world,
+        STEPS,
+    )
+}
+
+fn opts(cp: usize, dispatcher: CpDispatcher, layout: SequenceLayout) -> CpOptions {
+    CpOptions {
+        cp,
+        dispatcher,
+        layout,
+        fault: None,
+    }
+}
+
+/// Every dispatcher and layout at CP 2 and 4 (CP 2 at world 4: two replicas) passes against
+/// one device, on the dense decoder and the mixture of experts.
+#[rstest]
+fn context_parallel_runs_equal_one_device(
+    #[values("gpt", "gpt_moe")] model: &str,
+    #[values(CpDispatcher::Ring, CpDispatcher::AllGather)] dispatcher: CpDispatcher,
+    #[values(SequenceLayout::Balanced, SequenceLayout::Contiguous)] layout: SequenceLayout,
+    #[values((2, 2), (4, 4), (2, 4))] sizes: (usize, usize),
+) {
+    let (cp, world) = sizes;
+    lockstep_harness::run(world, |ctx| {
+        let run = cp_run(ctx, model, &opts(cp, dispatcher, layout));
+        if ctx.rank() == 0 {
+            let c = against_single(&run, model, world);
+            assert!(
+                c.passed,
+                "cp {cp} at world {world} {dispatcher:?} {layout:?} on {model}: {}",
+                c.diagnosis.unwrap_or_default()
+            );
+        }
+    });
+}
+
+/// Each planted bug makes the run differ from one device; the dp/cp divisor mix-up only on a
+/// mesh where the two sizes differ (cp 2 × dp 4), and is invisible where they are equal.
+#[rstest]
+fn planted_context_parallel_bugs_are_caught(
+    #[values(
+        (CpFault::LocalAttentionOnly, CpDispatcher::Ring, 2),
+        (CpFault::LossNotReducedOverCp, CpDispatcher::Ring, 2),
+        (CpFault::LabelsShiftedAfterSharding, CpDispatcher::Ring, 2),
+        (CpFault::ChunksInRankOrder, CpDispatcher::Ring, 2),
+        (CpFault::ChunksInRankOrder, CpDispatcher::AllGather, 2),
+        (CpFault::MergeWithBlockMax, CpDispatcher::Ring, 2),
+        (CpFault::GradsNotReducedOverCp, CpDispatcher::Ring, 2),
+        (CpFault::PositionsFromShard, CpDispatcher::AllGather, 2),
+        (CpFault::DividedByCpSize, CpDispatcher::Ring, 8)
+    )]
+    case: (CpFault, CpDispatcher, usize),
+) {
+    let (fault, dispatcher, world) = case;
+    lockstep_harness::run(world, |ctx| {
+        let o = CpOptions {
+            fault: Some(fault),
+            ..opts(2, dispatcher, SequenceLayout::Balanced)
+        };
+        let run = cp_run(ctx, "gpt", &o);
+        if ctx.rank() == 0 {
+            let c = against_single(&run, "gpt", world);
+            assert!(!c.passed, "{fault:?} under {dispatcher:?} was not caught");
+            assert!(c.first_failure.is_some(), "{:?}", c.diagnosis);
+        }
+    });
+}
+
+/// A divisor taken from the wrong mesh dimension is the right one when the two sizes are
+/// equal: cp 2 × dp 2 passes with it, which is why the mesh must be the user's own.
+#[test]
+fn the_divisor_mix_up_hides_where_cp_and_dp_are_equal() {
+    lockstep_harness::run(4, |ctx| {
+        let o = CpOptions {
+            fault: Some(CpFault::DividedByCpSize),
+            ..CpOptions::ring(2)
+        };
+        let run = cp_run(ctx, "gpt", &o);
+        if ctx.rank() == 0 {
+            assert!(against_single(&run, "gpt", 4).passed);
+        }
+    });
+}
+
+/// The single-device attention in the ring's merge order is the plain causal attention up
+/// to rounding, under both layouts and several CP sizes.
+#[rstest]
+fn ring_order_attention_is_causal_attention(
+    #[values(SequenceLayout::Balanced, SequenceLayout::Contiguous)] layout: SequenceLayout,
+    #[values(1, 2, 4)] cp: usize,
+) {
+    let (q, k, v) = lockstep_models::seed::seeded(3, || {
+        let r = || Tensor::randn([2, 3, 16, 4], (Kind::Double, Device::Cpu));
+        (r(), r(), r())
+    });
+    let plain = causal_attention(&q, &k, &v).expect("plain");
+    let o = CpOptions {
+        layout,
+        ..CpOptions::ring(cp)
+    };
+    let ring = ring_order_attention(&q, &k, &v, &o).expect("ring order");
+    let err = (&plain - &ring).abs().max().double_value(&[]);
+    assert!(err < 1e-12, "{layout:?} cp {cp}: {err}");
+}
+
+/// Sizes that cannot split are refused before any rank starts, naming the dimension and the
+/// size; models whose attention does not go through the hooks, or that drop out, too.
+#[test]
+fn bad_sizes_and_models_are_refused_before_any_rank_starts() {
+    let gpt = zoo::build("gpt", 0, 0).expect("model");
+    let e = check_context_parallel(gpt.as_ref(), 6, &CpOptions::ring(4))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("context-parallel size 4 does not divide world size 6"),
+        "{e}"
+    );
+    // The zoo decoder's 8 tokens do not cut into 2 × 8 = 16 chunks.
+    let e = check_context_parallel(gpt.as_ref(), 8, &CpOptions::ring(8))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("8 tokens") && e.contains("16 chunks"), "{e}");
+    let mlp = zoo::build("mlp", 0, 0).expect("model");
+    let e = check_context_parallel(mlp.as_ref(), 2, &CpOptions::ring(2))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("does not compute its attention"), "{e}");
+    let dropout = zoo::build("gpt_dropout", 0, 0).expect("model");
+    let e = check_context_parallel(dropout.as_ref(), 2, &CpOptions::ring(2))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("dropout"), "{e}");
+}
