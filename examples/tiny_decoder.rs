@@ -1,13 +1,14 @@
 //! A decoder a user writes — not one of Lockstep's zoo models — parallelized by its own plan:
 //! tensor parallelism (`tp.2`), with sequence parallelism (`tp.2.sp`), FSDP×TP
-//! (`fsdp_x_tp2`), a tensor-parallel pipeline (`pp2_x_tp2`) and, for its mixture-of-experts
+//! (`fsdp_x_tp2`), a tensor-parallel pipeline (`pp2_x_tp2`), context parallelism (`cp.2`,
+//! `cp.4`, ring and all-gather, load-balanced and contiguous) and, for its mixture-of-experts
 //! variant, expert parallelism (`ep.2`), each checked against one process training on the
 //! same global batch.
 //!
 //! The model is written only against the public API. Its forward calls its parametrized
 //! modules through the hooks it is given (`m.linear(path, x, w, b)`, `m.embedding(...)`,
-//! `m.layer_norm(...)`, `m.moe(...)`, `m.cross_entropy(...)`): plainly they run the plain ops;
-//! under a plan they run split. Attention reshapes by head size (`-1` heads), so a
+//! `m.layer_norm(...)`, `m.moe(...)`, `m.cross_entropy(...)`) and its causal attention through
+//! `m.attention(path, q, k, v)`: plainly they run the plain ops; under a plan they run split. Attention reshapes by head size (`-1` heads), so a
 //! column-split q/k/v simply carries fewer heads. `parallel_plan` maps module paths to styles.
 //!
 //! ```sh
@@ -146,14 +147,10 @@ impl TinyDecoder {
         let q = heads(q)?;
         let k = heads(self.linear(m, &format!("{p}.k"), x)?)?;
         let v = heads(self.linear(m, &format!("{p}.v"), x)?)?;
-        let future = Tensor::f_ones([t, t], (Kind::Bool, q.device()))?.f_triu(1)?;
-        let probs = q
-            .f_matmul(&k.f_transpose(-2, -1)?)?
-            .f_mul_scalar(1.0 / (hd as f64).sqrt())?
-            .f_masked_fill(&future, f64::NEG_INFINITY)?
-            .f_softmax(-1, None)?;
-        let out = probs
-            .f_matmul(&v)?
+        // Through the hooks: plainly softmax causal attention, under context parallelism
+        // the ring (or an all-gather) bringing the other shards' keys and values.
+        let out = m
+            .attention(p, &q, &k, &v)?
             .f_transpose(1, 2)?
             .f_contiguous()?
             .f_view([b, t, -1])?;
@@ -269,6 +266,12 @@ impl Model for TinyDecoder {
 
     fn supports_layer_hooks(&self) -> bool {
         true
+    }
+
+    /// Its attention and loss go through the hooks, and it has no positional embedding:
+    /// context parallelism can split its sequences.
+    fn context_parallel_blocker(&self) -> Option<String> {
+        None
     }
 
     fn forward_hooked(
@@ -407,11 +410,33 @@ pub fn check_expert_parallel(test: &str) -> Result<ParityOutcome, ParityTestErro
         .run()
 }
 
+/// The decoder (`moe`: its mixture-of-experts variant) under context parallelism at world
+/// 4: ring attention and the all-gather dispatcher, load-balanced and contiguous, over 2 ranks
+/// (two replicas) and 4, against one process.
+pub fn check_context_parallel(test: &str, moe: bool) -> Result<ParityOutcome, ParityTestError> {
+    let name = if moe {
+        "tiny_decoder_moe"
+    } else {
+        "tiny_decoder"
+    };
+    ParityTest::new(test)
+        .model(name, move |seed, rank| TinyDecoder::new(seed, rank, moe))
+        .config("cp.2")
+        .config("cp.2.allgather")
+        .config("cp.2.contiguous")
+        .config("cp.4")
+        .world_sizes(&[4])
+        .steps(3)
+        .run()
+}
+
 #[allow(dead_code)]
 fn main() -> Result<(), ParityTestError> {
     for outcome in [
         check_tensor_parallel("tiny_decoder_tp")?,
         check_expert_parallel("tiny_decoder_ep")?,
+        check_context_parallel("tiny_decoder_cp", false)?,
+        check_context_parallel("tiny_decoder_moe_cp", true)?,
     ] {
         print!("{}", outcome.summary());
         outcome.assert_passed();

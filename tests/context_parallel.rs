@@ -8,6 +8,7 @@
 mod common;
 mod judge;
 
+use lockstep_core::compose::DataParallel;
 use lockstep_core::context_parallel::{
     check_context_parallel, ring_order_attention, train_context_parallel, CpDispatcher, CpFault,
     CpOptions, SequenceLayout,
@@ -43,12 +44,14 @@ fn opts(cp: usize, dispatcher: CpDispatcher, layout: SequenceLayout) -> CpOption
         cp,
         dispatcher,
         layout,
+        data_parallel: DataParallel::Replicate,
         fault: None,
     }
 }
 
 /// Every dispatcher and layout at CP 2 and 4 (CP 2 at world 4: two replicas) passes against
-/// one device, on the dense decoder and the mixture of experts.
+/// one device, on the dense decoder and the mixture of experts; FSDP over `dp × cp` is
+/// bitwise the replicated run (the same elements reduced in the same order).
 #[rstest]
 fn context_parallel_runs_equal_one_device(
     #[values("gpt", "gpt_moe")] model: &str,
@@ -70,7 +73,7 @@ fn context_parallel_runs_equal_one_device(
     });
 }
 
-/// Each planted bug makes the run differ from one device; the dp/cp divisor mix-up only on a
+/// Each planted bug makes the run differ from one device; the dp/cp factor mix-up only on a
 /// mesh where the two sizes differ (cp 2 × dp 4), and is invisible where they are equal.
 #[rstest]
 fn planted_context_parallel_bugs_are_caught(
@@ -83,7 +86,7 @@ fn planted_context_parallel_bugs_are_caught(
         (CpFault::MergeWithBlockMax, CpDispatcher::Ring, 2),
         (CpFault::GradsNotReducedOverCp, CpDispatcher::Ring, 2),
         (CpFault::PositionsFromShard, CpDispatcher::AllGather, 2),
-        (CpFault::DividedByCpSize, CpDispatcher::Ring, 8)
+        (CpFault::ScaledByDpSize, CpDispatcher::Ring, 8)
     )]
     case: (CpFault, CpDispatcher, usize),
 ) {
@@ -102,13 +105,13 @@ fn planted_context_parallel_bugs_are_caught(
     });
 }
 
-/// A divisor taken from the wrong mesh dimension is the right one when the two sizes are
+/// A factor taken from the wrong mesh dimension is the right one when the two sizes are
 /// equal: cp 2 × dp 2 passes with it, which is why the mesh must be the user's own.
 #[test]
-fn the_divisor_mix_up_hides_where_cp_and_dp_are_equal() {
+fn the_factor_mix_up_hides_where_cp_and_dp_are_equal() {
     lockstep_harness::run(4, |ctx| {
         let o = CpOptions {
-            fault: Some(CpFault::DividedByCpSize),
+            fault: Some(CpFault::ScaledByDpSize),
             ..CpOptions::ring(2)
         };
         let run = cp_run(ctx, "gpt", &o);
@@ -166,4 +169,36 @@ fn bad_sizes_and_models_are_refused_before_any_rank_starts() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("dropout"), "{e}");
+}
+
+/// FSDP over `dp × cp` (torchtitan's sharding beside CP) is bitwise the replicated CP run at
+/// worlds 2, 4 and 8: its reduce-scatter yields the all-reduce's elements.
+#[rstest]
+fn fsdp_over_dp_and_cp_is_bitwise_the_replicated_run(#[values(2, 4, 8)] world: usize) {
+    lockstep_harness::run(world, |ctx| {
+        let replicated = cp_run(ctx, "gpt", &CpOptions::ring(2));
+        let sharded = cp_run(
+            ctx,
+            "gpt",
+            &CpOptions {
+                data_parallel: DataParallel::Shard,
+                ..CpOptions::ring(2)
+            },
+        );
+        if ctx.rank() == 0 {
+            assert_eq!(replicated.losses, sharded.losses);
+            let bits = |r: &RunRecord| -> Vec<(String, Vec<u64>)> {
+                r.params
+                    .iter()
+                    .map(|p| {
+                        (
+                            p.name.clone(),
+                            p.values.iter().map(|v| v.to_bits()).collect(),
+                        )
+                    })
+                    .collect()
+            };
+            assert_eq!(bits(&replicated), bits(&sharded));
+        }
+    });
 }

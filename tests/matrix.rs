@@ -397,14 +397,17 @@ fn plan_selects_expands_and_counts_runs() {
     // Tensor and expert parallel: gpt and gpt_dropout tp.2, tp.2.sp at world 2 and tp.2, tp.4, tp.2.sp at 4
     // (no MoE: its ep rows skip); gpt_moe those plus ep.2, ep.2.allgather, ep.2.capacity,
     // ep.2.drop at 2 and ep.2, ep.4, ep.2.allgather, ep.2.capacity, ep.2.drop at 4; moe has
-    // no single-device reference.
-    let model_parallel = 2 * (2 + 3) + (6 + 8);
+    // no single-device reference. Context parallel on gpt and gpt_moe (gpt_dropout's masks
+    // are per whole sequence): cp.2, cp.2.allgather, cp.2.contiguous at 2, those and cp.4,
+    // cp.4.allgather, cp.4.contiguous at 4.
+    let model_parallel = 2 * (2 + 3) + (6 + 8) + 2 * (3 + 6);
     // Compositions: at world 2 only fsdp_x_tp2 (dp = 1) for the three decoders and
     // ep2_x_fsdp for gpt_moe; at world 4 fsdp_x_tp2, hsdp_x_tp2, pp2_x_dp and pp2_x_fsdp for
     // the three, pp2_x_tp2 for the three (gpt_dropout's keys reach the stages' module hooks)
     // and ep2_x_fsdp for gpt_moe; their simpler configurations are selected already, except
-    // hsdp_x_tp2's tp.2.hybrid_order (a reference only), which runs once for each of the three.
-    let compositions = (3 + 1) + (4 * 3 + 3 + 1) + 3;
+    // hsdp_x_tp2's tp.2.hybrid_order (a reference only), which runs once for each of the three;
+    // fsdp_x_cp2 for gpt and gpt_moe at both worlds.
+    let compositions = (3 + 1) + (4 * 3 + 3 + 1) + 3 + 2 * 2;
     // The float64 shadows: one per cell with a single-device reference (3 models × 2 worlds)
     // and one per microbatched reference (3 models × 2 worlds × 2 microbatch counts).
     let shadows = 3 * 2 + 3 * 2 * 2;

@@ -68,6 +68,7 @@ pub fn composition_configs() -> &'static [CompositionConfig] {
         let mut rows = tensor_data_rows();
         rows.extend(pipeline_rows());
         rows.extend(expert_data_rows());
+        rows.extend(context_data_rows());
         rows
     });
     &TABLE
@@ -195,6 +196,23 @@ fn expert_data_rows() -> Vec<CompositionConfig> {
             data: DataParallel::Shard,
         },
         reduces_to: Some(("ep.2", DdpCheck::Bitwise)),
+        reference_only: false,
+    }]
+}
+
+/// Context parallel over 2 ranks with the parameters sharded over `dp × cp`.
+fn context_data_rows() -> Vec<CompositionConfig> {
+    vec![CompositionConfig {
+        name: "fsdp_x_cp2",
+        description: "FSDP×CP on [dp, cp=2]: cp.2 (ring attention, load-balanced), every \
+                      parameter one FSDP unit sharded over dp × cp (every rank), as \
+                      torchtitan shards over dp_shard × cp; gradients scaled by cp and \
+                      reduce-scattered",
+        composition: Composition::ContextData {
+            cp: 2,
+            data: DataParallel::Shard,
+        },
+        reduces_to: Some(("cp.2", DdpCheck::Bitwise)),
         reference_only: false,
     }]
 }

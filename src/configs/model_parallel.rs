@@ -1,10 +1,15 @@
-//! The tensor- and expert-parallel configurations of the matrix (`tp.*`, `ep.*`), as a table
-//! like [`fsdp_configs`]. Each is judged against `single@N` by the fp64 arbiter: a
-//! tensor-parallel group computes the global batch's loss exactly as one process, except that
-//! sums split across ranks (the row-parallel reduction, the vocabulary-parallel softmax) add
-//! in another order; expert parallelism trains data-parallel with experts sharded.
+//! The tensor-, expert- and context-parallel configurations of the matrix (`tp.*`, `ep.*`,
+//! `cp.*`), as a table like [`fsdp_configs`]. Each is judged against `single@N` by the fp64
+//! arbiter: a tensor-parallel group computes the global batch's loss exactly as one process,
+//! except that sums split across ranks (the row-parallel reduction, the vocabulary-parallel
+//! softmax) add in another order; expert parallelism trains data-parallel with experts
+//! sharded; a context-parallel group splits each sequence, its attention merged block by
+//! block (ring) or over gathered keys, its gradients summed over the shards.
 
 use super::*;
+use lockstep_core::context_parallel::{
+    check_context_parallel, CpDispatcher, CpOptions, SequenceLayout,
+};
 use lockstep_core::expert_parallel::{check_expert_plan, Dispatcher, EpOptions};
 use lockstep_core::tensor_parallel::check_plan;
 
@@ -25,6 +30,15 @@ pub enum ModelParallelKind {
         ep: usize,
         /// How tokens reach their experts' ranks.
         dispatcher: Dispatcher,
+    },
+    /// Context parallelism: every sequence split over `cp` ranks (the rest data parallel).
+    Context {
+        /// Ranks each sequence is split over.
+        cp: usize,
+        /// How queries meet the other shards' keys and values.
+        dispatcher: CpDispatcher,
+        /// How the sequence is cut over the ranks.
+        layout: SequenceLayout,
     },
 }
 
@@ -50,6 +64,9 @@ impl ModelParallelConfig {
             }),
             ModelParallelKind::Expert { ep, .. } => (!world_size.is_multiple_of(ep)).then(|| {
                 format!("expert-parallel size {ep} does not divide world size {world_size}")
+            }),
+            ModelParallelKind::Context { cp, .. } => (!world_size.is_multiple_of(cp)).then(|| {
+                format!("context-parallel size {cp} does not divide world size {world_size}")
             }),
         }
     }
@@ -81,6 +98,30 @@ impl ModelParallelConfig {
                     .err()
                     .map(|e| e.to_string())
             }
+            ModelParallelKind::Context { .. } => {
+                let opts = self.context_options()?;
+                check_context_parallel(model, world_size, &opts)
+                    .err()
+                    .map(|e| e.to_string())
+            }
+        }
+    }
+
+    /// The options every rank of a context-parallel row runs with (`None` for other rows).
+    pub fn context_options(&self) -> Option<CpOptions> {
+        match self.kind {
+            ModelParallelKind::Context {
+                cp,
+                dispatcher,
+                layout,
+            } => Some(CpOptions {
+                cp,
+                dispatcher,
+                layout,
+                data_parallel: Default::default(),
+                fault: None,
+            }),
+            _ => None,
         }
     }
 
@@ -120,6 +161,16 @@ pub fn model_parallel_configs() -> &'static [ModelParallelConfig] {
             kind: ModelParallelKind::Tensor {
                 tp,
                 sequence_parallel,
+            },
+            capacity_factor: None,
+        };
+        let cp = |name, description, cp, dispatcher, layout| ModelParallelConfig {
+            name,
+            description,
+            kind: ModelParallelKind::Context {
+                cp,
+                dispatcher,
+                layout,
             },
             capacity_factor: None,
         };
@@ -186,6 +237,53 @@ pub fn model_parallel_configs() -> &'static [ModelParallelConfig] {
                 },
                 capacity_factor: Some(1.0),
             },
+            cp(
+                "cp.2",
+                "context parallel over 2 ranks (the rest data parallel): each sequence \
+                 cut into 4 chunks, rank i holding chunks i and 3 − i (causal load balancing), \
+                 ring attention (key/value blocks passed around, merged by log-sum-exp), \
+                 gradients summed over the shards",
+                2,
+                CpDispatcher::Ring,
+                SequenceLayout::Balanced,
+            ),
+            cp(
+                "cp.2.allgather",
+                "cp.2 with every shard's keys and values all-gathered, each \
+                 rank's queries attending at once: the same computation another way",
+                2,
+                CpDispatcher::AllGather,
+                SequenceLayout::Balanced,
+            ),
+            cp(
+                "cp.2.contiguous",
+                "cp.2 with each rank holding one contiguous half of the \
+                 sequence (no load balancing)",
+                2,
+                CpDispatcher::Ring,
+                SequenceLayout::Contiguous,
+            ),
+            cp(
+                "cp.4",
+                "context parallel over 4 ranks: 8 chunks, ring attention over 4 hops",
+                4,
+                CpDispatcher::Ring,
+                SequenceLayout::Balanced,
+            ),
+            cp(
+                "cp.4.allgather",
+                "cp.4 with all-gathered keys and values",
+                4,
+                CpDispatcher::AllGather,
+                SequenceLayout::Balanced,
+            ),
+            cp(
+                "cp.4.contiguous",
+                "cp.4 with contiguous quarters",
+                4,
+                CpDispatcher::Ring,
+                SequenceLayout::Contiguous,
+            ),
             tp(
                 "tp.2.sp",
                 "tensor parallel over 2 ranks with sequence parallelism (LayerNorms on \

@@ -197,6 +197,9 @@ fn composition_choices(c: Composition, used: &mut BTreeSet<String>) {
         Composition::ExpertData { data, .. } => {
             used.insert(format!("ep.data={}", data_name(data)));
         }
+        Composition::ContextData { data, .. } => {
+            used.insert(format!("cp.data={}", data_name(data)));
+        }
     }
 }
 
@@ -226,6 +229,13 @@ fn used_choices() -> BTreeSet<String> {
                 }
                 ModelParallelKind::Expert { ep, dispatcher } => {
                     expert_choices(m.expert_options(ep, dispatcher), &mut used);
+                }
+                ModelParallelKind::Context {
+                    dispatcher, layout, ..
+                } => {
+                    used.insert(format!("cp.dispatcher={dispatcher:?}"));
+                    used.insert(format!("cp.layout={layout:?}"));
+                    used.insert("cp.data=Replicate".into());
                 }
             }
         }
@@ -285,12 +295,19 @@ fn every_choice() -> Vec<String> {
     for d in ["AllToAll", "AllGather"] {
         all.push(format!("ep.dispatcher={d}"));
     }
+    for d in ["Ring", "AllGather"] {
+        all.push(format!("cp.dispatcher={d}"));
+    }
+    for l in ["Balanced", "Contiguous"] {
+        all.push(format!("cp.layout={l}"));
+    }
     for d in ["Replicate", "Shard", "HybridShard", "HybridReplicate"] {
         all.push(format!("tp.data={d}"));
     }
     for d in ["Replicate", "Shard"] {
         all.push(format!("pp.data={d}"));
         all.push(format!("ep.data={d}"));
+        all.push(format!("cp.data={d}"));
     }
     all
 }

@@ -58,6 +58,10 @@ pub fn parallelism_of(
                 ModelParallelKind::Expert { ep, dispatcher } => {
                     Parallelism::Expert(mp.expert_options(ep, dispatcher))
                 }
+                ModelParallelKind::Context { .. } => Parallelism::Context(
+                    mp.context_options()
+                        .ok_or_else(|| format!("{}: not a context-parallel row", mp.name))?,
+                ),
             }
         }
         Config::Composed(id) => Parallelism::Composed(id.get().composition),

@@ -1,6 +1,7 @@
 //! A composition as data, its named mesh at a world size, and the checks that refuse it
 //! before any rank starts.
 
+use crate::context_parallel::{check_context_parallel, CpError, CpOptions};
 use crate::expert_parallel::EpError;
 use crate::expert_parallel::{check_expert_plan, Dispatcher, EpOptions};
 use crate::pipeline::{
@@ -121,6 +122,15 @@ pub enum Composition {
         /// (between TP and FSDP in torchtitan's order); `None` keeps activations.
         checkpoint_every: Option<usize>,
     },
+    /// Context parallelism of size `cp` inside (ring attention, load-balanced); the data
+    /// dimension (`world / cp` ranks) outside, replicated or, as torchtitan shards, one FSDP
+    /// unit over `dp × cp` (mesh `[dp, cp]`).
+    ContextData {
+        /// Ranks each sequence is split over.
+        cp: usize,
+        /// How the data dimension keeps parameters.
+        data: DataParallel,
+    },
     /// Expert parallelism of size `ep`, every rank its own batch; the dense parameters
     /// replicated or sharded over the whole world (mesh `[edp, ep]`, dense `dp` = world).
     ExpertData {
@@ -146,6 +156,9 @@ pub enum CompositionError {
     /// The expert-parallel plan does not fit, or failed.
     #[error(transparent)]
     Ep(Box<EpError>),
+    /// Context parallelism does not fit, or failed.
+    #[error(transparent)]
+    Cp(Box<CpError>),
     /// The parallelisms cannot be composed as asked.
     #[error("composition: {0}")]
     Invalid(String),
@@ -166,6 +179,12 @@ impl From<PipelineError> for CompositionError {
 impl From<EpError> for CompositionError {
     fn from(e: EpError) -> Self {
         CompositionError::Ep(Box::new(e))
+    }
+}
+
+impl From<CpError> for CompositionError {
+    fn from(e: CpError) -> Self {
+        CompositionError::Cp(Box::new(e))
     }
 }
 
@@ -225,6 +244,17 @@ impl Composition {
                 }
                 Ok(vec![("dp", dp), ("pp", pp), ("tp", tp)])
             }
+            Composition::ContextData { cp, data } => {
+                let dp = fixed(&[("cp", cp)])?;
+                if data.is_hybrid() {
+                    return Err(CompositionError::Invalid(
+                        "the data dimension beside context parallelism is replicated (dp) or \
+                         sharded over dp × cp (fsdp), not hybrid"
+                            .into(),
+                    ));
+                }
+                Ok(vec![("dp", dp), ("cp", cp)])
+            }
             Composition::ExpertData { ep, data } => {
                 let edp = fixed(&[("ep", ep)])?;
                 if data.is_hybrid() {
@@ -246,6 +276,15 @@ impl Composition {
             sequence_parallel: false,
             data_parallel: data,
             fault: None,
+        }
+    }
+
+    /// The context-parallel options a composition's CP part runs with (ring attention,
+    /// load-balanced).
+    pub(crate) fn cp_options(cp: usize, data: DataParallel) -> CpOptions {
+        CpOptions {
+            data_parallel: data,
+            ..CpOptions::ring(cp)
         }
     }
 
@@ -339,6 +378,9 @@ pub fn check_composition(
         }
         Composition::ExpertData { ep, data } => {
             check_expert_plan(model, world_size, &Composition::ep_options(ep, data))?;
+        }
+        Composition::ContextData { cp, data } => {
+            check_context_parallel(model, world_size, &Composition::cp_options(cp, data))?;
         }
     }
     Ok(mesh)

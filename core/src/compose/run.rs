@@ -3,6 +3,7 @@
 
 use super::plan::{check_mesh, Composition, CompositionError, SeamFault};
 use crate::comm::World;
+use crate::context_parallel::train_context_parallel;
 use crate::expert_parallel::{train_expert_parallel, EpFault, EpOptions};
 use crate::pipeline::{train_pipeline_with, PipelineFault, StageParallel};
 use crate::record::RunRecord;
@@ -66,6 +67,17 @@ pub fn train_composed(
             };
             let stage = StageParallel { tp, data };
             Ok(train_pipeline_with(model, world, cfg, &opts, stage)?.record)
+        }
+        Composition::ContextData { cp, data } => {
+            if let Some(f) = fault {
+                return Err(misplaced(f));
+            }
+            Ok(train_context_parallel(
+                model,
+                world,
+                cfg,
+                &Composition::cp_options(cp, data),
+            )?)
         }
         Composition::ExpertData { ep, data } => {
             let fault = match fault {

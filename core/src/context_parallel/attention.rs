@@ -230,7 +230,8 @@ fn all_gather_attention(
     let whole = Tensor::f_cat(&parts, 3)?;
     let (keys, values) = (whole.get(0), whole.get(1));
     let device = q.device();
-    let query_positions = Tensor::from_slice(&positions_of(layout, rank, cp, seq)).f_to(device)?;
+    let query_positions =
+        Tensor::from_slice(&positions_of(layout, rank, cp, seq)).f_to_device(device)?;
     let key_positions = Tensor::f_arange(seq, (Kind::Int64, device))?;
     let future = key_positions
         .f_unsqueeze(0)?

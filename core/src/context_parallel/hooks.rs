@@ -64,7 +64,7 @@ impl LayerHooks for CpHooks {
             return Ok(Tensor::f_arange(len, (tch::Kind::Int64, device))?);
         }
         let positions = positions_of(self.opts.layout, self.rank, self.opts.cp, self.seq);
-        Ok(Tensor::from_slice(&positions).f_to(device)?)
+        Ok(Tensor::from_slice(&positions).f_to_device(device)?)
     }
 
     fn attention(

@@ -2,6 +2,7 @@
 //! queries, how the sequence is laid out over the ranks), the bugs it can plant on purpose,
 //! and its error type.
 
+use crate::compose::DataParallel;
 use crate::failure::{split_failure_from, SplitFailure};
 
 /// How each rank's queries meet the other ranks' keys and values.
@@ -48,12 +49,13 @@ pub enum CpFault {
     /// The online-softmax merge takes the block's maximum as the merged one, so the running
     /// sums are never rescaled to a common maximum.
     MergeWithBlockMax,
-    /// Gradients of replicated parameters averaged over data parallelism but not summed over
-    /// the CP ranks (each rank keeps its shard's part).
+    /// Gradients averaged over the data ranks only, not over the CP ranks (each rank keeps
+    /// its shard's part).
     GradsNotReducedOverCp,
-    /// Gradients summed over the data ranks and divided by the CP size instead of the data
-    /// size: invisible when the two are equal, caught on a mesh where they differ.
-    DividedByCpSize,
+    /// Gradients scaled by the data size instead of the CP size before the average over
+    /// `dp × cp`: a factor taken from the wrong mesh dimension, invisible when the two sizes
+    /// are equal, caught on a mesh where they differ.
+    ScaledByDpSize,
     /// Positions taken from the index within the shard, not within the sequence.
     PositionsFromShard,
 }
@@ -67,6 +69,9 @@ pub struct CpOptions {
     pub dispatcher: CpDispatcher,
     /// How the sequence is cut over the ranks.
     pub layout: SequenceLayout,
+    /// The data dimension: parameters replicated (`Replicate`), or one FSDP unit sharded
+    /// over `dp × cp` (`Shard`, as torchtitan shards over `dp_shard × cp`).
+    pub data_parallel: DataParallel,
     /// A bug to plant (tests only).
     pub fault: Option<CpFault>,
 }
@@ -78,6 +83,7 @@ impl CpOptions {
             cp,
             dispatcher: CpDispatcher::Ring,
             layout: SequenceLayout::Balanced,
+            data_parallel: DataParallel::Replicate,
             fault: None,
         }
     }

@@ -1,16 +1,25 @@
 //! Training a model under context parallelism on one rank: its replica's batch cut along the
 //! sequence (labels shifted before the cut, as the model's batch already holds them), the
 //! model's own forward through the CP hooks (global positions, attention across the CP
-//! group, the loss as this shard's share of the whole mean), gradients of the replicated
-//! parameters summed over CP and averaged over the data ranks.
+//! group, the loss as this shard's share of the whole mean), gradients scaled by the CP size
+//! and averaged over `dp × cp` (the sum over the shards, averaged over the replicas: exact,
+//! as torchtitan averages CP-scaled gradients), replicated or one FSDP unit sharded over
+//! `dp × cp`. Both data dimensions reduce the same elements in the same order, so FSDP×CP is
+//! bitwise CP.
 
 use super::hooks::CpHooks;
 use super::layout::{chunk_count, chunks_of, layout_blocker, shard_sequence};
 use super::options::{CpError, CpFault, CpOptions, SequenceLayout};
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
+use crate::compose::data::DataLayer;
+use crate::compose::DataParallel;
+use crate::consistency::{StateKind, StateProbe};
+use crate::fsdp::Fsdp;
 use crate::record::{CollectiveEntry, RunRecord, TensorPlacement};
 use crate::tensor_parallel::run::global_batch;
-use crate::train::{train_from, StepHooks, StepLoss, TrainConfig, TrainError, TrainStart};
+use crate::train::{
+    train_from, GradientView, Optimizer, StepHooks, StepLoss, TrainConfig, TrainError, TrainStart,
+};
 use lockstep_models::{Batch, LossReduction, Model};
 use std::sync::Arc;
 use tch::Tensor;
@@ -23,6 +32,15 @@ pub fn check_context_parallel(
     world_size: usize,
     opts: &CpOptions,
 ) -> Result<(), CpError> {
+    if !matches!(
+        opts.data_parallel,
+        DataParallel::Replicate | DataParallel::Shard
+    ) {
+        return Err(CpError::Invalid(format!(
+            "the data dimension beside context parallelism is replicated (ddp) or sharded over              dp × cp (fsdp), not {}",
+            opts.data_parallel.label()
+        )));
+    }
     if opts.cp == 0 || world_size == 0 || !world_size.is_multiple_of(opts.cp) {
         return Err(CpError::Invalid(format!(
             "context-parallel size {} does not divide world size {world_size}",
@@ -64,10 +82,17 @@ pub fn train_context_parallel(
     let mut record = train_from(model, cfg, &mut run, None, &TrainStart::default())
         .map(|(record, _)| record)
         .map_err(TrainError::into_strategy::<CpError>)?;
-    let placement = format!(
-        "replicated, gradient summed over cp={} (sequence shards)",
-        opts.cp
-    );
+    let dp = world.size() / opts.cp;
+    let placement = match opts.data_parallel {
+        DataParallel::Shard => format!(
+            "sharded over dp × cp = {dp} × {}, gradient summed over the sequence shards",
+            opts.cp
+        ),
+        _ => format!(
+            "replicated, gradient summed over cp={} (sequence shards)",
+            opts.cp
+        ),
+    };
     record.placements = model
         .named_parameters()
         .into_iter()
@@ -84,14 +109,20 @@ struct CpRun<'a> {
     opts: &'a CpOptions,
     cp: Arc<dyn ProcessGroup>,
     dp: Arc<dyn ProcessGroup>,
+    /// Every rank: what gradients are averaged over (`dp × cp`).
+    everyone: Arc<dyn ProcessGroup>,
     rank: usize,
     counts: CollectiveCounts,
     hooks: CpHooks,
     data_ranks: Vec<usize>,
+    /// The model's parameters, which every rank computes with.
+    trained: Vec<(String, Tensor)>,
+    /// Replicated, or one FSDP unit over `dp × cp`.
+    data: DataLayer,
 }
 
 impl<'a> CpRun<'a> {
-    fn new(_model: &dyn Model, world: &World, opts: &'a CpOptions) -> Result<Self, CpError> {
+    fn new(model: &dyn Model, world: &World, opts: &'a CpOptions) -> Result<Self, CpError> {
         let dp = world.size() / opts.cp;
         let mesh = DeviceMesh::new(world, &[("dp", dp), ("cp", opts.cp)])?;
         let counts = CollectiveCounts::new();
@@ -99,17 +130,86 @@ impl<'a> CpRun<'a> {
             Arc::new(CountingGroup::new(g, counts.clone()))
         };
         let cp = counted(mesh.group("cp")?);
+        let everyone = counted(world.group());
         let rank = mesh.coordinate("cp")?;
         let replica = mesh.coordinate("dp")?;
+        let trained = model.named_parameters();
+        let handles = || {
+            trained
+                .iter()
+                .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                .collect::<Vec<_>>()
+        };
+        let data = match opts.data_parallel {
+            DataParallel::Shard => DataLayer::new(
+                Some(Fsdp::over_tensors(
+                    "cp_local",
+                    handles(),
+                    everyone.clone(),
+                    None,
+                )?),
+                Vec::new(),
+            ),
+            _ => DataLayer::new(None, handles()),
+        };
         Ok(CpRun {
             opts,
             hooks: CpHooks::new(cp.clone(), rank, opts.clone()),
             cp,
             dp: counted(mesh.group("dp")?),
+            everyone,
             rank,
             counts,
             data_ranks: (replica * opts.cp..(replica + 1) * opts.cp).collect(),
+            trained,
+            data,
         })
+    }
+
+    /// Every parameter at full size from this rank's `value` of it (gathered from the unit
+    /// when sharded).
+    fn full(&self, value: impl Fn(&Tensor) -> Tensor) -> Result<Vec<(String, Tensor)>, CpError> {
+        match self.data.unit() {
+            Some(u) => Ok(u.borrow().full_values(value)?),
+            None => self
+                .trained
+                .iter()
+                .map(|(n, t)| {
+                    let v = value(t);
+                    Ok((n.clone(), if v.defined() { v } else { t.f_zeros_like()? }))
+                })
+                .collect(),
+        }
+    }
+
+    /// Each gradient scaled by the CP size (the shards' parts are summed, not averaged), then
+    /// averaged over `dp × cp`: all-reduced when replicated, reduce-scattered into the
+    /// unit's shards when sharded (the same elements).
+    fn reduce(&mut self) -> Result<(), CpError> {
+        let scale = match self.opts.fault {
+            Some(CpFault::ScaledByDpSize) => self.dp.size(),
+            _ => self.cp.size(),
+        } as f64;
+        for (_, t) in &self.trained {
+            let g = t.grad();
+            if !g.defined() {
+                continue;
+            }
+            if self.opts.fault == Some(CpFault::GradsNotReducedOverCp) {
+                if self.dp.size() > 1 {
+                    self.dp.all_reduce(&g, ReduceOp::Avg)?;
+                }
+                continue;
+            }
+            let _ = g.shallow_clone().f_mul_scalar_(scale)?;
+            if self.data.unit().is_none() && self.everyone.size() > 1 {
+                self.everyone.all_reduce(&g, ReduceOp::Avg)?;
+            }
+        }
+        if self.opts.fault != Some(CpFault::GradsNotReducedOverCp) {
+            self.data.reduce_gradients()?;
+        }
+        Ok(())
     }
 
     /// This rank's shard of the replica's batch (tokens and targets cut along the sequence)
@@ -191,9 +291,16 @@ fn shifted_after_sharding(
 
 /// A context-parallel rank as a strategy of the one training loop.
 impl StepHooks for CpRun<'_> {
+    fn parameters(&self, _model: &dyn Model) -> Vec<(String, Tensor)> {
+        self.trained
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect()
+    }
+
     fn before_forward(&mut self, _step: usize) -> Result<(), TrainError> {
         let _ = self.counts.take();
-        Ok(())
+        self.data.gather()
     }
 
     fn forward_backward(
@@ -215,24 +322,12 @@ impl StepHooks for CpRun<'_> {
         })
     }
 
-    /// Sums each gradient over the CP ranks (each holds its shard's part), then averages it
-    /// over the data ranks.
-    fn sync_gradients(&mut self, grads: &[(String, Tensor)]) -> Result<(), TrainError> {
-        let fault = self.opts.fault;
-        for (_, g) in grads {
-            if fault != Some(CpFault::GradsNotReducedOverCp) && self.cp.size() > 1 {
-                self.cp.all_reduce(g, ReduceOp::Sum)?;
-            }
-            if self.dp.size() > 1 {
-                if fault == Some(CpFault::DividedByCpSize) {
-                    self.dp.all_reduce(g, ReduceOp::Sum)?;
-                    let _ = g.shallow_clone().f_div_scalar_(self.cp.size() as f64)?;
-                } else {
-                    self.dp.all_reduce(g, ReduceOp::Avg)?;
-                }
-            }
-        }
-        Ok(())
+    fn data_layer(&self) -> Option<&DataLayer> {
+        Some(&self.data)
+    }
+
+    fn sync_gradients(&mut self, _grads: &[(String, Tensor)]) -> Result<(), TrainError> {
+        self.reduce().map_err(TrainError::strategy)
     }
 
     fn step_collectives(&mut self) -> Option<Vec<CollectiveEntry>> {
@@ -253,5 +348,47 @@ impl StepHooks for CpRun<'_> {
             self.dp.all_reduce(&value, ReduceOp::Avg)?;
         }
         Ok(value.f_double_value(&[0])?)
+    }
+
+    fn gradient_view(
+        &mut self,
+        _grads: &[(String, Tensor)],
+        keep: bool,
+    ) -> Result<GradientView, TrainError> {
+        let full = self.full(|t| t.grad()).map_err(TrainError::strategy)?;
+        GradientView::of_full(full, keep)
+    }
+
+    fn observe_state(
+        &mut self,
+        step: usize,
+        _params: &[(String, Tensor)],
+        optimizer: &dyn Optimizer,
+        _rank_local: &dyn Fn(&str) -> bool,
+        probe: &StateProbe,
+    ) -> Result<(), TrainError> {
+        self.data
+            .observe(probe, step, optimizer, &|_: &str| String::new(), "")
+    }
+
+    fn before_record(&mut self) -> Result<(), TrainError> {
+        self.data.gather()
+    }
+
+    fn observe_final(&mut self, steps: usize, probe: &StateProbe) -> Result<(), TrainError> {
+        Ok(
+            probe.observe_all(steps, StateKind::Final, &self.trained, &|_: &str| {
+                String::new()
+            })?,
+        )
+    }
+
+    fn full_parameters(
+        &mut self,
+        _params: &[(String, Tensor)],
+    ) -> Result<Vec<(String, Tensor)>, TrainError> {
+        let _ = self.counts.take();
+        self.full(Tensor::shallow_clone)
+            .map_err(TrainError::strategy)
     }
 }
