@@ -131,7 +131,8 @@ def train_deterministically(args, record):
     config += f".{args.precision}" if args.precision else ""
     rec = lockstep_probe.Recorder(Path(args.out) / "run", model, name="mlp",  # lockstep
                                   config=config, seed=SEED, steps=args.steps,
-                                  every=args.every) if record else None
+                                  every=args.every,
+                                  activations=args.activations) if record else None
     step_seconds, recorder_seconds = [], []
     for step in range(args.steps):
         started = time.perf_counter()
@@ -188,6 +189,9 @@ def main():
                         help="steps to train (the references read the run's count)")
     parser.add_argument("--every", type=int, default=1,
                         help="record the full gradients every k-th step (Recorder(every=k))")
+    parser.add_argument("--activations", type=lambda v: [int(s) for s in v.split(",") if s],
+                        help="the steps whose module outputs are recorded, e.g. 0,3 or '' "
+                             "for none (the recorder's default: the first 16)")
     args = parser.parse_args()
     if args.bug == "accumulation-zeroes" and args.accumulate == 1:
         args.accumulate = 2

@@ -4,6 +4,8 @@ tensor. A DTensor travels as this rank's local part and its offset in the whole 
 carries its sum of squares, so the gradient norm needs no tensor to travel on the steps whose
 gradients are not recorded. Gathered to rank 0 only: no other rank holds the world's tensors."""
 
+import copyreg
+import io
 import pickle
 import sys
 import time
@@ -66,6 +68,34 @@ def wait_for_every_rank(world):
     _collective(lambda: dist.all_reduce(token), token)
 
 
+def _rebuilt(dtype, shape, data):
+    """A tensor `_packed` sent: its elements read back from their bytes."""
+    dtype = getattr(torch, dtype)
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+
+
+def _packed(t):
+    """How a plain tensor travels in a gather: its dtype, shape and memory as bytes (torch's
+    own pickling costs about 0.1 ms a small tensor each way, more than the step's gathering
+    of a small model's gradients and module outputs)."""
+    return _rebuilt, (str(t.dtype).removeprefix("torch."), tuple(t.shape), raw_bytes(t))
+
+
+class _TensorPickler(pickle.Pickler):
+    """A pickler that sends plain tensors as their bytes (`_packed`)."""
+
+    dispatch_table = copyreg.dispatch_table.copy()
+    dispatch_table[torch.Tensor] = _packed
+
+
+def _dumps(obj):
+    buffer = io.BytesIO()
+    _TensorPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
 def gather_to_root(obj, world):
     """`obj` of every rank, in rank order, on rank 0 (`None` on the others): its sizes, then
     its pickled bytes padded to the largest, two collectives in all (torch's
@@ -73,7 +103,7 @@ def gather_to_root(obj, world):
     if world == 1:
         return [obj]
     device = comm_device()
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    data = _dumps(obj)
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     _collective(lambda: dist.all_gather(sizes, size), size, *sizes)
