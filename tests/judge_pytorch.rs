@@ -597,22 +597,21 @@ fn pipeline_gradients_summed_over_microbatches_are_caught() -> Result<()> {
 /// A pipeline's stages record their modules' outputs per microbatch, put back together as
 /// the whole batch's: a correct pipeline's pass (above), and a later stage whose input does
 /// not require its gradient (backward never reaches the stage before) is named at that
-/// stage's first module, whose backward sent nothing, under both schedules.
+/// stage's first module, whose backward sent nothing (under 1F1B, whose backward order
+/// interleaves the microbatches).
 #[test]
 fn a_stage_input_without_its_gradient_is_named_at_the_stage_first_module() -> Result<()> {
-    for schedule in ["gpipe", "1f1b"] {
-        let extra = ["--schedule", schedule, "--bug", "input-without-grad"];
-        let Some(c) = judged(PIPELINE, 2, &extra, 1)? else {
-            return Ok(());
-        };
-        first_failure_at_step_0(&c)?;
-        let diagnosis = c["diagnosis"].as_str().unwrap_or_default();
-        ensure!(
-            diagnosis.contains("the one reaching the output of step 0, rank 0: 1 ")
-                && diagnosis.contains("the backward of `2` went wrong"),
-            "{schedule}: {diagnosis}"
-        );
-    }
+    let extra = ["--schedule", "1f1b", "--bug", "input-without-grad"];
+    let Some(c) = judged(PIPELINE, 2, &extra, 1)? else {
+        return Ok(());
+    };
+    first_failure_at_step_0(&c)?;
+    let diagnosis = c["diagnosis"].as_str().unwrap_or_default();
+    ensure!(
+        diagnosis.contains("the one reaching the output of step 0, rank 0: 1 ")
+            && diagnosis.contains("the backward of `2` went wrong"),
+        "{diagnosis}"
+    );
     Ok(())
 }
 
@@ -959,29 +958,8 @@ fn an_fp16_job_with_a_grad_scaler_passes_and_clipping_scaled_gradients_is_caught
         ),
         "{diagnosis}"
     );
-    // Recorded at step 0 only, the diagnosis says how to record step 1's.
-    let Some(comparison) = judged(
-        DDP,
-        2,
-        &[
-            "--precision",
-            "fp16",
-            "--bug",
-            "clip-before-unscale",
-            "--activations",
-            "0",
-        ],
-        1,
-    )?
-    else {
-        return Ok(());
-    };
-    let diagnosis = comparison["diagnosis"].as_str().unwrap_or_default();
-    ensure!(
-        diagnosis.contains("module outputs were not recorded at step 1")
-            && diagnosis.contains("Recorder(..., activations=[0, 1])"),
-        "{diagnosis}"
-    );
+    // (Recorded at step 0 only, the diagnosis would ask for step 1's: `no_module_shows`'s
+    // unit test in src/judge_cmd.)
     Ok(())
 }
 

@@ -233,43 +233,51 @@ fn lead_diagnosis(comparison: &mut Comparison, found: String) {
     });
 }
 
-/// A failure no module output placed: at a step whose module outputs were not recorded, the
-/// diagnosis says which steps to record to place it; at a step where they were judged and
-/// were all within, it says that a parameter's gradient itself went wrong.
+/// A failure no module output placed: the diagnosis gains [`no_module_shows`]'s word.
 fn explain_a_failure_no_module_shows(
     comparison: &mut Comparison,
     recorded: &[usize],
     judged: &[usize],
 ) {
-    let Some(step) = comparison.first_failure.as_ref().and_then(|f| f.step) else {
-        return;
-    };
     if comparison.passed {
         return;
     }
-    let hint = if judged.contains(&step) {
-        format!(
-            "step {step}'s module outputs and the gradients backward brought to them were all \
-             within: what went wrong is a parameter's gradient itself, in a module's backward \
-             for its weights or after it (their reduction across ranks, clipping or scaling \
-             before rec.step)"
-        )
-    } else if !recorded.contains(&step) {
-        let mut steps = recorded.to_vec();
-        steps.push(step);
-        let list: Vec<String> = steps.iter().map(usize::to_string).collect();
-        format!(
-            "module outputs were not recorded at step {step}, where the first failure is: to \
-             name the module, record the job again with Recorder(..., activations=[{}])",
-            list.join(", ")
-        )
-    } else {
+    let Some(step) = comparison.first_failure.as_ref().and_then(|f| f.step) else {
+        return;
+    };
+    let Some(hint) = no_module_shows(step, recorded, judged) else {
         return;
     };
     comparison.diagnosis = Some(match comparison.diagnosis.take() {
         Some(failure) => format!("{failure}. {hint}"),
         None => hint,
     });
+}
+
+/// What a failure first seen at `step` that no module output placed means: at a step whose
+/// module outputs were judged and all within, a parameter's gradient itself went wrong; at a
+/// step not recorded, which steps to record to place it. `None` at a step recorded but not
+/// judged (the outputs' shapes differ from the references').
+fn no_module_shows(step: usize, recorded: &[usize], judged: &[usize]) -> Option<String> {
+    if judged.contains(&step) {
+        return Some(format!(
+            "step {step}'s module outputs and the gradients backward brought to them were all \
+             within: what went wrong is a parameter's gradient itself, in a module's backward \
+             for its weights or after it (their reduction across ranks, clipping or scaling \
+             before rec.step)"
+        ));
+    }
+    if recorded.contains(&step) {
+        return None;
+    }
+    let mut steps = recorded.to_vec();
+    steps.push(step);
+    let list: Vec<String> = steps.iter().map(usize::to_string).collect();
+    Some(format!(
+        "module outputs were not recorded at step {step}, where the first failure is: to name \
+         the module, record the job again with Recorder(..., activations=[{}])",
+        list.join(", ")
+    ))
 }
 
 /// A job whose data the recorder found wrong fails whatever its numbers: the references
@@ -379,6 +387,20 @@ mod tests {
             first_to_show(Some(f), Some(b.clone())),
             Some(Culprit::Backward(b))
         );
+    }
+
+    #[test]
+    fn a_failure_past_the_recorded_steps_asks_for_them_and_one_within_them_blames_a_gradient() {
+        let hint = no_module_shows(20, &[0, 1, 2], &[0, 1, 2]).expect("a hint");
+        assert!(
+            hint.contains("not recorded at step 20")
+                && hint.contains("Recorder(..., activations=[0, 1, 2, 20])"),
+            "{hint}"
+        );
+        let within = no_module_shows(1, &[0, 1, 2], &[0, 1, 2]).expect("a word");
+        assert!(within.contains("step 1's module outputs"), "{within}");
+        // Recorded but not judged (a tensor-parallel layer's local shards): nothing to say.
+        assert_eq!(no_module_shows(1, &[0, 1], &[]), None);
     }
 
     #[test]
