@@ -1,6 +1,9 @@
 //! `lockstep judge` on PyTorch jobs it did not run, recorded with `python/lockstep_probe`
-//! (gloo, worlds 2 and 4, under torchrun), their single-device reference and float64 shadow
-//! trained by the package from the run's own start and batches, judged by the fp64 arbiter:
+//! (gloo, worlds 2 and 4), their single-device reference and float64 shadow trained by the
+//! package from the run's own start and batches, judged by the fp64 arbiter. One DDP job runs
+//! under torchrun as docs/judge.md shows; the others fork their ranks, with torchrun's
+//! environment, from one Python that imported torch once (`tests/support/forked_job.py`),
+//! which takes a third of torchrun's CPU time:
 //!
 //! - `examples/torch_ddp.py` (the `DistributedDataParallel` wrapper handed to the recorder)
 //!   passes, with gradient accumulation under `no_sync()` done right, and compiled by
@@ -131,14 +134,46 @@ fn succeeded(what: &str, out: Output) -> Result<()> {
     Ok(())
 }
 
-/// Records the job `script` at `world` ranks (with `extra` flags) and its references in
-/// `dir`; `false` when no Python with torch is here.
-fn record_job(script: &str, world: usize, dir: &Path, extra: &[&str]) -> Result<bool> {
-    record_job_with(script, world, dir, extra, None)
+/// How a test starts a job: under torchrun as docs/judge.md shows, or its ranks and its
+/// references forked from one Python that imported torch once (`tests/support/forked_job.py`:
+/// the same scripts and environment, a third of the CPU time; most tests use it).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Launch {
+    Torchrun,
+    Forked,
 }
 
-/// [`record_job`] with `packages` (a folder of Python packages beyond torch) importable.
+/// Records the job `script` at `world` ranks (with `extra` flags) and its references in
+/// `dir`, its ranks forked; `false` when no Python with torch is here.
+fn record_job(script: &str, world: usize, dir: &Path, extra: &[&str]) -> Result<bool> {
+    record_job_with(Launch::Forked, script, world, dir, extra, None)
+}
+
+/// Modules every job imports, imported once before a forked job's ranks start; with
+/// `packages`, transformers too (torchtitan is not: imported before the fork, its ranks' device
+/// mesh fails with "Cannot re-initialize CUDA in forked subprocess").
+fn preloaded(packages: Option<&Path>) -> Vec<&'static str> {
+    let mut modules = vec![
+        "torch",
+        "torch.distributed",
+        "torch.nn.parallel",
+        "torch.distributed.fsdp",
+        "torch.distributed.tensor",
+        "torch.distributed.tensor.parallel",
+        "torch.distributed.pipelining",
+    ];
+    if let Some(packages) = packages {
+        if packages.join("transformers").is_dir() {
+            modules.push("transformers");
+        }
+    }
+    modules
+}
+
+/// [`record_job`] started by `launch`, with `packages` (a folder of Python packages beyond
+/// torch) importable.
 fn record_job_with(
+    launch: Launch,
     script: &str,
     world: usize,
     dir: &Path,
@@ -149,24 +184,48 @@ fn record_job_with(
     // A port of its own: tests run concurrently, and torchrun's default would be shared.
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
-        .port()
-        .to_string();
-    let world = world.to_string();
-    let mut train = vec![
+        .port();
+    let mut train_argv = vec![script, "train", dir];
+    train_argv.extend_from_slice(extra);
+    // The references compute in the job's precision: they take its `--precision`.
+    let mut reference = vec![script, "reference", dir];
+    if let Some(at) = extra.iter().position(|&flag| flag == "--precision") {
+        reference.extend_from_slice(&extra[at..(at + 2).min(extra.len())]);
+    }
+    // A tied model is built tied for its references too.
+    if extra.contains(&"--tied") {
+        reference.push("--tied");
+    }
+    let forked = |phases: serde_json::Value| -> Option<Result<Output>> {
+        let spec = serde_json::json!({
+            "port": port, "preload": preloaded(packages), "phases": phases,
+        });
+        python_with(
+            &["tests/support/forked_job.py", &spec.to_string()],
+            packages,
+        )
+    };
+    let (world_text, port_text) = (world.to_string(), port.to_string());
+    let mut torchrun = vec![
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
-        &world,
+        &world_text,
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        &port,
-        script,
-        "train",
-        dir,
+        &port_text,
     ];
-    train.extend_from_slice(extra);
-    let Some(mut out) = python_with(&train, packages).transpose()? else {
+    torchrun.extend_from_slice(&train_argv);
+    // Forked, one process trains and then computes the references.
+    let train = || match launch {
+        Launch::Torchrun => python_with(&torchrun, packages),
+        Launch::Forked => forked(serde_json::json!([
+            {"ranks": world, "argv": train_argv},
+            {"ranks": 0, "argv": reference},
+        ])),
+    };
+    let Some(mut out) = train().transpose()? else {
         return Ok(false);
     };
     // Gloo's teardown sometimes aborts a rank under heavy load ("terminate called without an
@@ -178,32 +237,33 @@ fn record_job_with(
         !out.status.success() && String::from_utf8_lossy(&out.stderr).contains(GLOO_ABORT)
     };
     let complete = Path::new(dir).join("run/record.json").is_file();
-    if aborted(&out) && complete {
+    let references_done = if aborted(&out) && complete {
         eprintln!("{script}: gloo aborted a rank after the record was complete; judging it");
+        false
     } else {
         if aborted(&out) {
             eprintln!(
                 "{script}: gloo aborted a rank before the record was complete; retrying once"
             );
-            out = python_with(&train, packages)
-                .transpose()?
-                .context("python vanished")?;
+            out = train().transpose()?.context("python vanished")?;
         }
-        succeeded(&format!("torchrun {script} train"), out)?;
-    }
-    // The references compute in the job's precision: they take its `--precision`.
-    let mut reference = vec![script, "reference", dir];
-    if let Some(at) = extra.iter().position(|&flag| flag == "--precision") {
-        reference.extend_from_slice(&extra[at..(at + 2).min(extra.len())]);
-    }
-    // A tied model is built tied for its references too.
-    if extra.contains(&"--tied") {
-        reference.push("--tied");
-    }
-    let Some(out) = python_with(&reference, packages) else {
-        return Ok(false);
+        let what = match launch {
+            Launch::Torchrun => format!("torchrun {script} train"),
+            Launch::Forked => format!("{script} train and reference, forked"),
+        };
+        succeeded(&what, out)?;
+        launch == Launch::Forked
     };
-    succeeded(&format!("{script} reference"), out?)?;
+    if !references_done {
+        let out = match launch {
+            Launch::Torchrun => python_with(&reference, packages),
+            Launch::Forked => forked(serde_json::json!([{"ranks": 0, "argv": reference}])),
+        };
+        let Some(out) = out else {
+            return Ok(false);
+        };
+        succeeded(&format!("{script} reference"), out?)?;
+    }
     Ok(true)
 }
 
@@ -248,7 +308,7 @@ fn judged_in(
     extra: &[&str],
     want: i32,
 ) -> Result<Option<serde_json::Value>> {
-    judged_in_with(dir, script, world, extra, want, None)
+    judged_in_with(Launch::Forked, dir, script, world, extra, want, None)
 }
 
 /// `judged` at world 2 with `packages` (a folder of Python packages beyond torch) importable.
@@ -259,11 +319,20 @@ fn judged_with(
     packages: &Path,
 ) -> Result<Option<serde_json::Value>> {
     let dir = tempfile::tempdir()?;
-    judged_in_with(dir.path(), script, 2, extra, want, Some(packages))
+    judged_in_with(
+        Launch::Forked,
+        dir.path(),
+        script,
+        2,
+        extra,
+        want,
+        Some(packages),
+    )
 }
 
 /// `judged_in` with `packages` importable.
 fn judged_in_with(
+    launch: Launch,
     dir: &Path,
     script: &str,
     world: usize,
@@ -271,7 +340,7 @@ fn judged_in_with(
     want: i32,
     packages: Option<&Path>,
 ) -> Result<Option<serde_json::Value>> {
-    if !record_job_with(script, world, dir, extra, packages)? {
+    if !record_job_with(launch, script, world, dir, extra, packages)? {
         return Ok(None);
     }
     let out = judge(dir)?;
@@ -340,8 +409,13 @@ fn copies_parted(
 
 #[test]
 fn a_ddp_job_passes_with_and_without_accumulation_under_no_sync() -> Result<()> {
-    for extra in [&[][..], &["--accumulate", "2"]] {
-        let Some(comparison) = judged(DDP, 2, extra, 0)? else {
+    // The first under torchrun itself, as docs/judge.md shows it (the other tests fork).
+    for (launch, extra) in [
+        (Launch::Torchrun, &[][..]),
+        (Launch::Forked, &["--accumulate", "2"]),
+    ] {
+        let dir = tempfile::tempdir()?;
+        let Some(comparison) = judged_in_with(launch, dir.path(), DDP, 2, extra, 0, None)? else {
             return Ok(());
         };
         ensure!(comparison["config"] == "ddp", "{comparison}");
