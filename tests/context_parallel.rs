@@ -42,6 +42,7 @@ fn against_single(run: &RunRecord, model: &str, world: usize) -> Comparison {
 fn opts(cp: usize, dispatcher: CpDispatcher, layout: SequenceLayout) -> CpOptions {
     CpOptions {
         cp,
+        tp: 1,
         dispatcher,
         layout,
         data_parallel: DataParallel::Replicate,
@@ -199,6 +200,53 @@ fn fsdp_over_dp_and_cp_is_bitwise_the_replicated_run(#[values(2, 4, 8)] world: u
                     .collect()
             };
             assert_eq!(bits(&replicated), bits(&sharded));
+        }
+    });
+}
+
+/// CP × TP (mesh `[dp, cp, tp]`): the model's own TP plan inside each sequence shard, on
+/// both decoders, at world 4 (cp 2 × tp 2) and world 8 (two replicas, replicated and FSDP
+/// over `dp × cp`), passes against one device; the loss reduced over TP but not CP
+/// (torchtitan#3280, found at TP = 2, CP = 2) is caught there.
+#[rstest]
+fn context_and_tensor_parallel_together_equal_one_device(
+    #[values("gpt", "gpt_moe")] model: &str,
+    #[values((4, DataParallel::Replicate), (8, DataParallel::Replicate), (8, DataParallel::Shard))]
+    case: (usize, DataParallel),
+) {
+    let (world, data_parallel) = case;
+    lockstep_harness::run(world, |ctx| {
+        let o = CpOptions {
+            tp: 2,
+            data_parallel,
+            ..CpOptions::ring(2)
+        };
+        let run = cp_run(ctx, model, &o);
+        if ctx.rank() == 0 {
+            let c = against_single(&run, model, world);
+            assert!(
+                c.passed,
+                "cp 2 × tp 2 at world {world} ({data_parallel:?}) on {model}: {}",
+                c.diagnosis.unwrap_or_default()
+            );
+        }
+    });
+}
+
+/// torchtitan#3280 at the shape it was reported in: TP = 2 and CP = 2, the loss reduced over
+/// the TP ranks only, is caught.
+#[test]
+fn the_loss_reduced_over_tp_but_not_cp_is_caught() {
+    lockstep_harness::run(4, |ctx| {
+        let o = CpOptions {
+            tp: 2,
+            fault: Some(CpFault::LossNotReducedOverCp),
+            ..CpOptions::ring(2)
+        };
+        let run = cp_run(ctx, "gpt", &o);
+        if ctx.rank() == 0 {
+            let c = against_single(&run, "gpt", 4);
+            assert!(!c.passed, "the loss missing its CP reduction was not caught");
         }
     });
 }

@@ -116,6 +116,7 @@ impl ModelParallelConfig {
                 layout,
             } => Some(CpOptions {
                 cp,
+                tp: 1,
                 dispatcher,
                 layout,
                 data_parallel: Default::default(),

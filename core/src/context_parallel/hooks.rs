@@ -1,12 +1,14 @@
 //! The model's own forward on a shard of the sequence: the layer hooks that give the
 //! positional embedding the shard's global positions, run the attention across the CP group,
-//! and turn the loss into this shard's share of the whole sequence's mean.
+//! and turn the loss into this shard's share of the whole sequence's mean. Under CP × TP they
+//! wrap the tensor-parallel plan's hooks: the plan runs every module on its shards (attention
+//! gets this rank's heads), CP keeps the sequence's positions, attention and loss scaling.
 
 use super::attention::context_parallel_attention;
 use super::layout::positions_of;
 use super::options::{CpFault, CpOptions};
 use crate::comm::ProcessGroup;
-use lockstep_models::{LayerHooks, ModelError};
+use lockstep_models::{LayerHooks, ModelError, MoeSpec, NoHooks};
 use std::sync::Arc;
 use tch::Tensor;
 
@@ -17,6 +19,8 @@ fn hook_err(e: impl std::error::Error + Send + Sync + 'static) -> ModelError {
 
 /// One rank's hooks under context parallelism.
 pub struct CpHooks {
+    /// The plan inside (CP × TP): the modules' parallel forms; `None` runs the plain ops.
+    inner: Option<Box<dyn LayerHooks>>,
     group: Arc<dyn ProcessGroup>,
     rank: usize,
     opts: CpOptions,
@@ -30,12 +34,20 @@ impl CpHooks {
     /// Hooks for this rank (`rank` in the CP `group`).
     pub fn new(group: Arc<dyn ProcessGroup>, rank: usize, opts: CpOptions) -> CpHooks {
         CpHooks {
+            inner: None,
             group,
             rank,
             opts,
             seq: 0,
             tokens: 1.0,
         }
+    }
+
+    /// These hooks around `inner` (a tensor-parallel plan's): every module but the attention,
+    /// positions and loss scaling runs through it.
+    pub fn around(mut self, inner: Box<dyn LayerHooks>) -> CpHooks {
+        self.inner = Some(inner);
+        self
     }
 
     /// Sets the step's whole sequence length and the tokens its loss averages over.
@@ -48,14 +60,95 @@ impl CpHooks {
 impl LayerHooks for CpHooks {
     fn pre_forward(
         &mut self,
-        _index: usize,
+        index: usize,
         inputs: Vec<Tensor>,
     ) -> Result<Vec<Tensor>, ModelError> {
-        Ok(inputs)
+        match &mut self.inner {
+            Some(inner) => inner.pre_forward(index, inputs),
+            None => Ok(inputs),
+        }
     }
 
-    fn post_forward(&mut self, _index: usize, output: Tensor) -> Result<Tensor, ModelError> {
-        Ok(output)
+    fn post_forward(&mut self, index: usize, output: Tensor) -> Result<Tensor, ModelError> {
+        match &mut self.inner {
+            Some(inner) => inner.post_forward(index, output),
+            None => Ok(output),
+        }
+    }
+
+    fn substitute(
+        &mut self,
+        index: usize,
+        inputs: &[Tensor],
+    ) -> Result<Option<Tensor>, ModelError> {
+        match &mut self.inner {
+            Some(inner) => inner.substitute(index, inputs),
+            None => Ok(None),
+        }
+    }
+
+    fn linear(
+        &mut self,
+        path: &str,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor, ModelError> {
+        match &mut self.inner {
+            Some(inner) => inner.linear(path, x, weight, bias),
+            None => NoHooks.linear(path, x, weight, bias),
+        }
+    }
+
+    fn embedding(
+        &mut self,
+        path: &str,
+        ids: &Tensor,
+        weight: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        match &mut self.inner {
+            Some(inner) => inner.embedding(path, ids, weight),
+            None => NoHooks.embedding(path, ids, weight),
+        }
+    }
+
+    fn layer_norm(
+        &mut self,
+        path: &str,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f64,
+    ) -> Result<Tensor, ModelError> {
+        match &mut self.inner {
+            Some(inner) => inner.layer_norm(path, x, weight, bias, eps),
+            None => NoHooks.layer_norm(path, x, weight, bias, eps),
+        }
+    }
+
+    fn moe(
+        &mut self,
+        path: &str,
+        x: &Tensor,
+        spec: MoeSpec,
+        dense: &dyn Fn(&Tensor) -> Result<Tensor, ModelError>,
+    ) -> Result<Tensor, ModelError> {
+        match &mut self.inner {
+            Some(inner) => inner.moe(path, x, spec, dense),
+            None => dense(x),
+        }
+    }
+
+    fn dropout(
+        &mut self,
+        path: &str,
+        x: &Tensor,
+        mask: &dyn Fn(&[i64]) -> Result<Tensor, ModelError>,
+    ) -> Result<Tensor, ModelError> {
+        match &mut self.inner {
+            Some(inner) => inner.dropout(path, x, mask),
+            None => NoHooks.dropout(path, x, mask),
+        }
     }
 
     /// The shard's tokens' positions in the whole sequence.
@@ -79,12 +172,19 @@ impl LayerHooks for CpHooks {
 
     /// The shard's summed cross-entropy over the step's token count: the CP ranks' shares
     /// sum to the whole sequence's mean (token counts, not shard means).
+    /// Under CP × TP the plan's loss (loss parallel: the mean over this shard's tokens) is
+    /// scaled by the shard's token count to the same share.
     fn cross_entropy(
         &mut self,
-        _path: &str,
+        path: &str,
         logits: &Tensor,
         target: &Tensor,
     ) -> Result<Tensor, ModelError> {
+        if let Some(inner) = &mut self.inner {
+            let counted = target.f_ne(-100)?.f_sum(tch::Kind::Float)?.f_double_value(&[])?;
+            let mean = inner.cross_entropy(path, logits, target)?;
+            return Ok(mean.f_mul_scalar(counted / self.tokens)?);
+        }
         let sum =
             logits.f_cross_entropy_loss::<Tensor>(target, None, tch::Reduction::Sum, -100, 0.0)?;
         Ok(sum.f_div_scalar(self.tokens)?)

@@ -65,6 +65,9 @@ pub enum CpFault {
 pub struct CpOptions {
     /// Ranks each sequence is split over; the rest of the world is data-parallel replicas.
     pub cp: usize,
+    /// Tensor parallelism inside each sequence shard (CP × TP, mesh `[dp, cp, tp]`, the
+    /// model's own plan); 1 splits no layer.
+    pub tp: usize,
     /// How queries meet the other shards' keys and values.
     pub dispatcher: CpDispatcher,
     /// How the sequence is cut over the ranks.
@@ -81,6 +84,7 @@ impl CpOptions {
     pub fn ring(cp: usize) -> CpOptions {
         CpOptions {
             cp,
+            tp: 1,
             dispatcher: CpDispatcher::Ring,
             layout: SequenceLayout::Balanced,
             data_parallel: DataParallel::Replicate,

@@ -6,6 +6,10 @@
 //! as torchtitan averages CP-scaled gradients), replicated or one FSDP unit sharded over
 //! `dp × cp`. Both data dimensions reduce the same elements in the same order, so FSDP×CP is
 //! bitwise CP.
+//!
+//! With `tp` > 1 each sequence shard is also split by the model's tensor-parallel plan (mesh
+//! `[dp, cp, tp]`, torchtitan's order): the plan's hooks run inside the CP hooks, each rank
+//! trains its TP shards, and gradients are reduced over `dp × cp` within each TP coordinate.
 
 use super::hooks::CpHooks;
 use super::layout::{chunk_count, chunks_of, layout_blocker, shard_sequence};
@@ -16,11 +20,17 @@ use crate::compose::DataParallel;
 use crate::consistency::{StateKind, StateProbe};
 use crate::fsdp::Fsdp;
 use crate::record::{CollectiveEntry, RunRecord, TensorPlacement};
-use crate::tensor_parallel::run::global_batch;
+use crate::tensor_parallel::hooks::PlanHooks;
+use crate::tensor_parallel::run::{
+    aliases, full_tensors, global_batch, local_parameters, model_plan, placement_text,
+    tp_coordinate,
+};
+use crate::tensor_parallel::{check_plan, Placement, TpOptions};
 use crate::train::{
     train_from, GradientView, Optimizer, StepHooks, StepLoss, TrainConfig, TrainError, TrainStart,
 };
 use lockstep_models::{Batch, LossReduction, Model};
+use std::collections::HashMap;
 use std::sync::Arc;
 use tch::Tensor;
 
@@ -41,7 +51,13 @@ pub fn check_context_parallel(
             opts.data_parallel.label()
         )));
     }
-    if opts.cp == 0 || world_size == 0 || !world_size.is_multiple_of(opts.cp) {
+    if opts.tp > 1 && (opts.cp == 0 || !world_size.is_multiple_of(opts.cp * opts.tp)) {
+        return Err(CpError::Invalid(format!(
+            "cp={} × tp={} does not divide world size {world_size}",
+            opts.cp, opts.tp
+        )));
+    }
+    if opts.tp == 0 || opts.cp == 0 || world_size == 0 || !world_size.is_multiple_of(opts.cp) {
         return Err(CpError::Invalid(format!(
             "context-parallel size {} does not divide world size {world_size}",
             opts.cp
@@ -61,9 +77,24 @@ pub fn check_context_parallel(
         .inputs
         .first()
         .map_or(0, |t| t.size().get(1).copied().unwrap_or(0));
-    match layout_blocker(opts.layout, opts.cp, seq) {
-        Some(why) => Err(CpError::Invalid(format!("{}: {why}", model.name()))),
-        None => Ok(()),
+    if let Some(why) = layout_blocker(opts.layout, opts.cp, seq) {
+        return Err(CpError::Invalid(format!("{}: {why}", model.name())));
+    }
+    if opts.tp > 1 {
+        check_plan(model, world_size, &tensor_options(opts))
+            .map_err(|e| CpError::Invalid(format!("CP × TP: {e}")))?;
+    }
+    Ok(())
+}
+
+/// The tensor-parallel options of a CP × TP run's plan (no sequence parallelism: CP holds
+/// the sequence shards; the data dimension is CP's own).
+fn tensor_options(opts: &CpOptions) -> TpOptions {
+    TpOptions {
+        tp: opts.tp,
+        sequence_parallel: false,
+        data_parallel: DataParallel::Replicate,
+        fault: None,
     }
 }
 
@@ -82,8 +113,8 @@ pub fn train_context_parallel(
     let mut record = train_from(model, cfg, &mut run, None, &TrainStart::default())
         .map(|(record, _)| record)
         .map_err(TrainError::into_strategy::<CpError>)?;
-    let dp = world.size() / opts.cp;
-    let placement = match opts.data_parallel {
+    let dp = world.size() / (opts.cp * opts.tp);
+    let over_cp = match opts.data_parallel {
         DataParallel::Shard => format!(
             "sharded over dp × cp = {dp} × {}, gradient summed over the sequence shards",
             opts.cp
@@ -96,12 +127,27 @@ pub fn train_context_parallel(
     record.placements = model
         .named_parameters()
         .into_iter()
-        .map(|(tensor, _)| TensorPlacement {
-            tensor,
-            placement: placement.clone(),
+        .map(|(tensor, _)| {
+            let placement = match run.tp.as_ref() {
+                Some(tp) => format!(
+                    "{}; {over_cp}",
+                    placement_text(tp.placements.get(&tensor), opts.tp)
+                ),
+                None => over_cp.clone(),
+            };
+            TensorPlacement { tensor, placement }
         })
         .collect();
     Ok(record)
+}
+
+/// The tensor-parallel part of a CP × TP rank.
+struct CpTensorParallel {
+    group: Arc<dyn ProcessGroup>,
+    /// This rank's TP coordinate.
+    rank: usize,
+    /// Where the plan puts every parameter.
+    placements: HashMap<String, Placement>,
 }
 
 /// One rank's context-parallel run.
@@ -109,8 +155,11 @@ struct CpRun<'a> {
     opts: &'a CpOptions,
     cp: Arc<dyn ProcessGroup>,
     dp: Arc<dyn ProcessGroup>,
-    /// Every rank: what gradients are averaged over (`dp × cp`).
+    /// What gradients are averaged over: `dp × cp` (every rank, or under CP × TP the ranks
+    /// of this TP coordinate).
     everyone: Arc<dyn ProcessGroup>,
+    /// CP × TP: the TP group and the plan's placements.
+    tp: Option<CpTensorParallel>,
     rank: usize,
     counts: CollectiveCounts,
     hooks: CpHooks,
@@ -123,17 +172,41 @@ struct CpRun<'a> {
 
 impl<'a> CpRun<'a> {
     fn new(model: &dyn Model, world: &World, opts: &'a CpOptions) -> Result<Self, CpError> {
-        let dp = world.size() / opts.cp;
-        let mesh = DeviceMesh::new(world, &[("dp", dp), ("cp", opts.cp)])?;
+        let (cp_size, tp_size) = (opts.cp, opts.tp);
+        let dp = world.size() / (cp_size * tp_size);
+        let mut dims = vec![("dp", dp), ("cp", cp_size)];
+        if tp_size > 1 {
+            dims.push(("tp", tp_size));
+        }
+        let mesh = DeviceMesh::new(world, &dims)?;
         let counts = CollectiveCounts::new();
         let counted = |g: Arc<dyn ProcessGroup>| -> Arc<dyn ProcessGroup> {
             Arc::new(CountingGroup::new(g, counts.clone()))
         };
         let cp = counted(mesh.group("cp")?);
-        let everyone = counted(world.group());
         let rank = mesh.coordinate("cp")?;
         let replica = mesh.coordinate("dp")?;
-        let trained = model.named_parameters();
+        let (everyone, tp) = if tp_size > 1 {
+            // `dp × cp` flattened: the first dimension of the same ranks laid out as
+            // `[dp·cp, tp]`.
+            let flat = DeviceMesh::new(world, &[("dp_cp", dp * cp_size), ("tp", tp_size)])?;
+            let tp_opts = tensor_options(opts);
+            let placements = check_plan(model, world.size(), &tp_opts)
+                .map_err(|e| CpError::Invalid(format!("CP × TP: {e}")))?;
+            let part = CpTensorParallel {
+                group: counted(mesh.group("tp")?),
+                rank: mesh.coordinate("tp")?,
+                placements,
+            };
+            (counted(flat.group("dp_cp")?), Some(part))
+        } else {
+            (counted(world.group()), None)
+        };
+        let trained = match &tp {
+            Some(tp) => local_parameters(model, &tp.placements, tp.rank, tp_size)
+                .map_err(|e| CpError::Invalid(format!("CP × TP: {e}")))?,
+            None => model.named_parameters(),
+        };
         let handles = || {
             trained
                 .iter()
@@ -152,15 +225,30 @@ impl<'a> CpRun<'a> {
             ),
             _ => DataLayer::new(None, handles()),
         };
+        let mut hooks = CpHooks::new(cp.clone(), rank, opts.clone());
+        if let Some(tp) = &tp {
+            let plan = model_plan(model, &tensor_options(opts))
+                .map_err(|e| CpError::Invalid(format!("CP × TP: {e}")))?;
+            hooks = hooks.around(Box::new(PlanHooks::new(
+                tp.group.clone(),
+                tp.rank,
+                &trained,
+                &aliases(model),
+                plan,
+                &model.layers(),
+            )));
+        }
+        let per = cp_size * tp_size;
         Ok(CpRun {
             opts,
-            hooks: CpHooks::new(cp.clone(), rank, opts.clone()),
+            hooks,
             cp,
             dp: counted(mesh.group("dp")?),
             everyone,
+            tp,
             rank,
             counts,
-            data_ranks: (replica * opts.cp..(replica + 1) * opts.cp).collect(),
+            data_ranks: (replica * per..(replica + 1) * per).collect(),
             trained,
             data,
         })
@@ -169,8 +257,8 @@ impl<'a> CpRun<'a> {
     /// Every parameter at full size from this rank's `value` of it (gathered from the unit
     /// when sharded).
     fn full(&self, value: impl Fn(&Tensor) -> Tensor) -> Result<Vec<(String, Tensor)>, CpError> {
-        match self.data.unit() {
-            Some(u) => Ok(u.borrow().full_values(value)?),
+        let local = match self.data.unit() {
+            Some(u) => u.borrow().full_values(value)?,
             None => self
                 .trained
                 .iter()
@@ -178,7 +266,26 @@ impl<'a> CpRun<'a> {
                     let v = value(t);
                     Ok((n.clone(), if v.defined() { v } else { t.f_zeros_like()? }))
                 })
-                .collect(),
+                .collect::<Result<Vec<_>, CpError>>()?,
+        };
+        match &self.tp {
+            Some(tp) => full_tensors(
+                &local,
+                &tp.placements,
+                tp.group.as_ref(),
+                Tensor::shallow_clone,
+            )
+            .map_err(|e| CpError::Invalid(format!("CP × TP: {e}"))),
+            None => Ok(local),
+        }
+    }
+
+    /// Which copy of `name` this rank holds, for the cross-rank check: its TP shard under
+    /// CP × TP, none otherwise.
+    fn coordinate(&self, name: &str) -> String {
+        match &self.tp {
+            Some(tp) => tp_coordinate(&tp.placements, name, tp.rank, self.opts.tp),
+            None => String::new(),
         }
     }
 
@@ -190,6 +297,14 @@ impl<'a> CpRun<'a> {
             Some(CpFault::ScaledByDpSize) => self.dp.size(),
             _ => self.cp.size(),
         } as f64;
+        if let Some(tp) = &self.tp {
+            // Partial gradients (none without sequence parallelism) summed over TP first.
+            for (name, t) in &self.trained {
+                if tp.placements.get(name) == Some(&Placement::PartialGrad) {
+                    tp.group.all_reduce(&t.grad(), ReduceOp::Sum)?;
+                }
+            }
+        }
         for (_, t) in &self.trained {
             let g = t.grad();
             if !g.defined() {
@@ -367,8 +482,13 @@ impl StepHooks for CpRun<'_> {
         _rank_local: &dyn Fn(&str) -> bool,
         probe: &StateProbe,
     ) -> Result<(), TrainError> {
+        let tp_part = match &self.tp {
+            Some(tp) => format!("tp{}/{}.", tp.rank, self.opts.tp),
+            None => String::new(),
+        };
+        let coordinate = |name: &str| self.coordinate(name);
         self.data
-            .observe(probe, step, optimizer, &|_: &str| String::new(), "")
+            .observe(probe, step, optimizer, &coordinate, &tp_part)
     }
 
     fn before_record(&mut self) -> Result<(), TrainError> {
@@ -377,8 +497,8 @@ impl StepHooks for CpRun<'_> {
 
     fn observe_final(&mut self, steps: usize, probe: &StateProbe) -> Result<(), TrainError> {
         Ok(
-            probe.observe_all(steps, StateKind::Final, &self.trained, &|_: &str| {
-                String::new()
+            probe.observe_all(steps, StateKind::Final, &self.trained, &|n: &str| {
+                self.coordinate(n)
             })?,
         )
     }

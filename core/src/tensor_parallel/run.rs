@@ -513,7 +513,7 @@ pub(crate) fn global_batch(
 }
 
 /// Full tensors from this rank's parameters: shards gathered over TP, the rest as they are.
-fn full_tensors(
+pub(crate) fn full_tensors(
     trained: &[(String, Tensor)],
     placements: &HashMap<String, Placement>,
     group: &dyn ProcessGroup,
