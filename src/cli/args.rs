@@ -146,9 +146,17 @@ pub(crate) struct SelectionArgs {
     /// Configs to check: names or patterns (e.g. `ddp*`); default all.
     #[arg(long, value_delimiter = ',')]
     pub(crate) configs: Vec<String>,
-    /// World sizes (repeatable or comma-separated, e.g. `2,4`); default 4.
+    /// World sizes (repeatable or comma-separated, e.g. `2,4`); default 4, or the size of
+    /// the --mesh given.
     #[arg(long = "world-size", value_delimiter = ',')]
     pub(crate) world_sizes: Vec<usize>,
+    /// Your own device mesh, as torchtitan describes it (repeatable): e.g. `--mesh
+    /// pp=2,dp_shard=2,tp=2` or `--mesh cp=2,tp=2` (dimensions pp, dp_replicate, dp_shard,
+    /// cp, tp, ep; without dp_replicate and dp_shard, dp_shard takes the rest of the world).
+    /// Its row is `mesh.<sizes>` (`mesh.cp2.tp2`), judged against single; alone, it is the
+    /// only configuration run, at its own size when the mesh fixes one.
+    #[arg(long = "mesh")]
+    pub(crate) meshes: Vec<String>,
     /// Training steps per run.
     #[arg(long, default_value_t = 5)]
     pub(crate) steps: usize,

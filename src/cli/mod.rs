@@ -33,13 +33,79 @@ pub(crate) fn matrix_options(
             return None;
         }
     };
+    let (configs, world_sizes) = with_meshes(&selection)?;
     Some(lockstep::matrix::MatrixOptions {
         models: selection.models,
-        configs: selection.configs,
-        world_sizes: selection.world_sizes,
+        configs,
+        world_sizes,
         steps: selection.steps,
         seed: selection.seed,
         timeout,
         ..lockstep::matrix::MatrixOptions::default()
     })
+}
+
+/// The configurations and world sizes once the selection's `--mesh` descriptions are rows:
+/// each mesh's row added to `--configs` (alone, the only rows), its own size the world size
+/// when none is given; `None` (after saying why) for a mesh that cannot be parsed, is not
+/// built, or does not fit a world size asked for.
+fn with_meshes(selection: &args::SelectionArgs) -> Option<(Vec<String>, Vec<usize>)> {
+    let mut configs = selection.configs.clone();
+    let mut world_sizes = selection.world_sizes.clone();
+    let mut own_sizes = Vec::new();
+    let mut meshes = Vec::new();
+    for text in &selection.meshes {
+        let mesh = match text.parse::<lockstep_core::compose::MeshSpec>() {
+            Ok(mesh) => mesh,
+            Err(e) => {
+                eprintln!("error: --mesh: {e}");
+                return None;
+            }
+        };
+        let config = match lockstep::configs::mesh_config(&mesh) {
+            Ok(config) => config,
+            Err(e) => {
+                eprintln!("error: --mesh: {e}");
+                return None;
+            }
+        };
+        own_sizes.push(mesh.world());
+        meshes.push((mesh, config));
+        configs.push(config.name().to_owned());
+    }
+    if world_sizes.is_empty() && !own_sizes.is_empty() && own_sizes.iter().all(Option::is_some) {
+        world_sizes = own_sizes.into_iter().flatten().collect();
+        world_sizes.sort_unstable();
+        world_sizes.dedup();
+    }
+    let sizes = match world_sizes.is_empty() {
+        true => vec![lockstep::matrix::DEFAULT_WORLD_SIZE],
+        false => world_sizes.clone(),
+    };
+    // Models named outright (no pattern) must fit the mesh: its refusal names the dimension
+    // and the model's size that does not divide.
+    let named: Vec<&String> = selection
+        .models
+        .iter()
+        .filter(|m| !m.contains('*'))
+        .collect();
+    for (mesh, config) in &meshes {
+        if let Some(e) = sizes.iter().find_map(|&w| mesh.world_blocker(w)) {
+            eprintln!("error: --mesh: {e}");
+            return None;
+        }
+        for name in &named {
+            let Ok(model) = lockstep_models::zoo::build(name, selection.seed, 0) else {
+                continue; // an unknown model is the matrix's to name
+            };
+            if let Some(refusal) = sizes
+                .iter()
+                .find_map(|&w| config.refusal(name, model.as_ref(), w))
+            {
+                eprintln!("error: --mesh {mesh}: {refusal}");
+                return None;
+            }
+        }
+    }
+    Some((configs, world_sizes))
 }

@@ -54,6 +54,7 @@ pub(crate) fn run_sensitivity(args: SensitivityArgs) -> Result<ExitCode> {
         models: vec![args.model.clone()],
         configs: vec![args.config.clone()],
         world_sizes: vec![args.world_size],
+        meshes: Vec::new(),
         steps: args.steps,
         seed: args.seed,
     };

@@ -162,6 +162,10 @@ impl Config {
                 .filter(|&i| !composition_configs()[i].reference_only)
                 .map(|i| Config::Composed(CompositionId(i))),
         );
+        let fixed = composition_configs().len();
+        all.extend(
+            (0..mesh_rows().len()).map(|i| Config::Composed(CompositionId(fixed + i))),
+        );
         all
     }
 
@@ -188,10 +192,12 @@ impl Config {
     /// The configuration called `name` exactly, if any (reference-only ones included, so
     /// exec'd ranks and `lockstep run` can run them).
     pub fn by_name(name: &str) -> Option<Config> {
-        Config::all()
+        let found = Config::all()
             .into_iter()
             .chain(Config::references_only())
-            .find(|c| c.name() == name)
+            .find(|c| c.name() == name);
+        // A mesh row's name is its mesh: registered the first time it is named.
+        found.or_else(|| mesh_config(&lockstep_core::compose::MeshSpec::from_row_name(name)?).ok())
     }
 
     /// The name patterns and reports use.

@@ -7,7 +7,8 @@
 //! table through a recorded override.
 
 use super::*;
-use lockstep_core::compose::{check_composition, Composition, DataParallel};
+use lockstep_core::compose::{check_composition, Composition, DataParallel, MeshError, MeshSpec};
+use std::sync::Mutex;
 use lockstep_core::pipeline::ScheduleKind;
 
 /// Why HSDP×TP's reference is `tp.2.hybrid_order`, not `tp.2`: printed by `--list`.
@@ -30,11 +31,17 @@ pub struct CompositionConfig {
     /// Runs only as another composition's simpler configuration: not in [`Config::all`], so
     /// no pattern selects it and it has no rows of its own.
     pub reference_only: bool,
+    /// The user's mesh this row was made from (`lockstep matrix --mesh`), whose sizes the
+    /// world must fit; `None` for the catalog's own rows.
+    pub mesh: Option<MeshSpec>,
 }
 
 impl CompositionConfig {
     /// Why this composition cannot run at `world_size` (the mesh does not fit), if it cannot.
     pub fn world_blocker(&self, world_size: usize) -> Option<String> {
+        if let Some(e) = self.mesh.and_then(|m| m.world_blocker(world_size)) {
+            return Some(e.to_string());
+        }
         self.composition
             .mesh(world_size)
             .err()
@@ -100,6 +107,7 @@ fn tensor_data_rows() -> Vec<CompositionConfig> {
             },
             reduces_to: Some(("tp.2", DdpCheck::Bitwise)),
             reference_only: false,
+            mesh: None,
         },
         CompositionConfig {
             name: "hsdp_x_tp2",
@@ -111,6 +119,7 @@ fn tensor_data_rows() -> Vec<CompositionConfig> {
             },
             reduces_to: Some(("tp.2.hybrid_order", DdpCheck::Bitwise)),
             reference_only: false,
+            mesh: None,
         },
         CompositionConfig {
             name: "tp.2.hybrid_order",
@@ -125,6 +134,7 @@ fn tensor_data_rows() -> Vec<CompositionConfig> {
             },
             reduces_to: None,
             reference_only: true,
+            mesh: None,
         },
     ]
 }
@@ -139,6 +149,7 @@ fn pipeline_rows() -> Vec<CompositionConfig> {
             composition: one_f_one_b(1, DataParallel::Replicate, 2),
             reduces_to: None,
             reference_only: false,
+            mesh: None,
         },
         CompositionConfig {
             name: "pp2_x_tp2",
@@ -148,6 +159,7 @@ fn pipeline_rows() -> Vec<CompositionConfig> {
             composition: one_f_one_b(2, DataParallel::Replicate, 1),
             reduces_to: None,
             reference_only: false,
+            mesh: None,
         },
         CompositionConfig {
             name: "pp2_x_tp2_x_dp",
@@ -155,6 +167,7 @@ fn pipeline_rows() -> Vec<CompositionConfig> {
             composition: one_f_one_b(2, DataParallel::Replicate, 2),
             reduces_to: None,
             reference_only: false,
+            mesh: None,
         },
         CompositionConfig {
             name: "pp2_x_fsdp",
@@ -164,6 +177,7 @@ fn pipeline_rows() -> Vec<CompositionConfig> {
             composition: one_f_one_b(1, DataParallel::Shard, 2),
             reduces_to: Some(("pp2_x_dp", DdpCheck::Bitwise)),
             reference_only: false,
+            mesh: None,
         },
         CompositionConfig {
             name: "pp2_x_tp2_x_fsdp.ac",
@@ -181,6 +195,7 @@ fn pipeline_rows() -> Vec<CompositionConfig> {
             },
             reduces_to: Some(("pp2_x_tp2_x_dp", DdpCheck::Bitwise)),
             reference_only: false,
+            mesh: None,
         },
     ]
 }
@@ -197,6 +212,7 @@ fn expert_data_rows() -> Vec<CompositionConfig> {
         },
         reduces_to: Some(("ep.2", DdpCheck::Bitwise)),
         reference_only: false,
+        mesh: None,
     }]
 }
 
@@ -210,20 +226,67 @@ fn context_data_rows() -> Vec<CompositionConfig> {
                       reduce-scattered",
         composition: Composition::ContextData {
             cp: 2,
+            tp: 1,
             data: DataParallel::Shard,
         },
         reduces_to: Some(("cp.2", DdpCheck::Bitwise)),
         reference_only: false,
+        mesh: None,
     }]
 }
 
-/// Which composition: an index into [`composition_configs`].
+/// Rows made from users' mesh descriptions, in the order they were first named. Each is
+/// leaked once (a process names a handful), so [`CompositionId::get`] hands out `'static`
+/// rows like the catalog's.
+static MESH_ROWS: Mutex<Vec<&'static CompositionConfig>> = Mutex::new(Vec::new());
+
+/// The rows made from mesh descriptions so far.
+pub(super) fn mesh_rows() -> Vec<&'static CompositionConfig> {
+    MESH_ROWS.lock().map(|r| r.clone()).unwrap_or_default()
+}
+
+/// The matrix row of the user's `mesh` (`mesh.cp2.tp2`...), made and registered the first
+/// time it is named, so `--configs`, `lockstep run` and exec'd ranks find it by name; or why
+/// the mesh cannot be trained (a combination not built yet).
+pub fn mesh_config(mesh: &MeshSpec) -> Result<Config, MeshError> {
+    let composition = mesh.parts()?;
+    let name = mesh.row_name();
+    let mut rows = MESH_ROWS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let fixed = composition_configs().len();
+    if let Some(i) = rows.iter().position(|r| r.name == name) {
+        return Ok(Config::Composed(CompositionId(fixed + i)));
+    }
+    let world = match mesh.world() {
+        Some(w) => format!("{w} ranks"),
+        None => "dp_shard the rest of the world".to_owned(),
+    };
+    let row = CompositionConfig {
+        name: Box::leak(name.into_boxed_str()),
+        description: Box::leak(
+            format!("the mesh {mesh} ({world}), trained as {composition:?}").into_boxed_str(),
+        ),
+        composition,
+        reduces_to: None,
+        reference_only: false,
+        mesh: Some(*mesh),
+    };
+    rows.push(Box::leak(Box::new(row)));
+    Ok(Config::Composed(CompositionId(fixed + rows.len() - 1)))
+}
+
+/// Which composition: an index into [`composition_configs`], then into the mesh rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CompositionId(pub(super) usize);
 
 impl CompositionId {
     /// The composition's table row.
     pub fn get(self) -> &'static CompositionConfig {
-        &composition_configs()[self.0]
+        let table = composition_configs();
+        match table.get(self.0) {
+            Some(row) => row,
+            None => mesh_rows()[self.0 - table.len()],
+        }
     }
 }

@@ -114,6 +114,8 @@ pub struct ParityTest<'a> {
     configs: Vec<TestConfig<'a>>,
     /// Names asked for that are not built in (an error when the test runs).
     unknown: Vec<String>,
+    /// Meshes that cannot be trained, with why (an error when the test runs).
+    bad_meshes: Vec<String>,
     references: Vec<Reference>,
     world_sizes: Vec<usize>,
     settings: RunSettings,
@@ -133,6 +135,7 @@ impl<'a> ParityTest<'a> {
             build: None,
             configs: Vec::new(),
             unknown: Vec::new(),
+            bad_meshes: Vec::new(),
             references: Vec::new(),
             world_sizes: vec![2],
             settings: RunSettings::default(),
@@ -176,6 +179,28 @@ impl<'a> ParityTest<'a> {
         match Config::by_name(name) {
             Some(c) => self.configs.push(TestConfig::Builtin(c)),
             None => self.unknown.push(name.to_owned()),
+        }
+        self
+    }
+
+    /// Adds your own device mesh, described as torchtitan describes it
+    /// (`"pp=2,dp_shard=2,tp=2"`, `"cp=2,tp=2"`; dimensions pp, dp_replicate, dp_shard, cp,
+    /// tp, ep): its row `mesh.<sizes>`, built from its parts, judged like any configuration.
+    /// A mesh that fixes its size (dp_shard or dp_replicate given) sets the world size to
+    /// it; call [`world_sizes`](Self::world_sizes) after to choose others. A mesh that cannot
+    /// be parsed or is not built fails the test, naming why.
+    pub fn mesh(mut self, description: &str) -> Self {
+        let parsed = description
+            .parse::<lockstep_core::compose::MeshSpec>()
+            .and_then(|mesh| Ok((mesh, crate::configs::mesh_config(&mesh)?)));
+        match parsed {
+            Ok((mesh, config)) => {
+                if let Some(world) = mesh.world() {
+                    self.world_sizes = vec![world];
+                }
+                self.configs.push(TestConfig::Builtin(config));
+            }
+            Err(e) => self.bad_meshes.push(e.to_string()),
         }
         self
     }
@@ -531,6 +556,9 @@ impl<'a> ParityTest<'a> {
 
     /// Everything that makes the test unrunnable, found before anything is launched.
     fn check(&self) -> Result<(), ParityTestError> {
+        if !self.bad_meshes.is_empty() {
+            return Err(ParityTestError::Invalid(self.bad_meshes.join("; ")));
+        }
         if !self.unknown.is_empty() {
             return Err(ParityTestError::UnknownConfig {
                 names: self.unknown.clone(),

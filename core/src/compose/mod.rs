@@ -13,11 +13,14 @@
 //! for a world size, and [`check_composition`] refuses, before any rank starts, a world the
 //! mesh does not fit or a plan that cannot compose, naming the dimensions.
 //! [`train_composed`] runs it through the parallelisms' own training loops, which take the
-//! data dimension as an option.
+//! data dimension as an option. [`MeshSpec`] is a user's mesh as torchtitan describes it
+//! (`pp=2,dp_shard=2,cp=2,tp=2`), turned into the composition that trains it.
 
 pub mod data;
+mod mesh_spec;
 mod plan;
 mod run;
 
+pub use mesh_spec::{MeshError, MeshSpec, MESH_DIMENSIONS};
 pub use plan::{check_composition, Composition, CompositionError, DataParallel, SeamFault};
 pub use run::train_composed;

@@ -122,12 +122,15 @@ pub enum Composition {
         /// (between TP and FSDP in torchtitan's order); `None` keeps activations.
         checkpoint_every: Option<usize>,
     },
-    /// Context parallelism of size `cp` inside (ring attention, load-balanced); the data
-    /// dimension (`world / cp` ranks) outside, replicated or, as torchtitan shards, one FSDP
-    /// unit over `dp × cp` (mesh `[dp, cp]`).
+    /// Context parallelism of size `cp` (ring attention, load-balanced), each sequence shard
+    /// tensor-parallel of size `tp` (1: none) inside it; the data dimension (`world / (cp·tp)`
+    /// ranks) outside, replicated or, as torchtitan shards, one FSDP unit over `dp × cp`
+    /// (mesh `[dp, cp]`, or `[dp, cp, tp]`).
     ContextData {
         /// Ranks each sequence is split over.
         cp: usize,
+        /// Tensor-parallel size inside each sequence shard.
+        tp: usize,
         /// How the data dimension keeps parameters.
         data: DataParallel,
     },
@@ -244,8 +247,8 @@ impl Composition {
                 }
                 Ok(vec![("dp", dp), ("pp", pp), ("tp", tp)])
             }
-            Composition::ContextData { cp, data } => {
-                let dp = fixed(&[("cp", cp)])?;
+            Composition::ContextData { cp, tp, data } => {
+                let dp = fixed(&[("cp", cp), ("tp", tp)])?;
                 if data.is_hybrid() {
                     return Err(CompositionError::Invalid(
                         "the data dimension beside context parallelism is replicated (dp) or \
@@ -253,7 +256,11 @@ impl Composition {
                             .into(),
                     ));
                 }
-                Ok(vec![("dp", dp), ("cp", cp)])
+                let mut dims = vec![("dp", dp), ("cp", cp)];
+                if tp > 1 {
+                    dims.push(("tp", tp));
+                }
+                Ok(dims)
             }
             Composition::ExpertData { ep, data } => {
                 let edp = fixed(&[("ep", ep)])?;
@@ -281,8 +288,9 @@ impl Composition {
 
     /// The context-parallel options a composition's CP part runs with (ring attention,
     /// load-balanced).
-    pub(crate) fn cp_options(cp: usize, data: DataParallel) -> CpOptions {
+    pub(crate) fn cp_options(cp: usize, tp: usize, data: DataParallel) -> CpOptions {
         CpOptions {
+            tp,
             data_parallel: data,
             ..CpOptions::ring(cp)
         }
@@ -379,8 +387,8 @@ pub fn check_composition(
         Composition::ExpertData { ep, data } => {
             check_expert_plan(model, world_size, &Composition::ep_options(ep, data))?;
         }
-        Composition::ContextData { cp, data } => {
-            check_context_parallel(model, world_size, &Composition::cp_options(cp, data))?;
+        Composition::ContextData { cp, tp, data } => {
+            check_context_parallel(model, world_size, &Composition::cp_options(cp, tp, data))?;
         }
     }
     Ok(mesh)

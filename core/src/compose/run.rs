@@ -68,7 +68,7 @@ pub fn train_composed(
             let stage = StageParallel { tp, data };
             Ok(train_pipeline_with(model, world, cfg, &opts, stage)?.record)
         }
-        Composition::ContextData { cp, data } => {
+        Composition::ContextData { cp, tp, data } => {
             if let Some(f) = fault {
                 return Err(misplaced(f));
             }
@@ -76,7 +76,7 @@ pub fn train_composed(
                 model,
                 world,
                 cfg,
-                &Composition::cp_options(cp, data),
+                &Composition::cp_options(cp, tp, data),
             )?)
         }
         Composition::ExpertData { ep, data } => {
