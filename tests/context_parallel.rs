@@ -250,3 +250,33 @@ fn the_loss_reduced_over_tp_but_not_cp_is_caught() {
         }
     });
 }
+
+/// HSDP beside CP (mesh `[dp_replicate, dp_shard, cp(, tp)]`): each replica's parameters
+/// one FSDP unit over `dp_shard × cp`, replicated across `dp_replicate`, passes against one
+/// device at world 8 (and with TP 2 inside, world 16); gradients left unreduced over CP are
+/// still caught there.
+#[rstest]
+fn hybrid_sharding_beside_context_parallelism_equals_one_device(
+    #[values((8, 1, None), (16, 2, None), (8, 1, Some(CpFault::GradsNotReducedOverCp)))]
+    case: (usize, usize, Option<CpFault>),
+) {
+    let (world, tp, fault) = case;
+    lockstep_harness::run(world, |ctx| {
+        let o = CpOptions {
+            tp,
+            data_parallel: DataParallel::HybridShard { replicas: 2 },
+            fault,
+            ..CpOptions::ring(2)
+        };
+        let run = cp_run(ctx, "gpt", &o);
+        if ctx.rank() == 0 {
+            let c = against_single(&run, "gpt", world);
+            assert_eq!(
+                c.passed,
+                fault.is_none(),
+                "HSDP × cp 2 × tp {tp} at world {world}, {fault:?}: {}",
+                c.diagnosis.unwrap_or_default()
+            );
+        }
+    });
+}

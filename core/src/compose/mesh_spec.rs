@@ -280,21 +280,16 @@ impl MeshSpec {
         let hybrid_refused = |with: &str| {
             unsupported(format!(
                 "HSDP (dp_replicate and dp_shard both above 1) beside {with} is not built yet; \
-                 give one of them (DDP or FSDP), or use HSDP with tp"
+                 give one of them (DDP or FSDP), or use HSDP with tp or cp"
             ))
         };
         match split.as_slice() {
             [] | ["tp"] => Ok(Composition::TensorData { tp: self.tp, data }),
-            ["cp"] | ["cp", "tp"] => {
-                if data.is_hybrid() {
-                    return Err(hybrid_refused("cp"));
-                }
-                Ok(Composition::ContextData {
+            ["cp"] | ["cp", "tp"] => Ok(Composition::ContextData {
                     cp: self.cp,
                     tp: self.tp,
                     data,
-                })
-            }
+                }),
             ["pp"] | ["pp", "tp"] => {
                 if data.is_hybrid() {
                     return Err(hybrid_refused("pp"));
@@ -315,8 +310,8 @@ impl MeshSpec {
                 Ok(Composition::ExpertData { ep: self.ep, data })
             }
             combination => Err(unsupported(format!(
-                "{} together is not built yet: built are tp and cp × tp (with DDP, FSDP over \
-                 dp × cp), pp and pp × tp (DDP or FSDP), ep (DDP or FSDP), and HSDP with tp \
+                "{} together is not built yet: built are tp and cp × tp (DDP, FSDP or HSDP, \
+                 sharded over dp_shard × cp), pp and pp × tp (DDP or FSDP), ep (DDP or FSDP) \
                  (docs/context_parallel.md)",
                 combination.join(" × ")
             ))),
@@ -389,7 +384,15 @@ mod tests {
         );
         let e = c("pp=2,cp=2", 4).unwrap_err().to_string();
         assert!(e.contains("pp × cp together is not built yet"), "{e}");
-        let e = c("dp_replicate=2,dp_shard=2,cp=2", 8).unwrap_err().to_string();
-        assert!(e.contains("HSDP") && e.contains("beside cp"), "{e}");
+        assert_eq!(
+            c("dp_replicate=2,dp_shard=2,cp=2", 8),
+            Ok(Composition::ContextData {
+                cp: 2,
+                tp: 1,
+                data: DataParallel::HybridShard { replicas: 2 }
+            })
+        );
+        let e = c("dp_replicate=2,dp_shard=2,pp=2", 8).unwrap_err().to_string();
+        assert!(e.contains("HSDP") && e.contains("beside pp"), "{e}");
     }
 }

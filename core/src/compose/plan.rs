@@ -249,14 +249,15 @@ impl Composition {
             }
             Composition::ContextData { cp, tp, data } => {
                 let dp = fixed(&[("cp", cp), ("tp", tp)])?;
-                if data.is_hybrid() {
+                if matches!(data, DataParallel::HybridReplicate { .. }) {
                     return Err(CompositionError::Invalid(
-                        "the data dimension beside context parallelism is replicated (dp) or \
-                         sharded over dp × cp (fsdp), not hybrid"
+                        "the data dimension beside context parallelism is replicated (dp), \
+                         sharded over dp × cp (fsdp) or hybrid-sharded (hsdp)"
                             .into(),
                     ));
                 }
-                let mut dims = vec![("dp", dp), ("cp", cp)];
+                let mut dims = data.dims(dp)?;
+                dims.push(("cp", cp));
                 if tp > 1 {
                     dims.push(("tp", tp));
                 }

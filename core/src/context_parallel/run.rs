@@ -42,12 +42,10 @@ pub fn check_context_parallel(
     world_size: usize,
     opts: &CpOptions,
 ) -> Result<(), CpError> {
-    if !matches!(
-        opts.data_parallel,
-        DataParallel::Replicate | DataParallel::Shard
-    ) {
+    if matches!(opts.data_parallel, DataParallel::HybridReplicate { .. }) {
         return Err(CpError::Invalid(format!(
-            "the data dimension beside context parallelism is replicated (ddp) or sharded over              dp × cp (fsdp), not {}",
+            "the data dimension beside context parallelism is replicated (ddp), sharded over \
+             dp × cp (fsdp) or hybrid-sharded over dp_shard × cp (hsdp), not {}",
             opts.data_parallel.label()
         )));
     }
@@ -154,9 +152,11 @@ struct CpTensorParallel {
 struct CpRun<'a> {
     opts: &'a CpOptions,
     cp: Arc<dyn ProcessGroup>,
-    dp: Arc<dyn ProcessGroup>,
-    /// What gradients are averaged over: `dp × cp` (every rank, or under CP × TP the ranks
-    /// of this TP coordinate).
+    /// The data dimension's groups, averaged over in turn: `dp`, or HSDP's `dp_shard` then
+    /// `dp_replicate`.
+    dp: Vec<Arc<dyn ProcessGroup>>,
+    /// What gradients are averaged (or sharded) over: `dp × cp` (every rank, or under CP ×
+    /// TP the ranks of this TP coordinate), or under HSDP `dp_shard × cp`.
     everyone: Arc<dyn ProcessGroup>,
     /// CP × TP: the TP group and the plan's placements.
     tp: Option<CpTensorParallel>,
@@ -174,7 +174,12 @@ impl<'a> CpRun<'a> {
     fn new(model: &dyn Model, world: &World, opts: &'a CpOptions) -> Result<Self, CpError> {
         let (cp_size, tp_size) = (opts.cp, opts.tp);
         let dp = world.size() / (cp_size * tp_size);
-        let mut dims = vec![("dp", dp), ("cp", cp_size)];
+        let mut dims = opts
+            .data_parallel
+            .dims(dp)
+            .map_err(|e| CpError::Invalid(e.to_string()))?;
+        let hybrid = dims.len() == 2;
+        dims.push(("cp", cp_size));
         if tp_size > 1 {
             dims.push(("tp", tp_size));
         }
@@ -185,11 +190,34 @@ impl<'a> CpRun<'a> {
         };
         let cp = counted(mesh.group("cp")?);
         let rank = mesh.coordinate("cp")?;
-        let replica = mesh.coordinate("dp")?;
-        let (everyone, tp) = if tp_size > 1 {
-            // `dp × cp` flattened: the first dimension of the same ranks laid out as
-            // `[dp·cp, tp]`.
+        let replica = world.rank() / (cp_size * tp_size);
+        let dp_groups = match hybrid {
+            true => vec![
+                counted(mesh.group("dp_shard")?),
+                counted(mesh.group("dp_replicate")?),
+            ],
+            false => vec![counted(mesh.group("dp")?)],
+        };
+        // The groups gradients reduce over: `dp × cp` (the world, or flattened within each TP
+        // coordinate), or under HSDP `dp_shard × cp` within each replica, then across them.
+        let (everyone, replicate) = if hybrid {
+            let replicas = dims[0].1;
+            let mut flat = vec![("dp_replicate", replicas), ("dps_cp", dims[1].1 * cp_size)];
+            if tp_size > 1 {
+                flat.push(("tp", tp_size));
+            }
+            let flat = DeviceMesh::new(world, &flat)?;
+            (
+                counted(flat.group("dps_cp")?),
+                Some(counted(flat.group("dp_replicate")?)),
+            )
+        } else if tp_size > 1 {
             let flat = DeviceMesh::new(world, &[("dp_cp", dp * cp_size), ("tp", tp_size)])?;
+            (counted(flat.group("dp_cp")?), None)
+        } else {
+            (counted(world.group()), None)
+        };
+        let tp = if tp_size > 1 {
             let tp_opts = tensor_options(opts);
             let placements = check_plan(model, world.size(), &tp_opts)
                 .map_err(|e| CpError::Invalid(format!("CP × TP: {e}")))?;
@@ -198,9 +226,9 @@ impl<'a> CpRun<'a> {
                 rank: mesh.coordinate("tp")?,
                 placements,
             };
-            (counted(flat.group("dp_cp")?), Some(part))
+            Some(part)
         } else {
-            (counted(world.group()), None)
+            None
         };
         let trained = match &tp {
             Some(tp) => local_parameters(model, &tp.placements, tp.rank, tp_size)
@@ -214,12 +242,12 @@ impl<'a> CpRun<'a> {
                 .collect::<Vec<_>>()
         };
         let data = match opts.data_parallel {
-            DataParallel::Shard => DataLayer::new(
+            DataParallel::Shard | DataParallel::HybridShard { .. } => DataLayer::new(
                 Some(Fsdp::over_tensors(
                     "cp_local",
                     handles(),
                     everyone.clone(),
-                    None,
+                    replicate,
                 )?),
                 Vec::new(),
             ),
@@ -243,7 +271,7 @@ impl<'a> CpRun<'a> {
             opts,
             hooks,
             cp,
-            dp: counted(mesh.group("dp")?),
+            dp: dp_groups,
             everyone,
             tp,
             rank,
@@ -294,7 +322,7 @@ impl<'a> CpRun<'a> {
     /// unit's shards when sharded (the same elements).
     fn reduce(&mut self) -> Result<(), CpError> {
         let scale = match self.opts.fault {
-            Some(CpFault::ScaledByDpSize) => self.dp.size(),
+            Some(CpFault::ScaledByDpSize) => self.dp.iter().map(|g| g.size()).product(),
             _ => self.cp.size(),
         } as f64;
         if let Some(tp) = &self.tp {
@@ -311,8 +339,8 @@ impl<'a> CpRun<'a> {
                 continue;
             }
             if self.opts.fault == Some(CpFault::GradsNotReducedOverCp) {
-                if self.dp.size() > 1 {
-                    self.dp.all_reduce(&g, ReduceOp::Avg)?;
+                for group in self.dp.iter().filter(|g| g.size() > 1) {
+                    group.all_reduce(&g, ReduceOp::Avg)?;
                 }
                 continue;
             }
@@ -459,8 +487,8 @@ impl StepHooks for CpRun<'_> {
         if self.opts.fault != Some(CpFault::LossNotReducedOverCp) && self.cp.size() > 1 {
             self.cp.all_reduce(&value, ReduceOp::Sum)?;
         }
-        if self.dp.size() > 1 {
-            self.dp.all_reduce(&value, ReduceOp::Avg)?;
+        for group in self.dp.iter().filter(|g| g.size() > 1) {
+            group.all_reduce(&value, ReduceOp::Avg)?;
         }
         Ok(value.f_double_value(&[0])?)
     }
