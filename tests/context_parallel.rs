@@ -246,7 +246,10 @@ fn the_loss_reduced_over_tp_but_not_cp_is_caught() {
         let run = cp_run(ctx, "gpt", &o);
         if ctx.rank() == 0 {
             let c = against_single(&run, "gpt", 4);
-            assert!(!c.passed, "the loss missing its CP reduction was not caught");
+            assert!(
+                !c.passed,
+                "the loss missing its CP reduction was not caught"
+            );
         }
     });
 }
@@ -257,8 +260,11 @@ fn the_loss_reduced_over_tp_but_not_cp_is_caught() {
 /// still caught there.
 #[rstest]
 fn hybrid_sharding_beside_context_parallelism_equals_one_device(
-    #[values((8, 1, None), (16, 2, None), (8, 1, Some(CpFault::GradsNotReducedOverCp)))]
-    case: (usize, usize, Option<CpFault>),
+    #[values((8, 1, None), (16, 2, None), (8, 1, Some(CpFault::GradsNotReducedOverCp)))] case: (
+        usize,
+        usize,
+        Option<CpFault>,
+    ),
 ) {
     let (world, tp, fault) = case;
     lockstep_harness::run(world, |ctx| {

@@ -42,6 +42,7 @@ fn fsdp_tp(tp: usize) -> Composition {
 
 fn pipeline(tp: usize, data: DataParallel) -> Composition {
     Composition::Pipeline {
+        cp: 1,
         pp: 2,
         tp,
         data,
@@ -403,6 +404,7 @@ fn invalid_meshes_and_compositions_are_refused_before_spawn() {
         "gpt",
         4,
         Composition::Pipeline {
+            cp: 1,
             pp: 2,
             tp: 2,
             data: DataParallel::Replicate,
@@ -435,6 +437,7 @@ fn invalid_meshes_and_compositions_are_refused_before_spawn() {
         "gpt",
         4,
         Composition::Pipeline {
+            cp: 1,
             pp: 2,
             tp: 1,
             data: DataParallel::Shard,
@@ -485,6 +488,7 @@ fn three_dimensional_compositions_at_world_8() {
             ctx,
             "gpt_moe",
             Composition::Pipeline {
+                cp: 1,
                 pp: 2,
                 tp: 2,
                 data: DataParallel::Replicate,
@@ -594,6 +598,7 @@ fn pp_x_tp_collective_counts_are_exact() {
 #[test]
 fn pp_x_tp_x_fsdp_with_activation_checkpointing_at_world_8() {
     let composed = |checkpoint_every| Composition::Pipeline {
+        cp: 1,
         pp: 2,
         tp: 2,
         data: DataParallel::Shard,

@@ -163,9 +163,7 @@ impl Config {
                 .map(|i| Config::Composed(CompositionId(i))),
         );
         let fixed = composition_configs().len();
-        all.extend(
-            (0..mesh_rows().len()).map(|i| Config::Composed(CompositionId(fixed + i))),
-        );
+        all.extend((0..mesh_rows().len()).map(|i| Config::Composed(CompositionId(fixed + i))));
         all
     }
 

@@ -8,8 +8,8 @@
 
 use super::*;
 use lockstep_core::compose::{check_composition, Composition, DataParallel, MeshError, MeshSpec};
-use std::sync::Mutex;
 use lockstep_core::pipeline::ScheduleKind;
+use std::sync::Mutex;
 
 /// Why HSDP×TP's reference is `tp.2.hybrid_order`, not `tp.2`: printed by `--list`.
 pub const HSDP_VS_DDP_REASON: &str = "HSDP averages each gradient (and the loss) within its \
@@ -86,6 +86,7 @@ fn one_f_one_b(tp: usize, data: DataParallel, min_data: usize) -> Composition {
     Composition::Pipeline {
         pp: 2,
         tp,
+        cp: 1,
         data,
         schedule: ScheduleKind::OneFOneB,
         min_data,
@@ -188,6 +189,7 @@ fn pipeline_rows() -> Vec<CompositionConfig> {
             composition: Composition::Pipeline {
                 pp: 2,
                 tp: 2,
+                cp: 1,
                 data: DataParallel::Shard,
                 schedule: ScheduleKind::OneFOneB,
                 min_data: 2,
@@ -274,6 +276,18 @@ pub fn mesh_config(mesh: &MeshSpec) -> Result<Config, MeshError> {
     };
     rows.push(Box::leak(Box::new(row)));
     Ok(Config::Composed(CompositionId(fixed + rows.len() - 1)))
+}
+
+/// Registers the mesh rows among `names` (a `--configs` list: `mesh.pp2.cp2`...), so patterns
+/// over [`Config::all`] find them; other names are left alone.
+pub fn register_mesh_rows(names: &[String]) {
+    for name in names {
+        if let Some(mesh) = MeshSpec::from_row_name(name) {
+            // A mesh whose combination is not built is not registered; the selection then
+            // names it as unknown, listing the known rows.
+            let _ = mesh_config(&mesh);
+        }
+    }
 }
 
 /// Which composition: an index into [`composition_configs`], then into the mesh rows.

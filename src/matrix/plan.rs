@@ -395,6 +395,7 @@ pub fn plan(opts: &MatrixOptions) -> Result<Plan, MatrixError> {
         pattern,
         known: zoo_names.iter().map(|s| (*s).to_owned()).collect(),
     })?;
+    crate::configs::register_mesh_rows(&opts.configs);
     let all_configs = Config::all();
     let config_names: Vec<&str> = all_configs.iter().map(|c| c.name()).collect();
     let selected =

@@ -286,17 +286,18 @@ impl MeshSpec {
         match split.as_slice() {
             [] | ["tp"] => Ok(Composition::TensorData { tp: self.tp, data }),
             ["cp"] | ["cp", "tp"] => Ok(Composition::ContextData {
-                    cp: self.cp,
-                    tp: self.tp,
-                    data,
-                }),
-            ["pp"] | ["pp", "tp"] => {
+                cp: self.cp,
+                tp: self.tp,
+                data,
+            }),
+            ["pp"] | ["pp", "tp"] | ["pp", "cp"] | ["pp", "cp", "tp"] => {
                 if data.is_hybrid() {
                     return Err(hybrid_refused("pp"));
                 }
                 Ok(Composition::Pipeline {
                     pp: self.pp,
                     tp: self.tp,
+                    cp: self.cp,
                     data,
                     schedule: ScheduleKind::OneFOneB,
                     min_data: 1,
@@ -351,10 +352,16 @@ mod tests {
     fn meshes_that_do_not_fit_the_world_are_refused_naming_the_sizes() {
         let m: MeshSpec = "dp_shard=2,cp=2,tp=2".parse().unwrap();
         let e = m.composition(16).unwrap_err().to_string();
-        assert!(e.contains("multiply to 8 ranks, not the world size 16"), "{e}");
+        assert!(
+            e.contains("multiply to 8 ranks, not the world size 16"),
+            "{e}"
+        );
         let rest: MeshSpec = "cp=2,tp=2".parse().unwrap();
         let e = rest.composition(6).unwrap_err().to_string();
-        assert!(e.contains("world size 6 does not divide by pp × cp × tp = 4"), "{e}");
+        assert!(
+            e.contains("world size 6 does not divide by pp × cp × tp = 4"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -382,8 +389,8 @@ mod tests {
                 data: DataParallel::Replicate
             })
         );
-        let e = c("pp=2,cp=2", 4).unwrap_err().to_string();
-        assert!(e.contains("pp × cp together is not built yet"), "{e}");
+        let e = c("pp=2,cp=2,ep=2", 4).unwrap_err().to_string();
+        assert!(e.contains("pp × cp × ep together is not built yet"), "{e}");
         assert_eq!(
             c("dp_replicate=2,dp_shard=2,cp=2", 8),
             Ok(Composition::ContextData {
@@ -392,7 +399,9 @@ mod tests {
                 data: DataParallel::HybridShard { replicas: 2 }
             })
         );
-        let e = c("dp_replicate=2,dp_shard=2,pp=2", 8).unwrap_err().to_string();
+        let e = c("dp_replicate=2,dp_shard=2,pp=2", 8)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("HSDP") && e.contains("beside pp"), "{e}");
     }
 }

@@ -112,7 +112,9 @@ pub enum Composition {
         pp: usize,
         /// Tensor-parallel size inside each stage.
         tp: usize,
-        /// The data dimension.
+        /// Context-parallel size inside each stage (1: none; mesh `[dp, pp, cp, tp]`).
+        cp: usize,
+        /// The data dimension (under CP, sharded over `dp × cp`).
         data: DataParallel,
         /// The pipeline schedule (one stage per rank under FSDP).
         schedule: ScheduleKind,
@@ -227,11 +229,12 @@ impl Composition {
             Composition::Pipeline {
                 pp,
                 tp,
+                cp,
                 data,
                 min_data,
                 ..
             } => {
-                let dp = fixed(&[("pp", pp), ("tp", tp)])?;
+                let dp = fixed(&[("pp", pp), ("cp", cp), ("tp", tp)])?;
                 if dp < min_data {
                     return Err(CompositionError::Mesh(format!(
                         "world size {world_size} leaves dp={dp} beside pp={pp}, tp={tp}; this \
@@ -245,7 +248,12 @@ impl Composition {
                             .into(),
                     ));
                 }
-                Ok(vec![("dp", dp), ("pp", pp), ("tp", tp)])
+                let mut dims = vec![("dp", dp), ("pp", pp)];
+                if cp > 1 {
+                    dims.push(("cp", cp));
+                }
+                dims.push(("tp", tp));
+                Ok(dims)
             }
             Composition::ContextData { cp, tp, data } => {
                 let dp = fixed(&[("cp", cp), ("tp", tp)])?;
@@ -366,6 +374,7 @@ pub fn check_composition(
         Composition::Pipeline {
             pp,
             tp,
+            cp,
             data,
             schedule,
             checkpoint_every,
@@ -375,7 +384,11 @@ pub fn check_composition(
                 crate::pipeline::stage_parallel::check_stage_tp(model)?;
                 check_plan(model, world_size, &Composition::tp_options(tp, data))?;
             }
-            let dp = world_size / (pp * tp);
+            if cp > 1 {
+                let cp_opts = Composition::cp_options(cp, tp, DataParallel::Replicate);
+                check_context_parallel(model, world_size, &cp_opts)?;
+            }
+            let dp = world_size / (pp * tp * cp);
             let plan = pipeline_plan(model, pp, dp, schedule, checkpoint_every)?;
             if data == DataParallel::Shard && plan.stages.len() != pp {
                 return Err(CompositionError::Invalid(format!(

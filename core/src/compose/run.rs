@@ -48,6 +48,7 @@ pub fn train_composed(
         Composition::Pipeline {
             pp,
             tp,
+            cp,
             data,
             schedule,
             checkpoint_every,
@@ -60,12 +61,12 @@ pub fn train_composed(
                 }
                 Some(f) => return Err(misplaced(f)),
             };
-            let dp = world_size / (pp * tp);
+            let dp = world_size / (pp * tp * cp);
             let opts = crate::pipeline::PipelineOptions {
                 fault,
                 ..Composition::pipeline_options(pp, dp, schedule, checkpoint_every)
             };
-            let stage = StageParallel { tp, data };
+            let stage = StageParallel { tp, cp, data };
             Ok(train_pipeline_with(model, world, cfg, &opts, stage)?.record)
         }
         Composition::ContextData { cp, tp, data } => {

@@ -28,6 +28,10 @@ pub struct CpHooks {
     seq: i64,
     /// Tokens the whole step's loss averages over (every shard's, ignored ones left out).
     tokens: f64,
+    /// Inside a pipeline stage: each loss call's tokens are counted over the CP group (one
+    /// microbatch at a time) and the loss is multiplied by the CP size, so gradients averaged
+    /// over `dp × cp` (the pipeline's data group) are the sum over the shards.
+    in_pipeline: bool,
 }
 
 impl CpHooks {
@@ -40,7 +44,17 @@ impl CpHooks {
             opts,
             seq: 0,
             tokens: 1.0,
+            in_pipeline: false,
         }
+    }
+
+    /// These hooks inside a pipeline stage, whose sequences have `seq` tokens: the loss of
+    /// each microbatch is its shard's share of that microbatch's mean (tokens counted over
+    /// the CP group as it is computed), times the CP size.
+    pub fn in_pipeline(mut self, seq: i64) -> CpHooks {
+        self.seq = seq;
+        self.in_pipeline = true;
+        self
     }
 
     /// These hooks around `inner` (a tensor-parallel plan's): every module but the attention,
@@ -180,13 +194,32 @@ impl LayerHooks for CpHooks {
         logits: &Tensor,
         target: &Tensor,
     ) -> Result<Tensor, ModelError> {
+        let counted = || -> Result<f64, ModelError> {
+            Ok(target
+                .f_ne(-100)?
+                .f_sum(tch::Kind::Float)?
+                .f_double_value(&[])?)
+        };
+        let (tokens, scale) = match self.in_pipeline {
+            true => {
+                let count = Tensor::from_slice(&[counted()?]).f_to_device(logits.device())?;
+                self.group
+                    .all_reduce(&count, crate::comm::ReduceOp::Sum)
+                    .map_err(hook_err)?;
+                (count.f_double_value(&[0])?, self.opts.cp as f64)
+            }
+            false => (self.tokens, 1.0),
+        };
         if let Some(inner) = &mut self.inner {
-            let counted = target.f_ne(-100)?.f_sum(tch::Kind::Float)?.f_double_value(&[])?;
             let mean = inner.cross_entropy(path, logits, target)?;
-            return Ok(mean.f_mul_scalar(counted / self.tokens)?);
+            return Ok(mean.f_mul_scalar(counted()? / tokens * scale)?);
         }
         let sum =
             logits.f_cross_entropy_loss::<Tensor>(target, None, tch::Reduction::Sum, -100, 0.0)?;
-        Ok(sum.f_div_scalar(self.tokens)?)
+        let share = sum.f_div_scalar(tokens)?;
+        Ok(match self.in_pipeline {
+            true => share.f_mul_scalar(scale)?,
+            false => share,
+        })
     }
 }

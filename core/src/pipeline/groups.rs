@@ -12,47 +12,80 @@ use std::sync::Arc;
 use tch::Tensor;
 
 /// The pipeline's groups on this rank: the stage-to-stage one (`pp`), the replicas' (`dp`),
-/// the stage's tensor-parallel one when `tp > 1`, and this rank's coordinates.
+/// the data group gradients and losses are averaged over (`dp`, or `dp × cp` under CP), the
+/// stage's tensor- and context-parallel ones when split, and this rank's coordinates.
 pub(super) struct PipelineMesh {
     pub(super) pp: Arc<dyn ProcessGroup>,
     pub(super) dp: Arc<dyn ProcessGroup>,
+    pub(super) data: Arc<dyn ProcessGroup>,
     pub(super) tp: Option<Arc<dyn ProcessGroup>>,
+    pub(super) cp: Option<Arc<dyn ProcessGroup>>,
     pub(super) rank: usize,
     pub(super) replica: usize,
     pub(super) tp_rank: usize,
+    pub(super) cp_rank: usize,
 }
 
 impl PipelineMesh {
-    /// `[dp, pp, tp]` over `world` (a plain pipeline keeps its historical two-dimensional
-    /// mesh and group names); `counted` wraps the groups whose traffic the record counts.
+    /// `[dp, pp, cp, tp]` over `world`, the dimensions of size 1 among `cp` and `tp` left out
+    /// (a plain pipeline keeps its historical two-dimensional mesh and group names);
+    /// `counted` wraps the groups whose traffic the record counts.
     pub(super) fn new(
         world: &World,
         plan: &PipelinePlan,
         tp: usize,
+        cp: usize,
         counted: &dyn Fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup>,
     ) -> Result<Self, PipelineError> {
         let (p, dp) = (plan.ranks, plan.data_parallel);
-        if tp > 1 {
-            let mesh = DeviceMesh::new(world, &[("dp", dp), ("pp", p), ("tp", tp)])?;
-            Ok(PipelineMesh {
-                pp: mesh.group("pp")?,
-                dp: counted(mesh.group("dp")?),
-                tp: Some(counted(mesh.group("tp")?)),
-                rank: mesh.coordinate("pp")?,
-                replica: mesh.coordinate("dp")?,
-                tp_rank: mesh.coordinate("tp")?,
-            })
-        } else {
-            let mesh = DeviceMesh::new(world, &[("dp", dp), ("pp", p)])?;
-            Ok(PipelineMesh {
-                pp: mesh.group("pp")?,
-                dp: counted(mesh.group("dp")?),
-                tp: None,
-                rank: mesh.coordinate("pp")?,
-                replica: mesh.coordinate("dp")?,
-                tp_rank: 0,
-            })
+        let mut dims = vec![("dp", dp), ("pp", p)];
+        if cp > 1 {
+            dims.push(("cp", cp));
         }
+        if tp > 1 {
+            dims.push(("tp", tp));
+        }
+        let mesh = DeviceMesh::new(world, &dims)?;
+        let dp_group = counted(mesh.group("dp")?);
+        let (cp_group, cp_rank, data) = if cp > 1 {
+            // `dp × cp` within each (pp, tp) coordinate: not adjacent in the mesh, so made
+            // from its partition directly.
+            let global = |d: usize, r: usize, c: usize, t: usize| ((d * p + r) * cp + c) * tp + t;
+            let partition: Vec<Vec<usize>> = (0..p)
+                .flat_map(|r| {
+                    (0..tp).map(move |t| {
+                        (0..dp)
+                            .flat_map(|d| (0..cp).map(move |c| global(d, r, c, t)))
+                            .collect()
+                    })
+                })
+                .collect();
+            let data = world.new_groups(&partition, "dp_cp")?.ok_or_else(|| {
+                PipelineError::InvalidPlan(format!("rank {} is in no dp × cp group", world.rank()))
+            })?;
+            (
+                Some(counted(mesh.group("cp")?)),
+                mesh.coordinate("cp")?,
+                counted(data),
+            )
+        } else {
+            (None, 0, dp_group.clone())
+        };
+        let (tp_group, tp_rank) = match tp > 1 {
+            true => (Some(counted(mesh.group("tp")?)), mesh.coordinate("tp")?),
+            false => (None, 0),
+        };
+        Ok(PipelineMesh {
+            pp: mesh.group("pp")?,
+            dp: dp_group,
+            data,
+            tp: tp_group,
+            cp: cp_group,
+            rank: mesh.coordinate("pp")?,
+            replica: mesh.coordinate("dp")?,
+            tp_rank,
+            cp_rank,
+        })
     }
 }
 
@@ -61,15 +94,16 @@ impl PipelineMesh {
 /// every rank.
 pub(super) type StageGroups = (EdgeGroups, BTreeMap<Vec<usize>, Arc<dyn ProcessGroup>>);
 
-/// The edge and tied-weight groups of `plan`, one per (replica, TP rank).
+/// The edge and tied-weight groups of `plan`, one per (replica, coordinate inside the stage:
+/// `inner` = cp · tp ranks compute each stage).
 pub(super) fn pipeline_groups(
     world: &World,
     plan: &PipelinePlan,
-    tp: usize,
+    inner: usize,
     counted: &dyn Fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup>,
 ) -> Result<StageGroups, PipelineError> {
     let (p, dp) = (plan.ranks, plan.data_parallel);
-    let global = |d: usize, r: usize, t: usize| (d * p + r) * tp + t;
+    let global = |d: usize, r: usize, t: usize| (d * p + r) * inner + t;
     let mut edge_groups = HashMap::new();
     for e in &plan.flow.edges {
         let (a, b) = (plan.stage_ranks[e.from], plan.stage_ranks[e.to]);
@@ -77,7 +111,7 @@ pub(super) fn pipeline_groups(
             continue;
         }
         let partition: Vec<Vec<usize>> = (0..dp)
-            .flat_map(|d| (0..tp).map(move |t| vec![global(d, a, t), global(d, b, t)]))
+            .flat_map(|d| (0..inner).map(move |t| vec![global(d, a, t), global(d, b, t)]))
             .collect();
         for (way, name) in [(Way::Activations, "pp-edge"), (Way::Gradients, "pp-grad")] {
             if let Some(g) = world.new_groups(&partition, name)? {
@@ -96,7 +130,7 @@ pub(super) fn pipeline_groups(
     let mut holder_groups = BTreeMap::new();
     for set in &holder_sets {
         let partition: Vec<Vec<usize>> = (0..dp)
-            .flat_map(|d| (0..tp).map(move |t| set.iter().map(|&r| global(d, r, t)).collect()))
+            .flat_map(|d| (0..inner).map(move |t| set.iter().map(|&r| global(d, r, t)).collect()))
             .collect();
         if let Some(g) = world.new_groups(&partition, "pp-tied")? {
             holder_groups.insert(set.clone(), counted(g));

@@ -11,7 +11,7 @@ use super::microbatch;
 use super::options::{PipelineFault, PipelineOptions};
 use super::plan::{plan_pipeline, PipelinePlan};
 use super::schedule::{Action, ActionKind};
-use super::stage_parallel::{insert_sharding_actions, StageParallel, StageTp};
+use super::stage_parallel::{insert_sharding_actions, StageParallel, StageSplit};
 use super::strategy::{handle, step_metas, PipelineStrategy, StepLoop};
 use super::trace::RankStepTrace;
 use super::PipelineError;
@@ -64,28 +64,37 @@ pub fn train_pipeline_with(
 ) -> Result<PipelineRun, PipelineError> {
     let world_size = world.size();
     let tp = within.tp.max(1);
+    let cp = within.cp.max(1);
     let (plan, sharded) = plan_within(model, world_size, opts, within)?;
     let counts = CollectiveCounts::new();
     let counted = |g: Arc<dyn ProcessGroup>| -> Arc<dyn ProcessGroup> {
         Arc::new(CountingGroup::new(g, counts.clone()))
     };
-    let composed = tp > 1 || sharded;
+    let composed = tp > 1 || cp > 1 || sharded;
     let PipelineMesh {
         pp,
         dp: dpg,
+        data: data_group,
         tp: tpg,
+        cp: cpg,
         rank,
         replica,
         tp_rank,
-    } = PipelineMesh::new(world, &plan, tp, &counted)?;
-    let (edge_groups, holder_groups) = pipeline_groups(world, &plan, tp, &counted)?;
+        cp_rank,
+    } = PipelineMesh::new(world, &plan, tp, cp, &counted)?;
+    let (edge_groups, holder_groups) = pipeline_groups(world, &plan, cp * tp, &counted)?;
     // The tensors this rank computes with: the model's own, or its TP shards.
     let model_params = model.named_parameters();
-    let stage_tp = match &tpg {
-        Some(group) => Some(StageTp::new(model, world_size, tp, tp_rank, group.clone())?),
-        None => None,
+    let stage_split = match (&tpg, &cpg) {
+        (None, None) => None,
+        _ => Some(StageSplit::new(
+            model,
+            world_size,
+            tpg.clone().map(|g| (g, tp_rank)),
+            cpg.clone().map(|g| (g, cp_rank)),
+        )?),
     };
-    let local = stage_tp.as_ref().map_or(&model_params, |s| &s.local);
+    let local = stage_split.as_ref().map_or(&model_params, |s| &s.local);
     let named: Vec<(String, Tensor)> = local.iter().map(handle).collect();
     // Where this rank computes: every buffer it creates (handshakes, tokens, the loss and
     // norm scalars, the record's gathers) goes there, as its groups take tensors on it.
@@ -96,18 +105,26 @@ pub fn train_pipeline_with(
 
     let stage_params = stage_parameters(model, &plan, &named);
     let data_ranks = plan.data_ranks(replica, world_size);
-    let metas_by_size = probe_shapes(model, &data_ranks, plan.microbatches)?;
+    let metas_by_size = probe_shapes(model, &data_ranks, plan.microbatches, stage_split.as_ref())?;
     let mut actions = rank_actions(&plan, rank, opts);
     let held_params: Vec<(String, Tensor)> = held.iter().map(|&i| handle(&named[i])).collect();
-    let data = stage_data(&plan, rank, &mut actions, &held_params, &dpg, opts, sharded)?;
+    let data = stage_data(
+        &plan,
+        rank,
+        &mut actions,
+        &held_params,
+        &data_group,
+        opts,
+        sharded,
+    )?;
     let skip_tied = opts.fault == Some(PipelineFault::SkipTiedReduce);
     let reduce_tied = || reduce_tied_parts(&plan, &held, &named, &holder_groups, skip_tied);
     let sharding = |action: &Action| apply_sharding(action, &data, &reduce_tied);
-    let loss_fn = stage_tp
+    let loss_fn = stage_split
         .as_ref()
         .map(|s| move |batch: &Batch, output: &Tensor| s.loss(model, batch, output));
     let executor = Executor {
-        compute: stage_tp.as_ref().map(|s| &s.hooks),
+        compute: stage_split.as_ref().map(|s| &s.hooks),
         loss: loss_fn.as_ref().map(|f| f as &LossFn<'_>),
         sharding: data.unit().map(|_| &sharding as &ShardingFn<'_>),
         ..stage_executor(
@@ -120,7 +137,7 @@ pub fn train_pipeline_with(
             opts,
         )
     };
-    let tp_part = tp_coordinate_part(stage_tp.is_some() && tp > 1, tp_rank, tp);
+    let tp_part = tp_coordinate_part(stage_split.is_some() && tp > 1, tp_rank, tp);
     let steps = StepLoop {
         model,
         plan: &plan,
@@ -132,7 +149,7 @@ pub fn train_pipeline_with(
         held_params: &held_params,
         data: &data,
         pp: pp.as_ref(),
-        dp: dpg.as_ref(),
+        dp: data_group.as_ref(),
         edge_groups: &edge_groups,
         counts: &counts,
         data_ranks: &data_ranks,
@@ -143,11 +160,11 @@ pub fn train_pipeline_with(
         composed,
         reduce_tied: &reduce_tied,
         model_params: &model_params,
-        stage_tp: stage_tp.as_ref(),
+        stage_split: stage_split.as_ref(),
         tp_part: &tp_part,
     };
     let (mut record, traces) = PipelineStrategy::new(steps, metas_by_size).train(cfg)?;
-    record.placements = placement_table(&plan, &stage_params, stage_tp.as_ref(), sharded);
+    record.placements = placement_table(&plan, &stage_params, stage_split.as_ref(), sharded);
     Ok(PipelineRun {
         record,
         traces,
@@ -199,10 +216,19 @@ fn probe_shapes(
     model: &dyn Model,
     data_ranks: &[usize],
     microbatches: usize,
+    split: Option<&StageSplit>,
 ) -> Result<HashMap<Vec<i64>, Arc<Vec<TensorMeta>>>, PipelineError> {
     let mut metas_by_size = HashMap::new();
     let first = microbatch::split(model, data_ranks, 0, microbatches)?;
-    step_metas(model, &first.batches, &mut metas_by_size, false, 0)?;
+    let batches = match split {
+        Some(s) => first
+            .batches
+            .into_iter()
+            .map(|b| s.cut(b))
+            .collect::<Result<Vec<_>, _>>()?,
+        None => first.batches,
+    };
+    step_metas(model, &batches, &mut metas_by_size, false, 0)?;
     Ok(metas_by_size)
 }
 
@@ -276,7 +302,7 @@ fn stage_executor<'a>(
 fn placement_table(
     plan: &PipelinePlan,
     stage_params: &[Vec<(usize, Tensor)>],
-    stage_tp: Option<&StageTp>,
+    stage_split: Option<&StageSplit>,
     sharded: bool,
 ) -> Vec<crate::record::TensorPlacement> {
     let dp = plan.data_parallel;
@@ -292,7 +318,7 @@ fn placement_table(
                 1 => stages.join(""),
                 _ => format!("tied: {}, gradient parts summed", stages.join(", ")),
             };
-            if let Some(tp) = stage_tp.filter(|s| s.group_size() > 1) {
+            if let Some(tp) = stage_split.filter(|s| s.splits()) {
                 placement.push_str(&format!(", {}", tp.placement_text(name)));
             }
             match (dp, sharded) {
@@ -317,12 +343,13 @@ fn plan_within(
     within: StageParallel,
 ) -> Result<(PipelinePlan, bool), PipelineError> {
     let tp = within.tp.max(1);
-    if !world_size.is_multiple_of(tp) {
+    let cp = within.cp.max(1);
+    if !world_size.is_multiple_of(tp * cp) {
         return Err(PipelineError::InvalidPlan(format!(
-            "tensor-parallel size {tp} does not divide world size {world_size}"
+            "cp={cp} × tp={tp} inside the stages does not divide world size {world_size}"
         )));
     }
-    let plan = plan_pipeline(model, world_size / tp, opts)?;
+    let plan = plan_pipeline(model, world_size / (tp * cp), opts)?;
     let sharded = match within.data {
         DataParallel::Replicate => false,
         DataParallel::Shard => true,

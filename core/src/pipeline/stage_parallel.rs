@@ -1,12 +1,15 @@
 //! What runs inside a pipeline's stages and across its replicas when parallelisms compose
 //! ([`StageParallel`]): each stage's tensor parallelism (this rank's TP shards, the hooks that
-//! compute the stage's layers with them, the vocabulary-parallel loss), FSDP's schedule
-//! actions for a sharded data dimension, and the full-size values a composed run records.
+//! compute the stage's layers with them, the vocabulary-parallel loss) and context
+//! parallelism (each microbatch cut along the sequence, attention across the CP ranks of the
+//! stage, global positions, the loss as the shard's share), FSDP's schedule actions for a
+//! sharded data dimension, and the full-size values a composed run records.
 
 use super::schedule::{Action, ActionKind};
 use super::PipelineError;
 use crate::comm::ProcessGroup;
 use crate::compose::DataParallel;
+use crate::context_parallel::{CpHooks, CpOptions};
 use crate::fsdp::Fsdp;
 use crate::tensor_parallel::hooks::PlanHooks;
 use crate::tensor_parallel::run::{aliases, local_parameters, placement_text, tp_coordinate};
@@ -17,14 +20,17 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use tch::Tensor;
 
-/// What runs inside each pipeline stage and across its replicas: tensor parallelism of the
-/// stage's layers (`tp` ranks compute each stage together) and the data dimension
-/// (replicas all-reduce, or FSDP shards each stage's parameters over `dp` through the
-/// schedule's `UNSHARD`, `RESHARD` and `REDUCE_GRAD` actions).
+/// What runs inside each pipeline stage and across its replicas: context and tensor
+/// parallelism of the stage's layers (`cp · tp` ranks compute each stage together, the mesh
+/// `[dp, pp, cp, tp]`) and the data dimension (replicas all-reduce, or FSDP shards each
+/// stage's parameters over `dp` (`dp × cp` with CP) through the schedule's `UNSHARD`,
+/// `RESHARD` and `REDUCE_GRAD` actions).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StageParallel {
     /// Tensor-parallel size inside each stage (1: none).
     pub tp: usize,
+    /// Context-parallel size inside each stage (1: none): ring attention, load-balanced.
+    pub cp: usize,
     /// How replicas keep parameters and reduce gradients.
     pub data: DataParallel,
 }
@@ -33,6 +39,7 @@ impl Default for StageParallel {
     fn default() -> Self {
         StageParallel {
             tp: 1,
+            cp: 1,
             data: DataParallel::Replicate,
         }
     }
@@ -71,72 +78,140 @@ pub(super) fn insert_sharding_actions(actions: &mut Vec<Action>, stage: usize, e
     actions.push(Action::new(stage, ActionKind::Reshard, None));
 }
 
-/// The tensor-parallel side of a PP×TP stage: this rank's TP shards and the hooks that run
-/// the stage's modules with them by the model's plan (the loss too: loss parallel).
-pub(super) struct StageTp {
+/// The context-parallel side of a PP×CP stage: which shard of each sequence this rank holds.
+pub(super) struct StageCp {
+    opts: CpOptions,
+    rank: usize,
+}
+
+/// What splits a PP×TP or PP×CP stage inside it: this rank's TP shards and the hooks that
+/// run the stage's modules with them by the model's plan (the loss too: loss parallel), and
+/// under CP the hooks around them that bring the other shards' keys and values, give global
+/// positions and make each microbatch's loss the shard's share.
+pub(super) struct StageSplit {
     /// Every parameter as this rank computes with it (TP shards where the plan splits).
     pub(super) local: Vec<(String, Tensor)>,
     placements: HashMap<String, Placement>,
     pub(super) hooks: RefCell<Box<dyn LayerHooks>>,
-    group: Arc<dyn ProcessGroup>,
+    /// The stage's TP group (`None` without TP).
+    group: Option<Arc<dyn ProcessGroup>>,
     rank: usize,
+    cp: Option<StageCp>,
 }
 
-impl StageTp {
+impl StageSplit {
     /// How the stage's TP plan holds `name`, for the record's placements.
     pub(super) fn placement_text(&self, name: &str) -> String {
-        placement_text(self.placements.get(name), self.group.size())
+        let mut text = placement_text(self.placements.get(name), self.group_size());
+        if let Some(cp) = &self.cp {
+            text.push_str(&format!(
+                ", gradient summed over cp={} (sequence shards)",
+                cp.opts.cp
+            ));
+        }
+        text
     }
 
     /// The stage's TP degree.
     pub(super) fn group_size(&self) -> usize {
-        self.group.size()
+        self.group.as_ref().map_or(1, |g| g.size())
+    }
+
+    /// Whether anything splits the stage (TP or CP above 1).
+    pub(super) fn splits(&self) -> bool {
+        self.group_size() > 1 || self.cp.is_some()
     }
 
     /// Which copy of TP-local tensor `name` this rank holds, for the cross-rank check.
     pub(super) fn coordinate(&self, name: &str) -> String {
-        tp_coordinate(&self.placements, name, self.rank, self.group.size())
+        tp_coordinate(&self.placements, name, self.rank, self.group_size())
     }
 
+    /// The split of a stage on this rank: TP rank `rank` of `group` (`None`: no TP), and CP
+    /// rank `cp_rank` of `cp_group` (`None`: no CP).
     pub(super) fn new(
         model: &dyn Model,
         world_size: usize,
-        tp: usize,
-        rank: usize,
-        group: Arc<dyn ProcessGroup>,
-    ) -> Result<StageTp, PipelineError> {
-        let tp_error =
-            |e: crate::tensor_parallel::TpError| PipelineError::InvalidPlan(e.to_string());
-        let opts = crate::tensor_parallel::TpOptions {
-            tp,
-            sequence_parallel: false,
-            data_parallel: DataParallel::Replicate,
-            fault: None,
+        tp: Option<(Arc<dyn ProcessGroup>, usize)>,
+        cp: Option<(Arc<dyn ProcessGroup>, usize)>,
+    ) -> Result<StageSplit, PipelineError> {
+        let invalid = |e: &dyn std::fmt::Display| PipelineError::InvalidPlan(e.to_string());
+        let (placements, local, plan_hooks, group, rank) = match tp {
+            Some((group, rank)) => {
+                let opts = crate::tensor_parallel::TpOptions {
+                    tp: group.size(),
+                    sequence_parallel: false,
+                    data_parallel: DataParallel::Replicate,
+                    fault: None,
+                };
+                let placements = check_plan(model, world_size, &opts).map_err(|e| invalid(&e))?;
+                let plan = model_plan(model, &opts).map_err(|e| invalid(&e))?;
+                let local = local_parameters(model, &placements, rank, group.size())
+                    .map_err(|e| invalid(&e))?;
+                let hooks = PlanHooks::new(
+                    group.clone(),
+                    rank,
+                    &local,
+                    &aliases(model),
+                    plan,
+                    &model.layers(),
+                );
+                let hooks: Box<dyn LayerHooks> = Box::new(hooks);
+                (placements, local, Some(hooks), Some(group), rank)
+            }
+            None => (HashMap::new(), model.named_parameters(), None, None, 0),
         };
-        let placements = check_plan(model, world_size, &opts).map_err(tp_error)?;
-        let plan =
-            model_plan(model, &opts).map_err(|e| PipelineError::InvalidPlan(e.to_string()))?;
-        let local = local_parameters(model, &placements, rank, tp)
-            .map_err(|e| PipelineError::InvalidPlan(e.to_string()))?;
-        let hooks = PlanHooks::new(
-            group.clone(),
-            rank,
-            &local,
-            &aliases(model),
-            plan,
-            &model.layers(),
-        );
-        Ok(StageTp {
+        let (hooks, cp): (Box<dyn LayerHooks>, _) = match (cp, plan_hooks) {
+            (Some((cp_group, cp_rank)), inner) => {
+                let opts = CpOptions::ring(cp_group.size());
+                let seq = model
+                    .input(0, 0)?
+                    .inputs
+                    .first()
+                    .map_or(0, |t| t.size().get(1).copied().unwrap_or(0));
+                let mut hooks = CpHooks::new(cp_group, cp_rank, opts.clone()).in_pipeline(seq);
+                if let Some(inner) = inner {
+                    hooks = hooks.around(inner);
+                }
+                (
+                    Box::new(hooks),
+                    Some(StageCp {
+                        opts,
+                        rank: cp_rank,
+                    }),
+                )
+            }
+            (None, Some(inner)) => (inner, None),
+            (None, None) => (Box::new(lockstep_models::NoHooks), None),
+        };
+        Ok(StageSplit {
             local,
             placements,
-            hooks: RefCell::new(Box::new(hooks)),
+            hooks: RefCell::new(hooks),
             group,
             rank,
+            cp,
         })
     }
 
-    /// The microbatch's loss through the plan's hooks (this rank's vocabulary slice of the
-    /// logits under a vocabulary-parallel plan).
+    /// This rank's part of a microbatch: under CP its shard of every sequence (tokens and
+    /// targets cut alike; labels were shifted before, in the whole batch), else the batch.
+    pub(super) fn cut(&self, batch: Batch) -> Result<Batch, PipelineError> {
+        let Some(cp) = &self.cp else {
+            return Ok(batch);
+        };
+        let cut = |t: &Tensor| {
+            crate::context_parallel::shard_sequence(t, 1, cp.opts.layout, cp.rank, cp.opts.cp)
+                .map_err(|e| PipelineError::Execution(e.to_string()))
+        };
+        Ok(Batch {
+            inputs: batch.inputs.iter().map(cut).collect::<Result<_, _>>()?,
+            target: batch.target.as_ref().map(cut).transpose()?,
+        })
+    }
+
+    /// The microbatch's loss through the stage's hooks (this rank's vocabulary slice of the
+    /// logits under a vocabulary-parallel plan; its sequence shard's share under CP).
     pub(super) fn loss(
         &self,
         model: &dyn Model,
@@ -177,7 +252,7 @@ pub(super) fn full_values(
     named: &[(String, Tensor)],
     model_params: &[(String, Tensor)],
     unit: Option<&RefCell<Fsdp>>,
-    stage_tp: Option<&StageTp>,
+    stage_split: Option<&StageSplit>,
     value: impl Fn(&Tensor) -> Tensor,
 ) -> Result<Vec<(String, Tensor)>, PipelineError> {
     let gathered: HashMap<String, Tensor> = match unit {
@@ -199,9 +274,11 @@ pub(super) fn full_values(
                     }
                 }
             };
-            let v = match stage_tp.and_then(|s| s.placements.get(name).map(|p| (s, p))) {
-                Some((s, Placement::Shard { dim })) => {
-                    crate::tensor_parallel::unshard(&v, *dim, s.group.as_ref())
+            let split =
+                stage_split.and_then(|s| Some((s.placements.get(name)?, s.group.as_ref()?)));
+            let v = match split {
+                Some((Placement::Shard { dim }, group)) => {
+                    crate::tensor_parallel::unshard(&v, *dim, group.as_ref())
                         .map_err(|e| PipelineError::Execution(e.to_string()))?
                 }
                 _ => v,

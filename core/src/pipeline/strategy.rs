@@ -10,7 +10,7 @@ use super::microbatch;
 use super::options::{PipelineFault, PipelineOptions};
 use super::plan::PipelinePlan;
 use super::schedule::Action;
-use super::stage_parallel::{full_values, StageTp};
+use super::stage_parallel::{full_values, StageSplit};
 use super::trace::RankStepTrace;
 use super::PipelineError;
 use crate::comm::{CollectiveCounts, ProcessGroup, ReduceOp};
@@ -51,7 +51,7 @@ pub(super) struct StepLoop<'a> {
     pub(super) composed: bool,
     pub(super) reduce_tied: &'a dyn Fn() -> Result<(), PipelineError>,
     pub(super) model_params: &'a [(String, Tensor)],
-    pub(super) stage_tp: Option<&'a StageTp>,
+    pub(super) stage_split: Option<&'a StageSplit>,
     pub(super) tp_part: &'a str,
 }
 
@@ -66,7 +66,7 @@ impl StepLoop<'_> {
             self.named,
             self.model_params,
             self.data.unit(),
-            self.stage_tp,
+            self.stage_split,
             value,
         )?;
         gather_owned(self.plan, self.rank, self.pp, &full, self.device)
@@ -75,7 +75,8 @@ impl StepLoop<'_> {
     /// Which copy of `name` this rank holds: tied copies keep one name on every stage that
     /// holds them, so they compare; TP shards say which shard they are.
     fn tp_coord(&self, name: &str) -> String {
-        self.stage_tp.map_or(String::new(), |s| s.coordinate(name))
+        self.stage_split
+            .map_or(String::new(), |s| s.coordinate(name))
     }
 }
 
@@ -140,7 +141,15 @@ impl StepHooks for PipelineStrategy<'_> {
     ) -> Result<StepLoss, TrainError> {
         let s = &self.steps;
         let mut run = || -> Result<f64, PipelineError> {
-            let split = microbatch::split(s.model, s.data_ranks, step, s.plan.microbatches)?;
+            let mut split = microbatch::split(s.model, s.data_ranks, step, s.plan.microbatches)?;
+            if let Some(stage) = s.stage_split {
+                // Under CP each rank holds its shard of every microbatch's sequences.
+                split.batches = split
+                    .batches
+                    .into_iter()
+                    .map(|b| stage.cut(b))
+                    .collect::<Result<_, _>>()?;
+            }
             let metas = step_metas(
                 s.model,
                 &split.batches,
@@ -185,7 +194,7 @@ impl StepHooks for PipelineStrategy<'_> {
             if !s.sharded {
                 (s.reduce_tied)()?;
             }
-            if s.plan.data_parallel > 1 && !s.held.is_empty() && !s.sharded {
+            if s.dp.size() > 1 && !s.held.is_empty() && !s.sharded {
                 let grads: Vec<Tensor> = s.held.iter().map(|&i| s.named[i].1.grad()).collect();
                 average_flat(&grads, s.dp)?;
             }
@@ -206,7 +215,9 @@ impl StepHooks for PipelineStrategy<'_> {
         // Each stage holding the last one contributes its microbatches' losses.
         let loss = Tensor::from_slice(&[local.value]).f_to_device(local.device)?;
         self.steps.pp.all_reduce(&loss, ReduceOp::Sum)?;
-        if self.steps.plan.data_parallel > 1 {
+        // Over the data group: the replicas (and under CP the shards, whose losses carry
+        // the CP size, so their average is their sum).
+        if self.steps.dp.size() > 1 {
             self.steps.dp.all_reduce(&loss, ReduceOp::Avg)?;
         }
         Ok(loss.f_double_value(&[0])?)
