@@ -286,3 +286,62 @@ fn hybrid_sharding_beside_context_parallelism_equals_one_device(
         }
     });
 }
+
+/// A two-stage 1F1B pipeline whose stages are split over `cp` ranks (and `tp` inside them),
+/// `dp` replicas of it, with `fault` planted in the stages' CP hooks.
+fn pp_cp_run(
+    ctx: &RankCtx,
+    model: &str,
+    (cp, tp, dp): (usize, usize, usize),
+    fault: Option<CpFault>,
+) -> RunRecord {
+    use lockstep_core::pipeline::{train_pipeline_with, PipelineOptions, StageParallel};
+    let m = zoo::build(model, 0, ctx.rank()).expect("model");
+    let cfg = common::train_config(ctx, model, "pp_cp", "fp32", STEPS);
+    let opts = PipelineOptions {
+        data_parallel: dp,
+        ..PipelineOptions::default()
+    };
+    let within = StageParallel {
+        tp,
+        cp,
+        cp_fault: fault,
+        data: DataParallel::Replicate,
+    };
+    train_pipeline_with(m.as_ref(), ctx.world(), &cfg, &opts, within)
+        .expect("PP × CP run")
+        .record
+}
+
+/// PP × CP: each stage's CP ranks hold a shard of every microbatch's sequences (ring
+/// attention across them, global positions, each microbatch's loss the shard's share) and
+/// pass their own shard's activations to the next stage's rank of the same CP coordinate.
+/// It passes against one device at pp 2 × cp 2 (world 4), with two replicas (world 8) and
+/// with TP 2 inside (world 8); attention on the local shard only and positions from the
+/// shard, planted in the stages, are caught.
+#[rstest]
+fn pipelines_split_by_context_parallelism_equal_one_device(
+    #[values(
+        ((2, 1, 1), None, true),
+        ((2, 1, 2), None, true),
+        ((2, 2, 1), None, true),
+        ((2, 1, 1), Some(CpFault::LocalAttentionOnly), false),
+        ((2, 1, 1), Some(CpFault::PositionsFromShard), false)
+    )]
+    case: ((usize, usize, usize), Option<CpFault>, bool),
+) {
+    let ((cp, tp, dp), fault, passes) = case;
+    let world = 2 * cp * tp * dp;
+    lockstep_harness::run(world, |ctx| {
+        let run = pp_cp_run(ctx, "gpt", (cp, tp, dp), fault);
+        if ctx.rank() == 0 {
+            let c = against_single(&run, "gpt", world);
+            assert_eq!(
+                c.passed,
+                passes,
+                "pp 2 × cp {cp} × tp {tp} × dp {dp}, {fault:?}: {}",
+                c.diagnosis.unwrap_or_default()
+            );
+        }
+    });
+}

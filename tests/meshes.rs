@@ -59,15 +59,17 @@ fn a_mesh_given_on_the_command_line_is_its_own_row_and_passes() {
     }
 }
 
-/// A mesh that fixes its size (dp_shard given) runs at that size without `--world-size`:
-/// here cp 2 × dp 2 with HSDP's sibling and pipelines too.
+/// A mesh that fixes its size (dp_shard or dp_replicate given) runs at that size without
+/// `--world-size`: CP × TP with FSDP, HSDP × TP, PP × CP with HSDP, EP over FSDP, and the
+/// whole 5-D mesh torchtitan composes at world 32 on the mixture of experts.
 #[test]
 fn a_mesh_that_fixes_its_size_runs_at_it() {
     for (mesh, world, model) in [
         ("dp_shard=2,cp=2,tp=2", 8, "gpt_moe"),
         ("dp_replicate=2,dp_shard=2,tp=2", 8, "gpt"),
-        ("pp=2,dp_shard=2,tp=2", 8, "gpt"),
+        ("pp=2,dp_replicate=2,dp_shard=2,cp=2", 16, "gpt"),
         ("dp_shard=4,ep=2", 4, "gpt_moe"),
+        ("pp=2,dp_replicate=2,dp_shard=2,cp=2,tp=2", 32, "gpt_moe"),
     ] {
         let dir = tempfile::tempdir().expect("temp dir");
         let out_dir = dir.path().join("report");
@@ -122,8 +124,8 @@ fn bad_meshes_are_refused_naming_what_does_not_fit() {
             "8 experts do not divide over an expert-parallel group of 3",
         ),
         (
-            vec!["--mesh", "pp=2,cp=2", "--world-size", "4"],
-            "pp × cp together is not built yet",
+            vec!["--mesh", "pp=2,cp=2,ep=2", "--world-size", "8"],
+            "pp × cp × ep together is not built yet",
         ),
     ] {
         let mut all = vec!["matrix", "--out", out];
@@ -148,13 +150,13 @@ fn parity_tests_take_a_mesh() {
         .assert_parity();
     let e = ParityTest::new("a_mesh_not_built")
         .zoo("gpt")
-        .mesh("pp=2,cp=2")
+        .mesh("cp=2,ep=2")
         .out_dir(dir.path())
         .run()
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();
-    assert!(e.contains("pp × cp together is not built yet"), "{e}");
+    assert!(e.contains("cp × ep together is not built yet"), "{e}");
 }
 
 /// `lockstep run` finds a mesh row by its name, as exec'd ranks do.

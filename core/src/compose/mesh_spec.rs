@@ -291,9 +291,6 @@ impl MeshSpec {
                 data,
             }),
             ["pp"] | ["pp", "tp"] | ["pp", "cp"] | ["pp", "cp", "tp"] => {
-                if data.is_hybrid() {
-                    return Err(hybrid_refused("pp"));
-                }
                 Ok(Composition::Pipeline {
                     pp: self.pp,
                     tp: self.tp,
@@ -311,9 +308,9 @@ impl MeshSpec {
                 Ok(Composition::ExpertData { ep: self.ep, data })
             }
             combination => Err(unsupported(format!(
-                "{} together is not built yet: built are tp and cp × tp (DDP, FSDP or HSDP, \
-                 sharded over dp_shard × cp), pp and pp × tp (DDP or FSDP), ep (DDP or FSDP) \
-                 (docs/context_parallel.md)",
+                "{} together is not built yet: built are pp, cp and tp in any combination \
+                 (with DDP, FSDP or HSDP, sharded over dp_shard × cp), and ep alone (DDP or \
+                 FSDP) (docs/context_parallel.md)",
                 combination.join(" × ")
             ))),
         }
@@ -389,7 +386,7 @@ mod tests {
                 data: DataParallel::Replicate
             })
         );
-        let e = c("pp=2,cp=2,ep=2", 4).unwrap_err().to_string();
+        let e = c("pp=2,cp=2,ep=2", 8).unwrap_err().to_string();
         assert!(e.contains("pp × cp × ep together is not built yet"), "{e}");
         assert_eq!(
             c("dp_replicate=2,dp_shard=2,cp=2", 8),
@@ -399,9 +396,9 @@ mod tests {
                 data: DataParallel::HybridShard { replicas: 2 }
             })
         );
-        let e = c("dp_replicate=2,dp_shard=2,pp=2", 8)
+        let e = c("dp_replicate=2,dp_shard=2,ep=2", 4)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("HSDP") && e.contains("beside pp"), "{e}");
+        assert!(e.contains("HSDP") && e.contains("beside ep"), "{e}");
     }
 }

@@ -58,6 +58,16 @@ impl DataParallel {
         }
     }
 
+    /// How many replicas the data dimension's shards have (1 unless hybrid).
+    pub fn replicas(self) -> usize {
+        match self {
+            DataParallel::HybridShard { replicas } | DataParallel::HybridReplicate { replicas } => {
+                replicas
+            }
+            _ => 1,
+        }
+    }
+
     /// `ddp`, `fsdp`, `hsdp` or `ddp.hybrid_order`, for messages and names.
     pub fn label(self) -> &'static str {
         match self {
@@ -241,14 +251,15 @@ impl Composition {
                          composition needs dp ≥ {min_data}"
                     )));
                 }
-                if data.is_hybrid() {
+                if matches!(data, DataParallel::HybridReplicate { .. }) {
                     return Err(CompositionError::Invalid(
-                        "a pipeline's data dimension is replicated (dp) or sharded (fsdp), not \
-                         hybrid"
+                        "a pipeline's data dimension is replicated (dp), sharded (fsdp) or \
+                         hybrid-sharded (hsdp)"
                             .into(),
                     ));
                 }
-                let mut dims = vec![("dp", dp), ("pp", pp)];
+                let mut dims = data.dims(dp)?;
+                dims.push(("pp", pp));
                 if cp > 1 {
                     dims.push(("cp", cp));
                 }
@@ -390,7 +401,8 @@ pub fn check_composition(
             }
             let dp = world_size / (pp * tp * cp);
             let plan = pipeline_plan(model, pp, dp, schedule, checkpoint_every)?;
-            if data == DataParallel::Shard && plan.stages.len() != pp {
+            let sharded = matches!(data, DataParallel::Shard | DataParallel::HybridShard { .. });
+            if sharded && plan.stages.len() != pp {
                 return Err(CompositionError::Invalid(format!(
                     "PP×FSDP runs one stage per rank (each stage's parameters one sharded \
                      unit); schedule {schedule} places {} stages on {pp} ranks",

@@ -66,7 +66,12 @@ pub fn train_composed(
                 fault,
                 ..Composition::pipeline_options(pp, dp, schedule, checkpoint_every)
             };
-            let stage = StageParallel { tp, cp, data };
+            let stage = StageParallel {
+                tp,
+                cp,
+                cp_fault: None,
+                data,
+            };
             Ok(train_pipeline_with(model, world, cfg, &opts, stage)?.record)
         }
         Composition::ContextData { cp, tp, data } => {

@@ -18,6 +18,8 @@ pub(super) struct PipelineMesh {
     pub(super) pp: Arc<dyn ProcessGroup>,
     pub(super) dp: Arc<dyn ProcessGroup>,
     pub(super) data: Arc<dyn ProcessGroup>,
+    /// HSDP: the group the data group's shards are replicated across (`dp_replicate`).
+    pub(super) replicate: Option<Arc<dyn ProcessGroup>>,
     pub(super) tp: Option<Arc<dyn ProcessGroup>>,
     pub(super) cp: Option<Arc<dyn ProcessGroup>>,
     pub(super) rank: usize,
@@ -28,13 +30,15 @@ pub(super) struct PipelineMesh {
 
 impl PipelineMesh {
     /// `[dp, pp, cp, tp]` over `world`, the dimensions of size 1 among `cp` and `tp` left out
-    /// (a plain pipeline keeps its historical two-dimensional mesh and group names);
-    /// `counted` wraps the groups whose traffic the record counts.
+    /// (a plain pipeline keeps its historical two-dimensional mesh and group names); under
+    /// HSDP `dp` is `dp_replicate × dp_shard` with `replicas` replicas. `counted` wraps the
+    /// groups whose traffic the record counts.
     pub(super) fn new(
         world: &World,
         plan: &PipelinePlan,
         tp: usize,
         cp: usize,
+        replicas: usize,
         counted: &dyn Fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup>,
     ) -> Result<Self, PipelineError> {
         let (p, dp) = (plan.ranks, plan.data_parallel);
@@ -47,29 +51,49 @@ impl PipelineMesh {
         }
         let mesh = DeviceMesh::new(world, &dims)?;
         let dp_group = counted(mesh.group("dp")?);
-        let (cp_group, cp_rank, data) = if cp > 1 {
-            // `dp × cp` within each (pp, tp) coordinate: not adjacent in the mesh, so made
-            // from its partition directly.
-            let global = |d: usize, r: usize, c: usize, t: usize| ((d * p + r) * cp + c) * tp + t;
-            let partition: Vec<Vec<usize>> = (0..p)
-                .flat_map(|r| {
-                    (0..tp).map(move |t| {
-                        (0..dp)
-                            .flat_map(|d| (0..cp).map(move |c| global(d, r, c, t)))
-                            .collect()
-                    })
+        let global = |d: usize, r: usize, c: usize, t: usize| ((d * p + r) * cp + c) * tp + t;
+        let shards = dp / replicas.max(1);
+        // A group per (replica, pp, tp) coordinate over the data ranks gradients reduce over
+        // (`dp_shard × cp`: not adjacent in the mesh, so made from its partition directly),
+        // and under HSDP one per (dp_shard, pp, cp, tp) across the replicas.
+        let group_of = |partition: Vec<Vec<usize>>, name: &str| {
+            world.new_groups(&partition, name)?.ok_or_else(|| {
+                PipelineError::InvalidPlan(format!("rank {} is in no {name} group", world.rank()))
+            })
+        };
+        let data = if cp > 1 || replicas > 1 {
+            let partition = (0..replicas)
+                .flat_map(|q| (0..p).flat_map(move |r| (0..tp).map(move |t| (q, r, t))))
+                .map(|(q, r, t)| {
+                    (0..shards)
+                        .flat_map(|s| (0..cp).map(move |c| global(q * shards + s, r, c, t)))
+                        .collect()
                 })
                 .collect();
-            let data = world.new_groups(&partition, "dp_cp")?.ok_or_else(|| {
-                PipelineError::InvalidPlan(format!("rank {} is in no dp × cp group", world.rank()))
-            })?;
-            (
-                Some(counted(mesh.group("cp")?)),
-                mesh.coordinate("cp")?,
-                counted(data),
-            )
+            counted(group_of(partition, "dp_cp")?)
         } else {
-            (None, 0, dp_group.clone())
+            dp_group.clone()
+        };
+        let replicate = if replicas > 1 {
+            let partition = (0..shards)
+                .flat_map(|s| {
+                    (0..p).flat_map(move |r| {
+                        (0..cp).flat_map(move |c| (0..tp).map(move |t| (s, r, c, t)))
+                    })
+                })
+                .map(|(s, r, c, t)| {
+                    (0..replicas)
+                        .map(|q| global(q * shards + s, r, c, t))
+                        .collect()
+                })
+                .collect();
+            Some(counted(group_of(partition, "dp_replicate")?))
+        } else {
+            None
+        };
+        let (cp_group, cp_rank) = match cp > 1 {
+            true => (Some(counted(mesh.group("cp")?)), mesh.coordinate("cp")?),
+            false => (None, 0),
         };
         let (tp_group, tp_rank) = match tp > 1 {
             true => (Some(counted(mesh.group("tp")?)), mesh.coordinate("tp")?),
@@ -79,6 +103,7 @@ impl PipelineMesh {
             pp: mesh.group("pp")?,
             dp: dp_group,
             data,
+            replicate,
             tp: tp_group,
             cp: cp_group,
             rank: mesh.coordinate("pp")?,

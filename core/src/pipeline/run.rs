@@ -75,13 +75,14 @@ pub fn train_pipeline_with(
         pp,
         dp: dpg,
         data: data_group,
+        replicate,
         tp: tpg,
         cp: cpg,
         rank,
         replica,
         tp_rank,
         cp_rank,
-    } = PipelineMesh::new(world, &plan, tp, cp, &counted)?;
+    } = PipelineMesh::new(world, &plan, tp, cp, within.data.replicas(), &counted)?;
     let (edge_groups, holder_groups) = pipeline_groups(world, &plan, cp * tp, &counted)?;
     // The tensors this rank computes with: the model's own, or its TP shards.
     let model_params = model.named_parameters();
@@ -92,6 +93,7 @@ pub fn train_pipeline_with(
             world_size,
             tpg.clone().map(|g| (g, tp_rank)),
             cpg.clone().map(|g| (g, cp_rank)),
+            within.cp_fault,
         )?),
     };
     let local = stage_split.as_ref().map_or(&model_params, |s| &s.local);
@@ -113,7 +115,7 @@ pub fn train_pipeline_with(
         rank,
         &mut actions,
         &held_params,
-        &data_group,
+        (&data_group, replicate.as_ref()),
         opts,
         sharded,
     )?;
@@ -150,6 +152,7 @@ pub fn train_pipeline_with(
         data: &data,
         pp: pp.as_ref(),
         dp: data_group.as_ref(),
+        replicate: replicate.as_deref(),
         edge_groups: &edge_groups,
         counts: &counts,
         data_ranks: &data_ranks,
@@ -196,13 +199,13 @@ fn stage_data(
     rank: usize,
     actions: &mut Vec<Action>,
     held_params: &[(String, Tensor)],
-    dp: &Arc<dyn ProcessGroup>,
+    groups: (&Arc<dyn ProcessGroup>, Option<&Arc<dyn ProcessGroup>>),
     opts: &PipelineOptions,
     sharded: bool,
 ) -> Result<DataLayer, PipelineError> {
     let data = match sharded {
         true => {
-            let unit = stage_unit(plan, rank, actions, held_params, dp, opts)?;
+            let unit = stage_unit(plan, rank, actions, held_params, groups, opts)?;
             DataLayer::new(Some(unit), Vec::new())
         }
         false => DataLayer::new(None, held_params.iter().map(handle).collect()),
@@ -353,9 +356,21 @@ fn plan_within(
     let sharded = match within.data {
         DataParallel::Replicate => false,
         DataParallel::Shard => true,
-        DataParallel::HybridShard { .. } | DataParallel::HybridReplicate { .. } => {
+        DataParallel::HybridShard { replicas } => {
+            if replicas == 0 || !plan.data_parallel.is_multiple_of(replicas) {
+                return Err(PipelineError::InvalidPlan(format!(
+                    "HSDP needs {replicas} replicas of equal shard groups; the pipeline has {} \
+                     data-parallel copies",
+                    plan.data_parallel
+                )));
+            }
+            true
+        }
+        DataParallel::HybridReplicate { .. } => {
             return Err(PipelineError::InvalidPlan(
-                "a pipeline's replicas are replicated or sharded, not hybrid-sharded".into(),
+                "a pipeline's replicas are replicated, sharded or hybrid-sharded, not \
+                 replicated in hybrid order"
+                    .into(),
             ))
         }
     };
@@ -376,7 +391,7 @@ fn stage_unit(
     rank: usize,
     actions: &mut Vec<Action>,
     held_params: &[(String, Tensor)],
-    dp: &Arc<dyn ProcessGroup>,
+    (shard, replicate): (&Arc<dyn ProcessGroup>, Option<&Arc<dyn ProcessGroup>>),
     opts: &PipelineOptions,
 ) -> Result<Fsdp, PipelineError> {
     let stage = plan
@@ -396,8 +411,8 @@ fn stage_unit(
     Ok(Fsdp::over_tensors(
         &format!("stage{stage}"),
         params,
-        dp.clone(),
-        None,
+        shard.clone(),
+        replicate.cloned(),
     )?)
 }
 

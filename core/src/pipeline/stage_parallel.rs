@@ -31,6 +31,8 @@ pub struct StageParallel {
     pub tp: usize,
     /// Context-parallel size inside each stage (1: none): ring attention, load-balanced.
     pub cp: usize,
+    /// A context-parallel bug planted in the stages' attention or positions (tests only).
+    pub cp_fault: Option<crate::context_parallel::CpFault>,
     /// How replicas keep parameters and reduce gradients.
     pub data: DataParallel,
 }
@@ -40,6 +42,7 @@ impl Default for StageParallel {
         StageParallel {
             tp: 1,
             cp: 1,
+            cp_fault: None,
             data: DataParallel::Replicate,
         }
     }
@@ -134,6 +137,7 @@ impl StageSplit {
         world_size: usize,
         tp: Option<(Arc<dyn ProcessGroup>, usize)>,
         cp: Option<(Arc<dyn ProcessGroup>, usize)>,
+        cp_fault: Option<crate::context_parallel::CpFault>,
     ) -> Result<StageSplit, PipelineError> {
         let invalid = |e: &dyn std::fmt::Display| PipelineError::InvalidPlan(e.to_string());
         let (placements, local, plan_hooks, group, rank) = match tp {
@@ -163,7 +167,10 @@ impl StageSplit {
         };
         let (hooks, cp): (Box<dyn LayerHooks>, _) = match (cp, plan_hooks) {
             (Some((cp_group, cp_rank)), inner) => {
-                let opts = CpOptions::ring(cp_group.size());
+                let opts = CpOptions {
+                    fault: cp_fault,
+                    ..CpOptions::ring(cp_group.size())
+                };
                 let seq = model
                     .input(0, 0)?
                     .inputs

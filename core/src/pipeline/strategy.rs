@@ -40,6 +40,8 @@ pub(super) struct StepLoop<'a> {
     pub(super) data: &'a DataLayer,
     pub(super) pp: &'a dyn ProcessGroup,
     pub(super) dp: &'a dyn ProcessGroup,
+    /// HSDP: the replicas of the data group's shards, averaged over after it.
+    pub(super) replicate: Option<&'a dyn ProcessGroup>,
     pub(super) edge_groups: &'a EdgeGroups,
     pub(super) counts: &'a CollectiveCounts,
     pub(super) data_ranks: &'a [usize],
@@ -219,6 +221,9 @@ impl StepHooks for PipelineStrategy<'_> {
         // the CP size, so their average is their sum).
         if self.steps.dp.size() > 1 {
             self.steps.dp.all_reduce(&loss, ReduceOp::Avg)?;
+        }
+        if let Some(replicas) = self.steps.replicate {
+            replicas.all_reduce(&loss, ReduceOp::Avg)?;
         }
         Ok(loss.f_double_value(&[0])?)
     }
