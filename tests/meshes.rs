@@ -31,8 +31,9 @@ fn rows(out: &Output) -> Vec<serde_json::Value> {
         .collect()
 }
 
-/// CP × TP with FSDP over the rest, at worlds 4 and 8, passes on both decoders; the mesh is
-/// the only configuration run when it is given alone.
+/// CP × TP with FSDP over the rest, at worlds 4 and 8, passes on both decoders against one
+/// device, and bit for bit against its replicated twin (`.ddp`: FSDP's reduce-scatter gives
+/// the all-reduce's elements); the mesh is the only configuration run when given alone.
 #[test]
 fn a_mesh_given_on_the_command_line_is_its_own_row_and_passes() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -51,25 +52,32 @@ fn a_mesh_given_on_the_command_line_is_its_own_row_and_passes() {
     ]);
     assert!(out.status.success(), "{}", text(&out));
     let rows = rows(&out);
-    assert_eq!(rows.len(), 4, "{}", text(&out));
+    assert_eq!(rows.len(), 8, "{}", text(&out));
     for row in &rows {
         let config = row["config"].as_str().unwrap_or_default();
         assert!(config.starts_with("mesh.cp2.tp2@"), "{row}");
         assert_eq!(row["status"], "pass", "{row}");
+        let reference = row["reference"].as_str().unwrap_or_default();
+        if reference.starts_with("mesh.cp2.tp2.ddp@") {
+            assert_eq!(row["max_abs_err"], 0.0, "bitwise against the twin: {row}");
+        } else {
+            assert!(reference.starts_with("single@"), "{row}");
+        }
     }
 }
 
 /// A mesh that fixes its size (dp_shard or dp_replicate given) runs at that size without
 /// `--world-size`: CP × TP with FSDP, HSDP × TP, PP × CP with HSDP, EP over FSDP, and the
-/// whole 5-D mesh torchtitan composes at world 32 on the mixture of experts.
+/// whole 5-D mesh torchtitan composes at world 32 on the mixture of experts. Each passes
+/// against one device, and the sharded ones bit for bit against their replicated twins.
 #[test]
 fn a_mesh_that_fixes_its_size_runs_at_it() {
-    for (mesh, world, model) in [
-        ("dp_shard=2,cp=2,tp=2", 8, "gpt_moe"),
-        ("dp_replicate=2,dp_shard=2,tp=2", 8, "gpt"),
-        ("pp=2,dp_replicate=2,dp_shard=2,cp=2", 16, "gpt"),
-        ("dp_shard=4,ep=2", 4, "gpt_moe"),
-        ("pp=2,dp_replicate=2,dp_shard=2,cp=2,tp=2", 32, "gpt_moe"),
+    for (mesh, world, model, references) in [
+        ("dp_shard=2,cp=2,tp=2", 8, "gpt_moe", 2),
+        ("dp_replicate=2,dp_shard=2,tp=2", 8, "gpt", 2),
+        ("pp=2,dp_replicate=2,dp_shard=2,cp=2", 16, "gpt", 1),
+        ("dp_shard=4,ep=2", 4, "gpt_moe", 2),
+        ("pp=2,dp_replicate=2,dp_shard=2,cp=2,tp=2", 32, "gpt_moe", 1),
     ] {
         let dir = tempfile::tempdir().expect("temp dir");
         let out_dir = dir.path().join("report");
@@ -85,9 +93,11 @@ fn a_mesh_that_fixes_its_size_runs_at_it() {
         ]);
         assert!(out.status.success(), "{mesh}: {}", text(&out));
         let rows = rows(&out);
-        assert_eq!(rows.len(), 1, "{mesh}: {}", text(&out));
-        assert_eq!(rows[0]["world_size"], world, "{mesh}: {}", rows[0]);
-        assert_eq!(rows[0]["status"], "pass", "{mesh}: {}", rows[0]);
+        assert_eq!(rows.len(), references, "{mesh}: {}", text(&out));
+        for row in &rows {
+            assert_eq!(row["world_size"], world, "{mesh}: {row}");
+            assert_eq!(row["status"], "pass", "{mesh}: {row}");
+        }
     }
 }
 

@@ -163,7 +163,13 @@ impl Config {
                 .map(|i| Config::Composed(CompositionId(i))),
         );
         let fixed = composition_configs().len();
-        all.extend((0..mesh_rows().len()).map(|i| Config::Composed(CompositionId(fixed + i))));
+        all.extend(
+            mesh_rows()
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| !r.reference_only)
+                .map(|(i, _)| Config::Composed(CompositionId(fixed + i))),
+        );
         all
     }
 
@@ -184,6 +190,14 @@ impl Config {
                 .filter(|&i| composition_configs()[i].reference_only)
                 .map(|i| Config::Composed(CompositionId(i))),
         );
+        let fixed = composition_configs().len();
+        out.extend(
+            mesh_rows()
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.reference_only)
+                .map(|(i, _)| Config::Composed(CompositionId(fixed + i))),
+        );
         out
     }
 
@@ -195,7 +209,7 @@ impl Config {
             .chain(Config::references_only())
             .find(|c| c.name() == name);
         // A mesh row's name is its mesh: registered the first time it is named.
-        found.or_else(|| mesh_config(&lockstep_core::compose::MeshSpec::from_row_name(name)?).ok())
+        found.or_else(|| mesh_row_by_name(name))
     }
 
     /// The name patterns and reports use.

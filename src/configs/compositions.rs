@@ -218,23 +218,59 @@ fn expert_data_rows() -> Vec<CompositionConfig> {
     }]
 }
 
-/// Context parallel over 2 ranks with the parameters sharded over `dp × cp`.
+/// Context parallel over 2 ranks with the parameters sharded over `dp × cp`, with TP inside,
+/// and inside a pipeline's stages.
 fn context_data_rows() -> Vec<CompositionConfig> {
-    vec![CompositionConfig {
-        name: "fsdp_x_cp2",
-        description: "FSDP×CP on [dp, cp=2]: cp.2 (ring attention, load-balanced), every \
+    vec![
+        CompositionConfig {
+            name: "cp2_x_tp2",
+            description: "CP×TP on [dp, cp=2, tp=2]: cp.2 with each sequence shard split by \
+                          the model's TP plan (loss parallel, scaled to the shard's share), \
+                          replicated over the rest (world 4 and up): torchtitan#3280's shape",
+            composition: Composition::ContextData {
+                cp: 2,
+                tp: 2,
+                data: DataParallel::Replicate,
+            },
+            reduces_to: None,
+            reference_only: false,
+            mesh: None,
+        },
+        CompositionConfig {
+            name: "pp2_x_cp2",
+            description: "PP×CP on [dp, pp=2, cp=2]: a 2-stage 1F1B pipeline whose stages are \
+                          computed by 2 CP ranks each (every microbatch cut along the \
+                          sequence, ring attention inside the stage, activations sent \
+                          shard to shard), replicated over the rest (world 4 and up)",
+            composition: Composition::Pipeline {
+                pp: 2,
+                tp: 1,
+                cp: 2,
+                data: DataParallel::Replicate,
+                schedule: ScheduleKind::OneFOneB,
+                min_data: 1,
+                checkpoint_every: None,
+            },
+            reduces_to: None,
+            reference_only: false,
+            mesh: None,
+        },
+        CompositionConfig {
+            name: "fsdp_x_cp2",
+            description: "FSDP×CP on [dp, cp=2]: cp.2 (ring attention, load-balanced), every \
                       parameter one FSDP unit sharded over dp × cp (every rank), as \
                       torchtitan shards over dp_shard × cp; gradients scaled by cp and \
                       reduce-scattered",
-        composition: Composition::ContextData {
-            cp: 2,
-            tp: 1,
-            data: DataParallel::Shard,
+            composition: Composition::ContextData {
+                cp: 2,
+                tp: 1,
+                data: DataParallel::Shard,
+            },
+            reduces_to: Some(("cp.2", DdpCheck::Bitwise)),
+            reference_only: false,
+            mesh: None,
         },
-        reduces_to: Some(("cp.2", DdpCheck::Bitwise)),
-        reference_only: false,
-        mesh: None,
-    }]
+    ]
 }
 
 /// Rows made from users' mesh descriptions, in the order they were first named. Each is
@@ -247,46 +283,136 @@ pub(super) fn mesh_rows() -> Vec<&'static CompositionConfig> {
     MESH_ROWS.lock().map(|r| r.clone()).unwrap_or_default()
 }
 
+/// The suffix of a mesh row's replicated twin (`mesh.dps2.cp2.ddp`).
+const REPLICATED_TWIN: &str = ".ddp";
+
+/// The same composition with its sharded data dimension replicated (FSDP → DDP, HSDP → DDP
+/// averaged in HSDP's two stages): bitwise equal to it, since the shards' reduce-scatter
+/// yields the all-reduce's elements. `None` where the data dimension is not sharded.
+fn replicated_twin(c: Composition) -> Option<Composition> {
+    let replicated = |data: DataParallel| match data {
+        DataParallel::Shard => Some(DataParallel::Replicate),
+        DataParallel::HybridShard { replicas } => Some(DataParallel::HybridReplicate { replicas }),
+        _ => None,
+    };
+    match c {
+        Composition::TensorData { tp, data } => Some(Composition::TensorData {
+            tp,
+            data: replicated(data)?,
+        }),
+        // CP, pipelines and EP have no hybrid-order replication: FSDP only.
+        Composition::ContextData {
+            cp,
+            tp,
+            data: DataParallel::Shard,
+        } => Some(Composition::ContextData {
+            cp,
+            tp,
+            data: DataParallel::Replicate,
+        }),
+        Composition::Pipeline {
+            data: DataParallel::Shard,
+            pp,
+            tp,
+            cp,
+            schedule,
+            min_data,
+            checkpoint_every,
+        } => Some(Composition::Pipeline {
+            data: DataParallel::Replicate,
+            pp,
+            tp,
+            cp,
+            schedule,
+            min_data,
+            checkpoint_every,
+        }),
+        Composition::ExpertData {
+            ep,
+            data: DataParallel::Shard,
+        } => Some(Composition::ExpertData {
+            ep,
+            data: DataParallel::Replicate,
+        }),
+        _ => None,
+    }
+}
+
 /// The matrix row of the user's `mesh` (`mesh.cp2.tp2`...), made and registered the first
 /// time it is named, so `--configs`, `lockstep run` and exec'd ranks find it by name; or why
-/// the mesh cannot be trained (a combination not built yet).
+/// the mesh cannot be trained (a combination not built yet). A mesh whose data dimension is
+/// sharded gets its replicated twin too (`<row>.ddp`, reference only), and is judged against
+/// it bit for bit as well as against single.
 pub fn mesh_config(mesh: &MeshSpec) -> Result<Config, MeshError> {
     let composition = mesh.parts()?;
     let name = mesh.row_name();
-    let mut rows = MESH_ROWS
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let fixed = composition_configs().len();
-    if let Some(i) = rows.iter().position(|r| r.name == name) {
-        return Ok(Config::Composed(CompositionId(fixed + i)));
+    if let Some(config) = mesh_row_named(&name) {
+        return Ok(config);
     }
     let world = match mesh.world() {
         Some(w) => format!("{w} ranks"),
         None => "dp_shard the rest of the world".to_owned(),
     };
-    let row = CompositionConfig {
-        name: Box::leak(name.into_boxed_str()),
-        description: Box::leak(
-            format!("the mesh {mesh} ({world}), trained as {composition:?}").into_boxed_str(),
-        ),
-        composition,
+    let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
+    let twin = replicated_twin(composition).map(|twin| CompositionConfig {
+        name: leak(format!("{name}{REPLICATED_TWIN}")),
+        description: leak(format!(
+            "the mesh {mesh} with its data dimension replicated instead of sharded: the \
+             bitwise reference of {name} (reference only: runs when it does)"
+        )),
+        composition: twin,
         reduces_to: None,
+        reference_only: true,
+        mesh: Some(*mesh),
+    });
+    let row = CompositionConfig {
+        name: leak(name),
+        description: leak(format!(
+            "the mesh {mesh} ({world}), trained as {composition:?}"
+        )),
+        composition,
+        reduces_to: twin.as_ref().map(|t| (t.name, DdpCheck::Bitwise)),
         reference_only: false,
         mesh: Some(*mesh),
     };
+    let mut rows = MESH_ROWS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(twin) = twin {
+        rows.push(Box::leak(Box::new(twin)));
+    }
     rows.push(Box::leak(Box::new(row)));
-    Ok(Config::Composed(CompositionId(fixed + rows.len() - 1)))
+    Ok(Config::Composed(CompositionId(
+        composition_configs().len() + rows.len() - 1,
+    )))
+}
+
+/// The registered mesh row (or replicated twin) called `name`, if any.
+fn mesh_row_named(name: &str) -> Option<Config> {
+    let rows = MESH_ROWS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let i = rows.iter().position(|r| r.name == name)?;
+    Some(Config::Composed(CompositionId(
+        composition_configs().len() + i,
+    )))
+}
+
+/// The mesh row or replicated twin called `name`, registered from the mesh its name spells
+/// when first named (`None`: not a mesh row, or a mesh not built).
+pub(super) fn mesh_row_by_name(name: &str) -> Option<Config> {
+    let mesh = name.strip_suffix(REPLICATED_TWIN).unwrap_or(name);
+    mesh_config(&MeshSpec::from_row_name(mesh)?).ok()?;
+    mesh_row_named(name)
 }
 
 /// Registers the mesh rows among `names` (a `--configs` list: `mesh.pp2.cp2`...), so patterns
 /// over [`Config::all`] find them; other names are left alone.
 pub fn register_mesh_rows(names: &[String]) {
     for name in names {
-        if let Some(mesh) = MeshSpec::from_row_name(name) {
-            // A mesh whose combination is not built is not registered; the selection then
-            // names it as unknown, listing the known rows.
-            let _ = mesh_config(&mesh);
-        }
+        // A mesh whose combination is not built is not registered; the selection then names
+        // it as unknown, listing the known rows.
+        let _ = mesh_row_by_name(name);
     }
 }
 

@@ -37,6 +37,18 @@ const NOT_IN_ROWS: &[(&str, &str)] = &[
         "pipeline.schedule=Custom",
         "a schedule given as data (tests/schedule_cli.rs, core/tests/pipeline.rs)",
     ),
+    (
+        "cp.data=HybridShard",
+        "HSDP beside CP needs dp_replicate × dp_shard × cp ≥ 8 ranks to mean anything, past \
+         the default worlds 2 and 4: a user's mesh runs it (`--mesh \
+         dp_replicate=2,dp_shard=2,cp=2`, tests/meshes.rs, tests/context_parallel.rs)",
+    ),
+    (
+        "pp.data=HybridShard",
+        "HSDP around a pipeline needs dp_replicate × dp_shard × pp ≥ 8 ranks, past the \
+         default worlds: a user's mesh runs it (`--mesh pp=2,dp_replicate=2,dp_shard=2,cp=2`, \
+         tests/meshes.rs)",
+    ),
 ];
 
 fn ddp_choices(o: DdpOptions, hierarchical: bool, used: &mut BTreeSet<String>) {
@@ -181,12 +193,14 @@ fn composition_choices(c: Composition, used: &mut BTreeSet<String>) {
         }
         Composition::Pipeline {
             tp,
+            cp,
             data,
             schedule,
             checkpoint_every,
             ..
         } => {
             used.insert(format!("pp.stage_tp={}", tp > 1));
+            used.insert(format!("pp.stage_cp={}", cp > 1));
             used.insert(format!("pp.data={}", data_name(data)));
             used.insert(format!("pipeline.schedule={}", schedule_name(schedule)));
             used.insert(format!(
@@ -197,8 +211,9 @@ fn composition_choices(c: Composition, used: &mut BTreeSet<String>) {
         Composition::ExpertData { data, .. } => {
             used.insert(format!("ep.data={}", data_name(data)));
         }
-        Composition::ContextData { data, .. } => {
+        Composition::ContextData { tp, data, .. } => {
             used.insert(format!("cp.data={}", data_name(data)));
+            used.insert(format!("cp.tp={}", tp > 1));
         }
     }
 }
@@ -236,6 +251,7 @@ fn used_choices() -> BTreeSet<String> {
                     used.insert(format!("cp.dispatcher={dispatcher:?}"));
                     used.insert(format!("cp.layout={layout:?}"));
                     used.insert("cp.data=Replicate".into());
+                    used.insert("cp.tp=false".into());
                 }
             }
         }
@@ -261,6 +277,8 @@ fn every_choice() -> Vec<String> {
         "pipeline.checkpoint",
         "pipeline.data_parallel",
         "pp.stage_tp",
+        "pp.stage_cp",
+        "cp.tp",
         "tp.sequence_parallel",
         "ep.capacity",
     ] {
@@ -305,8 +323,10 @@ fn every_choice() -> Vec<String> {
         all.push(format!("tp.data={d}"));
     }
     for d in ["Replicate", "Shard"] {
-        all.push(format!("pp.data={d}"));
         all.push(format!("ep.data={d}"));
+    }
+    for d in ["Replicate", "Shard", "HybridShard"] {
+        all.push(format!("pp.data={d}"));
         all.push(format!("cp.data={d}"));
     }
     all
