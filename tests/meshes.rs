@@ -186,3 +186,27 @@ fn a_mesh_row_runs_by_name() {
     ]);
     assert!(out.status.success(), "{}", text(&out));
 }
+
+/// Exec'd ranks (`--exec-ranks`, how the GPU check runs its families) rebuild a mesh row from
+/// its name and train it: a model placed on its device keeps its CP opt-in (it was refused
+/// once: the device wrapper answered CP's question with the default refusal).
+#[test]
+fn exec_d_ranks_run_a_mesh_row() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out_dir = dir.path().join("report");
+    let out = lockstep(&[
+        "matrix",
+        "--mesh",
+        "dp_shard=2,cp=2",
+        "--exec-ranks",
+        "--models",
+        "gpt",
+        "--json",
+        "--out",
+        out_dir.to_str().expect("utf-8"),
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    let rows = rows(&out);
+    assert_eq!(rows.len(), 2, "{}", text(&out));
+    assert!(rows.iter().all(|r| r["status"] == "pass"), "{}", text(&out));
+}

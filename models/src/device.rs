@@ -139,6 +139,11 @@ impl Model for OnDevice {
     fn parallel_plan(&self, sequence_parallel: bool) -> Option<crate::plan::ParallelPlan> {
         self.inner.parallel_plan(sequence_parallel)
     }
+    /// The wrapped model's answer: it routes its attention and positions through the hooks
+    /// wherever it computes (the default would refuse every model placed on a device).
+    fn context_parallel_blocker(&self) -> Option<String> {
+        self.inner.context_parallel_blocker()
+    }
     fn loss_of_hooked(
         &self,
         batch: &Batch,
