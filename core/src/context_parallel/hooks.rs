@@ -19,8 +19,11 @@ fn hook_err(e: impl std::error::Error + Send + Sync + 'static) -> ModelError {
 
 /// One rank's hooks under context parallelism.
 pub struct CpHooks {
-    /// The plan inside (CP × TP): the modules' parallel forms; `None` runs the plain ops.
-    inner: Option<Box<dyn LayerHooks>>,
+    /// What runs every module but attention and positions: a tensor-parallel plan's hooks
+    /// (CP × TP), or the plain ops.
+    inner: Box<dyn LayerHooks>,
+    /// Whether `inner` is a plan, whose loss (loss parallel) is a mean to rescale.
+    planned: bool,
     group: Arc<dyn ProcessGroup>,
     rank: usize,
     opts: CpOptions,
@@ -38,7 +41,8 @@ impl CpHooks {
     /// Hooks for this rank (`rank` in the CP `group`).
     pub fn new(group: Arc<dyn ProcessGroup>, rank: usize, opts: CpOptions) -> CpHooks {
         CpHooks {
-            inner: None,
+            inner: Box::new(NoHooks),
+            planned: false,
             group,
             rank,
             opts,
@@ -60,7 +64,8 @@ impl CpHooks {
     /// These hooks around `inner` (a tensor-parallel plan's): every module but the attention,
     /// positions and loss scaling runs through it.
     pub fn around(mut self, inner: Box<dyn LayerHooks>) -> CpHooks {
-        self.inner = Some(inner);
+        self.inner = inner;
+        self.planned = true;
         self
     }
 
@@ -77,17 +82,11 @@ impl LayerHooks for CpHooks {
         index: usize,
         inputs: Vec<Tensor>,
     ) -> Result<Vec<Tensor>, ModelError> {
-        match &mut self.inner {
-            Some(inner) => inner.pre_forward(index, inputs),
-            None => Ok(inputs),
-        }
+        self.inner.pre_forward(index, inputs)
     }
 
     fn post_forward(&mut self, index: usize, output: Tensor) -> Result<Tensor, ModelError> {
-        match &mut self.inner {
-            Some(inner) => inner.post_forward(index, output),
-            None => Ok(output),
-        }
+        self.inner.post_forward(index, output)
     }
 
     fn substitute(
@@ -95,10 +94,7 @@ impl LayerHooks for CpHooks {
         index: usize,
         inputs: &[Tensor],
     ) -> Result<Option<Tensor>, ModelError> {
-        match &mut self.inner {
-            Some(inner) => inner.substitute(index, inputs),
-            None => Ok(None),
-        }
+        self.inner.substitute(index, inputs)
     }
 
     fn linear(
@@ -108,10 +104,7 @@ impl LayerHooks for CpHooks {
         weight: &Tensor,
         bias: Option<&Tensor>,
     ) -> Result<Tensor, ModelError> {
-        match &mut self.inner {
-            Some(inner) => inner.linear(path, x, weight, bias),
-            None => NoHooks.linear(path, x, weight, bias),
-        }
+        self.inner.linear(path, x, weight, bias)
     }
 
     fn embedding(
@@ -120,10 +113,7 @@ impl LayerHooks for CpHooks {
         ids: &Tensor,
         weight: &Tensor,
     ) -> Result<Tensor, ModelError> {
-        match &mut self.inner {
-            Some(inner) => inner.embedding(path, ids, weight),
-            None => NoHooks.embedding(path, ids, weight),
-        }
+        self.inner.embedding(path, ids, weight)
     }
 
     fn layer_norm(
@@ -134,10 +124,7 @@ impl LayerHooks for CpHooks {
         bias: &Tensor,
         eps: f64,
     ) -> Result<Tensor, ModelError> {
-        match &mut self.inner {
-            Some(inner) => inner.layer_norm(path, x, weight, bias, eps),
-            None => NoHooks.layer_norm(path, x, weight, bias, eps),
-        }
+        self.inner.layer_norm(path, x, weight, bias, eps)
     }
 
     fn moe(
@@ -147,10 +134,7 @@ impl LayerHooks for CpHooks {
         spec: MoeSpec,
         dense: &dyn Fn(&Tensor) -> Result<Tensor, ModelError>,
     ) -> Result<Tensor, ModelError> {
-        match &mut self.inner {
-            Some(inner) => inner.moe(path, x, spec, dense),
-            None => dense(x),
-        }
+        self.inner.moe(path, x, spec, dense)
     }
 
     fn dropout(
@@ -159,10 +143,7 @@ impl LayerHooks for CpHooks {
         x: &Tensor,
         mask: &dyn Fn(&[i64]) -> Result<Tensor, ModelError>,
     ) -> Result<Tensor, ModelError> {
-        match &mut self.inner {
-            Some(inner) => inner.dropout(path, x, mask),
-            None => NoHooks.dropout(path, x, mask),
-        }
+        self.inner.dropout(path, x, mask)
     }
 
     /// The shard's tokens' positions in the whole sequence.
@@ -210,16 +191,16 @@ impl LayerHooks for CpHooks {
             }
             false => (self.tokens, 1.0),
         };
-        if let Some(inner) = &mut self.inner {
-            let mean = inner.cross_entropy(path, logits, target)?;
+        if self.planned {
+            let mean = self.inner.cross_entropy(path, logits, target)?;
             return Ok(mean.f_mul_scalar(counted()? / tokens * scale)?);
         }
         let sum =
             logits.f_cross_entropy_loss::<Tensor>(target, None, tch::Reduction::Sum, -100, 0.0)?;
         let share = sum.f_div_scalar(tokens)?;
-        Ok(match self.in_pipeline {
-            true => share.f_mul_scalar(scale)?,
-            false => share,
+        Ok(match scale == 1.0 {
+            true => share,
+            false => share.f_mul_scalar(scale)?,
         })
     }
 }
