@@ -43,6 +43,7 @@ fn opts(cp: usize, dispatcher: CpDispatcher, layout: SequenceLayout) -> CpOption
     CpOptions {
         cp,
         tp: 1,
+        ep: 1,
         dispatcher,
         layout,
         data_parallel: DataParallel::Replicate,
@@ -285,6 +286,76 @@ fn hybrid_sharding_beside_context_parallelism_equals_one_device(
             );
         }
     });
+}
+
+/// CP × EP (gpt_moe's experts spread over `ep` ranks borrowed from `dp × cp`, every
+/// shard's tokens dispatched to them): at cp 2 × ep 2 (world 4, EP within a CP group, and
+/// world 8, EP across replicas), with TP 2 inside (world 8), and under HSDP (world 8) it
+/// passes against one device. Expert gradients scaled as EP alone scales them (not by the
+/// CP size) are caught.
+#[rstest]
+fn context_and_expert_parallel_together_equal_one_device(
+    #[values(
+        (4, 1, 2, DataParallel::Replicate, None),
+        (8, 1, 4, DataParallel::Shard, None),
+        (8, 2, 2, DataParallel::Shard, None),
+        (8, 1, 2, DataParallel::HybridShard { replicas: 2 }, None),
+        (4, 1, 2, DataParallel::Replicate, Some(CpFault::ExpertGradsNotScaledByCp))
+    )]
+    case: (usize, usize, usize, DataParallel, Option<CpFault>),
+) {
+    let (world, tp, ep, data_parallel, fault) = case;
+    lockstep_harness::run(world, |ctx| {
+        let o = CpOptions {
+            tp,
+            ep,
+            data_parallel,
+            fault,
+            ..CpOptions::ring(2)
+        };
+        let run = cp_run(ctx, "gpt_moe", &o);
+        if ctx.rank() == 0 {
+            let c = against_single(&run, "gpt_moe", world);
+            assert_eq!(
+                c.passed,
+                fault.is_none(),
+                "cp 2 × tp {tp} × ep {ep} at world {world} ({data_parallel:?}), {fault:?}: {}",
+                c.diagnosis.unwrap_or_default()
+            );
+            if fault.is_some() {
+                let first = c.first_failure.expect("a first failing tensor");
+                let tensor = first.tensor.as_deref().unwrap_or_default();
+                assert!(tensor.contains(".experts."), "{first:?}");
+            }
+        }
+    });
+}
+
+/// EP beside CP is refused before any rank starts when it does not divide `dp × cp` or the
+/// experts, naming the sizes.
+#[test]
+fn expert_sizes_that_do_not_fit_beside_cp_are_refused() {
+    let moe = zoo::build("gpt_moe", 0, 0).expect("model");
+    let with_ep = |ep: usize| CpOptions {
+        ep,
+        ..CpOptions::ring(2)
+    };
+    let e = check_context_parallel(moe.as_ref(), 2, &with_ep(4))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("ep=4 borrows from dp × cp = 1 × 2 ranks"), "{e}");
+    let e = check_context_parallel(moe.as_ref(), 6, &with_ep(3))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("8 experts do not divide over an expert-parallel group of 3"),
+        "{e}"
+    );
+    let gpt = zoo::build("gpt", 0, 0).expect("model");
+    let e = check_context_parallel(gpt.as_ref(), 4, &with_ep(2))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no mixture-of-experts layer"), "{e}");
 }
 
 /// A two-stage 1F1B pipeline whose stages are split over `cp` ranks (and `tp` inside them),

@@ -67,7 +67,8 @@ fn a_mesh_given_on_the_command_line_is_its_own_row_and_passes() {
 }
 
 /// A mesh that fixes its size (dp_shard or dp_replicate given) runs at that size without
-/// `--world-size`: CP × TP with FSDP, HSDP × TP, PP × CP with HSDP, EP over FSDP, and the
+/// `--world-size`: CP × TP with FSDP, HSDP × TP, PP × CP with HSDP, EP over FSDP, CP × TP ×
+/// EP with FSDP, EP under HSDP, and the
 /// whole 5-D mesh torchtitan composes at world 32 on the mixture of experts. Each passes
 /// against one device, and the sharded ones bit for bit against their replicated twins.
 #[test]
@@ -77,6 +78,8 @@ fn a_mesh_that_fixes_its_size_runs_at_it() {
         ("dp_replicate=2,dp_shard=2,tp=2", 8, "gpt", 2),
         ("pp=2,dp_replicate=2,dp_shard=2,cp=2", 16, "gpt", 1),
         ("dp_shard=4,ep=2", 4, "gpt_moe", 2),
+        ("dp_shard=2,cp=2,tp=2,ep=2", 8, "gpt_moe", 2),
+        ("dp_replicate=2,dp_shard=2,ep=2", 4, "gpt_moe", 1),
         ("pp=2,dp_replicate=2,dp_shard=2,cp=2,tp=2", 32, "gpt_moe", 1),
     ] {
         let dir = tempfile::tempdir().expect("temp dir");
@@ -134,6 +137,11 @@ fn bad_meshes_are_refused_naming_what_does_not_fit() {
             "8 experts do not divide over an expert-parallel group of 3",
         ),
         (
+            vec!["--mesh", "cp=2,ep=3", "--world-size", "4"],
+            "ep=3 borrows from the data and context dimensions, whose 2 × 2 ranks do not \
+             divide by it",
+        ),
+        (
             vec!["--mesh", "pp=2,cp=2,ep=2", "--world-size", "8"],
             "pp × cp × ep together is not built yet",
         ),
@@ -158,15 +166,21 @@ fn parity_tests_take_a_mesh() {
         .world_sizes(&[4])
         .out_dir(dir.path())
         .assert_parity();
+    ParityTest::new("parity_tests_take_an_expert_mesh")
+        .zoo("gpt_moe")
+        .mesh("cp=2,ep=2")
+        .world_sizes(&[4])
+        .out_dir(dir.path())
+        .assert_parity();
     let e = ParityTest::new("a_mesh_not_built")
         .zoo("gpt")
-        .mesh("cp=2,ep=2")
+        .mesh("pp=2,cp=2,ep=2")
         .out_dir(dir.path())
         .run()
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();
-    assert!(e.contains("cp × ep together is not built yet"), "{e}");
+    assert!(e.contains("pp × cp × ep together is not built yet"), "{e}");
 }
 
 /// `lockstep run` finds a mesh row by its name, as exec'd ranks do.

@@ -230,6 +230,7 @@ fn context_data_rows() -> Vec<CompositionConfig> {
             composition: Composition::ContextData {
                 cp: 2,
                 tp: 2,
+                ep: 1,
                 data: DataParallel::Replicate,
             },
             reduces_to: None,
@@ -256,6 +257,22 @@ fn context_data_rows() -> Vec<CompositionConfig> {
             mesh: None,
         },
         CompositionConfig {
+            name: "cp2_x_ep2",
+            description: "CP×EP on [dp, cp=2], ep=2 borrowed from dp × cp: cp.2 with each \
+                          mixture's experts spread over 2 ranks, every sequence shard's \
+                          tokens dispatched to them, expert gradients summed over their \
+                          holders and divided by dp (world 2 and up; models with experts)",
+            composition: Composition::ContextData {
+                cp: 2,
+                tp: 1,
+                ep: 2,
+                data: DataParallel::Replicate,
+            },
+            reduces_to: None,
+            reference_only: false,
+            mesh: None,
+        },
+        CompositionConfig {
             name: "fsdp_x_cp2",
             description: "FSDP×CP on [dp, cp=2]: cp.2 (ring attention, load-balanced), every \
                       parameter one FSDP unit sharded over dp × cp (every rank), as \
@@ -264,6 +281,7 @@ fn context_data_rows() -> Vec<CompositionConfig> {
             composition: Composition::ContextData {
                 cp: 2,
                 tp: 1,
+                ep: 1,
                 data: DataParallel::Shard,
             },
             reduces_to: Some(("cp.2", DdpCheck::Bitwise)),
@@ -304,10 +322,12 @@ fn replicated_twin(c: Composition) -> Option<Composition> {
         Composition::ContextData {
             cp,
             tp,
+            ep,
             data: DataParallel::Shard,
         } => Some(Composition::ContextData {
             cp,
             tp,
+            ep,
             data: DataParallel::Replicate,
         }),
         Composition::Pipeline {

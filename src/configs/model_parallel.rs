@@ -117,6 +117,7 @@ impl ModelParallelConfig {
             } => Some(CpOptions {
                 cp,
                 tp: 1,
+                ep: 1,
                 dispatcher,
                 layout,
                 data_parallel: Default::default(),

@@ -211,9 +211,10 @@ fn composition_choices(c: Composition, used: &mut BTreeSet<String>) {
         Composition::ExpertData { data, .. } => {
             used.insert(format!("ep.data={}", data_name(data)));
         }
-        Composition::ContextData { tp, data, .. } => {
+        Composition::ContextData { tp, ep, data, .. } => {
             used.insert(format!("cp.data={}", data_name(data)));
             used.insert(format!("cp.tp={}", tp > 1));
+            used.insert(format!("cp.ep={}", ep > 1));
         }
     }
 }
@@ -252,6 +253,7 @@ fn used_choices() -> BTreeSet<String> {
                     used.insert(format!("cp.layout={layout:?}"));
                     used.insert("cp.data=Replicate".into());
                     used.insert("cp.tp=false".into());
+                    used.insert("cp.ep=false".into());
                 }
             }
         }
@@ -279,6 +281,7 @@ fn every_choice() -> Vec<String> {
         "pp.stage_tp",
         "pp.stage_cp",
         "cp.tp",
+        "cp.ep",
         "tp.sequence_parallel",
         "ep.capacity",
     ] {

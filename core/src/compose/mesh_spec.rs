@@ -222,11 +222,11 @@ impl MeshSpec {
             ),
             _ => {
                 let data = world_size / (self.pp * self.cp * self.tp);
-                if self.ep > 1 && !data.is_multiple_of(self.ep) {
+                if self.ep > 1 && !(data * self.cp).is_multiple_of(self.ep) {
                     format!(
-                        "ep={} borrows from the data dimension, whose {data} ranks do not \
-                         divide by it",
-                        self.ep
+                        "ep={} borrows from the data and context dimensions, whose \
+                         {data} × {} ranks do not divide by it",
+                        self.ep, self.cp
                     )
                 } else {
                     return None;
@@ -277,19 +277,20 @@ impl MeshSpec {
         .filter(|d| d.1 > 1)
         .map(|d| d.0)
         .collect();
-        let hybrid_refused = |with: &str| {
-            unsupported(format!(
-                "HSDP (dp_replicate and dp_shard both above 1) beside {with} is not built yet; \
-                 give one of them (DDP or FSDP), or use HSDP with tp or cp"
-            ))
-        };
         match split.as_slice() {
             [] | ["tp"] => Ok(Composition::TensorData { tp: self.tp, data }),
-            ["cp"] | ["cp", "tp"] => Ok(Composition::ContextData {
-                cp: self.cp,
-                tp: self.tp,
-                data,
-            }),
+            // EP over DDP or FSDP alone keeps its own loop (and its bits); under HSDP, and
+            // beside cp or tp, the context-parallel loop trains it (at CP size 1 attention
+            // is the plain one).
+            ["ep"] if !data.is_hybrid() => Ok(Composition::ExpertData { ep: self.ep, data }),
+            ["cp"] | ["cp", "tp"] | ["cp", "ep"] | ["cp", "tp", "ep"] | ["tp", "ep"] | ["ep"] => {
+                Ok(Composition::ContextData {
+                    cp: self.cp,
+                    tp: self.tp,
+                    ep: self.ep,
+                    data,
+                })
+            }
             ["pp"] | ["pp", "tp"] | ["pp", "cp"] | ["pp", "cp", "tp"] => {
                 Ok(Composition::Pipeline {
                     pp: self.pp,
@@ -301,16 +302,10 @@ impl MeshSpec {
                     checkpoint_every: None,
                 })
             }
-            ["ep"] => {
-                if data.is_hybrid() {
-                    return Err(hybrid_refused("ep"));
-                }
-                Ok(Composition::ExpertData { ep: self.ep, data })
-            }
             combination => Err(unsupported(format!(
-                "{} together is not built yet: built are pp, cp and tp in any combination \
-                 (with DDP, FSDP or HSDP, sharded over dp_shard × cp), and ep alone (DDP or \
-                 FSDP) (docs/context_parallel.md)",
+                "{} together is not built yet: built are pp, cp and tp in any combination, \
+                 and ep with cp and tp (each with DDP, FSDP or HSDP, sharded over dp_shard × \
+                 cp); ep inside a pipeline's stages is not (docs/context_parallel.md)",
                 combination.join(" × ")
             ))),
         }
@@ -369,6 +364,7 @@ mod tests {
             Ok(Composition::ContextData {
                 cp: 2,
                 tp: 2,
+                ep: 1,
                 data: DataParallel::Shard
             })
         );
@@ -393,12 +389,40 @@ mod tests {
             Ok(Composition::ContextData {
                 cp: 2,
                 tp: 1,
+                ep: 1,
                 data: DataParallel::HybridShard { replicas: 2 }
             })
         );
-        let e = c("dp_replicate=2,dp_shard=2,ep=2", 4)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("HSDP") && e.contains("beside ep"), "{e}");
+        assert_eq!(
+            c("dp_replicate=2,dp_shard=2,ep=2", 4),
+            Ok(Composition::ContextData {
+                cp: 1,
+                tp: 1,
+                ep: 2,
+                data: DataParallel::HybridShard { replicas: 2 }
+            })
+        );
+        assert_eq!(
+            c("dp_shard=2,ep=2", 2),
+            Ok(Composition::ExpertData {
+                ep: 2,
+                data: DataParallel::Shard
+            })
+        );
+        // ep borrows from dp × cp: 2 × 2 ranks here, so ep=4 fits where dp alone would not.
+        assert_eq!(
+            c("cp=2,tp=2,ep=4", 16),
+            Ok(Composition::ContextData {
+                cp: 2,
+                tp: 2,
+                ep: 4,
+                data: DataParallel::Shard
+            })
+        );
+        let e = c("cp=2,ep=3", 4).unwrap_err().to_string();
+        assert!(
+            e.contains("ep=3 borrows from the data and context dimensions"),
+            "{e}"
+        );
     }
 }

@@ -143,7 +143,11 @@ pub enum Composition {
         cp: usize,
         /// Tensor-parallel size inside each sequence shard.
         tp: usize,
-        /// How the data dimension keeps parameters.
+        /// Expert-parallel size (1: experts replicated): each mixture's experts spread over
+        /// `ep` ranks borrowed from `dp × cp`, as torchtitan borrows them from
+        /// `dp_shard × cp`.
+        ep: usize,
+        /// How the data dimension keeps parameters (the dense ones, under EP).
         data: DataParallel,
     },
     /// Expert parallelism of size `ep`, every rank its own batch; the dense parameters
@@ -266,8 +270,14 @@ impl Composition {
                 dims.push(("tp", tp));
                 Ok(dims)
             }
-            Composition::ContextData { cp, tp, data } => {
+            Composition::ContextData { cp, tp, ep, data } => {
                 let dp = fixed(&[("cp", cp), ("tp", tp)])?;
+                if ep == 0 || !(dp * cp).is_multiple_of(ep) {
+                    return Err(CompositionError::Mesh(format!(
+                        "ep={ep} borrows from dp × cp = {dp} × {cp} at world size \
+                         {world_size}, which does not divide by it"
+                    )));
+                }
                 if matches!(data, DataParallel::HybridReplicate { .. }) {
                     return Err(CompositionError::Invalid(
                         "the data dimension beside context parallelism is replicated (dp), \
@@ -308,9 +318,17 @@ impl Composition {
 
     /// The context-parallel options a composition's CP part runs with (ring attention,
     /// load-balanced).
-    pub(crate) fn cp_options(cp: usize, tp: usize, data: DataParallel) -> CpOptions {
+    /// At CP size 1 (TP × EP, or EP under HSDP, trained by the same loop) the sequence is
+    /// one contiguous shard: no chunk count to divide.
+    pub(crate) fn cp_options(cp: usize, tp: usize, ep: usize, data: DataParallel) -> CpOptions {
+        let layout = match cp {
+            1 => crate::context_parallel::SequenceLayout::Contiguous,
+            _ => crate::context_parallel::SequenceLayout::Balanced,
+        };
         CpOptions {
             tp,
+            ep,
+            layout,
             data_parallel: data,
             ..CpOptions::ring(cp)
         }
@@ -396,7 +414,7 @@ pub fn check_composition(
                 check_plan(model, world_size, &Composition::tp_options(tp, data))?;
             }
             if cp > 1 {
-                let cp_opts = Composition::cp_options(cp, tp, DataParallel::Replicate);
+                let cp_opts = Composition::cp_options(cp, tp, 1, DataParallel::Replicate);
                 check_context_parallel(model, world_size, &cp_opts)?;
             }
             let dp = world_size / (pp * tp * cp);
@@ -413,8 +431,12 @@ pub fn check_composition(
         Composition::ExpertData { ep, data } => {
             check_expert_plan(model, world_size, &Composition::ep_options(ep, data))?;
         }
-        Composition::ContextData { cp, tp, data } => {
-            check_context_parallel(model, world_size, &Composition::cp_options(cp, tp, data))?;
+        Composition::ContextData { cp, tp, ep, data } => {
+            check_context_parallel(
+                model,
+                world_size,
+                &Composition::cp_options(cp, tp, ep, data),
+            )?;
         }
     }
     Ok(mesh)

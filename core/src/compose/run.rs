@@ -74,7 +74,7 @@ pub fn train_composed(
             };
             Ok(train_pipeline_with(model, world, cfg, &opts, stage)?.record)
         }
-        Composition::ContextData { cp, tp, data } => {
+        Composition::ContextData { cp, tp, ep, data } => {
             if let Some(f) = fault {
                 return Err(misplaced(f));
             }
@@ -82,7 +82,7 @@ pub fn train_composed(
                 model,
                 world,
                 cfg,
-                &Composition::cp_options(cp, tp, data),
+                &Composition::cp_options(cp, tp, ep, data),
             )?)
         }
         Composition::ExpertData { ep, data } => {

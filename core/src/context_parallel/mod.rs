@@ -17,6 +17,7 @@
 //! reference that computes attention as the ring does.
 
 pub mod attention;
+mod experts;
 pub mod hooks;
 pub mod layout;
 pub mod options;

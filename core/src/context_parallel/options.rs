@@ -58,6 +58,11 @@ pub enum CpFault {
     ScaledByDpSize,
     /// Positions taken from the index within the shard, not within the sequence.
     PositionsFromShard,
+    /// CP × EP: expert gradients scaled as expert parallelism alone scales them (summed
+    /// over the ranks holding the expert, divided by all of them), not by the CP size first:
+    /// each shard's loss is its share of the sequence's mean, so the experts learn `cp` times
+    /// too slowly.
+    ExpertGradsNotScaledByCp,
 }
 
 /// Context-parallel options.
@@ -68,6 +73,11 @@ pub struct CpOptions {
     /// Tensor parallelism inside each sequence shard (CP × TP, mesh `[dp, cp, tp]`, the
     /// model's own plan); 1 splits no layer.
     pub tp: usize,
+    /// Expert parallelism beside CP (CP × EP): each mixture's experts spread over `ep`
+    /// ranks carved out of `dp × cp` within a TP coordinate, as torchtitan borrows `ep`
+    /// from `dp_shard × cp`; tokens of every shard dispatched to their experts. 1: experts
+    /// replicated.
+    pub ep: usize,
     /// How queries meet the other shards' keys and values.
     pub dispatcher: CpDispatcher,
     /// How the sequence is cut over the ranks.
@@ -85,6 +95,7 @@ impl CpOptions {
         CpOptions {
             cp,
             tp: 1,
+            ep: 1,
             dispatcher: CpDispatcher::Ring,
             layout: SequenceLayout::Balanced,
             data_parallel: DataParallel::Replicate,

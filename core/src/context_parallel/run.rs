@@ -10,7 +10,15 @@
 //! With `tp` > 1 each sequence shard is also split by the model's tensor-parallel plan (mesh
 //! `[dp, cp, tp]`, torchtitan's order): the plan's hooks run inside the CP hooks, each rank
 //! trains its TP shards, and gradients are reduced over `dp × cp` within each TP coordinate.
+//!
+//! With `ep` > 1 each mixture's experts are spread over `ep` ranks of `dp × cp` (within a TP
+//! coordinate), the plan's hooks dispatching every shard's tokens to them ([`experts`]); the
+//! dense parameters are kept by the data dimension as before, the experts whole beside it.
+//! At CP size 1 the same loop trains TP × EP, and EP under HSDP.
+//!
+//! [`experts`]: super::experts
 
+use super::experts::CpExperts;
 use super::hooks::CpHooks;
 use super::layout::{chunk_count, chunks_of, layout_blocker, shard_sequence};
 use super::options::{CpError, CpFault, CpOptions, SequenceLayout};
@@ -18,6 +26,7 @@ use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, Red
 use crate::compose::data::DataLayer;
 use crate::compose::DataParallel;
 use crate::consistency::{StateKind, StateProbe};
+use crate::expert_parallel::check_expert_plan_with;
 use crate::fsdp::Fsdp;
 use crate::record::{CollectiveEntry, RunRecord, TensorPlacement};
 use crate::tensor_parallel::hooks::PlanHooks;
@@ -61,7 +70,8 @@ pub fn check_context_parallel(
             opts.cp
         )));
     }
-    if let Some(why) = model.context_parallel_blocker() {
+    // At CP size 1 attention and positions are the plain ones: any model runs.
+    if let Some(why) = model.context_parallel_blocker().filter(|_| opts.cp > 1) {
         return Err(CpError::Invalid(why));
     }
     if model.loss_reduction() != LossReduction::Mean {
@@ -82,7 +92,41 @@ pub fn check_context_parallel(
         check_plan(model, world_size, &tensor_options(opts))
             .map_err(|e| CpError::Invalid(format!("CP × TP: {e}")))?;
     }
+    if opts.ep > 1 {
+        expert_count(model, world_size, opts)?;
+    }
     Ok(())
+}
+
+/// The experts of each of `model`'s mixtures, checked to divide over `opts.ep` ranks, and
+/// `opts.ep` to divide the `dp × cp` ranks it borrows from.
+fn expert_count(model: &dyn Model, world_size: usize, opts: &CpOptions) -> Result<usize, CpError> {
+    let data_cp = world_size / opts.tp;
+    if opts.ep == 0 || !data_cp.is_multiple_of(opts.ep) {
+        return Err(CpError::Invalid(format!(
+            "ep={} borrows from dp × cp = {} × {} ranks, which do not divide by it",
+            opts.ep,
+            data_cp / opts.cp,
+            opts.cp
+        )));
+    }
+    let plan = match opts.tp {
+        1 => model.parallel_plan(false),
+        _ => Some(
+            model_plan(model, &tensor_options(opts))
+                .map_err(|e| CpError::Invalid(format!("CP × TP: {e}")))?,
+        ),
+    };
+    let ep_opts = crate::expert_parallel::EpOptions {
+        ep: opts.ep,
+        dispatcher: crate::expert_parallel::Dispatcher::AllToAll,
+        capacity_factor: None,
+        data_parallel: DataParallel::Replicate,
+        fault: None,
+    };
+    let (_, experts) = check_expert_plan_with(model, data_cp, &ep_opts, plan)
+        .map_err(|e| CpError::Invalid(e.to_string()))?;
+    Ok(experts)
 }
 
 /// The tensor-parallel options of a CP × TP run's plan (no sequence parallelism: CP holds
@@ -126,6 +170,9 @@ pub fn train_context_parallel(
         .named_parameters()
         .into_iter()
         .map(|(tensor, _)| {
+            if let Some(placement) = run.experts.as_ref().and_then(|e| e.placement(&tensor)) {
+                return TensorPlacement { tensor, placement };
+            }
             let placement = match run.tp.as_ref() {
                 Some(tp) => format!(
                     "{}; {over_cp}",
@@ -160,6 +207,8 @@ struct CpRun<'a> {
     everyone: Arc<dyn ProcessGroup>,
     /// CP × TP: the TP group and the plan's placements.
     tp: Option<CpTensorParallel>,
+    /// CP × EP: the EP group, this rank's experts and how their gradients reduce.
+    experts: Option<CpExperts>,
     rank: usize,
     counts: CollectiveCounts,
     hooks: CpHooks,
@@ -230,14 +279,26 @@ impl<'a> CpRun<'a> {
         } else {
             None
         };
-        let trained = match &tp {
+        let experts = match opts.ep {
+            1 => None,
+            _ => {
+                let count = expert_count(model, world.size(), opts)?;
+                CpExperts::new(model, world, opts, count, &counted)?
+            }
+        };
+        let trained: Vec<(String, Tensor)> = match &tp {
             Some(tp) => local_parameters(model, &tp.placements, tp.rank, tp_size)
                 .map_err(|e| CpError::Invalid(format!("CP × TP: {e}")))?,
             None => model.named_parameters(),
-        };
-        let handles = || {
+        }
+        .into_iter()
+        .filter(|(n, _)| experts.as_ref().is_none_or(|e| e.holds(n)))
+        .collect();
+        // The data dimension keeps the dense parameters; experts stay whole on their ranks.
+        let handles = |sharded: bool| {
             trained
                 .iter()
+                .filter(|(n, _)| sharded != experts.as_ref().is_some_and(|e| e.is_expert(n)))
                 .map(|(n, t)| (n.clone(), t.shallow_clone()))
                 .collect::<Vec<_>>()
         };
@@ -245,26 +306,47 @@ impl<'a> CpRun<'a> {
             DataParallel::Shard | DataParallel::HybridShard { .. } => DataLayer::new(
                 Some(Fsdp::over_tensors(
                     "cp_local",
-                    handles(),
+                    handles(true),
                     everyone.clone(),
                     replicate,
                 )?),
-                Vec::new(),
+                handles(false),
             ),
-            _ => DataLayer::new(None, handles()),
+            _ => DataLayer::new(
+                None,
+                trained
+                    .iter()
+                    .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                    .collect(),
+            ),
         };
         let mut hooks = CpHooks::new(cp.clone(), rank, opts.clone());
-        if let Some(tp) = &tp {
-            let plan = model_plan(model, &tensor_options(opts))
-                .map_err(|e| CpError::Invalid(format!("CP × TP: {e}")))?;
-            hooks = hooks.around(Box::new(PlanHooks::new(
-                tp.group.clone(),
-                tp.rank,
+        if tp.is_some() || experts.is_some() {
+            // The plan's hooks: TP's shards on the TP group, or (EP alone) every tensor whole
+            // on a group of one; with EP, its mixtures dispatched to their experts.
+            let plan = match &tp {
+                Some(_) => model_plan(model, &tensor_options(opts))
+                    .map_err(|e| CpError::Invalid(format!("CP × TP: {e}")))?,
+                None => model
+                    .parallel_plan(false)
+                    .ok_or_else(|| CpError::Invalid("CP × EP: the model has no plan".into()))?,
+            };
+            let (group, tp_rank) = match &tp {
+                Some(tp) => (tp.group.clone(), tp.rank),
+                None => (alone(world)?, 0),
+            };
+            let mut inner = PlanHooks::new(
+                group,
+                tp_rank,
                 &trained,
                 &aliases(model),
                 plan,
                 &model.layers(),
-            )));
+            );
+            if let Some(e) = &experts {
+                inner = inner.with_experts(e.dispatch());
+            }
+            hooks = hooks.around(Box::new(inner));
         }
         let per = cp_size * tp_size;
         Ok(CpRun {
@@ -274,6 +356,7 @@ impl<'a> CpRun<'a> {
             dp: dp_groups,
             everyone,
             tp,
+            experts,
             rank,
             counts,
             data_ranks: (replica * per..(replica + 1) * per).collect(),
@@ -285,17 +368,24 @@ impl<'a> CpRun<'a> {
     /// Every parameter at full size from this rank's `value` of it (gathered from the unit
     /// when sharded).
     fn full(&self, value: impl Fn(&Tensor) -> Tensor) -> Result<Vec<(String, Tensor)>, CpError> {
-        let local = match self.data.unit() {
-            Some(u) => u.borrow().full_values(value)?,
-            None => self
-                .trained
-                .iter()
-                .map(|(n, t)| {
-                    let v = value(t);
-                    Ok((n.clone(), if v.defined() { v } else { t.f_zeros_like()? }))
-                })
-                .collect::<Result<Vec<_>, CpError>>()?,
+        let gathered: HashMap<String, Tensor> = match self.data.unit() {
+            Some(u) => u.borrow().full_values(&value)?.into_iter().collect(),
+            None => HashMap::new(),
         };
+        let mut local = self
+            .trained
+            .iter()
+            .map(|(n, t)| {
+                if let Some(v) = gathered.get(n) {
+                    return Ok((n.clone(), v.shallow_clone()));
+                }
+                let v = value(t);
+                Ok((n.clone(), if v.defined() { v } else { t.f_zeros_like()? }))
+            })
+            .collect::<Result<Vec<_>, CpError>>()?;
+        if let Some(experts) = &self.experts {
+            local = experts.full(local)?;
+        }
         match &self.tp {
             Some(tp) => full_tensors(
                 &local,
@@ -333,7 +423,14 @@ impl<'a> CpRun<'a> {
                 }
             }
         }
-        for (_, t) in &self.trained {
+        if let Some(experts) = &self.experts {
+            experts.reduce(&self.trained)?;
+        }
+        for (_, t) in self
+            .trained
+            .iter()
+            .filter(|(n, _)| self.experts.as_ref().is_none_or(|e| !e.is_expert(n)))
+        {
             let g = t.grad();
             if !g.defined() {
                 continue;
@@ -403,6 +500,14 @@ impl<'a> CpRun<'a> {
             tokens,
         ))
     }
+}
+
+/// A group of this rank alone (the plan's TP group when only EP splits the model).
+fn alone(world: &World) -> Result<Arc<dyn ProcessGroup>, CpError> {
+    let singles: Vec<Vec<usize>> = (0..world.size()).map(|r| vec![r]).collect();
+    world
+        .new_groups(&singles, "cp-ep-self")?
+        .ok_or_else(|| CpError::Invalid("no single-rank group".into()))
 }
 
 /// [`CpFault::LabelsShiftedAfterSharding`]'s targets on rank `rank`: each of its chunks'

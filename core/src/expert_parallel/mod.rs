@@ -40,6 +40,7 @@ pub use grads::{ep_groups, expert_data_parallel_groups, reduce_expert_grads};
 pub use moe::{moe_forward, Dispatcher, MoeConfig, MoeOutput};
 pub use options::{EpError, EpFault, EpOptions};
 pub use router::{capacity, check_top_k, keep_mask, load_balancing_loss, route, Routing};
+pub(crate) use run::full_expert_tensors;
 pub use run::{
     check_expert_plan, check_expert_plan_with, train_expert_parallel,
     train_expert_parallel_with_plan,

@@ -222,7 +222,7 @@ impl EpRun {
     fn full(&self, value: impl Fn(&Tensor) -> Tensor) -> Result<Vec<(String, Tensor)>, EpError> {
         let unit = self.data.unit().map(|u| u.borrow());
         let local = local_values(&self.named, unit.as_deref(), value)?;
-        full_tensors(
+        full_expert_tensors(
             &local,
             &self.expert_of,
             self.per,
@@ -445,7 +445,7 @@ fn local_values(
 
 /// Every parameter as a whole model has it: dense ones as they are, each expert's from the
 /// `ep` rank holding it (a broadcast over the `ep` group keeps the bits).
-fn full_tensors(
+pub(crate) fn full_expert_tensors(
     local: &[(String, Tensor)],
     expert_of: &HashMap<String, usize>,
     per: usize,
