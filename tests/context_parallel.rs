@@ -13,6 +13,7 @@ use lockstep_core::context_parallel::{
     check_context_parallel, ring_order_attention, train_context_parallel, CpDispatcher, CpFault,
     CpOptions, SequenceLayout,
 };
+use lockstep_core::pipeline::PipelineFault;
 use lockstep_core::record::RunRecord;
 use lockstep_harness::parity::Comparison;
 use lockstep_harness::RankCtx;
@@ -376,6 +377,7 @@ fn pp_cp_run(
     let within = StageParallel {
         tp,
         cp,
+        ep: 1,
         cp_fault: fault,
         data: DataParallel::Replicate,
     };
@@ -413,6 +415,65 @@ fn pipelines_split_by_context_parallelism_equal_one_device(
                 "pp 2 × cp {cp} × tp {tp} × dp {dp}, {fault:?}: {}",
                 c.diagnosis.unwrap_or_default()
             );
+        }
+    });
+}
+
+/// PP × EP: each stage's experts spread over `ep` ranks borrowed from its data group
+/// (`dp × cp`), every microbatch's tokens (a sequence shard's under CP) dispatched to them.
+/// On `gpt_moe` it passes against one device beside replicas (pp 2 × dp 2, world 4), CP
+/// (pp 2 × cp 2, world 4), TP with replicas (world 8) and FSDP (world 8); expert gradients
+/// divided by the world size, as EP alone divides them, instead of the stage's data group
+/// are caught and named at an expert's gradient.
+#[rstest]
+fn pipelines_with_experts_spread_equal_one_device(
+    #[values(
+        ((1, 1, 2), DataParallel::Replicate, None),
+        ((2, 1, 1), DataParallel::Replicate, None),
+        ((1, 2, 2), DataParallel::Replicate, None),
+        ((2, 1, 2), DataParallel::Shard, None),
+        ((1, 1, 2), DataParallel::Replicate, Some(PipelineFault::ExpertGradsScaledByWorld))
+    )]
+    case: ((usize, usize, usize), DataParallel, Option<PipelineFault>),
+) {
+    use lockstep_core::pipeline::{train_pipeline_with, PipelineOptions, StageParallel};
+    let ((cp, tp, dp), data, fault) = case;
+    let world = 2 * cp * tp * dp;
+    lockstep_harness::run(world, |ctx| {
+        let m = zoo::build("gpt_moe", 0, ctx.rank()).expect("model");
+        let cfg = common::train_config(ctx, "gpt_moe", "pp_ep", "fp32", STEPS);
+        let opts = PipelineOptions {
+            data_parallel: dp,
+            fault: fault.clone(),
+            ..PipelineOptions::default()
+        };
+        let within = StageParallel {
+            tp,
+            cp,
+            ep: 2,
+            cp_fault: None,
+            data,
+        };
+        let run = train_pipeline_with(m.as_ref(), ctx.world(), &cfg, &opts, within)
+            .expect("PP × EP run")
+            .record;
+        if ctx.rank() == 0 {
+            let c = against_single(&run, "gpt_moe", world);
+            assert_eq!(
+                c.passed,
+                fault.is_none(),
+                "pp 2 × cp {cp} × tp {tp} × dp {dp} ({data:?}) × ep 2, {fault:?}: {}",
+                c.diagnosis.unwrap_or_default()
+            );
+            let expert = |p: &lockstep_core::record::TensorPlacement| {
+                p.tensor.contains(".experts.") && p.placement.contains("on ep rank")
+            };
+            assert!(run.placements.iter().any(expert), "{:?}", run.placements);
+            if fault.is_some() {
+                let first = c.first_failure.expect("a first failing tensor");
+                let tensor = first.tensor.as_deref().unwrap_or_default();
+                assert!(tensor.contains(".experts."), "{first:?}");
+            }
         }
     });
 }

@@ -68,8 +68,9 @@ fn a_mesh_given_on_the_command_line_is_its_own_row_and_passes() {
 
 /// A mesh that fixes its size (dp_shard or dp_replicate given) runs at that size without
 /// `--world-size`: CP × TP with FSDP, HSDP × TP, PP × CP with HSDP, EP over FSDP, CP × TP ×
-/// EP with FSDP, EP under HSDP, and the
-/// whole 5-D mesh torchtitan composes at world 32 on the mixture of experts. Each passes
+/// EP with FSDP, EP under HSDP, PP × EP with FSDP, and the
+/// whole 5-D mesh torchtitan composes at world 32 on the mixture of experts, its experts
+/// spread over 4 ranks of each stage's `dp_shard × cp`. Each passes
 /// against one device, and the sharded ones bit for bit against their replicated twins.
 #[test]
 fn a_mesh_that_fixes_its_size_runs_at_it() {
@@ -80,7 +81,13 @@ fn a_mesh_that_fixes_its_size_runs_at_it() {
         ("dp_shard=4,ep=2", 4, "gpt_moe", 2),
         ("dp_shard=2,cp=2,tp=2,ep=2", 8, "gpt_moe", 2),
         ("dp_replicate=2,dp_shard=2,ep=2", 4, "gpt_moe", 1),
-        ("pp=2,dp_replicate=2,dp_shard=2,cp=2,tp=2", 32, "gpt_moe", 1),
+        ("pp=2,dp_shard=2,ep=2", 4, "gpt_moe", 2),
+        (
+            "pp=2,dp_replicate=2,dp_shard=2,cp=2,tp=2,ep=4",
+            32,
+            "gpt_moe",
+            1,
+        ),
     ] {
         let dir = tempfile::tempdir().expect("temp dir");
         let out_dir = dir.path().join("report");
@@ -142,8 +149,9 @@ fn bad_meshes_are_refused_naming_what_does_not_fit() {
              divide by it",
         ),
         (
-            vec!["--mesh", "pp=2,cp=2,ep=2", "--world-size", "8"],
-            "pp × cp × ep together is not built yet",
+            vec!["--mesh", "pp=2,tp=2,ep=2", "--world-size", "4"],
+            "ep=2 borrows from the data and context dimensions, whose 1 × 1 ranks do not \
+             divide by it",
         ),
     ] {
         let mut all = vec!["matrix", "--out", out];
@@ -155,8 +163,8 @@ fn bad_meshes_are_refused_naming_what_does_not_fit() {
     }
 }
 
-/// `ParityTest::mesh` takes the same description and judges the mesh's row; a mesh that is
-/// not built fails the test naming why.
+/// `ParityTest::mesh` takes the same description and judges the mesh's row; a mesh that
+/// cannot be parsed fails the test naming why.
 #[test]
 fn parity_tests_take_a_mesh() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -172,15 +180,15 @@ fn parity_tests_take_a_mesh() {
         .world_sizes(&[4])
         .out_dir(dir.path())
         .assert_parity();
-    let e = ParityTest::new("a_mesh_not_built")
+    let e = ParityTest::new("a_mesh_misspelt")
         .zoo("gpt")
-        .mesh("pp=2,cp=2,ep=2")
+        .mesh("pp=2,cp=2,sp=2")
         .out_dir(dir.path())
         .run()
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();
-    assert!(e.contains("pp × cp × ep together is not built yet"), "{e}");
+    assert!(e.contains("unknown dimension `sp`"), "{e}");
 }
 
 /// `lockstep run` finds a mesh row by its name, as exec'd ranks do.

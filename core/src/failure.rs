@@ -81,6 +81,11 @@ macro_rules! split_failure_from {
                 $name::Failed(Box::new($crate::failure::SplitFailure::from(e)))
             }
         })*
+        impl From<$crate::failure::SplitFailure> for $name {
+            fn from(e: $crate::failure::SplitFailure) -> Self {
+                $name::Failed(Box::new(e))
+            }
+        }
     };
 }
 

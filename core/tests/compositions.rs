@@ -43,6 +43,7 @@ fn fsdp_tp(tp: usize) -> Composition {
 fn pipeline(tp: usize, data: DataParallel) -> Composition {
     Composition::Pipeline {
         cp: 1,
+        ep: 1,
         pp: 2,
         tp,
         data,
@@ -405,6 +406,7 @@ fn invalid_meshes_and_compositions_are_refused_before_spawn() {
         4,
         Composition::Pipeline {
             cp: 1,
+            ep: 1,
             pp: 2,
             tp: 2,
             data: DataParallel::Replicate,
@@ -438,6 +440,7 @@ fn invalid_meshes_and_compositions_are_refused_before_spawn() {
         4,
         Composition::Pipeline {
             cp: 1,
+            ep: 1,
             pp: 2,
             tp: 1,
             data: DataParallel::Shard,
@@ -489,6 +492,7 @@ fn three_dimensional_compositions_at_world_8() {
             "gpt_moe",
             Composition::Pipeline {
                 cp: 1,
+                ep: 1,
                 pp: 2,
                 tp: 2,
                 data: DataParallel::Replicate,
@@ -599,6 +603,7 @@ fn pp_x_tp_collective_counts_are_exact() {
 fn pp_x_tp_x_fsdp_with_activation_checkpointing_at_world_8() {
     let composed = |checkpoint_every| Composition::Pipeline {
         cp: 1,
+        ep: 1,
         pp: 2,
         tp: 2,
         data: DataParallel::Shard,

@@ -62,13 +62,7 @@ fn with_meshes(selection: &args::SelectionArgs) -> Option<(Vec<String>, Vec<usiz
                 return None;
             }
         };
-        let config = match lockstep::configs::mesh_config(&mesh) {
-            Ok(config) => config,
-            Err(e) => {
-                eprintln!("error: --mesh: {e}");
-                return None;
-            }
-        };
+        let config = lockstep::configs::mesh_config(&mesh);
         own_sizes.push(mesh.world());
         meshes.push((mesh, config));
         configs.push(config.name().to_owned());

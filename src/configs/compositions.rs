@@ -7,7 +7,7 @@
 //! table through a recorded override.
 
 use super::*;
-use lockstep_core::compose::{check_composition, Composition, DataParallel, MeshError, MeshSpec};
+use lockstep_core::compose::{check_composition, Composition, DataParallel, MeshSpec};
 use lockstep_core::pipeline::ScheduleKind;
 use std::sync::Mutex;
 
@@ -87,6 +87,7 @@ fn one_f_one_b(tp: usize, data: DataParallel, min_data: usize) -> Composition {
         pp: 2,
         tp,
         cp: 1,
+        ep: 1,
         data,
         schedule: ScheduleKind::OneFOneB,
         min_data,
@@ -190,6 +191,7 @@ fn pipeline_rows() -> Vec<CompositionConfig> {
                 pp: 2,
                 tp: 2,
                 cp: 1,
+                ep: 1,
                 data: DataParallel::Shard,
                 schedule: ScheduleKind::OneFOneB,
                 min_data: 2,
@@ -247,6 +249,7 @@ fn context_data_rows() -> Vec<CompositionConfig> {
                 pp: 2,
                 tp: 1,
                 cp: 2,
+                ep: 1,
                 data: DataParallel::Replicate,
                 schedule: ScheduleKind::OneFOneB,
                 min_data: 1,
@@ -335,6 +338,7 @@ fn replicated_twin(c: Composition) -> Option<Composition> {
             pp,
             tp,
             cp,
+            ep,
             schedule,
             min_data,
             checkpoint_every,
@@ -343,6 +347,7 @@ fn replicated_twin(c: Composition) -> Option<Composition> {
             pp,
             tp,
             cp,
+            ep,
             schedule,
             min_data,
             checkpoint_every,
@@ -359,15 +364,15 @@ fn replicated_twin(c: Composition) -> Option<Composition> {
 }
 
 /// The matrix row of the user's `mesh` (`mesh.cp2.tp2`...), made and registered the first
-/// time it is named, so `--configs`, `lockstep run` and exec'd ranks find it by name; or why
-/// the mesh cannot be trained (a combination not built yet). A mesh whose data dimension is
-/// sharded gets its replicated twin too (`<row>.ddp`, reference only), and is judged against
-/// it bit for bit as well as against single.
-pub fn mesh_config(mesh: &MeshSpec) -> Result<Config, MeshError> {
-    let composition = mesh.parts()?;
+/// time it is named, so `--configs`, `lockstep run` and exec'd ranks find it by name. A mesh
+/// whose data dimension is sharded gets its replicated twin too (`<row>.ddp`, reference
+/// only), and is judged against it bit for bit as well as against single. Whether the mesh
+/// fits a world and a model is each run's check.
+pub fn mesh_config(mesh: &MeshSpec) -> Config {
+    let composition = mesh.parts();
     let name = mesh.row_name();
     if let Some(config) = mesh_row_named(&name) {
-        return Ok(config);
+        return config;
     }
     let world = match mesh.world() {
         Some(w) => format!("{w} ranks"),
@@ -402,9 +407,7 @@ pub fn mesh_config(mesh: &MeshSpec) -> Result<Config, MeshError> {
         rows.push(Box::leak(Box::new(twin)));
     }
     rows.push(Box::leak(Box::new(row)));
-    Ok(Config::Composed(CompositionId(
-        composition_configs().len() + rows.len() - 1,
-    )))
+    Config::Composed(CompositionId(composition_configs().len() + rows.len() - 1))
 }
 
 /// The registered mesh row (or replicated twin) called `name`, if any.
@@ -419,10 +422,10 @@ fn mesh_row_named(name: &str) -> Option<Config> {
 }
 
 /// The mesh row or replicated twin called `name`, registered from the mesh its name spells
-/// when first named (`None`: not a mesh row, or a mesh not built).
+/// when first named (`None`: not a mesh row's name, or a twin the mesh does not have).
 pub(super) fn mesh_row_by_name(name: &str) -> Option<Config> {
     let mesh = name.strip_suffix(REPLICATED_TWIN).unwrap_or(name);
-    mesh_config(&MeshSpec::from_row_name(mesh)?).ok()?;
+    mesh_config(&MeshSpec::from_row_name(mesh)?);
     mesh_row_named(name)
 }
 
@@ -430,8 +433,8 @@ pub(super) fn mesh_row_by_name(name: &str) -> Option<Config> {
 /// over [`Config::all`] find them; other names are left alone.
 pub fn register_mesh_rows(names: &[String]) {
     for name in names {
-        // A mesh whose combination is not built is not registered; the selection then names
-        // it as unknown, listing the known rows.
+        // A name that spells no mesh is not registered; the selection then names it as
+        // unknown, listing the known rows.
         let _ = mesh_row_by_name(name);
     }
 }

@@ -54,14 +54,6 @@ pub enum MeshError {
         /// What does not fit.
         why: String,
     },
-    /// The dimensions are valid but their combination is not built.
-    #[error("mesh {mesh}: {why}")]
-    Unsupported {
-        /// The mesh, as its description.
-        mesh: String,
-        /// Which combination, and what is built instead.
-        why: String,
-    },
 }
 
 impl FromStr for MeshSpec {
@@ -250,65 +242,48 @@ impl MeshSpec {
     }
 
     /// The composition that trains this mesh at `world_size` ([`MeshSpec::parts`]), or why
-    /// it cannot: the mesh does not fit the world, or its combination is not built yet.
+    /// it cannot: the mesh does not fit the world.
     pub fn composition(&self, world_size: usize) -> Result<Composition, MeshError> {
-        if let Some(e) = self.world_blocker(world_size) {
-            return Err(e);
+        match self.world_blocker(world_size) {
+            Some(e) => Err(e),
+            None => Ok(self.parts()),
         }
-        self.parts()
     }
 
     /// The composition built from the mesh's parts in torchtitan's order (pipeline stages,
-    /// then CP and TP inside them, EP on the data dimensions, the data dimension last), at
-    /// any world size it fits; or why its combination is not built yet (named, with what is).
-    pub fn parts(&self) -> Result<Composition, MeshError> {
+    /// then CP and TP inside them, EP borrowed from the data and context dimensions, the data
+    /// dimension last), at any world size it fits. Every combination of the six dimensions
+    /// is built; what a model cannot take (sizes that do not divide) is refused by the
+    /// composition's checks, naming the size.
+    pub fn parts(&self) -> Composition {
         let data = self.data_parallel();
-        let unsupported = |why: String| MeshError::Unsupported {
-            mesh: self.to_string(),
-            why,
-        };
-        let split: Vec<&str> = [
-            ("pp", self.pp),
-            ("cp", self.cp),
-            ("tp", self.tp),
-            ("ep", self.ep),
-        ]
-        .iter()
-        .filter(|d| d.1 > 1)
-        .map(|d| d.0)
-        .collect();
-        match split.as_slice() {
-            [] | ["tp"] => Ok(Composition::TensorData { tp: self.tp, data }),
-            // EP over DDP or FSDP alone keeps its own loop (and its bits); under HSDP, and
-            // beside cp or tp, the context-parallel loop trains it (at CP size 1 attention
-            // is the plain one).
-            ["ep"] if !data.is_hybrid() => Ok(Composition::ExpertData { ep: self.ep, data }),
-            ["cp"] | ["cp", "tp"] | ["cp", "ep"] | ["cp", "tp", "ep"] | ["tp", "ep"] | ["ep"] => {
-                Ok(Composition::ContextData {
-                    cp: self.cp,
-                    tp: self.tp,
-                    ep: self.ep,
-                    data,
-                })
-            }
-            ["pp"] | ["pp", "tp"] | ["pp", "cp"] | ["pp", "cp", "tp"] => {
-                Ok(Composition::Pipeline {
-                    pp: self.pp,
-                    tp: self.tp,
-                    cp: self.cp,
-                    data,
-                    schedule: ScheduleKind::OneFOneB,
-                    min_data: 1,
-                    checkpoint_every: None,
-                })
-            }
-            combination => Err(unsupported(format!(
-                "{} together is not built yet: built are pp, cp and tp in any combination, \
-                 and ep with cp and tp (each with DDP, FSDP or HSDP, sharded over dp_shard × \
-                 cp); ep inside a pipeline's stages is not (docs/context_parallel.md)",
-                combination.join(" × ")
-            ))),
+        if self.pp > 1 {
+            return Composition::Pipeline {
+                pp: self.pp,
+                tp: self.tp,
+                cp: self.cp,
+                ep: self.ep,
+                data,
+                schedule: ScheduleKind::OneFOneB,
+                min_data: 1,
+                checkpoint_every: None,
+            };
         }
+        // EP over DDP or FSDP alone keeps its own loop (and its bits); beside cp or tp, and
+        // under HSDP, the context-parallel loop trains it (at CP size 1 attention is the
+        // plain one).
+        if self.ep > 1 && self.cp == 1 && self.tp == 1 && !data.is_hybrid() {
+            return Composition::ExpertData { ep: self.ep, data };
+        }
+        if self.cp > 1 || self.ep > 1 {
+            return Composition::ContextData {
+                cp: self.cp,
+                tp: self.tp,
+                ep: self.ep,
+                data,
+            };
+        }
+        Composition::TensorData { tp: self.tp, data }
     }
 }
 
@@ -382,8 +357,19 @@ mod tests {
                 data: DataParallel::Replicate
             })
         );
-        let e = c("pp=2,cp=2,ep=2", 8).unwrap_err().to_string();
-        assert!(e.contains("pp × cp × ep together is not built yet"), "{e}");
+        assert_eq!(
+            c("pp=2,cp=2,ep=2", 8),
+            Ok(Composition::Pipeline {
+                pp: 2,
+                tp: 1,
+                cp: 2,
+                ep: 2,
+                data: DataParallel::Shard,
+                schedule: ScheduleKind::OneFOneB,
+                min_data: 1,
+                checkpoint_every: None,
+            })
+        );
         assert_eq!(
             c("dp_replicate=2,dp_shard=2,cp=2", 8),
             Ok(Composition::ContextData {

@@ -124,6 +124,9 @@ pub enum Composition {
         tp: usize,
         /// Context-parallel size inside each stage (1: none; mesh `[dp, pp, cp, tp]`).
         cp: usize,
+        /// Expert-parallel size inside each stage (1: experts replicated), borrowed from the
+        /// stage's data group (`dp × cp`).
+        ep: usize,
         /// The data dimension (under CP, sharded over `dp × cp`).
         data: DataParallel,
         /// The pipeline schedule (one stage per rank under FSDP).
@@ -404,6 +407,7 @@ pub fn check_composition(
             pp,
             tp,
             cp,
+            ep,
             data,
             schedule,
             checkpoint_every,
@@ -418,6 +422,19 @@ pub fn check_composition(
                 check_context_parallel(model, world_size, &cp_opts)?;
             }
             let dp = world_size / (pp * tp * cp);
+            if ep > 1 {
+                // EP borrows from each stage's data group: dp_shard × cp ranks.
+                let shards = dp / data.replicas().max(1);
+                let opts = Composition::ep_options(ep, DataParallel::Replicate);
+                let group = shards * cp;
+                if !group.is_multiple_of(ep) {
+                    return Err(CompositionError::Mesh(format!(
+                        "ep={ep} borrows from each stage's dp_shard × cp = {shards} × {cp} \
+                         ranks, which do not divide by it"
+                    )));
+                }
+                check_expert_plan(model, group, &opts)?;
+            }
             let plan = pipeline_plan(model, pp, dp, schedule, checkpoint_every)?;
             let sharded = matches!(data, DataParallel::Shard | DataParallel::HybridShard { .. });
             if sharded && plan.stages.len() != pp {

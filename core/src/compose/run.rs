@@ -49,6 +49,7 @@ pub fn train_composed(
             pp,
             tp,
             cp,
+            ep,
             data,
             schedule,
             checkpoint_every,
@@ -69,6 +70,7 @@ pub fn train_composed(
             let stage = StageParallel {
                 tp,
                 cp,
+                ep,
                 cp_fault: None,
                 data,
             };

@@ -17,7 +17,6 @@
 //! reference that computes attention as the ring does.
 
 pub mod attention;
-mod experts;
 pub mod hooks;
 pub mod layout;
 pub mod options;

@@ -18,7 +18,6 @@
 //!
 //! [`experts`]: super::experts
 
-use super::experts::CpExperts;
 use super::hooks::CpHooks;
 use super::layout::{chunk_count, chunks_of, layout_blocker, shard_sequence};
 use super::options::{CpError, CpFault, CpOptions, SequenceLayout};
@@ -26,6 +25,7 @@ use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, Red
 use crate::compose::data::DataLayer;
 use crate::compose::DataParallel;
 use crate::consistency::{StateKind, StateProbe};
+use crate::expert_parallel::borrowed::BorrowedExperts;
 use crate::expert_parallel::check_expert_plan_with;
 use crate::fsdp::Fsdp;
 use crate::record::{CollectiveEntry, RunRecord, TensorPlacement};
@@ -208,7 +208,7 @@ struct CpRun<'a> {
     /// CP × TP: the TP group and the plan's placements.
     tp: Option<CpTensorParallel>,
     /// CP × EP: the EP group, this rank's experts and how their gradients reduce.
-    experts: Option<CpExperts>,
+    experts: Option<BorrowedExperts>,
     rank: usize,
     counts: CollectiveCounts,
     hooks: CpHooks,
@@ -281,10 +281,7 @@ impl<'a> CpRun<'a> {
         };
         let experts = match opts.ep {
             1 => None,
-            _ => {
-                let count = expert_count(model, world.size(), opts)?;
-                CpExperts::new(model, world, opts, count, &counted)?
-            }
+            _ => Some(borrowed_experts(model, world, opts, &counted)?),
         };
         let trained: Vec<(String, Tensor)> = match &tp {
             Some(tp) => local_parameters(model, &tp.placements, tp.rank, tp_size)
@@ -500,6 +497,36 @@ impl<'a> CpRun<'a> {
             tokens,
         ))
     }
+}
+
+/// CP × EP: `model`'s experts spread over `ep` ranks borrowed from `dp × cp` within this
+/// rank's TP coordinate (world ranks lie `[data…, cp, tp]`, so the flat `dp × cp` index is
+/// the rank over `tp`, and EP takes its innermost ranks). An expert's gradient, summed over
+/// its holders, is divided by `dp`: each shard's loss is its share of its replica's mean.
+fn borrowed_experts(
+    model: &dyn Model,
+    world: &World,
+    opts: &CpOptions,
+    counted: &dyn Fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup>,
+) -> Result<BorrowedExperts, CpError> {
+    let experts = expert_count(model, world.size(), opts)?;
+    let data_cp = world.size() / opts.tp;
+    let mut dims = vec![("edp", data_cp / opts.ep), ("ep", opts.ep)];
+    if opts.tp > 1 {
+        dims.push(("tp", opts.tp));
+    }
+    let mesh = DeviceMesh::new(world, &dims)?;
+    let scale = match opts.fault {
+        Some(CpFault::ExpertGradsNotScaledByCp) => 1.0 / data_cp as f64,
+        _ => opts.cp as f64 / data_cp as f64,
+    };
+    Ok(BorrowedExperts::new(
+        model,
+        counted(mesh.group("ep")?),
+        counted(mesh.group("edp")?),
+        experts,
+        scale,
+    ))
 }
 
 /// A group of this rank alone (the plan's TP group when only EP splits the model).

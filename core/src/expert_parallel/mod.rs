@@ -22,6 +22,7 @@
 //!   the same experts) and never over `ep`, and for a mean-over-ranks objective are divided by
 //!   the world size.
 
+pub(crate) mod borrowed;
 pub mod dispatch;
 pub mod error;
 pub mod experts;
@@ -40,7 +41,6 @@ pub use grads::{ep_groups, expert_data_parallel_groups, reduce_expert_grads};
 pub use moe::{moe_forward, Dispatcher, MoeConfig, MoeOutput};
 pub use options::{EpError, EpFault, EpOptions};
 pub use router::{capacity, check_top_k, keep_mask, load_balancing_loss, route, Routing};
-pub(crate) use run::full_expert_tensors;
 pub use run::{
     check_expert_plan, check_expert_plan_with, train_expert_parallel,
     train_expert_parallel_with_plan,

@@ -222,13 +222,13 @@ impl EpRun {
     fn full(&self, value: impl Fn(&Tensor) -> Tensor) -> Result<Vec<(String, Tensor)>, EpError> {
         let unit = self.data.unit().map(|u| u.borrow());
         let local = local_values(&self.named, unit.as_deref(), value)?;
-        full_expert_tensors(
+        Ok(full_expert_tensors(
             &local,
             &self.expert_of,
             self.per,
             self.ep_rank,
             self.ep_group.as_ref(),
-        )
+        )?)
     }
 }
 
@@ -451,7 +451,7 @@ pub(crate) fn full_expert_tensors(
     per: usize,
     ep_rank: usize,
     ep_group: &dyn ProcessGroup,
-) -> Result<Vec<(String, Tensor)>, EpError> {
+) -> Result<Vec<(String, Tensor)>, crate::failure::SplitFailure> {
     local
         .iter()
         .map(|(name, v)| {

@@ -26,6 +26,10 @@ pub(super) struct PipelineMesh {
     pub(super) replica: usize,
     pub(super) tp_rank: usize,
     pub(super) cp_rank: usize,
+    /// PP × EP: the `ep` ranks of this rank's data group its stage's experts are spread over,
+    /// and the ranks holding the same experts (the same place in every data group of this
+    /// stage and TP coordinate, across HSDP's replicas).
+    pub(super) experts: Option<(Arc<dyn ProcessGroup>, Arc<dyn ProcessGroup>)>,
 }
 
 impl PipelineMesh {
@@ -39,6 +43,7 @@ impl PipelineMesh {
         tp: usize,
         cp: usize,
         replicas: usize,
+        ep: usize,
         counted: &dyn Fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup>,
     ) -> Result<Self, PipelineError> {
         let (p, dp) = (plan.ranks, plan.data_parallel);
@@ -61,14 +66,45 @@ impl PipelineMesh {
                 PipelineError::InvalidPlan(format!("rank {} is in no {name} group", world.rank()))
             })
         };
-        let data = if cp > 1 || replicas > 1 {
-            let partition = (0..replicas)
-                .flat_map(|q| (0..p).flat_map(move |r| (0..tp).map(move |t| (q, r, t))))
-                .map(|(q, r, t)| {
-                    (0..shards)
-                        .flat_map(|s| (0..cp).map(move |c| global(q * shards + s, r, c, t)))
+        // The data group of replica q, pipeline rank r, TP coordinate t: its `dp_shard × cp`
+        // ranks, CP innermost.
+        let data_ranks = |q: usize, r: usize, t: usize| -> Vec<usize> {
+            (0..shards)
+                .flat_map(|s| (0..cp).map(move |c| global(q * shards + s, r, c, t)))
+                .collect()
+        };
+        let coordinates: Vec<(usize, usize, usize)> = (0..replicas)
+            .flat_map(|q| (0..p).flat_map(move |r| (0..tp).map(move |t| (q, r, t))))
+            .collect();
+        let experts = if ep > 1 {
+            // EP takes the innermost `ep` ranks of each data group; an expert's holders are
+            // the ranks at the same place in each EP group of the stage's data groups.
+            let groups = coordinates
+                .iter()
+                .flat_map(|&(q, r, t)| {
+                    let ranks = data_ranks(q, r, t);
+                    ranks.chunks(ep).map(<[usize]>::to_vec).collect::<Vec<_>>()
+                })
+                .collect();
+            let holders = (0..p)
+                .flat_map(|r| (0..tp).flat_map(move |t| (0..ep).map(move |e| (r, t, e))))
+                .map(|(r, t, e)| {
+                    (0..replicas)
+                        .flat_map(|q| data_ranks(q, r, t).into_iter().skip(e).step_by(ep))
                         .collect()
                 })
+                .collect();
+            Some((
+                counted(group_of(groups, "pp-ep")?),
+                counted(group_of(holders, "pp-ep-holders")?),
+            ))
+        } else {
+            None
+        };
+        let data = if cp > 1 || replicas > 1 {
+            let partition = coordinates
+                .iter()
+                .map(|&(q, r, t)| data_ranks(q, r, t))
                 .collect();
             counted(group_of(partition, "dp_cp")?)
         } else {
@@ -110,6 +146,7 @@ impl PipelineMesh {
             replica: mesh.coordinate("dp")?,
             tp_rank,
             cp_rank,
+            experts,
         })
     }
 }

@@ -35,6 +35,10 @@ pub enum PipelineFault {
     /// later segments of its stage consume (an encoder output feeding every decoder layer), so
     /// the others are lost: overwriting instead of accumulating.
     OverwriteSavedBoundaryGrad,
+    /// PP × EP: expert gradients, summed over their holders, divided by the world size (as
+    /// expert parallelism alone divides them) instead of the stage's data group: a divisor
+    /// from the wrong mesh dimension, `pp` times too small.
+    ExpertGradsScaledByWorld,
 }
 
 /// How a pipeline run is configured.

@@ -18,6 +18,7 @@ use super::PipelineError;
 use crate::comm::{CollectiveCounts, CountingGroup, ProcessGroup, World};
 use crate::compose::data::DataLayer;
 use crate::compose::DataParallel;
+use crate::expert_parallel::borrowed::BorrowedExperts;
 use crate::fsdp::Fsdp;
 use crate::record::RunRecord;
 use crate::train::{parameters_device, TrainConfig};
@@ -70,7 +71,8 @@ pub fn train_pipeline_with(
     let counted = |g: Arc<dyn ProcessGroup>| -> Arc<dyn ProcessGroup> {
         Arc::new(CountingGroup::new(g, counts.clone()))
     };
-    let composed = tp > 1 || cp > 1 || sharded;
+    let ep = within.ep.max(1);
+    let composed = tp > 1 || cp > 1 || ep > 1 || sharded;
     let PipelineMesh {
         pp,
         dp: dpg,
@@ -82,28 +84,77 @@ pub fn train_pipeline_with(
         replica,
         tp_rank,
         cp_rank,
-    } = PipelineMesh::new(world, &plan, tp, cp, within.data.replicas(), &counted)?;
+        experts: expert_groups,
+    } = PipelineMesh::new(world, &plan, tp, cp, within.data.replicas(), ep, &counted)?;
+    let experts = match expert_groups {
+        Some((group, holders)) => {
+            // Summed over the holders, an expert's gradient is the sum over the data group
+            // (and HSDP's replicas): averaged like every other gradient.
+            let averaged = match opts.fault {
+                Some(PipelineFault::ExpertGradsScaledByWorld) => world_size,
+                _ => data_group.size() * replicate.as_ref().map_or(1, |r| r.size()),
+            };
+            let count = expert_count(model, data_group.size(), ep)?;
+            Some(BorrowedExperts::new(
+                model,
+                group,
+                holders,
+                count,
+                1.0 / averaged as f64,
+            ))
+        }
+        None => None,
+    };
+    // EP without TP: the plan's other rules run on a group of this rank alone.
+    let alone = match (&experts, tp) {
+        (Some(_), 1) => {
+            let singles: Vec<Vec<usize>> = (0..world_size).map(|r| vec![r]).collect();
+            world.new_groups(&singles, "pp-ep-self")?
+        }
+        _ => None,
+    };
     let (edge_groups, holder_groups) = pipeline_groups(world, &plan, cp * tp, &counted)?;
     // The tensors this rank computes with: the model's own, or its TP shards.
     let model_params = model.named_parameters();
-    let stage_split = match (&tpg, &cpg) {
-        (None, None) => None,
-        _ => Some(StageSplit::new(
-            model,
-            world_size,
-            tpg.clone().map(|g| (g, tp_rank)),
-            cpg.clone().map(|g| (g, cp_rank)),
-            within.cp_fault,
-        )?),
+    let stage_split = match (&tpg, &cpg, &experts) {
+        (None, None, None) => None,
+        _ => {
+            let dispatch = experts.as_ref().map(|e| {
+                let group = alone.clone().or_else(|| tpg.clone());
+                (e.dispatch(), group)
+            });
+            let dispatch = match dispatch {
+                Some((d, Some(g))) => Some((d, g)),
+                Some((_, None)) => {
+                    return Err(PipelineError::InvalidPlan(
+                        "PP×EP: no group for the plan's other rules".into(),
+                    ))
+                }
+                None => None,
+            };
+            Some(StageSplit::new(
+                model,
+                world_size,
+                tpg.clone().map(|g| (g, tp_rank)),
+                cpg.clone().map(|g| (g, cp_rank)),
+                within.cp_fault,
+                dispatch,
+            )?)
+        }
     };
     let local = stage_split.as_ref().map_or(&model_params, |s| &s.local);
     let named: Vec<(String, Tensor)> = local.iter().map(handle).collect();
     // Where this rank computes: every buffer it creates (handshakes, tokens, the loss and
     // norm scalars, the record's gathers) goes there, as its groups take tensors on it.
     let device = parameters_device(&named)?;
-    let held = held_by(&plan, rank, named.len());
+    let stage_held = held_by(&plan, rank, named.len());
     let replicas = (plan.data_parallel > 1).then_some(dpg.as_ref());
-    broadcast_initial(&plan, &named, &held, &holder_groups, replicas)?;
+    broadcast_initial(&plan, &named, &stage_held, &holder_groups, replicas)?;
+    // Under EP this rank trains its stage's dense parameters and its own experts.
+    let held: Vec<usize> = stage_held
+        .into_iter()
+        .filter(|&i| experts.as_ref().is_none_or(|e| e.holds(&named[i].0)))
+        .collect();
 
     let stage_params = stage_parameters(model, &plan, &named);
     let data_ranks = plan.data_ranks(replica, world_size);
@@ -117,7 +168,7 @@ pub fn train_pipeline_with(
         &held_params,
         (&data_group, replicate.as_ref()),
         opts,
-        sharded,
+        (sharded, experts.as_ref()),
     )?;
     let skip_tied = opts.fault == Some(PipelineFault::SkipTiedReduce);
     let reduce_tied = || reduce_tied_parts(&plan, &held, &named, &holder_groups, skip_tied);
@@ -164,15 +215,46 @@ pub fn train_pipeline_with(
         reduce_tied: &reduce_tied,
         model_params: &model_params,
         stage_split: stage_split.as_ref(),
+        experts: experts.as_ref(),
         tp_part: &tp_part,
     };
     let (mut record, traces) = PipelineStrategy::new(steps, metas_by_size).train(cfg)?;
     record.placements = placement_table(&plan, &stage_params, stage_split.as_ref(), sharded);
+    if let Some(e) = &experts {
+        for p in &mut record.placements {
+            if let Some(text) = e.placement(&p.tensor) {
+                // The stage it belongs to, then where its EP group keeps it.
+                let stage = p.placement.split(", ").next().unwrap_or_default();
+                p.placement = format!("{stage}, {text}");
+            }
+        }
+    }
     Ok(PipelineRun {
         record,
         traces,
         plan,
     })
+}
+
+/// The experts of each of `model`'s mixtures, checked to divide over `ep` ranks of a data
+/// group of `data` ranks, which must divide by it too.
+fn expert_count(model: &dyn Model, data: usize, ep: usize) -> Result<usize, PipelineError> {
+    if !data.is_multiple_of(ep) {
+        return Err(PipelineError::InvalidPlan(format!(
+            "ep={ep} borrows from each stage's data group of {data} ranks (dp × cp), which do \
+             not divide by it"
+        )));
+    }
+    let opts = crate::expert_parallel::EpOptions {
+        ep,
+        dispatcher: crate::expert_parallel::Dispatcher::AllToAll,
+        capacity_factor: None,
+        data_parallel: DataParallel::Replicate,
+        fault: None,
+    };
+    let (_, experts) = crate::expert_parallel::check_expert_plan(model, data, &opts)
+        .map_err(|e| PipelineError::InvalidPlan(format!("PP×EP: {e}")))?;
+    Ok(experts)
 }
 
 /// The tensor-parallel part of a stage's shard coordinates (`tp0/2.`), empty when the stages
@@ -201,12 +283,17 @@ fn stage_data(
     held_params: &[(String, Tensor)],
     groups: (&Arc<dyn ProcessGroup>, Option<&Arc<dyn ProcessGroup>>),
     opts: &PipelineOptions,
-    sharded: bool,
+    (sharded, experts): (bool, Option<&BorrowedExperts>),
 ) -> Result<DataLayer, PipelineError> {
     let data = match sharded {
         true => {
-            let unit = stage_unit(plan, rank, actions, held_params, groups, opts)?;
-            DataLayer::new(Some(unit), Vec::new())
+            // Experts stay whole on their ranks beside the unit (their data dimension is
+            // their holders).
+            let expert = |n: &str| experts.is_some_and(|e| e.is_expert(n));
+            let (whole, dense): (Vec<_>, Vec<_>) =
+                held_params.iter().map(handle).partition(|(n, _)| expert(n));
+            let unit = stage_unit(plan, rank, actions, &dense, groups, opts)?;
+            DataLayer::new(Some(unit), whole)
         }
         false => DataLayer::new(None, held_params.iter().map(handle).collect()),
     };

@@ -11,7 +11,7 @@ use crate::comm::ProcessGroup;
 use crate::compose::DataParallel;
 use crate::context_parallel::{CpHooks, CpOptions};
 use crate::fsdp::Fsdp;
-use crate::tensor_parallel::hooks::PlanHooks;
+use crate::tensor_parallel::hooks::{ExpertsParallel, PlanHooks};
 use crate::tensor_parallel::run::{aliases, local_parameters, placement_text, tp_coordinate};
 use crate::tensor_parallel::{check_plan, model_plan, Placement};
 use lockstep_models::{Batch, LayerHooks, Model};
@@ -31,6 +31,10 @@ pub struct StageParallel {
     pub tp: usize,
     /// Context-parallel size inside each stage (1: none): ring attention, load-balanced.
     pub cp: usize,
+    /// Expert-parallel size inside each stage (1: experts replicated): each mixture's experts
+    /// spread over `ep` ranks borrowed from the stage's data group (`dp × cp`, or under HSDP
+    /// `dp_shard × cp`), as torchtitan borrows them from `dp_shard × cp`.
+    pub ep: usize,
     /// A context-parallel bug planted in the stages' attention or positions (tests only).
     pub cp_fault: Option<crate::context_parallel::CpFault>,
     /// How replicas keep parameters and reduce gradients.
@@ -42,6 +46,7 @@ impl Default for StageParallel {
         StageParallel {
             tp: 1,
             cp: 1,
+            ep: 1,
             cp_fault: None,
             data: DataParallel::Replicate,
         }
@@ -130,14 +135,17 @@ impl StageSplit {
         tp_coordinate(&self.placements, name, self.rank, self.group_size())
     }
 
-    /// The split of a stage on this rank: TP rank `rank` of `group` (`None`: no TP), and CP
-    /// rank `cp_rank` of `cp_group` (`None`: no CP).
+    /// The split of a stage on this rank: TP rank `rank` of `group` (`None`: no TP), CP
+    /// rank `cp_rank` of `cp_group` (`None`: no CP), and how the mixtures dispatch to the
+    /// experts spread over the stage's EP group (`None`: no EP; without TP the plan runs on
+    /// the group of this rank alone given with it).
     pub(super) fn new(
         model: &dyn Model,
         world_size: usize,
         tp: Option<(Arc<dyn ProcessGroup>, usize)>,
         cp: Option<(Arc<dyn ProcessGroup>, usize)>,
         cp_fault: Option<crate::context_parallel::CpFault>,
+        experts: Option<(ExpertsParallel, Arc<dyn ProcessGroup>)>,
     ) -> Result<StageSplit, PipelineError> {
         let invalid = |e: &dyn std::fmt::Display| PipelineError::InvalidPlan(e.to_string());
         let (placements, local, plan_hooks, group, rank) = match tp {
@@ -152,7 +160,7 @@ impl StageSplit {
                 let plan = model_plan(model, &opts).map_err(|e| invalid(&e))?;
                 let local = local_parameters(model, &placements, rank, group.size())
                     .map_err(|e| invalid(&e))?;
-                let hooks = PlanHooks::new(
+                let mut hooks = PlanHooks::new(
                     group.clone(),
                     rank,
                     &local,
@@ -160,10 +168,38 @@ impl StageSplit {
                     plan,
                     &model.layers(),
                 );
+                if let Some((dispatch, _)) = experts {
+                    hooks = hooks.with_experts(dispatch);
+                }
                 let hooks: Box<dyn LayerHooks> = Box::new(hooks);
                 (placements, local, Some(hooks), Some(group), rank)
             }
-            None => (HashMap::new(), model.named_parameters(), None, None, 0),
+            None => {
+                let local = model.named_parameters();
+                // EP alone: the plan's other rules on a group of one (every tensor whole).
+                let hooks = match experts {
+                    Some((dispatch, alone)) => {
+                        let plan = model.parallel_plan(false).ok_or_else(|| {
+                            PipelineError::InvalidPlan(format!(
+                                "PP×EP dispatches through the model's plan; `{}` offers none",
+                                model.name()
+                            ))
+                        })?;
+                        let hooks = PlanHooks::new(
+                            alone,
+                            0,
+                            &local,
+                            &aliases(model),
+                            plan,
+                            &model.layers(),
+                        )
+                        .with_experts(dispatch);
+                        Some(Box::new(hooks) as Box<dyn LayerHooks>)
+                    }
+                    None => None,
+                };
+                (HashMap::new(), local, hooks, None, 0)
+            }
         };
         let (hooks, cp): (Box<dyn LayerHooks>, _) = match (cp, plan_hooks) {
             (Some((cp_group, cp_rank)), inner) => {

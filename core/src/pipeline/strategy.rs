@@ -16,6 +16,7 @@ use super::PipelineError;
 use crate::comm::{CollectiveCounts, ProcessGroup, ReduceOp};
 use crate::compose::data::DataLayer;
 use crate::consistency::{StateKind, StateProbe};
+use crate::expert_parallel::borrowed::BorrowedExperts;
 use crate::record::{CollectiveEntry, RunRecord};
 use crate::train::{
     train_from, GradientView, Optimizer, StepHooks, StepLoss, TrainConfig, TrainError, TrainStart,
@@ -54,6 +55,8 @@ pub(super) struct StepLoop<'a> {
     pub(super) reduce_tied: &'a dyn Fn() -> Result<(), PipelineError>,
     pub(super) model_params: &'a [(String, Tensor)],
     pub(super) stage_split: Option<&'a StageSplit>,
+    /// PP × EP: this rank's experts, reduced over their holders instead of the data group.
+    pub(super) experts: Option<&'a BorrowedExperts>,
     pub(super) tp_part: &'a str,
 }
 
@@ -64,13 +67,17 @@ impl StepLoop<'_> {
         &self,
         value: &dyn Fn(&Tensor) -> Tensor,
     ) -> Result<Vec<(String, Tensor)>, PipelineError> {
-        let full = full_values(
+        let mut full = full_values(
             self.named,
             self.model_params,
             self.data.unit(),
             self.stage_split,
             value,
         )?;
+        if let Some(experts) = self.experts {
+            // Each of the stage's experts from the EP rank that trains it.
+            full = experts.full(full)?;
+        }
         gather_owned(self.plan, self.rank, self.pp, &full, self.device)
     }
 
@@ -196,9 +203,18 @@ impl StepHooks for PipelineStrategy<'_> {
             if !s.sharded {
                 (s.reduce_tied)()?;
             }
-            if s.dp.size() > 1 && !s.held.is_empty() && !s.sharded {
-                let grads: Vec<Tensor> = s.held.iter().map(|&i| s.named[i].1.grad()).collect();
-                average_flat(&grads, s.dp)?;
+            let expert = |i: &usize| s.experts.is_some_and(|e| e.is_expert(&s.named[*i].0));
+            let dense: Vec<Tensor> = s
+                .held
+                .iter()
+                .filter(|i| !expert(i))
+                .map(|&i| s.named[i].1.grad())
+                .collect();
+            if s.dp.size() > 1 && !dense.is_empty() && !s.sharded {
+                average_flat(&dense, s.dp)?;
+            }
+            if let Some(experts) = s.experts {
+                experts.reduce(s.held_params)?;
             }
             Ok(())
         };
