@@ -1,13 +1,14 @@
-//! Running a composition: each one is a parallelism's own training loop with its data
-//! dimension (and, for pipelines, the stages' tensor parallelism) given as options.
+//! Running a composition: two loops train every mesh. A pipeline runs its schedule with
+//! what splits its stages (TP, CP, EP) and its data dimension given as options; every other
+//! composition (TP, CP and EP in any combination, the data dimension stacked on them) is one
+//! loop over the sequence-, tensor- and expert-split model (the context-parallel loop, at CP
+//! size 1 when the sequence is whole).
 
 use super::plan::{check_mesh, Composition, CompositionError, SeamFault};
 use crate::comm::World;
-use crate::context_parallel::train_context_parallel;
-use crate::expert_parallel::{train_expert_parallel, EpFault, EpOptions};
+use crate::context_parallel::{train_context_parallel, CpFault, CpOptions};
 use crate::pipeline::{train_pipeline_with, PipelineFault, StageParallel};
 use crate::record::RunRecord;
-use crate::tensor_parallel::{train_tensor_parallel, TpFault};
 use crate::train::TrainConfig;
 use lockstep_models::Model;
 
@@ -31,19 +32,25 @@ pub fn train_composed(
         ))
     };
     match composition {
-        Composition::TensorData { tp, data } => {
+        Composition::TensorData { .. }
+        | Composition::ContextData { .. }
+        | Composition::ExpertData { .. } => {
+            let (cp, tp, ep, data) = composition.split_sizes();
             let fault = match fault {
                 None => None,
-                Some(SeamFault::ShardedGradsReducedOverDpTwice) => {
-                    Some(TpFault::ShardedGradsReducedOverDpTwice)
+                Some(SeamFault::ShardedGradsReducedOverDpTwice) if tp > 1 => {
+                    Some(CpFault::ShardedGradsReducedOverDpTwice)
+                }
+                Some(SeamFault::ExpertsShardedOverDp) if ep > 1 => {
+                    Some(CpFault::ExpertsShardedOverDp)
                 }
                 Some(f) => return Err(misplaced(f)),
             };
-            let opts = crate::tensor_parallel::TpOptions {
+            let opts = CpOptions {
                 fault,
-                ..Composition::tp_options(tp, data)
+                ..Composition::cp_options(cp, tp, ep, data)
             };
-            Ok(train_tensor_parallel(model, world, cfg, &opts)?)
+            Ok(train_context_parallel(model, world, cfg, &opts)?)
         }
         Composition::Pipeline {
             pp,
@@ -75,29 +82,6 @@ pub fn train_composed(
                 data,
             };
             Ok(train_pipeline_with(model, world, cfg, &opts, stage)?.record)
-        }
-        Composition::ContextData { cp, tp, ep, data } => {
-            if let Some(f) = fault {
-                return Err(misplaced(f));
-            }
-            Ok(train_context_parallel(
-                model,
-                world,
-                cfg,
-                &Composition::cp_options(cp, tp, ep, data),
-            )?)
-        }
-        Composition::ExpertData { ep, data } => {
-            let fault = match fault {
-                None => None,
-                Some(SeamFault::ExpertsShardedOverDp) => Some(EpFault::ExpertsShardedOverDp),
-                Some(f) => return Err(misplaced(f)),
-            };
-            let opts = EpOptions {
-                fault,
-                ..Composition::ep_options(ep, data)
-            };
-            Ok(train_expert_parallel(model, world, cfg, &opts)?)
         }
     }
 }

@@ -148,6 +148,9 @@ impl LayerHooks for CpHooks {
 
     /// The shard's tokens' positions in the whole sequence.
     fn positions(&mut self, len: i64, device: tch::Device) -> Result<Tensor, ModelError> {
+        if self.opts.cp == 1 {
+            return self.inner.positions(len, device);
+        }
         if self.opts.fault == Some(CpFault::PositionsFromShard) {
             return Ok(Tensor::f_arange(len, (tch::Kind::Int64, device))?);
         }
@@ -157,11 +160,14 @@ impl LayerHooks for CpHooks {
 
     fn attention(
         &mut self,
-        _path: &str,
+        path: &str,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
     ) -> Result<Tensor, ModelError> {
+        if self.opts.cp == 1 {
+            return self.inner.attention(path, q, k, v);
+        }
         context_parallel_attention(q, k, v, &self.group, self.rank, &self.opts).map_err(hook_err)
     }
 
@@ -175,6 +181,10 @@ impl LayerHooks for CpHooks {
         logits: &Tensor,
         target: &Tensor,
     ) -> Result<Tensor, ModelError> {
+        // At CP size 1 the sequence is whole: the loss is the model's own (or its plan's).
+        if self.opts.cp == 1 {
+            return self.inner.cross_entropy(path, logits, target);
+        }
         let counted = || -> Result<f64, ModelError> {
             Ok(target
                 .f_ne(-100)?

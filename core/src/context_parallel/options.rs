@@ -63,6 +63,12 @@ pub enum CpFault {
     /// each shard's loss is its share of the sequence's mean, so the experts learn `cp` times
     /// too slowly.
     ExpertGradsNotScaledByCp,
+    /// TP-sharded gradients summed over the data group before they are averaged over it (a
+    /// composition's seam: the data dimension's reduction applied twice).
+    ShardedGradsReducedOverDpTwice,
+    /// Under EP with FSDP, the experts sharded over the data dimension with the dense
+    /// parameters, so a gather assembles one expert from different ranks' experts.
+    ExpertsShardedOverDp,
 }
 
 /// Context-parallel options.

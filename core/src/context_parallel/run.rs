@@ -14,7 +14,9 @@
 //! With `ep` > 1 each mixture's experts are spread over `ep` ranks of `dp × cp` (within a TP
 //! coordinate), the plan's hooks dispatching every shard's tokens to them ([`experts`]); the
 //! dense parameters are kept by the data dimension as before, the experts whole beside it.
-//! At CP size 1 the same loop trains TP × EP, and EP under HSDP.
+//! At CP size 1 (the sequence whole: attention, positions and the loss the model's own) the
+//! same loop trains every composition without a pipeline: TP, EP and both with DDP, FSDP or
+//! HSDP (`compose::train_composed`), bit for bit as TP's and EP's own loops train them.
 //!
 //! [`experts`]: super::experts
 
@@ -51,7 +53,7 @@ pub fn check_context_parallel(
     world_size: usize,
     opts: &CpOptions,
 ) -> Result<(), CpError> {
-    if matches!(opts.data_parallel, DataParallel::HybridReplicate { .. }) {
+    if matches!(opts.data_parallel, DataParallel::HybridReplicate { .. }) && opts.cp > 1 {
         return Err(CpError::Invalid(format!(
             "the data dimension beside context parallelism is replicated (ddp), sharded over \
              dp × cp (fsdp) or hybrid-sharded over dp_shard × cp (hsdp), not {}",
@@ -70,8 +72,12 @@ pub fn check_context_parallel(
             opts.cp
         )));
     }
-    // At CP size 1 attention and positions are the plain ones: any model runs.
-    if let Some(why) = model.context_parallel_blocker().filter(|_| opts.cp > 1) {
+    if opts.cp == 1 {
+        // The sequence is whole: attention, positions and the loss are the model's own, so
+        // any model runs (TP, EP and the data dimension are the only splits).
+        return check_splits(model, world_size, opts);
+    }
+    if let Some(why) = model.context_parallel_blocker() {
         return Err(CpError::Invalid(why));
     }
     if model.loss_reduction() != LossReduction::Mean {
@@ -88,6 +94,15 @@ pub fn check_context_parallel(
     if let Some(why) = layout_blocker(opts.layout, opts.cp, seq) {
         return Err(CpError::Invalid(format!("{}: {why}", model.name())));
     }
+    check_splits(model, world_size, opts)
+}
+
+/// The splits beside CP fit `model`: its TP plan at `opts.tp`, its experts over `opts.ep`
+/// ranks, and the data dimension the rest of the world.
+fn check_splits(model: &dyn Model, world_size: usize, opts: &CpOptions) -> Result<(), CpError> {
+    opts.data_parallel
+        .dims(world_size / (opts.cp * opts.tp))
+        .map_err(|e| CpError::Invalid(e.to_string()))?;
     if opts.tp > 1 {
         check_plan(model, world_size, &tensor_options(opts))
             .map_err(|e| CpError::Invalid(format!("CP × TP: {e}")))?;
@@ -205,6 +220,8 @@ struct CpRun<'a> {
     /// What gradients are averaged (or sharded) over: `dp × cp` (every rank, or under CP ×
     /// TP the ranks of this TP coordinate), or under HSDP `dp_shard × cp`.
     everyone: Arc<dyn ProcessGroup>,
+    /// HSDP's replicated twin: the replicas, averaged over after `everyone`.
+    replicas: Option<Arc<dyn ProcessGroup>>,
     /// CP × TP: the TP group and the plan's placements.
     tp: Option<CpTensorParallel>,
     /// CP × EP: the EP group, this rank's experts and how their gradients reduce.
@@ -249,20 +266,25 @@ impl<'a> CpRun<'a> {
         };
         // The groups gradients reduce over: `dp × cp` (the world, or flattened within each TP
         // coordinate), or under HSDP `dp_shard × cp` within each replica, then across them.
+        // Named for what they span: `dp × cp` under CP, the data dimension alone without.
+        let (shards, data) = match cp_size {
+            1 => ("dp_shard", "dp"),
+            _ => ("dps_cp", "dp_cp"),
+        };
         let (everyone, replicate) = if hybrid {
             let replicas = dims[0].1;
-            let mut flat = vec![("dp_replicate", replicas), ("dps_cp", dims[1].1 * cp_size)];
+            let mut flat = vec![("dp_replicate", replicas), (shards, dims[1].1 * cp_size)];
             if tp_size > 1 {
                 flat.push(("tp", tp_size));
             }
             let flat = DeviceMesh::new(world, &flat)?;
             (
-                counted(flat.group("dps_cp")?),
+                counted(flat.group(shards)?),
                 Some(counted(flat.group("dp_replicate")?)),
             )
         } else if tp_size > 1 {
-            let flat = DeviceMesh::new(world, &[("dp_cp", dp * cp_size), ("tp", tp_size)])?;
-            (counted(flat.group("dp_cp")?), None)
+            let flat = DeviceMesh::new(world, &[(data, dp * cp_size), ("tp", tp_size)])?;
+            (counted(flat.group(data)?), None)
         } else {
             (counted(world.group()), None)
         };
@@ -292,12 +314,20 @@ impl<'a> CpRun<'a> {
         .filter(|(n, _)| experts.as_ref().is_none_or(|e| e.holds(n)))
         .collect();
         // The data dimension keeps the dense parameters; experts stay whole on their ranks.
+        let experts_in_unit = opts.fault == Some(CpFault::ExpertsShardedOverDp);
+        let whole = |n: &str| !experts_in_unit && experts.as_ref().is_some_and(|e| e.is_expert(n));
         let handles = |sharded: bool| {
             trained
                 .iter()
-                .filter(|(n, _)| sharded != experts.as_ref().is_some_and(|e| e.is_expert(n)))
+                .filter(|(n, _)| sharded != whole(n))
                 .map(|(n, t)| (n.clone(), t.shallow_clone()))
                 .collect::<Vec<_>>()
+        };
+        // HSDP's replicated twin (DDP averaged over dp_shard, then across the replicas)
+        // averages over the replicas itself; sharded HSDP's unit does.
+        let replicas = match opts.data_parallel {
+            DataParallel::HybridReplicate { .. } => replicate.clone(),
+            _ => None,
         };
         let data = match opts.data_parallel {
             DataParallel::Shard | DataParallel::HybridShard { .. } => DataLayer::new(
@@ -352,6 +382,7 @@ impl<'a> CpRun<'a> {
             cp,
             dp: dp_groups,
             everyone,
+            replicas,
             tp,
             experts,
             rank,
@@ -420,14 +451,25 @@ impl<'a> CpRun<'a> {
                 }
             }
         }
-        if let Some(experts) = &self.experts {
-            experts.reduce(&self.trained)?;
-        }
-        for (_, t) in self
-            .trained
-            .iter()
-            .filter(|(n, _)| self.experts.as_ref().is_none_or(|e| !e.is_expert(n)))
+        if let (Some(CpFault::ShardedGradsReducedOverDpTwice), Some(tp)) = (self.opts.fault, &self.tp)
         {
+            // The planted seam bug: TP-sharded gradients summed over dp before the average.
+            for (name, t) in &self.trained {
+                let sharded = matches!(tp.placements.get(name), Some(Placement::Shard { .. }));
+                if sharded && self.everyone.size() > 1 {
+                    self.everyone.all_reduce(&t.grad(), ReduceOp::Sum)?;
+                }
+            }
+        }
+        if let Some(experts) = &self.experts {
+            // The experts beside the unit (a planted fault puts them in it).
+            experts.reduce(self.data.whole())?;
+        }
+        let reduced_by_experts = |n: &str| {
+            self.experts.as_ref().is_some_and(|e| e.is_expert(n))
+                && self.data.whole().iter().any(|(w, _)| w == n)
+        };
+        for (_, t) in self.trained.iter().filter(|(n, _)| !reduced_by_experts(n)) {
             let g = t.grad();
             if !g.defined() {
                 continue;
@@ -438,9 +480,15 @@ impl<'a> CpRun<'a> {
                 }
                 continue;
             }
-            let _ = g.shallow_clone().f_mul_scalar_(scale)?;
-            if self.data.unit().is_none() && self.everyone.size() > 1 {
-                self.everyone.all_reduce(&g, ReduceOp::Avg)?;
+            if scale != 1.0 {
+                let _ = g.shallow_clone().f_mul_scalar_(scale)?;
+            }
+            if self.data.unit().is_none() {
+                for group in std::iter::once(&self.everyone).chain(&self.replicas) {
+                    if group.size() > 1 {
+                        group.all_reduce(&g, ReduceOp::Avg)?;
+                    }
+                }
             }
         }
         if self.opts.fault != Some(CpFault::GradsNotReducedOverCp) {
@@ -453,6 +501,14 @@ impl<'a> CpRun<'a> {
     /// and the tokens the whole batch's loss averages over.
     fn shard(&self, batch: &Batch) -> Result<(Batch, f64), CpError> {
         let (layout, cp) = (self.opts.layout, self.opts.cp);
+        if cp == 1 {
+            // The whole sequence (its loss the model's own: no token count needed).
+            let whole = Batch {
+                inputs: batch.inputs.iter().map(Tensor::shallow_clone).collect(),
+                target: batch.target.as_ref().map(Tensor::shallow_clone),
+            };
+            return Ok((whole, 1.0));
+        }
         let cut = |t: &Tensor| shard_sequence(t, 1, layout, self.rank, cp);
         let inputs = batch
             .inputs
@@ -589,7 +645,12 @@ impl StepHooks for CpRun<'_> {
         let (local, tokens) = self.shard(&batch).map_err(TrainError::strategy)?;
         self.hooks.set_step(seq, tokens);
         let output = model.forward_hooked(&local, &mut self.hooks)?;
-        let loss = model.loss_of_hooked(&local, &output, &mut self.hooks)?;
+        let mut loss = model.loss_of_hooked(&local, &output, &mut self.hooks)?;
+        if model.loss_reduction() == LossReduction::Sum {
+            // Only at CP size 1 (CP refuses summed losses): the sum over the replica's data
+            // ranks' samples, made a mean over those ranks as every data rank's loss is.
+            loss = loss.f_div_scalar(self.data_ranks.len() as f64)?;
+        }
         loss.f_backward()?;
         Ok(StepLoss {
             value: loss.f_double_value(&[])?,

@@ -27,9 +27,6 @@ pub enum EpFault {
     /// Expert gradients counted once per `ep` rank, as if reduced over `ep` as well (EP = 2
     /// doubles them).
     ExpertGradsReducedOverEp,
-    /// EP×FSDP: the experts are sharded over `dp` along with the dense parameters, so a
-    /// gather assembles an expert from different ranks' experts.
-    ExpertsShardedOverDp,
     /// The capacity check off by one: every expert takes one choice more than its
     /// capacity, so a rank drops one token choice fewer per overflowing expert.
     CapacityOffByOne,

@@ -354,9 +354,7 @@ fn split_dense(
         DataParallel::Replicate => HashSet::new(),
         DataParallel::Shard => trained
             .iter()
-            .filter(|(n, _)| {
-                !expert_of.contains_key(n) || opts.fault == Some(EpFault::ExpertsShardedOverDp)
-            })
+            .filter(|(n, _)| !expert_of.contains_key(n))
             .map(|(n, _)| n.clone())
             .collect(),
         DataParallel::HybridShard { .. } | DataParallel::HybridReplicate { .. } => {

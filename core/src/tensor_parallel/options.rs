@@ -16,9 +16,6 @@ pub enum TpFault {
     /// Every TP rank applies the first rank's slice of a split activation's dropout mask
     /// (ranks drawing the same mask where they must differ).
     SameDropoutMask,
-    /// FSDP×TP: TP-sharded parameters' gradients are also summed over the data dimension
-    /// before FSDP's reduce-scatter averages them there (reduced over `dp` twice).
-    ShardedGradsReducedOverDpTwice,
 }
 
 /// How a tensor-parallel run is configured.

@@ -179,8 +179,6 @@ struct TpRun<'a> {
     hooks: Box<dyn LayerHooks>,
     /// The data ranks whose batches this replica trains on.
     data_ranks: Vec<usize>,
-    /// Size of the data dimension.
-    dp: usize,
 }
 
 impl<'a> TpRun<'a> {
@@ -249,7 +247,6 @@ impl<'a> TpRun<'a> {
             data,
             hooks,
             data_ranks,
-            dp,
         })
     }
 
@@ -295,13 +292,6 @@ impl<'a> TpRun<'a> {
                 && self.opts.fault != Some(TpFault::SkipSequenceGradReduce)
             {
                 tp_group.all_reduce(&t.grad(), ReduceOp::Sum)?;
-            }
-        }
-        if self.opts.fault == Some(TpFault::ShardedGradsReducedOverDpTwice) && self.dp > 1 {
-            for (name, t) in &self.trained {
-                if matches!(self.placements.get(name), Some(Placement::Shard { .. })) {
-                    self.groups.dp.all_reduce(&t.grad(), ReduceOp::Sum)?;
-                }
             }
         }
         match self.data.unit() {
