@@ -311,7 +311,7 @@ impl Composition {
 
     /// The sizes `(cp, tp, ep, data)` of a composition without a pipeline, which one loop
     /// trains (CP size 1: the sequence whole). A pipeline's are its stages' (`pp` aside).
-    pub fn split_sizes(self) -> (usize, usize, usize, DataParallel) {
+    pub(crate) fn split_sizes(self) -> (usize, usize, usize, DataParallel) {
         match self {
             Composition::TensorData { tp, data } => (1, tp, 1, data),
             Composition::ContextData { cp, tp, ep, data } => (cp, tp, ep, data),

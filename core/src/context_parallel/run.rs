@@ -12,13 +12,12 @@
 //! trains its TP shards, and gradients are reduced over `dp × cp` within each TP coordinate.
 //!
 //! With `ep` > 1 each mixture's experts are spread over `ep` ranks of `dp × cp` (within a TP
-//! coordinate), the plan's hooks dispatching every shard's tokens to them ([`experts`]); the
+//! coordinate), the plan's hooks dispatching every shard's tokens to them
+//! (`expert_parallel::borrowed`); the
 //! dense parameters are kept by the data dimension as before, the experts whole beside it.
 //! At CP size 1 (the sequence whole: attention, positions and the loss the model's own) the
 //! same loop trains every composition without a pipeline: TP, EP and both with DDP, FSDP or
 //! HSDP (`compose::train_composed`), bit for bit as TP's and EP's own loops train them.
-//!
-//! [`experts`]: super::experts
 
 use super::hooks::CpHooks;
 use super::layout::{chunk_count, chunks_of, layout_blocker, shard_sequence};
@@ -451,7 +450,8 @@ impl<'a> CpRun<'a> {
                 }
             }
         }
-        if let (Some(CpFault::ShardedGradsReducedOverDpTwice), Some(tp)) = (self.opts.fault, &self.tp)
+        if let (Some(CpFault::ShardedGradsReducedOverDpTwice), Some(tp)) =
+            (self.opts.fault, &self.tp)
         {
             // The planted seam bug: TP-sharded gradients summed over dp before the average.
             for (name, t) in &self.trained {
