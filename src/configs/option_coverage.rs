@@ -44,6 +44,12 @@ const NOT_IN_ROWS: &[(&str, &str)] = &[
          dp_replicate=2,dp_shard=2,cp=2`, tests/meshes.rs, tests/context_parallel.rs)",
     ),
     (
+        "pp.stage_ep=true",
+        "the default matrix is at 82.5 s of its 90 s here and CP × EP (`cp2_x_ep2`) already \
+         runs the borrowed experts in it: a user's mesh runs PP × EP (`--mesh \
+         pp=2,dp_shard=2,ep=2`, tests/meshes.rs, tests/context_parallel.rs)",
+    ),
+    (
         "pp.data=HybridShard",
         "HSDP around a pipeline needs dp_replicate × dp_shard × pp ≥ 8 ranks, past the \
          default worlds: a user's mesh runs it (`--mesh pp=2,dp_replicate=2,dp_shard=2,cp=2`, \
@@ -194,6 +200,7 @@ fn composition_choices(c: Composition, used: &mut BTreeSet<String>) {
         Composition::Pipeline {
             tp,
             cp,
+            ep,
             data,
             schedule,
             checkpoint_every,
@@ -201,6 +208,7 @@ fn composition_choices(c: Composition, used: &mut BTreeSet<String>) {
         } => {
             used.insert(format!("pp.stage_tp={}", tp > 1));
             used.insert(format!("pp.stage_cp={}", cp > 1));
+            used.insert(format!("pp.stage_ep={}", ep > 1));
             used.insert(format!("pp.data={}", data_name(data)));
             used.insert(format!("pipeline.schedule={}", schedule_name(schedule)));
             used.insert(format!(
@@ -280,6 +288,7 @@ fn every_choice() -> Vec<String> {
         "pipeline.data_parallel",
         "pp.stage_tp",
         "pp.stage_cp",
+        "pp.stage_ep",
         "cp.tp",
         "cp.ep",
         "tp.sequence_parallel",
