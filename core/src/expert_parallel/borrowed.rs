@@ -33,6 +33,9 @@ pub(crate) struct BorrowedExperts {
     named: Vec<(String, Tensor)>,
     /// What an expert's summed gradient is multiplied by.
     scale: f64,
+    /// The expert parameters this rank's EP group deals in (a pipeline stage's own; `None`:
+    /// every one): the others' values are left as they are when assembling full tensors.
+    scope: Option<std::collections::HashSet<String>>,
 }
 
 impl BorrowedExperts {
@@ -57,7 +60,15 @@ impl BorrowedExperts {
                 .collect(),
             named: model.named_parameters(),
             scale,
+            scope: None,
         }
+    }
+
+    /// The same experts, dealing only in the expert parameters among `names` (a pipeline
+    /// stage's): the other stages' experts are assembled by their own EP groups.
+    pub(crate) fn within(mut self, names: impl IntoIterator<Item = String>) -> BorrowedExperts {
+        self.scope = Some(names.into_iter().collect());
+        self
     }
 
     /// Whether this rank trains `name`: every parameter but the other ranks' experts.
@@ -120,9 +131,15 @@ impl BorrowedExperts {
                 None => Ok((name.clone(), t.f_zeros_like()?)),
             })
             .collect::<Result<Vec<_>, SplitFailure>>()?;
+        let in_scope: HashMap<String, usize> = self
+            .expert_of
+            .iter()
+            .filter(|(n, _)| self.scope.as_ref().is_none_or(|s| s.contains(*n)))
+            .map(|(n, &e)| (n.clone(), e))
+            .collect();
         super::run::full_expert_tensors(
             &every,
-            &self.expert_of,
+            &in_scope,
             self.per,
             self.group.rank(),
             self.group.as_ref(),

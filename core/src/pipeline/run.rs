@@ -148,6 +148,8 @@ pub fn train_pipeline_with(
     // norm scalars, the record's gathers) goes there, as its groups take tensors on it.
     let device = parameters_device(&named)?;
     let stage_held = held_by(&plan, rank, named.len());
+    // Each stage's EP group assembles its own experts only.
+    let experts = experts.map(|e| e.within(stage_held.iter().map(|&i| named[i].0.clone())));
     let replicas = (plan.data_parallel > 1).then_some(dpg.as_ref());
     broadcast_initial(&plan, &named, &stage_held, &holder_groups, replicas)?;
     // Under EP this rank trains its stage's dense parameters and its own experts.
