@@ -131,13 +131,7 @@ fn expert_count(model: &dyn Model, world_size: usize, opts: &CpOptions) -> Resul
                 .map_err(|e| CpError::Invalid(format!("CP × TP: {e}")))?,
         ),
     };
-    let ep_opts = crate::expert_parallel::EpOptions {
-        ep: opts.ep,
-        dispatcher: crate::expert_parallel::Dispatcher::AllToAll,
-        capacity_factor: None,
-        data_parallel: DataParallel::Replicate,
-        fault: None,
-    };
+    let ep_opts = crate::compose::Composition::ep_options(opts.ep, DataParallel::Replicate);
     let (_, experts) = check_expert_plan_with(model, data_cp, &ep_opts, plan)
         .map_err(|e| CpError::Invalid(e.to_string()))?;
     Ok(experts)
@@ -465,10 +459,12 @@ impl<'a> CpRun<'a> {
             // The experts beside the unit (a planted fault puts them in it).
             experts.reduce(self.data.whole())?;
         }
-        let reduced_by_experts = |n: &str| {
-            self.experts.as_ref().is_some_and(|e| e.is_expert(n))
-                && self.data.whole().iter().any(|(w, _)| w == n)
-        };
+        // Experts beside the unit are the experts' to reduce; in it (the planted fault),
+        // the unit's.
+        let experts_in_unit =
+            self.data.unit().is_some() && self.opts.fault == Some(CpFault::ExpertsShardedOverDp);
+        let reduced_by_experts =
+            |n: &str| !experts_in_unit && self.experts.as_ref().is_some_and(|e| e.is_expert(n));
         for (_, t) in self.trained.iter().filter(|(n, _)| !reduced_by_experts(n)) {
             let g = t.grad();
             if !g.defined() {

@@ -247,13 +247,7 @@ fn expert_count(model: &dyn Model, data: usize, ep: usize) -> Result<usize, Pipe
              not divide by it"
         )));
     }
-    let opts = crate::expert_parallel::EpOptions {
-        ep,
-        dispatcher: crate::expert_parallel::Dispatcher::AllToAll,
-        capacity_factor: None,
-        data_parallel: DataParallel::Replicate,
-        fault: None,
-    };
+    let opts = crate::compose::Composition::ep_options(ep, DataParallel::Replicate);
     let (_, experts) = crate::expert_parallel::check_expert_plan(model, data, &opts)
         .map_err(|e| PipelineError::InvalidPlan(format!("PP×EP: {e}")))?;
     Ok(experts)
