@@ -422,11 +422,15 @@ fn plan_selects_expands_and_counts_runs() {
     // The dropping references of gpt_moe's capacity rows, each with its float64 shadow:
     // single.cap4 and single.cap1 at both worlds.
     let dropping = 2 * 2 * 2;
+    // The ring-ordered references of the ring rows (gpt and gpt_moe): single.cp2 and
+    // single.cp2.contiguous at world 2, those and single.cp4, single.cp4.contiguous at 4.
+    let ring_ordered = 2 * (2 + 4);
     assert_eq!(
         plan.run_count(),
         2 * (3 * (9 + fsdp) + (7 + fsdp))
             + mixed
             + dropping
+            + ring_ordered
             + pipelines
             + model_parallel
             + compositions

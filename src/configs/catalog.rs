@@ -3,6 +3,8 @@
 //! references.
 
 use super::*;
+use lockstep_core::compose::Composition;
+use lockstep_core::context_parallel::{CpDispatcher, SequenceLayout};
 
 /// A mixed-precision policy the matrix runs: the presets of [`MixedPrecision`] (low-precision
 /// compute; fp32 gradient reduction and buffers; BatchNorm in fp32).
@@ -292,6 +294,31 @@ impl Config {
             Config::Composed(id) => Some(id.get()),
             _ => None,
         }
+    }
+
+    /// The ring this configuration's attention runs on, as `(cp, layout)`: a context-parallel
+    /// row or composition over more than one rank whose keys and values go around a ring
+    /// (compositions ring load-balanced). `None` for the rest, the all-gather dispatcher
+    /// among them (one softmax over the whole sequence, as `single` computes it).
+    pub fn ring_attention(self) -> Option<(usize, SequenceLayout)> {
+        let ring = match self {
+            Config::ModelParallel(id) => match id.get().kind {
+                ModelParallelKind::Context {
+                    cp,
+                    dispatcher: CpDispatcher::Ring,
+                    layout,
+                } => Some((cp, layout)),
+                _ => None,
+            },
+            Config::Composed(id) => match id.get().composition {
+                Composition::ContextData { cp, .. } | Composition::Pipeline { cp, .. } => {
+                    Some((cp, SequenceLayout::Balanced))
+                }
+                _ => None,
+            },
+            _ => None,
+        };
+        ring.filter(|&(cp, _)| cp > 1)
     }
 
     /// The FSDP options this configuration runs with (`None` for single and DDP).

@@ -12,6 +12,7 @@
 use super::ModelParallelConfig;
 use super::{dropping_reference_name, microbatched_name, CompositionConfig, Config, Precision};
 use lockstep_core::comm::{Backend, DType};
+use lockstep_core::context_parallel::{ring_ordered_name, SequenceLayout};
 use lockstep_harness::parity::{Mode, TolerancePolicy};
 
 /// A run a configuration is measured against: the row's reference.
@@ -31,6 +32,9 @@ pub enum Against {
     Dropping(f64),
     /// One process accumulating the pipeline's microbatches in its order (`single.mbM@N`).
     Microbatched(usize),
+    /// One process computing attention in the merge order of a ring over `cp` ranks laid out
+    /// as the row lays them (`single.cpN@N`, `single.cpN.contiguous@N`).
+    RingOrdered(usize, SequenceLayout),
 }
 
 impl Against {
@@ -54,6 +58,7 @@ impl Against {
             Against::Mixed(p) => p.half_type().reference_name().to_owned(),
             Against::Dropping(f) => dropping_reference_name(f),
             Against::Microbatched(m) => microbatched_name(m),
+            Against::RingOrdered(cp, layout) => ring_ordered_name(cp, layout),
         };
         format!("{name}@{world_size}")
     }
@@ -140,8 +145,12 @@ impl Edge {
                 policy_mode(policy.as_ref().ok(), &config.at(world_size)).to_owned()
             }
             Judged::Arbiter(a) => format!(
-                "fp64 arbiter, envelope {}",
-                a.envelope.at(config, world_size)
+                "fp64 arbiter, envelope {}{}",
+                a.envelope.at(config, world_size),
+                match a.envelope {
+                    Against::RingOrdered(..) => format!("; not bitwise: {NOT_BITWISE_RING}"),
+                    _ => String::new(),
+                }
             ),
             Judged::BitwiseUnlessPlanBlocks(_) => {
                 "bitwise where the plan allows, else the fp64 arbiter".to_owned()
@@ -150,6 +159,11 @@ impl Edge {
         format!("{} ({how})", self.against.at(config, world_size))
     }
 }
+
+/// Why a ring row cannot be bitwise against `single.cpN`, whose attention is its own block
+/// for block: said in `--list` and in docs/context_parallel.md.
+pub const NOT_BITWISE_RING: &str = "a CP rank's weight gradients are a GEMM over its own \
+    tokens, summed across the ranks afterwards, which no single-device order reproduces";
 
 /// How a row judged under `policy` is labelled: `bitwise` when every value must match bit for
 /// bit for `row` (no override with a reason), `tolerance` otherwise (or when the policy could
@@ -214,6 +228,7 @@ impl Config {
                     }
                     None => single(Against::Single, Spread::VariantsAndSingle),
                 });
+                edges.extend(self.ring_edge());
                 edges
             }
             Config::Pipeline(id) => {
@@ -238,6 +253,19 @@ impl Config {
                 edges
             }
         }
+    }
+
+    /// A ring row's edge to `single.cpN`, the single device computing attention in the
+    /// ring's merge order: the fp64 arbiter around the single-device shadow (the ring order
+    /// in float64 is attention's own to rounding), with `single.cpN`'s distance to it as the
+    /// envelope ([`NOT_BITWISE_RING`] says why not bitwise).
+    fn ring_edge(self) -> Option<Edge> {
+        let (cp, layout) = self.ring_attention()?;
+        Some(Edge::around_single(
+            Against::RingOrdered(cp, layout),
+            Against::RingOrdered(cp, layout),
+            Spread::Variants,
+        ))
     }
 
     /// The edge to the simpler configuration a composition reduces to: its policy, unless
@@ -278,7 +306,7 @@ impl Config {
             Against::Config(c) => self.policy_on(c, world_size, backend),
             Against::Single => self.policy_on(Config::Single, world_size, backend),
             Against::Mixed(p) => p.reference_policy(self, world_size, backend),
-            Against::Dropping(_) | Against::Microbatched(_) => {
+            Against::Dropping(_) | Against::Microbatched(_) | Against::RingOrdered(..) => {
                 Ok(TolerancePolicy::bitwise(DType::F32))
             }
         }

@@ -2,8 +2,10 @@
 //! shared launch where it can), the references their judging edges use, the float64
 //! shadows and fp32 variants; and the progress and counts of every run.
 
+use super::ring_ordered::run_ring_ordered;
 use super::*;
 use crate::runner::RecordResult;
+use lockstep_core::context_parallel::{ring_ordered_name, SequenceLayout};
 
 /// Tracks runs for the progress display; prints one line per run when stderr is no
 /// terminal (CI logs), where the bar is hidden.
@@ -78,6 +80,9 @@ pub(super) struct CellRuns {
     /// Per microbatch count: the microbatched reference and its float64 shadow (run only
     /// where a pipeline row is judged by the arbiter).
     pub(super) microbatched: Vec<(usize, (RecordResult, Option<RecordResult>))>,
+    /// Per ring `(cp, layout)` of a ring row: the single device computing attention in the
+    /// ring's merge order (`single.cpN@N`).
+    pub(super) ring_ordered: Vec<((usize, SequenceLayout), RecordResult)>,
     /// Per capacity factor of an expert-parallel launch: the single-device reference that
     /// drops at it (`single.cap<F>@N`) and its float64 shadow.
     pub(super) dropping: Vec<(f64, (RecordResult, RecordResult))>,
@@ -179,6 +184,7 @@ pub(super) fn run_cell(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_
     let model_parallel = launch_each(model_parallel_configs);
     let microbatched = run_microbatched_references(plan, m, world, tally);
     let dropping = run_dropping_references(plan, m, world, tally);
+    let ring_ordered = run_ring_ordered_references(plan, m, world, tally);
     let mixed = run_mixed_references(plan, m, world, tally);
     let single_f64 = plan.needs_f64(m, world).then(|| {
         tally.in_process(format!("{model} single.f64@{world}"), || {
@@ -192,6 +198,7 @@ pub(super) fn run_cell(plan: &Plan, m: usize, world: usize, tally: &mut Tally<'_
         pipelines,
         model_parallel,
         microbatched,
+        ring_ordered,
         dropping,
         mixed,
         single_f64,
@@ -265,6 +272,26 @@ pub(super) fn run_microbatched_references(
                 })
             });
             (mb, (fp32, fp64))
+        })
+        .collect()
+}
+
+/// The cell's ring-ordered references (`single.cpN`), one per ring its rows run.
+pub(super) fn run_ring_ordered_references(
+    plan: &Plan,
+    m: usize,
+    world: usize,
+    tally: &mut Tally<'_>,
+) -> Vec<((usize, SequenceLayout), RecordResult)> {
+    let model = plan.models[m].as_str();
+    plan.ring_ordered_references(m, world)
+        .into_iter()
+        .map(|(cp, layout)| {
+            let name = ring_ordered_name(cp, layout);
+            let run = tally.in_process(format!("{model} {name}@{world}"), || {
+                run_ring_ordered(model, world, (cp, layout), plan)
+            });
+            ((cp, layout), run)
         })
         .collect()
 }

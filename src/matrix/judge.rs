@@ -15,6 +15,11 @@ impl CellRuns {
             Against::Mixed(p) => self.mixed.iter().find(|(q, _)| *q == p).map(|(_, r)| r),
             Against::Dropping(f) => self.dropping_pair(f).map(|(fp32, _)| fp32),
             Against::Microbatched(m) => self.microbatched_pair(m).map(|(fp32, _)| fp32),
+            Against::RingOrdered(cp, layout) => self
+                .ring_ordered
+                .iter()
+                .find(|(ring, _)| *ring == (cp, layout))
+                .map(|(_, r)| r),
         }
     }
 

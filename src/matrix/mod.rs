@@ -134,6 +134,7 @@ mod mixed;
 mod needs;
 mod plan;
 mod result;
+mod ring_ordered;
 mod sensitivity;
 
 use crate::configs::*;

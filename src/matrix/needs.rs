@@ -4,6 +4,7 @@
 //! not run for a reason other than the model's own.
 
 use super::*;
+use lockstep_core::context_parallel::SequenceLayout;
 
 /// What one cell (model × world size) must run beside its configurations under test.
 #[derive(Debug, Default)]
@@ -27,6 +28,8 @@ pub(super) struct CellNeeds {
     pub(super) dropping: Vec<f64>,
     /// Microbatch counts whose microbatched reference runs, and whether its shadow does.
     pub(super) microbatched: Vec<(usize, bool)>,
+    /// Rings whose ring-ordered reference (`single.cpN`) runs, as `(cp, layout)`.
+    pub(super) ring_ordered: Vec<(usize, SequenceLayout)>,
 }
 
 impl CellNeeds {
@@ -47,6 +50,7 @@ impl CellNeeds {
             Against::Mixed(p) => Self::push(&mut self.mixed, p),
             Against::Dropping(f) => Self::push(&mut self.dropping, f),
             Against::Microbatched(m) => self.microbatched(m, false),
+            Against::RingOrdered(cp, layout) => Self::push(&mut self.ring_ordered, (cp, layout)),
         }
     }
 

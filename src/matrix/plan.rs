@@ -187,6 +187,7 @@ impl Plan {
                         .sum::<usize>()
                     + self.mixed_references(model, world).len()
                     + 2 * self.dropping_references(model, world).len()
+                    + self.ring_ordered_references(model, world).len()
                     + self.model_parallel_launches(model, world).len()
                     + self.simpler_references(model, world).len();
             }
@@ -264,6 +265,16 @@ impl Plan {
     /// `single.cap<F>` reference (and its float64 shadow) each, in first-use order.
     pub(super) fn dropping_references(&self, model: usize, world_size: usize) -> Vec<f64> {
         self.needs(model, world_size).dropping
+    }
+
+    /// The rings of model `model`'s ring rows at `world_size`, one `single.cpN` reference
+    /// each, in first-use order.
+    pub(super) fn ring_ordered_references(
+        &self,
+        model: usize,
+        world_size: usize,
+    ) -> Vec<(usize, lockstep_core::context_parallel::SequenceLayout)> {
+        self.needs(model, world_size).ring_ordered
     }
 
     /// The policies whose independent single-device reference (`single.bf16`, `single.fp16`)

@@ -12,18 +12,20 @@
 //! - [`run`] trains it: the replicated parameters' gradients summed over CP, averaged over
 //!   the data ranks (`[dp, cp]` mesh, CP innermost).
 //!
-//! Every parallel configuration is judged against one device by the fp64 arbiter; the
-//! single-device attention in the ring's merge order ([`ring_order_attention`]) is the
-//! reference that computes attention as the ring does.
+//! Every parallel configuration is judged against one device by the fp64 arbiter; a ring
+//! row also against [`reference`]'s `single.cpN`, one device whose attention runs in the
+//! ring's merge order ([`ring_order_attention`]).
 
 pub mod attention;
 pub mod hooks;
 pub mod layout;
 pub mod options;
+pub mod reference;
 pub mod run;
 
 pub use attention::{context_parallel_attention, ring_order_attention, CpAttentionError};
 pub use hooks::CpHooks;
 pub use layout::{chunk_count, chunks_of, layout_blocker, positions_of, shard_sequence};
 pub use options::{CpDispatcher, CpError, CpFault, CpOptions, SequenceLayout};
+pub use reference::{ring_ordered_name, ring_ordered_reference};
 pub use run::{check_context_parallel, train_context_parallel};
