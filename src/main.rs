@@ -6,6 +6,7 @@ use anyhow::Result;
 use clap::Parser;
 use cli::args::{Cli, Command, RunArgs, ScheduleArgs};
 use cli::bad_input;
+use cli::baseline::run_baseline;
 use cli::bench::run_bench;
 use cli::judge::run_judge;
 use cli::matrix::{run_matrix, run_stress};
@@ -56,6 +57,7 @@ fn main() -> Result<ExitCode> {
             }
         }
         Command::Matrix(args) => return run_matrix(args),
+        Command::Baseline { what } => return run_baseline(what),
         Command::Judge {
             run,
             reference,

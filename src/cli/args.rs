@@ -48,15 +48,17 @@ pub(crate) enum Command {
         #[command(subcommand)]
         what: BenchCommand,
     },
-    /// Compare two parity reports (JSON); exit 1 if a configuration regressed, 2 on bad input.
+    /// Compare two parity reports; exit 1 if a configuration regressed, 2 on bad input.
     ///
-    /// A configuration regresses when it vanished from NEW, passed in BASE but fails in NEW,
-    /// or its max abs error grew more than FACTOR times. Errors at or below FLOOR count as
-    /// noise, so growth from exactly 0 is flagged only above it.
+    /// Either side is a full report (report.json) or a compact baseline (baseline.jsonl, the
+    /// file a repository keeps: see `lockstep baseline update`). A configuration regresses
+    /// when it vanished from NEW, errored in NEW, passed in BASE but fails in NEW, or its max
+    /// abs error grew more than FACTOR times. Errors at or below FLOOR count as noise, so
+    /// growth from exactly 0 is flagged only above it.
     Compare {
-        /// The earlier report (e.g. from main).
+        /// The earlier report or baseline (e.g. the one committed on main).
         base: PathBuf,
-        /// The report to check.
+        /// The report or baseline to check.
         new: PathBuf,
         /// Flag errors that grew more than this many times.
         #[arg(long, default_value_t = 10.0)]
@@ -64,6 +66,11 @@ pub(crate) enum Command {
         /// Errors at or below this are treated as noise.
         #[arg(long, default_value_t = 1e-12)]
         floor: f64,
+    },
+    /// The compact baseline a repository keeps beside its code (docs/matrix.md).
+    Baseline {
+        #[command(subcommand)]
+        what: BaselineCommand,
     },
     /// Judge a training job Lockstep did not run (a PyTorch job recorded with
     /// python/lockstep_probe): its record against the single-device reference trained from the
@@ -306,6 +313,25 @@ pub(crate) struct ScheduleArgs {
     pub(crate) json: bool,
 }
 
+#[derive(Subcommand)]
+pub(crate) enum BaselineCommand {
+    /// Replace BASELINE with a run's results, on purpose: prints what changed against the
+    /// current one (regressions first), then writes it. Refuses an incomplete run (a run
+    /// errored) unless --allow-incomplete. Exit 0 written, 2 bad input (nothing written).
+    ///
+    /// Example: `lockstep baseline update parity/baseline.jsonl --from lockstep-report`.
+    Update {
+        /// The baseline file the repository keeps (created if missing).
+        baseline: PathBuf,
+        /// The run to take it from: a report directory, its report.json or baseline.jsonl.
+        #[arg(long)]
+        from: PathBuf,
+        /// Write it even though some of the run's comparisons errored.
+        #[arg(long)]
+        allow_incomplete: bool,
+    },
+}
+
 #[derive(clap::Args)]
 pub(crate) struct StressArgs {
     #[command(flatten)]
@@ -350,9 +376,16 @@ pub(crate) struct MatrixArgs {
     /// after another in one launch per world size (slower; for bisecting a suspect run).
     #[arg(long)]
     pub(crate) isolated: bool,
-    /// Print the summary rows as JSON lines instead of the table.
+    /// Print the summary rows as JSON lines instead of the summary.
     #[arg(long)]
     pub(crate) json: bool,
+    /// Print every row (the full table) instead of the compact summary.
+    #[arg(long)]
+    pub(crate) rows: bool,
+    /// Compare the results with this baseline (baseline.jsonl, or a report.json) and list
+    /// what regressed; a regression fails the matrix (exit 1). Read before anything runs.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) baseline: Option<PathBuf>,
     /// The backend launched ranks use: cpu (forked ranks), or nccl: exec'd ranks, each on
     /// the GPU of its LOCAL_RANK, where every configuration trains, the single-device
     /// reference on GPU 0; refused before anything runs (exit 2) without the `nccl` feature

@@ -4,7 +4,9 @@ use super::args::{MatrixArgs, StressArgs};
 use super::sensitivity::run_matrix_sensitivity;
 use super::{bad_input, matrix_options};
 use anyhow::Result;
-use lockstep_harness::report::plural;
+use lockstep_harness::report::{
+    compare_reports, plural, read_report_or_baseline, CompareOptions, Report,
+};
 use std::process::ExitCode;
 
 /// `lockstep matrix`: exit 0 when everything passed, 1 when a parity check or a run failed,
@@ -36,6 +38,12 @@ pub(crate) fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
         lockstep::device::prepare_process(opts.device, opts.backend, opts.tf32)?;
         return run_matrix_sensitivity(&opts, &args.faults, &args.out);
     }
+    // The baseline is read before anything runs: a bad one loses no run.
+    let baseline = match args.baseline.as_deref().map(read_report_or_baseline) {
+        None => None,
+        Some(Ok(b)) => Some(b),
+        Some(Err(e)) => return Ok(bad_input(format!("--baseline: {e}"))),
+    };
     // Only rank 0 of an external launch writes reports (the others may share its disk).
     let reporting = external.is_none_or(|l| l.rank == 0);
     let plan = match matrix::check_backend(&opts)
@@ -56,7 +64,7 @@ pub(crate) fn run_matrix(args: MatrixArgs) -> Result<ExitCode> {
     }
     let bar = matrix::progress_bar(plan.run_count());
     let result = matrix::run(&plan, &bar);
-    report_matrix(&result, &args)
+    report_matrix(&result, &args, baseline.as_ref())
 }
 
 /// The matrix's options from the command line (an external launch's world size when none
@@ -92,21 +100,39 @@ pub(crate) fn matrix_run_options(
     Ok(opts)
 }
 
-/// Prints the matrix's rows (and JSON lines with `--json`), writes its report set, and gives
-/// the exit code: 0 passed, 1 a row failed, a run failed or the external launch stopped.
+/// Prints the matrix's account (the compact summary; every row with `--rows`; JSON lines
+/// with `--json`), compares it with the baseline if one was given, writes its report set and
+/// the CI job page's summary (`GITHUB_STEP_SUMMARY`), and gives the exit code: 0 passed, 1 a
+/// row failed, a run failed, a comparison regressed or the external launch stopped.
 pub(crate) fn report_matrix(
     result: &lockstep::matrix::MatrixResult,
     args: &MatrixArgs,
+    baseline: Option<&Report>,
 ) -> Result<ExitCode> {
+    let mut report = result.report();
+    let mut unjudged = false;
+    if let Some(base) = baseline {
+        match compare_reports(base, &report, &CompareOptions::default()) {
+            Ok(against) => report = report.with_regressions(&against),
+            Err(e) => {
+                eprintln!("error: comparing with the baseline: {e}");
+                unjudged = true;
+            }
+        }
+    }
+    let summary = result.render_summary(&report.regressions, &args.out);
     if args.json {
         for row in &result.rows {
             println!("{}", serde_json::to_string(row)?);
         }
-        eprint!("{}", result.render_table());
-    } else {
+        eprint!("{summary}");
+    } else if args.rows {
         print!("{}", result.render_table());
+    } else {
+        print!("{summary}");
     }
-    match result.write_report(&args.out) {
+    write_step_summary(&result.render_step_summary(&report.regressions, &args.out));
+    match lockstep_harness::report::write_all(&report, &args.out) {
         Ok(files) if result.failed_runs > 0 => eprintln!(
             "report: {} (INCOMPLETE: {} of {} failed; their rows are errors)",
             files.json.display(),
@@ -119,6 +145,9 @@ pub(crate) fn report_matrix(
             return Ok(ExitCode::FAILURE);
         }
     }
+    if !report.regressions.is_empty() || unjudged {
+        return Ok(ExitCode::FAILURE);
+    }
     if let Some(stopped) = lockstep::runner::external::stopped() {
         eprintln!("error: the external launch stopped: {}", stopped.line);
         return Ok(ExitCode::FAILURE);
@@ -128,6 +157,26 @@ pub(crate) fn report_matrix(
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// Appends `markdown` to the file `GITHUB_STEP_SUMMARY` names, when it is set (a GitHub
+/// Actions step): the job page shows it. A summary that cannot be written is said, not fatal.
+fn write_step_summary(markdown: &str) {
+    use std::io::Write as _;
+    let Some(path) = std::env::var_os("GITHUB_STEP_SUMMARY").filter(|p| !p.is_empty()) else {
+        return;
+    };
+    let written = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .and_then(|mut f| f.write_all(markdown.as_bytes()));
+    if let Err(e) = written {
+        eprintln!(
+            "warning: GITHUB_STEP_SUMMARY ({}): {e}",
+            std::path::Path::new(&path).display()
+        );
+    }
 }
 
 /// The matrix option that has no external mode yet, if `args` uses one. (`--backend nccl`

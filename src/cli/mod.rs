@@ -2,6 +2,7 @@
 //! command line's types, and each command's glue from its arguments to the library.
 
 pub(crate) mod args;
+pub(crate) mod baseline;
 pub(crate) mod bench;
 pub(crate) mod judge;
 pub(crate) mod matrix;

@@ -136,6 +136,7 @@ mod plan;
 mod result;
 mod ring_ordered;
 mod sensitivity;
+mod summary;
 
 use crate::configs::*;
 pub use backend::*;
@@ -148,3 +149,4 @@ use mixed::*;
 pub use plan::*;
 pub use result::*;
 pub use sensitivity::*;
+pub use summary::config_family;

@@ -17,7 +17,7 @@ pub enum RowStatus {
 }
 
 impl RowStatus {
-    fn label(self) -> &'static str {
+    pub(super) fn label(self) -> &'static str {
         match self {
             RowStatus::Pass => "PASS",
             RowStatus::Fail => "FAIL",
@@ -168,7 +168,7 @@ impl MatrixResult {
     }
 
     /// The lines below the table's notes: verdict counts, inapplicable pairs, runs and time.
-    fn write_totals(&self, out: &mut String) {
+    pub(super) fn write_totals(&self, out: &mut String) {
         let passed = self
             .rows
             .iter()
@@ -241,6 +241,11 @@ impl MatrixResult {
         for (reason, pairs) in overrides {
             let _ = writeln!(out, "\n{OVERRIDE} ({}): {reason}", pairs.join(", "));
         }
+        self.write_failures(out);
+    }
+
+    /// Every failed comparison's diagnosis and every failed run's whole account.
+    pub(super) fn write_failures(&self, out: &mut String) {
         for c in self.comparisons.iter().filter(|c| !c.passed) {
             let _ = writeln!(
                 out,
@@ -286,7 +291,7 @@ const TABLE_HEADERS: [&str; 11] = [
 const NOTE_COLUMN: usize = 10;
 
 /// One table row's cells, in [`TABLE_HEADERS`] order, with long reasons left for below.
-fn table_cells(r: &Row) -> [String; 11] {
+pub(super) fn table_cells(r: &Row) -> [String; 11] {
     let kib =
         |bytes: Option<u64>| bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / 1024.0));
     [
@@ -316,7 +321,7 @@ fn table_cells(r: &Row) -> [String; 11] {
 }
 
 /// Writes the header and `cells` as aligned columns (numbers right-aligned, the note last).
-fn write_grid(out: &mut String, cells: &[[String; 11]]) {
+pub(super) fn write_grid(out: &mut String, cells: &[[String; 11]]) {
     let mut widths = TABLE_HEADERS.map(str::len);
     for row in cells {
         for (w, c) in widths.iter_mut().zip(row.iter()).take(NOTE_COLUMN) {

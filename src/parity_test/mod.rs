@@ -328,12 +328,7 @@ impl<'a> ParityTest<'a> {
             return Ok(ParityOutcome::new(
                 self.name,
                 Report::new(Vec::new()),
-                report::ReportFiles {
-                    json: out_dir.join("report.json"),
-                    markdown: out_dir.join("report.md"),
-                    junit: out_dir.join("junit.xml"),
-                    html: out_dir.join("report.html"),
-                },
+                report::ReportFiles::in_dir(&out_dir),
             ));
         }
         let report = Report::new(comparisons)

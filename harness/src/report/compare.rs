@@ -21,7 +21,7 @@
 //! as new, while one going from 0 to 1e-15 is not. A NaN error counts as infinite; a base
 //! that was already non-finite cannot grow.
 
-use super::{fmt_num, read_json, Report, ReportError, RunError};
+use super::{fmt_num, read_report_or_baseline, Report, ReportError, RunError};
 use crate::parity::{Comparison, Quantity, Stats};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -290,6 +290,26 @@ impl ReportComparison {
             );
         }
         out
+    }
+}
+
+impl super::Regression {
+    /// The regression row `r` as reports list it.
+    pub fn of(r: &CompareRow) -> super::Regression {
+        let cells = row_cells(r);
+        let what = match (&r.base_err, &r.new_err) {
+            (Some(_), Some(_)) => {
+                format!("{}: {} -> {} ({})", cells[3], cells[4], cells[5], cells[6])
+            }
+            _ => format!("{}: base {}, new {}", cells[3], cells[7], cells[8]),
+        };
+        super::Regression {
+            model: r.model.clone(),
+            config: r.config.clone(),
+            reference: r.reference.clone(),
+            status: cells[9].clone(),
+            what,
+        }
     }
 }
 
@@ -578,13 +598,14 @@ fn compared_row(key: &Key, b: &Comparison, n: &Comparison, floor: f64, factor: f
     }
 }
 
-/// Reads two report files and compares them.
+/// Reads two report files and compares them: either side a full report (`report.json`) or a
+/// compact baseline (`baseline.jsonl`).
 pub fn compare_report_files(
     base: &Path,
     new: &Path,
     options: &CompareOptions,
 ) -> Result<ReportComparison, ReportError> {
-    let base = read_json(base)?;
-    let new = read_json(new)?;
+    let base = read_report_or_baseline(base)?;
+    let new = read_report_or_baseline(new)?;
     compare_reports(&base, &new, options)
 }

@@ -18,11 +18,16 @@ pub fn read_json(path: &Path) -> Result<Report, ReportError> {
         path: path.to_owned(),
         source,
     })?;
+    parse_json(path, &text)
+}
+
+/// [`read_json`] of `text`, read from `path`.
+pub(super) fn parse_json(path: &Path, text: &str) -> Result<Report, ReportError> {
     let json = |source| ReportError::Json {
         path: path.to_owned(),
         source,
     };
-    let value: serde_json::Value = serde_json::from_str(&text).map_err(json)?;
+    let value: serde_json::Value = serde_json::from_str(text).map_err(json)?;
     let found = value
         .get("schema_version")
         .and_then(serde_json::Value::as_u64);

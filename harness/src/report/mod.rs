@@ -6,6 +6,7 @@
 //! failed write never leaves a file that looks complete.
 
 mod atomic;
+mod baseline;
 mod compare;
 mod html;
 mod json;
@@ -15,6 +16,9 @@ mod tensors;
 pub use lockstep_core::num;
 
 pub use atomic::write_atomic;
+pub use baseline::{
+    read_report_or_baseline, render_baseline, write_baseline, BASELINE_FILE, BASELINE_VERSION,
+};
 pub use compare::{
     compare_report_files, compare_reports, Change, CompareOptions, CompareRow, Drift,
     ReportComparison, RowTrend,
@@ -142,6 +146,26 @@ pub struct Report {
     /// written before it existed still read (same schema version).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub environment: Option<Environment>,
+    /// What regressed against the baseline the run was compared with
+    /// ([`Report::with_regressions`]), for the pages and summaries to list first; empty
+    /// when none was given or nothing regressed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub regressions: Vec<Regression>,
+}
+
+/// One comparison that regressed against a baseline: what a reader must see first.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Regression {
+    /// Model zoo name.
+    pub model: String,
+    /// The configuration under test (`ddp@4`).
+    pub config: String,
+    /// Its reference.
+    pub reference: String,
+    /// How it regressed (`CROSSED TOLERANCE`, `GREW`, `VANISHED`, `ERRORED`).
+    pub status: String,
+    /// The quantity and the move (``gradient of `w`: 3.1e-7 -> 4.2e-5 (135x)``).
+    pub what: String,
 }
 
 /// The [`Environment`] every run of this process is computed in: libtorch's CPU capability
@@ -194,7 +218,14 @@ impl Report {
             errors: Vec::new(),
             skipped: Vec::new(),
             environment: Some(environment()),
+            regressions: Vec::new(),
         }
+    }
+
+    /// Records what regressed in `against` (this report compared with a baseline).
+    pub fn with_regressions(mut self, against: &ReportComparison) -> Self {
+        self.regressions = against.regressions().map(Regression::of).collect();
+        self
     }
 
     /// Adds the comparisons that could not be made; any makes the report incomplete.
@@ -320,6 +351,16 @@ pub enum ReportError {
         /// The version found, if any.
         found: Option<u64>,
     },
+    /// A baseline of a layout this build does not know.
+    #[error(
+        "{path}: lockstep_baseline {found:?} is not supported (this build reads {BASELINE_VERSION})"
+    )]
+    UnsupportedBaseline {
+        /// The file concerned.
+        path: PathBuf,
+        /// The version found, if any.
+        found: Option<u64>,
+    },
     /// Rendering a report to JSON failed (a bug, not a user error).
     #[error("cannot serialize the report: {0}")]
     Serialize(#[source] serde_json::Error),
@@ -352,6 +393,22 @@ pub struct ReportFiles {
     pub junit: PathBuf,
     /// `report.html`.
     pub html: PathBuf,
+    /// `baseline.jsonl`: the compact baseline a repository keeps
+    /// ([`render_baseline`]).
+    pub baseline: PathBuf,
+}
+
+impl ReportFiles {
+    /// Where [`write_all`] puts each file in `dir`.
+    pub fn in_dir(dir: &Path) -> ReportFiles {
+        ReportFiles {
+            json: dir.join("report.json"),
+            markdown: dir.join("report.md"),
+            junit: dir.join("junit.xml"),
+            html: dir.join("report.html"),
+            baseline: dir.join(BASELINE_FILE),
+        }
+    }
 }
 
 /// Writes the JSON to `path` atomically.
@@ -375,7 +432,13 @@ pub fn write_html(report: &Report, path: &Path) -> Result<(), ReportError> {
 }
 
 /// The files [`write_all`] writes into a report directory.
-pub const REPORT_FILES: [&str; 4] = ["report.json", "report.md", "junit.xml", "report.html"];
+pub const REPORT_FILES: [&str; 5] = [
+    "report.json",
+    "report.md",
+    "junit.xml",
+    "report.html",
+    BASELINE_FILE,
+];
 
 /// Creates `dir` and proves it writable with a probe file, before any run starts, and
 /// removes the report files an earlier run left there (so none can pass for this run's).
@@ -398,17 +461,13 @@ pub fn prepare_dir(dir: &Path) -> Result<(), ReportError> {
     Ok(())
 }
 
-/// Writes all four formats into the existing directory `dir` (`report.json`, `report.md`,
-/// `junit.xml`, `report.html`). Each file is atomic on its own; the JSON is written last so
-/// its presence means the set is complete.
+/// Writes every format into the existing directory `dir` (`report.json`, `report.md`,
+/// `junit.xml`, `report.html`, `baseline.jsonl`). Each file is atomic on its own; the JSON
+/// is written last so its presence means the set is complete.
 pub fn write_all(report: &Report, dir: &Path) -> Result<ReportFiles, ReportError> {
-    let files = ReportFiles {
-        json: dir.join("report.json"),
-        markdown: dir.join("report.md"),
-        junit: dir.join("junit.xml"),
-        html: dir.join("report.html"),
-    };
+    let files = ReportFiles::in_dir(dir);
     write_markdown(report, &files.markdown)?;
+    write_baseline(report, &files.baseline)?;
     write_junit(report, &files.junit)?;
     write_html(report, &files.html)?;
     write_json(report, &files.json)?;

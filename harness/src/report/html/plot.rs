@@ -1,13 +1,10 @@
-//! The HTML page: one self-contained file (inline CSS and SVG, no scripts, no external
-//! resources) so it opens offline, as a CI artifact or an e-mail attachment.
+//! The page's charts: per-step line plots as inline SVG, drawn here for the rows a reader
+//! needs first, or handed to the page's script as data (the same series) to draw when a
+//! reader opens any other row.
 
-use super::junit::xml_escape;
-use super::tensors::{
-    collectives_line, cross_rank_line, more_rows_line, param_headers, param_rows, plan_line,
-    MAX_PARAM_ROWS,
-};
-use super::{fmt_kib, fmt_num, fmt_ulp, Report, StepRow};
-use crate::parity::{Comparison, StepEnvelope};
+use super::super::junit::xml_escape;
+use super::super::{fmt_num, StepRow};
+use crate::parity::StepEnvelope;
 use std::fmt::Write as _;
 
 const WIDTH: f64 = 600.0;
@@ -18,7 +15,7 @@ const TOP: f64 = 30.0;
 const BOTTOM: f64 = 40.0;
 
 /// One line of a plot.
-struct Series {
+pub(super) struct Series {
     label: String,
     color: &'static str,
     dashed: bool,
@@ -297,7 +294,7 @@ impl Frame {
     }
 }
 
-fn loss_plot(title: &str, steps: &[&StepRow]) -> String {
+fn loss_chart(title: String, steps: &[&StepRow]) -> Chart {
     let series = vec![
         Series {
             label: "run".into(),
@@ -323,10 +320,16 @@ fn loss_plot(title: &str, steps: &[&StepRow]) -> String {
                 .collect(),
         },
     ];
-    svg_plot(title, "loss", &series, false)
+    Chart {
+        kind: "loss",
+        title,
+        y_label: "loss",
+        series,
+        log: false,
+    }
 }
 
-fn error_plot(title: &str, steps: &[&StepRow]) -> String {
+fn error_chart(title: String, steps: &[&StepRow]) -> Chart {
     let mut series = vec![
         Series {
             label: "loss |Δ|".into(),
@@ -374,13 +377,19 @@ fn error_plot(title: &str, steps: &[&StepRow]) -> String {
             points: grads,
         });
     }
-    svg_plot(title, "abs error (log)", &series, true)
+    Chart {
+        kind: "err",
+        title,
+        y_label: "abs error (log)",
+        series,
+        log: true,
+    }
 }
 
 /// The fp64 arbiter's view of a comparison: per step, the run's and the fp32 reference's
 /// largest distance to the float64 shadow (relative to each tensor's magnitude), on a log
 /// scale: a correct run's line follows the reference's, a fault stands above it.
-fn envelope_plot(title: &str, steps: &[&StepRow]) -> String {
+fn envelope_chart(title: String, steps: &[&StepRow]) -> Chart {
     let series_of =
         |label: &str, color: &'static str, dashed, pick: fn(&StepEnvelope) -> f64| Series {
             label: label.into(),
@@ -400,223 +409,79 @@ fn envelope_plot(title: &str, steps: &[&StepRow]) -> String {
         series_of("run to fp64", "#d62728", false, |e| e.run_to_f64),
         series_of("fp32 ref to fp64", "#1f77b4", true, |e| e.reference_to_f64),
     ];
-    svg_plot(title, "rel. distance (log)", &series, true)
+    Chart {
+        kind: "env",
+        title,
+        y_label: "rel. distance (log)",
+        series,
+        log: true,
+    }
 }
 
-const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:2em;color:#222}\
-table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}\
-td.num{text-align:right;font-family:monospace}.pass{color:#176317}.fail{color:#b00020;font-weight:bold}\
-section{margin:2em 0;border-top:1px solid #ddd}svg.plot{margin-right:1em}svg text{font-size:11px}\
-svg text.t{font-size:13px;font-weight:bold}svg text.n{font-size:9px;fill:#777}.diag{font-family:monospace;white-space:pre-wrap}\
-table.params{margin:1em 0}tr.fail td{color:#b00020}";
+/// One chart: what it plots and how, drawn as SVG here ([`Chart::svg`]) or handed to the
+/// page's script as data ([`Chart::data`]) to draw when a reader opens its row.
+pub(super) struct Chart {
+    /// Which chart it is (`loss`, `env`, `err`): the script knows each one's title, axis,
+    /// series labels and colours, so the data carries only the points.
+    kind: &'static str,
+    title: String,
+    y_label: &'static str,
+    series: Vec<Series>,
+    log: bool,
+}
 
-/// The per-parameter table of one comparison (failing parameters first, capped at
-/// [`MAX_PARAM_ROWS`] rows); empty when it compared no tensor.
-fn param_table(c: &Comparison) -> String {
-    let rows = param_rows(c);
-    if rows.is_empty() {
-        return String::new();
+impl Chart {
+    /// The chart as one inline SVG element.
+    pub(super) fn svg(&self) -> String {
+        svg_plot(&self.title, self.y_label, &self.series, self.log)
     }
-    let mut out = String::from("<table class=\"params\">\n<tr><th>parameter</th>");
-    for h in param_headers(c) {
-        let _ = write!(out, "<th>{}</th>", xml_escape(&h));
+
+    /// The chart as compact JSON for the page's script: its kind and each series' points
+    /// (values to four significant digits; non-finite ones `null`, drawn as gaps).
+    pub(super) fn data(&self) -> String {
+        let series: Vec<String> = self
+            .series
+            .iter()
+            .map(|s| {
+                let points: Vec<String> = s
+                    .points
+                    .iter()
+                    .map(|&(x, y)| match y.is_finite() {
+                        true => format!("[{x},{}]", short(y)),
+                        false => format!("[{x},null]"),
+                    })
+                    .collect();
+                format!("[{}]", points.join(","))
+            })
+            .collect();
+        format!("{{\"k\":\"{}\",\"p\":[{}]}}", self.kind, series.join(","))
     }
-    out.push_str("</tr>\n");
-    for r in rows.iter().take(MAX_PARAM_ROWS) {
-        let class = if r.failed() { "fail" } else { "pass" };
-        let _ = write!(out, "<tr class=\"{class}\"><td>{}</td>", xml_escape(r.name));
-        for (i, text) in r.cells().iter().enumerate() {
-            let num = if i % 3 == 0 { "" } else { " class=\"num\"" };
-            let _ = write!(out, "<td{num}>{}</td>", xml_escape(text));
+}
+
+/// `x` to four significant digits, as a short JSON number (`1.2e-7`, `0`).
+fn short(x: f64) -> String {
+    if x == 0.0 {
+        return "0".into();
+    }
+    let text = format!("{x:.3e}");
+    match text.split_once('e') {
+        Some((mantissa, exponent)) => {
+            let mantissa = mantissa.trim_end_matches('0').trim_end_matches('.');
+            match exponent {
+                "0" => mantissa.to_owned(),
+                _ => format!("{mantissa}e{exponent}"),
+            }
         }
-        out.push_str("</tr>\n");
+        None => text,
     }
-    out.push_str("</table>\n");
-    if let Some(line) = more_rows_line(&rows) {
-        let _ = writeln!(out, "<p>{}</p>", xml_escape(&line));
-    }
-    out
 }
 
-/// The page: a summary table, then per comparison its verdict, loss curves and errors per
-/// step on a log scale.
-pub fn render_html(report: &Report) -> String {
-    let mut out =
-        String::from("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\"/>\n");
-    let _ = writeln!(
-        out,
-        "<title>Lockstep parity report</title>\n<style>{STYLE}</style>\n</head>\n<body>"
-    );
-    render_headline(report, &mut out);
-    render_summary_table(report, &mut out);
-    if report
-        .comparisons
-        .iter()
-        .any(super::markdown::passed_with_large_distances)
-    {
-        let _ = writeln!(
-            out,
-            "<p class=\"note\">{}</p>",
-            xml_escape(super::markdown::LARGE_DISTANCES_NOTE)
-        );
-    }
-    for e in &report.errors {
-        let name = format!("{} / {} vs {}", e.model, e.config, e.reference);
-        let _ = writeln!(
-            out,
-            "<section>\n<h2>{}</h2>\n<p class=\"fail\">ERROR: {}</p>\n<pre class=\"diag\">{}</pre>\n</section>",
-            xml_escape(&name),
-            xml_escape(&e.message),
-            xml_escape(&e.details)
-        );
-    }
-    for c in &report.comparisons {
-        render_section(report, c, &mut out);
-    }
-    out.push_str("</body>\n</html>\n");
-    out
-}
-
-/// The page's heading, the environment and the headline with the tool that wrote it.
-fn render_headline(report: &Report, out: &mut String) {
-    let _ = writeln!(out, "<h1>Lockstep parity report</h1>");
-    if let Some(line) = report.environment_line() {
-        let _ = writeln!(out, "<p class=\"environment\">{}</p>", xml_escape(&line));
-    }
-    let _ = write!(
-        out,
-        "<p class=\"{}\">{}",
-        if report.errors.is_empty() {
-            "summary"
-        } else {
-            "fail"
-        },
-        xml_escape(&report.headline())
-    );
-    if let Some(t) = report.wall_time_seconds {
-        let _ = write!(out, "; wall time {t:.2} s");
-    }
-    let _ = writeln!(
-        out,
-        " ({}, schema {}).</p>",
-        xml_escape(&report.tool),
-        report.schema_version
-    );
-}
-
-/// The summary table: one row per comparison, then per run that errored or was skipped
-/// (with memory columns when runs measured memory).
-fn render_summary_table(report: &Report, out: &mut String) {
-    let memory = report.has_memory();
-    out.push_str("<table>\n<tr><th>model</th><th>config</th><th>reference</th><th>result</th><th>max abs err</th><th>max rel err</th><th>max ULP</th><th>margin</th>");
-    if memory {
-        out.push_str("<th>peak full params (KiB)</th><th>shard (KiB)</th>");
-    }
-    out.push_str("</tr>\n");
-    for c in &report.comparisons {
-        render_summary_row(c, memory, out);
-    }
-    for e in &report.errors {
-        let _ = writeln!(
-            out,
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td class=\"fail\">ERROR</td><td colspan=\"{}\">{}</td></tr>",
-            xml_escape(&e.model),
-            xml_escape(&e.config),
-            xml_escape(&e.reference),
-            if memory { 6 } else { 4 },
-            xml_escape(&e.message)
-        );
-    }
-    for k in &report.skipped {
-        let _ = writeln!(
-            out,
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>skip</td><td colspan=\"{}\">{}</td></tr>",
-            xml_escape(&k.model),
-            xml_escape(&k.config),
-            xml_escape(&k.reference),
-            if memory { 6 } else { 4 },
-            xml_escape(&k.reason)
-        );
-    }
-    out.push_str("</table>\n");
-}
-
-/// One comparison's row of the summary table (`memory`: with the memory columns).
-fn render_summary_row(c: &Comparison, memory: bool, out: &mut String) {
-    let all = c.overall();
-    let _ = write!(
-        out,
-        "<tr><td>{}</td><td>{}</td><td>{}</td><td class=\"{}\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>",
-        xml_escape(&c.model),
-        xml_escape(&c.config),
-        xml_escape(&c.reference),
-        if c.passed { "pass" } else { "fail" },
-        if c.passed { "pass" } else { "FAIL" },
-        fmt_num(all.max_abs_err),
-        fmt_num(all.max_rel_err),
-        fmt_ulp(all.max_ulp),
-        fmt_num(all.margin)
-    );
-    if memory {
-        let _ = write!(
-            out,
-            "<td class=\"num\">{}</td><td class=\"num\">{}</td>",
-            fmt_kib(c.memory.map(|m| m.full_param_bytes_peak)),
-            fmt_kib(c.memory.map(|m| m.shard_bytes))
-        );
-    }
-    out.push_str("</tr>\n");
-}
-
-/// One comparison's section: its verdict and diagnosis, the cross-rank check, the plan, the
-/// per-parameter table, and its plots.
-fn render_section(report: &Report, c: &Comparison, out: &mut String) {
-    let name = format!("{} / {} vs {}", c.model, c.config, c.reference);
-    let _ = writeln!(out, "<section>\n<h2>{}</h2>", xml_escape(&name));
-    let _ = writeln!(
-        out,
-        "<p class=\"{}\">{}</p>",
-        if c.passed { "pass" } else { "fail" },
-        if c.passed { "passed" } else { "FAILED" }
-    );
-    if let Some(d) = &c.diagnosis {
-        let _ = writeln!(out, "<p class=\"diag\">{}</p>", xml_escape(d));
-    }
-    if let Some(line) = cross_rank_line(c) {
-        let class = if c.cross_rank.as_ref().is_some_and(|x| x.mismatch.is_some()) {
-            "fail"
-        } else {
-            "pass"
-        };
-        let _ = writeln!(
-            out,
-            "<p class=\"cross-rank {class}\">{}</p>",
-            xml_escape(&line)
-        );
-    }
-    for line in [plan_line(c), collectives_line(c)].into_iter().flatten() {
-        let _ = writeln!(out, "<p class=\"plan\">{}</p>", xml_escape(&line));
-    }
-    out.push_str(&param_table(c));
-    if c.arbiter.is_some() {
-        let _ = writeln!(
-            out,
-            "<p>fp64 arbiter: run / fp32 reference distance to float64 {}</p>",
-            xml_escape(&super::arbiter_cell(c))
-        );
-    }
-    if let Some(r) = &c.override_reason {
-        let _ = writeln!(out, "<p>Tolerance override: {}</p>", xml_escape(r));
-    }
-    let steps: Vec<&StepRow> = report.steps_of(c).collect();
-    out.push_str(&loss_plot(&format!("loss: {name}"), &steps));
-    if c.arbiter.is_some() {
-        out.push_str(&envelope_plot(
-            &format!("distance to fp64 per step: {name}"),
-            &steps,
-        ));
-    } else {
-        out.push_str(&error_plot(&format!("error per step: {name}"), &steps));
-    }
-    out.push_str("</section>\n");
+/// The charts of one comparison named `name` over its `steps`: the loss curves, then the
+/// fp64 arbiter's distances per step (`arbiter`), else the errors per step.
+pub(super) fn charts(name: &str, arbiter: bool, steps: &[&StepRow]) -> Vec<Chart> {
+    let second = match arbiter {
+        true => envelope_chart(format!("distance to fp64 per step: {name}"), steps),
+        false => error_chart(format!("error per step: {name}"), steps),
+    };
+    vec![loss_chart(format!("loss: {name}"), steps), second]
 }
