@@ -45,8 +45,10 @@ fn lockstep(args: &[&str]) -> Output {
     }
 }
 
+/// `lockstep matrix` into `out` with `extra`, printing every row (`--rows`): the tests read
+/// the rows.
 fn matrix_into(out: &Path, extra: &[&str]) -> Output {
-    let mut args = vec!["matrix", "--out", out.to_str().unwrap()];
+    let mut args = vec!["matrix", "--rows", "--out", out.to_str().unwrap()];
     args.extend_from_slice(extra);
     lockstep(&args)
 }

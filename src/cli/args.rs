@@ -379,7 +379,8 @@ pub(crate) struct MatrixArgs {
     /// Print the summary rows as JSON lines instead of the summary.
     #[arg(long)]
     pub(crate) json: bool,
-    /// Print every row (the full table) instead of the compact summary.
+    /// Print every row (the full table) instead of the compact summary (on stderr with
+    /// `--json`).
     #[arg(long)]
     pub(crate) rows: bool,
     /// Compare the results with this baseline (baseline.jsonl, or a report.json) and list

@@ -120,16 +120,19 @@ pub(crate) fn report_matrix(
             }
         }
     }
-    let summary = result.render_summary(&report.regressions, &args.out);
+    // What a person reads: every row with `--rows`, else the summary; on stderr when stdout
+    // carries the JSON rows.
+    let account = match args.rows {
+        true => result.render_table() + &lockstep::matrix::render_regressions(&report.regressions),
+        false => result.render_summary(&report.regressions, &args.out),
+    };
     if args.json {
         for row in &result.rows {
             println!("{}", serde_json::to_string(row)?);
         }
-        eprint!("{summary}");
-    } else if args.rows {
-        print!("{}", result.render_table());
+        eprint!("{account}");
     } else {
-        print!("{summary}");
+        print!("{account}");
     }
     write_step_summary(&result.render_step_summary(&report.regressions, &args.out));
     match lockstep_harness::report::write_all(&report, &args.out) {

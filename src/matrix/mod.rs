@@ -149,4 +149,4 @@ use mixed::*;
 pub use plan::*;
 pub use result::*;
 pub use sensitivity::*;
-pub use summary::config_family;
+pub use summary::{config_family, render_regressions};

@@ -111,6 +111,22 @@ impl FamilyGrid {
     }
 }
 
+/// The regressions against the baseline, one line each under a heading (nothing when none).
+pub fn render_regressions(regressions: &[Regression]) -> String {
+    let mut out = String::new();
+    if !regressions.is_empty() {
+        let _ = writeln!(out, "\nregressed against the baseline:");
+        for r in regressions {
+            let _ = writeln!(
+                out,
+                "  {} {} {} vs {}: {}",
+                r.status, r.model, r.config, r.reference, r.what
+            );
+        }
+    }
+    out
+}
+
 impl MatrixResult {
     /// The rows that need a reader: failed and errored ones, in row order.
     fn troubled(&self) -> impl Iterator<Item = &Row> {
@@ -146,16 +162,7 @@ impl MatrixResult {
             write_grid(&mut out, &troubled);
             self.write_failures(&mut out);
         }
-        if !regressions.is_empty() {
-            let _ = writeln!(out, "\nregressed against the baseline:");
-            for r in regressions {
-                let _ = writeln!(
-                    out,
-                    "  {} {} {} vs {}: {}",
-                    r.status, r.model, r.config, r.reference, r.what
-                );
-            }
-        }
+        out.push_str(&render_regressions(regressions));
         self.write_totals(&mut out);
         let _ = writeln!(
             out,
