@@ -13,7 +13,7 @@
 //!   the data ranks (`[dp, cp]` mesh, CP innermost).
 //!
 //! Every parallel configuration is judged against one device by the fp64 arbiter; a ring
-//! row also against [`reference`]'s `single.cpN`, one device whose attention runs in the
+//! row also against [`mod@reference`]'s `single.cpN`, one device whose attention runs in the
 //! ring's merge order ([`ring_order_attention`]).
 
 pub mod attention;
