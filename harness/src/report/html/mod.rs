@@ -24,6 +24,9 @@ use overview::{Cell, Overview};
 use std::collections::HashSet;
 use std::fmt::Write as _;
 
+/// Reports with at most this many cells open every detail.
+const OPEN_ALL_CELLS: usize = 6;
+
 /// How many of the passing rows closest to their envelope get their charts drawn and are
 /// listed under the overview.
 const CLOSEST_ROWS: usize = 10;
@@ -78,8 +81,10 @@ pub fn render_html(report: &Report) -> String {
         );
     }
     out.push_str("<section id=\"details\">\n<h2>Details</h2>\n");
+    // A small report (a parity test's, a judged job's) shows every detail at once.
+    let open_all = overview.cells.len() <= OPEN_ALL_CELLS;
     for cell in &overview.cells {
-        render_cell_detail(report, cell, &drawn, &mut out);
+        render_cell_detail(report, cell, (&drawn, open_all), &mut out);
     }
     out.push_str("</section>\n");
     let _ = writeln!(out, "<script>//<![CDATA[\n{SCRIPT}//]]></script>");
@@ -228,9 +233,15 @@ fn render_closest(report: &Report, overview: &Overview, out: &mut String) {
     out.push_str("</table>\n</section>\n");
 }
 
-/// One cell's detail: collapsed unless it needs a reader, opened by its grid link.
-fn render_cell_detail(report: &Report, cell: &Cell, drawn: &HashSet<usize>, out: &mut String) {
-    let open = if cell.state >= overview::CellState::Fail {
+/// One cell's detail: collapsed unless it needs a reader or `open_all`, opened by its grid
+/// link; the comparisons in `drawn` get their charts drawn into the page.
+fn render_cell_detail(
+    report: &Report,
+    cell: &Cell,
+    (drawn, open_all): (&HashSet<usize>, bool),
+    out: &mut String,
+) {
+    let open = if open_all || cell.state >= overview::CellState::Fail {
         " open=\"open\""
     } else {
         ""
