@@ -409,8 +409,9 @@ fn plan_selects_expands_and_counts_runs() {
     // and ep2_x_fsdp for gpt_moe; their simpler configurations are selected already, except
     // hsdp_x_tp2's tp.2.hybrid_order (a reference only), which runs once for each of the three;
     // fsdp_x_cp2 for gpt and gpt_moe at both worlds; cp2_x_tp2 and pp2_x_cp2 for gpt and
-    // gpt_moe at world 4; cp2_x_ep2 for gpt_moe at both worlds.
-    let compositions = (3 + 1) + (4 * 3 + 3 + 1) + 3 + 2 * 2 + 2 * 2 + 2;
+    // gpt_moe at world 4; cp2_x_ep2 for gpt_moe at both worlds; pp2_x_ep2 for gpt_moe at
+    // world 4.
+    let compositions = (3 + 1) + (4 * 3 + 3 + 1) + 3 + 2 * 2 + 2 * 2 + 2 + 1;
     // The float64 shadows: one per cell with a single-device reference (3 models × 2 worlds)
     // and one per microbatched reference (3 models × 2 worlds × 2 microbatch counts).
     let shadows = 3 * 2 + 3 * 2 * 2;

@@ -260,6 +260,27 @@ fn context_data_rows() -> Vec<CompositionConfig> {
             mesh: None,
         },
         CompositionConfig {
+            name: "pp2_x_ep2",
+            description: "PP×EP on [dp, pp=2], ep=2 borrowed from each stage's data group: a \
+                          2-stage 1F1B pipeline whose stages' experts are spread over 2 \
+                          replicas, tokens dispatched inside the stage, expert gradients \
+                          summed over their holders and divided by dp (world 4 and up; \
+                          models with experts)",
+            composition: Composition::Pipeline {
+                pp: 2,
+                tp: 1,
+                cp: 1,
+                ep: 2,
+                data: DataParallel::Replicate,
+                schedule: ScheduleKind::OneFOneB,
+                min_data: 2,
+                checkpoint_every: None,
+            },
+            reduces_to: None,
+            reference_only: false,
+            mesh: None,
+        },
+        CompositionConfig {
             name: "cp2_x_ep2",
             description: "CP×EP on [dp, cp=2], ep=2 borrowed from dp × cp: cp.2 with each \
                           mixture's experts spread over 2 ranks, every sequence shard's \

@@ -44,12 +44,6 @@ const NOT_IN_ROWS: &[(&str, &str)] = &[
          dp_replicate=2,dp_shard=2,cp=2`, tests/meshes.rs, tests/context_parallel.rs)",
     ),
     (
-        "pp.stage_ep=true",
-        "the default matrix is at 82.5 s of its 90 s here and CP × EP (`cp2_x_ep2`) already \
-         runs the borrowed experts in it: a user's mesh runs PP × EP (`--mesh \
-         pp=2,dp_shard=2,ep=2`, tests/meshes.rs, tests/context_parallel.rs)",
-    ),
-    (
         "pp.data=HybridShard",
         "HSDP around a pipeline needs dp_replicate × dp_shard × pp ≥ 8 ranks, past the \
          default worlds: a user's mesh runs it (`--mesh pp=2,dp_replicate=2,dp_shard=2,cp=2`, \

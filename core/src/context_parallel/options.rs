@@ -116,6 +116,11 @@ pub enum CpError {
     /// The options or the model do not fit (found before any rank starts).
     #[error("context parallel: {0}")]
     Invalid(String),
+    /// A part beside the sequence split (the TP plan, the experts) does not fit or failed,
+    /// said as the composition runs: `CP × TP: …`, or at CP size 1 (FSDP × TP, TP × EP, EP
+    /// under HSDP, trained by the same loop) without CP: `TP: …`.
+    #[error("{0}")]
+    Part(String),
     /// A collective, the model or autograd failed during the run.
     #[error(transparent)]
     Failed(Box<SplitFailure>),

@@ -96,6 +96,15 @@ pub fn check_context_parallel(
     check_splits(model, world_size, opts)
 }
 
+/// A failure of the `part` (`TP`, `EP`) beside the sequence split, named as the composition
+/// the user runs: `CP × TP: …` beside context parallelism, `TP: …` at CP size 1.
+fn part_failure(opts: &CpOptions, part: &str, e: impl std::fmt::Display) -> CpError {
+    match opts.cp {
+        1 => CpError::Part(format!("{part}: {e}")),
+        _ => CpError::Part(format!("CP × {part}: {e}")),
+    }
+}
+
 /// The splits beside CP fit `model`: its TP plan at `opts.tp`, its experts over `opts.ep`
 /// ranks, and the data dimension the rest of the world.
 fn check_splits(model: &dyn Model, world_size: usize, opts: &CpOptions) -> Result<(), CpError> {
@@ -104,7 +113,7 @@ fn check_splits(model: &dyn Model, world_size: usize, opts: &CpOptions) -> Resul
         .map_err(|e| CpError::Invalid(e.to_string()))?;
     if opts.tp > 1 {
         check_plan(model, world_size, &tensor_options(opts))
-            .map_err(|e| CpError::Invalid(format!("CP × TP: {e}")))?;
+            .map_err(|e| part_failure(opts, "TP", e))?;
     }
     if opts.ep > 1 {
         expert_count(model, world_size, opts)?;
@@ -127,8 +136,7 @@ fn expert_count(model: &dyn Model, world_size: usize, opts: &CpOptions) -> Resul
     let plan = match opts.tp {
         1 => model.parallel_plan(false),
         _ => Some(
-            model_plan(model, &tensor_options(opts))
-                .map_err(|e| CpError::Invalid(format!("CP × TP: {e}")))?,
+            model_plan(model, &tensor_options(opts)).map_err(|e| part_failure(opts, "TP", e))?,
         ),
     };
     let ep_opts = crate::compose::Composition::ep_options(opts.ep, DataParallel::Replicate);
@@ -284,7 +292,7 @@ impl<'a> CpRun<'a> {
         let tp = if tp_size > 1 {
             let tp_opts = tensor_options(opts);
             let placements = check_plan(model, world.size(), &tp_opts)
-                .map_err(|e| CpError::Invalid(format!("CP × TP: {e}")))?;
+                .map_err(|e| part_failure(opts, "TP", e))?;
             let part = CpTensorParallel {
                 group: counted(mesh.group("tp")?),
                 rank: mesh.coordinate("tp")?,
@@ -300,7 +308,7 @@ impl<'a> CpRun<'a> {
         };
         let trained: Vec<(String, Tensor)> = match &tp {
             Some(tp) => local_parameters(model, &tp.placements, tp.rank, tp_size)
-                .map_err(|e| CpError::Invalid(format!("CP × TP: {e}")))?,
+                .map_err(|e| part_failure(opts, "TP", e))?,
             None => model.named_parameters(),
         }
         .into_iter()
@@ -346,10 +354,10 @@ impl<'a> CpRun<'a> {
             // on a group of one; with EP, its mixtures dispatched to their experts.
             let plan = match &tp {
                 Some(_) => model_plan(model, &tensor_options(opts))
-                    .map_err(|e| CpError::Invalid(format!("CP × TP: {e}")))?,
+                    .map_err(|e| part_failure(opts, "TP", e))?,
                 None => model
                     .parallel_plan(false)
-                    .ok_or_else(|| CpError::Invalid("CP × EP: the model has no plan".into()))?,
+                    .ok_or_else(|| part_failure(opts, "EP", "the model has no plan"))?,
             };
             let (group, tp_rank) = match &tp {
                 Some(tp) => (tp.group.clone(), tp.rank),
@@ -414,7 +422,7 @@ impl<'a> CpRun<'a> {
                 tp.group.as_ref(),
                 Tensor::shallow_clone,
             )
-            .map_err(|e| CpError::Invalid(format!("CP × TP: {e}"))),
+            .map_err(|e| part_failure(self.opts, "TP", e)),
             None => Ok(local),
         }
     }
