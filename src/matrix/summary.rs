@@ -211,7 +211,7 @@ impl MatrixResult {
             for r in troubled {
                 let _ = writeln!(
                     out,
-                    "- {} `{}` {} vs `{}`: {}",
+                    "- {} `{}` `{}` vs `{}`: {}",
                     r.status.label(),
                     r.model,
                     r.config,
@@ -225,7 +225,7 @@ impl MatrixResult {
             for r in regressions {
                 let _ = writeln!(
                     out,
-                    "- {} `{}` {} vs `{}`: {}",
+                    "- {} `{}` `{}` vs `{}`: {}",
                     r.status, r.model, r.config, r.reference, r.what
                 );
             }
