@@ -78,12 +78,23 @@ pub struct LayerSpec {
 /// depend on a side effect of running it (a hook may substitute its output instead).
 pub trait LayerHooks {
     /// Before layer `index` runs: returns its inputs (the tensors it consumes from outside
-    /// the layer, in a fixed order), possibly replaced (cast to another dtype).
-    fn pre_forward(&mut self, index: usize, inputs: Vec<Tensor>)
-        -> Result<Vec<Tensor>, ModelError>;
+    /// the layer, in a fixed order), possibly replaced (cast to another dtype). The default
+    /// hands them on unchanged.
+    fn pre_forward(
+        &mut self,
+        index: usize,
+        inputs: Vec<Tensor>,
+    ) -> Result<Vec<Tensor>, ModelError> {
+        let _ = index;
+        Ok(inputs)
+    }
 
-    /// After layer `index` ran: returns its output, possibly replaced.
-    fn post_forward(&mut self, index: usize, output: Tensor) -> Result<Tensor, ModelError>;
+    /// After layer `index` ran: returns its output, possibly replaced. The default hands it
+    /// on unchanged.
+    fn post_forward(&mut self, index: usize, output: Tensor) -> Result<Tensor, ModelError> {
+        let _ = index;
+        Ok(output)
+    }
 
     /// Whether layer `index` runs here: `Some(output)` stands in for its result and its
     /// computation is skipped (a pipeline stage does not run the layers other stages hold;
@@ -221,19 +232,7 @@ pub struct MoeSpec {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct NoHooks;
 
-impl LayerHooks for NoHooks {
-    fn pre_forward(
-        &mut self,
-        _index: usize,
-        inputs: Vec<Tensor>,
-    ) -> Result<Vec<Tensor>, ModelError> {
-        Ok(inputs)
-    }
-
-    fn post_forward(&mut self, _index: usize, output: Tensor) -> Result<Tensor, ModelError> {
-        Ok(output)
-    }
-}
+impl LayerHooks for NoHooks {}
 
 /// A zoo model: parameters and buffers under PyTorch's names, deterministic inputs, a loss,
 /// and the structure plans need. Models never apply parallelism themselves.

@@ -563,14 +563,6 @@ impl LayerHooks for Replacing {
 struct Cloning;
 
 impl LayerHooks for Cloning {
-    fn pre_forward(
-        &mut self,
-        _index: usize,
-        inputs: Vec<Tensor>,
-    ) -> Result<Vec<Tensor>, ModelError> {
-        Ok(inputs)
-    }
-
     fn post_forward(&mut self, _index: usize, output: Tensor) -> Result<Tensor, ModelError> {
         Ok(output.copy())
     }
@@ -725,10 +717,6 @@ impl LayerHooks for DroppingInput {
     ) -> Result<Vec<Tensor>, ModelError> {
         let _ = inputs.pop();
         Ok(inputs)
-    }
-
-    fn post_forward(&mut self, _index: usize, output: Tensor) -> Result<Tensor, ModelError> {
-        Ok(output)
     }
 }
 

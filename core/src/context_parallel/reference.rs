@@ -76,18 +76,6 @@ struct RingOrderHooks {
 }
 
 impl LayerHooks for RingOrderHooks {
-    fn pre_forward(
-        &mut self,
-        _index: usize,
-        inputs: Vec<Tensor>,
-    ) -> Result<Vec<Tensor>, ModelError> {
-        Ok(inputs)
-    }
-
-    fn post_forward(&mut self, _index: usize, output: Tensor) -> Result<Tensor, ModelError> {
-        Ok(output)
-    }
-
     fn attention(
         &mut self,
         _path: &str,

@@ -51,7 +51,8 @@ details.cell summary{cursor:pointer}details.cell:target{background:#fffde7}\
 div.row{margin:.6em 0 1em 1.2em}h3{font-size:14px;margin:.6em 0 .2em}";
 
 /// The page's script: opens the detail a link or the address names and draws the charts of
-/// every row opened (the chart data in `data-chart`), as the SVG [`plot`] draws.
+/// every row opened (the chart data in `data-chart`), as the SVG [`plot`] draws, with the
+/// geometry and chart kinds [`plot::script_constants`] puts before it.
 const SCRIPT: &str = include_str!("script.js");
 
 /// The page: the headline, what needs a reader, the overview grids, the closest rows, then
@@ -87,7 +88,11 @@ pub fn render_html(report: &Report) -> String {
         render_cell_detail(report, cell, (&drawn, open_all), &mut out);
     }
     out.push_str("</section>\n");
-    let _ = writeln!(out, "<script>//<![CDATA[\n{SCRIPT}//]]></script>");
+    let _ = writeln!(
+        out,
+        "<script>//<![CDATA[\n{}{SCRIPT}//]]></script>",
+        plot::script_constants()
+    );
     out.push_str("</body>\n</html>\n");
     out
 }

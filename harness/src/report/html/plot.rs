@@ -4,7 +4,7 @@
 
 use super::super::junit::xml_escape;
 use super::super::{fmt_num, StepRow};
-use crate::parity::StepEnvelope;
+use crate::parity::StepComparison;
 use std::fmt::Write as _;
 
 const WIDTH: f64 = 600.0;
@@ -15,7 +15,7 @@ const TOP: f64 = 30.0;
 const BOTTOM: f64 = 40.0;
 
 /// One line of a plot.
-pub(super) struct Series {
+struct Series {
     label: String,
     color: &'static str,
     dashed: bool,
@@ -294,157 +294,119 @@ impl Frame {
     }
 }
 
-fn loss_chart(title: String, steps: &[&StepRow]) -> Chart {
-    let series = vec![
-        Series {
-            label: "run".into(),
-            color: "#1f77b4",
-            dashed: false,
-            points: steps
-                .iter()
-                .filter_map(|s| s.step.loss.as_ref().map(|l| (s.step.step as f64, l.run)))
-                .collect(),
-        },
-        Series {
-            label: "reference".into(),
-            color: "#ff7f0e",
-            dashed: true,
-            points: steps
-                .iter()
-                .filter_map(|s| {
-                    s.step
-                        .loss
-                        .as_ref()
-                        .map(|l| (s.step.step as f64, l.reference))
-                })
-                .collect(),
-        },
-    ];
-    Chart {
-        kind: "loss",
-        title,
-        y_label: "loss",
-        series,
-        log: false,
-    }
+/// One kind of chart: its title (before the row's name), its y axis, whether that axis is
+/// logarithmic, and its series (label, colour, dashed) in the order the points come. The
+/// page's script reads the same table ([`script_constants`]), so the data a row carries is
+/// its points only.
+struct Kind {
+    key: &'static str,
+    title: &'static str,
+    y_label: &'static str,
+    log: bool,
+    series: &'static [(&'static str, &'static str, bool)],
 }
 
-fn error_chart(title: String, steps: &[&StepRow]) -> Chart {
-    let mut series = vec![
-        Series {
-            label: "loss |Δ|".into(),
-            color: "#1f77b4",
-            dashed: false,
-            points: steps
-                .iter()
-                .filter_map(|s| {
-                    s.step
-                        .loss
-                        .as_ref()
-                        .map(|d| (s.step.step as f64, d.abs_err))
-                })
-                .collect(),
-        },
-        Series {
-            label: "grad norm |Δ|".into(),
-            color: "#2ca02c",
-            dashed: false,
-            points: steps
-                .iter()
-                .filter_map(|s| {
-                    s.step
-                        .grad_norm
-                        .as_ref()
-                        .map(|d| (s.step.step as f64, d.abs_err))
-                })
-                .collect(),
-        },
-    ];
-    let grads: Vec<(f64, f64)> = steps
+/// The loss curves of the run and its reference.
+const LOSS: Kind = Kind {
+    key: "loss",
+    title: "loss",
+    y_label: "loss",
+    log: false,
+    series: &[("run", "#1f77b4", false), ("reference", "#ff7f0e", true)],
+};
+
+/// The errors per step (the gradients' only where the run recorded them).
+const ERRORS: Kind = Kind {
+    key: "err",
+    title: "error per step",
+    y_label: "abs error (log)",
+    log: true,
+    series: &[
+        ("loss |Δ|", "#1f77b4", false),
+        ("grad norm |Δ|", "#2ca02c", false),
+        ("grads max |Δ|", "#d62728", true),
+    ],
+};
+
+/// The fp64 arbiter's view: per step, the run's and the fp32 reference's largest distance
+/// to the float64 shadow (relative to each tensor's magnitude); a correct run's line
+/// follows the reference's, a fault stands above it.
+const ENVELOPE: Kind = Kind {
+    key: "env",
+    title: "distance to fp64 per step",
+    y_label: "rel. distance (log)",
+    log: true,
+    series: &[
+        ("run to fp64", "#d62728", false),
+        ("fp32 ref to fp64", "#1f77b4", true),
+    ],
+};
+
+/// The JavaScript constants the page's script draws with: the plot's geometry and every
+/// [`Kind`], from the same definitions the SVG drawn here uses.
+pub(super) fn script_constants() -> String {
+    let kinds: Vec<String> = [&LOSS, &ERRORS, &ENVELOPE]
         .iter()
-        .filter_map(|s| {
-            s.step
-                .grads
-                .as_ref()
-                .map(|g| (s.step.step as f64, g.max_abs_err))
+        .map(|k| {
+            let series: Vec<String> = k
+                .series
+                .iter()
+                .map(|(label, color, dashed)| {
+                    format!("[{},\"{color}\",{dashed}]", serde_json::Value::from(*label))
+                })
+                .collect();
+            format!(
+                "\"{}\":[\"{}\",\"{}\",{},[{}]]",
+                k.key,
+                k.title,
+                k.y_label,
+                k.log,
+                series.join(",")
+            )
         })
         .collect();
-    if !grads.is_empty() {
-        series.push(Series {
-            label: "grads max |Δ|".into(),
-            color: "#d62728",
-            dashed: true,
-            points: grads,
-        });
-    }
-    Chart {
-        kind: "err",
-        title,
-        y_label: "abs error (log)",
-        series,
-        log: true,
-    }
+    format!(
+        "var GEOMETRY = [{WIDTH}, {HEIGHT}, {LEFT}, {RIGHT}, {TOP}, {BOTTOM}];\n\
+         var KINDS = {{{}}};\n",
+        kinds.join(",")
+    )
 }
 
-/// The fp64 arbiter's view of a comparison: per step, the run's and the fp32 reference's
-/// largest distance to the float64 shadow (relative to each tensor's magnitude), on a log
-/// scale: a correct run's line follows the reference's, a fault stands above it.
-fn envelope_chart(title: String, steps: &[&StepRow]) -> Chart {
-    let series_of =
-        |label: &str, color: &'static str, dashed, pick: fn(&StepEnvelope) -> f64| Series {
-            label: label.into(),
-            color,
-            dashed,
-            points: steps
-                .iter()
-                .filter_map(|s| {
-                    s.step
-                        .envelope
-                        .as_ref()
-                        .map(|e| (s.step.step as f64, pick(e)))
-                })
-                .collect(),
-        };
-    let series = vec![
-        series_of("run to fp64", "#d62728", false, |e| e.run_to_f64),
-        series_of("fp32 ref to fp64", "#1f77b4", true, |e| e.reference_to_f64),
-    ];
-    Chart {
-        kind: "env",
-        title,
-        y_label: "rel. distance (log)",
-        series,
-        log: true,
-    }
-}
-
-/// One chart: what it plots and how, drawn as SVG here ([`Chart::svg`]) or handed to the
-/// page's script as data ([`Chart::data`]) to draw when a reader opens its row.
+/// One chart of one row: its kind and each series' points.
 pub(super) struct Chart {
-    /// Which chart it is (`loss`, `env`, `err`): the script knows each one's title, axis,
-    /// series labels and colours, so the data carries only the points.
-    kind: &'static str,
-    title: String,
-    y_label: &'static str,
-    series: Vec<Series>,
-    log: bool,
+    kind: &'static Kind,
+    /// The row it belongs to, for the title.
+    name: String,
+    points: Vec<Vec<(f64, f64)>>,
 }
 
 impl Chart {
     /// The chart as one inline SVG element.
     pub(super) fn svg(&self) -> String {
-        svg_plot(&self.title, self.y_label, &self.series, self.log)
+        let series: Vec<Series> = self
+            .kind
+            .series
+            .iter()
+            .zip(&self.points)
+            .map(|(&(label, color, dashed), points)| Series {
+                label: label.to_owned(),
+                color,
+                dashed,
+                points: points.clone(),
+            })
+            .collect();
+        let title = format!("{}: {}", self.kind.title, self.name);
+        svg_plot(&title, self.kind.y_label, &series, self.kind.log)
     }
 
     /// The chart as compact JSON for the page's script: its kind and each series' points
     /// (values to four significant digits; non-finite ones `null`, drawn as gaps).
     pub(super) fn data(&self) -> String {
         let series: Vec<String> = self
-            .series
+            .points
             .iter()
-            .map(|s| {
-                let points: Vec<String> = s
-                    .points
+            .map(|points| {
+                let points: Vec<String> = points
                     .iter()
                     .map(|&(x, y)| match y.is_finite() {
                         true => format!("[{x},{}]", short(y)),
@@ -454,7 +416,11 @@ impl Chart {
                 format!("[{}]", points.join(","))
             })
             .collect();
-        format!("{{\"k\":\"{}\",\"p\":[{}]}}", self.kind, series.join(","))
+        format!(
+            "{{\"k\":\"{}\",\"p\":[{}]}}",
+            self.kind.key,
+            series.join(",")
+        )
     }
 }
 
@@ -476,12 +442,49 @@ fn short(x: f64) -> String {
     }
 }
 
+/// The `(step, value)` points of `steps` where `pick` finds a value.
+fn points(steps: &[&StepRow], pick: impl Fn(&StepComparison) -> Option<f64>) -> Vec<(f64, f64)> {
+    steps
+        .iter()
+        .filter_map(|s| pick(&s.step).map(|v| (s.step.step as f64, v)))
+        .collect()
+}
+
 /// The charts of one comparison named `name` over its `steps`: the loss curves, then the
 /// fp64 arbiter's distances per step (`arbiter`), else the errors per step.
 pub(super) fn charts(name: &str, arbiter: bool, steps: &[&StepRow]) -> Vec<Chart> {
-    let second = match arbiter {
-        true => envelope_chart(format!("distance to fp64 per step: {name}"), steps),
-        false => error_chart(format!("error per step: {name}"), steps),
+    let loss = Chart {
+        kind: &LOSS,
+        name: name.to_owned(),
+        points: vec![
+            points(steps, |s| s.loss.as_ref().map(|l| l.run)),
+            points(steps, |s| s.loss.as_ref().map(|l| l.reference)),
+        ],
     };
-    vec![loss_chart(format!("loss: {name}"), steps), second]
+    let second = match arbiter {
+        true => Chart {
+            kind: &ENVELOPE,
+            name: name.to_owned(),
+            points: vec![
+                points(steps, |s| s.envelope.as_ref().map(|e| e.run_to_f64)),
+                points(steps, |s| s.envelope.as_ref().map(|e| e.reference_to_f64)),
+            ],
+        },
+        false => {
+            let mut errors = vec![
+                points(steps, |s| s.loss.as_ref().map(|d| d.abs_err)),
+                points(steps, |s| s.grad_norm.as_ref().map(|d| d.abs_err)),
+            ];
+            let grads = points(steps, |s| s.grads.as_ref().map(|g| g.max_abs_err));
+            if !grads.is_empty() {
+                errors.push(grads);
+            }
+            Chart {
+                kind: &ERRORS,
+                name: name.to_owned(),
+                points: errors,
+            }
+        }
+    };
+    vec![loss, second]
 }

@@ -2,29 +2,24 @@
 // the charts of every row opened, from the data the page carries (`data-chart`), as the
 // report's own SVG charts are drawn: loss on a linear axis, distances on a log axis.
 (function () {
-  var W = 600, H = 260, L = 70, R = 170, T = 30, B = 40;
+  // GEOMETRY and KINDS come before this script, from the report's own chart definitions:
+  // the plot's size and margins, and per kind of chart its title, axis, whether it is
+  // logarithmic, and its series' labels, colours and dashes in the order the data lists them.
+  var W = GEOMETRY[0], H = GEOMETRY[1], L = GEOMETRY[2], R = GEOMETRY[3], T = GEOMETRY[4],
+    B = GEOMETRY[5];
   function esc(s) {
     return String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
   }
   function fmt(v) {
     return v === 0 ? "0" : v.toExponential(2);
   }
-  // Each kind of chart: title, axis, whether it is logarithmic, and its series' labels and
-  // colours (dashed when the colour ends with "-"), in the order the data lists them.
-  var KINDS = {
-    loss: ["loss", "loss", false, ["run", "#1f77b4"], ["reference", "#ff7f0e-"]],
-    env: ["distance to fp64 per step", "rel. distance (log)", true,
-      ["run to fp64", "#d62728"], ["fp32 ref to fp64", "#1f77b4-"]],
-    err: ["error per step", "abs error (log)", true, ["loss |Δ|", "#1f77b4"],
-      ["grad norm |Δ|", "#2ca02c"], ["grads max |Δ|", "#d62728-"]]
-  };
   function expand(d, name) {
     var k = KINDS[d.k];
     return {
       t: k[0] + ": " + name, y: k[1], log: k[2],
       s: d.p.map(function (p, i) {
-        var c = k[3 + i][1];
-        return { l: k[3 + i][0], c: c.replace("-", ""), d: c.slice(-1) === "-", p: p };
+        var series = k[3][i];
+        return { l: series[0], c: series[1], d: series[2], p: p };
       })
     };
   }
