@@ -40,6 +40,19 @@ fn small_matrix(out: &Path, extra: &[&str], env: &[(&str, &Path)]) -> Output {
     lockstep(&args, env)
 }
 
+/// `lockstep baseline update KEPT --from FROM` with `extra` flags.
+fn baseline_update(kept: &Path, from: &Path, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "baseline",
+        "update",
+        kept.to_str().expect("utf-8"),
+        "--from",
+        from.to_str().expect("utf-8"),
+    ];
+    args.extend(extra);
+    lockstep(&args, &[])
+}
+
 /// The matrix prints its grid by model and configuration family, not every row (`--rows`
 /// does), writes a baseline of every comparison beside the report, and appends a Markdown
 /// summary to `GITHUB_STEP_SUMMARY`.
@@ -118,16 +131,7 @@ fn a_kept_baseline_catches_a_regression_and_changes_only_on_purpose() {
     let kept_arg = kept.to_str().expect("utf-8");
     let good = dir.path().join("good");
     assert!(small_matrix(&good, &[], &[]).status.success());
-    let update = lockstep(
-        &[
-            "baseline",
-            "update",
-            kept_arg,
-            "--from",
-            good.to_str().expect("utf-8"),
-        ],
-        &[],
-    );
+    let update = baseline_update(&kept, &good, &[]);
     assert!(update.status.success(), "{}", text(&update));
     assert!(
         text(&update).contains("writing the first"),
@@ -171,16 +175,7 @@ fn a_kept_baseline_catches_a_regression_and_changes_only_on_purpose() {
 
     // Taken in only on purpose, saying what changed.
     let before = std::fs::read_to_string(&kept).expect("kept");
-    let taken = lockstep(
-        &[
-            "baseline",
-            "update",
-            kept_arg,
-            "--from",
-            bad.to_str().expect("utf-8"),
-        ],
-        &[],
-    );
+    let taken = baseline_update(&kept, &bad, &[]);
     assert!(taken.status.success(), "{}", text(&taken));
     assert!(text(&taken).contains("regressed)"), "{}", text(&taken));
     assert_ne!(std::fs::read_to_string(&kept).expect("kept"), before);
@@ -230,21 +225,7 @@ fn bad_baselines_and_incomplete_runs_are_refused() {
     assert_eq!(errored.status.code(), Some(1), "{}", text(&errored));
     let kept = dir.path().join("kept.jsonl");
     std::fs::write(&kept, "kept as it was\n").expect("write");
-    let args = |extra: Option<&'static str>| {
-        let mut a = vec![
-            "baseline".to_owned(),
-            "update".to_owned(),
-            kept.to_string_lossy().into_owned(),
-            "--from".to_owned(),
-            failed.to_string_lossy().into_owned(),
-        ];
-        a.extend(extra.map(str::to_owned));
-        a
-    };
-    let refused = Command::new(env!("CARGO_BIN_EXE_lockstep"))
-        .args(args(None))
-        .output()
-        .expect("run");
+    let refused = baseline_update(&kept, &failed, &[]);
     assert_eq!(refused.status.code(), Some(2), "{}", text(&refused));
     assert!(text(&refused).contains("errored"), "{}", text(&refused));
     assert_eq!(
@@ -252,10 +233,7 @@ fn bad_baselines_and_incomplete_runs_are_refused() {
         "kept as it was\n"
     );
     std::fs::remove_file(&kept).expect("remove");
-    let allowed = Command::new(env!("CARGO_BIN_EXE_lockstep"))
-        .args(args(Some("--allow-incomplete")))
-        .output()
-        .expect("run");
+    let allowed = baseline_update(&kept, &failed, &["--allow-incomplete"]);
     assert!(allowed.status.success(), "{}", text(&allowed));
     let written = std::fs::read_to_string(&kept).expect("written");
     assert!(written.contains("\"status\":\"error\""), "{written}");
