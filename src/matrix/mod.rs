@@ -42,7 +42,7 @@ use lockstep_core::record::{MemoryStats, RunRecord};
 use lockstep_harness::parity::{
     compare, ArbiterLog, Comparison, FailurePoint, TolerancePolicy, ENVELOPE,
 };
-use lockstep_harness::report::{self, Report, ReportError, ReportFiles, RunError};
+use lockstep_harness::report::{self, Report, ReportError, RunError};
 use lockstep_models::{zoo, Model, ModelError};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -149,4 +149,4 @@ use mixed::*;
 pub use plan::*;
 pub use result::*;
 pub use sensitivity::*;
-pub use summary::{config_family, render_regressions};
+pub use summary::render_regressions;

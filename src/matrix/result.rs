@@ -144,11 +144,6 @@ impl MatrixResult {
         self.rows.iter().filter(|r| r.inapplicable).count()
     }
 
-    /// Writes the report set (`report.json` last) into `dir`; see [`MatrixResult::report`].
-    pub fn write_report(&self, dir: &Path) -> Result<ReportFiles, MatrixError> {
-        Ok(report::write_all(&self.report(), dir)?)
-    }
-
     /// The summary table, followed by the reasons it refers to (models without a
     /// single-device reference, tolerance overrides), the diagnosis of every failed row and
     /// the total time. Memory columns are KiB of rank 0's full parameters at their peak and

@@ -9,7 +9,7 @@ use lockstep_harness::report::Regression;
 /// The family a configuration belongs to, for the summary's columns: its name's first part
 /// (`fsdp.full_shard@4` → `fsdp`), `composed` for compositions (`pp2_x_tp2`), `mesh` for a
 /// user's mesh.
-pub fn config_family(config: &str) -> &str {
+fn config_family(config: &str) -> &str {
     let name = config.split('@').next().unwrap_or(config);
     if name.starts_with("mesh.") {
         "mesh"
