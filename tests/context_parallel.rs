@@ -49,31 +49,23 @@ fn against_ring_ordered(
     world: usize,
     (cp, layout): (usize, SequenceLayout),
 ) -> Comparison {
-    use lockstep::runner::{shadow_f64, RunFailed};
     use lockstep_core::context_parallel::ring_ordered_reference;
-    use lockstep_core::train::{single_device_reference, OptimizerConfig};
     let built = zoo::build(model, 0, 0).expect("model");
-    let fp32 = ring_ordered_reference(
+    let ring_ordered = ring_ordered_reference(
         built.as_ref(),
         world,
         (cp, layout),
         STEPS,
-        OptimizerConfig::default(),
+        Default::default(),
         true,
     )
     .expect("single.cpN");
-    let train = |m: Box<dyn lockstep_models::Model>| {
-        single_device_reference(m.as_ref(), world, STEPS, OptimizerConfig::default(), true)
-            .map_err(|e| RunFailed::simple(e.to_string()))
-    };
-    let build = |seed, rank| zoo::build(model, seed, rank);
-    let fp64 = shadow_f64(&build, 0, Device::Cpu, train).expect("the float64 shadow");
-    lockstep_harness::parity::arbitrate(
+    judge::judged_within(
         run,
-        &fp32,
-        &fp64,
-        &lockstep_harness::parity::ENVELOPE,
-        None,
+        &|seed, rank| zoo::build(model, seed, rank),
+        world,
+        STEPS,
+        Some(ring_ordered),
     )
 }
 

@@ -16,6 +16,19 @@ pub fn judged_against_single(
     world: usize,
     steps: usize,
 ) -> lockstep_harness::parity::Comparison {
+    judged_within(run, build, world, steps, None)
+}
+
+/// [`judged_against_single`] with `envelope` (another correct fp32 run of the same batches,
+/// `single.cpN` say) in place of the single device's fp32 run as the envelope, still around
+/// the single device's float64 shadow.
+pub fn judged_within(
+    run: &lockstep_core::record::RunRecord,
+    build: &lockstep::runner::ModelBuilder<'_>,
+    world: usize,
+    steps: usize,
+    envelope: Option<lockstep_core::record::RunRecord>,
+) -> lockstep_harness::parity::Comparison {
     use lockstep::runner::{shadow_f64, RunFailed};
     use lockstep_core::train::{single_device_reference, OptimizerConfig};
     let train = |model: Box<dyn lockstep_models::Model>| {
@@ -28,7 +41,9 @@ pub fn judged_against_single(
         )
         .map_err(|e| RunFailed::simple(format!("single-device reference: {e}")))
     };
-    let fp32 = train(build(0, 0).expect("the model builds")).expect("the fp32 reference");
+    let fp32 = envelope.unwrap_or_else(|| {
+        train(build(0, 0).expect("the model builds")).expect("the fp32 reference")
+    });
     let fp64 = shadow_f64(build, 0, tch::Device::Cpu, train).expect("the float64 shadow");
     lockstep_harness::parity::arbitrate(
         run,
