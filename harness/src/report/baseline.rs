@@ -153,10 +153,7 @@ impl Line {
         let spec = |config: &str| RunSpec {
             model: self.model.clone(),
             config: config.to_owned(),
-            world_size: config
-                .rsplit_once('@')
-                .and_then(|(_, n)| n.parse().ok())
-                .unwrap_or(0),
+            world_size: super::split_world(config).1,
             backend: "unknown".into(),
             dtype: "unknown".into(),
             steps: 0,

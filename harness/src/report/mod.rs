@@ -494,6 +494,18 @@ pub fn plural(n: usize, noun: &str) -> String {
     }
 }
 
+/// A row's configuration name split at its world size: `ddp@4` → (`ddp`, 4); a name
+/// without one (a job `lockstep judge` judged) → (the name, 0).
+pub(crate) fn split_world(config: &str) -> (&str, usize) {
+    match config.rsplit_once('@') {
+        Some((base, n)) => match n.parse() {
+            Ok(world) => (base, world),
+            Err(_) => (config, 0),
+        },
+        None => (config, 0),
+    }
+}
+
 /// Formats a number for people: `0`, `NaN`, `inf`, or three significant digits.
 pub(crate) fn fmt_num(x: f64) -> String {
     if x == 0.0 {

@@ -66,10 +66,11 @@ pub fn render_html(report: &Report) -> String {
     );
     render_headline(report, &mut out);
     let overview = Overview::of(report);
-    let drawn = drawn_rows(report);
+    let closest = closest(report);
+    let drawn = drawn_rows(report, &closest);
     render_attention(report, &overview, &mut out);
     overview.render(&mut out);
-    render_closest(report, &overview, &mut out);
+    render_closest(report, &overview, &closest, &mut out);
     if report
         .comparisons
         .iter()
@@ -98,8 +99,8 @@ pub fn render_html(report: &Report) -> String {
 }
 
 /// The comparisons whose charts are drawn into the page: failed, regressed, and the
-/// [`CLOSEST_ROWS`] passing ones closest to their envelope.
-fn drawn_rows(report: &Report) -> HashSet<usize> {
+/// `closest` passing ones.
+fn drawn_rows(report: &Report, closest: &[usize]) -> HashSet<usize> {
     let regressed = |c: &Comparison| {
         report
             .regressions
@@ -113,7 +114,7 @@ fn drawn_rows(report: &Report) -> HashSet<usize> {
         .filter(|(_, c)| !c.passed || regressed(c))
         .map(|(i, _)| i)
         .collect();
-    drawn.extend(closest(report));
+    drawn.extend(closest);
     drawn
 }
 
@@ -210,17 +211,17 @@ fn render_attention(report: &Report, overview: &Overview, out: &mut String) {
     out.push_str("</ul>\n</section>\n");
 }
 
-/// The passing comparisons closest to their envelope, with links to their details.
-fn render_closest(report: &Report, overview: &Overview, out: &mut String) {
-    let rows = closest(report);
-    if rows.is_empty() {
+/// The passing comparisons closest to their envelope (`closest`), with links to their
+/// details.
+fn render_closest(report: &Report, overview: &Overview, closest: &[usize], out: &mut String) {
+    if closest.is_empty() {
         return;
     }
     out.push_str(
         "<section id=\"closest\">\n<h2>Closest to their envelope</h2>\n<table>\n\
          <tr><th>comparison</th><th>margin</th><th>mode</th></tr>\n",
     );
-    for i in rows {
+    for &i in closest {
         let c = &report.comparisons[i];
         let name = format!("{} {} vs {}", c.model, c.config, c.reference);
         let _ = writeln!(

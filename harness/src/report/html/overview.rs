@@ -3,7 +3,7 @@
 //! against), and linked to its detail further down.
 
 use super::super::junit::xml_escape;
-use super::super::{fmt_num, Report};
+use super::super::{fmt_num, split_world, Report};
 use std::fmt::Write as _;
 
 /// A comparison whose error is more than this share of what it may be passes, but close to
@@ -60,18 +60,9 @@ pub(super) struct Overview {
     pub(super) cells: Vec<Cell>,
 }
 
-/// The world size a configuration name ends with (`ddp@4` → 4), 0 when it has none (a job
-/// judged by `lockstep judge`).
-fn world_of(config: &str) -> usize {
-    config
-        .rsplit_once('@')
-        .and_then(|(_, n)| n.parse().ok())
-        .unwrap_or(0)
-}
-
 /// The configuration's name without its world size.
-pub(super) fn base_name(config: &str) -> &str {
-    config.rsplit_once('@').map_or(config, |(b, _)| b)
+fn base_name(config: &str) -> &str {
+    split_world(config).0
 }
 
 impl Overview {
@@ -116,7 +107,7 @@ impl Overview {
             self.cells.push(Cell {
                 model: model.to_owned(),
                 config: config.to_owned(),
-                world: world_of(config),
+                world: split_world(config).1,
                 state: CellState::Pass,
                 margin: None,
                 comparisons: Vec::new(),
