@@ -157,7 +157,9 @@ fn a_tp_replicated_norm_that_differs_across_tp_ranks_is_caught() {
         }
     };
     assert_eq!(cross_rank_mismatch("gpt", 2, &tp(false)), None);
+    // Named at the norm as training starts: after step 0 the difference has spread into
+    // tensors computed from it (on some CPUs `pos_embeddings.weight`, observed first).
     let text = cross_rank_mismatch("gpt", 2, &tp(true)).expect("the norms differ");
     assert!(text.contains("norm") && text.contains("rank 1"), "{text}");
-    assert!(text.contains("after step 0"), "{text}");
+    assert!(text.contains("as step 0 starts"), "{text}");
 }

@@ -22,7 +22,7 @@ use crate::comm::DType;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::hash::Hasher;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use tch::Tensor;
 
@@ -55,6 +55,10 @@ impl StepClock {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum StateKind {
+    /// A parameter (or this rank's shard of it) as the run's first step starts, before any
+    /// update: ranks that begin from different values (another seed, a rank that perturbed
+    /// its copy) are named at that tensor, before a step spreads the difference into others.
+    Start,
     /// A parameter (or this rank's shard of it) after the step's optimizer update.
     Param,
     /// An optimizer state entry (momentum, Adam's moments) after the update.
@@ -70,7 +74,7 @@ pub enum StateKind {
 impl std::fmt::Display for StateKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
-            StateKind::Param => "parameter",
+            StateKind::Start | StateKind::Param => "parameter",
             StateKind::Optimizer => "optimizer state",
             StateKind::Final => "final parameter",
             StateKind::Reported => "reported parameter",
@@ -118,6 +122,8 @@ pub struct StateProbe {
     rank: usize,
     entries: Arc<Mutex<Vec<DigestEntry>>>,
     clock: StepClock,
+    /// Set while [`StateProbe::observe_start`] runs.
+    starting: Arc<AtomicBool>,
 }
 
 impl StateProbe {
@@ -145,6 +151,18 @@ impl StateProbe {
         self.clock.start(step);
     }
 
+    /// Runs `observe`, a loop's usual after-step observation, as the record of the state the
+    /// run starts from: the parameters it reports are recorded as [`StateKind::Start`], its
+    /// optimizer state left out (a run's state before its first update is its parameters).
+    /// Every wrapper already knows which of its tensors are copies of which, so the start is
+    /// checked by the same code, with the same coordinates, as every later step.
+    pub fn observe_start<T>(&self, observe: impl FnOnce() -> T) -> T {
+        self.starting.store(true, Ordering::SeqCst);
+        let observed = observe();
+        self.starting.store(false, Ordering::SeqCst);
+        observed
+    }
+
     /// Records `tensor` as copy `coord` of `name` at `step`.
     pub fn observe(
         &self,
@@ -154,6 +172,11 @@ impl StateProbe {
         coord: &str,
         tensor: &Tensor,
     ) -> Result<(), crate::CommError> {
+        let kind = match (self.starting.load(Ordering::SeqCst), kind) {
+            (true, StateKind::Param) => StateKind::Start,
+            (true, StateKind::Optimizer) => return Ok(()),
+            (_, kind) => kind,
+        };
         let entry = digest(step, kind, name, coord, tensor)?;
         self.entries
             .lock()
@@ -312,6 +335,7 @@ impl std::fmt::Display for CrossRankMismatch {
         let when = match self.kind {
             StateKind::Final => "at the end of the run".to_owned(),
             StateKind::Reported => "in the records the ranks returned".to_owned(),
+            StateKind::Start => format!("as step {} starts, before any update", self.step),
             _ => format!("after step {}", self.step),
         };
         write!(
@@ -456,6 +480,40 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("after step 0"), "{text}");
+    }
+
+    #[test]
+    fn a_start_that_differs_is_named_before_the_step_it_spreads_into() {
+        // Rank 1 starts from another `norm`; after step 0 `emb` (observed first) differs too.
+        let run = |rank: usize, norm: f32| {
+            let probe = StateProbe::new(rank);
+            let observe = |emb: f32, norm: f32| -> Result<(), crate::CommError> {
+                for (name, v) in [("emb", emb), ("norm", norm)] {
+                    probe.observe(0, StateKind::Param, name, "", &Tensor::from_slice(&[v]))?;
+                }
+                // Optimizer state that differs by rank: not part of the start.
+                let m = Tensor::from_slice(&[rank as f32]);
+                probe.observe(0, StateKind::Optimizer, "norm.m", "rank", &m)
+            };
+            probe.observe_start(|| observe(1.0, norm)).expect("observe");
+            observe(1.0 + norm, norm + 1.0).expect("observe");
+            probe.digest()
+        };
+        let (a, b) = (run(0, 1.0), run(1, 2.0));
+        let starts = |d: &RankDigest| {
+            d.entries
+                .iter()
+                .filter(|e| e.kind == StateKind::Start)
+                .count()
+        };
+        assert_eq!((starts(&a), a.entries.len()), (2, 5));
+        let m = check_digests(&[a, b]).mismatch.expect("a mismatch");
+        assert_eq!((m.kind, m.name.as_str()), (StateKind::Start, "norm"));
+        let text = m.to_string();
+        assert!(
+            text.contains("as step 0 starts, before any update"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -152,6 +152,14 @@ pub fn train_from(
     let mut collectives = Vec::with_capacity(cfg.spec.steps);
     let tags = model.tags();
     let rank_local = |name: &str| tags.is_rank_local(name);
+    if let Some(probe) = &cfg.probe {
+        // The state every rank starts from, checked as every later step is: a rank that
+        // begins from other values is named at the tensor that differs, before a step spreads
+        // the difference into tensors computed from it.
+        probe.observe_start(|| {
+            sync.observe_state(start.step, &params, optimizer.as_ref(), &rank_local, probe)
+        })?;
+    }
     for step in start.step..start.step + cfg.spec.steps {
         if let Some(probe) = &cfg.probe {
             probe.start_step(step);
