@@ -122,7 +122,9 @@ pub struct StateProbe {
     rank: usize,
     entries: Arc<Mutex<Vec<DigestEntry>>>,
     clock: StepClock,
-    /// Set while [`StateProbe::observe_start`] runs.
+    /// Set while [`StateProbe::observe_start`] runs. Read in [`StateProbe::observe`], the one
+    /// door every observation goes through, so a hand-written `observe_state` that records
+    /// through `observe` directly is recorded as the start too, never as a second `Param`.
     starting: Arc<AtomicBool>,
 }
 
