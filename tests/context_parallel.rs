@@ -4,9 +4,8 @@
 //! to the plain one up to rounding; every planted bug caught; bad sizes refused before any
 //! rank starts, naming what does not divide.
 
-#[path = "../core/tests/common/mod.rs"]
-mod common;
-mod judge;
+use crate::common;
+use crate::judge;
 
 use lockstep_core::compose::DataParallel;
 use lockstep_core::context_parallel::{

@@ -174,8 +174,7 @@ fn env_reports_the_gpu_side() {
     }
 }
 
-#[path = "../core/tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 /// A bundle as `ci/gpu-bundle` assembles it, around this build's `lockstep` (linked against
 /// the checkout's libtorch rather than the bundle's 2.11), so the test suite runs the

@@ -18,8 +18,7 @@
 //! valid); it must match exactly one statement, and one that matches nothing is stale and fails
 //! too, so the list only ever describes the code as it is.
 
-#[path = "../core/tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

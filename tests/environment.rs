@@ -201,3 +201,63 @@ fn references_use_the_ranks_thread_count() {
     ));
     assert_eq!(single["environment"]["intra_op_threads"], 2, "{single}");
 }
+
+/// Set in the re-runs of [`libtorch_cuda_is_loaded_where_a_driver_is_and_only_there`]: check
+/// this process only, start no other.
+const CUDA_PROBE_CHILD: &str = "LOCKSTEP_TEST_CUDA_PROBE_CHILD";
+
+/// libtorch's CUDA half (`libtorch_cuda.so`) is loaded before `main` exactly where it can be
+/// used (an NVIDIA driver is present), or where `LOCKSTEP_LOAD_CUDA=1` asks, and then
+/// registered with libtorch as if linked (`tch::utils::has_cuda`); never with
+/// `LOCKSTEP_LOAD_CUDA=0`. Linked into every binary, it cost each process 0.2 s and 400 MB on
+/// a machine without a GPU (ci/linkage/src/load_torch_cuda.c).
+#[test]
+fn libtorch_cuda_is_loaded_where_a_driver_is_and_only_there() {
+    let maps = std::fs::read_to_string("/proc/self/maps").expect("read /proc/self/maps");
+    let torch_cpu = maps
+        .lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .find(|path| path.ends_with("/libtorch_cpu.so"))
+        .map(PathBuf::from)
+        .expect("libtorch_cpu.so is mapped");
+    let cuda_half = torch_cpu.with_file_name("libtorch_cuda.so").is_file();
+    let driver =
+        Path::new("/proc/driver/nvidia/version").exists() || Path::new("/dev/nvidiactl").exists();
+    let wanted = std::env::var("LOCKSTEP_LOAD_CUDA").ok();
+    let expected = cuda_half
+        && match wanted.as_deref() {
+            Some("0") => false,
+            Some("1") => true,
+            _ => driver,
+        };
+    let loaded = maps.contains("/libtorch_cuda.so");
+    let registered = std::panic::catch_unwind(tch::utils::version_cudart).is_ok_and(|v| v > 0);
+    assert_eq!(
+        (loaded, registered),
+        (expected, expected),
+        "libtorch_cuda.so (beside {}: {cuda_half}) loaded and registered, with \
+         LOCKSTEP_LOAD_CUDA={wanted:?} and a driver: {driver}",
+        torch_cpu.display()
+    );
+    if std::env::var_os(CUDA_PROBE_CHILD).is_some() {
+        return;
+    }
+    for wanted in ["1", "0"] {
+        let out = Command::new(std::env::current_exe().expect("the test binary"))
+            .args([
+                "environment::libtorch_cuda_is_loaded_where_a_driver_is_and_only_there",
+                "--exact",
+                "--nocapture",
+            ])
+            .env("LOCKSTEP_LOAD_CUDA", wanted)
+            .env(CUDA_PROBE_CHILD, "1")
+            .output()
+            .expect("re-run this test");
+        assert!(
+            out.status.success() && String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+            "with LOCKSTEP_LOAD_CUDA={wanted}:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

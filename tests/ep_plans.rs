@@ -2,9 +2,8 @@
 //! dropping at capacity matches one process with the same capacity, `gpt_moe` with sharded
 //! experts matches single device, and a planted expert-gradient doubling is caught.
 
-#[path = "../core/tests/common/mod.rs"]
-mod common;
-mod judge;
+use crate::common;
+use crate::judge;
 
 use lockstep_core::comm::ReduceOp;
 use lockstep_core::expert_parallel::{

@@ -1,8 +1,7 @@
 //! FSDP (one root unit, flat parameter) against DDP and the single-device reference, and the
 //! checker catching a planted FSDP bug.
 
-#[path = "../core/tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use lockstep::configs::{fsdp_configs, FsdpLayout};
 use lockstep_core::comm::{DType, ReduceOp};

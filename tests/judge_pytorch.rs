@@ -65,8 +65,7 @@
 //! Needs a Python with torch (`ci/setup-libtorch` installs one); without it the tests say why
 //! and pass, as the other PyTorch tests do.
 
-#[path = "../core/tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use anyhow::{ensure, Context, Result};
 use std::path::{Path, PathBuf};
@@ -87,11 +86,6 @@ fn root() -> PathBuf {
 }
 
 /// `python3 ARGS` with torch on its path; `None` (after saying why) without one.
-fn python(args: &[&str]) -> Option<Result<Output>> {
-    python_with(args, None)
-}
-
-/// [`python`] with `extra` (a folder of packages beyond torch) on `PYTHONPATH` too.
 fn python_with(args: &[&str], extra: Option<&Path>) -> Option<Result<Output>> {
     let Some((python, site)) = common::python_with_torch() else {
         eprintln!("SKIP: no Python with torch (run ci/setup-libtorch)");
@@ -112,6 +106,43 @@ fn python_with(args: &[&str], extra: Option<&Path>) -> Option<Result<Output>> {
             .output()
             .context("run python"),
     )
+}
+
+/// `phases` of a job (as `tests/support/forked_job.py` takes them), forked from the suite's
+/// one Python that imported torch and `preloaded(packages)` (`tests/fixtures.rs`), with
+/// `packages` importable too; `None` (after saying why) without a Python with torch.
+fn forked_phases(
+    phases: serde_json::Value,
+    port: u16,
+    packages: Option<&Path>,
+) -> Option<Result<Output>> {
+    let Some((python, site)) = common::python_with_torch() else {
+        eprintln!("SKIP: no Python with torch (run ci/setup-libtorch)");
+        return None;
+    };
+    let path: Vec<&Path> = packages.into_iter().collect();
+    Some(crate::fixtures::torch_job(
+        &python,
+        &site,
+        &path,
+        &preloaded(packages),
+        &phases,
+        port,
+    ))
+}
+
+/// `program` run as one Python process would run it (`python3 -c`), forked from the suite's
+/// Python that imported torch; `None` without one.
+fn python_program(program: &str) -> Option<Result<Output>> {
+    let file = match tempfile::Builder::new().suffix(".py").tempfile() {
+        Ok(file) => file,
+        Err(e) => return Some(Err(e.into())),
+    };
+    if let Err(e) = std::fs::write(file.path(), program) {
+        return Some(Err(e.into()));
+    }
+    let script = file.path().to_str()?.to_owned();
+    forked_phases(serde_json::json!([{"ranks": 0, "argv": [script]}]), 0, None)
 }
 
 /// The folder `ci/setup-python-extras` installs transformers into, when it did.
@@ -197,13 +228,7 @@ fn record_job_with(
         reference.push("--tied");
     }
     let forked = |phases: serde_json::Value| -> Option<Result<Output>> {
-        let spec = serde_json::json!({
-            "port": port, "preload": preloaded(packages), "phases": phases,
-        });
-        python_with(
-            &["tests/support/forked_job.py", &spec.to_string()],
-            packages,
-        )
+        forked_phases(phases, port, packages)
     };
     let (world_text, port_text) = (world.to_string(), port.to_string());
     let mut torchrun = vec![
@@ -772,7 +797,7 @@ fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<(
          \x20   out + '/bf16', param_dtype=torch.bfloat16, shadow=False)\n",
         dir.path().to_str().context("utf-8 temp dir")?
     );
-    let Some(out) = python(&["-c", &program]) else {
+    let Some(out) = python_program(&program) else {
         return Ok(());
     };
     succeeded("a job with an unused parameter", out?)?;
@@ -813,7 +838,7 @@ fn refused(script: &str, refusal: &str) -> Result<()> {
          {script}",
         dir.path().to_str().context("utf-8 temp dir")?
     );
-    let Some(out) = python(&["-c", &program]).transpose()? else {
+    let Some(out) = python_program(&program).transpose()? else {
         return Ok(());
     };
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -14,8 +14,7 @@
 //! An item is `file::Type::name` (`ddp.rs::Ddp::new`) or `file::name` for a free function,
 //! the file relative to `core/src`. Functions in `#[cfg(test)]` modules are not items.
 
-#[path = "../core/tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use lockstep::matrix::matches;
 use std::collections::{BTreeMap, BTreeSet};

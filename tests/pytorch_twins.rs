@@ -9,8 +9,7 @@
 //! Both need a Python with torch (`ci/setup-libtorch` installs one); without it they print
 //! why and pass, as `tests/run_cli.rs`'s twin check does.
 
-#[path = "../core/tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use anyhow::{ensure, Context, Result};
 use lockstep::checkpoint::{model_state_dict, save_model_state};

@@ -4,8 +4,7 @@
 //! `ddp`, the JSON object, and (when a Python with torch is at hand) the zoo's PyTorch twins
 //! loading Lockstep's state and handing theirs back.
 
-#[path = "../core/tests/common/mod.rs"]
-mod common;
+use crate::common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -6,8 +6,7 @@
 //!
 //! `LOCKSTEP_SOAK_ITERATIONS=N` turns the CI-sized storm into a soak of N iterations.
 
-#[path = "../core/tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use lockstep_harness::stress::{collective_storm, StormOptions};
 use std::time::Duration;

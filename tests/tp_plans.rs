@@ -2,9 +2,8 @@
 //! parallelism against single device (losses, gradients, final parameters), exact collective
 //! counts per step, planted bugs caught, and bad plans rejected before any rank starts.
 
-#[path = "../core/tests/common/mod.rs"]
-mod common;
-mod judge;
+use crate::common;
+use crate::judge;
 
 use lockstep_core::record::RunRecord;
 use lockstep_core::tensor_parallel::{

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use tch::Tensor;
 
 /// The rank body torchrun starts on both hosts.
-const BODY: &str = "world4_body";
+const BODY: &str = "two_hosts::world4_body";
 /// Set (to `1`) in the two-host launches: the body then expects two hosts.
 const TWO_HOSTS: &str = "LOCKSTEP_TEST_TWO_HOSTS";
 /// Where `ci/setup-libtorch` installed the torch wheel (overridable).
@@ -708,7 +708,7 @@ fn bench_comm_across_hosts() {
 /// The `ParityTest` torchrun starts on both hosts (under plain nextest, an ordinary parity
 /// test on one host): DDP, hybrid-sharded FSDP and TP at world 4 against the single device
 /// and DDP.
-const PARITY_BODY: &str = "parity_test_body";
+const PARITY_BODY: &str = "two_hosts::parity_test_body";
 
 #[test]
 fn parity_test_body() {

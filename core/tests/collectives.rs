@@ -4,7 +4,7 @@
 //! point-to-point ordering, overlapping async operations, and bitwise determinism under
 //! injected delays.
 
-mod common;
+use crate::common;
 
 use anyhow::{ensure, Result};
 use common::*;

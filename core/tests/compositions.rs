@@ -4,7 +4,7 @@
 //! every one agrees with single device (within the tolerances this file states); per-step collective counts are the hand-computed ones; planted seam
 //! bugs are caught; meshes that do not fit are refused before any rank starts.
 
-mod common;
+use crate::common;
 
 use lockstep_core::comm::DType;
 use lockstep_core::compose::{

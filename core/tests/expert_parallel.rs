@@ -11,7 +11,7 @@
 //! expert-data-parallel group, divide by the world size). The one-process references
 //! backpropagate that mean directly.
 
-mod common;
+use crate::common;
 
 use lockstep_core::comm::{ProcessGroup, ReduceOp};
 use lockstep_core::expert_parallel::{

@@ -1,7 +1,7 @@
 //! `FaultyGroup`: each fault kind does what it says on a 2-rank group, only on the rank it
 //! targets, and never hangs a run (every rank still takes part in every collective).
 
-mod common;
+use crate::common;
 
 use anyhow::{ensure, Context, Result};
 use common::run;

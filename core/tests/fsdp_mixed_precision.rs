@@ -3,7 +3,7 @@
 //! fp32 units of its own. The same casts of the same fp32 masters and the same rank-order
 //! reduction make it bitwise equal to DDP's mixed precision, as in fp32.
 
-mod common;
+use crate::common;
 
 use lockstep_core::comm::DType;
 use lockstep_core::ddp::{train_ddp, DdpOptions};

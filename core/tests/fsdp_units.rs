@@ -3,7 +3,7 @@
 //! full-parameter peak that per-layer resharding buys, hybrid shard on a 2-D mesh, CPU
 //! offload, `summon_full_params`, and the planted FSDP bugs the checker must catch.
 
-mod common;
+use crate::common;
 
 use lockstep_core::comm::DType;
 use lockstep_core::ddp::{train_ddp, DdpOptions};

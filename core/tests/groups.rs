@@ -1,7 +1,7 @@
 //! Integration tests of sub-groups (`World::new_group` / `new_groups`) and `DeviceMesh`:
 //! membership, rank numbering, collectives confined to their members, and errors.
 
-mod common;
+use crate::common;
 
 use anyhow::{ensure, Result};
 use common::*;

@@ -4,7 +4,7 @@
 //! dtype table yet visibly not fp32; BatchNorm computed and kept in fp32; clear errors for
 //! policies and models it cannot run.
 
-mod common;
+use crate::common;
 
 use lockstep_core::comm::DType;
 use lockstep_core::ddp::{train_ddp, Ddp, DdpError, DdpFault, DdpOptions};

@@ -2,7 +2,7 @@
 //! virtual stages and microbatches on the models a pipeline can serve, tied weights,
 //! checkpointing and PP×DP; and the checker catching planted pipeline bugs.
 
-mod common;
+use crate::common;
 
 use lockstep_core::comm::DType;
 use lockstep_core::pipeline::trace::chrome_trace;

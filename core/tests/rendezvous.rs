@@ -23,7 +23,7 @@ use lockstep_harness::parity::{compare, TolerancePolicy};
 use lockstep_models::zoo::MlpStack;
 use rstest::rstest;
 
-mod common;
+use crate::common;
 use std::time::Duration;
 use tch::{Kind, Tensor};
 

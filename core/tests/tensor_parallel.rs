@@ -7,7 +7,7 @@
 //! Outputs and gradients (inputs, and full weights reassembled with `unshard`) must agree
 //! under the fp32 row of the tolerance table; masks must agree bit for bit.
 
-mod common;
+use crate::common;
 
 use anyhow::{bail, ensure, Context, Result};
 use common::run;

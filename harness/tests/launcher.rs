@@ -621,7 +621,7 @@ fn external_launch_runs_body_in_process() {
     for rank in 0..2 {
         let mut cmd = Command::new(&exe);
         cmd.args([
-            "external_launch_runs_body_in_process",
+            "launcher::external_launch_runs_body_in_process",
             "--exact",
             "--nocapture",
             "--test-threads=1",

@@ -23,6 +23,7 @@ import os
 import runpy
 import signal
 import sys
+import time
 import traceback
 
 
@@ -67,8 +68,9 @@ def exit_status(wait_status):
     return os.WEXITSTATUS(wait_status)
 
 
-def run_phase(phase, port):
-    """Runs one phase's ranks to their end: 0, or the first failing rank's status."""
+def run_phase(phase, port, gone=None):
+    """Runs one phase's ranks to their end: 0, or the first failing rank's status. With `gone`
+    (a callable, `torch_server.py`'s client check), ranks are killed once it says so."""
     ranks = phase["ranks"]
     argv = phase["argv"]
     if ranks == 0:
@@ -88,7 +90,14 @@ def run_phase(phase, port):
             pids[fork_rank(argv, env)] = rank
     failed = 0
     while pids:
-        pid, wait_status = os.wait()
+        pid, wait_status = os.waitpid(-1, 0 if gone is None else os.WNOHANG)
+        if pid == 0:
+            if gone():
+                for other in pids:
+                    os.kill(other, signal.SIGKILL)
+                return 1
+            time.sleep(0.02)
+            continue
         rank = pids.pop(pid, None)
         if rank is None:
             continue

@@ -374,12 +374,30 @@ pub fn python_with_torch() -> Option<(String, Option<std::path::PathBuf>)> {
         .map(|c| c.join("torch-2.13.0"))
         .filter(|d| d.join("torch").is_dir());
     let python = std::env::var("LOCKSTEP_PYTHON").unwrap_or_else(|_| "python3".into());
+    // Importing torch takes seconds and every PyTorch test asks: a success is remembered in a
+    // stamp named by the interpreter, the path and torch's own version file, so a changed or
+    // removed torch is probed afresh.
+    let stamp = {
+        use std::hash::{Hash, Hasher};
+        let version = site
+            .as_ref()
+            .and_then(|s| std::fs::read_to_string(s.join("torch/version.py")).ok());
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (&python, &site, &version).hash(&mut h);
+        std::env::temp_dir().join(format!("lockstep-python-torch-{:016x}.ok", h.finish()))
+    };
+    if site.is_some() && stamp.is_file() {
+        return Some((python, site));
+    }
     let mut probe = std::process::Command::new(&python);
     probe.args(["-c", "import torch"]);
     if let Some(site) = &site {
         probe.env("PYTHONPATH", site);
     }
     let found = probe.output().map(|o| o.status.success()).unwrap_or(false);
+    if found && site.is_some() {
+        let _ = std::fs::write(&stamp, "import torch succeeded\n");
+    }
     found.then_some((python, site))
 }
 

@@ -1,0 +1,209 @@
+//! What the suite's tests share across their processes: nextest runs every test in a process
+//! of its own, so anything costly that several tests need (a Python that imported torch) is
+//! kept outside them, named by everything it depends on and made under a file lock, so it is
+//! made once per run and never used stale.
+
+use anyhow::{bail, ensure, Context, Result};
+use std::hash::{Hash, Hasher};
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// A short digest of `parts` (fixed-key SipHash: the same in every process of this build).
+pub fn digest<T: Hash>(parts: &[T]) -> String {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    parts.hash(&mut h);
+    format!("{:016x}", h.finish())
+}
+
+/// An exclusive `flock` on a file, held until dropped (released by the kernel if the holder
+/// dies, so a killed test never leaves it taken).
+pub struct FileLock {
+    _held: std::fs::File,
+}
+
+impl FileLock {
+    /// Waits for the lock on `path` (created if missing).
+    pub fn take(path: &Path) -> Result<FileLock> {
+        use std::os::fd::AsRawFd;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+            .with_context(|| format!("open the lock file {}", path.display()))?;
+        // SAFETY: flock on a descriptor this function owns.
+        let taken = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
+        ensure!(
+            taken == 0,
+            "lock {}: {}",
+            path.display(),
+            std::io::Error::last_os_error()
+        );
+        Ok(FileLock { _held: file })
+    }
+}
+
+/// The source of the Python helpers a torch server runs: part of its name, so an edited
+/// helper gets a server of its own.
+const SERVER_SOURCE: &str = include_str!("support/torch_server.py");
+const JOB_SOURCE: &str = include_str!("support/forked_job.py");
+
+/// How long a torch server outlives its last job: long enough to carry it across a suite's
+/// tests, short enough not to linger after.
+const SERVER_IDLE_SECONDS: u64 = 30;
+
+/// How long a client waits for a new server to import torch.
+const SERVER_START: Duration = Duration::from_secs(180);
+
+/// Runs a PyTorch job's `phases` (as `tests/support/forked_job.py` takes them: ranks forked
+/// with torchrun's environment, in order) in a child of a Python that imported torch and
+/// `preload` once, shared by every test of the run (`tests/support/torch_server.py`), from
+/// the repository root with this process's environment and `path` ahead on `sys.path`.
+/// `python` and `site` are what `common::python_with_torch` found. Its output is the job's
+/// as a process would have given it.
+pub fn torch_job(
+    python: &str,
+    site: &Option<PathBuf>,
+    path: &[&Path],
+    preload: &[&str],
+    phases: &serde_json::Value,
+    port: u16,
+) -> Result<Output> {
+    let socket = torch_server(python, site, path, preload)?;
+    let scratch = tempfile::tempdir()?;
+    let (stdout, stderr) = (scratch.path().join("stdout"), scratch.path().join("stderr"));
+    let mut env: std::collections::BTreeMap<String, String> = std::env::vars().collect();
+    // What a process the job starts (torch.compile's workers) needs to import torch.
+    if let Some(python_path) = python_path(site, path)? {
+        env.insert("PYTHONPATH".into(), python_path);
+    }
+    let request = serde_json::json!({
+        "cwd": env!("CARGO_MANIFEST_DIR"),
+        "env": env,
+        "path": path,
+        "port": port,
+        "phases": phases,
+        "stdout": stdout,
+        "stderr": stderr,
+    });
+    let mut conn = UnixStream::connect(&socket)
+        .with_context(|| format!("connect to the torch server at {}", socket.display()))?;
+    conn.write_all(format!("{request}\n").as_bytes())?;
+    let mut reply = String::new();
+    BufReader::new(&conn)
+        .read_line(&mut reply)
+        .context("read the torch server's reply")?;
+    let status = serde_json::from_str::<serde_json::Value>(&reply)
+        .ok()
+        .and_then(|v| v["status"].as_i64())
+        .with_context(|| format!("the torch server's reply {reply:?}"))?;
+    Ok(Output {
+        // A wait status: the exit code in the second byte.
+        status: std::process::ExitStatus::from_raw(((status & 0xff) as i32) << 8),
+        stdout: std::fs::read(&stdout).unwrap_or_default(),
+        stderr: std::fs::read(&stderr).unwrap_or_default(),
+    })
+}
+
+/// The socket of a running torch server for this interpreter, path and preload list, started
+/// (under a file lock, so by one test only) when none is running.
+fn torch_server(
+    python: &str,
+    site: &Option<PathBuf>,
+    path: &[&Path],
+    preload: &[&str],
+) -> Result<PathBuf> {
+    // What a server's imports depend on, beyond the interpreter and its path: the variables
+    // torch reads when it is imported or first computes.
+    let import_env: Vec<(String, String)> = std::env::vars()
+        .filter(|(k, _)| {
+            [
+                "ATEN_", "OMP_", "MKL_", "TORCH_", "PYTORCH_", "CUDA_", "PYTHON",
+            ]
+            .iter()
+            .any(|p| k.starts_with(p))
+        })
+        .collect();
+    let torch_version = site
+        .as_ref()
+        .and_then(|s| std::fs::read_to_string(s.join("torch/version.py")).ok());
+    let key = digest(&[
+        python.to_owned(),
+        format!("{site:?}"),
+        format!("{path:?}"),
+        format!("{preload:?}"),
+        format!("{import_env:?}"),
+        format!("{torch_version:?}"),
+        SERVER_SOURCE.to_owned(),
+        JOB_SOURCE.to_owned(),
+    ]);
+    // Unix socket paths are short (108 bytes): the system temp dir, not target/.
+    let base = std::env::temp_dir().join(format!("lockstep-torch-{key}"));
+    let socket = base.with_extension("sock");
+    if UnixStream::connect(&socket).is_ok() {
+        return Ok(socket);
+    }
+    let _lock = FileLock::take(&base.with_extension("lock"))?;
+    if UnixStream::connect(&socket).is_ok() {
+        return Ok(socket);
+    }
+    // A server that died without removing its socket leaves a file nobody listens on.
+    let _ = std::fs::remove_file(&socket);
+    let log = base.with_extension("log");
+    let spec = serde_json::json!({"preload": preload, "idle_seconds": SERVER_IDLE_SECONDS});
+    let server = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/torch_server.py");
+    let mut cmd = crate::common::torch_python(python, site);
+    if let Some(python_path) = python_path(site, path)? {
+        cmd.env("PYTHONPATH", python_path);
+    }
+    let log_file = std::fs::File::create(&log)?;
+    let mut child = cmd
+        .arg(&server)
+        .arg(&socket)
+        .arg(spec.to_string())
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stdin(Stdio::null())
+        .stdout(log_file.try_clone()?)
+        .stderr(log_file)
+        // A group of its own: it outlives this test, and nextest stops a test's group.
+        .process_group(0)
+        .spawn()
+        .context("start the torch server")?;
+    let start = Instant::now();
+    loop {
+        if UnixStream::connect(&socket).is_ok() {
+            return Ok(socket);
+        }
+        if let Some(status) = child.try_wait()? {
+            bail!(
+                "the torch server exited ({status}) before listening:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        if start.elapsed() > SERVER_START {
+            let _ = child.kill();
+            bail!(
+                "the torch server did not listen within {SERVER_START:?}:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `PYTHONPATH` for a job: `path`, then torch's `site`.
+fn python_path(site: &Option<PathBuf>, path: &[&Path]) -> Result<Option<String>> {
+    let mut entries: Vec<PathBuf> = path.iter().map(|p| p.to_path_buf()).collect();
+    entries.extend(site.iter().cloned());
+    if entries.is_empty() {
+        return Ok(None);
+    }
+    let joined = std::env::join_paths(entries)?;
+    Ok(Some(joined.into_string().map_err(|p| {
+        anyhow::anyhow!("PYTHONPATH {p:?} is not UTF-8")
+    })?))
+}
