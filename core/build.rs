@@ -29,6 +29,12 @@ fn main() {
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-deprecated-declarations")
         .warnings(false);
+    // The bridge only forwards to libtorch's autograd: in a debug build its C++ is compiled
+    // unoptimized, which takes a third of the time on the cold build's longest path
+    // (docs/design.md, "CI"); release builds optimize it as cc does by default.
+    if std::env::var("PROFILE").as_deref() == Ok("debug") {
+        build.opt_level(0);
+    }
 
     if std::env::var_os("CARGO_FEATURE_NCCL").is_some() {
         build.define("LOCKSTEP_CUDA", None);

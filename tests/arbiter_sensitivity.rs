@@ -11,7 +11,6 @@ use lockstep::core::train::TrainConfig;
 use lockstep::harness::RankCtx;
 use lockstep::models::Model;
 use lockstep::parity_test::ParityTest;
-use rstest::rstest;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -61,63 +60,71 @@ fn faulty_ddp(
 /// The ε tried, smallest first.
 const EPSILONS: [f64; 7] = [1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1];
 
-#[rstest]
-#[case::nested("nested", 1e-5)]
-#[case::mlp("mlp", 1e-5)]
-#[case::transformer("transformer", 1e-4)]
-#[case::gpt("gpt", 1e-5)]
-#[case::gpt_moe("gpt_moe", 1e-5)]
-fn the_arbiter_catches_one_scaled_gradient_element(#[case] model: &str, #[case] bound: f64) {
-    let name = format!("arbiter_sensitivity_{model}");
-    let mut test = ParityTest::new(&name)
-        .zoo(model)
-        .world_sizes(&[2])
-        .steps(5)
-        .config("ddp");
-    let labels: Vec<String> = EPSILONS
-        .iter()
-        .map(|e| format!("ddp.scaled.{e:e}"))
-        .collect();
-    for (label, &eps) in labels.iter().zip(&EPSILONS) {
-        test = test.custom_config(label, faulty_ddp(eps));
-    }
-    let outcome = test.run().expect("the sensitivity test runs");
-    let verdict = |label: &str| {
-        let row = format!("{label}@2");
-        outcome
-            .report
-            .comparisons
-            .iter()
-            .find(|c| c.config == row)
-            .map(|c| c.passed)
-            .unwrap_or_else(|| panic!("no comparison for {row}:\n{}", outcome.summary()))
-    };
-    assert!(
-        verdict("ddp"),
-        "plain DDP must pass:\n{}",
-        outcome.summary()
-    );
-    let caught: Vec<f64> = labels
-        .iter()
-        .zip(&EPSILONS)
-        .filter(|(label, _)| !verdict(label))
-        .map(|(_, &e)| e)
-        .collect();
-    let smallest = caught.first().copied();
-    println!("{model}: smallest epsilon caught {smallest:?} (caught: {caught:?})");
-    // Detection is monotone: once caught, every larger fault is caught too.
-    let expected: Vec<f64> = EPSILONS
-        .iter()
-        .copied()
-        .filter(|&e| smallest.is_some_and(|s| e >= s))
-        .collect();
-    assert_eq!(
-        caught, expected,
-        "{model}: detection is not monotone in epsilon"
-    );
-    assert!(
+#[test]
+fn the_arbiter_catches_one_scaled_gradient_element() {
+    let cases: Vec<(&str, &str, f64)> = vec![
+        ("nested", "nested", 1e-5),
+        ("mlp", "mlp", 1e-5),
+        ("transformer", "transformer", 1e-4),
+        ("gpt", "gpt", 1e-5),
+        ("gpt_moe", "gpt_moe", 1e-5),
+    ];
+    crate::common::each_case(
+        "the_arbiter_catches_one_scaled_gradient_element",
+        cases,
+        |&(_, model, bound): &(&str, &str, f64)| {
+            let name = format!("arbiter_sensitivity_{model}");
+            let mut test = ParityTest::new(&name)
+                .zoo(model)
+                .world_sizes(&[2])
+                .steps(5)
+                .config("ddp");
+            let labels: Vec<String> = EPSILONS
+                .iter()
+                .map(|e| format!("ddp.scaled.{e:e}"))
+                .collect();
+            for (label, &eps) in labels.iter().zip(&EPSILONS) {
+                test = test.custom_config(label, faulty_ddp(eps));
+            }
+            let outcome = test.run().expect("the sensitivity test runs");
+            let verdict = |label: &str| {
+                let row = format!("{label}@2");
+                outcome
+                    .report
+                    .comparisons
+                    .iter()
+                    .find(|c| c.config == row)
+                    .map(|c| c.passed)
+                    .unwrap_or_else(|| panic!("no comparison for {row}:\n{}", outcome.summary()))
+            };
+            assert!(
+                verdict("ddp"),
+                "plain DDP must pass:\n{}",
+                outcome.summary()
+            );
+            let caught: Vec<f64> = labels
+                .iter()
+                .zip(&EPSILONS)
+                .filter(|(label, _)| !verdict(label))
+                .map(|(_, &e)| e)
+                .collect();
+            let smallest = caught.first().copied();
+            println!("{model}: smallest epsilon caught {smallest:?} (caught: {caught:?})");
+            // Detection is monotone: once caught, every larger fault is caught too.
+            let expected: Vec<f64> = EPSILONS
+                .iter()
+                .copied()
+                .filter(|&e| smallest.is_some_and(|s| e >= s))
+                .collect();
+            assert_eq!(
+                caught, expected,
+                "{model}: detection is not monotone in epsilon"
+            );
+            assert!(
         smallest.is_some_and(|s| s <= bound),
         "{model}: the arbiter caught epsilon >= {smallest:?} only; docs/parity.md records {bound:e}\n{}",
         outcome.summary()
+    );
+        },
     );
 }

@@ -2,7 +2,6 @@
 //! Run with `cargo nextest run --test bench_step` (each test launches ranks several times).
 
 use lockstep::bench::{self, GptDims, StepBenchOptions, StepParallel};
-use rstest::rstest;
 
 #[test]
 fn step_bench_reports_both_wrappers_and_the_ratio() {
@@ -73,57 +72,62 @@ fn step_bench_runs_zoo_models_and_refuses_bad_options() {
 /// `--parallel tp|ep` on the tiny decoder: DDP first, then the parallel configurations (TP with
 /// and without SP; EP with the all-to-all dispatcher), every figure present and positive, and
 /// DDP's bytes exactly one gradient all-reduce of every parameter plus the 8-byte loss average.
-#[rstest]
-fn parallel_step_reports_ddp_and_the_parallel_runs(
-    #[values(StepParallel::Tp, StepParallel::Ep)] parallel: StepParallel,
-) {
-    let r = bench::run_parallel_step(&StepBenchOptions {
-        world_size: 2,
-        model: "gpt".into(),
-        dims: GptDims::TINY,
-        steps: 2,
-        parallel,
-    })
-    .unwrap();
-    let json = serde_json::to_value(&r).unwrap();
-    for field in [
-        "model",
-        "parallel",
-        "world_size",
-        "parameters",
-        "steps",
-        "runs",
-    ] {
-        assert!(json.get(field).is_some(), "{field} missing: {json}");
-    }
-    let (model, name, configs) = match parallel {
-        StepParallel::Tp => ("gpt", "tp", vec!["ddp", "tp", "tp+sp"]),
-        _ => ("gpt_moe", "ep", vec!["ddp", "ep"]),
-    };
-    assert_eq!(json["model"], model);
-    assert_eq!(json["parallel"], name);
-    assert_eq!(json["world_size"], 2);
-    assert_eq!(json["steps"], 2);
-    let runs = json["runs"].as_array().unwrap();
-    let got: Vec<&str> = runs.iter().map(|r| r["config"].as_str().unwrap()).collect();
-    assert_eq!(got, configs, "{json}");
-    for run in runs {
-        for field in ["seconds", "ratio", "bytes_per_step", "calls_per_step"] {
-            let v = run[field].as_f64().unwrap_or(-1.0);
-            assert!(v > 0.0 && v.is_finite(), "{field}: {run}");
-        }
-        let listed: u64 = run["collectives"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|e| e["bytes"].as_u64().unwrap())
-            .sum();
-        assert!(listed > 0, "{run}");
-    }
-    assert_eq!(runs[0]["ratio"].as_f64(), Some(1.0));
-    let ddp = &r.runs[0];
-    assert_eq!(ddp.bytes_per_step, (4 * r.parameters + 8) as f64, "{json}");
-    assert!(r.parameters > 0);
+#[test]
+fn parallel_step_reports_ddp_and_the_parallel_runs() {
+    let cases: Vec<StepParallel> = vec![StepParallel::Tp, StepParallel::Ep];
+    crate::common::each_case(
+        "parallel_step_reports_ddp_and_the_parallel_runs",
+        cases,
+        |&parallel: &StepParallel| {
+            let r = bench::run_parallel_step(&StepBenchOptions {
+                world_size: 2,
+                model: "gpt".into(),
+                dims: GptDims::TINY,
+                steps: 2,
+                parallel,
+            })
+            .unwrap();
+            let json = serde_json::to_value(&r).unwrap();
+            for field in [
+                "model",
+                "parallel",
+                "world_size",
+                "parameters",
+                "steps",
+                "runs",
+            ] {
+                assert!(json.get(field).is_some(), "{field} missing: {json}");
+            }
+            let (model, name, configs) = match parallel {
+                StepParallel::Tp => ("gpt", "tp", vec!["ddp", "tp", "tp+sp"]),
+                _ => ("gpt_moe", "ep", vec!["ddp", "ep"]),
+            };
+            assert_eq!(json["model"], model);
+            assert_eq!(json["parallel"], name);
+            assert_eq!(json["world_size"], 2);
+            assert_eq!(json["steps"], 2);
+            let runs = json["runs"].as_array().unwrap();
+            let got: Vec<&str> = runs.iter().map(|r| r["config"].as_str().unwrap()).collect();
+            assert_eq!(got, configs, "{json}");
+            for run in runs {
+                for field in ["seconds", "ratio", "bytes_per_step", "calls_per_step"] {
+                    let v = run[field].as_f64().unwrap_or(-1.0);
+                    assert!(v > 0.0 && v.is_finite(), "{field}: {run}");
+                }
+                let listed: u64 = run["collectives"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|e| e["bytes"].as_u64().unwrap())
+                    .sum();
+                assert!(listed > 0, "{run}");
+            }
+            assert_eq!(runs[0]["ratio"].as_f64(), Some(1.0));
+            let ddp = &r.runs[0];
+            assert_eq!(ddp.bytes_per_step, (4 * r.parameters + 8) as f64, "{json}");
+            assert!(r.parameters > 0);
+        },
+    );
 }
 
 /// Bad input is refused before any rank starts: a world of one, experts that ep does not

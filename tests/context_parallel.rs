@@ -18,7 +18,6 @@ use lockstep_harness::parity::Comparison;
 use lockstep_harness::RankCtx;
 use lockstep_models::functional::causal_attention;
 use lockstep_models::zoo;
-use rstest::rstest;
 use tch::{Device, Kind, Tensor};
 
 const STEPS: usize = 3;
@@ -83,32 +82,53 @@ fn opts(cp: usize, dispatcher: CpDispatcher, layout: SequenceLayout) -> CpOption
 /// Every dispatcher and layout at CP 2 and 4 (CP 2 at world 4: two replicas) passes against
 /// one device, on the dense decoder and the mixture of experts; FSDP over `dp × cp` is
 /// bitwise the replicated run (the same elements reduced in the same order).
-#[rstest]
-fn context_parallel_runs_equal_one_device(
-    #[values("gpt", "gpt_moe")] model: &str,
-    #[values(CpDispatcher::Ring, CpDispatcher::AllGather)] dispatcher: CpDispatcher,
-    #[values(SequenceLayout::Balanced, SequenceLayout::Contiguous)] layout: SequenceLayout,
-    #[values((2, 2), (4, 4), (2, 4))] sizes: (usize, usize),
-) {
-    let (cp, world) = sizes;
-    lockstep_harness::run(world, |ctx| {
-        let run = cp_run(ctx, model, &opts(cp, dispatcher, layout));
-        if ctx.rank() == 0 {
-            let c = against_single(&run, model, world);
-            assert!(
-                c.passed,
-                "cp {cp} at world {world} {dispatcher:?} {layout:?} on {model}: {}",
-                c.diagnosis.unwrap_or_default()
-            );
+#[test]
+fn context_parallel_runs_equal_one_device() {
+    let model_values: Vec<&str> = vec!["gpt", "gpt_moe"];
+    let dispatcher_values: Vec<CpDispatcher> = vec![CpDispatcher::Ring, CpDispatcher::AllGather];
+    let layout_values: Vec<SequenceLayout> =
+        vec![SequenceLayout::Balanced, SequenceLayout::Contiguous];
+    let sizes_values: Vec<(usize, usize)> = vec![(2, 2), (4, 4), (2, 4)];
+    let mut cases: Vec<(&str, CpDispatcher, SequenceLayout, (usize, usize))> = Vec::new();
+    for model in &model_values {
+        for dispatcher in &dispatcher_values {
+            for layout in &layout_values {
+                for sizes in &sizes_values {
+                    cases.push((*model, *dispatcher, *layout, *sizes));
+                }
+            }
         }
-    });
+    }
+    crate::common::each_case(
+        "context_parallel_runs_equal_one_device",
+        cases,
+        |&(model, dispatcher, layout, sizes): &(
+            &str,
+            CpDispatcher,
+            SequenceLayout,
+            (usize, usize),
+        )| {
+            let (cp, world) = sizes;
+            lockstep_harness::run(world, |ctx| {
+                let run = cp_run(ctx, model, &opts(cp, dispatcher, layout));
+                if ctx.rank() == 0 {
+                    let c = against_single(&run, model, world);
+                    assert!(
+                        c.passed,
+                        "cp {cp} at world {world} {dispatcher:?} {layout:?} on {model}: {}",
+                        c.diagnosis.unwrap_or_default()
+                    );
+                }
+            });
+        },
+    );
 }
 
 /// Each planted bug makes the run differ from one device; the dp/cp factor mix-up only on a
 /// mesh where the two sizes differ (cp 2 × dp 4), and is invisible where they are equal.
-#[rstest]
-fn planted_context_parallel_bugs_are_caught(
-    #[values(
+#[test]
+fn planted_context_parallel_bugs_are_caught() {
+    let cases: Vec<(CpFault, CpDispatcher, usize)> = vec![
         (CpFault::LocalAttentionOnly, CpDispatcher::Ring, 2),
         (CpFault::LossNotReducedOverCp, CpDispatcher::Ring, 2),
         (CpFault::LabelsShiftedAfterSharding, CpDispatcher::Ring, 2),
@@ -117,23 +137,27 @@ fn planted_context_parallel_bugs_are_caught(
         (CpFault::MergeWithBlockMax, CpDispatcher::Ring, 2),
         (CpFault::GradsNotReducedOverCp, CpDispatcher::Ring, 2),
         (CpFault::PositionsFromShard, CpDispatcher::AllGather, 2),
-        (CpFault::ScaledByDpSize, CpDispatcher::Ring, 8)
-    )]
-    case: (CpFault, CpDispatcher, usize),
-) {
-    let (fault, dispatcher, world) = case;
-    lockstep_harness::run(world, |ctx| {
-        let o = CpOptions {
-            fault: Some(fault),
-            ..opts(2, dispatcher, SequenceLayout::Balanced)
-        };
-        let run = cp_run(ctx, "gpt", &o);
-        if ctx.rank() == 0 {
-            let c = against_single(&run, "gpt", world);
-            assert!(!c.passed, "{fault:?} under {dispatcher:?} was not caught");
-            assert!(c.first_failure.is_some(), "{:?}", c.diagnosis);
-        }
-    });
+        (CpFault::ScaledByDpSize, CpDispatcher::Ring, 8),
+    ];
+    crate::common::each_case(
+        "planted_context_parallel_bugs_are_caught",
+        cases,
+        |&case: &(CpFault, CpDispatcher, usize)| {
+            let (fault, dispatcher, world) = case;
+            lockstep_harness::run(world, |ctx| {
+                let o = CpOptions {
+                    fault: Some(fault),
+                    ..opts(2, dispatcher, SequenceLayout::Balanced)
+                };
+                let run = cp_run(ctx, "gpt", &o);
+                if ctx.rank() == 0 {
+                    let c = against_single(&run, "gpt", world);
+                    assert!(!c.passed, "{fault:?} under {dispatcher:?} was not caught");
+                    assert!(c.first_failure.is_some(), "{:?}", c.diagnosis);
+                }
+            });
+        },
+    );
 }
 
 /// A factor taken from the wrong mesh dimension is the right one when the two sizes are
@@ -154,23 +178,35 @@ fn the_factor_mix_up_hides_where_cp_and_dp_are_equal() {
 
 /// The single-device attention in the ring's merge order is the plain causal attention up
 /// to rounding, under both layouts and several CP sizes.
-#[rstest]
-fn ring_order_attention_is_causal_attention(
-    #[values(SequenceLayout::Balanced, SequenceLayout::Contiguous)] layout: SequenceLayout,
-    #[values(1, 2, 4)] cp: usize,
-) {
-    let (q, k, v) = lockstep_models::seed::seeded(3, || {
-        let r = || Tensor::randn([2, 3, 16, 4], (Kind::Double, Device::Cpu));
-        (r(), r(), r())
-    });
-    let plain = causal_attention(&q, &k, &v).expect("plain");
-    let o = CpOptions {
-        layout,
-        ..CpOptions::ring(cp)
-    };
-    let ring = ring_order_attention(&q, &k, &v, &o).expect("ring order");
-    let err = (&plain - &ring).abs().max().double_value(&[]);
-    assert!(err < 1e-12, "{layout:?} cp {cp}: {err}");
+#[test]
+fn ring_order_attention_is_causal_attention() {
+    let layout_values: Vec<SequenceLayout> =
+        vec![SequenceLayout::Balanced, SequenceLayout::Contiguous];
+    let cp_values: Vec<usize> = vec![1, 2, 4];
+    let mut cases: Vec<(SequenceLayout, usize)> = Vec::new();
+    for layout in &layout_values {
+        for cp in &cp_values {
+            cases.push((*layout, *cp));
+        }
+    }
+    crate::common::each_case(
+        "ring_order_attention_is_causal_attention",
+        cases,
+        |&(layout, cp): &(SequenceLayout, usize)| {
+            let (q, k, v) = lockstep_models::seed::seeded(3, || {
+                let r = || Tensor::randn([2, 3, 16, 4], (Kind::Double, Device::Cpu));
+                (r(), r(), r())
+            });
+            let plain = causal_attention(&q, &k, &v).expect("plain");
+            let o = CpOptions {
+                layout,
+                ..CpOptions::ring(cp)
+            };
+            let ring = ring_order_attention(&q, &k, &v, &o).expect("ring order");
+            let err = (&plain - &ring).abs().max().double_value(&[]);
+            assert!(err < 1e-12, "{layout:?} cp {cp}: {err}");
+        },
+    );
 }
 
 /// `single.cpN`'s attention is the ring's, bit for bit, in fp32: each rank's output of ring
@@ -178,69 +214,96 @@ fn ring_order_attention_is_causal_attention(
 /// the ring's merge order, under both layouts at CP 2 and 4 (what makes `single.cpN` the
 /// order-matched reference; its rows are judged by the arbiter only because the weight
 /// gradients are summed across ranks afterwards).
-#[rstest]
-fn ring_attention_is_bitwise_the_ring_ordered_reference(
-    #[values(SequenceLayout::Balanced, SequenceLayout::Contiguous)] layout: SequenceLayout,
-    #[values(2, 4)] cp: usize,
-) {
-    lockstep_harness::run(cp, |ctx| {
-        let (q, k, v) = lockstep_models::seed::seeded(5, || {
-            let r = || Tensor::randn([2, 3, 32, 8], (Kind::Float, Device::Cpu));
-            (r(), r(), r())
-        });
-        let o = CpOptions {
-            layout,
-            ..CpOptions::ring(cp)
-        };
-        let shard = |t: &Tensor| shard_sequence(t, 2, layout, ctx.rank(), cp).expect("shard");
-        let ring = context_parallel_attention(
-            &shard(&q),
-            &shard(&k),
-            &shard(&v),
-            &ctx.group(),
-            ctx.rank(),
-            &o,
-        )
-        .expect("ring");
-        let reference = shard(&ring_order_attention(&q, &k, &v, &o).expect("ring order"));
-        let bits = |t: &Tensor| -> Vec<u32> {
-            Vec::<f32>::try_from(t.flatten(0, -1))
-                .expect("values")
-                .iter()
-                .map(|x| x.to_bits())
-                .collect()
-        };
-        assert_eq!(bits(&ring), bits(&reference), "{layout:?} cp {cp}");
-    });
+#[test]
+fn ring_attention_is_bitwise_the_ring_ordered_reference() {
+    let layout_values: Vec<SequenceLayout> =
+        vec![SequenceLayout::Balanced, SequenceLayout::Contiguous];
+    let cp_values: Vec<usize> = vec![2, 4];
+    let mut cases: Vec<(SequenceLayout, usize)> = Vec::new();
+    for layout in &layout_values {
+        for cp in &cp_values {
+            cases.push((*layout, *cp));
+        }
+    }
+    crate::common::each_case(
+        "ring_attention_is_bitwise_the_ring_ordered_reference",
+        cases,
+        |&(layout, cp): &(SequenceLayout, usize)| {
+            lockstep_harness::run(cp, |ctx| {
+                let (q, k, v) = lockstep_models::seed::seeded(5, || {
+                    let r = || Tensor::randn([2, 3, 32, 8], (Kind::Float, Device::Cpu));
+                    (r(), r(), r())
+                });
+                let o = CpOptions {
+                    layout,
+                    ..CpOptions::ring(cp)
+                };
+                let shard =
+                    |t: &Tensor| shard_sequence(t, 2, layout, ctx.rank(), cp).expect("shard");
+                let ring = context_parallel_attention(
+                    &shard(&q),
+                    &shard(&k),
+                    &shard(&v),
+                    &ctx.group(),
+                    ctx.rank(),
+                    &o,
+                )
+                .expect("ring");
+                let reference = shard(&ring_order_attention(&q, &k, &v, &o).expect("ring order"));
+                let bits = |t: &Tensor| -> Vec<u32> {
+                    Vec::<f32>::try_from(t.flatten(0, -1))
+                        .expect("values")
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect()
+                };
+                assert_eq!(bits(&ring), bits(&reference), "{layout:?} cp {cp}");
+            });
+        },
+    );
 }
 
 /// `single.cpN` as a ring row's envelope (the matrix's edge): correct rings pass against
 /// it under both layouts, at CP 2 and 4, on the dense decoder and the mixture; the merge
 /// taking the block's maximum and chunks put back in rank order are caught against it.
-#[rstest]
-fn ring_rows_are_judged_against_the_ring_ordered_reference(
-    #[values(
+#[test]
+fn ring_rows_are_judged_against_the_ring_ordered_reference() {
+    let cases: Vec<(&str, Option<CpFault>, SequenceLayout, usize)> = vec![
         ("gpt", None, SequenceLayout::Balanced, 4),
         ("gpt_moe", None, SequenceLayout::Balanced, 2),
         ("gpt", None, SequenceLayout::Contiguous, 2),
         ("gpt_moe", None, SequenceLayout::Contiguous, 4),
-        ("gpt", Some(CpFault::MergeWithBlockMax), SequenceLayout::Balanced, 2),
-        ("gpt", Some(CpFault::ChunksInRankOrder), SequenceLayout::Balanced, 4)
-    )]
-    case: (&str, Option<CpFault>, SequenceLayout, usize),
-) {
-    let (model, fault, layout, cp) = case;
-    lockstep_harness::run(cp, |ctx| {
-        let o = CpOptions {
-            fault,
-            ..opts(cp, CpDispatcher::Ring, layout)
-        };
-        let run = cp_run(ctx, model, &o);
-        if ctx.rank() == 0 {
-            let c = against_ring_ordered(&run, model, cp, (cp, layout));
-            assert_eq!(c.passed, fault.is_none(), "{case:?}: {:?}", c.diagnosis);
-        }
-    });
+        (
+            "gpt",
+            Some(CpFault::MergeWithBlockMax),
+            SequenceLayout::Balanced,
+            2,
+        ),
+        (
+            "gpt",
+            Some(CpFault::ChunksInRankOrder),
+            SequenceLayout::Balanced,
+            4,
+        ),
+    ];
+    crate::common::each_case(
+        "ring_rows_are_judged_against_the_ring_ordered_reference",
+        cases,
+        |&case: &(&str, Option<CpFault>, SequenceLayout, usize)| {
+            let (model, fault, layout, cp) = case;
+            lockstep_harness::run(cp, |ctx| {
+                let o = CpOptions {
+                    fault,
+                    ..opts(cp, CpDispatcher::Ring, layout)
+                };
+                let run = cp_run(ctx, model, &o);
+                if ctx.rank() == 0 {
+                    let c = against_ring_ordered(&run, model, cp, (cp, layout));
+                    assert_eq!(c.passed, fault.is_none(), "{case:?}: {:?}", c.diagnosis);
+                }
+            });
+        },
+    );
 }
 
 /// Sizes that cannot split are refused before any rank starts, naming the dimension and the
@@ -286,63 +349,84 @@ fn bad_sizes_and_models_are_refused_before_any_rank_starts() {
 
 /// FSDP over `dp × cp` (torchtitan's sharding beside CP) is bitwise the replicated CP run at
 /// worlds 2, 4 and 8: its reduce-scatter yields the all-reduce's elements.
-#[rstest]
-fn fsdp_over_dp_and_cp_is_bitwise_the_replicated_run(#[values(2, 4, 8)] world: usize) {
-    lockstep_harness::run(world, |ctx| {
-        let replicated = cp_run(ctx, "gpt", &CpOptions::ring(2));
-        let sharded = cp_run(
-            ctx,
-            "gpt",
-            &CpOptions {
-                data_parallel: DataParallel::Shard,
-                ..CpOptions::ring(2)
-            },
-        );
-        if ctx.rank() == 0 {
-            assert_eq!(replicated.losses, sharded.losses);
-            let bits = |r: &RunRecord| -> Vec<(String, Vec<u64>)> {
-                r.params
-                    .iter()
-                    .map(|p| {
-                        (
-                            p.name.clone(),
-                            p.values.iter().map(|v| v.to_bits()).collect(),
-                        )
-                    })
-                    .collect()
-            };
-            assert_eq!(bits(&replicated), bits(&sharded));
-        }
-    });
+#[test]
+fn fsdp_over_dp_and_cp_is_bitwise_the_replicated_run() {
+    let cases: Vec<usize> = vec![2, 4, 8];
+    crate::common::each_case(
+        "fsdp_over_dp_and_cp_is_bitwise_the_replicated_run",
+        cases,
+        |&world: &usize| {
+            lockstep_harness::run(world, |ctx| {
+                let replicated = cp_run(ctx, "gpt", &CpOptions::ring(2));
+                let sharded = cp_run(
+                    ctx,
+                    "gpt",
+                    &CpOptions {
+                        data_parallel: DataParallel::Shard,
+                        ..CpOptions::ring(2)
+                    },
+                );
+                if ctx.rank() == 0 {
+                    assert_eq!(replicated.losses, sharded.losses);
+                    let bits = |r: &RunRecord| -> Vec<(String, Vec<u64>)> {
+                        r.params
+                            .iter()
+                            .map(|p| {
+                                (
+                                    p.name.clone(),
+                                    p.values.iter().map(|v| v.to_bits()).collect(),
+                                )
+                            })
+                            .collect()
+                    };
+                    assert_eq!(bits(&replicated), bits(&sharded));
+                }
+            });
+        },
+    );
 }
 
 /// CP × TP (mesh `[dp, cp, tp]`): the model's own TP plan inside each sequence shard, on
 /// both decoders, at world 4 (cp 2 × tp 2) and world 8 (two replicas, replicated and FSDP
 /// over `dp × cp`), passes against one device; the loss reduced over TP but not CP
 /// (torchtitan#3280, found at TP = 2, CP = 2) is caught there.
-#[rstest]
-fn context_and_tensor_parallel_together_equal_one_device(
-    #[values("gpt", "gpt_moe")] model: &str,
-    #[values((4, DataParallel::Replicate), (8, DataParallel::Replicate), (8, DataParallel::Shard))]
-    case: (usize, DataParallel),
-) {
-    let (world, data_parallel) = case;
-    lockstep_harness::run(world, |ctx| {
-        let o = CpOptions {
-            tp: 2,
-            data_parallel,
-            ..CpOptions::ring(2)
-        };
-        let run = cp_run(ctx, model, &o);
-        if ctx.rank() == 0 {
-            let c = against_single(&run, model, world);
-            assert!(
-                c.passed,
-                "cp 2 × tp 2 at world {world} ({data_parallel:?}) on {model}: {}",
-                c.diagnosis.unwrap_or_default()
-            );
+#[test]
+fn context_and_tensor_parallel_together_equal_one_device() {
+    let model_values: Vec<&str> = vec!["gpt", "gpt_moe"];
+    let case_values: Vec<(usize, DataParallel)> = vec![
+        (4, DataParallel::Replicate),
+        (8, DataParallel::Replicate),
+        (8, DataParallel::Shard),
+    ];
+    let mut cases: Vec<(&str, (usize, DataParallel))> = Vec::new();
+    for model in &model_values {
+        for case in &case_values {
+            cases.push((*model, *case));
         }
-    });
+    }
+    crate::common::each_case(
+        "context_and_tensor_parallel_together_equal_one_device",
+        cases,
+        |&(model, case): &(&str, (usize, DataParallel))| {
+            let (world, data_parallel) = case;
+            lockstep_harness::run(world, |ctx| {
+                let o = CpOptions {
+                    tp: 2,
+                    data_parallel,
+                    ..CpOptions::ring(2)
+                };
+                let run = cp_run(ctx, model, &o);
+                if ctx.rank() == 0 {
+                    let c = against_single(&run, model, world);
+                    assert!(
+                        c.passed,
+                        "cp 2 × tp 2 at world {world} ({data_parallel:?}) on {model}: {}",
+                        c.diagnosis.unwrap_or_default()
+                    );
+                }
+            });
+        },
+    );
 }
 
 /// torchtitan#3280 at the shape it was reported in: TP = 2 and CP = 2, the loss reduced over
@@ -370,33 +454,38 @@ fn the_loss_reduced_over_tp_but_not_cp_is_caught() {
 /// one FSDP unit over `dp_shard × cp`, replicated across `dp_replicate`, passes against one
 /// device at world 8 (and with TP 2 inside, world 16); gradients left unreduced over CP are
 /// still caught there.
-#[rstest]
-fn hybrid_sharding_beside_context_parallelism_equals_one_device(
-    #[values((8, 1, None), (16, 2, None), (8, 1, Some(CpFault::GradsNotReducedOverCp)))] case: (
-        usize,
-        usize,
-        Option<CpFault>,
-    ),
-) {
-    let (world, tp, fault) = case;
-    lockstep_harness::run(world, |ctx| {
-        let o = CpOptions {
-            tp,
-            data_parallel: DataParallel::HybridShard { replicas: 2 },
-            fault,
-            ..CpOptions::ring(2)
-        };
-        let run = cp_run(ctx, "gpt", &o);
-        if ctx.rank() == 0 {
-            let c = against_single(&run, "gpt", world);
-            assert_eq!(
-                c.passed,
-                fault.is_none(),
-                "HSDP × cp 2 × tp {tp} at world {world}, {fault:?}: {}",
-                c.diagnosis.unwrap_or_default()
-            );
-        }
-    });
+#[test]
+fn hybrid_sharding_beside_context_parallelism_equals_one_device() {
+    let cases: Vec<(usize, usize, Option<CpFault>)> = vec![
+        (8, 1, None),
+        (16, 2, None),
+        (8, 1, Some(CpFault::GradsNotReducedOverCp)),
+    ];
+    crate::common::each_case(
+        "hybrid_sharding_beside_context_parallelism_equals_one_device",
+        cases,
+        |&case: &(usize, usize, Option<CpFault>)| {
+            let (world, tp, fault) = case;
+            lockstep_harness::run(world, |ctx| {
+                let o = CpOptions {
+                    tp,
+                    data_parallel: DataParallel::HybridShard { replicas: 2 },
+                    fault,
+                    ..CpOptions::ring(2)
+                };
+                let run = cp_run(ctx, "gpt", &o);
+                if ctx.rank() == 0 {
+                    let c = against_single(&run, "gpt", world);
+                    assert_eq!(
+                        c.passed,
+                        fault.is_none(),
+                        "HSDP × cp 2 × tp {tp} at world {world}, {fault:?}: {}",
+                        c.diagnosis.unwrap_or_default()
+                    );
+                }
+            });
+        },
+    );
 }
 
 /// CP × EP (gpt_moe's experts spread over `ep` ranks borrowed from `dp × cp`, every
@@ -404,42 +493,52 @@ fn hybrid_sharding_beside_context_parallelism_equals_one_device(
 /// world 8, EP across replicas), with TP 2 inside (world 8), and under HSDP (world 8) it
 /// passes against one device. Expert gradients scaled as EP alone scales them (not by the
 /// CP size) are caught.
-#[rstest]
-fn context_and_expert_parallel_together_equal_one_device(
-    #[values(
+#[test]
+fn context_and_expert_parallel_together_equal_one_device() {
+    let cases: Vec<(usize, usize, usize, DataParallel, Option<CpFault>)> = vec![
         (4, 1, 2, DataParallel::Replicate, None),
         (8, 1, 4, DataParallel::Shard, None),
         (8, 2, 2, DataParallel::Shard, None),
         (8, 1, 2, DataParallel::HybridShard { replicas: 2 }, None),
-        (4, 1, 2, DataParallel::Replicate, Some(CpFault::ExpertGradsNotScaledByCp))
-    )]
-    case: (usize, usize, usize, DataParallel, Option<CpFault>),
-) {
-    let (world, tp, ep, data_parallel, fault) = case;
-    lockstep_harness::run(world, |ctx| {
-        let o = CpOptions {
-            tp,
-            ep,
-            data_parallel,
-            fault,
-            ..CpOptions::ring(2)
-        };
-        let run = cp_run(ctx, "gpt_moe", &o);
-        if ctx.rank() == 0 {
-            let c = against_single(&run, "gpt_moe", world);
-            assert_eq!(
+        (
+            4,
+            1,
+            2,
+            DataParallel::Replicate,
+            Some(CpFault::ExpertGradsNotScaledByCp),
+        ),
+    ];
+    crate::common::each_case(
+        "context_and_expert_parallel_together_equal_one_device",
+        cases,
+        |&case: &(usize, usize, usize, DataParallel, Option<CpFault>)| {
+            let (world, tp, ep, data_parallel, fault) = case;
+            lockstep_harness::run(world, |ctx| {
+                let o = CpOptions {
+                    tp,
+                    ep,
+                    data_parallel,
+                    fault,
+                    ..CpOptions::ring(2)
+                };
+                let run = cp_run(ctx, "gpt_moe", &o);
+                if ctx.rank() == 0 {
+                    let c = against_single(&run, "gpt_moe", world);
+                    assert_eq!(
                 c.passed,
                 fault.is_none(),
                 "cp 2 × tp {tp} × ep {ep} at world {world} ({data_parallel:?}), {fault:?}: {}",
                 c.diagnosis.unwrap_or_default()
             );
-            if fault.is_some() {
-                let first = c.first_failure.expect("a first failing tensor");
-                let tensor = first.tensor.as_deref().unwrap_or_default();
-                assert!(tensor.contains(".experts."), "{first:?}");
-            }
-        }
-    });
+                    if fault.is_some() {
+                        let first = c.first_failure.expect("a first failing tensor");
+                        let tensor = first.tensor.as_deref().unwrap_or_default();
+                        assert!(tensor.contains(".experts."), "{first:?}");
+                    }
+                }
+            });
+        },
+    );
 }
 
 /// EP beside CP is refused before any rank starts when it does not divide `dp × cp` or the
@@ -502,31 +601,35 @@ fn pp_cp_run(
 /// It passes against one device at pp 2 × cp 2 (world 4), with two replicas (world 8) and
 /// with TP 2 inside (world 8); attention on the local shard only and positions from the
 /// shard, planted in the stages, are caught.
-#[rstest]
-fn pipelines_split_by_context_parallelism_equal_one_device(
-    #[values(
+#[test]
+fn pipelines_split_by_context_parallelism_equal_one_device() {
+    let cases: Vec<((usize, usize, usize), Option<CpFault>, bool)> = vec![
         ((2, 1, 1), None, true),
         ((2, 1, 2), None, true),
         ((2, 2, 1), None, true),
         ((2, 1, 1), Some(CpFault::LocalAttentionOnly), false),
-        ((2, 1, 1), Some(CpFault::PositionsFromShard), false)
-    )]
-    case: ((usize, usize, usize), Option<CpFault>, bool),
-) {
-    let ((cp, tp, dp), fault, passes) = case;
-    let world = 2 * cp * tp * dp;
-    lockstep_harness::run(world, |ctx| {
-        let run = pp_cp_run(ctx, "gpt", (cp, tp, dp), fault);
-        if ctx.rank() == 0 {
-            let c = against_single(&run, "gpt", world);
-            assert_eq!(
-                c.passed,
-                passes,
-                "pp 2 × cp {cp} × tp {tp} × dp {dp}, {fault:?}: {}",
-                c.diagnosis.unwrap_or_default()
-            );
-        }
-    });
+        ((2, 1, 1), Some(CpFault::PositionsFromShard), false),
+    ];
+    crate::common::each_case(
+        "pipelines_split_by_context_parallelism_equal_one_device",
+        cases,
+        |&case: &((usize, usize, usize), Option<CpFault>, bool)| {
+            let ((cp, tp, dp), fault, passes) = case;
+            let world = 2 * cp * tp * dp;
+            lockstep_harness::run(world, |ctx| {
+                let run = pp_cp_run(ctx, "gpt", (cp, tp, dp), fault);
+                if ctx.rank() == 0 {
+                    let c = against_single(&run, "gpt", world);
+                    assert_eq!(
+                        c.passed,
+                        passes,
+                        "pp 2 × cp {cp} × tp {tp} × dp {dp}, {fault:?}: {}",
+                        c.diagnosis.unwrap_or_default()
+                    );
+                }
+            });
+        },
+    );
 }
 
 /// PP × EP: each stage's experts spread over `ep` ranks borrowed from its data group
@@ -535,55 +638,63 @@ fn pipelines_split_by_context_parallelism_equal_one_device(
 /// (pp 2 × cp 2, world 4), TP with replicas (world 8) and FSDP (world 8); expert gradients
 /// divided by the world size, as EP alone divides them, instead of the stage's data group
 /// are caught and named at an expert's gradient.
-#[rstest]
-fn pipelines_with_experts_spread_equal_one_device(
-    #[values(
+#[test]
+fn pipelines_with_experts_spread_equal_one_device() {
+    let cases: Vec<((usize, usize, usize), DataParallel, Option<PipelineFault>)> = vec![
         ((1, 1, 2), DataParallel::Replicate, None),
         ((2, 1, 1), DataParallel::Replicate, None),
         ((1, 2, 2), DataParallel::Replicate, None),
         ((2, 1, 2), DataParallel::Shard, None),
-        ((1, 1, 2), DataParallel::Replicate, Some(PipelineFault::ExpertGradsScaledByWorld))
-    )]
-    case: ((usize, usize, usize), DataParallel, Option<PipelineFault>),
-) {
-    use lockstep_core::pipeline::{train_pipeline_with, PipelineOptions, StageParallel};
-    let ((cp, tp, dp), data, fault) = case;
-    let world = 2 * cp * tp * dp;
-    lockstep_harness::run(world, |ctx| {
-        let m = zoo::build("gpt_moe", 0, ctx.rank()).expect("model");
-        let cfg = common::train_config(ctx, "gpt_moe", "pp_ep", "fp32", STEPS);
-        let opts = PipelineOptions {
-            data_parallel: dp,
-            fault: fault.clone(),
-            ..PipelineOptions::default()
-        };
-        let within = StageParallel {
-            tp,
-            cp,
-            ep: 2,
-            cp_fault: None,
-            data,
-        };
-        let run = train_pipeline_with(m.as_ref(), ctx.world(), &cfg, &opts, within)
-            .expect("PP × EP run")
-            .record;
-        if ctx.rank() == 0 {
-            let c = against_single(&run, "gpt_moe", world);
-            assert_eq!(
-                c.passed,
-                fault.is_none(),
-                "pp 2 × cp {cp} × tp {tp} × dp {dp} ({data:?}) × ep 2, {fault:?}: {}",
-                c.diagnosis.unwrap_or_default()
-            );
-            let expert = |p: &lockstep_core::record::TensorPlacement| {
-                p.tensor.contains(".experts.") && p.placement.contains("on ep rank")
-            };
-            assert!(run.placements.iter().any(expert), "{:?}", run.placements);
-            if fault.is_some() {
-                let first = c.first_failure.expect("a first failing tensor");
-                let tensor = first.tensor.as_deref().unwrap_or_default();
-                assert!(tensor.contains(".experts."), "{first:?}");
-            }
-        }
-    });
+        (
+            (1, 1, 2),
+            DataParallel::Replicate,
+            Some(PipelineFault::ExpertGradsScaledByWorld),
+        ),
+    ];
+    crate::common::each_case(
+        "pipelines_with_experts_spread_equal_one_device",
+        cases,
+        |case: &((usize, usize, usize), DataParallel, Option<PipelineFault>)| {
+            use lockstep_core::pipeline::{train_pipeline_with, PipelineOptions, StageParallel};
+            let ((cp, tp, dp), data, fault) = case.clone();
+            let world = 2 * cp * tp * dp;
+            lockstep_harness::run(world, |ctx| {
+                let m = zoo::build("gpt_moe", 0, ctx.rank()).expect("model");
+                let cfg = common::train_config(ctx, "gpt_moe", "pp_ep", "fp32", STEPS);
+                let opts = PipelineOptions {
+                    data_parallel: dp,
+                    fault: fault.clone(),
+                    ..PipelineOptions::default()
+                };
+                let within = StageParallel {
+                    tp,
+                    cp,
+                    ep: 2,
+                    cp_fault: None,
+                    data,
+                };
+                let run = train_pipeline_with(m.as_ref(), ctx.world(), &cfg, &opts, within)
+                    .expect("PP × EP run")
+                    .record;
+                if ctx.rank() == 0 {
+                    let c = against_single(&run, "gpt_moe", world);
+                    assert_eq!(
+                        c.passed,
+                        fault.is_none(),
+                        "pp 2 × cp {cp} × tp {tp} × dp {dp} ({data:?}) × ep 2, {fault:?}: {}",
+                        c.diagnosis.unwrap_or_default()
+                    );
+                    let expert = |p: &lockstep_core::record::TensorPlacement| {
+                        p.tensor.contains(".experts.") && p.placement.contains("on ep rank")
+                    };
+                    assert!(run.placements.iter().any(expert), "{:?}", run.placements);
+                    if fault.is_some() {
+                        let first = c.first_failure.expect("a first failing tensor");
+                        let tensor = first.tensor.as_deref().unwrap_or_default();
+                        assert!(tensor.contains(".experts."), "{first:?}");
+                    }
+                }
+            });
+        },
+    );
 }

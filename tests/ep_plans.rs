@@ -14,7 +14,6 @@ use lockstep_core::record::RunRecord;
 use lockstep_harness::parity::Comparison;
 use lockstep_harness::RankCtx;
 use lockstep_models::{zoo, Model, ModelError};
-use rstest::rstest;
 use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 
@@ -93,51 +92,73 @@ fn run_layer(ctx: &RankCtx, dispatcher: Dispatcher, capacity: Option<f64>) -> Ve
     v
 }
 
-#[rstest]
-fn the_two_dispatchers_agree(
-    #[values(2, 4)] ep: usize,
-    #[values(None, Some(1.0))] capacity: Option<f64>,
-) {
-    lockstep_harness::run(ep, |ctx| {
-        let a = run_layer(ctx, Dispatcher::AllToAll, capacity);
-        let b = run_layer(ctx, Dispatcher::AllGather, capacity);
-        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-            assert!(
-                x.allclose(y, 1.3e-6, 1e-5, false),
-                "tensor {i} differs between dispatchers"
-            );
+#[test]
+fn the_two_dispatchers_agree() {
+    let ep_values: Vec<usize> = vec![2, 4];
+    let capacity_values: Vec<Option<f64>> = vec![None, Some(1.0)];
+    let mut cases: Vec<(usize, Option<f64>)> = Vec::new();
+    for ep in &ep_values {
+        for capacity in &capacity_values {
+            cases.push((*ep, *capacity));
         }
-    });
+    }
+    crate::common::each_case(
+        "the_two_dispatchers_agree",
+        cases,
+        |&(ep, capacity): &(usize, Option<f64>)| {
+            lockstep_harness::run(ep, |ctx| {
+                let a = run_layer(ctx, Dispatcher::AllToAll, capacity);
+                let b = run_layer(ctx, Dispatcher::AllGather, capacity);
+                for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                    assert!(
+                        x.allclose(y, 1.3e-6, 1e-5, false),
+                        "tensor {i} differs between dispatchers"
+                    );
+                }
+            });
+        },
+    );
 }
 
 /// With the same capacity, the sharded layer drops the same choices and computes the same
 /// thing as one process holding every expert on each rank's tokens.
-#[rstest]
-fn sharded_experts_match_one_process_with_the_same_capacity(
-    #[values(2, 4)] ep: usize,
-    #[values(None, Some(0.5))] capacity: Option<f64>,
-) {
-    lockstep_harness::run(ep, |ctx| {
-        let (router, all) = experts();
-        let x = tokens(ctx.rank());
-        let reference = moe_forward(
-            &x,
-            &router,
-            &all,
-            &cfg(capacity),
-            None,
-            Dispatcher::AllToAll,
-        )
-        .expect("single");
-        let sharded = run_layer(ctx, Dispatcher::AllToAll, capacity);
-        assert!(sharded[0].allclose(&reference.output.detach(), 1.3e-6, 1e-5, false));
-        if capacity.is_some() {
-            assert!(
-                reference.tokens_dropped > 0,
-                "capacity 0.5 must drop something"
-            );
+#[test]
+fn sharded_experts_match_one_process_with_the_same_capacity() {
+    let ep_values: Vec<usize> = vec![2, 4];
+    let capacity_values: Vec<Option<f64>> = vec![None, Some(0.5)];
+    let mut cases: Vec<(usize, Option<f64>)> = Vec::new();
+    for ep in &ep_values {
+        for capacity in &capacity_values {
+            cases.push((*ep, *capacity));
         }
-    });
+    }
+    crate::common::each_case(
+        "sharded_experts_match_one_process_with_the_same_capacity",
+        cases,
+        |&(ep, capacity): &(usize, Option<f64>)| {
+            lockstep_harness::run(ep, |ctx| {
+                let (router, all) = experts();
+                let x = tokens(ctx.rank());
+                let reference = moe_forward(
+                    &x,
+                    &router,
+                    &all,
+                    &cfg(capacity),
+                    None,
+                    Dispatcher::AllToAll,
+                )
+                .expect("single");
+                let sharded = run_layer(ctx, Dispatcher::AllToAll, capacity);
+                assert!(sharded[0].allclose(&reference.output.detach(), 1.3e-6, 1e-5, false));
+                if capacity.is_some() {
+                    assert!(
+                        reference.tokens_dropped > 0,
+                        "capacity 0.5 must drop something"
+                    );
+                }
+            });
+        },
+    );
 }
 
 fn ep_run(ctx: &RankCtx, opts: &EpOptions) -> RunRecord {
@@ -158,23 +179,34 @@ fn opts(ep: usize, dispatcher: Dispatcher) -> EpOptions {
 
 /// `gpt_moe` with its experts sharded matches single device (losses, every gradient, final
 /// parameters), with both dispatchers, at EP 2 and 4 (and EP 2 of world 4: 2 replicas).
-#[rstest]
-fn gpt_moe_with_sharded_experts_matches_single_device(
-    #[values((2, 2), (2, 4), (4, 4))] case: (usize, usize),
-    #[values(Dispatcher::AllToAll, Dispatcher::AllGather)] dispatcher: Dispatcher,
-) {
-    let (ep, world) = case;
-    lockstep_harness::run(world, |ctx| {
-        let run = ep_run(ctx, &opts(ep, dispatcher));
-        if ctx.rank() == 0 {
-            let c = against_single(&run, world);
-            assert!(
-                c.passed,
-                "ep={ep} world={world}: {}",
-                c.diagnosis.unwrap_or_default()
-            );
+#[test]
+fn gpt_moe_with_sharded_experts_matches_single_device() {
+    let case_values: Vec<(usize, usize)> = vec![(2, 2), (2, 4), (4, 4)];
+    let dispatcher_values: Vec<Dispatcher> = vec![Dispatcher::AllToAll, Dispatcher::AllGather];
+    let mut cases: Vec<((usize, usize), Dispatcher)> = Vec::new();
+    for case in &case_values {
+        for dispatcher in &dispatcher_values {
+            cases.push((*case, *dispatcher));
         }
-    });
+    }
+    crate::common::each_case(
+        "gpt_moe_with_sharded_experts_matches_single_device",
+        cases,
+        |&(case, dispatcher): &((usize, usize), Dispatcher)| {
+            let (ep, world) = case;
+            lockstep_harness::run(world, |ctx| {
+                let run = ep_run(ctx, &opts(ep, dispatcher));
+                if ctx.rank() == 0 {
+                    let c = against_single(&run, world);
+                    assert!(
+                        c.passed,
+                        "ep={ep} world={world}: {}",
+                        c.diagnosis.unwrap_or_default()
+                    );
+                }
+            });
+        },
+    );
 }
 
 /// One step's recorded collectives as (operation, group) → (calls, bytes).
@@ -202,95 +234,112 @@ fn step_counts(record: &RunRecord, step: usize) -> BTreeMap<(String, String), (u
 ///   tokens (16 × 16 × 4 = 1 024), the routing table (32 int64 = 256) and, in backward, the
 ///   results' gradient (32 × 16 × 4 = 2 048); reduce-scatters of the results (2 × 32 × 16 × 4
 ///   = 4 096) and, in backward, the tokens' gradient (2 × 16 × 16 × 4 = 2 048).
-#[rstest]
-fn collective_counts_per_step_are_exact(
-    #[values(Dispatcher::AllToAll, Dispatcher::AllGather)] dispatcher: Dispatcher,
-) {
-    lockstep_harness::run(2, |ctx| {
-        let run = ep_run(ctx, &opts(2, dispatcher));
-        let key = |op: &str, group: &str| (op.to_owned(), group.to_owned());
-        let dense = (key("all_reduce", "world"), (30, 11_392));
-        for step in 0..3 {
-            let mut got = step_counts(&run, step);
-            match dispatcher {
-                Dispatcher::AllGather => {
-                    let want = BTreeMap::from([
-                        dense.clone(),
-                        (
-                            key("all_gather", "ep[0,1]"),
-                            (2 * 4, 2 * (8 + 1_024 + 256 + 2_048)),
-                        ),
-                        (
-                            key("reduce_scatter", "ep[0,1]"),
-                            (2 * 2, 2 * (4_096 + 2_048)),
-                        ),
-                    ]);
-                    assert_eq!(got, want, "step {step}");
+#[test]
+fn collective_counts_per_step_are_exact() {
+    let cases: Vec<Dispatcher> = vec![Dispatcher::AllToAll, Dispatcher::AllGather];
+    crate::common::each_case(
+        "collective_counts_per_step_are_exact",
+        cases,
+        |&dispatcher: &Dispatcher| {
+            lockstep_harness::run(2, |ctx| {
+                let run = ep_run(ctx, &opts(2, dispatcher));
+                let key = |op: &str, group: &str| (op.to_owned(), group.to_owned());
+                let dense = (key("all_reduce", "world"), (30, 11_392));
+                for step in 0..3 {
+                    let mut got = step_counts(&run, step);
+                    match dispatcher {
+                        Dispatcher::AllGather => {
+                            let want = BTreeMap::from([
+                                dense.clone(),
+                                (
+                                    key("all_gather", "ep[0,1]"),
+                                    (2 * 4, 2 * (8 + 1_024 + 256 + 2_048)),
+                                ),
+                                (
+                                    key("reduce_scatter", "ep[0,1]"),
+                                    (2 * 2, 2 * (4_096 + 2_048)),
+                                ),
+                            ]);
+                            assert_eq!(got, want, "step {step}");
+                        }
+                        Dispatcher::AllToAll => {
+                            let (calls, bytes) = got
+                                .remove(&key("all_to_all", "ep[0,1]"))
+                                .expect("all-to-all on the ep group");
+                            assert_eq!(got, BTreeMap::from([dense.clone()]), "step {step}");
+                            assert_eq!(calls, 2 * 5, "step {step}");
+                            // Beyond the routing-independent part, whole rows of D floats both ways.
+                            let fixed = 2 * (64 + 2 * 32 * 64);
+                            assert!(
+                                bytes >= fixed && (bytes - fixed) % (2 * 64) == 0,
+                                "step {step}: {bytes} bytes"
+                            );
+                            let total = Tensor::from_slice(&[bytes as i64]);
+                            ctx.group()
+                                .all_reduce(&total, ReduceOp::Sum)
+                                .expect("sum over ranks");
+                            assert_eq!(total.int64_value(&[0]), 33_024, "step {step}");
+                        }
+                    }
                 }
-                Dispatcher::AllToAll => {
-                    let (calls, bytes) = got
-                        .remove(&key("all_to_all", "ep[0,1]"))
-                        .expect("all-to-all on the ep group");
-                    assert_eq!(got, BTreeMap::from([dense.clone()]), "step {step}");
-                    assert_eq!(calls, 2 * 5, "step {step}");
-                    // Beyond the routing-independent part, whole rows of D floats both ways.
-                    let fixed = 2 * (64 + 2 * 32 * 64);
-                    assert!(
-                        bytes >= fixed && (bytes - fixed) % (2 * 64) == 0,
-                        "step {step}: {bytes} bytes"
-                    );
-                    let total = Tensor::from_slice(&[bytes as i64]);
-                    ctx.group()
-                        .all_reduce(&total, ReduceOp::Sum)
-                        .expect("sum over ranks");
-                    assert_eq!(total.int64_value(&[0]), 33_024, "step {step}");
-                }
-            }
-        }
-    });
+            });
+        },
+    );
 }
 
 /// `gpt_moe` at sizes other than the zoo's (6 experts, top-3, width 24, 6 heads): the run
 /// reads them from the model, so EP 2 and 3 with both dispatchers match single device, and
 /// an EP size that does not divide its experts is named with the model's own count.
-#[rstest]
-fn expert_parallel_reads_the_decoders_sizes(
-    #[values(2, 3)] ep: usize,
-    #[values(Dispatcher::AllToAll, Dispatcher::AllGather)] dispatcher: Dispatcher,
-) {
-    let config = zoo::GptConfig {
-        vocab: 12,
-        dim: 24,
-        heads: 6,
-        layers: 1,
-        seq: 6,
-        batch: 3,
-        ff_hidden: 48,
-        experts: 6,
-        top_k: 3,
-        expert_hidden: 12,
-    };
-    let build = |rank| zoo::Gpt::with_config(config, 0, rank, true, 0.0).expect("model");
-    let e = check_expert_plan(&build(0), 4, &opts(4, dispatcher))
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("6 experts do not divide over an expert-parallel group of 4"),
-        "{e}"
-    );
-    lockstep_harness::run(ep, |ctx| {
-        let m = build(ctx.rank());
-        let cfg = common::train_config(ctx, "gpt_moe", "ep", "fp32", 3);
-        let run = train_expert_parallel(&m, ctx.world(), &cfg, &opts(ep, dispatcher))
-            .expect("expert-parallel run");
-        if ctx.rank() == 0 {
-            let resized_model = |_: u64, rank: usize| -> Result<Box<dyn Model>, ModelError> {
-                Ok(Box::new(zoo::Gpt::with_config(config, 0, rank, true, 0.0)?))
-            };
-            let c = judge::judged_against_single(&run, &resized_model, ep, 3);
-            assert!(c.passed, "ep={ep}: {}", c.diagnosis.unwrap_or_default());
+#[test]
+fn expert_parallel_reads_the_decoders_sizes() {
+    let ep_values: Vec<usize> = vec![2, 3];
+    let dispatcher_values: Vec<Dispatcher> = vec![Dispatcher::AllToAll, Dispatcher::AllGather];
+    let mut cases: Vec<(usize, Dispatcher)> = Vec::new();
+    for ep in &ep_values {
+        for dispatcher in &dispatcher_values {
+            cases.push((*ep, *dispatcher));
         }
-    });
+    }
+    crate::common::each_case(
+        "expert_parallel_reads_the_decoders_sizes",
+        cases,
+        |&(ep, dispatcher): &(usize, Dispatcher)| {
+            let config = zoo::GptConfig {
+                vocab: 12,
+                dim: 24,
+                heads: 6,
+                layers: 1,
+                seq: 6,
+                batch: 3,
+                ff_hidden: 48,
+                experts: 6,
+                top_k: 3,
+                expert_hidden: 12,
+            };
+            let build = |rank| zoo::Gpt::with_config(config, 0, rank, true, 0.0).expect("model");
+            let e = check_expert_plan(&build(0), 4, &opts(4, dispatcher))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("6 experts do not divide over an expert-parallel group of 4"),
+                "{e}"
+            );
+            lockstep_harness::run(ep, |ctx| {
+                let m = build(ctx.rank());
+                let cfg = common::train_config(ctx, "gpt_moe", "ep", "fp32", 3);
+                let run = train_expert_parallel(&m, ctx.world(), &cfg, &opts(ep, dispatcher))
+                    .expect("expert-parallel run");
+                if ctx.rank() == 0 {
+                    let resized_model =
+                        |_: u64, rank: usize| -> Result<Box<dyn Model>, ModelError> {
+                            Ok(Box::new(zoo::Gpt::with_config(config, 0, rank, true, 0.0)?))
+                        };
+                    let c = judge::judged_against_single(&run, &resized_model, ep, 3);
+                    assert!(c.passed, "ep={ep}: {}", c.diagnosis.unwrap_or_default());
+                }
+            });
+        },
+    );
 }
 
 /// Expert gradients counted once per EP rank (reduced over `ep` as well) are caught.

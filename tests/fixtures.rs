@@ -207,3 +207,85 @@ fn python_path(site: &Option<PathBuf>, path: &[&Path]) -> Result<Option<String>>
         anyhow::anyhow!("PYTHONPATH {p:?} is not UTF-8")
     })?))
 }
+
+/// Where the suite keeps what it shares across test processes: under cargo's own scratch
+/// folder for integration tests (`target/tmp`), so `cargo clean` removes it.
+fn fixture_root() -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR")).join("fixtures")
+}
+
+/// A folder `build` fills once and every test after reads: `kind-key` under the suite's
+/// fixture root, where `key` names every input of what `build` makes (a digest of them, so a
+/// changed input is another folder and nothing is used stale). Built under a file lock into a
+/// scratch folder and renamed into place whole, so a test killed mid-build leaves nothing a
+/// later one would read. `build` says `false` when it could not make the fixture here (no
+/// Python with torch): then `None`, and nothing is kept.
+pub fn cached_dir(
+    kind: &str,
+    key: &str,
+    build: impl FnOnce(&Path) -> Result<bool>,
+) -> Result<Option<PathBuf>> {
+    let root = fixture_root();
+    std::fs::create_dir_all(&root)?;
+    let dir = root.join(format!("{kind}-{key}"));
+    if dir.is_dir() {
+        return Ok(Some(dir));
+    }
+    let _lock = FileLock::take(&root.join(format!("{kind}-{key}.lock")))?;
+    if dir.is_dir() {
+        return Ok(Some(dir));
+    }
+    let partial = root.join(format!("{kind}-{key}.partial"));
+    let _ = std::fs::remove_dir_all(&partial);
+    std::fs::create_dir_all(&partial)?;
+    if !build(&partial)? {
+        let _ = std::fs::remove_dir_all(&partial);
+        return Ok(None);
+    }
+    std::fs::rename(&partial, &dir)
+        .with_context(|| format!("keep the fixture {}", dir.display()))?;
+    Ok(Some(dir))
+}
+
+/// Copies the tree `from` into `to` (created if missing): a test's own copy of a shared
+/// fixture, free to write beside it.
+pub fn copy_tree(from: &Path, to: &Path) -> Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let target = to.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            copy_tree(&entry.path(), &target)?;
+        } else {
+            std::fs::copy(entry.path(), &target)
+                .with_context(|| format!("copy {}", entry.path().display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// The text of every file under `dir` with one of `extensions`, in path order: a digest input
+/// standing for a whole folder of sources.
+pub fn sources(dir: &Path, extensions: &[&str]) -> Vec<(PathBuf, String)> {
+    let mut files = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path
+                .extension()
+                .is_some_and(|x| extensions.iter().any(|e| x == *e))
+            {
+                let text = std::fs::read_to_string(&path).unwrap_or_default();
+                files.push((path, text));
+            }
+        }
+    }
+    files.sort();
+    files
+}

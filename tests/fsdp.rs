@@ -18,7 +18,6 @@ use lockstep_core::train::{
 use lockstep_harness::parity::{compare, Comparison, Quantity, TolerancePolicy};
 use lockstep_harness::RankCtx;
 use lockstep_models::zoo;
-use rstest::rstest;
 use tch::Tensor;
 
 const STEPS: usize = 4;
@@ -69,26 +68,37 @@ fn assert_passes(c: &Comparison, what: &str) {
 /// Every strategy and wrap policy against DDP on every rank, bitwise: the reduce-scatter (Avg) of an element
 /// is the same rank-order sum and single division as DDP's all-reduce, and SGD's update of an
 /// element is the same elementwise arithmetic whether it runs on a shard or a full tensor.
-#[rstest]
-fn fsdp_matches_ddp_bitwise(
-    #[values("nested", "transformer", "mlp", "gpt")] model: &str,
-    #[values(2, 4)] world: usize,
-) {
-    lockstep_harness::run(world, |ctx| {
-        let ddp = ddp_run(ctx, model);
-        let bitwise = TolerancePolicy::bitwise(DType::F32);
-        for s in STRATEGIES {
-            for wrap in [WrapPolicy::Root, WrapPolicy::PerLayer] {
-                let opts = FsdpOptions {
-                    wrap: wrap.clone(),
-                    ..strategy(s)
-                };
-                let run = fsdp_run(ctx, model, opts);
-                let what = format!("{model} {s:?} {wrap:?}");
-                assert_passes(&compare(&run, &ddp, &bitwise), &what);
-            }
+#[test]
+fn fsdp_matches_ddp_bitwise() {
+    let model_values: Vec<&str> = vec!["nested", "transformer", "mlp", "gpt"];
+    let world_values: Vec<usize> = vec![2, 4];
+    let mut cases: Vec<(&str, usize)> = Vec::new();
+    for model in &model_values {
+        for world in &world_values {
+            cases.push((*model, *world));
         }
-    });
+    }
+    crate::common::each_case(
+        "fsdp_matches_ddp_bitwise",
+        cases,
+        |&(model, world): &(&str, usize)| {
+            lockstep_harness::run(world, |ctx| {
+                let ddp = ddp_run(ctx, model);
+                let bitwise = TolerancePolicy::bitwise(DType::F32);
+                for s in STRATEGIES {
+                    for wrap in [WrapPolicy::Root, WrapPolicy::PerLayer] {
+                        let opts = FsdpOptions {
+                            wrap: wrap.clone(),
+                            ..strategy(s)
+                        };
+                        let run = fsdp_run(ctx, model, opts);
+                        let what = format!("{model} {s:?} {wrap:?}");
+                        assert_passes(&compare(&run, &ddp, &bitwise), &what);
+                    }
+                }
+            });
+        },
+    );
 }
 
 /// DDP averaging in hybrid shard's order: within the shard groups of `shard` ranks, then
@@ -112,46 +122,58 @@ fn hybrid_run(ctx: &RankCtx, model: &str, shard: usize, opts: FsdpOptions) -> Ru
 /// so averaging a bucket within the shard group and then across replicas computes every
 /// element exactly as hybrid shard's reduce-scatter and replica all-reduce do. (Against flat
 /// DDP the sums associate differently and the bits differ: `hybrid_shard_matches_ddp`.)
-#[rstest]
-fn hybrid_shard_matches_hierarchical_ddp_bitwise(
-    #[values("nested", "transformer", "transformer_bn", "mlp", "gpt", "moe")] model: &str,
-) {
-    let world = 4;
-    lockstep_harness::run(world, |ctx| {
-        let bitwise = TolerancePolicy::bitwise(DType::F32);
-        let hybrids: Vec<_> = fsdp_configs()
-            .iter()
-            .filter(|f| matches!(f.layout, FsdpLayout::Hybrid { .. }))
-            .collect();
-        assert!(hybrids.len() >= 2, "the table lost its hybrid rows");
-        let shard = hybrids[0]
-            .layout
-            .shard_size(world)
-            .expect("fits")
-            .expect("hybrid");
-        let ddp = hierarchical_ddp_run(ctx, model, shard, DdpOptions::default());
-        // BatchNorm statistics are per rank under FSDP and rank 0's under DDP (which
-        // broadcasts buffers), so `transformer_bn` agrees on rank 0, the rank the matrix
-        // compares; every other model agrees on every rank.
-        let judged = ctx.rank() == 0 || model != "transformer_bn";
-        for f in hybrids {
-            assert_eq!(f.layout.shard_size(world), Ok(Some(shard)), "{}", f.name);
-            let run = hybrid_run(ctx, model, shard, f.options.clone());
-            if judged {
-                assert_passes(
-                    &compare(&run, &ddp, &bitwise),
-                    &format!("{model} {}", f.name),
-                );
-            }
-        }
-        // The order matters: flat DDP is not bitwise on the transformer (the motivating
-        // case), which shows the comparison above can see a sum-order difference.
-        if model == "transformer" {
-            let flat = ddp_run(ctx, model);
-            let run = hybrid_run(ctx, model, shard, hybrid_root());
-            assert!(!compare(&run, &flat, &bitwise).passed, "flat DDP bitwise?");
-        }
-    });
+#[test]
+fn hybrid_shard_matches_hierarchical_ddp_bitwise() {
+    let cases: Vec<&str> = vec![
+        "nested",
+        "transformer",
+        "transformer_bn",
+        "mlp",
+        "gpt",
+        "moe",
+    ];
+    crate::common::each_case(
+        "hybrid_shard_matches_hierarchical_ddp_bitwise",
+        cases,
+        |&model: &&str| {
+            let world = 4;
+            lockstep_harness::run(world, |ctx| {
+                let bitwise = TolerancePolicy::bitwise(DType::F32);
+                let hybrids: Vec<_> = fsdp_configs()
+                    .iter()
+                    .filter(|f| matches!(f.layout, FsdpLayout::Hybrid { .. }))
+                    .collect();
+                assert!(hybrids.len() >= 2, "the table lost its hybrid rows");
+                let shard = hybrids[0]
+                    .layout
+                    .shard_size(world)
+                    .expect("fits")
+                    .expect("hybrid");
+                let ddp = hierarchical_ddp_run(ctx, model, shard, DdpOptions::default());
+                // BatchNorm statistics are per rank under FSDP and rank 0's under DDP (which
+                // broadcasts buffers), so `transformer_bn` agrees on rank 0, the rank the matrix
+                // compares; every other model agrees on every rank.
+                let judged = ctx.rank() == 0 || model != "transformer_bn";
+                for f in hybrids {
+                    assert_eq!(f.layout.shard_size(world), Ok(Some(shard)), "{}", f.name);
+                    let run = hybrid_run(ctx, model, shard, f.options.clone());
+                    if judged {
+                        assert_passes(
+                            &compare(&run, &ddp, &bitwise),
+                            &format!("{model} {}", f.name),
+                        );
+                    }
+                }
+                // The order matters: flat DDP is not bitwise on the transformer (the motivating
+                // case), which shows the comparison above can see a sum-order difference.
+                if model == "transformer" {
+                    let flat = ddp_run(ctx, model);
+                    let run = hybrid_run(ctx, model, shard, hybrid_root());
+                    assert!(!compare(&run, &flat, &bitwise).passed, "flat DDP bitwise?");
+                }
+            });
+        },
+    );
 }
 
 fn hybrid_root() -> FsdpOptions {
@@ -164,63 +186,77 @@ fn hybrid_root() -> FsdpOptions {
 /// Other meshes: one replica per rank (shard groups of 1), one replica (shard = world), and
 /// world 2 and 8, root and per-layer units, plus the bf16 policy (reduced in fp32 through
 /// both stages); every one bitwise equal to hierarchical DDP on the same mesh.
-#[rstest]
-fn hybrid_shard_matches_hierarchical_ddp_on_every_mesh(
-    #[values("nested", "transformer")] model: &str,
-    #[values((2, 1), (4, 1), (4, 4), (8, 2), (8, 4))] mesh: (usize, usize),
-) {
-    let (world, shard) = mesh;
-    lockstep_harness::run(world, |ctx| {
-        let bitwise = TolerancePolicy::bitwise(DType::F32);
-        let ddp = hierarchical_ddp_run(ctx, model, shard, DdpOptions::default());
-        for wrap in [WrapPolicy::Root, WrapPolicy::PerLayer] {
-            let opts = FsdpOptions {
-                wrap: wrap.clone(),
-                ..hybrid_root()
-            };
-            let run = hybrid_run(ctx, model, shard, opts);
-            let what = format!("{model} world {world} shard {shard} {wrap:?}");
-            assert_passes(&compare(&run, &ddp, &bitwise), &what);
+#[test]
+fn hybrid_shard_matches_hierarchical_ddp_on_every_mesh() {
+    let model_values: Vec<&str> = vec!["nested", "transformer"];
+    let mesh_values: Vec<(usize, usize)> = vec![(2, 1), (4, 1), (4, 4), (8, 2), (8, 4)];
+    let mut cases: Vec<(&str, (usize, usize))> = Vec::new();
+    for model in &model_values {
+        for mesh in &mesh_values {
+            cases.push((*model, *mesh));
         }
-        if world == 4 {
-            let bf16 = MixedPrecision::bf16();
-            let ddp = hierarchical_ddp_run(
-                ctx,
-                model,
-                shard,
-                DdpOptions {
-                    mixed_precision: Some(bf16),
-                    ..DdpOptions::default()
-                },
-            );
-            let opts = FsdpOptions {
-                mixed_precision: Some(bf16),
-                wrap: WrapPolicy::PerLayer,
-                ..hybrid_root()
-            };
-            let run = hybrid_run(ctx, model, shard, opts);
-            assert_passes(&compare(&run, &ddp, &bitwise), &format!("{model} bf16"));
-        }
-    });
+    }
+    crate::common::each_case(
+        "hybrid_shard_matches_hierarchical_ddp_on_every_mesh",
+        cases,
+        |&(model, mesh): &(&str, (usize, usize))| {
+            let (world, shard) = mesh;
+            lockstep_harness::run(world, |ctx| {
+                let bitwise = TolerancePolicy::bitwise(DType::F32);
+                let ddp = hierarchical_ddp_run(ctx, model, shard, DdpOptions::default());
+                for wrap in [WrapPolicy::Root, WrapPolicy::PerLayer] {
+                    let opts = FsdpOptions {
+                        wrap: wrap.clone(),
+                        ..hybrid_root()
+                    };
+                    let run = hybrid_run(ctx, model, shard, opts);
+                    let what = format!("{model} world {world} shard {shard} {wrap:?}");
+                    assert_passes(&compare(&run, &ddp, &bitwise), &what);
+                }
+                if world == 4 {
+                    let bf16 = MixedPrecision::bf16();
+                    let ddp = hierarchical_ddp_run(
+                        ctx,
+                        model,
+                        shard,
+                        DdpOptions {
+                            mixed_precision: Some(bf16),
+                            ..DdpOptions::default()
+                        },
+                    );
+                    let opts = FsdpOptions {
+                        mixed_precision: Some(bf16),
+                        wrap: WrapPolicy::PerLayer,
+                        ..hybrid_root()
+                    };
+                    let run = hybrid_run(ctx, model, shard, opts);
+                    assert_passes(&compare(&run, &ddp, &bitwise), &format!("{model} bf16"));
+                }
+            });
+        },
+    );
 }
 
-#[rstest]
-fn fsdp_matches_single_device(#[values("nested", "transformer", "mlp", "gpt")] model: &str) {
-    lockstep_harness::run(2, |ctx| {
-        let run = fsdp_run(ctx, model, FsdpOptions::default());
-        if ctx.rank() == 0 {
-            let m = zoo::build(model, 0, 0).expect("model");
-            let reference = single_device_reference(
-                m.as_ref(),
-                ctx.world_size(),
-                STEPS,
-                OptimizerConfig::default(),
-                true,
-            )
-            .expect("reference");
-            let fp32 = TolerancePolicy::dtype_table(DType::F32);
-            assert_passes(&compare(&run, &reference, &fp32), model);
-        }
+#[test]
+fn fsdp_matches_single_device() {
+    let cases: Vec<&str> = vec!["nested", "transformer", "mlp", "gpt"];
+    crate::common::each_case("fsdp_matches_single_device", cases, |&model: &&str| {
+        lockstep_harness::run(2, |ctx| {
+            let run = fsdp_run(ctx, model, FsdpOptions::default());
+            if ctx.rank() == 0 {
+                let m = zoo::build(model, 0, 0).expect("model");
+                let reference = single_device_reference(
+                    m.as_ref(),
+                    ctx.world_size(),
+                    STEPS,
+                    OptimizerConfig::default(),
+                    true,
+                )
+                .expect("reference");
+                let fp32 = TolerancePolicy::dtype_table(DType::F32);
+                assert_passes(&compare(&run, &reference, &fp32), model);
+            }
+        });
     });
 }
 

@@ -202,8 +202,49 @@ fn preloaded(packages: Option<&Path>) -> Vec<&'static str> {
 }
 
 /// [`record_job`] started by `launch`, with `packages` (a folder of Python packages beyond
-/// torch) importable.
+/// torch) importable. A forked job is recorded once per suite run whatever the number of
+/// tests that judge it (`fixtures::cached_dir`, named by the script, its arguments, the
+/// recorder's and the test helpers' sources and torch's version) and copied into `dir`; a
+/// torchrun job runs every time (it is the documented command under test).
 fn record_job_with(
+    launch: Launch,
+    script: &str,
+    world: usize,
+    dir: &Path,
+    extra: &[&str],
+    packages: Option<&Path>,
+) -> Result<bool> {
+    if launch == Launch::Torchrun {
+        return record_job_uncached(launch, script, world, dir, extra, packages);
+    }
+    let root = root();
+    let torch_version = common::python_with_torch()
+        .and_then(|(_, site)| site)
+        .and_then(|site| std::fs::read_to_string(site.join("torch/version.py")).ok());
+    let key = crate::fixtures::digest(&[
+        format!("{script} {world} {extra:?} {packages:?} {torch_version:?}"),
+        std::fs::read_to_string(root.join(script)).unwrap_or_default(),
+        format!(
+            "{:?}",
+            crate::fixtures::sources(&root.join("python"), &["py"])
+        ),
+        format!(
+            "{:?}",
+            crate::fixtures::sources(&root.join("tests/support"), &["py"])
+        ),
+    ]);
+    let recorded = crate::fixtures::cached_dir("judge-job", &key, |into| {
+        record_job_uncached(launch, script, world, into, extra, packages)
+    })?;
+    let Some(recorded) = recorded else {
+        return Ok(false);
+    };
+    crate::fixtures::copy_tree(&recorded, dir)?;
+    Ok(true)
+}
+
+/// [`record_job_with`] without the shared fixture: the job runs now, into `dir`.
+fn record_job_uncached(
     launch: Launch,
     script: &str,
     world: usize,

@@ -13,7 +13,6 @@ use lockstep_harness::parity::Comparison;
 use lockstep_harness::RankCtx;
 use lockstep_models::zoo::{self, Gpt, GptConfig};
 use lockstep_models::{Model, ModelError};
-use rstest::rstest;
 use std::collections::BTreeMap;
 
 const STEPS: usize = 3;
@@ -47,25 +46,42 @@ fn opts(tp: usize, sequence_parallel: bool) -> TpOptions {
 /// Every TP size and SP on the decoders, at world 4 (TP × data-parallel replicas) and 2.
 /// `gpt_dropout` (p = 0.1) runs in parity mode: each rank applies its slice of the mask one
 /// process draws, so dropout > 0 is compared with single device like everything else.
-#[rstest]
-fn tensor_parallel_matches_single_device(
-    #[values("gpt", "gpt_moe", "gpt_dropout")] model: &str,
-    #[values((1, 2, false), (2, 2, false), (2, 4, false), (4, 4, false), (2, 2, true), (4, 4, true))]
-    case: (usize, usize, bool),
-) {
-    let (tp, world, sp) = case;
-    lockstep_harness::run(world, |ctx| {
-        let run = tp_run(ctx, model, &opts(tp, sp));
-        if ctx.rank() == 0 {
-            let c = against_single(&run, model, world);
-            assert!(
-                c.passed,
-                "{model} tp={tp} sp={sp}: {}",
-                c.diagnosis.unwrap_or_default()
-            );
-            assert!(run.grads.as_ref().is_some_and(|g| g.len() == STEPS));
+#[test]
+fn tensor_parallel_matches_single_device() {
+    let model_values: Vec<&str> = vec!["gpt", "gpt_moe", "gpt_dropout"];
+    let case_values: Vec<(usize, usize, bool)> = vec![
+        (1, 2, false),
+        (2, 2, false),
+        (2, 4, false),
+        (4, 4, false),
+        (2, 2, true),
+        (4, 4, true),
+    ];
+    let mut cases: Vec<(&str, (usize, usize, bool))> = Vec::new();
+    for model in &model_values {
+        for case in &case_values {
+            cases.push((*model, *case));
         }
-    });
+    }
+    crate::common::each_case(
+        "tensor_parallel_matches_single_device",
+        cases,
+        |&(model, case): &(&str, (usize, usize, bool))| {
+            let (tp, world, sp) = case;
+            lockstep_harness::run(world, |ctx| {
+                let run = tp_run(ctx, model, &opts(tp, sp));
+                if ctx.rank() == 0 {
+                    let c = against_single(&run, model, world);
+                    assert!(
+                        c.passed,
+                        "{model} tp={tp} sp={sp}: {}",
+                        c.diagnosis.unwrap_or_default()
+                    );
+                    assert!(run.grads.as_ref().is_some_and(|g| g.len() == STEPS));
+                }
+            });
+        },
+    );
 }
 
 /// One step's calls per operation on the TP group.
@@ -126,33 +142,37 @@ fn collective_counts_per_step_are_exact_with_sequence_parallelism() {
 }
 
 /// Each planted bug makes the run differ from single device.
-#[rstest]
-fn planted_tensor_parallel_bugs_are_caught(
-    #[values(
+#[test]
+fn planted_tensor_parallel_bugs_are_caught() {
+    let cases: Vec<(TpFault, bool, &str)> = vec![
         (TpFault::MissingBackwardAllReduce, false, "gpt"),
         (TpFault::SkipSequenceGradReduce, true, "gpt"),
-        (TpFault::SameDropoutMask, false, "gpt_dropout")
-    )]
-    case: (TpFault, bool, &str),
-) {
-    let (fault, sp, model) = case;
-    lockstep_harness::run(2, |ctx| {
-        let o = TpOptions {
-            fault: Some(fault),
-            ..opts(2, sp)
-        };
-        let run = tp_run(ctx, model, &o);
-        if ctx.rank() == 0 {
-            let c = against_single(&run, model, 2);
-            assert!(!c.passed, "{fault:?} was not caught");
-            // The diagnosis names the tensor that went wrong (with its step and element)
-            // before the loss or gradient norm it showed in.
-            let text = c.diagnosis.clone().unwrap_or_default();
-            let f = c.first_failure.as_ref().expect("a culprit");
-            assert!(f.tensor.is_some() && f.element.is_some(), "{text}");
-            assert!(text.starts_with("first failure: gradient of `"), "{text}");
-        }
-    });
+        (TpFault::SameDropoutMask, false, "gpt_dropout"),
+    ];
+    crate::common::each_case(
+        "planted_tensor_parallel_bugs_are_caught",
+        cases,
+        |&case: &(TpFault, bool, &str)| {
+            let (fault, sp, model) = case;
+            lockstep_harness::run(2, |ctx| {
+                let o = TpOptions {
+                    fault: Some(fault),
+                    ..opts(2, sp)
+                };
+                let run = tp_run(ctx, model, &o);
+                if ctx.rank() == 0 {
+                    let c = against_single(&run, model, 2);
+                    assert!(!c.passed, "{fault:?} was not caught");
+                    // The diagnosis names the tensor that went wrong (with its step and element)
+                    // before the loss or gradient norm it showed in.
+                    let text = c.diagnosis.clone().unwrap_or_default();
+                    let f = c.first_failure.as_ref().expect("a culprit");
+                    assert!(f.tensor.is_some() && f.element.is_some(), "{text}");
+                    assert!(text.starts_with("first failure: gradient of `"), "{text}");
+                }
+            });
+        },
+    );
 }
 
 /// Plans that cannot apply are rejected before any rank starts, naming what is wrong.
@@ -214,36 +234,48 @@ fn resized(vocab: i64, heads: i64) -> GptConfig {
 
 /// Plans read the sizes from the model, not the zoo's: the decoder resized (dense and MoE)
 /// under TP 2 and 3, with and without SP, matches single device.
-#[rstest]
-fn tensor_parallel_reads_the_decoders_sizes(
-    #[values(false, true)] moe: bool,
-    #[values((2, false), (3, false), (2, true), (3, true))] case: (usize, bool),
-) {
-    let (tp, sp) = case;
-    let build = |rank| Gpt::with_config(resized(12, 6), 0, rank, moe, 0.0).expect("model");
-    lockstep_harness::run(tp, |ctx| {
-        let m = build(ctx.rank());
-        let cfg = common::train_config(ctx, m.name(), "tp", "fp32", STEPS);
-        let run = train_tensor_parallel(&m, ctx.world(), &cfg, &opts(tp, sp))
-            .expect("tensor-parallel run");
-        if ctx.rank() == 0 {
-            let resized_model = |_: u64, rank: usize| -> Result<Box<dyn Model>, ModelError> {
-                Ok(Box::new(Gpt::with_config(
-                    resized(12, 6),
-                    0,
-                    rank,
-                    moe,
-                    0.0,
-                )?))
-            };
-            let c = judge::judged_against_single(&run, &resized_model, tp, STEPS);
-            assert!(
-                c.passed,
-                "moe={moe} tp={tp} sp={sp}: {}",
-                c.diagnosis.unwrap_or_default()
-            );
+#[test]
+fn tensor_parallel_reads_the_decoders_sizes() {
+    let moe_values: Vec<bool> = vec![false, true];
+    let case_values: Vec<(usize, bool)> = vec![(2, false), (3, false), (2, true), (3, true)];
+    let mut cases: Vec<(bool, (usize, bool))> = Vec::new();
+    for moe in &moe_values {
+        for case in &case_values {
+            cases.push((*moe, *case));
         }
-    });
+    }
+    crate::common::each_case(
+        "tensor_parallel_reads_the_decoders_sizes",
+        cases,
+        |&(moe, case): &(bool, (usize, bool))| {
+            let (tp, sp) = case;
+            let build = |rank| Gpt::with_config(resized(12, 6), 0, rank, moe, 0.0).expect("model");
+            lockstep_harness::run(tp, |ctx| {
+                let m = build(ctx.rank());
+                let cfg = common::train_config(ctx, m.name(), "tp", "fp32", STEPS);
+                let run = train_tensor_parallel(&m, ctx.world(), &cfg, &opts(tp, sp))
+                    .expect("tensor-parallel run");
+                if ctx.rank() == 0 {
+                    let resized_model =
+                        |_: u64, rank: usize| -> Result<Box<dyn Model>, ModelError> {
+                            Ok(Box::new(Gpt::with_config(
+                                resized(12, 6),
+                                0,
+                                rank,
+                                moe,
+                                0.0,
+                            )?))
+                        };
+                    let c = judge::judged_against_single(&run, &resized_model, tp, STEPS);
+                    assert!(
+                        c.passed,
+                        "moe={moe} tp={tp} sp={sp}: {}",
+                        c.diagnosis.unwrap_or_default()
+                    );
+                }
+            });
+        },
+    );
 }
 
 /// At sizes other than the zoo's, plan errors name the model's own sizes.
@@ -273,25 +305,30 @@ fn plans_name_the_decoders_own_sizes() {
 }
 
 /// The transformer's plan splits only its feed-forward layers (2 encoder + 2 decoder).
-#[rstest]
-fn transformer_feed_forward_tp_matches_single_device(
-    #[values((2, 2), (2, 4), (4, 4))] case: (usize, usize),
-) {
-    let (tp, world) = case;
-    lockstep_harness::run(world, |ctx| {
-        let run = tp_run(ctx, "transformer", &opts(tp, false));
-        // One all-reduce per row-parallel forward and one per column-parallel backward, in
-        // each of the 4 layers; nothing else touches the TP group.
-        for step in 0..STEPS {
-            assert_eq!(
-                counts(&run, step),
-                BTreeMap::from([("all_reduce".to_owned(), 4 * 2)]),
-                "step {step}"
-            );
-        }
-        if ctx.rank() == 0 {
-            let c = against_single(&run, "transformer", world);
-            assert!(c.passed, "tp={tp}: {}", c.diagnosis.unwrap_or_default());
-        }
-    });
+#[test]
+fn transformer_feed_forward_tp_matches_single_device() {
+    let cases: Vec<(usize, usize)> = vec![(2, 2), (2, 4), (4, 4)];
+    crate::common::each_case(
+        "transformer_feed_forward_tp_matches_single_device",
+        cases,
+        |&case: &(usize, usize)| {
+            let (tp, world) = case;
+            lockstep_harness::run(world, |ctx| {
+                let run = tp_run(ctx, "transformer", &opts(tp, false));
+                // One all-reduce per row-parallel forward and one per column-parallel backward, in
+                // each of the 4 layers; nothing else touches the TP group.
+                for step in 0..STEPS {
+                    assert_eq!(
+                        counts(&run, step),
+                        BTreeMap::from([("all_reduce".to_owned(), 4 * 2)]),
+                        "step {step}"
+                    );
+                }
+                if ctx.rank() == 0 {
+                    let c = against_single(&run, "transformer", world);
+                    assert!(c.passed, "tp={tp}: {}", c.diagnosis.unwrap_or_default());
+                }
+            });
+        },
+    );
 }

@@ -4,7 +4,6 @@
 
 use lockstep_core::autograd::{collectives as c, engine, AutogradError};
 use lockstep_core::comm::{ProcessGroup, ReduceOp};
-use rstest::rstest;
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
@@ -153,121 +152,142 @@ fn chunk(t: &Tensor, dim: i64, k: usize, w: usize) -> Tensor {
     t.narrow(dim, k as i64 * len, len)
 }
 
-#[rstest]
-fn copy_to_parallel(#[values(1, 2, 3, 4)] world: usize) {
-    run(
-        world,
-        Case {
-            replicated_input: true,
-            replicated_loss: false,
-            input: |_, _| data(1, &[3, 4]),
-            parallel: |x, g| c::copy_to_parallel(x, g),
-            local_loss: rank_loss,
-            reference: |xs, w| (0..w).map(|_| xs[0].shallow_clone()).collect(),
-        },
-    );
-}
-
-#[rstest]
-fn reduce_from_parallel(#[values(1, 2, 3, 4)] world: usize) {
-    run(
-        world,
-        Case {
-            replicated_input: false,
-            replicated_loss: true,
-            input: |r, _| data(10 + r as i64, &[3, 4]),
-            parallel: |x, g| c::reduce_from_parallel(x, g),
-            local_loss: shared_loss,
-            reference: |xs, w| {
-                let s = xs.iter().skip(1).fold(xs[0].shallow_clone(), |a, b| a + b);
-                (0..w).map(|_| s.shallow_clone()).collect()
+#[test]
+fn copy_to_parallel() {
+    let cases: Vec<usize> = vec![1, 2, 3, 4];
+    crate::common::each_case("copy_to_parallel", cases, |&world: &usize| {
+        run(
+            world,
+            Case {
+                replicated_input: true,
+                replicated_loss: false,
+                input: |_, _| data(1, &[3, 4]),
+                parallel: |x, g| c::copy_to_parallel(x, g),
+                local_loss: rank_loss,
+                reference: |xs, w| (0..w).map(|_| xs[0].shallow_clone()).collect(),
             },
-        },
-    );
+        );
+    });
 }
 
-#[rstest]
-fn scatter_to_parallel(#[values(1, 2, 3, 4)] world: usize) {
-    run(
-        world,
-        Case {
-            replicated_input: true,
-            replicated_loss: false,
-            input: |_, w| data(2, &[2, 3, 2 * w as i64]),
-            parallel: |x, g| c::scatter_to_parallel(x, g),
-            local_loss: rank_loss,
-            reference: |xs, w| (0..w).map(|k| chunk(&xs[0], -1, k, w)).collect(),
-        },
-    );
-}
-
-#[rstest]
-fn gather_from_parallel(#[values(1, 2, 3, 4)] world: usize) {
-    run(
-        world,
-        Case {
-            replicated_input: false,
-            replicated_loss: true,
-            input: |r, _| data(20 + r as i64, &[2, 3, 2]),
-            parallel: |x, g| c::gather_from_parallel(x, g),
-            local_loss: shared_loss,
-            reference: |xs, w| {
-                let full = Tensor::cat(xs, -1);
-                (0..w).map(|_| full.shallow_clone()).collect()
+#[test]
+fn reduce_from_parallel() {
+    let cases: Vec<usize> = vec![1, 2, 3, 4];
+    crate::common::each_case("reduce_from_parallel", cases, |&world: &usize| {
+        run(
+            world,
+            Case {
+                replicated_input: false,
+                replicated_loss: true,
+                input: |r, _| data(10 + r as i64, &[3, 4]),
+                parallel: |x, g| c::reduce_from_parallel(x, g),
+                local_loss: shared_loss,
+                reference: |xs, w| {
+                    let s = xs.iter().skip(1).fold(xs[0].shallow_clone(), |a, b| a + b);
+                    (0..w).map(|_| s.shallow_clone()).collect()
+                },
             },
-        },
-    );
+        );
+    });
 }
 
-#[rstest]
-fn scatter_to_sequence_parallel(#[values(1, 2, 3, 4)] world: usize) {
-    run(
-        world,
-        Case {
-            replicated_input: true,
-            replicated_loss: false,
-            input: |_, w| data(3, &[2 * w as i64, 3]),
-            parallel: |x, g| c::scatter_to_sequence_parallel(x, g),
-            local_loss: rank_loss,
-            reference: |xs, w| (0..w).map(|k| chunk(&xs[0], 0, k, w)).collect(),
-        },
-    );
-}
-
-#[rstest]
-fn all_gather_sequence(#[values(1, 2, 3, 4)] world: usize) {
-    run(
-        world,
-        Case {
-            replicated_input: false,
-            replicated_loss: false,
-            input: |r, _| data(30 + r as i64, &[2, 3]),
-            parallel: |x, g| c::all_gather_sequence(x, g),
-            local_loss: rank_loss,
-            reference: |xs, w| {
-                let full = Tensor::cat(xs, 0);
-                (0..w).map(|_| full.shallow_clone()).collect()
+#[test]
+fn scatter_to_parallel() {
+    let cases: Vec<usize> = vec![1, 2, 3, 4];
+    crate::common::each_case("scatter_to_parallel", cases, |&world: &usize| {
+        run(
+            world,
+            Case {
+                replicated_input: true,
+                replicated_loss: false,
+                input: |_, w| data(2, &[2, 3, 2 * w as i64]),
+                parallel: |x, g| c::scatter_to_parallel(x, g),
+                local_loss: rank_loss,
+                reference: |xs, w| (0..w).map(|k| chunk(&xs[0], -1, k, w)).collect(),
             },
-        },
-    );
+        );
+    });
 }
 
-#[rstest]
-fn reduce_scatter_sequence(#[values(1, 2, 3, 4)] world: usize) {
-    run(
-        world,
-        Case {
-            replicated_input: false,
-            replicated_loss: false,
-            input: |r, w| data(40 + r as i64, &[2 * w as i64, 3]),
-            parallel: |x, g| c::reduce_scatter_sequence(x, g),
-            local_loss: rank_loss,
-            reference: |xs, w| {
-                let s = xs.iter().skip(1).fold(xs[0].shallow_clone(), |a, b| a + b);
-                (0..w).map(|k| chunk(&s, 0, k, w)).collect()
+#[test]
+fn gather_from_parallel() {
+    let cases: Vec<usize> = vec![1, 2, 3, 4];
+    crate::common::each_case("gather_from_parallel", cases, |&world: &usize| {
+        run(
+            world,
+            Case {
+                replicated_input: false,
+                replicated_loss: true,
+                input: |r, _| data(20 + r as i64, &[2, 3, 2]),
+                parallel: |x, g| c::gather_from_parallel(x, g),
+                local_loss: shared_loss,
+                reference: |xs, w| {
+                    let full = Tensor::cat(xs, -1);
+                    (0..w).map(|_| full.shallow_clone()).collect()
+                },
             },
-        },
-    );
+        );
+    });
+}
+
+#[test]
+fn scatter_to_sequence_parallel() {
+    let cases: Vec<usize> = vec![1, 2, 3, 4];
+    crate::common::each_case("scatter_to_sequence_parallel", cases, |&world: &usize| {
+        run(
+            world,
+            Case {
+                replicated_input: true,
+                replicated_loss: false,
+                input: |_, w| data(3, &[2 * w as i64, 3]),
+                parallel: |x, g| c::scatter_to_sequence_parallel(x, g),
+                local_loss: rank_loss,
+                reference: |xs, w| (0..w).map(|k| chunk(&xs[0], 0, k, w)).collect(),
+            },
+        );
+    });
+}
+
+#[test]
+fn all_gather_sequence() {
+    let cases: Vec<usize> = vec![1, 2, 3, 4];
+    crate::common::each_case("all_gather_sequence", cases, |&world: &usize| {
+        run(
+            world,
+            Case {
+                replicated_input: false,
+                replicated_loss: false,
+                input: |r, _| data(30 + r as i64, &[2, 3]),
+                parallel: |x, g| c::all_gather_sequence(x, g),
+                local_loss: rank_loss,
+                reference: |xs, w| {
+                    let full = Tensor::cat(xs, 0);
+                    (0..w).map(|_| full.shallow_clone()).collect()
+                },
+            },
+        );
+    });
+}
+
+#[test]
+fn reduce_scatter_sequence() {
+    let cases: Vec<usize> = vec![1, 2, 3, 4];
+    crate::common::each_case("reduce_scatter_sequence", cases, |&world: &usize| {
+        run(
+            world,
+            Case {
+                replicated_input: false,
+                replicated_loss: false,
+                input: |r, w| data(40 + r as i64, &[2 * w as i64, 3]),
+                parallel: |x, g| c::reduce_scatter_sequence(x, g),
+                local_loss: rank_loss,
+                reference: |xs, w| {
+                    let s = xs.iter().skip(1).fold(xs[0].shallow_clone(), |a, b| a + b);
+                    (0..w).map(|k| chunk(&s, 0, k, w)).collect()
+                },
+            },
+        );
+    });
 }
 
 /// Rows rank `src` sends to rank `dst`: uneven, sometimes zero.
@@ -275,39 +295,42 @@ fn rows(src: usize, dst: usize) -> usize {
     (src + 2 * dst + 1) % 4
 }
 
-#[rstest]
-fn all_to_all(#[values(1, 2, 3, 4)] world: usize) {
-    run(
-        world,
-        Case {
-            replicated_input: false,
-            replicated_loss: false,
-            input: |r, w| {
-                data(
-                    50 + r as i64,
-                    &[(0..w).map(|j| rows(r, j)).sum::<usize>() as i64, 2],
-                )
+#[test]
+fn all_to_all() {
+    let cases: Vec<usize> = vec![1, 2, 3, 4];
+    crate::common::each_case("all_to_all", cases, |&world: &usize| {
+        run(
+            world,
+            Case {
+                replicated_input: false,
+                replicated_loss: false,
+                input: |r, w| {
+                    data(
+                        50 + r as i64,
+                        &[(0..w).map(|j| rows(r, j)).sum::<usize>() as i64, 2],
+                    )
+                },
+                parallel: |x, g| {
+                    let (r, w) = (g.rank(), g.size());
+                    let input: Vec<usize> = (0..w).map(|j| rows(r, j)).collect();
+                    let output: Vec<usize> = (0..w).map(|j| rows(j, r)).collect();
+                    c::all_to_all(x, g, &output, &input)
+                },
+                local_loss: rank_loss,
+                reference: |xs, w| {
+                    (0..w)
+                        .map(|dst| {
+                            let parts: Vec<Tensor> = (0..w)
+                                .map(|src| {
+                                    let start: usize = (0..dst).map(|j| rows(src, j)).sum();
+                                    xs[src].narrow(0, start as i64, rows(src, dst) as i64)
+                                })
+                                .collect();
+                            Tensor::cat(&parts, 0)
+                        })
+                        .collect()
+                },
             },
-            parallel: |x, g| {
-                let (r, w) = (g.rank(), g.size());
-                let input: Vec<usize> = (0..w).map(|j| rows(r, j)).collect();
-                let output: Vec<usize> = (0..w).map(|j| rows(j, r)).collect();
-                c::all_to_all(x, g, &output, &input)
-            },
-            local_loss: rank_loss,
-            reference: |xs, w| {
-                (0..w)
-                    .map(|dst| {
-                        let parts: Vec<Tensor> = (0..w)
-                            .map(|src| {
-                                let start: usize = (0..dst).map(|j| rows(src, j)).sum();
-                                xs[src].narrow(0, start as i64, rows(src, dst) as i64)
-                            })
-                            .collect();
-                        Tensor::cat(&parts, 0)
-                    })
-                    .collect()
-            },
-        },
-    );
+        );
+    });
 }

@@ -16,7 +16,6 @@ use lockstep_core::train::{single_device_reference, OptimizerConfig};
 use lockstep_harness::parity::{compare, Override, Tolerance, TolerancePolicy};
 use lockstep_harness::RankCtx;
 use lockstep_models::zoo;
-use rstest::rstest;
 use std::collections::BTreeMap;
 
 const STEPS: usize = 3;
@@ -78,141 +77,176 @@ fn assert_differs(what: &str, run: &RunRecord, reference: &RunRecord) {
 
 /// FSDP×TP on the 2-D mesh [dp=2, tp=2] equals TP with DDP over dp bit for bit, and agrees
 /// with single device.
-#[rstest]
-fn fsdp_x_tp_equals_tp_x_ddp_bitwise(#[values("gpt", "gpt_moe")] model: &str) {
-    lockstep_harness::run(4, |ctx| {
-        let sharded = run(ctx, model, fsdp_tp(2), None);
-        let replicated = run(
-            ctx,
-            model,
-            Composition::TensorData {
-                tp: 2,
-                data: DataParallel::Replicate,
-            },
-            None,
-        );
-        if ctx.rank() == 0 {
-            assert_agree(
-                "fsdp×tp vs tp×ddp",
-                &sharded,
-                &replicated,
-                &TolerancePolicy::bitwise(DType::F32),
-            );
-            assert_agree(
-                "fsdp×tp vs single",
-                &sharded,
-                &single(model, 4),
-                &TolerancePolicy::dtype_table(DType::F32),
-            );
-        }
-    });
+#[test]
+fn fsdp_x_tp_equals_tp_x_ddp_bitwise() {
+    let cases: Vec<&str> = vec!["gpt", "gpt_moe"];
+    crate::common::each_case(
+        "fsdp_x_tp_equals_tp_x_ddp_bitwise",
+        cases,
+        |&model: &&str| {
+            lockstep_harness::run(4, |ctx| {
+                let sharded = run(ctx, model, fsdp_tp(2), None);
+                let replicated = run(
+                    ctx,
+                    model,
+                    Composition::TensorData {
+                        tp: 2,
+                        data: DataParallel::Replicate,
+                    },
+                    None,
+                );
+                if ctx.rank() == 0 {
+                    assert_agree(
+                        "fsdp×tp vs tp×ddp",
+                        &sharded,
+                        &replicated,
+                        &TolerancePolicy::bitwise(DType::F32),
+                    );
+                    assert_agree(
+                        "fsdp×tp vs single",
+                        &sharded,
+                        &single(model, 4),
+                        &TolerancePolicy::dtype_table(DType::F32),
+                    );
+                }
+            });
+        },
+    );
 }
 
 /// With TP = 1, FSDP×TP is FSDP: its sharded unit equals DDP over the same ranks bit for
 /// bit, on the decoder and on a model no TP plan knows.
-#[rstest]
-fn fsdp_x_tp_with_tp_one_equals_ddp_bitwise(#[values("gpt", "nested")] model: &str) {
-    lockstep_harness::run(2, |ctx| {
-        let sharded = run(ctx, model, fsdp_tp(1), None);
-        let m = zoo::build(model, 0, ctx.rank()).expect("model");
-        let cfg = common::train_config(ctx, model, "ddp", "fp32", STEPS);
-        let ddp = lockstep_core::ddp::train_ddp(
-            m.as_ref(),
-            ctx.world().group(),
-            &cfg,
-            Default::default(),
-        )
-        .expect("ddp");
-        if ctx.rank() == 0 {
-            assert_agree(
-                "fsdp×tp(tp=1) vs ddp",
-                &sharded,
-                &ddp,
-                &TolerancePolicy::bitwise(DType::F32),
-            );
-        }
-    });
+#[test]
+fn fsdp_x_tp_with_tp_one_equals_ddp_bitwise() {
+    let cases: Vec<&str> = vec!["gpt", "nested"];
+    crate::common::each_case(
+        "fsdp_x_tp_with_tp_one_equals_ddp_bitwise",
+        cases,
+        |&model: &&str| {
+            lockstep_harness::run(2, |ctx| {
+                let sharded = run(ctx, model, fsdp_tp(1), None);
+                let m = zoo::build(model, 0, ctx.rank()).expect("model");
+                let cfg = common::train_config(ctx, model, "ddp", "fp32", STEPS);
+                let ddp = lockstep_core::ddp::train_ddp(
+                    m.as_ref(),
+                    ctx.world().group(),
+                    &cfg,
+                    Default::default(),
+                )
+                .expect("ddp");
+                if ctx.rank() == 0 {
+                    assert_agree(
+                        "fsdp×tp(tp=1) vs ddp",
+                        &sharded,
+                        &ddp,
+                        &TolerancePolicy::bitwise(DType::F32),
+                    );
+                }
+            });
+        },
+    );
 }
 
 /// PP×FSDP (each stage one unit sharded over dp through UNSHARD / REDUCE_GRAD / RESHARD)
 /// equals PP×DP bit for bit, tied weights included, and agrees with single device.
-#[rstest]
-fn pp_x_fsdp_equals_pp_x_dp_bitwise(#[values("gpt", "nested", "transformer")] model: &str) {
-    lockstep_harness::run(4, |ctx| {
-        let sharded = run(ctx, model, pipeline(1, DataParallel::Shard), None);
-        let replicated = run(ctx, model, pipeline(1, DataParallel::Replicate), None);
-        if ctx.rank() == 0 {
-            assert_agree(
-                "pp×fsdp vs pp×dp",
-                &sharded,
-                &replicated,
-                &TolerancePolicy::bitwise(DType::F32),
-            );
-            assert_agree(
-                "pp×fsdp vs single",
-                &sharded,
-                &single(model, 4),
-                &pipeline_policy(),
-            );
-        }
-    });
+#[test]
+fn pp_x_fsdp_equals_pp_x_dp_bitwise() {
+    let cases: Vec<&str> = vec!["gpt", "nested", "transformer"];
+    crate::common::each_case(
+        "pp_x_fsdp_equals_pp_x_dp_bitwise",
+        cases,
+        |&model: &&str| {
+            lockstep_harness::run(4, |ctx| {
+                let sharded = run(ctx, model, pipeline(1, DataParallel::Shard), None);
+                let replicated = run(ctx, model, pipeline(1, DataParallel::Replicate), None);
+                if ctx.rank() == 0 {
+                    assert_agree(
+                        "pp×fsdp vs pp×dp",
+                        &sharded,
+                        &replicated,
+                        &TolerancePolicy::bitwise(DType::F32),
+                    );
+                    assert_agree(
+                        "pp×fsdp vs single",
+                        &sharded,
+                        &single(model, 4),
+                        &pipeline_policy(),
+                    );
+                }
+            });
+        },
+    );
 }
 
 /// PP×TP on [dp=1, pp=2, tp=2] agrees with single device.
-#[rstest]
-fn pp_x_tp_agrees_with_single_device(#[values("gpt", "gpt_moe")] model: &str) {
-    lockstep_harness::run(4, |ctx| {
-        let composed = run(ctx, model, pipeline(2, DataParallel::Replicate), None);
-        if ctx.rank() == 0 {
-            assert_agree(
-                "pp×tp vs single",
-                &composed,
-                &single(model, 4),
-                &pipeline_policy(),
-            );
-        }
-    });
+#[test]
+fn pp_x_tp_agrees_with_single_device() {
+    let cases: Vec<&str> = vec!["gpt", "gpt_moe"];
+    crate::common::each_case(
+        "pp_x_tp_agrees_with_single_device",
+        cases,
+        |&model: &&str| {
+            lockstep_harness::run(4, |ctx| {
+                let composed = run(ctx, model, pipeline(2, DataParallel::Replicate), None);
+                if ctx.rank() == 0 {
+                    assert_agree(
+                        "pp×tp vs single",
+                        &composed,
+                        &single(model, 4),
+                        &pipeline_policy(),
+                    );
+                }
+            });
+        },
+    );
 }
 
 /// EP×FSDP (experts over ep, the dense parameters sharded over the world) equals EP with
 /// replicated dense parameters bit for bit, and agrees with single device.
-#[rstest]
-fn ep_x_fsdp_equals_ep_bitwise(#[values((2, 2), (2, 4))] case: (usize, usize)) {
-    let (ep, world) = case;
-    lockstep_harness::run(world, |ctx| {
-        let sharded = run(
-            ctx,
-            "gpt_moe",
-            Composition::ExpertData {
-                ep,
-                data: DataParallel::Shard,
-            },
-            None,
-        );
-        let replicated = run(
-            ctx,
-            "gpt_moe",
-            Composition::ExpertData {
-                ep,
-                data: DataParallel::Replicate,
-            },
-            None,
-        );
-        if ctx.rank() == 0 {
-            assert_agree(
-                "ep×fsdp vs ep",
-                &sharded,
-                &replicated,
-                &TolerancePolicy::bitwise(DType::F32),
-            );
-            assert_agree(
-                "ep×fsdp vs single",
-                &sharded,
-                &single("gpt_moe", world),
-                &TolerancePolicy::dtype_table(DType::F32),
-            );
-        }
-    });
+#[test]
+fn ep_x_fsdp_equals_ep_bitwise() {
+    let cases: Vec<(usize, usize)> = vec![(2, 2), (2, 4)];
+    crate::common::each_case(
+        "ep_x_fsdp_equals_ep_bitwise",
+        cases,
+        |&case: &(usize, usize)| {
+            let (ep, world) = case;
+            lockstep_harness::run(world, |ctx| {
+                let sharded = run(
+                    ctx,
+                    "gpt_moe",
+                    Composition::ExpertData {
+                        ep,
+                        data: DataParallel::Shard,
+                    },
+                    None,
+                );
+                let replicated = run(
+                    ctx,
+                    "gpt_moe",
+                    Composition::ExpertData {
+                        ep,
+                        data: DataParallel::Replicate,
+                    },
+                    None,
+                );
+                if ctx.rank() == 0 {
+                    assert_agree(
+                        "ep×fsdp vs ep",
+                        &sharded,
+                        &replicated,
+                        &TolerancePolicy::bitwise(DType::F32),
+                    );
+                    assert_agree(
+                        "ep×fsdp vs single",
+                        &sharded,
+                        &single("gpt_moe", world),
+                        &TolerancePolicy::dtype_table(DType::F32),
+                    );
+                }
+            });
+        },
+    );
 }
 
 /// One step's recorded collectives as (operation, group kind) → calls, the group kind being
@@ -280,29 +314,42 @@ fn fsdp_x_tp_collective_counts_are_exact() {
 /// holders; `nested` ties nothing. The stage boundary's sends and receives are counted too,
 /// as many of each on both stages (activations one way, their gradients back), the same
 /// every step.
-#[rstest]
-fn pp_x_data_collective_counts_are_exact(
-    #[values(("nested", 0), ("gpt", 1))] case: (&str, u64),
-    #[values(DataParallel::Replicate, DataParallel::Shard)] data: DataParallel,
-) {
-    let (model, tied) = case;
-    lockstep_harness::run(4, |ctx| {
-        let record = run(ctx, model, pipeline(1, data), None);
-        let mut want = match data {
-            DataParallel::Shard => expect(&[("all_gather", "dp", 1), ("reduce_scatter", "dp", 1)]),
-            _ => expect(&[("all_reduce", "dp", 1)]),
-        };
-        if tied > 0 {
-            want.insert(("all_reduce".into(), "pp-tied".into()), tied);
+#[test]
+fn pp_x_data_collective_counts_are_exact() {
+    let case_values: Vec<(&str, u64)> = vec![("nested", 0), ("gpt", 1)];
+    let data_values: Vec<DataParallel> = vec![DataParallel::Replicate, DataParallel::Shard];
+    let mut cases: Vec<((&str, u64), DataParallel)> = Vec::new();
+    for case in &case_values {
+        for data in &data_values {
+            cases.push((*case, *data));
         }
-        let (_, sends, _) = boundary(&record, 0);
-        assert!(sends.is_some_and(|n| n > 0), "stage boundary sends counted");
-        for step in 0..STEPS {
-            let (rest, s, r) = boundary(&record, step);
-            assert_eq!(rest, want, "step {step}");
-            assert_eq!((s, r), (sends, sends), "step {step}: sends and receives");
-        }
-    });
+    }
+    crate::common::each_case(
+        "pp_x_data_collective_counts_are_exact",
+        cases,
+        |&(case, data): &((&str, u64), DataParallel)| {
+            let (model, tied) = case;
+            lockstep_harness::run(4, |ctx| {
+                let record = run(ctx, model, pipeline(1, data), None);
+                let mut want = match data {
+                    DataParallel::Shard => {
+                        expect(&[("all_gather", "dp", 1), ("reduce_scatter", "dp", 1)])
+                    }
+                    _ => expect(&[("all_reduce", "dp", 1)]),
+                };
+                if tied > 0 {
+                    want.insert(("all_reduce".into(), "pp-tied".into()), tied);
+                }
+                let (_, sends, _) = boundary(&record, 0);
+                assert!(sends.is_some_and(|n| n > 0), "stage boundary sends counted");
+                for step in 0..STEPS {
+                    let (rest, s, r) = boundary(&record, step);
+                    assert_eq!(rest, want, "step {step}");
+                    assert_eq!((s, r), (sends, sends), "step {step}: sends and receives");
+                }
+            });
+        },
+    );
 }
 
 /// EP×FSDP at ep = world = 2 communicates exactly as EP with replicated dense parameters,

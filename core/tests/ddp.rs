@@ -7,7 +7,6 @@ use lockstep_core::train::{single_device_reference, OptimizerConfig, TrainConfig
 use lockstep_harness::parity::{compare, Comparison, Quantity, TolerancePolicy};
 use lockstep_harness::RankCtx;
 use lockstep_models::zoo;
-use rstest::rstest;
 use std::collections::HashSet;
 use std::sync::Arc;
 use tch::Tensor;
@@ -59,37 +58,53 @@ fn assert_passes(c: &Comparison) {
     assert!(c.passed, "{}", c.diagnosis.clone().unwrap_or_default());
 }
 
-#[rstest]
-fn ddp_matches_single_device(
-    #[values("nested", "transformer", "mlp", "gpt", "gpt_moe")] model: &str,
-    #[values(1, 2, 4)] world: usize,
-) {
-    lockstep_harness::run(world, |ctx| {
-        let run = ddp_run(ctx, model, DdpOptions::default(), false);
-        if ctx.rank() == 0 {
-            assert_passes(&compare(&run, &reference(ctx, model, false), &fp32()));
+#[test]
+fn ddp_matches_single_device() {
+    let model_values: Vec<&str> = vec!["nested", "transformer", "mlp", "gpt", "gpt_moe"];
+    let world_values: Vec<usize> = vec![1, 2, 4];
+    let mut cases: Vec<(&str, usize)> = Vec::new();
+    for model in &model_values {
+        for world in &world_values {
+            cases.push((*model, *world));
         }
-    });
+    }
+    crate::common::each_case(
+        "ddp_matches_single_device",
+        cases,
+        |&(model, world): &(&str, usize)| {
+            lockstep_harness::run(world, |ctx| {
+                let run = ddp_run(ctx, model, DdpOptions::default(), false);
+                if ctx.rank() == 0 {
+                    assert_passes(&compare(&run, &reference(ctx, model, false), &fp32()));
+                }
+            });
+        },
+    );
 }
 
-#[rstest]
-fn ddp_is_bitwise_repeatable_whatever_the_buckets(
-    #[values("nested", "transformer", "moe", "transformer_bn")] model: &str,
-) {
-    lockstep_harness::run(4, |ctx| {
-        let first = ddp_run(ctx, model, DdpOptions::default(), true);
-        let again = ddp_run(ctx, model, DdpOptions::default(), true);
-        // Tiny buckets and no overlap change only when and how often collectives run.
-        let small = DdpOptions {
-            bucket_cap_bytes: 64,
-            overlap: false,
-            ..DdpOptions::default()
-        };
-        let rebucketed = ddp_run(ctx, model, small, true);
-        let bitwise = TolerancePolicy::bitwise(DType::F32);
-        assert_passes(&compare(&again, &first, &bitwise));
-        assert_passes(&compare(&rebucketed, &first, &bitwise));
-    });
+#[test]
+fn ddp_is_bitwise_repeatable_whatever_the_buckets() {
+    let cases: Vec<&str> = vec!["nested", "transformer", "moe", "transformer_bn"];
+    crate::common::each_case(
+        "ddp_is_bitwise_repeatable_whatever_the_buckets",
+        cases,
+        |&model: &&str| {
+            lockstep_harness::run(4, |ctx| {
+                let first = ddp_run(ctx, model, DdpOptions::default(), true);
+                let again = ddp_run(ctx, model, DdpOptions::default(), true);
+                // Tiny buckets and no overlap change only when and how often collectives run.
+                let small = DdpOptions {
+                    bucket_cap_bytes: 64,
+                    overlap: false,
+                    ..DdpOptions::default()
+                };
+                let rebucketed = ddp_run(ctx, model, small, true);
+                let bitwise = TolerancePolicy::bitwise(DType::F32);
+                assert_passes(&compare(&again, &first, &bitwise));
+                assert_passes(&compare(&rebucketed, &first, &bitwise));
+            });
+        },
+    );
 }
 
 #[test]

@@ -363,38 +363,49 @@ fn assert_uneven(ctx: &RankCtx) {
 /// expert's parameters), with and without a capacity limit, on uneven routing and uneven
 /// batch sizes. They agree bit for bit: each expert sees the same rows in the same order, and
 /// every slot's result is written by exactly one rank.
-#[rstest]
-fn all_to_all_and_all_gather_agree(
-    #[values(2, 4)] ep: usize,
-    #[values(None, Some(1.0), Some(0.5))] capacity_factor: Option<f64>,
-) {
-    common::run(ep, |ctx| {
-        assert_uneven(ctx);
-        let l = layout(ctx, ep);
-        let a = run_ep(
-            ctx,
-            &l,
-            Dispatcher::AllToAll,
-            capacity_factor,
-            ExpertReduction::Rule,
-        );
-        let b = run_ep(
-            ctx,
-            &l,
-            Dispatcher::AllGather,
-            capacity_factor,
-            ExpertReduction::Rule,
-        );
-        assert_eq!(a.dropped, b.dropped);
-        compare(&a, &b, true);
-        if capacity_factor == Some(0.5) {
-            let dropped = Tensor::from_slice(&[a.dropped as i64]);
-            ctx.group()
-                .all_reduce(&dropped, ReduceOp::Sum)
-                .expect("sum");
-            assert!(dropped.int64_value(&[0]) > 0, "capacity 0.5 drops nothing");
+#[test]
+fn all_to_all_and_all_gather_agree() {
+    let ep_values: Vec<usize> = vec![2, 4];
+    let capacity_factor_values: Vec<Option<f64>> = vec![None, Some(1.0), Some(0.5)];
+    let mut cases: Vec<(usize, Option<f64>)> = Vec::new();
+    for ep in &ep_values {
+        for capacity_factor in &capacity_factor_values {
+            cases.push((*ep, *capacity_factor));
         }
-    });
+    }
+    crate::common::each_case(
+        "all_to_all_and_all_gather_agree",
+        cases,
+        |&(ep, capacity_factor): &(usize, Option<f64>)| {
+            common::run(ep, |ctx| {
+                assert_uneven(ctx);
+                let l = layout(ctx, ep);
+                let a = run_ep(
+                    ctx,
+                    &l,
+                    Dispatcher::AllToAll,
+                    capacity_factor,
+                    ExpertReduction::Rule,
+                );
+                let b = run_ep(
+                    ctx,
+                    &l,
+                    Dispatcher::AllGather,
+                    capacity_factor,
+                    ExpertReduction::Rule,
+                );
+                assert_eq!(a.dropped, b.dropped);
+                compare(&a, &b, true);
+                if capacity_factor == Some(0.5) {
+                    let dropped = Tensor::from_slice(&[a.dropped as i64]);
+                    ctx.group()
+                        .all_reduce(&dropped, ReduceOp::Sum)
+                        .expect("sum");
+                    assert!(dropped.int64_value(&[0]) > 0, "capacity 0.5 drops nothing");
+                }
+            });
+        },
+    );
 }
 
 /// With no capacity limit, the sharded layer (on `ep`-rank groups, `world / ep` replicas)
@@ -489,68 +500,81 @@ fn reference_keep(idx: &Tensor, starts: &[i64], factor: f64) -> Tensor {
 /// own slots per expert with its own tokens), so the reference applies it per rank's slice.
 /// The reference is written independently (dense, zoo-style, its own keep loop): the same
 /// choices are dropped, and outputs and gradients agree within the fp32 table.
-#[rstest]
-fn capacity_drops_match_one_process(
-    #[values(1, 2, 4)] ep: usize,
-    #[values(0.5, 1.0)] factor: f64,
-    #[values(Dispatcher::AllToAll, Dispatcher::AllGather)] dispatcher: Dispatcher,
-) {
-    common::run(ep, |ctx| {
-        let l = layout(ctx, ep);
-        let world = ep;
-        let sharded = run_ep(ctx, &l, dispatcher, Some(factor), ExpertReduction::Rule);
-
-        let (router, all) = params();
-        let (x, starts) = all_tokens(world);
-        let x = leaf(x);
-        let probs_idx = dense_reference(&x.detach(), &router.detach(), &all, None).2;
-        let kept = reference_keep(&probs_idx, &starts, factor);
-        let (out, probs, idx) = dense_reference(&x, &router, &all, Some(&kept));
-        let weights = Tensor::cat(&(0..world).map(loss_weights).collect::<Vec<_>>(), 0);
-        let rank = ctx.rank();
-        let mut aux = Tensor::zeros([], (Kind::Float, Device::Cpu));
-        let mut own_aux = None;
-        for r in 0..world {
-            let n = starts[r + 1] - starts[r];
-            let counts = idx
-                .narrow(0, starts[r], n)
-                .reshape([-1])
-                .bincount::<Tensor>(None, E as i64)
-                .to_kind(Kind::Float);
-            let f = counts / (n * K) as f64;
-            let p = probs.narrow(0, starts[r], n).mean_dim(0, false, None);
-            let aux_r = (f * p).sum(Kind::Float) * (E as f64 * AUX);
-            if r == rank {
-                own_aux = Some(aux_r.detach());
+#[test]
+fn capacity_drops_match_one_process() {
+    let ep_values: Vec<usize> = vec![1, 2, 4];
+    let factor_values: Vec<f64> = vec![0.5, 1.0];
+    let dispatcher_values: Vec<Dispatcher> = vec![Dispatcher::AllToAll, Dispatcher::AllGather];
+    let mut cases: Vec<(usize, f64, Dispatcher)> = Vec::new();
+    for ep in &ep_values {
+        for factor in &factor_values {
+            for dispatcher in &dispatcher_values {
+                cases.push((*ep, *factor, *dispatcher));
             }
-            aux = aux.f_add(&aux_r).expect("add");
         }
-        ((&out * weights).sum(Kind::Float) + &aux).backward();
-        let own = |t: &Tensor| t.narrow(0, starts[rank], starts[rank + 1] - starts[rank]);
-        let reference_dropped = own(&kept).logical_not().sum(Kind::Int64).int64_value(&[]);
-        assert_eq!(sharded.dropped as i64, reference_dropped, "dropped counts");
-        let reference = Seen {
-            output: own(&out.detach()),
-            aux: own_aux.expect("this rank's loss"),
-            kept: own(&kept),
-            dropped: reference_dropped as usize,
-            x_grad: own(&x.grad()) / world as f64,
-            router_grad: router.grad() / world as f64,
-            expert_grads: all
-                .iter()
-                .map(|e| std::array::from_fn(|p| e.tensors()[p].grad() / world as f64))
-                .collect(),
-        };
-        compare(&sharded, &reference, false);
-        let total = Tensor::from_slice(&[sharded.dropped as i64]);
-        ctx.group().all_reduce(&total, ReduceOp::Sum).expect("sum");
-        if factor < 1.0 {
-            assert!(
-                total.int64_value(&[0]) > 0,
-                "capacity {factor} drops nothing"
-            );
-        }
-    });
+    }
+    crate::common::each_case(
+        "capacity_drops_match_one_process",
+        cases,
+        |&(ep, factor, dispatcher): &(usize, f64, Dispatcher)| {
+            common::run(ep, |ctx| {
+                let l = layout(ctx, ep);
+                let world = ep;
+                let sharded = run_ep(ctx, &l, dispatcher, Some(factor), ExpertReduction::Rule);
+
+                let (router, all) = params();
+                let (x, starts) = all_tokens(world);
+                let x = leaf(x);
+                let probs_idx = dense_reference(&x.detach(), &router.detach(), &all, None).2;
+                let kept = reference_keep(&probs_idx, &starts, factor);
+                let (out, probs, idx) = dense_reference(&x, &router, &all, Some(&kept));
+                let weights = Tensor::cat(&(0..world).map(loss_weights).collect::<Vec<_>>(), 0);
+                let rank = ctx.rank();
+                let mut aux = Tensor::zeros([], (Kind::Float, Device::Cpu));
+                let mut own_aux = None;
+                for r in 0..world {
+                    let n = starts[r + 1] - starts[r];
+                    let counts = idx
+                        .narrow(0, starts[r], n)
+                        .reshape([-1])
+                        .bincount::<Tensor>(None, E as i64)
+                        .to_kind(Kind::Float);
+                    let f = counts / (n * K) as f64;
+                    let p = probs.narrow(0, starts[r], n).mean_dim(0, false, None);
+                    let aux_r = (f * p).sum(Kind::Float) * (E as f64 * AUX);
+                    if r == rank {
+                        own_aux = Some(aux_r.detach());
+                    }
+                    aux = aux.f_add(&aux_r).expect("add");
+                }
+                ((&out * weights).sum(Kind::Float) + &aux).backward();
+                let own = |t: &Tensor| t.narrow(0, starts[rank], starts[rank + 1] - starts[rank]);
+                let reference_dropped = own(&kept).logical_not().sum(Kind::Int64).int64_value(&[]);
+                assert_eq!(sharded.dropped as i64, reference_dropped, "dropped counts");
+                let reference = Seen {
+                    output: own(&out.detach()),
+                    aux: own_aux.expect("this rank's loss"),
+                    kept: own(&kept),
+                    dropped: reference_dropped as usize,
+                    x_grad: own(&x.grad()) / world as f64,
+                    router_grad: router.grad() / world as f64,
+                    expert_grads: all
+                        .iter()
+                        .map(|e| std::array::from_fn(|p| e.tensors()[p].grad() / world as f64))
+                        .collect(),
+                };
+                compare(&sharded, &reference, false);
+                let total = Tensor::from_slice(&[sharded.dropped as i64]);
+                ctx.group().all_reduce(&total, ReduceOp::Sum).expect("sum");
+                if factor < 1.0 {
+                    assert!(
+                        total.int64_value(&[0]) > 0,
+                        "capacity {factor} drops nothing"
+                    );
+                }
+            });
+        },
+    );
 }
 
 /// One process holding every expert, with no capacity, is the zoo's dense layer on the zoo's
@@ -650,71 +674,82 @@ fn one_process_is_the_zoo_dense_layer() {
 /// The planted bug is caught: expert gradients averaged over their replicas as if they were
 /// data-parallel (each ep rank's tokens counted again, `ep` times too large: EP 2 doubles
 /// them) differ from one process, while the rule's agree.
-#[rstest]
-#[case(2, 2)]
-#[case(2, 4)]
-fn expert_grads_reduced_over_ep_are_caught(#[case] ep: usize, #[case] world: usize) {
-    common::run(world, |ctx| {
-        let l = layout(ctx, ep);
-        let one = run_one_process(ctx.rank(), world);
-        let right = run_ep(ctx, &l, Dispatcher::AllToAll, None, ExpertReduction::Rule);
-        compare(&right, &one, false);
-        let wrong = run_ep(
-            ctx,
-            &l,
-            Dispatcher::AllToAll,
-            None,
-            ExpertReduction::CountedPerEpRank,
-        );
-        let mut caught = false;
-        for (gw, gr) in wrong.expert_grads.iter().zip(&right.expert_grads) {
-            for (w, r) in gw.iter().zip(gr) {
-                assert_bits("doubled gradient", w, &(r * ep as f64));
-            }
-        }
-        for (gw, go) in wrong.expert_grads.iter().zip(&one.expert_grads) {
-            for (w, o) in gw.iter().zip(go) {
-                caught |= excess(w, o) > 0.0;
-            }
-        }
-        assert!(
-            caught,
-            "expert gradients counted per ep rank were not caught"
-        );
-    });
+#[test]
+fn expert_grads_reduced_over_ep_are_caught() {
+    let cases: Vec<(usize, usize)> = vec![(2, 2), (2, 4)];
+    crate::common::each_case(
+        "expert_grads_reduced_over_ep_are_caught",
+        cases,
+        |&(ep, world): &(usize, usize)| {
+            common::run(world, |ctx| {
+                let l = layout(ctx, ep);
+                let one = run_one_process(ctx.rank(), world);
+                let right = run_ep(ctx, &l, Dispatcher::AllToAll, None, ExpertReduction::Rule);
+                compare(&right, &one, false);
+                let wrong = run_ep(
+                    ctx,
+                    &l,
+                    Dispatcher::AllToAll,
+                    None,
+                    ExpertReduction::CountedPerEpRank,
+                );
+                let mut caught = false;
+                for (gw, gr) in wrong.expert_grads.iter().zip(&right.expert_grads) {
+                    for (w, r) in gw.iter().zip(gr) {
+                        assert_bits("doubled gradient", w, &(r * ep as f64));
+                    }
+                }
+                for (gw, go) in wrong.expert_grads.iter().zip(&one.expert_grads) {
+                    for (w, o) in gw.iter().zip(go) {
+                        caught |= excess(w, o) > 0.0;
+                    }
+                }
+                assert!(
+                    caught,
+                    "expert gradients counted per ep rank were not caught"
+                );
+            });
+        },
+    );
 }
 
 /// A rank with no tokens still joins every collective (forward and backward) with both
 /// dispatchers, and the other rank's result is unchanged.
-#[rstest]
-fn a_rank_without_tokens_still_joins(
-    #[values(Dispatcher::AllToAll, Dispatcher::AllGather)] dispatcher: Dispatcher,
-) {
-    common::run(2, |ctx| {
-        let l = layout(ctx, 2);
-        let (router, all) = params();
-        let local: Vec<ExpertParams> = all.into_iter().skip(ctx.rank() * 4).take(4).collect();
-        let x = leaf(if ctx.rank() == 0 {
-            tokens(0)
-        } else {
-            Tensor::zeros([0, D], (Kind::Float, Device::Cpu))
-        });
-        let out = moe_forward(&x, &router, &local, &cfg(None), Some(&l.ep), dispatcher)
-            .expect("moe_forward");
-        (out.output.sum(Kind::Float) + &out.aux_loss).backward();
-        reduce_expert_grads(&local, &l.edp, l.world).expect("reduce");
-        assert!(x.grad().defined(), "the input has a gradient");
-        assert_eq!(x.grad().size(), x.size());
-        for t in local.iter().flat_map(ExpertParams::tensors) {
-            assert!(t.grad().defined(), "every expert has a gradient");
-        }
-        if ctx.rank() == 0 {
-            let (router, all) = params();
-            let one = moe_forward(&tokens(0), &router, &all, &cfg(None), None, dispatcher)
-                .expect("one process");
-            assert_bits("output", &out.output, &one.output);
-        }
-    });
+#[test]
+fn a_rank_without_tokens_still_joins() {
+    let cases: Vec<Dispatcher> = vec![Dispatcher::AllToAll, Dispatcher::AllGather];
+    crate::common::each_case(
+        "a_rank_without_tokens_still_joins",
+        cases,
+        |&dispatcher: &Dispatcher| {
+            common::run(2, |ctx| {
+                let l = layout(ctx, 2);
+                let (router, all) = params();
+                let local: Vec<ExpertParams> =
+                    all.into_iter().skip(ctx.rank() * 4).take(4).collect();
+                let x = leaf(if ctx.rank() == 0 {
+                    tokens(0)
+                } else {
+                    Tensor::zeros([0, D], (Kind::Float, Device::Cpu))
+                });
+                let out = moe_forward(&x, &router, &local, &cfg(None), Some(&l.ep), dispatcher)
+                    .expect("moe_forward");
+                (out.output.sum(Kind::Float) + &out.aux_loss).backward();
+                reduce_expert_grads(&local, &l.edp, l.world).expect("reduce");
+                assert!(x.grad().defined(), "the input has a gradient");
+                assert_eq!(x.grad().size(), x.size());
+                for t in local.iter().flat_map(ExpertParams::tensors) {
+                    assert!(t.grad().defined(), "every expert has a gradient");
+                }
+                if ctx.rank() == 0 {
+                    let (router, all) = params();
+                    let one = moe_forward(&tokens(0), &router, &all, &cfg(None), None, dispatcher)
+                        .expect("one process");
+                    assert_bits("output", &out.output, &one.output);
+                }
+            });
+        },
+    );
 }
 
 /// Bad sizes are errors naming them, raised before any collective on every rank (the

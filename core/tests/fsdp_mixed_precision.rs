@@ -16,7 +16,6 @@ use lockstep_core::train::TrainConfig;
 use lockstep_harness::parity::{compare, TolerancePolicy};
 use lockstep_harness::RankCtx;
 use lockstep_models::zoo;
-use rstest::rstest;
 use tch::Kind;
 
 const STEPS: usize = 3;
@@ -39,54 +38,64 @@ fn fsdp_run(ctx: &RankCtx, model: &str, opts: FsdpOptions) -> RunRecord {
     train_fsdp(m.as_ref(), ctx.group(), &config(ctx, model, "fsdp"), opts).expect("fsdp run")
 }
 
-#[rstest]
-fn fsdp_mixed_precision_matches_ddp_under_the_same_policy_bitwise(
-    #[values(
+#[test]
+fn fsdp_mixed_precision_matches_ddp_under_the_same_policy_bitwise() {
+    let model_values: Vec<&str> = vec![
         "nested",
         "transformer",
         "mlp",
         "gpt",
         "transformer_bn",
         "moe",
-        "gpt_moe"
-    )]
-    model: &str,
-    #[values(2, 4)] world: usize,
-) {
-    lockstep_harness::run(world, |ctx| {
-        for mp in [MixedPrecision::bf16(), MixedPrecision::fp16()] {
-            let ddp = ddp_run(ctx, model, &mp);
-            for (strategy, wrap) in [
-                (ShardingStrategy::FullShard, WrapPolicy::Root),
-                (ShardingStrategy::FullShard, WrapPolicy::PerLayer),
-                (ShardingStrategy::ShardGradOp, WrapPolicy::PerLayer),
-                (ShardingStrategy::NoShard, WrapPolicy::Root),
-            ] {
-                let opts = FsdpOptions {
-                    strategy,
-                    wrap: wrap.clone(),
-                    backward_prefetch: BackwardPrefetch::Pre,
-                    forward_prefetch: true,
-                    mixed_precision: Some(mp),
-                    ..FsdpOptions::default()
-                };
-                let run = fsdp_run(ctx, model, opts);
-                // BatchNorm's running statistics are per rank under FSDP (no buffer
-                // broadcast) and rank 0's under DDP: they agree on rank 0 only.
-                if model == "transformer_bn" && ctx.rank() != 0 {
-                    continue;
-                }
-                let c = compare(&run, &ddp, &TolerancePolicy::bitwise(DType::F32));
-                assert!(
-                    c.passed,
-                    "{model} {} {strategy:?} {wrap:?}: {}",
-                    mp.label(),
-                    c.diagnosis.clone().unwrap_or_default()
-                );
-                assert!(run.losses.iter().all(|l| l.is_finite()));
-            }
+        "gpt_moe",
+    ];
+    let world_values: Vec<usize> = vec![2, 4];
+    let mut cases: Vec<(&str, usize)> = Vec::new();
+    for model in &model_values {
+        for world in &world_values {
+            cases.push((*model, *world));
         }
-    });
+    }
+    crate::common::each_case(
+        "fsdp_mixed_precision_matches_ddp_under_the_same_policy_bitwise",
+        cases,
+        |&(model, world): &(&str, usize)| {
+            lockstep_harness::run(world, |ctx| {
+                for mp in [MixedPrecision::bf16(), MixedPrecision::fp16()] {
+                    let ddp = ddp_run(ctx, model, &mp);
+                    for (strategy, wrap) in [
+                        (ShardingStrategy::FullShard, WrapPolicy::Root),
+                        (ShardingStrategy::FullShard, WrapPolicy::PerLayer),
+                        (ShardingStrategy::ShardGradOp, WrapPolicy::PerLayer),
+                        (ShardingStrategy::NoShard, WrapPolicy::Root),
+                    ] {
+                        let opts = FsdpOptions {
+                            strategy,
+                            wrap: wrap.clone(),
+                            backward_prefetch: BackwardPrefetch::Pre,
+                            forward_prefetch: true,
+                            mixed_precision: Some(mp),
+                            ..FsdpOptions::default()
+                        };
+                        let run = fsdp_run(ctx, model, opts);
+                        // BatchNorm's running statistics are per rank under FSDP (no buffer
+                        // broadcast) and rank 0's under DDP: they agree on rank 0 only.
+                        if model == "transformer_bn" && ctx.rank() != 0 {
+                            continue;
+                        }
+                        let c = compare(&run, &ddp, &TolerancePolicy::bitwise(DType::F32));
+                        assert!(
+                            c.passed,
+                            "{model} {} {strategy:?} {wrap:?}: {}",
+                            mp.label(),
+                            c.diagnosis.clone().unwrap_or_default()
+                        );
+                        assert!(run.losses.iter().all(|l| l.is_finite()));
+                    }
+                }
+            });
+        },
+    );
 }
 
 /// The policy does something: a bf16 run is not the fp32 run, and the fp32 masters, the

@@ -8,7 +8,6 @@ use lockstep_core::record::RunSpec;
 use lockstep_core::train::{train, Optimizer, OptimizerConfig, Sgd, StepHooks, TrainConfig};
 use lockstep_harness::RankCtx;
 use lockstep_models::{zoo, Model};
-use rstest::rstest;
 use std::path::PathBuf;
 use tch::{Kind, Tensor};
 
@@ -84,188 +83,212 @@ fn sgd() -> Sgd {
 
 /// Train 2 steps, save the full state on rank 0, load it into a fresh wrapper (another
 /// layout and another initialization), train 2 more: bitwise the uninterrupted 4 steps.
-#[rstest]
-fn full_state_dict_round_trips_bitwise(
-    #[values("nested", "transformer", "mlp", "gpt")] model: &str,
-    #[values(2, 4)] world: usize,
-) {
-    lockstep_harness::run(world, |ctx| {
-        let dir = scratch(ctx, "full");
-        let layouts = [
-            (
-                opts(ShardingStrategy::FullShard, WrapPolicy::Root),
-                opts(ShardingStrategy::FullShard, WrapPolicy::Root),
-            ),
-            (
-                opts(ShardingStrategy::FullShard, WrapPolicy::PerLayer),
-                opts(ShardingStrategy::NoShard, WrapPolicy::Root),
-            ),
-        ];
-        for (i, (save_opts, load_opts)) in layouts.into_iter().enumerate() {
-            let what = format!("{model} {save_opts:?} -> {load_opts:?}");
-            let m = zoo::build(model, 0, ctx.rank()).expect("model");
-            let mut fsdp = Fsdp::new(m.as_ref(), ctx.group(), save_opts.clone()).expect("fsdp");
-            let mut opt = sgd();
-            for s in 0..4 {
-                step(ctx, m.as_ref(), &mut fsdp, &mut opt, s);
-            }
-            let uninterrupted = fsdp.full_state_dict().expect("state");
-            drop(fsdp);
-
-            let m = zoo::build(model, 0, ctx.rank()).expect("model");
-            let mut fsdp = Fsdp::new(m.as_ref(), ctx.group(), save_opts).expect("fsdp");
-            let mut opt = sgd();
-            for s in 0..2 {
-                step(ctx, m.as_ref(), &mut fsdp, &mut opt, s);
-            }
-            let saved = fsdp.full_state_dict().expect("state");
-            // The gathered state is what the model holds once unsharded.
-            fsdp.unshard().expect("unshard");
-            let model_state: Vec<(String, Tensor)> = m
-                .named_parameters()
-                .into_iter()
-                .chain(m.named_buffers())
-                .collect();
-            assert_same(&saved, &model_state, &what);
-            let path = dir.join(format!("full{i}.safetensors"));
-            fsdp.save_full(&path).expect("save_full");
-            assert!(
-                path.exists(),
-                "every rank returns once rank 0 wrote the file"
-            );
-            drop(fsdp);
-
-            let fresh = scrambled(model, ctx.rank());
-            let mut loaded = Fsdp::new(fresh.as_ref(), ctx.group(), load_opts).expect("fsdp");
-            assert!(!loaded.full_state_dict().expect("state")[0]
-                .1
-                .equal(&saved[0].1));
-            loaded.load_full(&path).expect("load_full");
-            assert_same(&loaded.full_state_dict().expect("state"), &saved, &what);
-            let mut opt = sgd();
-            for s in 2..4 {
-                step(ctx, fresh.as_ref(), &mut loaded, &mut opt, s);
-            }
-            assert_same(
-                &loaded.full_state_dict().expect("state"),
-                &uninterrupted,
-                &format!("{what}: resumed vs uninterrupted"),
-            );
-            // The file is a plain model state file too.
-            if ctx.rank() == 0 {
-                let mut plain = zoo::build(model, 2, 0).expect("model");
-                plain
-                    .load(&path)
-                    .expect("Model::load reads save_full's file");
-                let state: Vec<(String, Tensor)> = plain
-                    .named_parameters()
-                    .into_iter()
-                    .chain(plain.named_buffers())
-                    .collect();
-                assert_same(&state, &saved, &what);
-            }
+#[test]
+fn full_state_dict_round_trips_bitwise() {
+    let model_values: Vec<&str> = vec!["nested", "transformer", "mlp", "gpt"];
+    let world_values: Vec<usize> = vec![2, 4];
+    let mut cases: Vec<(&str, usize)> = Vec::new();
+    for model in &model_values {
+        for world in &world_values {
+            cases.push((*model, *world));
         }
-        ctx.group().barrier().expect("barrier");
-        if ctx.rank() == 0 {
-            let _ = std::fs::remove_dir_all(&dir);
-        }
-    });
+    }
+    crate::common::each_case(
+        "full_state_dict_round_trips_bitwise",
+        cases,
+        |&(model, world): &(&str, usize)| {
+            lockstep_harness::run(world, |ctx| {
+                let dir = scratch(ctx, "full");
+                let layouts = [
+                    (
+                        opts(ShardingStrategy::FullShard, WrapPolicy::Root),
+                        opts(ShardingStrategy::FullShard, WrapPolicy::Root),
+                    ),
+                    (
+                        opts(ShardingStrategy::FullShard, WrapPolicy::PerLayer),
+                        opts(ShardingStrategy::NoShard, WrapPolicy::Root),
+                    ),
+                ];
+                for (i, (save_opts, load_opts)) in layouts.into_iter().enumerate() {
+                    let what = format!("{model} {save_opts:?} -> {load_opts:?}");
+                    let m = zoo::build(model, 0, ctx.rank()).expect("model");
+                    let mut fsdp =
+                        Fsdp::new(m.as_ref(), ctx.group(), save_opts.clone()).expect("fsdp");
+                    let mut opt = sgd();
+                    for s in 0..4 {
+                        step(ctx, m.as_ref(), &mut fsdp, &mut opt, s);
+                    }
+                    let uninterrupted = fsdp.full_state_dict().expect("state");
+                    drop(fsdp);
+
+                    let m = zoo::build(model, 0, ctx.rank()).expect("model");
+                    let mut fsdp = Fsdp::new(m.as_ref(), ctx.group(), save_opts).expect("fsdp");
+                    let mut opt = sgd();
+                    for s in 0..2 {
+                        step(ctx, m.as_ref(), &mut fsdp, &mut opt, s);
+                    }
+                    let saved = fsdp.full_state_dict().expect("state");
+                    // The gathered state is what the model holds once unsharded.
+                    fsdp.unshard().expect("unshard");
+                    let model_state: Vec<(String, Tensor)> = m
+                        .named_parameters()
+                        .into_iter()
+                        .chain(m.named_buffers())
+                        .collect();
+                    assert_same(&saved, &model_state, &what);
+                    let path = dir.join(format!("full{i}.safetensors"));
+                    fsdp.save_full(&path).expect("save_full");
+                    assert!(
+                        path.exists(),
+                        "every rank returns once rank 0 wrote the file"
+                    );
+                    drop(fsdp);
+
+                    let fresh = scrambled(model, ctx.rank());
+                    let mut loaded =
+                        Fsdp::new(fresh.as_ref(), ctx.group(), load_opts).expect("fsdp");
+                    assert!(!loaded.full_state_dict().expect("state")[0]
+                        .1
+                        .equal(&saved[0].1));
+                    loaded.load_full(&path).expect("load_full");
+                    assert_same(&loaded.full_state_dict().expect("state"), &saved, &what);
+                    let mut opt = sgd();
+                    for s in 2..4 {
+                        step(ctx, fresh.as_ref(), &mut loaded, &mut opt, s);
+                    }
+                    assert_same(
+                        &loaded.full_state_dict().expect("state"),
+                        &uninterrupted,
+                        &format!("{what}: resumed vs uninterrupted"),
+                    );
+                    // The file is a plain model state file too.
+                    if ctx.rank() == 0 {
+                        let mut plain = zoo::build(model, 2, 0).expect("model");
+                        plain
+                            .load(&path)
+                            .expect("Model::load reads save_full's file");
+                        let state: Vec<(String, Tensor)> = plain
+                            .named_parameters()
+                            .into_iter()
+                            .chain(plain.named_buffers())
+                            .collect();
+                        assert_same(&state, &saved, &what);
+                    }
+                }
+                ctx.group().barrier().expect("barrier");
+                if ctx.rank() == 0 {
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
+            });
+        },
+    );
 }
 
 /// Sharded checkpoints: one file per rank, metadata naming each parameter's range, loaded
 /// back bitwise (rank-local experts included).
-#[rstest]
-fn sharded_state_dict_round_trips_bitwise(
-    #[values("nested", "transformer", "mlp", "moe")] model: &str,
-    #[values(2, 4)] world: usize,
-) {
-    lockstep_harness::run(world, |ctx| {
-        let dir = scratch(ctx, "sharded");
-        for (i, o) in [
-            opts(ShardingStrategy::FullShard, WrapPolicy::PerLayer),
-            opts(ShardingStrategy::ShardGradOp, WrapPolicy::Root),
-            opts(ShardingStrategy::NoShard, WrapPolicy::Root),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let what = format!("{model} {o:?}");
-            let m = zoo::build(model, 0, ctx.rank()).expect("model");
-            let mut fsdp = Fsdp::new(m.as_ref(), ctx.group(), o.clone()).expect("fsdp");
-            let mut opt = sgd();
-            for s in 0..4 {
-                step(ctx, m.as_ref(), &mut fsdp, &mut opt, s);
-            }
-            let uninterrupted = fsdp.full_state_dict().expect("state");
-            drop(fsdp);
-
-            let m = zoo::build(model, 0, ctx.rank()).expect("model");
-            let mut fsdp = Fsdp::new(m.as_ref(), ctx.group(), o.clone()).expect("fsdp");
-            let mut opt = sgd();
-            for s in 0..2 {
-                step(ctx, m.as_ref(), &mut fsdp, &mut opt, s);
-            }
-            let saved = fsdp.full_state_dict().expect("state");
-            let sharded = fsdp.sharded_state_dict().expect("sharded");
-            // The metadata covers exactly the shard's unpadded elements, in order.
-            assert_eq!(sharded.layout.world_size, world);
-            assert_eq!(sharded.layout.rank, ctx.rank());
-            for (u, unit) in sharded.layout.units.iter().enumerate() {
-                let (key, shard) = &sharded.tensors[u];
-                assert_eq!(key, &unit.key);
-                assert_eq!(shard.numel() as i64, unit.shard_numel);
-                let mut next = 0;
-                for p in &unit.params {
-                    if let Some((start, end, at)) = p.in_shard {
-                        assert_eq!(at, next, "{what}: `{}` contiguous", p.name);
-                        assert_eq!(p.flat_offset + start, unit.shard_offset + at);
-                        next += end - start;
+#[test]
+fn sharded_state_dict_round_trips_bitwise() {
+    let model_values: Vec<&str> = vec!["nested", "transformer", "mlp", "moe"];
+    let world_values: Vec<usize> = vec![2, 4];
+    let mut cases: Vec<(&str, usize)> = Vec::new();
+    for model in &model_values {
+        for world in &world_values {
+            cases.push((*model, *world));
+        }
+    }
+    crate::common::each_case(
+        "sharded_state_dict_round_trips_bitwise",
+        cases,
+        |&(model, world): &(&str, usize)| {
+            lockstep_harness::run(world, |ctx| {
+                let dir = scratch(ctx, "sharded");
+                for (i, o) in [
+                    opts(ShardingStrategy::FullShard, WrapPolicy::PerLayer),
+                    opts(ShardingStrategy::ShardGradOp, WrapPolicy::Root),
+                    opts(ShardingStrategy::NoShard, WrapPolicy::Root),
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    let what = format!("{model} {o:?}");
+                    let m = zoo::build(model, 0, ctx.rank()).expect("model");
+                    let mut fsdp = Fsdp::new(m.as_ref(), ctx.group(), o.clone()).expect("fsdp");
+                    let mut opt = sgd();
+                    for s in 0..4 {
+                        step(ctx, m.as_ref(), &mut fsdp, &mut opt, s);
                     }
-                }
-                let real = (unit.numel - unit.shard_offset).clamp(0, unit.shard_numel);
-                assert_eq!(next, real, "{what}: unit {}", unit.unit);
-            }
-            let ckpt = dir.join(format!("ckpt{i}"));
-            fsdp.save_sharded(&ckpt).expect("save_sharded");
-            for r in 0..world {
-                assert!(ckpt.join(format!("rank{r}.safetensors")).exists());
-                assert!(ckpt.join(format!("rank{r}.json")).exists());
-            }
-            drop(fsdp);
+                    let uninterrupted = fsdp.full_state_dict().expect("state");
+                    drop(fsdp);
 
-            let fresh = scrambled(model, ctx.rank());
-            let mut loaded = Fsdp::new(fresh.as_ref(), ctx.group(), o).expect("fsdp");
-            // Gathered before the load: the load must refresh the full parameters too.
-            loaded.unshard().expect("unshard");
-            let counts = loaded.collective_counts();
-            loaded.load_sharded(&ckpt).expect("load_sharded");
-            assert_eq!(
-                loaded.collective_counts(),
-                counts,
-                "checkpoint gathers not counted"
-            );
-            assert_same(&loaded.full_state_dict().expect("state"), &saved, &what);
-            let params: Vec<(String, Tensor)> = fresh.named_parameters();
-            assert_same(
-                &params,
-                &saved[..params.len()],
-                &format!("{what}: model refreshed"),
-            );
-            let mut opt = sgd();
-            for s in 2..4 {
-                step(ctx, fresh.as_ref(), &mut loaded, &mut opt, s);
-            }
-            assert_same(
-                &loaded.full_state_dict().expect("state"),
-                &uninterrupted,
-                &format!("{what}: resumed vs uninterrupted"),
-            );
-        }
-        ctx.group().barrier().expect("barrier");
-        if ctx.rank() == 0 {
-            let _ = std::fs::remove_dir_all(&dir);
-        }
-    });
+                    let m = zoo::build(model, 0, ctx.rank()).expect("model");
+                    let mut fsdp = Fsdp::new(m.as_ref(), ctx.group(), o.clone()).expect("fsdp");
+                    let mut opt = sgd();
+                    for s in 0..2 {
+                        step(ctx, m.as_ref(), &mut fsdp, &mut opt, s);
+                    }
+                    let saved = fsdp.full_state_dict().expect("state");
+                    let sharded = fsdp.sharded_state_dict().expect("sharded");
+                    // The metadata covers exactly the shard's unpadded elements, in order.
+                    assert_eq!(sharded.layout.world_size, world);
+                    assert_eq!(sharded.layout.rank, ctx.rank());
+                    for (u, unit) in sharded.layout.units.iter().enumerate() {
+                        let (key, shard) = &sharded.tensors[u];
+                        assert_eq!(key, &unit.key);
+                        assert_eq!(shard.numel() as i64, unit.shard_numel);
+                        let mut next = 0;
+                        for p in &unit.params {
+                            if let Some((start, end, at)) = p.in_shard {
+                                assert_eq!(at, next, "{what}: `{}` contiguous", p.name);
+                                assert_eq!(p.flat_offset + start, unit.shard_offset + at);
+                                next += end - start;
+                            }
+                        }
+                        let real = (unit.numel - unit.shard_offset).clamp(0, unit.shard_numel);
+                        assert_eq!(next, real, "{what}: unit {}", unit.unit);
+                    }
+                    let ckpt = dir.join(format!("ckpt{i}"));
+                    fsdp.save_sharded(&ckpt).expect("save_sharded");
+                    for r in 0..world {
+                        assert!(ckpt.join(format!("rank{r}.safetensors")).exists());
+                        assert!(ckpt.join(format!("rank{r}.json")).exists());
+                    }
+                    drop(fsdp);
+
+                    let fresh = scrambled(model, ctx.rank());
+                    let mut loaded = Fsdp::new(fresh.as_ref(), ctx.group(), o).expect("fsdp");
+                    // Gathered before the load: the load must refresh the full parameters too.
+                    loaded.unshard().expect("unshard");
+                    let counts = loaded.collective_counts();
+                    loaded.load_sharded(&ckpt).expect("load_sharded");
+                    assert_eq!(
+                        loaded.collective_counts(),
+                        counts,
+                        "checkpoint gathers not counted"
+                    );
+                    assert_same(&loaded.full_state_dict().expect("state"), &saved, &what);
+                    let params: Vec<(String, Tensor)> = fresh.named_parameters();
+                    assert_same(
+                        &params,
+                        &saved[..params.len()],
+                        &format!("{what}: model refreshed"),
+                    );
+                    let mut opt = sgd();
+                    for s in 2..4 {
+                        step(ctx, fresh.as_ref(), &mut loaded, &mut opt, s);
+                    }
+                    assert_same(
+                        &loaded.full_state_dict().expect("state"),
+                        &uninterrupted,
+                        &format!("{what}: resumed vs uninterrupted"),
+                    );
+                }
+                ctx.group().barrier().expect("barrier");
+                if ctx.rank() == 0 {
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
+            });
+        },
+    );
 }
 
 /// Missing, misshaped and unexpected keys, a foreign layout and a missing rank file: typed
@@ -435,64 +458,75 @@ fn close(a: &Tensor, b: &Tensor) -> bool {
 
 /// The total norm is the full model's gradient norm (tied parameters once), and clipping
 /// scales every gradient as `clip_grad_norm_` does on the single-device reference.
-#[rstest]
-fn clip_grad_norm_matches_the_full_model(
-    #[values("nested", "transformer", "mlp", "gpt")] model: &str,
-    #[values(2, 4)] world: usize,
-) {
-    lockstep_harness::run(world, |ctx| {
-        let reference = reference_grads(model, world, 0);
-        let ref_norm = norm(&reference);
-        for o in [
-            opts(ShardingStrategy::FullShard, WrapPolicy::PerLayer),
-            opts(ShardingStrategy::FullShard, WrapPolicy::Root),
-            opts(ShardingStrategy::NoShard, WrapPolicy::Root),
-        ] {
-            for max_norm in [ref_norm * 0.5, ref_norm * 2.0] {
-                let what = format!("{model} {o:?} max {max_norm}");
-                let m = zoo::build(model, 0, ctx.rank()).expect("model");
-                let mut fsdp = Fsdp::new(m.as_ref(), ctx.group(), o.clone()).expect("fsdp");
-                zero_grads(m.as_ref());
-                fsdp.before_forward(0).expect("unshard");
-                m.loss_hooked(&m.input(ctx.rank(), 0).expect("batch"), &mut fsdp)
-                    .expect("loss")
-                    .backward();
-                fsdp.sync_gradients(&[]).expect("reduce");
-                let full: Vec<(String, Tensor)> = m
-                    .named_parameters()
-                    .into_iter()
-                    .map(|(n, p)| (n, p.grad().copy()))
-                    .collect();
-                let total = fsdp.clip_grad_norm(max_norm).expect("clip");
-                assert_eq!(fsdp.last_total_norm(), Some(total));
-                // Exactly the norm of the reduced full gradients, up to summation order.
-                let exact = norm(&full);
-                assert!(
-                    (total - exact).abs() <= 1e-12 * exact,
-                    "{what}: {total} vs {exact}"
-                );
-                assert!(
-                    (total - ref_norm).abs() <= 1e-5 * ref_norm,
-                    "{what}: {total} vs {ref_norm}"
-                );
-                let coef = (max_norm / (ref_norm + 1e-6)).min(1.0);
-                for ((n, g), (_, r)) in m.named_parameters().iter().zip(&reference) {
-                    let g = g.grad();
-                    assert!(close(&g, &(r * coef)), "{what}: clipped grad of `{n}`");
-                }
-                // The optimizer steps with the clipped shard gradients.
-                let mut opt = sgd();
-                fsdp.step(&mut opt).expect("step");
-                let state = fsdp.full_state_dict().expect("state");
-                let init = zoo::build(model, 0, 0).expect("model");
-                for ((n, p), (_, r)) in init.named_parameters().iter().zip(&reference) {
-                    let expected = p - r * (0.01 * coef);
-                    let got = &state.iter().find(|(k, _)| k == n).expect("param").1;
-                    assert!(close(got, &expected), "{what}: stepped `{n}`");
-                }
-            }
+#[test]
+fn clip_grad_norm_matches_the_full_model() {
+    let model_values: Vec<&str> = vec!["nested", "transformer", "mlp", "gpt"];
+    let world_values: Vec<usize> = vec![2, 4];
+    let mut cases: Vec<(&str, usize)> = Vec::new();
+    for model in &model_values {
+        for world in &world_values {
+            cases.push((*model, *world));
         }
-    });
+    }
+    crate::common::each_case(
+        "clip_grad_norm_matches_the_full_model",
+        cases,
+        |&(model, world): &(&str, usize)| {
+            lockstep_harness::run(world, |ctx| {
+                let reference = reference_grads(model, world, 0);
+                let ref_norm = norm(&reference);
+                for o in [
+                    opts(ShardingStrategy::FullShard, WrapPolicy::PerLayer),
+                    opts(ShardingStrategy::FullShard, WrapPolicy::Root),
+                    opts(ShardingStrategy::NoShard, WrapPolicy::Root),
+                ] {
+                    for max_norm in [ref_norm * 0.5, ref_norm * 2.0] {
+                        let what = format!("{model} {o:?} max {max_norm}");
+                        let m = zoo::build(model, 0, ctx.rank()).expect("model");
+                        let mut fsdp = Fsdp::new(m.as_ref(), ctx.group(), o.clone()).expect("fsdp");
+                        zero_grads(m.as_ref());
+                        fsdp.before_forward(0).expect("unshard");
+                        m.loss_hooked(&m.input(ctx.rank(), 0).expect("batch"), &mut fsdp)
+                            .expect("loss")
+                            .backward();
+                        fsdp.sync_gradients(&[]).expect("reduce");
+                        let full: Vec<(String, Tensor)> = m
+                            .named_parameters()
+                            .into_iter()
+                            .map(|(n, p)| (n, p.grad().copy()))
+                            .collect();
+                        let total = fsdp.clip_grad_norm(max_norm).expect("clip");
+                        assert_eq!(fsdp.last_total_norm(), Some(total));
+                        // Exactly the norm of the reduced full gradients, up to summation order.
+                        let exact = norm(&full);
+                        assert!(
+                            (total - exact).abs() <= 1e-12 * exact,
+                            "{what}: {total} vs {exact}"
+                        );
+                        assert!(
+                            (total - ref_norm).abs() <= 1e-5 * ref_norm,
+                            "{what}: {total} vs {ref_norm}"
+                        );
+                        let coef = (max_norm / (ref_norm + 1e-6)).min(1.0);
+                        for ((n, g), (_, r)) in m.named_parameters().iter().zip(&reference) {
+                            let g = g.grad();
+                            assert!(close(&g, &(r * coef)), "{what}: clipped grad of `{n}`");
+                        }
+                        // The optimizer steps with the clipped shard gradients.
+                        let mut opt = sgd();
+                        fsdp.step(&mut opt).expect("step");
+                        let state = fsdp.full_state_dict().expect("state");
+                        let init = zoo::build(model, 0, 0).expect("model");
+                        for ((n, p), (_, r)) in init.named_parameters().iter().zip(&reference) {
+                            let expected = p - r * (0.01 * coef);
+                            let got = &state.iter().find(|(k, _)| k == n).expect("param").1;
+                            assert!(close(got, &expected), "{what}: stepped `{n}`");
+                        }
+                    }
+                }
+            });
+        },
+    );
 }
 
 /// Clipping inside `train` through the optimizer-step hook: the norm it clips with is the
@@ -533,89 +567,100 @@ const MICRO: usize = 3;
 /// `MICRO` micro-steps: the first `MICRO - 1` under `no_sync` issue no collective, the last
 /// reduces the accumulated sums; bitwise what DDP-style accumulation (local sums, then one
 /// all-reduce average per gradient) gives.
-#[rstest]
-fn no_sync_accumulates_like_ddp(
-    #[values("nested", "transformer", "mlp", "moe")] model: &str,
-    #[values(2, 4)] world: usize,
-) {
-    lockstep_harness::run(world, |ctx| {
-        // Reference: accumulate locally, all-reduce (Avg) each shared gradient once.
-        let r = zoo::build(model, 0, ctx.rank()).expect("model");
-        let tags = r.tags();
-        for k in 0..MICRO {
-            r.loss(&r.input(ctx.rank(), k).expect("batch"))
-                .expect("loss")
-                .backward();
+#[test]
+fn no_sync_accumulates_like_ddp() {
+    let model_values: Vec<&str> = vec!["nested", "transformer", "mlp", "moe"];
+    let world_values: Vec<usize> = vec![2, 4];
+    let mut cases: Vec<(&str, usize)> = Vec::new();
+    for model in &model_values {
+        for world in &world_values {
+            cases.push((*model, *world));
         }
-        let params = r.named_parameters();
-        for (n, p) in &params {
-            if !tags.is_rank_local(n) {
-                ctx.group()
-                    .all_reduce(&p.grad(), ReduceOp::Avg)
-                    .expect("all-reduce");
-            }
-        }
-        let ref_grads: Vec<(String, Tensor)> = params
-            .iter()
-            .map(|(n, p)| (n.clone(), p.grad().copy()))
-            .collect();
-        let mut opt = Sgd::new(0.01, 0.9);
-        opt.step(&params).expect("step");
-        let ref_state: Vec<(String, Tensor)> =
-            params.iter().map(|(n, p)| (n.clone(), p.copy())).collect();
-
-        for o in [
-            opts(ShardingStrategy::FullShard, WrapPolicy::Root),
-            opts(ShardingStrategy::FullShard, WrapPolicy::PerLayer),
-            opts(ShardingStrategy::NoShard, WrapPolicy::Root),
-        ] {
-            let what = format!("{model} {o:?}");
-            let m = zoo::build(model, 0, ctx.rank()).expect("model");
-            let mut fsdp = Fsdp::new(m.as_ref(), ctx.group(), o).expect("fsdp");
-            let mut opt = Sgd::new(0.01, 0.9);
-            zero_grads(m.as_ref());
-            fsdp.unshard().expect("unshard");
-            let before = fsdp.collective_counts();
-            fsdp.no_sync(|f| {
-                assert!(!f.requires_gradient_sync());
-                for k in 0..MICRO - 1 {
-                    f.before_forward(k).expect("forward");
-                    m.loss_hooked(&m.input(ctx.rank(), k).expect("batch"), f)
+    }
+    crate::common::each_case(
+        "no_sync_accumulates_like_ddp",
+        cases,
+        |&(model, world): &(&str, usize)| {
+            lockstep_harness::run(world, |ctx| {
+                // Reference: accumulate locally, all-reduce (Avg) each shared gradient once.
+                let r = zoo::build(model, 0, ctx.rank()).expect("model");
+                let tags = r.tags();
+                for k in 0..MICRO {
+                    r.loss(&r.input(ctx.rank(), k).expect("batch"))
                         .expect("loss")
                         .backward();
-                    f.sync_gradients(&[]).expect("no sync");
                 }
-                assert!(
-                    f.optimizer_step(&mut opt, &[]).is_err(),
-                    "{what}: step refused"
-                );
+                let params = r.named_parameters();
+                for (n, p) in &params {
+                    if !tags.is_rank_local(n) {
+                        ctx.group()
+                            .all_reduce(&p.grad(), ReduceOp::Avg)
+                            .expect("all-reduce");
+                    }
+                }
+                let ref_grads: Vec<(String, Tensor)> = params
+                    .iter()
+                    .map(|(n, p)| (n.clone(), p.grad().copy()))
+                    .collect();
+                let mut opt = Sgd::new(0.01, 0.9);
+                opt.step(&params).expect("step");
+                let ref_state: Vec<(String, Tensor)> =
+                    params.iter().map(|(n, p)| (n.clone(), p.copy())).collect();
+
+                for o in [
+                    opts(ShardingStrategy::FullShard, WrapPolicy::Root),
+                    opts(ShardingStrategy::FullShard, WrapPolicy::PerLayer),
+                    opts(ShardingStrategy::NoShard, WrapPolicy::Root),
+                ] {
+                    let what = format!("{model} {o:?}");
+                    let m = zoo::build(model, 0, ctx.rank()).expect("model");
+                    let mut fsdp = Fsdp::new(m.as_ref(), ctx.group(), o).expect("fsdp");
+                    let mut opt = Sgd::new(0.01, 0.9);
+                    zero_grads(m.as_ref());
+                    fsdp.unshard().expect("unshard");
+                    let before = fsdp.collective_counts();
+                    fsdp.no_sync(|f| {
+                        assert!(!f.requires_gradient_sync());
+                        for k in 0..MICRO - 1 {
+                            f.before_forward(k).expect("forward");
+                            m.loss_hooked(&m.input(ctx.rank(), k).expect("batch"), f)
+                                .expect("loss")
+                                .backward();
+                            f.sync_gradients(&[]).expect("no sync");
+                        }
+                        assert!(
+                            f.optimizer_step(&mut opt, &[]).is_err(),
+                            "{what}: step refused"
+                        );
+                    });
+                    assert!(fsdp.requires_gradient_sync());
+                    assert_eq!(
+                        fsdp.collective_counts(),
+                        before,
+                        "{what}: no collective in no_sync"
+                    );
+                    fsdp.before_forward(MICRO - 1).expect("forward");
+                    m.loss_hooked(&m.input(ctx.rank(), MICRO - 1).expect("batch"), &mut fsdp)
+                        .expect("loss")
+                        .backward();
+                    fsdp.sync_gradients(&[]).expect("reduce");
+                    let c = fsdp.collective_counts();
+                    assert!(c.grad_reduce_scatters + c.grad_all_reduces > 0);
+                    let grads: Vec<(String, Tensor)> = m
+                        .named_parameters()
+                        .into_iter()
+                        .map(|(n, p)| (n, p.grad().copy()))
+                        .collect();
+                    assert_same(&grads, &ref_grads, &format!("{what}: accumulated grads"));
+                    assert!(fsdp.optimizer_step(&mut opt, &[]).expect("step"));
+                    let state = fsdp.full_state_dict().expect("state");
+                    assert_same(
+                        &state[..ref_state.len()],
+                        &ref_state,
+                        &format!("{what}: params"),
+                    );
+                }
             });
-            assert!(fsdp.requires_gradient_sync());
-            assert_eq!(
-                fsdp.collective_counts(),
-                before,
-                "{what}: no collective in no_sync"
-            );
-            fsdp.before_forward(MICRO - 1).expect("forward");
-            m.loss_hooked(&m.input(ctx.rank(), MICRO - 1).expect("batch"), &mut fsdp)
-                .expect("loss")
-                .backward();
-            fsdp.sync_gradients(&[]).expect("reduce");
-            let c = fsdp.collective_counts();
-            assert!(c.grad_reduce_scatters + c.grad_all_reduces > 0);
-            let grads: Vec<(String, Tensor)> = m
-                .named_parameters()
-                .into_iter()
-                .map(|(n, p)| (n, p.grad().copy()))
-                .collect();
-            assert_same(&grads, &ref_grads, &format!("{what}: accumulated grads"));
-            assert!(fsdp.optimizer_step(&mut opt, &[]).expect("step"));
-            let state = fsdp.full_state_dict().expect("state");
-            assert_same(
-                &state[..ref_state.len()],
-                &ref_state,
-                &format!("{what}: params"),
-            );
-        }
-    });
+        },
+    );
 }

@@ -16,7 +16,6 @@ use lockstep_core::train::{single_device_reference, train, OptimizerConfig, Trai
 use lockstep_harness::parity::{compare, Comparison, TolerancePolicy};
 use lockstep_harness::RankCtx;
 use lockstep_models::{zoo, LayerKind, Model};
-use rstest::rstest;
 use tch::Tensor;
 
 const STEPS: usize = 3;
@@ -78,41 +77,52 @@ fn zoo_models_call_the_layer_hooks() {
 
 /// Every per-layer mode is the same math as DDP: gathering, freeing, re-gathering and
 /// prefetching move parameters, never change them.
-#[rstest]
-fn per_layer_units_match_ddp_bitwise_in_every_mode(
-    #[values("nested", "transformer", "mlp", "gpt")] model: &str,
-    #[values(2, 4)] world: usize,
-) {
-    lockstep_harness::run(world, |ctx| {
-        let ddp = ddp_run(ctx, model);
-        let bitwise = TolerancePolicy::bitwise(DType::F32);
-        for strategy in [ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp] {
-            for backward_prefetch in [
-                BackwardPrefetch::None,
-                BackwardPrefetch::Pre,
-                BackwardPrefetch::Post,
-            ] {
-                for forward_prefetch in [false, true] {
-                    let opts = FsdpOptions {
-                        backward_prefetch,
-                        forward_prefetch,
-                        ..per_layer(strategy)
-                    };
-                    let (run, _) = fsdp_run(ctx, model, opts);
-                    let what = format!(
-                        "{model} {strategy:?} {backward_prefetch:?} fwd={forward_prefetch}"
-                    );
-                    assert_passes(&compare(&run, &ddp, &bitwise), &what);
-                }
-            }
+#[test]
+fn per_layer_units_match_ddp_bitwise_in_every_mode() {
+    let model_values: Vec<&str> = vec!["nested", "transformer", "mlp", "gpt"];
+    let world_values: Vec<usize> = vec![2, 4];
+    let mut cases: Vec<(&str, usize)> = Vec::new();
+    for model in &model_values {
+        for world in &world_values {
+            cases.push((*model, *world));
         }
-        let no_reshard = FsdpOptions {
-            reshard_after_forward: false,
-            ..per_layer(ShardingStrategy::FullShard)
-        };
-        let (run, _) = fsdp_run(ctx, model, no_reshard);
-        assert_passes(&compare(&run, &ddp, &bitwise), "no reshard after forward");
-    });
+    }
+    crate::common::each_case(
+        "per_layer_units_match_ddp_bitwise_in_every_mode",
+        cases,
+        |&(model, world): &(&str, usize)| {
+            lockstep_harness::run(world, |ctx| {
+                let ddp = ddp_run(ctx, model);
+                let bitwise = TolerancePolicy::bitwise(DType::F32);
+                for strategy in [ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp] {
+                    for backward_prefetch in [
+                        BackwardPrefetch::None,
+                        BackwardPrefetch::Pre,
+                        BackwardPrefetch::Post,
+                    ] {
+                        for forward_prefetch in [false, true] {
+                            let opts = FsdpOptions {
+                                backward_prefetch,
+                                forward_prefetch,
+                                ..per_layer(strategy)
+                            };
+                            let (run, _) = fsdp_run(ctx, model, opts);
+                            let what = format!(
+                                "{model} {strategy:?} {backward_prefetch:?} fwd={forward_prefetch}"
+                            );
+                            assert_passes(&compare(&run, &ddp, &bitwise), &what);
+                        }
+                    }
+                }
+                let no_reshard = FsdpOptions {
+                    reshard_after_forward: false,
+                    ..per_layer(ShardingStrategy::FullShard)
+                };
+                let (run, _) = fsdp_run(ctx, model, no_reshard);
+                assert_passes(&compare(&run, &ddp, &bitwise), "no reshard after forward");
+            });
+        },
+    );
 }
 
 /// Collectives per step with one unit per layer: full shard gathers every unit in forward
@@ -146,57 +156,62 @@ fn per_layer_collectives_are_counted() {
 /// With full shard and reshard-after-forward, at most the root, the unit running and the one
 /// prefetched are gathered at once: peak ≤ shard + root + the two largest other units
 /// (`nested` has no root unit, so there it is the "shard plus two largest units").
-#[rstest]
-fn peak_full_parameters_stay_within_two_units(
-    #[values("nested", "gpt", "transformer")] model: &str,
-) {
-    lockstep_harness::run(2, |ctx| {
-        for (backward_prefetch, forward_prefetch) in [
-            (BackwardPrefetch::None, false),
-            (BackwardPrefetch::Pre, true),
-            (BackwardPrefetch::Post, false),
-        ] {
-            let opts = FsdpOptions {
-                backward_prefetch,
-                forward_prefetch,
-                ..per_layer(ShardingStrategy::FullShard)
-            };
-            let (_, fsdp) = fsdp_run(ctx, model, opts);
-            let units = fsdp.units();
-            let mut bytes = fsdp.unit_full_bytes();
-            let root = if units[0].0 == "root" {
-                bytes.remove(0)
-            } else {
-                0
-            };
-            bytes.sort_unstable_by(|a, b| b.cmp(a));
-            let two_largest: usize = bytes.iter().take(2).sum();
-            let memory = fsdp.memory_stats();
-            let peak = memory.full_param_bytes_peak as usize;
-            let shard = fsdp.shard_bytes();
-            assert_eq!(memory.shard_bytes as usize, shard);
-            assert!(
+#[test]
+fn peak_full_parameters_stay_within_two_units() {
+    let cases: Vec<&str> = vec!["nested", "gpt", "transformer"];
+    crate::common::each_case(
+        "peak_full_parameters_stay_within_two_units",
+        cases,
+        |&model: &&str| {
+            lockstep_harness::run(2, |ctx| {
+                for (backward_prefetch, forward_prefetch) in [
+                    (BackwardPrefetch::None, false),
+                    (BackwardPrefetch::Pre, true),
+                    (BackwardPrefetch::Post, false),
+                ] {
+                    let opts = FsdpOptions {
+                        backward_prefetch,
+                        forward_prefetch,
+                        ..per_layer(ShardingStrategy::FullShard)
+                    };
+                    let (_, fsdp) = fsdp_run(ctx, model, opts);
+                    let units = fsdp.units();
+                    let mut bytes = fsdp.unit_full_bytes();
+                    let root = if units[0].0 == "root" {
+                        bytes.remove(0)
+                    } else {
+                        0
+                    };
+                    bytes.sort_unstable_by(|a, b| b.cmp(a));
+                    let two_largest: usize = bytes.iter().take(2).sum();
+                    let memory = fsdp.memory_stats();
+                    let peak = memory.full_param_bytes_peak as usize;
+                    let shard = fsdp.shard_bytes();
+                    assert_eq!(memory.shard_bytes as usize, shard);
+                    assert!(
                 shard + peak <= shard + root + two_largest,
                 "{model} {backward_prefetch:?} fwd={forward_prefetch}: peak {peak} > root {root} + two largest units {two_largest}"
             );
-            assert!(
+                    assert!(
                 peak < memory.model_param_bytes as usize,
                 "{model}: per-layer resharding must keep fewer than all parameters gathered"
             );
-        }
-        // Shard-grad-op keeps every unit from forward to backward: the whole model.
-        let m = zoo::build(model, 0, ctx.rank()).expect("model");
-        let cfg = config(ctx, model, "fsdp.shard_grad_op.per_layer");
-        let record = train_fsdp(
-            m.as_ref(),
-            ctx.group(),
-            &cfg,
-            per_layer(ShardingStrategy::ShardGradOp),
-        )
-        .expect("run");
-        let memory = record.memory.expect("train_fsdp records rank 0's memory");
-        assert_eq!(memory.full_param_bytes_peak, memory.model_param_bytes);
-    });
+                }
+                // Shard-grad-op keeps every unit from forward to backward: the whole model.
+                let m = zoo::build(model, 0, ctx.rank()).expect("model");
+                let cfg = config(ctx, model, "fsdp.shard_grad_op.per_layer");
+                let record = train_fsdp(
+                    m.as_ref(),
+                    ctx.group(),
+                    &cfg,
+                    per_layer(ShardingStrategy::ShardGradOp),
+                )
+                .expect("run");
+                let memory = record.memory.expect("train_fsdp records rank 0's memory");
+                assert_eq!(memory.full_param_bytes_peak, memory.model_param_bytes);
+            });
+        },
+    );
 }
 
 #[test]
@@ -307,60 +322,65 @@ fn a_world_that_does_not_fit_the_hybrid_mesh_is_named() {
 /// associate differently from DDP's rank-order all-reduce ((g0+g1)+(g2+g3) against
 /// ((g0+g1)+g2)+g3), so it is compared under the fp32 dtype table, not bitwise; with a
 /// single replica it is full shard, and bitwise again.
-#[rstest]
-fn hybrid_shard_matches_ddp(#[values("nested", "gpt", "mlp")] model: &str) {
-    lockstep_harness::run(4, |ctx| {
-        let ddp = ddp_run(ctx, model);
-        let m = zoo::build(model, 0, ctx.rank()).expect("model");
-        let opts = FsdpOptions {
-            strategy: ShardingStrategy::HybridShard,
-            wrap: WrapPolicy::PerLayer,
-            ..FsdpOptions::default()
-        };
-        let cfg = config(ctx, model, "fsdp.hybrid_shard");
-        let run = train_fsdp_hybrid(m.as_ref(), ctx.world(), ctx.group(), 2, &cfg, opts.clone())
-            .expect("hybrid");
-        assert_passes(
-            &compare(&run, &ddp, &TolerancePolicy::dtype_table(DType::F32)),
-            "hybrid 2x2 vs ddp",
-        );
-        if ctx.rank() == 0 {
-            let single = zoo::build(model, 0, 0).expect("model");
-            let reference = single_device_reference(
-                single.as_ref(),
-                4,
-                STEPS,
-                OptimizerConfig::default(),
-                true,
-            )
-            .expect("reference");
+#[test]
+fn hybrid_shard_matches_ddp() {
+    let cases: Vec<&str> = vec!["nested", "gpt", "mlp"];
+    crate::common::each_case("hybrid_shard_matches_ddp", cases, |&model: &&str| {
+        lockstep_harness::run(4, |ctx| {
+            let ddp = ddp_run(ctx, model);
+            let m = zoo::build(model, 0, ctx.rank()).expect("model");
+            let opts = FsdpOptions {
+                strategy: ShardingStrategy::HybridShard,
+                wrap: WrapPolicy::PerLayer,
+                ..FsdpOptions::default()
+            };
+            let cfg = config(ctx, model, "fsdp.hybrid_shard");
+            let run =
+                train_fsdp_hybrid(m.as_ref(), ctx.world(), ctx.group(), 2, &cfg, opts.clone())
+                    .expect("hybrid");
             assert_passes(
-                &compare(&run, &reference, &TolerancePolicy::dtype_table(DType::F32)),
-                "hybrid vs single",
+                &compare(&run, &ddp, &TolerancePolicy::dtype_table(DType::F32)),
+                "hybrid 2x2 vs ddp",
             );
-        }
-        let m = zoo::build(model, 0, ctx.rank()).expect("model");
-        let one_replica = train_fsdp_hybrid(m.as_ref(), ctx.world(), ctx.group(), 4, &cfg, opts)
-            .expect("hybrid 1x4");
-        assert_passes(
-            &compare(&one_replica, &ddp, &TolerancePolicy::bitwise(DType::F32)),
-            "hybrid 1x4 vs ddp",
-        );
-        // Shards are half the model's (2 ranks per shard group), replicas all-reduce them.
-        let m = zoo::build(model, 0, ctx.rank()).expect("model");
-        let mesh = hybrid_mesh(ctx.world(), 2).expect("mesh");
-        let opts = FsdpOptions {
-            strategy: ShardingStrategy::HybridShard,
-            ..FsdpOptions::default()
-        };
-        let mut fsdp = Fsdp::new_hybrid(m.as_ref(), &mesh, opts).expect("hybrid");
-        train(m.as_ref(), &cfg, &mut fsdp, Some(ctx.group().as_ref())).expect("run");
-        let c = fsdp.collective_counts();
-        assert_eq!(c.grad_reduce_scatters, STEPS);
-        assert_eq!(c.replica_grad_all_reduces, STEPS);
-        let (numel, padded) = fsdp.flat_numels()[0];
-        assert!(padded >= numel && padded % 2 == 0);
-        assert_eq!(fsdp.shard_bytes(), padded / 2 * 4);
+            if ctx.rank() == 0 {
+                let single = zoo::build(model, 0, 0).expect("model");
+                let reference = single_device_reference(
+                    single.as_ref(),
+                    4,
+                    STEPS,
+                    OptimizerConfig::default(),
+                    true,
+                )
+                .expect("reference");
+                assert_passes(
+                    &compare(&run, &reference, &TolerancePolicy::dtype_table(DType::F32)),
+                    "hybrid vs single",
+                );
+            }
+            let m = zoo::build(model, 0, ctx.rank()).expect("model");
+            let one_replica =
+                train_fsdp_hybrid(m.as_ref(), ctx.world(), ctx.group(), 4, &cfg, opts)
+                    .expect("hybrid 1x4");
+            assert_passes(
+                &compare(&one_replica, &ddp, &TolerancePolicy::bitwise(DType::F32)),
+                "hybrid 1x4 vs ddp",
+            );
+            // Shards are half the model's (2 ranks per shard group), replicas all-reduce them.
+            let m = zoo::build(model, 0, ctx.rank()).expect("model");
+            let mesh = hybrid_mesh(ctx.world(), 2).expect("mesh");
+            let opts = FsdpOptions {
+                strategy: ShardingStrategy::HybridShard,
+                ..FsdpOptions::default()
+            };
+            let mut fsdp = Fsdp::new_hybrid(m.as_ref(), &mesh, opts).expect("hybrid");
+            train(m.as_ref(), &cfg, &mut fsdp, Some(ctx.group().as_ref())).expect("run");
+            let c = fsdp.collective_counts();
+            assert_eq!(c.grad_reduce_scatters, STEPS);
+            assert_eq!(c.replica_grad_all_reduces, STEPS);
+            let (numel, padded) = fsdp.flat_numels()[0];
+            assert!(padded >= numel && padded % 2 == 0);
+            assert_eq!(fsdp.shard_bytes(), padded / 2 * 4);
+        });
     });
 }
 

@@ -207,28 +207,33 @@ fn subgroup_rank_order_singletons_and_partitions() {
 }
 
 /// Sub-groups in 2- and 3-rank worlds.
-#[rstest::rstest]
-#[case::world2(2)]
-#[case::world3(3)]
-fn subgroups_in_small_worlds(#[case] n: usize) {
-    run(n, |ctx| -> Result<()> {
-        let world = ctx.world();
-        let me = ctx.rank();
-        let members: Vec<usize> = if n == 2 { vec![1] } else { vec![2, 0] };
-        let g = world.new_group(&members)?;
-        ensure!(
-            g.is_some() == members.contains(&me),
-            "rank {me}: membership of {members:?}"
-        );
-        if let Some(g) = &g {
-            exercise_group(g, &members, me)?;
-        }
-        let all = world
-            .new_group(&(0..n).rev().collect::<Vec<_>>())?
-            .expect("everyone is a member");
-        exercise_group(&all, &(0..n).rev().collect::<Vec<_>>(), me)?;
-        Ok(())
-    });
+#[test]
+fn subgroups_in_small_worlds() {
+    let cases: Vec<(&str, usize)> = vec![("world2", 2), ("world3", 3)];
+    crate::common::each_case(
+        "subgroups_in_small_worlds",
+        cases,
+        |&(_, n): &(&str, usize)| {
+            run(n, |ctx| -> Result<()> {
+                let world = ctx.world();
+                let me = ctx.rank();
+                let members: Vec<usize> = if n == 2 { vec![1] } else { vec![2, 0] };
+                let g = world.new_group(&members)?;
+                ensure!(
+                    g.is_some() == members.contains(&me),
+                    "rank {me}: membership of {members:?}"
+                );
+                if let Some(g) = &g {
+                    exercise_group(g, &members, me)?;
+                }
+                let all = world
+                    .new_group(&(0..n).rev().collect::<Vec<_>>())?
+                    .expect("everyone is a member");
+                exercise_group(&all, &(0..n).rev().collect::<Vec<_>>(), me)?;
+                Ok(())
+            });
+        },
+    );
 }
 
 /// Invalid groups are rejected on every rank (and later groups still work).
@@ -380,30 +385,30 @@ fn expect_mesh_error(
 
 /// A mesh that does not fit the world errors with a message naming the world size; duplicate
 /// dimension names are rejected; the world stays usable.
-#[rstest::rstest]
-#[case::world2(2)]
-#[case::world3(3)]
-#[case::world4(4)]
-fn invalid_mesh_errors(#[case] n: usize) {
-    run(n, |ctx| -> Result<()> {
-        let ws = format!("world size {n}");
-        expect_mesh_error(ctx, &[("dp", 2), ("tp", 2 + usize::from(n == 4))], &ws)?;
-        expect_mesh_error(ctx, &[("dp", n + 1)], &ws)?;
-        expect_mesh_error(ctx, &[("dp", n), ("tp", 0)], &ws)?;
-        expect_mesh_error(ctx, &[], &ws)?;
-        expect_mesh_error(ctx, &[("dp", 1), ("dp", n)], "dp")?;
-        let t = Tensor::from_slice(&[1u8]);
-        ctx.group().all_reduce(&t, ReduceOp::Sum)?;
-        assert_tensor(
-            &t,
-            DType::U8,
-            &[1],
-            &[n as f64],
-            "world all_reduce after mesh errors",
-        );
-        let mesh = ctx.mesh(&[("dp", n)])?;
-        exercise_group(&mesh.group("dp")?, &(0..n).collect::<Vec<_>>(), ctx.rank())?;
-        Ok(())
+#[test]
+fn invalid_mesh_errors() {
+    let cases: Vec<(&str, usize)> = vec![("world2", 2), ("world3", 3), ("world4", 4)];
+    crate::common::each_case("invalid_mesh_errors", cases, |&(_, n): &(&str, usize)| {
+        run(n, |ctx| -> Result<()> {
+            let ws = format!("world size {n}");
+            expect_mesh_error(ctx, &[("dp", 2), ("tp", 2 + usize::from(n == 4))], &ws)?;
+            expect_mesh_error(ctx, &[("dp", n + 1)], &ws)?;
+            expect_mesh_error(ctx, &[("dp", n), ("tp", 0)], &ws)?;
+            expect_mesh_error(ctx, &[], &ws)?;
+            expect_mesh_error(ctx, &[("dp", 1), ("dp", n)], "dp")?;
+            let t = Tensor::from_slice(&[1u8]);
+            ctx.group().all_reduce(&t, ReduceOp::Sum)?;
+            assert_tensor(
+                &t,
+                DType::U8,
+                &[1],
+                &[n as f64],
+                "world all_reduce after mesh errors",
+            );
+            let mesh = ctx.mesh(&[("dp", n)])?;
+            exercise_group(&mesh.group("dp")?, &(0..n).collect::<Vec<_>>(), ctx.rank())?;
+            Ok(())
+        });
     });
 }
 

@@ -98,45 +98,60 @@ fn assert_all_fp32(run: &RunRecord) {
     }
 }
 
-#[rstest]
-#[case::nested("nested", 2)]
-#[case::transformer("transformer", 2)]
-#[case::transformer_bn("transformer_bn", 2)]
-#[case::mlp("mlp", 2)]
-#[case::gpt("gpt", 2)]
-#[case::transformer_world4("transformer", 4)]
-fn ddp_bf16_is_bitwise_repeatable(#[case] model: &str, #[case] world: usize) {
-    lockstep_harness::run(world, |ctx| {
-        let first = ddp_run(ctx, model, Some(MixedPrecision::bf16()));
-        let again = ddp_run(ctx, model, Some(MixedPrecision::bf16()));
-        assert_finite(&first);
-        assert_all_fp32(&first);
-        assert_passes(&compare(
-            &again,
-            &first,
-            &TolerancePolicy::bitwise(DType::BF16),
-        ));
-    });
+#[test]
+fn ddp_bf16_is_bitwise_repeatable() {
+    let cases: Vec<(&str, &str, usize)> = vec![
+        ("nested", "nested", 2),
+        ("transformer", "transformer", 2),
+        ("transformer_bn", "transformer_bn", 2),
+        ("mlp", "mlp", 2),
+        ("gpt", "gpt", 2),
+        ("transformer_world4", "transformer", 4),
+    ];
+    crate::common::each_case(
+        "ddp_bf16_is_bitwise_repeatable",
+        cases,
+        |&(_, model, world): &(&str, &str, usize)| {
+            lockstep_harness::run(world, |ctx| {
+                let first = ddp_run(ctx, model, Some(MixedPrecision::bf16()));
+                let again = ddp_run(ctx, model, Some(MixedPrecision::bf16()));
+                assert_finite(&first);
+                assert_all_fp32(&first);
+                assert_passes(&compare(
+                    &again,
+                    &first,
+                    &TolerancePolicy::bitwise(DType::BF16),
+                ));
+            });
+        },
+    );
 }
 
 /// A policy whose `param_dtype` is fp32 runs every piece of the machinery (swap, casts,
 /// buckets in `reduce_dtype`, fp32 write-back) with nothing to round: it must be plain DDP,
 /// bit for bit.
-#[rstest]
-fn fp32_policy_is_bitwise_plain_ddp(#[values("transformer_bn", "gpt")] model: &str) {
-    lockstep_harness::run(2, |ctx| {
-        let fp32_policy = MixedPrecision {
-            param_dtype: Kind::Float,
-            ..MixedPrecision::bf16()
-        };
-        let policy_run = ddp_run(ctx, model, Some(fp32_policy));
-        let plain = ddp_run(ctx, model, None);
-        assert_passes(&compare(
-            &policy_run,
-            &plain,
-            &TolerancePolicy::bitwise(DType::F32),
-        ));
-    });
+#[test]
+fn fp32_policy_is_bitwise_plain_ddp() {
+    let cases: Vec<&str> = vec!["transformer_bn", "gpt"];
+    crate::common::each_case(
+        "fp32_policy_is_bitwise_plain_ddp",
+        cases,
+        |&model: &&str| {
+            lockstep_harness::run(2, |ctx| {
+                let fp32_policy = MixedPrecision {
+                    param_dtype: Kind::Float,
+                    ..MixedPrecision::bf16()
+                };
+                let policy_run = ddp_run(ctx, model, Some(fp32_policy));
+                let plain = ddp_run(ctx, model, None);
+                assert_passes(&compare(
+                    &policy_run,
+                    &plain,
+                    &TolerancePolicy::bitwise(DType::F32),
+                ));
+            });
+        },
+    );
 }
 
 /// The independent reference ([`mixed_precision_reference`]): PyTorch's mixed-precision DDP
@@ -192,45 +207,56 @@ fn ddp_is_bitwise_the_independent_mixed_precision_reference(
 /// planted in DDP: a preset computing in the other half type, gradients reduced in the
 /// compute dtype, a master weight kept in half precision. Each fails bitwise against the
 /// reference, naming the first tensor that differs.
-#[rstest]
-fn mixed_precision_bugs_fail_against_the_independent_reference(
-    #[values(
+#[test]
+fn mixed_precision_bugs_fail_against_the_independent_reference() {
+    let fault_values: Vec<DdpFault> = vec![
         DdpFault::ComputeInOtherHalf,
         DdpFault::ReduceInComputeDtype,
-        DdpFault::HalfPrecisionMaster
-    )]
-    fault: DdpFault,
-    #[values(HalfType::Bf16, HalfType::Fp16)] half: HalfType,
-) {
-    let policy = match half {
-        HalfType::Bf16 => MixedPrecision::bf16(),
-        HalfType::Fp16 => MixedPrecision::fp16(),
-    };
-    lockstep_harness::run(2, |ctx| {
-        let m = zoo::build("gpt", 0, ctx.rank()).expect("model");
-        let opts = DdpOptions {
-            mixed_precision: Some(policy),
-            fault: Some(fault.clone()),
-            ..DdpOptions::default()
-        };
-        let run = train_ddp(
-            m.as_ref(),
-            ctx.group(),
-            &config(ctx, "gpt", Some(&policy)),
-            opts,
-        )
-        .expect("ddp run");
-        if ctx.rank() == 0 {
-            let c = compare(
-                &run,
-                &reference("gpt", 2, half),
-                &TolerancePolicy::bitwise(DType::F32),
-            );
-            assert!(!c.passed, "{fault:?} under {half:?} was not caught");
-            let first = c.first_failure.as_ref().expect("a first failure");
-            assert!(first.tensor.is_some(), "{fault:?}: {first:?}");
+        DdpFault::HalfPrecisionMaster,
+    ];
+    let half_values: Vec<HalfType> = vec![HalfType::Bf16, HalfType::Fp16];
+    let mut cases: Vec<(DdpFault, HalfType)> = Vec::new();
+    for fault in &fault_values {
+        for half in &half_values {
+            cases.push((fault.clone(), *half));
         }
-    });
+    }
+    crate::common::each_case(
+        "mixed_precision_bugs_fail_against_the_independent_reference",
+        cases,
+        |(fault, half): &(DdpFault, HalfType)| {
+            let (fault, half) = (fault.clone(), *half);
+            let policy = match half {
+                HalfType::Bf16 => MixedPrecision::bf16(),
+                HalfType::Fp16 => MixedPrecision::fp16(),
+            };
+            lockstep_harness::run(2, |ctx| {
+                let m = zoo::build("gpt", 0, ctx.rank()).expect("model");
+                let opts = DdpOptions {
+                    mixed_precision: Some(policy),
+                    fault: Some(fault.clone()),
+                    ..DdpOptions::default()
+                };
+                let run = train_ddp(
+                    m.as_ref(),
+                    ctx.group(),
+                    &config(ctx, "gpt", Some(&policy)),
+                    opts,
+                )
+                .expect("ddp run");
+                if ctx.rank() == 0 {
+                    let c = compare(
+                        &run,
+                        &reference("gpt", 2, half),
+                        &TolerancePolicy::bitwise(DType::F32),
+                    );
+                    assert!(!c.passed, "{fault:?} under {half:?} was not caught");
+                    let first = c.first_failure.as_ref().expect("a first failure");
+                    assert!(first.tensor.is_some(), "{fault:?}: {first:?}");
+                }
+            });
+        },
+    );
 }
 
 /// DDP-bf16 against fp32 DDP, judged by the bf16 row of the engine's dtype table.
@@ -247,37 +273,45 @@ fn mixed_precision_bugs_fail_against_the_independent_reference(
 /// their fp32 training itself is unstable at PyTorch's lr 0.01 / momentum 0.9 with a summed
 /// loss (loss 11 → 16 → 27 over the first steps, gradient norm ~100), which amplifies any
 /// perturbation, fp32 reordering included; only the first step measures precision.
-#[rstest]
-#[case::nested("nested", 2)]
-#[case::transformer("transformer", 2)]
-#[case::transformer_bn("transformer_bn", 2)]
-#[case::mlp("mlp", 2)]
-#[case::gpt("gpt", 2)]
-#[case::gpt_world4("gpt", 4)]
-fn ddp_bf16_tracks_fp32_within_the_bf16_row(#[case] model: &str, #[case] world: usize) {
-    let steps = if model.starts_with("transformer") {
-        1
-    } else {
-        STEPS
-    };
-    lockstep_harness::run(world, |ctx| {
-        let bf16 = ddp_run_steps(ctx, model, Some(MixedPrecision::bf16()), steps);
-        let fp32 = ddp_run_steps(ctx, model, None, steps);
-        if ctx.rank() != 0 {
-            return;
-        }
-        assert_finite(&bf16);
-        let c = compare(&bf16, &fp32, &bf16_row(model, &bf16, world));
-        assert!(c.losses.passed, "losses: {:?}", c.losses.first_failure);
-        assert!(
-            c.grad_norms.passed,
-            "gradient norms: {:?}",
-            c.grad_norms.first_failure
-        );
-        let bitwise = compare(&bf16, &fp32, &TolerancePolicy::bitwise(DType::F32));
-        assert!(!bitwise.passed, "bf16 policy changed nothing on `{model}`");
-        assert_ne!(bf16.losses[0], fp32.losses[0], "step-0 loss identical");
-    });
+#[test]
+fn ddp_bf16_tracks_fp32_within_the_bf16_row() {
+    let cases: Vec<(&str, &str, usize)> = vec![
+        ("nested", "nested", 2),
+        ("transformer", "transformer", 2),
+        ("transformer_bn", "transformer_bn", 2),
+        ("mlp", "mlp", 2),
+        ("gpt", "gpt", 2),
+        ("gpt_world4", "gpt", 4),
+    ];
+    crate::common::each_case(
+        "ddp_bf16_tracks_fp32_within_the_bf16_row",
+        cases,
+        |&(_, model, world): &(&str, &str, usize)| {
+            let steps = if model.starts_with("transformer") {
+                1
+            } else {
+                STEPS
+            };
+            lockstep_harness::run(world, |ctx| {
+                let bf16 = ddp_run_steps(ctx, model, Some(MixedPrecision::bf16()), steps);
+                let fp32 = ddp_run_steps(ctx, model, None, steps);
+                if ctx.rank() != 0 {
+                    return;
+                }
+                assert_finite(&bf16);
+                let c = compare(&bf16, &fp32, &bf16_row(model, &bf16, world));
+                assert!(c.losses.passed, "losses: {:?}", c.losses.first_failure);
+                assert!(
+                    c.grad_norms.passed,
+                    "gradient norms: {:?}",
+                    c.grad_norms.first_failure
+                );
+                let bitwise = compare(&bf16, &fp32, &TolerancePolicy::bitwise(DType::F32));
+                assert!(!bitwise.passed, "bf16 policy changed nothing on `{model}`");
+                assert_ne!(bf16.losses[0], fp32.losses[0], "step-0 loss identical");
+            });
+        },
+    );
 }
 
 /// The bf16 row of the dtype table for losses and gradient norms, with the one recorded

@@ -15,7 +15,6 @@ use lockstep_core::train::{single_device_reference, OptimizerConfig};
 use lockstep_harness::parity::{compare, Comparison, Override, Tolerance, TolerancePolicy};
 use lockstep_harness::{LaunchError, RankCtx, Run};
 use lockstep_models::zoo;
-use rstest::rstest;
 use std::time::Duration;
 use tch::Tensor;
 
@@ -92,49 +91,58 @@ const EXACT: [&str; 2] = ["nested", "mlp"];
 /// the math allows (PyTorch's pipeline tolerance where tied weights sum in another order),
 /// and within the fp32 table against the plain global batch over these 3 steps (the matrix's
 /// 5 steps drift further on the transformer: see docs/pipeline.md).
-#[rstest]
-fn every_schedule_matches_single_device_at_world_2(
-    #[values(
+#[test]
+fn every_schedule_matches_single_device_at_world_2() {
+    let kinds = [
         ScheduleKind::GPipe,
         ScheduleKind::OneFOneB,
         ScheduleKind::Interleaved1F1B,
         ScheduleKind::LoopedBfs,
         ScheduleKind::InterleavedZeroBubble,
         ScheduleKind::Zbv,
-        ScheduleKind::DualPipeV
-    )]
-    kind: ScheduleKind,
-    #[values(("nested", 4), ("nested", 6), ("mlp", 4), ("mlp", 6), ("gpt", 4), ("transformer", 4))]
-    case: (&str, usize),
-) {
+        ScheduleKind::DualPipeV,
+    ];
     // gpt and transformer have 2 samples per rank: 4 is the most microbatches they allow.
-    let (model, m) = case;
-    lockstep_harness::run(2, |ctx| {
-        let run = pipeline(ctx, model, &opts(kind, kind.default_virtual(), m));
-        if ctx.rank() == 0 {
-            let what = format!("{model} {kind:?} m={m}");
-            let mb = microbatched(model, 2, m);
-            if EXACT.contains(&model) {
-                assert_passes(
-                    &compare(&run, &mb, &TolerancePolicy::bitwise(DType::F32)),
-                    &what,
-                );
-            } else {
-                assert_passes(&compare(&run, &mb, &pipeline_tolerance()), &what);
-            }
-            assert_passes(
-                &compare(&run, &single(model, 2), &pipeline_tolerance()),
-                &what,
-            );
-        }
-    });
+    let cases = [
+        ("nested", 4),
+        ("nested", 6),
+        ("mlp", 4),
+        ("mlp", 6),
+        ("gpt", 4),
+        ("transformer", 4),
+    ];
+    crate::common::each_case(
+        "every_schedule_matches_single_device_at_world_2",
+        crate::common::product(&kinds, &cases),
+        |&(kind, (model, m))| {
+            lockstep_harness::run(2, |ctx| {
+                let run = pipeline(ctx, model, &opts(kind, kind.default_virtual(), m));
+                if ctx.rank() == 0 {
+                    let what = format!("{model} {kind:?} m={m}");
+                    let mb = microbatched(model, 2, m);
+                    if EXACT.contains(&model) {
+                        assert_passes(
+                            &compare(&run, &mb, &TolerancePolicy::bitwise(DType::F32)),
+                            &what,
+                        );
+                    } else {
+                        assert_passes(&compare(&run, &mb, &pipeline_tolerance()), &what);
+                    }
+                    assert_passes(
+                        &compare(&run, &single(model, 2), &pipeline_tolerance()),
+                        &what,
+                    );
+                }
+            });
+        },
+    );
 }
 
 /// World 4: every schedule with v = 1 on every model; the two-stages-per-rank ones need 8
 /// stages, which only the transformer's 8 layers give.
-#[rstest]
-fn every_schedule_matches_single_device_at_world_4(
-    #[values(
+#[test]
+fn every_schedule_matches_single_device_at_world_4() {
+    let cases: Vec<(ScheduleKind, usize, &str)> = vec![
         (ScheduleKind::GPipe, 1, "nested"),
         (ScheduleKind::OneFOneB, 1, "mlp"),
         (ScheduleKind::OneFOneB, 1, "gpt"),
@@ -143,169 +151,193 @@ fn every_schedule_matches_single_device_at_world_4(
         (ScheduleKind::LoopedBfs, 2, "transformer"),
         (ScheduleKind::InterleavedZeroBubble, 2, "transformer"),
         (ScheduleKind::Zbv, 2, "transformer"),
-        (ScheduleKind::DualPipeV, 2, "transformer")
-    )]
-    case: (ScheduleKind, usize, &str),
-) {
-    let (kind, v, model) = case;
-    let m = 8;
-    lockstep_harness::run(4, |ctx| {
-        let run = pipeline(ctx, model, &opts(kind, v, m));
-        if ctx.rank() == 0 {
-            let what = format!("{model} {kind:?} v={v}");
-            let mb = microbatched(model, 4, m);
-            let policy = if EXACT.contains(&model) {
-                TolerancePolicy::bitwise(DType::F32)
-            } else {
-                pipeline_tolerance()
-            };
-            assert_passes(&compare(&run, &mb, &policy), &what);
-        }
-    });
+        (ScheduleKind::DualPipeV, 2, "transformer"),
+    ];
+    crate::common::each_case(
+        "every_schedule_matches_single_device_at_world_4",
+        cases,
+        |&case: &(ScheduleKind, usize, &str)| {
+            let (kind, v, model) = case;
+            let m = 8;
+            lockstep_harness::run(4, |ctx| {
+                let run = pipeline(ctx, model, &opts(kind, v, m));
+                if ctx.rank() == 0 {
+                    let what = format!("{model} {kind:?} v={v}");
+                    let mb = microbatched(model, 4, m);
+                    let policy = if EXACT.contains(&model) {
+                        TolerancePolicy::bitwise(DType::F32)
+                    } else {
+                        pipeline_tolerance()
+                    };
+                    assert_passes(&compare(&run, &mb, &policy), &what);
+                }
+            });
+        },
+    );
 }
 
 /// Partitions by parameters and by layer type, explicit splits, uneven microbatches (mlp's
 /// 10 samples in 4) and PP×DP: all still the reference's math.
-#[rstest]
-fn partitions_microbatching_and_data_parallel_replicas_keep_the_math(
-    #[values(
+#[test]
+fn partitions_microbatching_and_data_parallel_replicas_keep_the_math() {
+    let cases: Vec<(&str, usize, usize, &str)> = vec![
         ("parameters", 1, 4, "mlp"),
         ("type:linear", 1, 4, "nested"),
         ("splits:1,2,4", 1, 4, "nested"),
         ("uniform", 1, 4, "mlp"),
-        ("uniform", 2, 4, "gpt")
-    )]
-    case: (&str, usize, usize, &str),
-) {
-    let (partition, dp, world, model) = case;
-    lockstep_harness::run(world, |ctx| {
-        let o = PipelineOptions {
-            partition: partition.parse().expect("partition"),
-            data_parallel: dp,
-            ..opts(ScheduleKind::OneFOneB, 1, 2 * world / dp)
-        };
-        let run = pipeline(ctx, model, &o);
-        if ctx.rank() == 0 {
-            let what = format!("{model} {partition} dp={dp}");
-            if dp == 1 && EXACT.contains(&model) {
-                let mb = microbatched(model, world, 2 * world / dp);
-                assert_passes(
-                    &compare(&run, &mb, &TolerancePolicy::bitwise(DType::F32)),
-                    &what,
-                );
-            }
-            assert_passes(
-                &compare(&run, &single(model, world), &pipeline_tolerance()),
-                &what,
-            );
-        }
-    });
+        ("uniform", 2, 4, "gpt"),
+    ];
+    crate::common::each_case(
+        "partitions_microbatching_and_data_parallel_replicas_keep_the_math",
+        cases,
+        |&case: &(&str, usize, usize, &str)| {
+            let (partition, dp, world, model) = case;
+            lockstep_harness::run(world, |ctx| {
+                let o = PipelineOptions {
+                    partition: partition.parse().expect("partition"),
+                    data_parallel: dp,
+                    ..opts(ScheduleKind::OneFOneB, 1, 2 * world / dp)
+                };
+                let run = pipeline(ctx, model, &o);
+                if ctx.rank() == 0 {
+                    let what = format!("{model} {partition} dp={dp}");
+                    if dp == 1 && EXACT.contains(&model) {
+                        let mb = microbatched(model, world, 2 * world / dp);
+                        assert_passes(
+                            &compare(&run, &mb, &TolerancePolicy::bitwise(DType::F32)),
+                            &what,
+                        );
+                    }
+                    assert_passes(
+                        &compare(&run, &single(model, world), &pipeline_tolerance()),
+                        &what,
+                    );
+                }
+            });
+        },
+    );
 }
 
 /// Recomputing activations in backward changes where values live, not what they are: every
 /// 2 layers, no value consumed by two segments is split between them on the zoo's models
 /// (checkpointing every layer splits the transformer's embedding output between its segment
 /// and the encoder's, which re-associates that gradient's sum: not bitwise there).
-#[rstest]
-fn checkpointing_is_bitwise_equal_to_keeping_activations(
-    #[values("nested", "mlp", "gpt", "transformer")] model: &str,
-) {
-    lockstep_harness::run(2, |ctx| {
-        let plain = pipeline(ctx, model, &opts(ScheduleKind::OneFOneB, 1, 4));
-        let checkpointed = pipeline(
-            ctx,
-            model,
-            &PipelineOptions {
-                checkpoint_every: Some(2),
-                ..opts(ScheduleKind::OneFOneB, 1, 4)
-            },
-        );
-        if ctx.rank() == 0 {
-            let c = compare(&checkpointed, &plain, &TolerancePolicy::bitwise(DType::F32));
-            assert_passes(&c, model);
-        }
-    });
+#[test]
+fn checkpointing_is_bitwise_equal_to_keeping_activations() {
+    let cases: Vec<&str> = vec!["nested", "mlp", "gpt", "transformer"];
+    crate::common::each_case(
+        "checkpointing_is_bitwise_equal_to_keeping_activations",
+        cases,
+        |&model: &&str| {
+            lockstep_harness::run(2, |ctx| {
+                let plain = pipeline(ctx, model, &opts(ScheduleKind::OneFOneB, 1, 4));
+                let checkpointed = pipeline(
+                    ctx,
+                    model,
+                    &PipelineOptions {
+                        checkpoint_every: Some(2),
+                        ..opts(ScheduleKind::OneFOneB, 1, 4)
+                    },
+                );
+                if ctx.rank() == 0 {
+                    let c = compare(&checkpointed, &plain, &TolerancePolicy::bitwise(DType::F32));
+                    assert_passes(&c, model);
+                }
+            });
+        },
+    );
 }
 
 /// The GPT's embedding is tied to its output head across the first and last stage: every
 /// holder ends with the same bits, which are the recorded ones.
-#[rstest]
-fn tied_weights_end_identical_on_every_holding_stage(#[values(2, 4)] world: usize) {
-    lockstep_harness::run(world, |ctx| {
-        let m = zoo::build("gpt", 0, ctx.rank()).expect("model");
-        let cfg = common::train_config(ctx, "gpt", "pp", "fp32", STEPS);
-        let run = train_pipeline(
-            m.as_ref(),
-            ctx.world(),
-            &cfg,
-            &opts(ScheduleKind::OneFOneB, 1, 2 * world),
-        )
-        .expect("pipeline");
-        let holders = &run.plan.holders[run
-            .plan
-            .params
-            .iter()
-            .position(|n| n == "tok_embeddings.weight")
-            .expect("tied")];
-        assert_eq!(
-            holders.iter().copied().collect::<Vec<_>>(),
-            vec![0, world - 1]
-        );
-        let mine = m
-            .named_parameters()
-            .into_iter()
-            .find(|(n, _)| n == "tok_embeddings.weight")
-            .map(|(_, t)| t.detach().contiguous())
-            .expect("tied weight");
-        let all = Tensor::zeros(
-            [world as i64 * mine.numel() as i64],
-            (tch::Kind::Float, tch::Device::Cpu),
-        );
-        ctx.group()
-            .all_gather(&all, &mine.view([-1]))
-            .expect("gather");
-        let n = mine.numel() as i64;
-        let first = all.narrow(0, 0, n);
-        let last = all.narrow(0, (world as i64 - 1) * n, n);
-        assert!(
-            first.equal(&last),
-            "the tied weight differs between its holders"
-        );
-        let recorded = run
-            .record
-            .params
-            .iter()
-            .find(|p| p.name == "tok_embeddings.weight")
-            .expect("recorded");
-        let mine: Vec<f64> =
-            Vec::try_from(&mine.to_kind(tch::Kind::Double).view([-1])).expect("values");
-        if holders.contains(&ctx.rank()) {
-            assert_eq!(recorded.values, mine);
-        }
-    });
+#[test]
+fn tied_weights_end_identical_on_every_holding_stage() {
+    let cases: Vec<usize> = vec![2, 4];
+    crate::common::each_case(
+        "tied_weights_end_identical_on_every_holding_stage",
+        cases,
+        |&world: &usize| {
+            lockstep_harness::run(world, |ctx| {
+                let m = zoo::build("gpt", 0, ctx.rank()).expect("model");
+                let cfg = common::train_config(ctx, "gpt", "pp", "fp32", STEPS);
+                let run = train_pipeline(
+                    m.as_ref(),
+                    ctx.world(),
+                    &cfg,
+                    &opts(ScheduleKind::OneFOneB, 1, 2 * world),
+                )
+                .expect("pipeline");
+                let holders = &run.plan.holders[run
+                    .plan
+                    .params
+                    .iter()
+                    .position(|n| n == "tok_embeddings.weight")
+                    .expect("tied")];
+                assert_eq!(
+                    holders.iter().copied().collect::<Vec<_>>(),
+                    vec![0, world - 1]
+                );
+                let mine = m
+                    .named_parameters()
+                    .into_iter()
+                    .find(|(n, _)| n == "tok_embeddings.weight")
+                    .map(|(_, t)| t.detach().contiguous())
+                    .expect("tied weight");
+                let all = Tensor::zeros(
+                    [world as i64 * mine.numel() as i64],
+                    (tch::Kind::Float, tch::Device::Cpu),
+                );
+                ctx.group()
+                    .all_gather(&all, &mine.view([-1]))
+                    .expect("gather");
+                let n = mine.numel() as i64;
+                let first = all.narrow(0, 0, n);
+                let last = all.narrow(0, (world as i64 - 1) * n, n);
+                assert!(
+                    first.equal(&last),
+                    "the tied weight differs between its holders"
+                );
+                let recorded = run
+                    .record
+                    .params
+                    .iter()
+                    .find(|p| p.name == "tok_embeddings.weight")
+                    .expect("recorded");
+                let mine: Vec<f64> =
+                    Vec::try_from(&mine.to_kind(tch::Kind::Double).view([-1])).expect("values");
+                if holders.contains(&ctx.rank()) {
+                    assert_eq!(recorded.values, mine);
+                }
+            });
+        },
+    );
 }
 
 /// Each planted bug must make the pipeline fail against its reference.
-#[rstest]
-fn planted_pipeline_bugs_are_caught(
-    #[values(
+#[test]
+fn planted_pipeline_bugs_are_caught() {
+    let cases: Vec<PipelineFault> = vec![
         PipelineFault::SkipTiedReduce,
         PipelineFault::UnscaledLoss,
-        PipelineFault::SwapMicrobatches
-    )]
-    fault: PipelineFault,
-) {
-    lockstep_harness::run(2, |ctx| {
-        let o = PipelineOptions {
-            fault: Some(fault.clone()),
-            ..opts(ScheduleKind::OneFOneB, 1, 4)
-        };
-        let run = pipeline(ctx, "gpt", &o);
-        if ctx.rank() == 0 {
-            let c = compare(&run, &microbatched("gpt", 2, 4), &pipeline_tolerance());
-            assert!(!c.passed, "{fault:?} was not caught");
-        }
-    });
+        PipelineFault::SwapMicrobatches,
+    ];
+    crate::common::each_case(
+        "planted_pipeline_bugs_are_caught",
+        cases,
+        |fault: &PipelineFault| {
+            lockstep_harness::run(2, |ctx| {
+                let o = PipelineOptions {
+                    fault: Some(fault.clone()),
+                    ..opts(ScheduleKind::OneFOneB, 1, 4)
+                };
+                let run = pipeline(ctx, "gpt", &o);
+                if ctx.rank() == 0 {
+                    let c = compare(&run, &microbatched("gpt", 2, 4), &pipeline_tolerance());
+                    assert!(!c.passed, "{fault:?} was not caught");
+                }
+            });
+        },
+    );
 }
 
 /// A dropped last SEND_B hangs the real run: the launcher times out and shows the flight
@@ -438,34 +470,38 @@ fn a_real_run_leaves_a_chrome_trace_with_one_track_per_rank() {
 /// Without recorded gradients each rank squares only the gradients it owns (no gather): the
 /// norm must keep the bits of the norm of the gathered gradients, on models with tied weights
 /// and with several stages per rank.
-#[rstest]
-fn the_norm_without_recorded_gradients_keeps_the_bits(
-    #[values(
+#[test]
+fn the_norm_without_recorded_gradients_keeps_the_bits() {
+    let cases: Vec<(&str, ScheduleKind, usize)> = vec![
         ("gpt", ScheduleKind::OneFOneB, 2),
         ("transformer", ScheduleKind::Interleaved1F1B, 2),
-        ("mlp", ScheduleKind::GPipe, 4)
-    )]
-    case: (&str, ScheduleKind, usize),
-) {
-    let (model, kind, world) = case;
-    lockstep_harness::run(world, move |ctx| {
-        let m = zoo::build(model, 0, ctx.rank()).expect("model");
-        let o = opts(kind, kind.default_virtual(), 4);
-        let mut cfg = common::train_config(ctx, model, "pp", "fp32", STEPS);
-        let gathered = train_pipeline(m.as_ref(), ctx.world(), &cfg, &o).expect("run");
-        let m = zoo::build(model, 0, ctx.rank()).expect("model");
-        cfg.record_grads = false;
-        let owned = train_pipeline(m.as_ref(), ctx.world(), &cfg, &o).expect("run");
-        let bits = |r: &PipelineRun| -> Vec<u64> {
-            r.record.grad_norms.iter().map(|n| n.to_bits()).collect()
-        };
-        assert_eq!(
-            bits(&gathered),
-            bits(&owned),
-            "{model} {kind:?} world {world}"
-        );
-        assert_eq!(gathered.record.grad_norms.len(), STEPS);
-    });
+        ("mlp", ScheduleKind::GPipe, 4),
+    ];
+    crate::common::each_case(
+        "the_norm_without_recorded_gradients_keeps_the_bits",
+        cases,
+        |&case: &(&str, ScheduleKind, usize)| {
+            let (model, kind, world) = case;
+            lockstep_harness::run(world, move |ctx| {
+                let m = zoo::build(model, 0, ctx.rank()).expect("model");
+                let o = opts(kind, kind.default_virtual(), 4);
+                let mut cfg = common::train_config(ctx, model, "pp", "fp32", STEPS);
+                let gathered = train_pipeline(m.as_ref(), ctx.world(), &cfg, &o).expect("run");
+                let m = zoo::build(model, 0, ctx.rank()).expect("model");
+                cfg.record_grads = false;
+                let owned = train_pipeline(m.as_ref(), ctx.world(), &cfg, &o).expect("run");
+                let bits = |r: &PipelineRun| -> Vec<u64> {
+                    r.record.grad_norms.iter().map(|n| n.to_bits()).collect()
+                };
+                assert_eq!(
+                    bits(&gathered),
+                    bits(&owned),
+                    "{model} {kind:?} world {world}"
+                );
+                assert_eq!(gathered.record.grad_norms.len(), STEPS);
+            });
+        },
+    );
 }
 
 /// Recompute that overwrites, instead of adding to, the gradient of a saved boundary read by

@@ -21,7 +21,6 @@ use lockstep_core::pipeline::{
 use lockstep_core::train::OptimizerConfig;
 use lockstep_harness::parity::{compare, TolerancePolicy};
 use lockstep_models::zoo::MlpStack;
-use rstest::rstest;
 
 use crate::common;
 use std::time::Duration;
@@ -169,54 +168,65 @@ const STEPS: usize = 2;
 /// Every schedule at world 2, 4 and 8 (two microbatches per stage rank) under rendezvous, with
 /// messages of about a megabyte: it runs, and it is still the microbatched single-device run
 /// bit for bit (an MLP has no tied weight and no output feeding two stages).
-#[rstest]
-fn every_schedule_runs_under_rendezvous_with_large_activations(
-    #[values(
+#[test]
+fn every_schedule_runs_under_rendezvous_with_large_activations() {
+    let kind_values: Vec<ScheduleKind> = vec![
         ScheduleKind::GPipe,
         ScheduleKind::OneFOneB,
         ScheduleKind::Interleaved1F1B,
         ScheduleKind::LoopedBfs,
         ScheduleKind::InterleavedZeroBubble,
         ScheduleKind::Zbv,
-        ScheduleKind::DualPipeV
-    )]
-    kind: ScheduleKind,
-    #[values(2, 4, 8)] world: usize,
-) {
-    // Inherited by the ranks the harness launches (this process is this test's alone).
-    std::env::set_var(P2P_VAR, "rendezvous");
-    let m = 2 * world;
-    let opts = PipelineOptions {
-        schedule: ScheduleChoice::Builtin(kind),
-        virtual_stages: kind.default_virtual(),
-        microbatches: m,
-        ..PipelineOptions::default()
-    };
-    lockstep_harness::Run::new(world)
-        .timeout(Duration::from_secs(240))
-        .run(|ctx| {
-            let model =
-                MlpStack::with_sizes("mlp_rendezvous", &SIZES, 0, ctx.rank()).expect("model");
-            let cfg = common::train_config(ctx, "mlp_rendezvous", "pp", "fp32", STEPS);
-            let run = train_pipeline(&model, ctx.world(), &cfg, &opts).expect("pipeline run");
-            if ctx.rank() == 0 {
-                let reference =
-                    MlpStack::with_sizes("mlp_rendezvous", &SIZES, 0, 0).expect("model");
-                let mb = microbatched_reference(
-                    &reference,
-                    world,
-                    m,
-                    STEPS,
-                    OptimizerConfig::default(),
-                    true,
-                )
-                .expect("reference");
-                let c = compare(&run.record, &mb, &TolerancePolicy::bitwise(DType::F32));
-                assert!(
-                    c.passed,
-                    "{kind} at world {world}: {}",
-                    c.diagnosis.unwrap_or_default()
-                );
-            }
-        });
+        ScheduleKind::DualPipeV,
+    ];
+    let world_values: Vec<usize> = vec![2, 4, 8];
+    let mut cases: Vec<(ScheduleKind, usize)> = Vec::new();
+    for kind in &kind_values {
+        for world in &world_values {
+            cases.push((*kind, *world));
+        }
+    }
+    crate::common::each_case(
+        "every_schedule_runs_under_rendezvous_with_large_activations",
+        cases,
+        |&(kind, world): &(ScheduleKind, usize)| {
+            // Inherited by the ranks the harness launches (this process is this test's alone).
+            std::env::set_var(P2P_VAR, "rendezvous");
+            let m = 2 * world;
+            let opts = PipelineOptions {
+                schedule: ScheduleChoice::Builtin(kind),
+                virtual_stages: kind.default_virtual(),
+                microbatches: m,
+                ..PipelineOptions::default()
+            };
+            lockstep_harness::Run::new(world)
+                .timeout(Duration::from_secs(240))
+                .run(|ctx| {
+                    let model = MlpStack::with_sizes("mlp_rendezvous", &SIZES, 0, ctx.rank())
+                        .expect("model");
+                    let cfg = common::train_config(ctx, "mlp_rendezvous", "pp", "fp32", STEPS);
+                    let run =
+                        train_pipeline(&model, ctx.world(), &cfg, &opts).expect("pipeline run");
+                    if ctx.rank() == 0 {
+                        let reference =
+                            MlpStack::with_sizes("mlp_rendezvous", &SIZES, 0, 0).expect("model");
+                        let mb = microbatched_reference(
+                            &reference,
+                            world,
+                            m,
+                            STEPS,
+                            OptimizerConfig::default(),
+                            true,
+                        )
+                        .expect("reference");
+                        let c = compare(&run.record, &mb, &TolerancePolicy::bitwise(DType::F32));
+                        assert!(
+                            c.passed,
+                            "{kind} at world {world}: {}",
+                            c.diagnosis.unwrap_or_default()
+                        );
+                    }
+                });
+        },
+    );
 }

@@ -22,7 +22,6 @@ use lockstep_core::tensor_parallel::{
 use lockstep_harness::parity::Tolerance;
 use lockstep_harness::RankCtx;
 use lockstep_models::seed::seeded;
-use rstest::rstest;
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
@@ -83,123 +82,149 @@ fn tp_group(ctx: &RankCtx) -> TpGroup {
 
 /// Column-parallel linear: output, input gradient and full weight/bias gradients equal the
 /// single device's, with and without a gathered output and sequence parallelism.
-#[rstest]
-fn column_parallel_linear_matches_single_device(
-    #[values(1, 2, 4)] tp: usize,
-    #[values(false, true)] gather_output: bool,
-    #[values(false, true)] sequence_parallel: bool,
-) {
-    run(tp, |ctx| -> Result<()> {
-        let (r, group) = (ctx.rank(), tp_group(ctx));
-        let (inp, out) = (6, 8);
-        let x = randn(1, &[SEQ, BATCH, inp]);
-        let w = randn(2, &[out, inp]);
-        let b = randn(3, &[out]);
-        let probe = randn(4, &[SEQ, BATCH, out]);
-
-        // Single device: a loss weighting every output element differently.
-        let (xr, wr, br) = (leaf(&x), leaf(&w), leaf(&b));
-        let yr = xr.linear(&wr, Some(&br));
-        (&yr * &probe).sum(Kind::Float).backward();
-
-        let x_in = if sequence_parallel {
-            leaf(&part(&x, 0, r, tp))
-        } else {
-            leaf(&x)
-        };
-        let (ws, bs) = (shard(&w, 0, r, tp)?, shard(&b, 0, r, tp)?);
-        let opts = ColumnOptions {
-            gather_output,
-            sequence_parallel,
-            ..Default::default()
-        };
-        let y = column_parallel_linear(&x_in, &ws, Some(&bs), &group, opts)?;
-        if gather_output {
-            // The full output on every rank: the loss is replicated, counted once.
-            close("output", &y, &yr)?;
-            (&y * &probe).sum(Kind::Float).backward();
-        } else {
-            // This rank's output features: the loss is the sum of every rank's part.
-            close("output", &y, &part(&yr, 2, r, tp))?;
-            (&y * part(&probe, 2, r, tp)).sum(Kind::Float).backward();
+#[test]
+fn column_parallel_linear_matches_single_device() {
+    let tp_values: Vec<usize> = vec![1, 2, 4];
+    let gather_output_values: Vec<bool> = vec![false, true];
+    let sequence_parallel_values: Vec<bool> = vec![false, true];
+    let mut cases: Vec<(usize, bool, bool)> = Vec::new();
+    for tp in &tp_values {
+        for gather_output in &gather_output_values {
+            for sequence_parallel in &sequence_parallel_values {
+                cases.push((*tp, *gather_output, *sequence_parallel));
+            }
         }
-        let want_x = if sequence_parallel {
-            part(&xr.grad(), 0, r, tp)
-        } else {
-            xr.grad()
-        };
-        close("input gradient", &grad(&x_in), &want_x)?;
-        close(
-            "weight gradient",
-            &unshard(&grad(&ws), 0, &*group)?,
-            &wr.grad(),
-        )?;
-        close(
-            "bias gradient",
-            &unshard(&grad(&bs), 0, &*group)?,
-            &br.grad(),
-        )?;
-        Ok(())
-    });
+    }
+    crate::common::each_case(
+        "column_parallel_linear_matches_single_device",
+        cases,
+        |&(tp, gather_output, sequence_parallel): &(usize, bool, bool)| {
+            run(tp, |ctx| -> Result<()> {
+                let (r, group) = (ctx.rank(), tp_group(ctx));
+                let (inp, out) = (6, 8);
+                let x = randn(1, &[SEQ, BATCH, inp]);
+                let w = randn(2, &[out, inp]);
+                let b = randn(3, &[out]);
+                let probe = randn(4, &[SEQ, BATCH, out]);
+
+                // Single device: a loss weighting every output element differently.
+                let (xr, wr, br) = (leaf(&x), leaf(&w), leaf(&b));
+                let yr = xr.linear(&wr, Some(&br));
+                (&yr * &probe).sum(Kind::Float).backward();
+
+                let x_in = if sequence_parallel {
+                    leaf(&part(&x, 0, r, tp))
+                } else {
+                    leaf(&x)
+                };
+                let (ws, bs) = (shard(&w, 0, r, tp)?, shard(&b, 0, r, tp)?);
+                let opts = ColumnOptions {
+                    gather_output,
+                    sequence_parallel,
+                    ..Default::default()
+                };
+                let y = column_parallel_linear(&x_in, &ws, Some(&bs), &group, opts)?;
+                if gather_output {
+                    // The full output on every rank: the loss is replicated, counted once.
+                    close("output", &y, &yr)?;
+                    (&y * &probe).sum(Kind::Float).backward();
+                } else {
+                    // This rank's output features: the loss is the sum of every rank's part.
+                    close("output", &y, &part(&yr, 2, r, tp))?;
+                    (&y * part(&probe, 2, r, tp)).sum(Kind::Float).backward();
+                }
+                let want_x = if sequence_parallel {
+                    part(&xr.grad(), 0, r, tp)
+                } else {
+                    xr.grad()
+                };
+                close("input gradient", &grad(&x_in), &want_x)?;
+                close(
+                    "weight gradient",
+                    &unshard(&grad(&ws), 0, &*group)?,
+                    &wr.grad(),
+                )?;
+                close(
+                    "bias gradient",
+                    &unshard(&grad(&bs), 0, &*group)?,
+                    &br.grad(),
+                )?;
+                Ok(())
+            });
+        },
+    );
 }
 
 /// Row-parallel linear: output, input gradient and full weight/bias gradients equal the
 /// single device's, with full or parallel inputs, with and without sequence parallelism.
-#[rstest]
-fn row_parallel_linear_matches_single_device(
-    #[values(1, 2, 4)] tp: usize,
-    #[values(false, true)] input_is_parallel: bool,
-    #[values(false, true)] sequence_parallel: bool,
-) {
-    run(tp, |ctx| -> Result<()> {
-        let (r, group) = (ctx.rank(), tp_group(ctx));
-        let (inp, out) = (8, 6);
-        let x = randn(11, &[SEQ, BATCH, inp]);
-        let w = randn(12, &[out, inp]);
-        let b = randn(13, &[out]);
-        let probe = randn(14, &[SEQ, BATCH, out]);
-
-        let (xr, wr, br) = (leaf(&x), leaf(&w), leaf(&b));
-        let yr = xr.linear(&wr, Some(&br));
-        (&yr * &probe).sum(Kind::Float).backward();
-
-        let x_in = if input_is_parallel {
-            leaf(&part(&x, 2, r, tp))
-        } else {
-            leaf(&x)
-        };
-        let ws = shard(&w, 1, r, tp)?;
-        let bias = leaf(&b);
-        let opts = RowOptions {
-            input_is_parallel,
-            sequence_parallel,
-            ..Default::default()
-        };
-        let y = row_parallel_linear(&x_in, &ws, Some(&bias), &group, opts)?;
-        if sequence_parallel {
-            // This rank's positions; the loss is the sum of every rank's part, and the bias,
-            // added on every rank's own positions, has a partial gradient.
-            close("output", &y, &part(&yr, 0, r, tp))?;
-            (&y * part(&probe, 0, r, tp)).sum(Kind::Float).backward();
-            group.all_reduce(&grad(&bias), ReduceOp::Sum)?;
-        } else {
-            close("output", &y, &yr)?;
-            (&y * &probe).sum(Kind::Float).backward();
+#[test]
+fn row_parallel_linear_matches_single_device() {
+    let tp_values: Vec<usize> = vec![1, 2, 4];
+    let input_is_parallel_values: Vec<bool> = vec![false, true];
+    let sequence_parallel_values: Vec<bool> = vec![false, true];
+    let mut cases: Vec<(usize, bool, bool)> = Vec::new();
+    for tp in &tp_values {
+        for input_is_parallel in &input_is_parallel_values {
+            for sequence_parallel in &sequence_parallel_values {
+                cases.push((*tp, *input_is_parallel, *sequence_parallel));
+            }
         }
-        let want_x = if input_is_parallel {
-            part(&xr.grad(), 2, r, tp)
-        } else {
-            xr.grad()
-        };
-        close("input gradient", &grad(&x_in), &want_x)?;
-        close(
-            "weight gradient",
-            &unshard(&grad(&ws), 1, &*group)?,
-            &wr.grad(),
-        )?;
-        close("bias gradient", &grad(&bias), &br.grad())?;
-        Ok(())
-    });
+    }
+    crate::common::each_case(
+        "row_parallel_linear_matches_single_device",
+        cases,
+        |&(tp, input_is_parallel, sequence_parallel): &(usize, bool, bool)| {
+            run(tp, |ctx| -> Result<()> {
+                let (r, group) = (ctx.rank(), tp_group(ctx));
+                let (inp, out) = (8, 6);
+                let x = randn(11, &[SEQ, BATCH, inp]);
+                let w = randn(12, &[out, inp]);
+                let b = randn(13, &[out]);
+                let probe = randn(14, &[SEQ, BATCH, out]);
+
+                let (xr, wr, br) = (leaf(&x), leaf(&w), leaf(&b));
+                let yr = xr.linear(&wr, Some(&br));
+                (&yr * &probe).sum(Kind::Float).backward();
+
+                let x_in = if input_is_parallel {
+                    leaf(&part(&x, 2, r, tp))
+                } else {
+                    leaf(&x)
+                };
+                let ws = shard(&w, 1, r, tp)?;
+                let bias = leaf(&b);
+                let opts = RowOptions {
+                    input_is_parallel,
+                    sequence_parallel,
+                    ..Default::default()
+                };
+                let y = row_parallel_linear(&x_in, &ws, Some(&bias), &group, opts)?;
+                if sequence_parallel {
+                    // This rank's positions; the loss is the sum of every rank's part, and the bias,
+                    // added on every rank's own positions, has a partial gradient.
+                    close("output", &y, &part(&yr, 0, r, tp))?;
+                    (&y * part(&probe, 0, r, tp)).sum(Kind::Float).backward();
+                    group.all_reduce(&grad(&bias), ReduceOp::Sum)?;
+                } else {
+                    close("output", &y, &yr)?;
+                    (&y * &probe).sum(Kind::Float).backward();
+                }
+                let want_x = if input_is_parallel {
+                    part(&xr.grad(), 2, r, tp)
+                } else {
+                    xr.grad()
+                };
+                close("input gradient", &grad(&x_in), &want_x)?;
+                close(
+                    "weight gradient",
+                    &unshard(&grad(&ws), 1, &*group)?,
+                    &wr.grad(),
+                )?;
+                close("bias gradient", &grad(&bias), &br.grad())?;
+                Ok(())
+            });
+        },
+    );
 }
 
 /// Megatron's MLP, column- then row-parallel. `planted` builds the column side with an
@@ -266,100 +291,137 @@ fn mlp(ctx: &RankCtx, sequence_parallel: bool, planted: bool) -> Result<()> {
 }
 
 /// The MLP matches the single device end to end.
-#[rstest]
-fn column_then_row_parallel_mlp_matches_single_device(
-    #[values(1, 2, 4)] tp: usize,
-    #[values(false, true)] sequence_parallel: bool,
-) {
-    run(tp, |ctx| mlp(ctx, sequence_parallel, false));
+#[test]
+fn column_then_row_parallel_mlp_matches_single_device() {
+    let tp_values: Vec<usize> = vec![1, 2, 4];
+    let sequence_parallel_values: Vec<bool> = vec![false, true];
+    let mut cases: Vec<(usize, bool)> = Vec::new();
+    for tp in &tp_values {
+        for sequence_parallel in &sequence_parallel_values {
+            cases.push((*tp, *sequence_parallel));
+        }
+    }
+    crate::common::each_case(
+        "column_then_row_parallel_mlp_matches_single_device",
+        cases,
+        |&(tp, sequence_parallel): &(usize, bool)| {
+            run(tp, |ctx| mlp(ctx, sequence_parallel, false));
+        },
+    );
 }
 
 /// A row-parallel pair whose backward misses its all-reduce computes the right output and
 /// weight gradients, but wrong input gradients: the comparison catches it.
-#[rstest]
-fn missing_backward_all_reduce_is_caught(#[values(2, 4)] tp: usize) {
-    run(tp, |ctx| -> Result<()> {
-        match mlp(ctx, false, true) {
-            Ok(()) => bail!("the planted missing all-reduce went unnoticed"),
-            Err(e) => {
-                let msg = e.to_string();
-                ensure!(
-                    msg.starts_with("input gradient"),
-                    "expected only the input gradient to differ, got: {msg}"
-                );
-                Ok(())
-            }
-        }
-    });
+#[test]
+fn missing_backward_all_reduce_is_caught() {
+    let cases: Vec<usize> = vec![2, 4];
+    crate::common::each_case(
+        "missing_backward_all_reduce_is_caught",
+        cases,
+        |&tp: &usize| {
+            run(tp, |ctx| -> Result<()> {
+                match mlp(ctx, false, true) {
+                    Ok(()) => bail!("the planted missing all-reduce went unnoticed"),
+                    Err(e) => {
+                        let msg = e.to_string();
+                        ensure!(
+                            msg.starts_with("input gradient"),
+                            "expected only the input gradient to differ, got: {msg}"
+                        );
+                        Ok(())
+                    }
+                }
+            });
+        },
+    );
 }
 
 /// The vocabulary-parallel embedding equals a full lookup, for ids in every rank's range,
 /// and so does the full table's gradient.
-#[rstest]
-fn vocab_parallel_embedding_matches_single_device(#[values(1, 2, 4)] tp: usize) {
-    run(tp, |ctx| -> Result<()> {
-        let (r, group) = (ctx.rank(), tp_group(ctx));
-        let (vocab, dim) = (16, 5);
-        let w = randn(31, &[vocab, dim]);
-        // Every id once, some twice (their gradients accumulate), in a scrambled order.
-        let ids = Tensor::from_slice(&[
-            3i64, 15, 0, 8, 12, 7, 1, 9, 14, 4, 11, 2, 6, 13, 10, 5, 15, 0, 8, 8,
-        ])
-        .reshape([4, 5]);
-        let probe = randn(32, &[4, 5, dim]);
+#[test]
+fn vocab_parallel_embedding_matches_single_device() {
+    let cases: Vec<usize> = vec![1, 2, 4];
+    crate::common::each_case(
+        "vocab_parallel_embedding_matches_single_device",
+        cases,
+        |&tp: &usize| {
+            run(tp, |ctx| -> Result<()> {
+                let (r, group) = (ctx.rank(), tp_group(ctx));
+                let (vocab, dim) = (16, 5);
+                let w = randn(31, &[vocab, dim]);
+                // Every id once, some twice (their gradients accumulate), in a scrambled order.
+                let ids = Tensor::from_slice(&[
+                    3i64, 15, 0, 8, 12, 7, 1, 9, 14, 4, 11, 2, 6, 13, 10, 5, 15, 0, 8, 8,
+                ])
+                .reshape([4, 5]);
+                let probe = randn(32, &[4, 5, dim]);
 
-        let wr = leaf(&w);
-        let yr = Tensor::embedding(&wr, &ids, -1, false, false);
-        (&yr * &probe).sum(Kind::Float).backward();
+                let wr = leaf(&w);
+                let yr = Tensor::embedding(&wr, &ids, -1, false, false);
+                (&yr * &probe).sum(Kind::Float).backward();
 
-        let ws = shard(&w, 0, r, tp)?;
-        let start = r as i64 * vocab / tp as i64;
-        let y = vocab_parallel_embedding(&ids, &ws, start, &group)?;
-        close("output", &y, &yr)?;
-        (&y * &probe).sum(Kind::Float).backward();
-        close(
-            "weight gradient",
-            &unshard(&grad(&ws), 0, &*group)?,
-            &wr.grad(),
-        )
-    });
+                let ws = shard(&w, 0, r, tp)?;
+                let start = r as i64 * vocab / tp as i64;
+                let y = vocab_parallel_embedding(&ids, &ws, start, &group)?;
+                close("output", &y, &yr)?;
+                (&y * &probe).sum(Kind::Float).backward();
+                close(
+                    "weight gradient",
+                    &unshard(&grad(&ws), 0, &*group)?,
+                    &wr.grad(),
+                )
+            });
+        },
+    );
 }
 
 /// The vocabulary-parallel cross-entropy equals libtorch's cross-entropy on the full logits
 /// (mean and sum), and its gradient, scaled by an incoming gradient other than one, equals
 /// the full logits' gradient on every rank's columns.
-#[rstest]
-fn vocab_parallel_cross_entropy_matches_single_device(
-    #[values(1, 2, 4)] tp: usize,
-    #[values(Reduction::Mean, Reduction::Sum)] reduction: Reduction,
-) {
-    run(tp, |ctx| -> Result<()> {
-        let (r, group) = (ctx.rank(), tp_group(ctx));
-        let (n, vocab) = (12, 16);
-        let logits = randn(41, &[n, vocab]) * 3.0;
-        // Targets in every rank's columns, the largest logit's column included.
-        let target = Tensor::from_slice(&[0i64, 15, 4, 11, 7, 8, 3, 12, 1, 14, 5, 10]);
-        let torch_reduction = match reduction {
-            Reduction::Mean => tch::Reduction::Mean,
-            Reduction::Sum => tch::Reduction::Sum,
-        };
+#[test]
+fn vocab_parallel_cross_entropy_matches_single_device() {
+    let tp_values: Vec<usize> = vec![1, 2, 4];
+    let reduction_values: Vec<Reduction> = vec![Reduction::Mean, Reduction::Sum];
+    let mut cases: Vec<(usize, Reduction)> = Vec::new();
+    for tp in &tp_values {
+        for reduction in &reduction_values {
+            cases.push((*tp, *reduction));
+        }
+    }
+    crate::common::each_case(
+        "vocab_parallel_cross_entropy_matches_single_device",
+        cases,
+        |&(tp, reduction): &(usize, Reduction)| {
+            run(tp, |ctx| -> Result<()> {
+                let (r, group) = (ctx.rank(), tp_group(ctx));
+                let (n, vocab) = (12, 16);
+                let logits = randn(41, &[n, vocab]) * 3.0;
+                // Targets in every rank's columns, the largest logit's column included.
+                let target = Tensor::from_slice(&[0i64, 15, 4, 11, 7, 8, 3, 12, 1, 14, 5, 10]);
+                let torch_reduction = match reduction {
+                    Reduction::Mean => tch::Reduction::Mean,
+                    Reduction::Sum => tch::Reduction::Sum,
+                };
 
-        let lr = leaf(&logits);
-        let loss_r = lr.cross_entropy_loss::<Tensor>(&target, None, torch_reduction, -100, 0.0);
-        (&loss_r * 1.7).backward();
+                let lr = leaf(&logits);
+                let loss_r =
+                    lr.cross_entropy_loss::<Tensor>(&target, None, torch_reduction, -100, 0.0);
+                (&loss_r * 1.7).backward();
 
-        let ls = leaf(&part(&logits, 1, r, tp));
-        let start = r as i64 * vocab / tp as i64;
-        let loss = vocab_parallel_cross_entropy(&ls, &target, start, &group, reduction)?;
-        ensure!(
-            loss.dim() == 0,
-            "the loss is a scalar, got {:?}",
-            loss.size()
-        );
-        close("loss", &loss, &loss_r)?;
-        (&loss * 1.7).backward();
-        close("logits gradient", &grad(&ls), &part(&lr.grad(), 1, r, tp))
-    });
+                let ls = leaf(&part(&logits, 1, r, tp));
+                let start = r as i64 * vocab / tp as i64;
+                let loss = vocab_parallel_cross_entropy(&ls, &target, start, &group, reduction)?;
+                ensure!(
+                    loss.dim() == 0,
+                    "the loss is a scalar, got {:?}",
+                    loss.size()
+                );
+                close("loss", &loss, &loss_r)?;
+                (&loss * 1.7).backward();
+                close("logits gradient", &grad(&ls), &part(&lr.grad(), 1, r, tp))
+            });
+        },
+    );
 }
 
 /// Asserts one step's counts are exactly `want` (operation, calls, bytes) on `group`.
@@ -386,134 +448,137 @@ fn expect_counts(
 /// forward (bytes = elements × 4) and per column-parallel backward, none extra; under SP one
 /// all-gather and one reduce-scatter each way; three small all-reduces for the loss; and
 /// blocking and asynchronous calls alike.
-#[rstest]
-fn counting_group_counts_exactly(#[values(2, 4)] tp: usize) {
-    run(tp, |ctx| -> Result<()> {
-        let r = ctx.rank();
-        let counts = CollectiveCounts::new();
-        let group: TpGroup = Arc::new(CountingGroup::new(ctx.group(), counts.clone()));
-        let name = group.name().to_owned();
-        let (dim, hidden) = (6, 8);
-        let x = leaf(&randn(51, &[SEQ, BATCH, dim]));
-        let w1 = shard(&randn(52, &[hidden, dim]), 0, r, tp)?;
-        let w2 = shard(&randn(53, &[dim, hidden]), 1, r, tp)?;
-        let out_bytes = (SEQ * BATCH * dim * 4) as u64;
+#[test]
+fn counting_group_counts_exactly() {
+    let cases: Vec<usize> = vec![2, 4];
+    crate::common::each_case("counting_group_counts_exactly", cases, |&tp: &usize| {
+        run(tp, |ctx| -> Result<()> {
+            let r = ctx.rank();
+            let counts = CollectiveCounts::new();
+            let group: TpGroup = Arc::new(CountingGroup::new(ctx.group(), counts.clone()));
+            let name = group.name().to_owned();
+            let (dim, hidden) = (6, 8);
+            let x = leaf(&randn(51, &[SEQ, BATCH, dim]));
+            let w1 = shard(&randn(52, &[hidden, dim]), 0, r, tp)?;
+            let w2 = shard(&randn(53, &[dim, hidden]), 1, r, tp)?;
+            let out_bytes = (SEQ * BATCH * dim * 4) as u64;
 
-        // Column-parallel forward: nothing. Row-parallel forward: one all-reduce.
-        let h = column_parallel_linear(&x, &w1, None, &group, ColumnOptions::default())?;
-        expect_counts("column forward", counts.take(), &name, &[])?;
-        let row = RowOptions {
-            input_is_parallel: true,
-            sequence_parallel: false,
-            ..Default::default()
-        };
-        let y = row_parallel_linear(&h, &w2, None, &group, row)?;
-        expect_counts(
-            "row forward",
-            counts.take(),
-            &name,
-            &[(OpKind::AllReduce, 1, out_bytes)],
-        )?;
-        // Backward: the row side passes gradients through, the column side all-reduces.
-        y.sum(Kind::Float).backward();
-        expect_counts(
-            "backward",
-            counts.take(),
-            &name,
-            &[(OpKind::AllReduce, 1, out_bytes)],
-        )?;
+            // Column-parallel forward: nothing. Row-parallel forward: one all-reduce.
+            let h = column_parallel_linear(&x, &w1, None, &group, ColumnOptions::default())?;
+            expect_counts("column forward", counts.take(), &name, &[])?;
+            let row = RowOptions {
+                input_is_parallel: true,
+                sequence_parallel: false,
+                ..Default::default()
+            };
+            let y = row_parallel_linear(&h, &w2, None, &group, row)?;
+            expect_counts(
+                "row forward",
+                counts.take(),
+                &name,
+                &[(OpKind::AllReduce, 1, out_bytes)],
+            )?;
+            // Backward: the row side passes gradients through, the column side all-reduces.
+            y.sum(Kind::Float).backward();
+            expect_counts(
+                "backward",
+                counts.take(),
+                &name,
+                &[(OpKind::AllReduce, 1, out_bytes)],
+            )?;
 
-        // Sequence parallel: one all-gather in, one reduce-scatter out, and the reverse.
-        let xs = leaf(&part(&randn(51, &[SEQ, BATCH, dim]), 0, r, tp));
-        let sp_col = ColumnOptions {
-            gather_output: false,
-            sequence_parallel: true,
-            ..Default::default()
-        };
-        let h = column_parallel_linear(&xs, &w1, None, &group, sp_col)?;
-        let sp_row = RowOptions {
-            input_is_parallel: true,
-            sequence_parallel: true,
-            ..Default::default()
-        };
-        let y = row_parallel_linear(&h, &w2, None, &group, sp_row)?;
-        let shard_bytes = out_bytes / tp as u64;
-        expect_counts(
-            "sequence-parallel forward",
-            counts.take(),
-            &name,
-            &[
-                (OpKind::AllGather, 1, shard_bytes),
-                (OpKind::ReduceScatter, 1, out_bytes),
-            ],
-        )?;
-        y.sum(Kind::Float).backward();
-        expect_counts(
-            "sequence-parallel backward",
-            counts.take(),
-            &name,
-            &[
-                (OpKind::AllGather, 1, shard_bytes),
-                (OpKind::ReduceScatter, 1, out_bytes),
-            ],
-        )?;
+            // Sequence parallel: one all-gather in, one reduce-scatter out, and the reverse.
+            let xs = leaf(&part(&randn(51, &[SEQ, BATCH, dim]), 0, r, tp));
+            let sp_col = ColumnOptions {
+                gather_output: false,
+                sequence_parallel: true,
+                ..Default::default()
+            };
+            let h = column_parallel_linear(&xs, &w1, None, &group, sp_col)?;
+            let sp_row = RowOptions {
+                input_is_parallel: true,
+                sequence_parallel: true,
+                ..Default::default()
+            };
+            let y = row_parallel_linear(&h, &w2, None, &group, sp_row)?;
+            let shard_bytes = out_bytes / tp as u64;
+            expect_counts(
+                "sequence-parallel forward",
+                counts.take(),
+                &name,
+                &[
+                    (OpKind::AllGather, 1, shard_bytes),
+                    (OpKind::ReduceScatter, 1, out_bytes),
+                ],
+            )?;
+            y.sum(Kind::Float).backward();
+            expect_counts(
+                "sequence-parallel backward",
+                counts.take(),
+                &name,
+                &[
+                    (OpKind::AllGather, 1, shard_bytes),
+                    (OpKind::ReduceScatter, 1, out_bytes),
+                ],
+            )?;
 
-        // Embedding: one all-reduce forward, none backward. Loss: three all-reduces of [N]
-        // forward, none backward.
-        let table = shard(&randn(54, &[16, dim]), 0, r, tp)?;
-        let ids = Tensor::from_slice(&[1i64, 5, 9, 13]);
-        let e = vocab_parallel_embedding(&ids, &table, r as i64 * 16 / tp as i64, &group)?;
-        expect_counts(
-            "embedding forward",
-            counts.take(),
-            &name,
-            &[(OpKind::AllReduce, 1, 4 * 6 * 4)],
-        )?;
-        e.sum(Kind::Float).backward();
-        expect_counts("embedding backward", counts.take(), &name, &[])?;
-        let logits = leaf(&randn(55, &[4, 16 / tp as i64]));
-        let loss = vocab_parallel_cross_entropy(
-            &logits,
-            &Tensor::from_slice(&[0i64, 3, 7, 15]),
-            r as i64 * 16 / tp as i64,
-            &group,
-            Reduction::Mean,
-        )?;
-        expect_counts(
-            "loss forward",
-            counts.take(),
-            &name,
-            &[(OpKind::AllReduce, 3, 3 * 4 * 4)],
-        )?;
-        loss.backward();
-        expect_counts("loss backward", counts.take(), &name, &[])?;
+            // Embedding: one all-reduce forward, none backward. Loss: three all-reduces of [N]
+            // forward, none backward.
+            let table = shard(&randn(54, &[16, dim]), 0, r, tp)?;
+            let ids = Tensor::from_slice(&[1i64, 5, 9, 13]);
+            let e = vocab_parallel_embedding(&ids, &table, r as i64 * 16 / tp as i64, &group)?;
+            expect_counts(
+                "embedding forward",
+                counts.take(),
+                &name,
+                &[(OpKind::AllReduce, 1, 4 * 6 * 4)],
+            )?;
+            e.sum(Kind::Float).backward();
+            expect_counts("embedding backward", counts.take(), &name, &[])?;
+            let logits = leaf(&randn(55, &[4, 16 / tp as i64]));
+            let loss = vocab_parallel_cross_entropy(
+                &logits,
+                &Tensor::from_slice(&[0i64, 3, 7, 15]),
+                r as i64 * 16 / tp as i64,
+                &group,
+                Reduction::Mean,
+            )?;
+            expect_counts(
+                "loss forward",
+                counts.take(),
+                &name,
+                &[(OpKind::AllReduce, 3, 3 * 4 * 4)],
+            )?;
+            loss.backward();
+            expect_counts("loss backward", counts.take(), &name, &[])?;
 
-        // Blocking and asynchronous forms count once each; a barrier carries no bytes.
-        let t = Tensor::ones([10], (Kind::Float, Device::Cpu));
-        group.all_reduce(&t, ReduceOp::Sum)?;
-        group.all_reduce_async(&t, ReduceOp::Sum)?.wait()?;
-        group.barrier()?;
-        let before = counts.snapshot();
-        expect_counts(
-            "direct calls",
-            counts.take(),
-            &name,
-            &[(OpKind::AllReduce, 2, 80), (OpKind::Barrier, 1, 0)],
-        )?;
-        ensure!(counts.take().is_empty(), "take() must reset the counts");
-        ensure!(
-            t.double_value(&[0]) == (tp * tp) as f64,
-            "the wrapped group must still reduce"
-        );
+            // Blocking and asynchronous forms count once each; a barrier carries no bytes.
+            let t = Tensor::ones([10], (Kind::Float, Device::Cpu));
+            group.all_reduce(&t, ReduceOp::Sum)?;
+            group.all_reduce_async(&t, ReduceOp::Sum)?.wait()?;
+            group.barrier()?;
+            let before = counts.snapshot();
+            expect_counts(
+                "direct calls",
+                counts.take(),
+                &name,
+                &[(OpKind::AllReduce, 2, 80), (OpKind::Barrier, 1, 0)],
+            )?;
+            ensure!(counts.take().is_empty(), "take() must reset the counts");
+            ensure!(
+                t.double_value(&[0]) == (tp * tp) as f64,
+                "the wrapped group must still reduce"
+            );
 
-        // The tally goes into a run record as flat rows that survive JSON.
-        let entries = CollectiveEntry::from_counts(before);
-        ensure!(entries.len() == 2 && entries[0].op == "all_reduce" && entries[0].calls == 2);
-        let mut record = RunRecord::start(spec(), false);
-        record.collectives = Some(vec![entries]);
-        let back: RunRecord = serde_json::from_str(&serde_json::to_string(&record)?)?;
-        ensure!(back == record, "collectives must survive JSON");
-        Ok(())
+            // The tally goes into a run record as flat rows that survive JSON.
+            let entries = CollectiveEntry::from_counts(before);
+            ensure!(entries.len() == 2 && entries[0].op == "all_reduce" && entries[0].calls == 2);
+            let mut record = RunRecord::start(spec(), false);
+            record.collectives = Some(vec![entries]);
+            let back: RunRecord = serde_json::from_str(&serde_json::to_string(&record)?)?;
+            ensure!(back == record, "collectives must survive JSON");
+            Ok(())
+        });
     });
 }
 

@@ -427,3 +427,43 @@ pub fn rust_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
         }
     }
 }
+
+/// Runs `check` on every case of a table-driven test in this one process, every case even
+/// after one fails, and fails naming each case that did (`test::case` with its parameters)
+/// and why. nextest starts a process per test and each pays libtorch's start-up (about a
+/// quarter second here), more than most cases' own work: a table is one test, its cases
+/// still named one by one.
+pub fn each_case<C: std::fmt::Debug>(
+    test: &str,
+    cases: impl IntoIterator<Item = C>,
+    check: impl Fn(&C),
+) {
+    let mut failed = Vec::new();
+    let mut count = 0;
+    for case in cases {
+        count += 1;
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(&case)));
+        if let Err(panic) = outcome {
+            let why = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("(a panic without a message)");
+            failed.push(format!("{test}::case {case:?}: {why}"));
+        }
+    }
+    assert!(count > 0, "{test}: no cases");
+    assert!(
+        failed.is_empty(),
+        "{} of {count} cases failed:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
+}
+
+/// Every pair of `a` and `b`, `a` varying slowest (rstest's `#[values]` order).
+pub fn product<A: Clone, B: Clone>(a: &[A], b: &[B]) -> Vec<(A, B)> {
+    a.iter()
+        .flat_map(|x| b.iter().map(move |y| (x.clone(), y.clone())))
+        .collect()
+}
