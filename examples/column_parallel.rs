@@ -265,12 +265,18 @@ fn main() -> Result<(), ParityTestError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rstest::rstest;
 
-    #[rstest]
-    #[case::correct(false)]
-    #[case::bias_added_before_the_all_reduce(true)]
-    fn hand_written_column_parallel_mlp(#[case] planted_bug: bool) {
+    #[test]
+    fn hand_written_column_parallel_mlp_correct() {
+        hand_written_column_parallel_mlp(false);
+    }
+
+    #[test]
+    fn hand_written_column_parallel_mlp_bias_added_before_the_all_reduce() {
+        hand_written_column_parallel_mlp(true);
+    }
+
+    fn hand_written_column_parallel_mlp(planted_bug: bool) {
         let name = format!("hand_written_column_parallel_mlp_{planted_bug}");
         let outcome = check_column_parallel(&name, planted_bug).expect("the parity test runs");
         if !planted_bug {

@@ -2,8 +2,10 @@
 //! (gloo, worlds 2 and 4), their single-device reference and float64 shadow trained by the
 //! package from the run's own start and batches, judged by the fp64 arbiter. One DDP job runs
 //! under torchrun as docs/judge.md shows; the others fork their ranks, with torchrun's
-//! environment, from one Python that imported torch once (`tests/support/forked_job.py`),
-//! which takes a third of torchrun's CPU time:
+//! environment (`tests/support/forked_job.py`), from the one Python of the whole suite run
+//! that imported torch (`tests/support/torch_server.py`, started by `tests/fixtures.rs`:
+//! importing torch and its distributed modules costs about 4 s here, a job about 1 s), and
+//! a job judged by several tests is recorded once per run (`fixtures::cached_dir`):
 //!
 //! - `examples/torch_ddp.py` (the `DistributedDataParallel` wrapper handed to the recorder)
 //!   passes, with gradient accumulation under `no_sync()` done right, and compiled by

@@ -1658,10 +1658,19 @@ fn nccl_and_cuda_plan_every_configuration() {
 /// libtorch's kernels switched to AVX2 and to its portable default, as it does on this
 /// machine's own (the fp64 arbiter's envelope moves with each machine's rounding;
 /// docs/parity.md). The run is a dev-profile binary, so the slice is kept small.
-#[rstest::rstest]
-#[case::avx2("avx2")]
-#[case::portable("default")]
-fn the_slice_passes_on_other_cpu_kernels_over_20_steps(#[case] capability: &str) {
+#[test]
+fn the_slice_passes_on_other_cpu_kernels_over_20_steps_avx2() {
+    the_slice_passes_on_other_cpu_kernels_over_20_steps("avx2");
+}
+
+/// [`the_slice_passes_on_other_cpu_kernels_over_20_steps_avx2`] on libtorch's portable
+/// kernels: a test of its own (half a minute each), so the two run side by side.
+#[test]
+fn the_slice_passes_on_other_cpu_kernels_over_20_steps_portable() {
+    the_slice_passes_on_other_cpu_kernels_over_20_steps("default");
+}
+
+fn the_slice_passes_on_other_cpu_kernels_over_20_steps(capability: &str) {
     let scratch = Scratch::new(&format!("capability_{capability}"));
     let out = Command::new(env!("CARGO_BIN_EXE_lockstep"))
         .env("ATEN_CPU_CAPABILITY", capability)

@@ -9,7 +9,6 @@ use lockstep::harness::parity::Tolerance;
 use lockstep::harness::RankCtx;
 use lockstep::models::Model;
 use lockstep::parity_test::{ParityTest, ParityTestError, Reference};
-use rstest::rstest;
 use std::time::Duration;
 use tch::Tensor;
 
@@ -120,10 +119,18 @@ fn a_user_config_is_judged_and_a_planted_bug_is_named() {
     );
 }
 
-#[rstest]
-#[case::error(false)]
-#[case::hang(true)]
-fn a_failed_user_run_carries_the_launchers_report(#[case] hang: bool) {
+#[test]
+fn a_failed_user_run_carries_the_launchers_report_error() {
+    a_failed_user_run_carries_the_launchers_report(false);
+}
+
+/// [`a_failed_user_run_carries_the_launchers_report_error`] with a rank that hangs instead.
+#[test]
+fn a_failed_user_run_carries_the_launchers_report_hang() {
+    a_failed_user_run_carries_the_launchers_report(true);
+}
+
+fn a_failed_user_run_carries_the_launchers_report(hang: bool) {
     let name = format!("user_config_fails_hang_{hang}");
     let outcome = ParityTest::new(&name)
         .zoo("mlp")

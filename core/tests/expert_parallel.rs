@@ -21,7 +21,6 @@ use lockstep_core::expert_parallel::{
 };
 use lockstep_harness::RankCtx;
 use lockstep_models::seed::seeded;
-use rstest::rstest;
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
@@ -415,34 +414,33 @@ fn all_to_all_and_all_gather_agree() {
 /// its ep group's rows, a smaller matrix product whose rows libtorch may round differently
 /// (about 1 ulp), so outputs agree within the fp32 table. Gradients agree within the table
 /// (the router's and the replicated experts' are summed over ranks in another order).
-#[rstest]
-#[case(1, 1)]
-#[case(2, 2)]
-#[case(4, 4)]
-#[case(1, 2)]
-#[case(2, 4)]
-fn sharded_experts_match_one_process_on_all_tokens(
-    #[case] ep: usize,
-    #[case] world: usize,
-    #[values(Dispatcher::AllToAll, Dispatcher::AllGather)] dispatcher: Dispatcher,
-) {
-    common::run(world, |ctx| {
-        assert_uneven(ctx);
-        let l = layout(ctx, ep);
-        let sharded = run_ep(ctx, &l, dispatcher, None, ExpertReduction::Rule);
-        let one = run_one_process(ctx.rank(), world);
-        assert_eq!(sharded.dropped, 0);
-        if ep == world {
-            assert_bits("output", &sharded.output, &one.output);
-        }
-        for g in &sharded.expert_grads[E - 1] {
-            assert!(
-                g.abs().max().double_value(&[]) == 0.0,
-                "unchosen expert 7 has a nonzero gradient"
-            );
-        }
-        compare(&sharded, &one, false);
-    });
+#[test]
+fn sharded_experts_match_one_process_on_all_tokens() {
+    let sizes = [(1, 1), (2, 2), (4, 4), (1, 2), (2, 4)];
+    let dispatchers = [Dispatcher::AllToAll, Dispatcher::AllGather];
+    common::each_case(
+        "sharded_experts_match_one_process_on_all_tokens",
+        common::product(&sizes, &dispatchers),
+        |&((ep, world), dispatcher)| {
+            common::run(world, |ctx| {
+                assert_uneven(ctx);
+                let l = layout(ctx, ep);
+                let sharded = run_ep(ctx, &l, dispatcher, None, ExpertReduction::Rule);
+                let one = run_one_process(ctx.rank(), world);
+                assert_eq!(sharded.dropped, 0);
+                if ep == world {
+                    assert_bits("output", &sharded.output, &one.output);
+                }
+                for g in &sharded.expert_grads[E - 1] {
+                    assert!(
+                        g.abs().max().double_value(&[]) == 0.0,
+                        "unchosen expert 7 has a nonzero gradient"
+                    );
+                }
+                compare(&sharded, &one, false);
+            });
+        },
+    );
 }
 
 /// The zoo's dense `Moe::forward` (models/src/zoo/gpt.rs), restated with per-choice keep

@@ -19,7 +19,6 @@ use lockstep_harness::parity::{
 };
 use lockstep_harness::RankCtx;
 use lockstep_models::{zoo, LayerHooks, LayerKind, LayerSpec, Model, ModelError};
-use rstest::rstest;
 use tch::{Kind, Tensor};
 
 const STEPS: usize = 4;
@@ -173,34 +172,39 @@ fn reference(model: &str, world: usize, half: HalfType) -> RunRecord {
     .expect("mixed-precision reference")
 }
 
-#[rstest]
-#[case::nested("nested", 2)]
-#[case::transformer("transformer", 2)]
-#[case::transformer_bn("transformer_bn", 2)]
-#[case::mlp("mlp", 2)]
-#[case::gpt("gpt", 2)]
-#[case::gpt_moe("gpt_moe", 2)]
-#[case::gpt_world4("gpt", 4)]
-fn ddp_is_bitwise_the_independent_mixed_precision_reference(
-    #[case] model: &str,
-    #[case] world: usize,
-    #[values(HalfType::Bf16, HalfType::Fp16)] half: HalfType,
-) {
-    let policy = match half {
-        HalfType::Bf16 => MixedPrecision::bf16(),
-        HalfType::Fp16 => MixedPrecision::fp16(),
-    };
-    lockstep_harness::run(world, |ctx| {
-        let run = ddp_run(ctx, model, Some(policy));
-        if ctx.rank() == 0 {
-            let expected = reference(model, world, half);
-            assert_passes(&compare(
-                &run,
-                &expected,
-                &TolerancePolicy::bitwise(DType::F32),
-            ));
-        }
-    });
+#[test]
+fn ddp_is_bitwise_the_independent_mixed_precision_reference() {
+    let models = [
+        ("nested", 2),
+        ("transformer", 2),
+        ("transformer_bn", 2),
+        ("mlp", 2),
+        ("gpt", 2),
+        ("gpt_moe", 2),
+        ("gpt", 4),
+    ];
+    let halves = [HalfType::Bf16, HalfType::Fp16];
+    crate::common::each_case(
+        "ddp_is_bitwise_the_independent_mixed_precision_reference",
+        crate::common::product(&models, &halves),
+        |&((model, world), half)| {
+            let policy = match half {
+                HalfType::Bf16 => MixedPrecision::bf16(),
+                HalfType::Fp16 => MixedPrecision::fp16(),
+            };
+            lockstep_harness::run(world, |ctx| {
+                let run = ddp_run(ctx, model, Some(policy.clone()));
+                if ctx.rank() == 0 {
+                    let expected = reference(model, world, half);
+                    assert_passes(&compare(
+                        &run,
+                        &expected,
+                        &TolerancePolicy::bitwise(DType::F32),
+                    ));
+                }
+            });
+        },
+    );
 }
 
 /// The three mixed-precision bugs no row caught before the independent reference, each

@@ -1,10 +1,9 @@
 //! NCCL backend tests. They need one GPU per rank and a build with `--features nccl`;
-//! elsewhere they print `SKIP: ...` and pass. `file_serial` (and the nextest `gpu` group) keep
+//! elsewhere they print `SKIP: ...` and pass. [`gpus_to_myself`] (and the nextest `gpu` group) keep
 //! two GPU tests from sharing devices.
 
 use lockstep_core::comm::ReduceOp;
 use lockstep_harness::{Outcome, Run};
-use serial_test::file_serial;
 use tch::{Kind, Tensor};
 
 fn on_gpus(
@@ -14,9 +13,27 @@ fn on_gpus(
     Run::new(world).backend("nccl").run(body)
 }
 
+
+/// Holds every GPU for this test: a file lock, so tests in other processes wait too (under
+/// plain `cargo test` as under nextest), released when dropped or when the process dies.
+fn gpus_to_myself() -> std::fs::File {
+    use std::os::fd::AsRawFd;
+    let path = std::env::temp_dir().join("lockstep-gpu-tests.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
+    // SAFETY: flock on a descriptor this function owns.
+    let taken = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
+    assert_eq!(taken, 0, "lock {}", path.display());
+    file
+}
+
 #[test]
-#[file_serial(gpu)]
 fn nccl_all_reduce_sums_on_every_gpu() {
+    let _gpus = gpus_to_myself();
     let outcome = on_gpus(2, |ctx| {
         let t = Tensor::from_slice(&[ctx.rank() as f32 + 1.0, 2.0]).to_device(ctx.device());
         ctx.group().all_reduce(&t, ReduceOp::Sum)?;
@@ -35,8 +52,8 @@ fn nccl_all_reduce_sums_on_every_gpu() {
 }
 
 #[test]
-#[file_serial(gpu)]
 fn nccl_gather_scatter_and_uneven_all_to_all() {
+    let _gpus = gpus_to_myself();
     let outcome = on_gpus(2, |ctx| {
         let (rank, dev) = (ctx.rank() as f64, ctx.device());
         let g = ctx.group();

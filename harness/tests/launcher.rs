@@ -1,13 +1,13 @@
 //! Integration tests of the multi-rank launcher: what a failed, hung or mismatched run
 //! reports, that no rank outlives the run, both spawn modes, skips, and external launch.
 //!
-//! Tests that count the test process's children are `#[serial]`; every other test that
-//! starts processes is `#[parallel]`, so a child count never sees another test's ranks.
+//! Tests that count the test process's children hold [`serial`]'s guard; every other test
+//! that starts processes holds [`parallel`]'s, so a child count never sees another test's
+//! ranks when libtest runs them on threads of one process (nextest gives each its own).
 
 use lockstep_core::comm::ReduceOp;
 use lockstep_core::CommError;
 use lockstep_harness::{FailureReport, LaunchError, Outcome, RankEnd, Run, SpawnMode};
-use serial_test::{parallel, serial};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
@@ -85,9 +85,23 @@ fn sleep_long() {
 // A rank fails: panic, returned error, exit code, signal.
 // ---------------------------------------------------------------------------------------
 
+
+/// Tests that start processes share this lock: the ones counting children take it alone.
+static CHILDREN: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// Held by a test that counts this process's children: no other test runs beside it.
+fn serial() -> std::sync::RwLockWriteGuard<'static, ()> {
+    CHILDREN.write().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Held by a test that starts processes: any number at once, none beside a [`serial`] one.
+fn parallel() -> std::sync::RwLockReadGuard<'static, ()> {
+    CHILDREN.read().unwrap_or_else(|e| e.into_inner())
+}
+
 #[test]
-#[serial]
 fn panicking_rank_is_named_and_stops_the_run() {
+    let _guard = serial();
     let started = Instant::now();
     let result = Run::new(4).try_run(|ctx| {
         if ctx.rank() == 2 {
@@ -131,8 +145,8 @@ fn panicking_rank_is_named_and_stops_the_run() {
 /// peer and fail too (with "lost rank 2"), and the report must still blame the rank that
 /// failed first. Repeated because the victims' exits race the culprit's.
 #[test]
-#[parallel]
 fn failure_is_blamed_on_the_culprit_not_the_ranks_that_lost_it() {
+    let _guard = parallel();
     for attempt in 0..50 {
         let started = Instant::now();
         let result = Run::new(4).try_run(|ctx| {
@@ -171,8 +185,8 @@ fn failure_is_blamed_on_the_culprit_not_the_ranks_that_lost_it() {
 }
 
 #[test]
-#[parallel]
 fn barrier_completes_on_every_rank() {
+    let _guard = parallel();
     let result = Run::new(2).timeout(Duration::from_secs(20)).try_run(|ctx| {
         ctx.group().barrier()?;
         ctx.group().barrier()?;
@@ -191,8 +205,8 @@ fn barrier_completes_on_every_rank() {
 /// What a rank prints must reach the report's output tails in the default (fork) mode under
 /// plain `cargo test`, i.e. with libtest capturing the test thread's output.
 #[test]
-#[parallel]
 fn rank_output_reaches_the_report_tails() {
+    let _guard = parallel();
     let result = Run::new(2).try_run(|ctx| {
         if ctx.rank() == 1 {
             println!("stdout line from rank one: 31337");
@@ -219,8 +233,8 @@ fn rank_output_reaches_the_report_tails() {
 }
 
 #[test]
-#[parallel]
 fn rank_returning_error_exits_1_with_its_message() {
+    let _guard = parallel();
     let started = Instant::now();
     let result = Run::new(2).try_run(|ctx| {
         if ctx.rank() == 1 {
@@ -247,8 +261,8 @@ fn rank_returning_error_exits_1_with_its_message() {
 }
 
 #[test]
-#[parallel]
 fn rank_calling_exit_reports_its_exit_code() {
+    let _guard = parallel();
     let started = Instant::now();
     let result = Run::new(2).try_run(|ctx| {
         if ctx.rank() == 1 {
@@ -267,8 +281,8 @@ fn rank_calling_exit_reports_its_exit_code() {
 }
 
 #[test]
-#[serial]
 fn rank_killed_by_signal_is_reported_as_sigkill() {
+    let _guard = serial();
     let started = Instant::now();
     let result = Run::new(2).try_run(|ctx| {
         if ctx.rank() == 0 {
@@ -301,8 +315,8 @@ fn rank_killed_by_signal_is_reported_as_sigkill() {
 // ---------------------------------------------------------------------------------------
 
 #[test]
-#[serial]
 fn hang_times_out_with_every_flight_recorder() {
+    let _guard = serial();
     let timeout = Duration::from_secs(3);
     let started = Instant::now();
     let result = Run::new(2).timeout(timeout).try_run(|ctx| {
@@ -416,8 +430,8 @@ where
 }
 
 #[test]
-#[parallel]
 fn shape_mismatch_names_both_ranks_and_shapes() {
+    let _guard = parallel();
     assert_mismatch(
         |ctx| {
             let n = if ctx.rank() == 0 { 4 } else { 8 };
@@ -429,8 +443,8 @@ fn shape_mismatch_names_both_ranks_and_shapes() {
 }
 
 #[test]
-#[parallel]
 fn dtype_mismatch_names_both_ranks_and_dtypes() {
+    let _guard = parallel();
     assert_mismatch(
         |ctx| {
             let kind = if ctx.rank() == 0 {
@@ -446,8 +460,8 @@ fn dtype_mismatch_names_both_ranks_and_dtypes() {
 }
 
 #[test]
-#[parallel]
 fn op_mismatch_names_both_ranks_and_ops() {
+    let _guard = parallel();
     assert_mismatch(
         |ctx| {
             let input = Tensor::ones([4], (Kind::Float, Device::Cpu));
@@ -471,8 +485,8 @@ fn must_not_run(_: &lockstep_harness::RankCtx) {
 }
 
 #[test]
-#[parallel]
 fn too_few_gpus_skips_without_running() {
+    let _guard = parallel();
     let result = Run::new(2).gpus(2).try_run(must_not_run);
     match result {
         Ok(Outcome::Skipped(reason)) => assert_eq!(reason, "needs 2 GPUs, found 0"),
@@ -481,8 +495,8 @@ fn too_few_gpus_skips_without_running() {
 }
 
 #[test]
-#[parallel]
 fn nccl_backend_without_gpus_skips_without_running() {
+    let _guard = parallel();
     let result = Run::new(2).backend("nccl").try_run(must_not_run);
     let reason = match result {
         Ok(Outcome::Skipped(reason)) => reason,
@@ -503,8 +517,8 @@ fn nccl_backend_without_gpus_skips_without_running() {
 // ---------------------------------------------------------------------------------------
 
 #[test]
-#[parallel]
 fn exec_mode_runs_every_rank() {
+    let _guard = parallel();
     let result = Run::new(2)
         .timeout(Duration::from_secs(60))
         .spawn(SpawnMode::Exec)
@@ -527,8 +541,8 @@ fn exec_mode_runs_every_rank() {
 }
 
 #[test]
-#[parallel]
 fn exec_mode_reports_a_panicking_rank() {
+    let _guard = parallel();
     let started = Instant::now();
     let result = Run::new(2)
         .timeout(Duration::from_secs(60))
@@ -572,8 +586,8 @@ fn exec_mode_reports_a_panicking_rank() {
 // ---------------------------------------------------------------------------------------
 
 #[test]
-#[parallel]
 fn external_launch_runs_body_in_process() {
+    let _guard = parallel();
     if std::env::var_os(EXTERNAL).is_some() {
         // A rank started by the parent below: RANK/WORLD_SIZE/MASTER_* describe the run.
         let expected_rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
