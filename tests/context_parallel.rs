@@ -568,6 +568,9 @@ fn expert_sizes_that_do_not_fit_beside_cp_are_refused() {
     assert!(e.contains("no mixture-of-experts layer"), "{e}");
 }
 
+/// A pipeline case's mesh beside its 2 stages: context, tensor and data parallel sizes.
+type CpTpDp = (usize, usize, usize);
+
 /// A two-stage 1F1B pipeline whose stages are split over `cp` ranks (and `tp` inside them),
 /// `dp` replicas of it, with `fault` planted in the stages' CP hooks.
 fn pp_cp_run(
@@ -603,7 +606,7 @@ fn pp_cp_run(
 /// shard, planted in the stages, are caught.
 #[test]
 fn pipelines_split_by_context_parallelism_equal_one_device() {
-    let cases: Vec<((usize, usize, usize), Option<CpFault>, bool)> = vec![
+    let cases: Vec<(CpTpDp, Option<CpFault>, bool)> = vec![
         ((2, 1, 1), None, true),
         ((2, 1, 2), None, true),
         ((2, 2, 1), None, true),
@@ -613,7 +616,7 @@ fn pipelines_split_by_context_parallelism_equal_one_device() {
     crate::common::each_case(
         "pipelines_split_by_context_parallelism_equal_one_device",
         cases,
-        |&case: &((usize, usize, usize), Option<CpFault>, bool)| {
+        |&case: &(CpTpDp, Option<CpFault>, bool)| {
             let ((cp, tp, dp), fault, passes) = case;
             let world = 2 * cp * tp * dp;
             lockstep_harness::run(world, |ctx| {
@@ -640,7 +643,7 @@ fn pipelines_split_by_context_parallelism_equal_one_device() {
 /// are caught and named at an expert's gradient.
 #[test]
 fn pipelines_with_experts_spread_equal_one_device() {
-    let cases: Vec<((usize, usize, usize), DataParallel, Option<PipelineFault>)> = vec![
+    let cases: Vec<(CpTpDp, DataParallel, Option<PipelineFault>)> = vec![
         ((1, 1, 2), DataParallel::Replicate, None),
         ((2, 1, 1), DataParallel::Replicate, None),
         ((1, 2, 2), DataParallel::Replicate, None),
@@ -654,7 +657,7 @@ fn pipelines_with_experts_spread_equal_one_device() {
     crate::common::each_case(
         "pipelines_with_experts_spread_equal_one_device",
         cases,
-        |case: &((usize, usize, usize), DataParallel, Option<PipelineFault>)| {
+        |case: &(CpTpDp, DataParallel, Option<PipelineFault>)| {
             use lockstep_core::pipeline::{train_pipeline_with, PipelineOptions, StageParallel};
             let ((cp, tp, dp), data, fault) = case.clone();
             let world = 2 * cp * tp * dp;

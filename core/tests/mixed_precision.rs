@@ -193,7 +193,7 @@ fn ddp_is_bitwise_the_independent_mixed_precision_reference() {
                 HalfType::Fp16 => MixedPrecision::fp16(),
             };
             lockstep_harness::run(world, |ctx| {
-                let run = ddp_run(ctx, model, Some(policy.clone()));
+                let run = ddp_run(ctx, model, Some(policy));
                 if ctx.rank() == 0 {
                     let expected = reference(model, world, half);
                     assert_passes(&compare(

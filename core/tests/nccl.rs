@@ -13,7 +13,6 @@ fn on_gpus(
     Run::new(world).backend("nccl").run(body)
 }
 
-
 /// Holds every GPU for this test: a file lock, so tests in other processes wait too (under
 /// plain `cargo test` as under nextest), released when dropped or when the process dies.
 fn gpus_to_myself() -> std::fs::File {

@@ -85,7 +85,6 @@ fn sleep_long() {
 // A rank fails: panic, returned error, exit code, signal.
 // ---------------------------------------------------------------------------------------
 
-
 /// Tests that start processes share this lock: the ones counting children take it alone.
 static CHILDREN: std::sync::RwLock<()> = std::sync::RwLock::new(());
 
