@@ -89,16 +89,13 @@ fn context_parallel_runs_equal_one_device() {
     let layout_values: Vec<SequenceLayout> =
         vec![SequenceLayout::Balanced, SequenceLayout::Contiguous];
     let sizes_values: Vec<(usize, usize)> = vec![(2, 2), (4, 4), (2, 4)];
-    let mut cases: Vec<(&str, CpDispatcher, SequenceLayout, (usize, usize))> = Vec::new();
-    for model in &model_values {
-        for dispatcher in &dispatcher_values {
-            for layout in &layout_values {
-                for sizes in &sizes_values {
-                    cases.push((*model, *dispatcher, *layout, *sizes));
-                }
-            }
-        }
-    }
+    let cases: Vec<(&str, CpDispatcher, SequenceLayout, (usize, usize))> = crate::common::product(
+        &crate::common::product3(&model_values, &dispatcher_values, &layout_values),
+        &sizes_values,
+    )
+    .into_iter()
+    .map(|((model, dispatcher, layout), sizes)| (model, dispatcher, layout, sizes))
+    .collect();
     crate::common::each_case(
         "context_parallel_runs_equal_one_device",
         cases,
@@ -183,12 +180,7 @@ fn ring_order_attention_is_causal_attention() {
     let layout_values: Vec<SequenceLayout> =
         vec![SequenceLayout::Balanced, SequenceLayout::Contiguous];
     let cp_values: Vec<usize> = vec![1, 2, 4];
-    let mut cases: Vec<(SequenceLayout, usize)> = Vec::new();
-    for layout in &layout_values {
-        for cp in &cp_values {
-            cases.push((*layout, *cp));
-        }
-    }
+    let cases: Vec<(SequenceLayout, usize)> = crate::common::product(&layout_values, &cp_values);
     crate::common::each_case(
         "ring_order_attention_is_causal_attention",
         cases,
@@ -219,12 +211,7 @@ fn ring_attention_is_bitwise_the_ring_ordered_reference() {
     let layout_values: Vec<SequenceLayout> =
         vec![SequenceLayout::Balanced, SequenceLayout::Contiguous];
     let cp_values: Vec<usize> = vec![2, 4];
-    let mut cases: Vec<(SequenceLayout, usize)> = Vec::new();
-    for layout in &layout_values {
-        for cp in &cp_values {
-            cases.push((*layout, *cp));
-        }
-    }
+    let cases: Vec<(SequenceLayout, usize)> = crate::common::product(&layout_values, &cp_values);
     crate::common::each_case(
         "ring_attention_is_bitwise_the_ring_ordered_reference",
         cases,
@@ -398,12 +385,8 @@ fn context_and_tensor_parallel_together_equal_one_device() {
         (8, DataParallel::Replicate),
         (8, DataParallel::Shard),
     ];
-    let mut cases: Vec<(&str, (usize, DataParallel))> = Vec::new();
-    for model in &model_values {
-        for case in &case_values {
-            cases.push((*model, *case));
-        }
-    }
+    let cases: Vec<(&str, (usize, DataParallel))> =
+        crate::common::product(&model_values, &case_values);
     crate::common::each_case(
         "context_and_tensor_parallel_together_equal_one_device",
         cases,

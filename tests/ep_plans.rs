@@ -96,12 +96,7 @@ fn run_layer(ctx: &RankCtx, dispatcher: Dispatcher, capacity: Option<f64>) -> Ve
 fn the_two_dispatchers_agree() {
     let ep_values: Vec<usize> = vec![2, 4];
     let capacity_values: Vec<Option<f64>> = vec![None, Some(1.0)];
-    let mut cases: Vec<(usize, Option<f64>)> = Vec::new();
-    for ep in &ep_values {
-        for capacity in &capacity_values {
-            cases.push((*ep, *capacity));
-        }
-    }
+    let cases: Vec<(usize, Option<f64>)> = crate::common::product(&ep_values, &capacity_values);
     crate::common::each_case(
         "the_two_dispatchers_agree",
         cases,
@@ -126,12 +121,7 @@ fn the_two_dispatchers_agree() {
 fn sharded_experts_match_one_process_with_the_same_capacity() {
     let ep_values: Vec<usize> = vec![2, 4];
     let capacity_values: Vec<Option<f64>> = vec![None, Some(0.5)];
-    let mut cases: Vec<(usize, Option<f64>)> = Vec::new();
-    for ep in &ep_values {
-        for capacity in &capacity_values {
-            cases.push((*ep, *capacity));
-        }
-    }
+    let cases: Vec<(usize, Option<f64>)> = crate::common::product(&ep_values, &capacity_values);
     crate::common::each_case(
         "sharded_experts_match_one_process_with_the_same_capacity",
         cases,
@@ -183,12 +173,8 @@ fn opts(ep: usize, dispatcher: Dispatcher) -> EpOptions {
 fn gpt_moe_with_sharded_experts_matches_single_device() {
     let case_values: Vec<(usize, usize)> = vec![(2, 2), (2, 4), (4, 4)];
     let dispatcher_values: Vec<Dispatcher> = vec![Dispatcher::AllToAll, Dispatcher::AllGather];
-    let mut cases: Vec<((usize, usize), Dispatcher)> = Vec::new();
-    for case in &case_values {
-        for dispatcher in &dispatcher_values {
-            cases.push((*case, *dispatcher));
-        }
-    }
+    let cases: Vec<((usize, usize), Dispatcher)> =
+        crate::common::product(&case_values, &dispatcher_values);
     crate::common::each_case(
         "gpt_moe_with_sharded_experts_matches_single_device",
         cases,
@@ -294,12 +280,7 @@ fn collective_counts_per_step_are_exact() {
 fn expert_parallel_reads_the_decoders_sizes() {
     let ep_values: Vec<usize> = vec![2, 3];
     let dispatcher_values: Vec<Dispatcher> = vec![Dispatcher::AllToAll, Dispatcher::AllGather];
-    let mut cases: Vec<(usize, Dispatcher)> = Vec::new();
-    for ep in &ep_values {
-        for dispatcher in &dispatcher_values {
-            cases.push((*ep, *dispatcher));
-        }
-    }
+    let cases: Vec<(usize, Dispatcher)> = crate::common::product(&ep_values, &dispatcher_values);
     crate::common::each_case(
         "expert_parallel_reads_the_decoders_sizes",
         cases,

@@ -72,12 +72,7 @@ fn assert_passes(c: &Comparison, what: &str) {
 fn fsdp_matches_ddp_bitwise() {
     let model_values: Vec<&str> = vec!["nested", "transformer", "mlp", "gpt"];
     let world_values: Vec<usize> = vec![2, 4];
-    let mut cases: Vec<(&str, usize)> = Vec::new();
-    for model in &model_values {
-        for world in &world_values {
-            cases.push((*model, *world));
-        }
-    }
+    let cases: Vec<(&str, usize)> = crate::common::product(&model_values, &world_values);
     crate::common::each_case(
         "fsdp_matches_ddp_bitwise",
         cases,
@@ -190,12 +185,7 @@ fn hybrid_root() -> FsdpOptions {
 fn hybrid_shard_matches_hierarchical_ddp_on_every_mesh() {
     let model_values: Vec<&str> = vec!["nested", "transformer"];
     let mesh_values: Vec<(usize, usize)> = vec![(2, 1), (4, 1), (4, 4), (8, 2), (8, 4)];
-    let mut cases: Vec<(&str, (usize, usize))> = Vec::new();
-    for model in &model_values {
-        for mesh in &mesh_values {
-            cases.push((*model, *mesh));
-        }
-    }
+    let cases: Vec<(&str, (usize, usize))> = crate::common::product(&model_values, &mesh_values);
     crate::common::each_case(
         "hybrid_shard_matches_hierarchical_ddp_on_every_mesh",
         cases,

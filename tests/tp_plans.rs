@@ -57,12 +57,8 @@ fn tensor_parallel_matches_single_device() {
         (2, 2, true),
         (4, 4, true),
     ];
-    let mut cases: Vec<(&str, (usize, usize, bool))> = Vec::new();
-    for model in &model_values {
-        for case in &case_values {
-            cases.push((*model, *case));
-        }
-    }
+    let cases: Vec<(&str, (usize, usize, bool))> =
+        crate::common::product(&model_values, &case_values);
     crate::common::each_case(
         "tensor_parallel_matches_single_device",
         cases,
@@ -238,12 +234,7 @@ fn resized(vocab: i64, heads: i64) -> GptConfig {
 fn tensor_parallel_reads_the_decoders_sizes() {
     let moe_values: Vec<bool> = vec![false, true];
     let case_values: Vec<(usize, bool)> = vec![(2, false), (3, false), (2, true), (3, true)];
-    let mut cases: Vec<(bool, (usize, bool))> = Vec::new();
-    for moe in &moe_values {
-        for case in &case_values {
-            cases.push((*moe, *case));
-        }
-    }
+    let cases: Vec<(bool, (usize, bool))> = crate::common::product(&moe_values, &case_values);
     crate::common::each_case(
         "tensor_parallel_reads_the_decoders_sizes",
         cases,

@@ -318,12 +318,8 @@ fn fsdp_x_tp_collective_counts_are_exact() {
 fn pp_x_data_collective_counts_are_exact() {
     let case_values: Vec<(&str, u64)> = vec![("nested", 0), ("gpt", 1)];
     let data_values: Vec<DataParallel> = vec![DataParallel::Replicate, DataParallel::Shard];
-    let mut cases: Vec<((&str, u64), DataParallel)> = Vec::new();
-    for case in &case_values {
-        for data in &data_values {
-            cases.push((*case, *data));
-        }
-    }
+    let cases: Vec<((&str, u64), DataParallel)> =
+        crate::common::product(&case_values, &data_values);
     crate::common::each_case(
         "pp_x_data_collective_counts_are_exact",
         cases,

@@ -62,12 +62,7 @@ fn assert_passes(c: &Comparison) {
 fn ddp_matches_single_device() {
     let model_values: Vec<&str> = vec!["nested", "transformer", "mlp", "gpt", "gpt_moe"];
     let world_values: Vec<usize> = vec![1, 2, 4];
-    let mut cases: Vec<(&str, usize)> = Vec::new();
-    for model in &model_values {
-        for world in &world_values {
-            cases.push((*model, *world));
-        }
-    }
+    let cases: Vec<(&str, usize)> = crate::common::product(&model_values, &world_values);
     crate::common::each_case(
         "ddp_matches_single_device",
         cases,

@@ -366,12 +366,8 @@ fn assert_uneven(ctx: &RankCtx) {
 fn all_to_all_and_all_gather_agree() {
     let ep_values: Vec<usize> = vec![2, 4];
     let capacity_factor_values: Vec<Option<f64>> = vec![None, Some(1.0), Some(0.5)];
-    let mut cases: Vec<(usize, Option<f64>)> = Vec::new();
-    for ep in &ep_values {
-        for capacity_factor in &capacity_factor_values {
-            cases.push((*ep, *capacity_factor));
-        }
-    }
+    let cases: Vec<(usize, Option<f64>)> =
+        crate::common::product(&ep_values, &capacity_factor_values);
     crate::common::each_case(
         "all_to_all_and_all_gather_agree",
         cases,
@@ -503,14 +499,8 @@ fn capacity_drops_match_one_process() {
     let ep_values: Vec<usize> = vec![1, 2, 4];
     let factor_values: Vec<f64> = vec![0.5, 1.0];
     let dispatcher_values: Vec<Dispatcher> = vec![Dispatcher::AllToAll, Dispatcher::AllGather];
-    let mut cases: Vec<(usize, f64, Dispatcher)> = Vec::new();
-    for ep in &ep_values {
-        for factor in &factor_values {
-            for dispatcher in &dispatcher_values {
-                cases.push((*ep, *factor, *dispatcher));
-            }
-        }
-    }
+    let cases: Vec<(usize, f64, Dispatcher)> =
+        crate::common::product3(&ep_values, &factor_values, &dispatcher_values);
     crate::common::each_case(
         "capacity_drops_match_one_process",
         cases,

@@ -50,12 +50,7 @@ fn fsdp_mixed_precision_matches_ddp_under_the_same_policy_bitwise() {
         "gpt_moe",
     ];
     let world_values: Vec<usize> = vec![2, 4];
-    let mut cases: Vec<(&str, usize)> = Vec::new();
-    for model in &model_values {
-        for world in &world_values {
-            cases.push((*model, *world));
-        }
-    }
+    let cases: Vec<(&str, usize)> = crate::common::product(&model_values, &world_values);
     crate::common::each_case(
         "fsdp_mixed_precision_matches_ddp_under_the_same_policy_bitwise",
         cases,

@@ -87,12 +87,7 @@ fn sgd() -> Sgd {
 fn full_state_dict_round_trips_bitwise() {
     let model_values: Vec<&str> = vec!["nested", "transformer", "mlp", "gpt"];
     let world_values: Vec<usize> = vec![2, 4];
-    let mut cases: Vec<(&str, usize)> = Vec::new();
-    for model in &model_values {
-        for world in &world_values {
-            cases.push((*model, *world));
-        }
-    }
+    let cases: Vec<(&str, usize)> = crate::common::product(&model_values, &world_values);
     crate::common::each_case(
         "full_state_dict_round_trips_bitwise",
         cases,
@@ -190,12 +185,7 @@ fn full_state_dict_round_trips_bitwise() {
 fn sharded_state_dict_round_trips_bitwise() {
     let model_values: Vec<&str> = vec!["nested", "transformer", "mlp", "moe"];
     let world_values: Vec<usize> = vec![2, 4];
-    let mut cases: Vec<(&str, usize)> = Vec::new();
-    for model in &model_values {
-        for world in &world_values {
-            cases.push((*model, *world));
-        }
-    }
+    let cases: Vec<(&str, usize)> = crate::common::product(&model_values, &world_values);
     crate::common::each_case(
         "sharded_state_dict_round_trips_bitwise",
         cases,
@@ -462,12 +452,7 @@ fn close(a: &Tensor, b: &Tensor) -> bool {
 fn clip_grad_norm_matches_the_full_model() {
     let model_values: Vec<&str> = vec!["nested", "transformer", "mlp", "gpt"];
     let world_values: Vec<usize> = vec![2, 4];
-    let mut cases: Vec<(&str, usize)> = Vec::new();
-    for model in &model_values {
-        for world in &world_values {
-            cases.push((*model, *world));
-        }
-    }
+    let cases: Vec<(&str, usize)> = crate::common::product(&model_values, &world_values);
     crate::common::each_case(
         "clip_grad_norm_matches_the_full_model",
         cases,
@@ -571,12 +556,7 @@ const MICRO: usize = 3;
 fn no_sync_accumulates_like_ddp() {
     let model_values: Vec<&str> = vec!["nested", "transformer", "mlp", "moe"];
     let world_values: Vec<usize> = vec![2, 4];
-    let mut cases: Vec<(&str, usize)> = Vec::new();
-    for model in &model_values {
-        for world in &world_values {
-            cases.push((*model, *world));
-        }
-    }
+    let cases: Vec<(&str, usize)> = crate::common::product(&model_values, &world_values);
     crate::common::each_case(
         "no_sync_accumulates_like_ddp",
         cases,

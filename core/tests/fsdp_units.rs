@@ -81,12 +81,7 @@ fn zoo_models_call_the_layer_hooks() {
 fn per_layer_units_match_ddp_bitwise_in_every_mode() {
     let model_values: Vec<&str> = vec!["nested", "transformer", "mlp", "gpt"];
     let world_values: Vec<usize> = vec![2, 4];
-    let mut cases: Vec<(&str, usize)> = Vec::new();
-    for model in &model_values {
-        for world in &world_values {
-            cases.push((*model, *world));
-        }
-    }
+    let cases: Vec<(&str, usize)> = crate::common::product(&model_values, &world_values);
     crate::common::each_case(
         "per_layer_units_match_ddp_bitwise_in_every_mode",
         cases,

@@ -219,12 +219,7 @@ fn mixed_precision_bugs_fail_against_the_independent_reference() {
         DdpFault::HalfPrecisionMaster,
     ];
     let half_values: Vec<HalfType> = vec![HalfType::Bf16, HalfType::Fp16];
-    let mut cases: Vec<(DdpFault, HalfType)> = Vec::new();
-    for fault in &fault_values {
-        for half in &half_values {
-            cases.push((fault.clone(), *half));
-        }
-    }
+    let cases: Vec<(DdpFault, HalfType)> = crate::common::product(&fault_values, &half_values);
     crate::common::each_case(
         "mixed_precision_bugs_fail_against_the_independent_reference",
         cases,

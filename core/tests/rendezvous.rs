@@ -180,12 +180,7 @@ fn every_schedule_runs_under_rendezvous_with_large_activations() {
         ScheduleKind::DualPipeV,
     ];
     let world_values: Vec<usize> = vec![2, 4, 8];
-    let mut cases: Vec<(ScheduleKind, usize)> = Vec::new();
-    for kind in &kind_values {
-        for world in &world_values {
-            cases.push((*kind, *world));
-        }
-    }
+    let cases: Vec<(ScheduleKind, usize)> = crate::common::product(&kind_values, &world_values);
     crate::common::each_case(
         "every_schedule_runs_under_rendezvous_with_large_activations",
         cases,

@@ -87,14 +87,8 @@ fn column_parallel_linear_matches_single_device() {
     let tp_values: Vec<usize> = vec![1, 2, 4];
     let gather_output_values: Vec<bool> = vec![false, true];
     let sequence_parallel_values: Vec<bool> = vec![false, true];
-    let mut cases: Vec<(usize, bool, bool)> = Vec::new();
-    for tp in &tp_values {
-        for gather_output in &gather_output_values {
-            for sequence_parallel in &sequence_parallel_values {
-                cases.push((*tp, *gather_output, *sequence_parallel));
-            }
-        }
-    }
+    let cases: Vec<(usize, bool, bool)> =
+        crate::common::product3(&tp_values, &gather_output_values, &sequence_parallel_values);
     crate::common::each_case(
         "column_parallel_linear_matches_single_device",
         cases,
@@ -162,14 +156,11 @@ fn row_parallel_linear_matches_single_device() {
     let tp_values: Vec<usize> = vec![1, 2, 4];
     let input_is_parallel_values: Vec<bool> = vec![false, true];
     let sequence_parallel_values: Vec<bool> = vec![false, true];
-    let mut cases: Vec<(usize, bool, bool)> = Vec::new();
-    for tp in &tp_values {
-        for input_is_parallel in &input_is_parallel_values {
-            for sequence_parallel in &sequence_parallel_values {
-                cases.push((*tp, *input_is_parallel, *sequence_parallel));
-            }
-        }
-    }
+    let cases: Vec<(usize, bool, bool)> = crate::common::product3(
+        &tp_values,
+        &input_is_parallel_values,
+        &sequence_parallel_values,
+    );
     crate::common::each_case(
         "row_parallel_linear_matches_single_device",
         cases,
@@ -295,12 +286,7 @@ fn mlp(ctx: &RankCtx, sequence_parallel: bool, planted: bool) -> Result<()> {
 fn column_then_row_parallel_mlp_matches_single_device() {
     let tp_values: Vec<usize> = vec![1, 2, 4];
     let sequence_parallel_values: Vec<bool> = vec![false, true];
-    let mut cases: Vec<(usize, bool)> = Vec::new();
-    for tp in &tp_values {
-        for sequence_parallel in &sequence_parallel_values {
-            cases.push((*tp, *sequence_parallel));
-        }
-    }
+    let cases: Vec<(usize, bool)> = crate::common::product(&tp_values, &sequence_parallel_values);
     crate::common::each_case(
         "column_then_row_parallel_mlp_matches_single_device",
         cases,
@@ -382,12 +368,7 @@ fn vocab_parallel_embedding_matches_single_device() {
 fn vocab_parallel_cross_entropy_matches_single_device() {
     let tp_values: Vec<usize> = vec![1, 2, 4];
     let reduction_values: Vec<Reduction> = vec![Reduction::Mean, Reduction::Sum];
-    let mut cases: Vec<(usize, Reduction)> = Vec::new();
-    for tp in &tp_values {
-        for reduction in &reduction_values {
-            cases.push((*tp, *reduction));
-        }
-    }
+    let cases: Vec<(usize, Reduction)> = crate::common::product(&tp_values, &reduction_values);
     crate::common::each_case(
         "vocab_parallel_cross_entropy_matches_single_device",
         cases,

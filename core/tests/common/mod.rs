@@ -461,9 +461,17 @@ pub fn each_case<C: std::fmt::Debug>(
     );
 }
 
-/// Every pair of `a` and `b`, `a` varying slowest (rstest's `#[values]` order).
+/// Every pair of `a` and `b`, `a` varying slowest (the order the tables' rows always had).
 pub fn product<A: Clone, B: Clone>(a: &[A], b: &[B]) -> Vec<(A, B)> {
     a.iter()
         .flat_map(|x| b.iter().map(move |y| (x.clone(), y.clone())))
+        .collect()
+}
+
+/// Every triple of `a`, `b` and `c`, `a` varying slowest.
+pub fn product3<A: Clone, B: Clone, C: Clone>(a: &[A], b: &[B], c: &[C]) -> Vec<(A, B, C)> {
+    product(&product(a, b), c)
+        .into_iter()
+        .map(|((x, y), z)| (x, y, z))
         .collect()
 }
