@@ -73,7 +73,7 @@ pub fn torch_job(
     phases: &serde_json::Value,
     port: u16,
 ) -> Result<Output> {
-    let socket = torch_server(python, site, path, preload)?;
+    let mut conn = torch_server(python, site, path, preload)?;
     let scratch = tempfile::tempdir()?;
     let (stdout, stderr) = (scratch.path().join("stdout"), scratch.path().join("stderr"));
     let mut env: std::collections::BTreeMap<String, String> = std::env::vars().collect();
@@ -90,8 +90,6 @@ pub fn torch_job(
         "stdout": stdout,
         "stderr": stderr,
     });
-    let mut conn = UnixStream::connect(&socket)
-        .with_context(|| format!("connect to the torch server at {}", socket.display()))?;
     conn.write_all(format!("{request}\n").as_bytes())?;
     let mut reply = String::new();
     BufReader::new(&conn)
@@ -109,14 +107,15 @@ pub fn torch_job(
     })
 }
 
-/// The socket of a running torch server for this interpreter, path and preload list, started
-/// (under a file lock, so by one test only) when none is running.
+/// A connection to the running torch server for this interpreter, path and preload list,
+/// started (under a file lock, so by one test only) when none is running. A server exits only
+/// after 30 s without a connection, so the one returned is served.
 fn torch_server(
     python: &str,
     site: &Option<PathBuf>,
     path: &[&Path],
     preload: &[&str],
-) -> Result<PathBuf> {
+) -> Result<UnixStream> {
     // What a server's imports depend on, beyond the interpreter and its path: the variables
     // torch reads when it is imported or first computes.
     let import_env: Vec<(String, String)> = std::env::vars()
@@ -144,12 +143,12 @@ fn torch_server(
     // Unix socket paths are short (108 bytes): the system temp dir, not target/.
     let base = std::env::temp_dir().join(format!("lockstep-torch-{key}"));
     let socket = base.with_extension("sock");
-    if UnixStream::connect(&socket).is_ok() {
-        return Ok(socket);
+    if let Ok(conn) = UnixStream::connect(&socket) {
+        return Ok(conn);
     }
     let _lock = FileLock::take(&base.with_extension("lock"))?;
-    if UnixStream::connect(&socket).is_ok() {
-        return Ok(socket);
+    if let Ok(conn) = UnixStream::connect(&socket) {
+        return Ok(conn);
     }
     // A server that died without removing its socket leaves a file nobody listens on.
     let _ = std::fs::remove_file(&socket);
@@ -175,8 +174,8 @@ fn torch_server(
         .context("start the torch server")?;
     let start = Instant::now();
     loop {
-        if UnixStream::connect(&socket).is_ok() {
-            return Ok(socket);
+        if let Ok(conn) = UnixStream::connect(&socket) {
+            return Ok(conn);
         }
         if let Some(status) = child.try_wait()? {
             bail!(
