@@ -3,49 +3,14 @@
 //! kept outside them, named by everything it depends on and made under a file lock, so it is
 //! made once per run and never used stale.
 
-use anyhow::{bail, ensure, Context, Result};
-use std::hash::{Hash, Hasher};
+use crate::common::{digest, torch_version, FileLock};
+use anyhow::{bail, Context, Result};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
-
-/// A short digest of `parts` (fixed-key SipHash: the same in every process of this build).
-pub fn digest<T: Hash>(parts: &[T]) -> String {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    parts.hash(&mut h);
-    format!("{:016x}", h.finish())
-}
-
-/// An exclusive `flock` on a file, held until dropped (released by the kernel if the holder
-/// dies, so a killed test never leaves it taken).
-pub struct FileLock {
-    _held: std::fs::File,
-}
-
-impl FileLock {
-    /// Waits for the lock on `path` (created if missing).
-    pub fn take(path: &Path) -> Result<FileLock> {
-        use std::os::fd::AsRawFd;
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(path)
-            .with_context(|| format!("open the lock file {}", path.display()))?;
-        // SAFETY: flock on a descriptor this function owns.
-        let taken = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
-        ensure!(
-            taken == 0,
-            "lock {}: {}",
-            path.display(),
-            std::io::Error::last_os_error()
-        );
-        Ok(FileLock { _held: file })
-    }
-}
 
 /// The source of the Python helpers a torch server runs: part of its name, so an edited
 /// helper gets a server of its own.
@@ -84,7 +49,6 @@ pub fn torch_job(
     let request = serde_json::json!({
         "cwd": env!("CARGO_MANIFEST_DIR"),
         "env": env,
-        "path": path,
         "port": port,
         "phases": phases,
         "stdout": stdout,
@@ -127,16 +91,13 @@ fn torch_server(
             .any(|p| k.starts_with(p))
         })
         .collect();
-    let torch_version = site
-        .as_ref()
-        .and_then(|s| std::fs::read_to_string(s.join("torch/version.py")).ok());
     let key = digest(&[
         python.to_owned(),
         format!("{site:?}"),
         format!("{path:?}"),
         format!("{preload:?}"),
         format!("{import_env:?}"),
-        format!("{torch_version:?}"),
+        format!("{:?}", torch_version(site)),
         SERVER_SOURCE.to_owned(),
         JOB_SOURCE.to_owned(),
     ]);
@@ -146,7 +107,8 @@ fn torch_server(
     if let Ok(conn) = UnixStream::connect(&socket) {
         return Ok(conn);
     }
-    let _lock = FileLock::take(&base.with_extension("lock"))?;
+    let lock = base.with_extension("lock");
+    let _lock = FileLock::take(&lock).with_context(|| format!("lock {}", lock.display()))?;
     if let Ok(conn) = UnixStream::connect(&socket) {
         return Ok(conn);
     }
@@ -230,7 +192,8 @@ pub fn cached_dir(
     if dir.is_dir() {
         return Ok(Some(dir));
     }
-    let _lock = FileLock::take(&root.join(format!("{kind}-{key}.lock")))?;
+    let lock = root.join(format!("{kind}-{key}.lock"));
+    let _lock = FileLock::take(&lock).with_context(|| format!("lock {}", lock.display()))?;
     if dir.is_dir() {
         return Ok(Some(dir));
     }

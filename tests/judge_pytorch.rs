@@ -87,12 +87,20 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// `python3 ARGS` with torch on its path; `None` (after saying why) without one.
-fn python_with(args: &[&str], extra: Option<&Path>) -> Option<Result<Output>> {
-    let Some((python, site)) = common::python_with_torch() else {
+/// The Python with torch the jobs run under, or `None` after saying why the test checks
+/// nothing here.
+fn torch_or_skip() -> Option<(String, Option<PathBuf>)> {
+    let found = common::python_with_torch();
+    if found.is_none() {
         eprintln!("SKIP: no Python with torch (run ci/setup-libtorch)");
-        return None;
-    };
+    }
+    found
+}
+
+/// `python3 ARGS` with torch on its path, and `extra` (a folder of packages beyond torch) ahead
+/// of it; `None` (after saying why) without a Python with torch.
+fn python_with(args: &[&str], extra: Option<&Path>) -> Option<Result<Output>> {
+    let (python, site) = torch_or_skip()?;
     let mut cmd = common::torch_python(&python, &site);
     if let Some(extra) = extra {
         let mut path = extra.as_os_str().to_owned();
@@ -118,10 +126,7 @@ fn forked_phases(
     port: u16,
     packages: Option<&Path>,
 ) -> Option<Result<Output>> {
-    let Some((python, site)) = common::python_with_torch() else {
-        eprintln!("SKIP: no Python with torch (run ci/setup-libtorch)");
-        return None;
-    };
+    let (python, site) = torch_or_skip()?;
     let path: Vec<&Path> = packages.into_iter().collect();
     Some(crate::fixtures::torch_job(
         &python,
@@ -168,8 +173,8 @@ fn succeeded(what: &str, out: Output) -> Result<()> {
 }
 
 /// How a test starts a job: under torchrun as docs/judge.md shows, or its ranks and its
-/// references forked from one Python that imported torch once (`tests/support/forked_job.py`:
-/// the same scripts and environment, a third of the CPU time; most tests use it).
+/// references forked from the suite's one Python that imported torch ([`forked_phases`]: the
+/// same scripts and environment; most tests use it).
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Launch {
     Torchrun,
@@ -220,10 +225,9 @@ fn record_job_with(
         return record_job_uncached(launch, script, world, dir, extra, packages);
     }
     let root = root();
-    let torch_version = common::python_with_torch()
-        .and_then(|(_, site)| site)
-        .and_then(|site| std::fs::read_to_string(site.join("torch/version.py")).ok());
-    let key = crate::fixtures::digest(&[
+    let torch_version =
+        common::python_with_torch().and_then(|(_, site)| common::torch_version(&site));
+    let key = common::digest(&[
         format!("{script} {world} {extra:?} {packages:?} {torch_version:?}"),
         std::fs::read_to_string(root.join(script)).unwrap_or_default(),
         format!(

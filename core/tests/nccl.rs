@@ -13,21 +13,11 @@ fn on_gpus(
     Run::new(world).backend("nccl").run(body)
 }
 
-/// Holds every GPU for this test: a file lock, so tests in other processes wait too (under
-/// plain `cargo test` as under nextest), released when dropped or when the process dies.
-fn gpus_to_myself() -> std::fs::File {
-    use std::os::fd::AsRawFd;
+/// Holds every GPU for this test: tests in other processes wait too (under plain `cargo test`
+/// as under nextest).
+fn gpus_to_myself() -> crate::common::FileLock {
     let path = std::env::temp_dir().join("lockstep-gpu-tests.lock");
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
-    // SAFETY: flock on a descriptor this function owns.
-    let taken = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
-    assert_eq!(taken, 0, "lock {}", path.display());
-    file
+    crate::common::FileLock::take(&path).unwrap_or_else(|e| panic!("lock {}: {e}", path.display()))
 }
 
 #[test]

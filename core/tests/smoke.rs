@@ -17,3 +17,26 @@ fn smoke_all_reduce() {
         Ok::<(), lockstep_core::CommError>(())
     });
 }
+
+/// A table-driven test (`common::each_case`) runs every row even after one fails, and its
+/// failure names each failed row with its parameters and its own message.
+#[test]
+fn each_case_runs_every_row_and_names_each_failure() {
+    let visited = std::cell::Cell::new(0);
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        crate::common::each_case("table", [("a", 1), ("b", 2), ("c", 3)], |&(_, n)| {
+            visited.set(visited.get() + 1);
+            assert!(n == 2, "row {n} is off");
+        })
+    }));
+    assert_eq!(visited.get(), 3, "every row runs");
+    let panic = outcome.expect_err("two rows failed");
+    let message = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(message.contains("2 of 3 cases failed"), "{message}");
+    assert!(
+        message.contains(r#"table::case ("a", 1): row 1 is off"#)
+            && message.contains(r#"table::case ("c", 3): row 3 is off"#)
+            && !message.contains(r#"("b", 2)"#),
+        "{message}"
+    );
+}

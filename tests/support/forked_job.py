@@ -1,24 +1,19 @@
-"""Runs a judged PyTorch job's phases from one Python that imported torch once (tests only).
+"""Runs a judged PyTorch job's phases in processes forked from a Python that imported torch
+(tests only; `torch_server.py` calls `run_phase` for each job it is asked for).
 
-    python3 tests/support/forked_job.py SPEC
+A phase is `{"ranks": N, "argv": [...]}`: its ranks are forked from this process, each
+running its `argv` (a script and its arguments) as `__main__`; a phase with `ranks` > 0 gets
+the environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), a phase with `ranks` 0 is one plain process (a job's `reference`
+command). The first rank that fails ends the phase with its exit status, after its other ranks
+are stopped, as torchrun stops a job's workers when one fails.
 
-SPEC is JSON: `{"port": P, "preload": [module, ...], "phases": [{"ranks": N, "argv": [...]},
-...]}`. Each phase's ranks are forked from this process, each running its `argv` (a script and
-its arguments) as `__main__`; a phase with `ranks` > 0 gets the environment torchrun gives its
-workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), a phase
-with `ranks` 0 is one plain process (a job's `reference` command). Phases run in order; the
-first that fails ends the run with its exit status, after its other ranks are stopped, as
-torchrun stops a job's workers when one fails.
-
-Why: importing torch costs about 1.3 s of CPU here, and a job under torchrun imports it four
-times (the launcher, two ranks, the references). The judge's tests run some fifty jobs on two
-cores, so imports were most of their time. Forked after one import, the ranks run the same
-scripts with the same environment; `tests/judge_pytorch.rs` keeps some jobs under torchrun
-itself, so the documented command stays tested.
+Why: importing torch costs about 4 s here with the distributed modules, and a job under
+torchrun imports it four times (the launcher, two ranks, the references). Forked after one
+import, the ranks run the same scripts with the same environment; `tests/judge_pytorch.rs`
+keeps one job under torchrun itself, so the documented command stays tested.
 """
 
-import importlib
-import json
 import os
 import runpy
 import signal
@@ -110,17 +105,3 @@ def run_phase(phase, port, gone=None):
                 os.kill(other, signal.SIGTERM)
     return failed
 
-
-def main():
-    spec = json.loads(sys.argv[1])
-    for module in spec.get("preload", []):
-        importlib.import_module(module)
-    sys.stdout.flush()
-    for phase in spec["phases"]:
-        status = run_phase(phase, spec["port"])
-        if status:
-            sys.exit(status)
-
-
-if __name__ == "__main__":
-    main()

@@ -4,7 +4,7 @@
 
 SPEC is JSON: `{"preload": [module, ...], "idle_seconds": S}`. The server imports the preload
 modules, listens on the Unix socket SOCKET, and for each connection forks a child that reads
-one request line (JSON: `{"cwd", "env", "path", "port", "phases", "stdout", "stderr"}`), runs
+one request line (JSON: `{"cwd", "env", "port", "phases", "stdout", "stderr"}`), runs
 the job's phases exactly as `forked_job.py` does (each phase's ranks forked with torchrun's
 environment), with the request's working directory, environment and output files, and writes
 back `{"status": N}`. A client that goes away stops its job: its ranks are killed. The server
@@ -45,8 +45,6 @@ def serve_one(conn):
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        for entry in reversed(request.get("path", [])):
-            sys.path.insert(0, entry)
         out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(out, 1)

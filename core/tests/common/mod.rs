@@ -377,15 +377,10 @@ pub fn python_with_torch() -> Option<(String, Option<std::path::PathBuf>)> {
     // Importing torch takes seconds and every PyTorch test asks: a success is remembered in a
     // stamp named by the interpreter, the path and torch's own version file, so a changed or
     // removed torch is probed afresh.
-    let stamp = {
-        use std::hash::{Hash, Hasher};
-        let version = site
-            .as_ref()
-            .and_then(|s| std::fs::read_to_string(s.join("torch/version.py")).ok());
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        (&python, &site, &version).hash(&mut h);
-        std::env::temp_dir().join(format!("lockstep-python-torch-{:016x}.ok", h.finish()))
-    };
+    let stamp = std::env::temp_dir().join(format!(
+        "lockstep-python-torch-{}.ok",
+        digest(&(&python, &site, torch_version(&site)))
+    ));
     if site.is_some() && stamp.is_file() {
         return Some((python, site));
     }
@@ -474,4 +469,42 @@ pub fn product3<A: Clone, B: Clone, C: Clone>(a: &[A], b: &[B], c: &[C]) -> Vec<
         .into_iter()
         .map(|((x, y), z)| (x, y, z))
         .collect()
+}
+
+/// The text of torch's own `version.py` under `site`: what names "this torch" in a cache key.
+pub fn torch_version(site: &Option<std::path::PathBuf>) -> Option<String> {
+    let site = site.as_ref()?;
+    std::fs::read_to_string(site.join("torch/version.py")).ok()
+}
+
+/// A short digest of `value` (fixed-key SipHash: the same in every process of this build), to
+/// name a cache entry by everything it depends on.
+pub fn digest<T: std::hash::Hash + ?Sized>(value: &T) -> String {
+    use std::hash::Hasher;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    value.hash(&mut h);
+    format!("{:016x}", h.finish())
+}
+
+/// An exclusive `flock` on a file, held until dropped (released by the kernel if the holder
+/// dies, so a killed test never leaves it taken): tests in other processes wait for it too.
+pub struct FileLock {
+    _held: std::fs::File,
+}
+
+impl FileLock {
+    /// Waits for the lock on `path` (created if missing).
+    pub fn take(path: &std::path::Path) -> std::io::Result<FileLock> {
+        use std::os::fd::AsRawFd;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)?;
+        // SAFETY: flock on a descriptor this function owns.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(FileLock { _held: file })
+    }
 }
