@@ -96,7 +96,11 @@ pub struct RunRecord {
     /// top-k decision the fp32 reference took, between the last chosen and the best unchosen
     /// probability. A run that fails near such a tie may have routed a token differently, which
     /// its diagnosis then says.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "crate::num::opt"
+    )]
     pub routing_min_gap: Option<f64>,
     /// For a reference that drops tokens at a capacity (`single.cap<F>`): how many (token,
     /// choice) pairs it dropped over the run, so a report shows its row exercised dropping.

@@ -700,3 +700,53 @@ fn external_launch_runs_body_in_process() {
         );
     }
 }
+
+/// Work deferred to the next launch runs on a thread of its own while that launch's ranks are
+/// alive, is joined before the launch returns, and keeps the order it was deferred in;
+/// without a launch, `finish` runs it here.
+#[test]
+fn deferred_work_runs_beside_the_next_launch_in_order() {
+    use lockstep_harness::launch::background;
+    use std::sync::{Arc, Mutex};
+    let _guard = serial();
+    // (task, the thread it ran on, how many ranks were alive then)
+    let seen: Arc<Mutex<Vec<(&str, String, usize)>>> = Arc::default();
+    let task = |name: &'static str| {
+        let seen = Arc::clone(&seen);
+        move || {
+            let thread = std::thread::current().name().unwrap_or("").to_owned();
+            let ranks = children().len();
+            seen.lock().expect("seen").push((name, thread, ranks));
+        }
+    };
+    let here = std::thread::current().name().unwrap_or("").to_owned();
+    background::defer(task("first"));
+    // Deferring another runs the first here, so they never run out of order.
+    background::defer(task("second"));
+    assert_eq!(seen.lock().expect("seen").len(), 1);
+    let outcome = Run::new(2).run(|ctx| {
+        ctx.group().barrier()?;
+        // Held until the deferred task saw the ranks: a rank that exits at once would race it.
+        std::thread::sleep(Duration::from_millis(300));
+        Ok::<(), CommError>(())
+    });
+    assert!(matches!(outcome, Outcome::Passed(_)), "{outcome:?}");
+    {
+        let seen = seen.lock().expect("seen");
+        assert_eq!(seen[0].0, "first");
+        assert_eq!(seen[0].1, here);
+        assert_eq!(seen[1].0, "second");
+        assert_eq!(seen[1].1, "lockstep-deferred", "{seen:?}");
+        assert_eq!(
+            seen[1].2, 2,
+            "the task ran while both ranks were alive: {seen:?}"
+        );
+    }
+    background::defer(task("third"));
+    background::finish();
+    background::finish();
+    let seen = seen.lock().expect("seen");
+    assert_eq!(seen.len(), 3, "every task ran once: {seen:?}");
+    assert_eq!((seen[2].0, seen[2].1.as_str()), ("third", here.as_str()));
+    assert_no_children("after the launch");
+}

@@ -5,6 +5,8 @@ use super::cell_runs::{run_cell, CellRuns, Progress, Tally};
 use super::judge::{judge_cell, Cell};
 use super::*;
 use crate::runner::RecordResult;
+use lockstep_harness::launch::background;
+use std::sync::{Arc, Mutex};
 
 /// The progress bar the CLI shows on stderr: drawn only on a terminal and only from this
 /// thread (no ticker thread, so a forked rank never inherits a lock held by one).
@@ -36,13 +38,49 @@ pub fn run_quietly(plan: &Plan) -> MatrixResult {
     run_logged(plan, &ProgressBar::hidden(), false)
 }
 
+/// The rows and comparisons of the cells judged so far, in cell order, and the arbiter's log.
+struct JudgedCells {
+    rows: Vec<Row>,
+    comparisons: Vec<Comparison>,
+    log: Option<std::io::BufWriter<std::fs::File>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Judging cell (`m`, `world`) from its `runs`, into `judged`, as a task that may run on
+/// another thread.
+fn judge_later(
+    plan: Arc<Plan>,
+    m: usize,
+    world: usize,
+    runs: CellRuns,
+    judged: &Arc<Mutex<JudgedCells>>,
+) -> impl FnOnce() + Send + 'static {
+    let judged = Arc::clone(judged);
+    move || {
+        let cell = Cell {
+            index: m,
+            model: &plan.models[m],
+            world,
+            blocker: plan.blockers[m].as_deref(),
+        };
+        let mut result = MatrixResult::default();
+        let mut judged = lock(&judged);
+        judge_cell(&plan, &cell, &runs, &mut result, &mut judged.log);
+        judged.rows.append(&mut result.rows);
+        judged.comparisons.append(&mut result.comparisons);
+    }
+}
+
 fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
     // This process forks every rank: one thread (`lockstep_harness::threads`); references
     // computed here take the ranks' count through `runner::in_process_reference`.
     lockstep_harness::threads::use_launcher_threads();
     let started = Instant::now();
     // A measurement aid: a log that cannot be created is reported and the matrix goes on.
-    let mut arbiter_log =
+    let arbiter_log =
         plan.arbiter_log
             .as_ref()
             .and_then(|path| match std::fs::File::create(path) {
@@ -64,22 +102,31 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
         },
         result: MatrixResult::default(),
     };
-    'cells: for (m, (model, blocker)) in plan.models.iter().zip(&plan.blockers).enumerate() {
+    // Each cell is judged during the next cell's first launch, on the core its ranks leave
+    // free (`lockstep_harness::launch::background`); rows keep the cells' order.
+    let judged = Arc::new(Mutex::new(JudgedCells {
+        rows: Vec::new(),
+        comparisons: Vec::new(),
+        log: arbiter_log,
+    }));
+    let shared_plan = Arc::new(plan.clone());
+    'cells: for m in 0..plan.models.len() {
         for &world in &plan.world_sizes {
             // Under an external launch only its WORLD_SIZE runs: the other sizes' rows are
             // skipped with that reason (`Config::world_blocker`), and nothing is launched.
+            let external = crate::runner::external::launch().is_some();
             let runs = if crate::runner::external::world_blocker(world).is_some() {
                 CellRuns::default()
             } else {
                 run_cell(plan, m, world, &mut tally)
             };
-            let cell = Cell {
-                index: m,
-                model,
-                world,
-                blocker: blocker.as_deref(),
-            };
-            judge_cell(plan, &cell, &runs, &mut tally.result, &mut arbiter_log);
+            let judge = judge_later(Arc::clone(&shared_plan), m, world, runs, &judged);
+            if external {
+                // Every rank judges in step with the others: nothing waits for a launch.
+                judge();
+            } else {
+                background::defer(judge);
+            }
             // A rank failed under an external launch: its communicators may be broken and
             // nothing more runs (`crate::external`); the caller reports it.
             if crate::runner::external::stopped().is_some() {
@@ -87,6 +134,10 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
             }
         }
     }
+    background::finish();
+    let mut judged = lock(&judged);
+    tally.result.rows = std::mem::take(&mut judged.rows);
+    tally.result.comparisons = std::mem::take(&mut judged.comparisons);
     bar.finish_and_clear();
     tally.result.elapsed = started.elapsed();
     tally.result

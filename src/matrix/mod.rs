@@ -23,7 +23,7 @@
 //! reference; their rows against it are skipped with the model's own reason.
 //!
 //! Parallel runs are launched with [`RankSpawn::Fork`](lockstep_harness::RankSpawn::Fork) (the process never touches CUDA), rank
-//! 0 hands its [`RunRecord`] back through a temporary JSON file, and the single-device runs
+//! 0 hands its [`RunRecord`] back through a scratch file (CBOR, `/dev/shm` where it has room), and the single-device runs
 //! happen in this process (under an external launch, torchrun or srun, each process is one
 //! rank instead: records go through the store, rank 0 computes the references for every
 //! rank, and a rank's failure stops the matrix on every rank: see [`crate::runner::external`]).

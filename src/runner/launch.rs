@@ -5,7 +5,7 @@
 
 use super::builtin::train_builtin;
 use super::hand_back::{
-    attach_cross_rank, hand_back_digest, hand_back_record, probe_for, read_record,
+    attach_cross_rank, decode_record, hand_back_digest, hand_back_record, probe_for, read_record,
     take_handed_back, RankError,
 };
 use super::references::run_single;
@@ -209,8 +209,7 @@ pub fn run_configs_together(
     let mut records: Vec<Option<RunRecord>> = outs
         .iter()
         .map(|out| {
-            let mut record = take_handed_back(out)
-                .and_then(|bytes| serde_json::from_slice::<RunRecord>(&bytes).ok());
+            let mut record = take_handed_back(out).and_then(|bytes| decode_record(&bytes).ok());
             attach_cross_rank(record.as_mut(), out, world_size);
             record
         })

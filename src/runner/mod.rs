@@ -17,8 +17,8 @@
 //! | [`rank_cmd`] | `lockstep rank`: one exec'd rank of a built-in configuration |
 //! | [`launch`] | the rank body every launch runs (model check, fault plan, training, hand-back) for a configuration, a user's closure, or several configurations in one launch |
 //!
-//! Rank 0 hands its [`RunRecord`](lockstep_core::record::RunRecord) back (a temporary JSON
-//! file, or the run's store); a run that fails (a rank's error, a crash, a hang past the
+//! Rank 0 hands its [`RunRecord`](lockstep_core::record::RunRecord) back (a scratch file in
+//! CBOR, or the run's store); a run that fails (a rank's error, a crash, a hang past the
 //! timeout) comes back as [`RunFailed`] carrying the launcher's whole account (flight
 //! recorders and the desync diagnosis on a timeout).
 

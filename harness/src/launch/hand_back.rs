@@ -107,6 +107,9 @@ pub enum RankError {
         #[source]
         source: serde_json::Error,
     },
+    /// A record could not be encoded for the launching process.
+    #[error("encoding the record: {0}")]
+    EncodeRecord(String),
     /// A file handed back to the launching process could not be written.
     #[error("writing {what} to {}: {source}", path.display())]
     Write {
@@ -228,12 +231,10 @@ pub fn read_record(
                 out.display()
             ))
         })?;
-        record = Some(serde_json::from_slice::<RunRecord>(&bytes).map_err(|e| {
-            RunFailed::simple(format!(
-                "rank 0's record is unreadable ({e}); a non-finite value (a diverged run) \
-                 cannot be carried in RunRecord JSON"
-            ))
-        })?);
+        record = Some(
+            decode_record(&bytes)
+                .map_err(|e| RunFailed::simple(format!("rank 0's record is unreadable: {e}")))?,
+        );
         Ok(())
     });
     attach_cross_rank(record.as_mut(), out, world_size);
@@ -241,9 +242,29 @@ pub fn read_record(
     record.ok_or_else(|| RunFailed::simple("rank 0 handed back no record"))
 }
 
-/// Rank 0's record, written where the launching process reads it back.
+/// Rank 0's record, written where the launching process reads it back: in CBOR, where every
+/// tensor's values are one byte string of the exact bits ([`lockstep_core::num::vec`]), since
+/// records of per-step gradients run to megabytes and a launch hands back dozens (as JSON,
+/// rendering and parsing every value was a tenth of the matrix's time). Only
+/// [`decode_record`] reads it; what users keep stays JSON.
 pub fn hand_back_record(record: &RunRecord, out: &Path) -> Result<(), RankError> {
-    hand_back_json("the record", out, record)
+    let what = "the record";
+    let mut bytes = Vec::new();
+    ciborium::into_writer(record, &mut bytes)
+        .map_err(|e| RankError::EncodeRecord(e.to_string()))?;
+    if let Some(published) = publish(what, out, &bytes) {
+        return published;
+    }
+    std::fs::write(out, bytes).map_err(|source| RankError::Write {
+        what,
+        path: out.to_owned(),
+        source,
+    })
+}
+
+/// Reads a record [`hand_back_record`] wrote.
+pub fn decode_record(bytes: &[u8]) -> Result<RunRecord, String> {
+    ciborium::from_reader(bytes).map_err(|e| e.to_string())
 }
 
 /// Where the record of a run of `model` at `world_size` is handed back.
@@ -263,8 +284,45 @@ pub fn scratch_path(model: &str, world_size: usize) -> PathBuf {
     let nonce = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
-    std::env::temp_dir().join(format!(
-        "lockstep-run-{}-{safe}-{world_size}-{nonce:x}.json",
+    scratch_dir().join(format!(
+        "lockstep-run-{}-{safe}-{world_size}-{nonce:x}.cbor",
         std::process::id()
     ))
+}
+
+/// Where records are handed back: `LOCKSTEP_SCRATCH_DIR` if set; else `/dev/shm` when it has a
+/// GiB free (a matrix hands back hundreds of megabytes of records, each read once: on a disk
+/// filesystem, creating, writing and removing those files cost a twentieth of its time); else
+/// the temporary directory. Containers often give `/dev/shm` 64 MB, hence the check.
+pub fn scratch_dir() -> PathBuf {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        if let Some(dir) = std::env::var_os("LOCKSTEP_SCRATCH_DIR") {
+            return PathBuf::from(dir);
+        }
+        let shm = Path::new("/dev/shm");
+        if free_bytes(shm).is_some_and(|free| free >= 1 << 30) {
+            return shm.to_owned();
+        }
+        std::env::temp_dir()
+    })
+    .clone()
+}
+
+/// The bytes an unprivileged process may still write under `dir`, if it is a writable
+/// directory whose filesystem answers.
+fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: `c` is a valid C string and `stat` a plain struct statvfs fills.
+    unsafe {
+        if libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) != 0 {
+            return None;
+        }
+        let mut stat: libc::statvfs = std::mem::zeroed();
+        if libc::statvfs(c.as_ptr(), &mut stat) != 0 {
+            return None;
+        }
+        Some(stat.f_bavail as u64 * stat.f_frsize as u64)
+    }
 }

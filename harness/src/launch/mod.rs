@@ -8,6 +8,7 @@
 //! per rank, hosts the store, watches the ranks, and turns whatever went wrong into a report
 //! that names the rank and says why.
 
+pub mod background;
 pub mod external;
 mod failed;
 pub mod hand_back;
@@ -403,7 +404,11 @@ pub fn launch(opts: &LaunchOptions, spawn: RankSpawn<'_>) -> Result<LaunchSummar
             ),
         ];
     }
-    watch(&mut ranks, &store, run_dir.path(), started, opts.timeout)
+    // Every rank is forked: the launching process's own work may run beside them.
+    let deferred = background::start();
+    let summary = watch(&mut ranks, &store, run_dir.path(), started, opts.timeout);
+    background::join(deferred);
+    summary
 }
 
 /// Each rank's stdout and stderr pipes, read by the drain threads once every rank started.
