@@ -16,11 +16,13 @@ use lockstep::bench::{self};
 use lockstep::harness::report::{compare_report_files, CompareOptions};
 use std::process::ExitCode;
 
-/// jemalloc, built unprefixed, also serves libtorch's `malloc` and `posix_memalign` in this
-/// process and every rank it forks: under glibc's allocator, fragmented by libtorch's aligned
-/// allocations of small tensors, allocation took a seventh of the matrix's time
-/// (docs/benchmarks.md, "Where the default matrix's time goes"). Numbers are unchanged:
-/// libtorch asks for 64-byte alignment and gets it from either.
+/// With the `jemalloc` feature (`ci/lockstep` builds with it), jemalloc, built unprefixed,
+/// serves libtorch's `malloc` and `posix_memalign` too, in this process and every rank it
+/// forks: under glibc's allocator, fragmented by libtorch's aligned allocations of small
+/// tensors, allocation took a seventh of the matrix's time (docs/benchmarks.md, "Where the
+/// default matrix's time goes"). Numbers are unchanged: libtorch asks for 64-byte alignment
+/// and gets it from either.
+#[cfg(feature = "jemalloc")]
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 

@@ -4,11 +4,6 @@
 //! that assert their outcome are modules here too (`example_*`), so `cargo nextest run`
 //! covers them without linking each example.
 
-/// The allocator the `lockstep` binary runs with (src/main.rs says why); the core and harness
-/// suites keep glibc's, which users' own test binaries have.
-#[global_allocator]
-static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
-
 #[path = "../core/tests/common/mod.rs"]
 mod common;
 mod fixtures;
