@@ -148,10 +148,15 @@ pub fn hand_back_json<T: Serialize + ?Sized>(
     value: &T,
 ) -> Result<(), RankError> {
     let json = serde_json::to_vec(value).map_err(|source| RankError::Encode { what, source })?;
-    if let Some(published) = publish(what, path, &json) {
+    hand_back_bytes(what, path, json)
+}
+
+/// Writes `bytes` at `path` (or puts them in the run's store under an external launch).
+fn hand_back_bytes(what: &'static str, path: &Path, bytes: Vec<u8>) -> Result<(), RankError> {
+    if let Some(published) = publish(what, path, &bytes) {
         return published;
     }
-    std::fs::write(path, json).map_err(|source| RankError::Write {
+    std::fs::write(path, bytes).map_err(|source| RankError::Write {
         what,
         path: path.to_owned(),
         source,
@@ -252,14 +257,7 @@ pub fn hand_back_record(record: &RunRecord, out: &Path) -> Result<(), RankError>
     let mut bytes = Vec::new();
     ciborium::into_writer(record, &mut bytes)
         .map_err(|e| RankError::EncodeRecord(e.to_string()))?;
-    if let Some(published) = publish(what, out, &bytes) {
-        return published;
-    }
-    std::fs::write(out, bytes).map_err(|source| RankError::Write {
-        what,
-        path: out.to_owned(),
-        source,
-    })
+    hand_back_bytes(what, out, bytes)
 }
 
 /// Reads a record [`hand_back_record`] wrote.
