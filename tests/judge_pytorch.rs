@@ -526,6 +526,70 @@ fn a_ddp_loss_divided_by_the_world_again_is_caught_at_the_first_step() -> Result
     caught_at_step_0(DDP, "loss-over-world").map(drop)
 }
 
+/// The verdict is where the user looks first: a failing job's first failure (tensor and step)
+/// and its diagnosis are printed on the terminal and on the CI job page, as report.json has
+/// them, not only in the report files; a passing job prints no failure.
+#[test]
+fn the_verdict_and_its_diagnosis_are_on_the_terminal_and_the_job_page() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    if !record_job_with(
+        Launch::Forked,
+        DDP,
+        2,
+        dir.path(),
+        &["--bug", "loss-over-world"],
+        None,
+    )? {
+        return Ok(());
+    }
+    let page = dir.path().join("step-summary.md");
+    let out = Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .arg("judge")
+        .arg("--run")
+        .arg(dir.path().join("run"))
+        .arg("--reference")
+        .arg(dir.path().join("reference"))
+        .arg("--shadow")
+        .arg(dir.path().join("shadow"))
+        .arg("--out")
+        .arg(dir.path().join("report"))
+        .env("GITHUB_STEP_SUMMARY", &page)
+        .output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(out.status.code() == Some(1), "{stdout}");
+    let comparison = &report(dir.path())?["comparisons"][0];
+    let diagnosis = comparison["diagnosis"].as_str().context("a diagnosis")?;
+    let tensor = comparison["first_failure"]["tensor"]
+        .as_str()
+        .context("a tensor named first")?;
+    for (place, text) in [
+        ("terminal", stdout.to_string()),
+        ("job page", std::fs::read_to_string(&page)?),
+    ] {
+        ensure!(
+            text.contains("FAIL ") && text.contains("first failure: "),
+            "{place}: {text}"
+        );
+        ensure!(
+            text.contains(tensor),
+            "{place} does not name {tensor}: {text}"
+        );
+        ensure!(
+            text.contains(diagnosis),
+            "{place} lacks the diagnosis: {text}"
+        );
+    }
+    let passing = tempfile::tempdir()?;
+    record_job_with(Launch::Forked, DDP, 2, passing.path(), &[], None)?;
+    let out = judge(passing.path())?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.code() == Some(0) && !stdout.contains("FAIL"),
+        "{stdout}"
+    );
+    Ok(())
+}
+
 #[test]
 fn mixed_precision_jobs_pass_against_references_in_their_precision() -> Result<()> {
     let jobs: [(&str, &str); 3] = [

@@ -1,7 +1,9 @@
-//! `lockstep judge`: the verdict on a recorded job, its headline and exit code.
+//! `lockstep judge`: the verdict on a recorded job (its headline, each failure's account,
+//! also on the CI job page) and exit code.
 
 use super::bad_input;
-use lockstep::judge_cmd::{judge, JudgeOptions};
+use super::matrix::write_step_summary;
+use lockstep::judge_cmd::{judge, verdict, JudgeOptions};
 use std::process::ExitCode;
 
 /// Exit 0 when the job passed, 1 when a check failed (the reports are written), 2 on bad
@@ -12,8 +14,8 @@ pub(crate) fn run_judge(opts: JudgeOptions) -> ExitCode {
             for note in &judged.notes {
                 println!("note: {note}");
             }
-            println!("{}", judged.report.headline());
-            println!("reports: {}", judged.files.markdown.display());
+            print!("{}", verdict::terminal(&judged.report, &judged.files));
+            write_step_summary(&verdict::step_summary(&judged.report, &judged.files));
             match judged.report.passed() {
                 true => ExitCode::SUCCESS,
                 false => ExitCode::FAILURE,

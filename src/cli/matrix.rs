@@ -164,7 +164,7 @@ pub(crate) fn report_matrix(
 
 /// Appends `markdown` to the file `GITHUB_STEP_SUMMARY` names, when it is set (a GitHub
 /// Actions step): the job page shows it. A summary that cannot be written is said, not fatal.
-fn write_step_summary(markdown: &str) {
+pub(crate) fn write_step_summary(markdown: &str) {
     use std::io::Write as _;
     let Some(path) = std::env::var_os("GITHUB_STEP_SUMMARY").filter(|p| !p.is_empty()) else {
         return;

@@ -8,6 +8,7 @@ pub mod binding;
 pub mod forward;
 pub mod skipped;
 mod tensor_file;
+pub mod verdict;
 
 use binding::{check_bound, Provenance};
 use lockstep_core::record::{NamedTensor, RunRecord};
