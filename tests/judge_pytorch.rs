@@ -764,6 +764,16 @@ fn a_tp_bias_gradient_left_unreduced_is_caught_at_the_first_step() -> Result<()>
         "{}",
         comparison["first_failure"]
     );
+    // Every module output and the gradient reaching it were within at step 0, only the
+    // bias's own gradient was not: the diagnosis leads with that gradient, not with the
+    // update after step 0 that carried it into step 1's forward.
+    let diagnosis = comparison["diagnosis"].as_str().unwrap_or_default();
+    ensure!(
+        diagnosis.starts_with("gradient: the gradient of `2.bias` left its envelope at step 0")
+            && diagnosis.contains("a reduction across ranks left out")
+            && !diagnosis.contains("went wrong: the update after"),
+        "{diagnosis}"
+    );
     Ok(())
 }
 

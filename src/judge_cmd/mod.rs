@@ -12,7 +12,9 @@ pub mod verdict;
 
 use binding::{check_bound, Provenance};
 use lockstep_core::record::{NamedTensor, RunRecord};
-use lockstep_harness::parity::{arbitrate, compare, Comparison, TolerancePolicy, ENVELOPE};
+use lockstep_harness::parity::{
+    arbitrate, compare, Comparison, FailurePoint, Quantity, TolerancePolicy, ENVELOPE,
+};
 use lockstep_harness::report::{prepare_dir, write_all, Report, ReportError, ReportFiles};
 use std::path::{Path, PathBuf};
 
@@ -153,16 +155,42 @@ pub fn judge_records(
 /// forward went wrong, before any gradient showed it. Failing that, the first output whose
 /// gradient left its envelope names the module whose backward went wrong.
 /// When the step before the forward finding's was recorded and judged within, the parameters
-/// that step's update left are what went wrong, and the diagnosis says so.
+/// that step's update left are what went wrong, and the diagnosis says so; unless a
+/// parameter's gradient had already left its envelope at such a step (a reduction left out,
+/// gradients not zeroed): then that gradient leads, the forward being its consequence.
 fn name_the_culprit(
     comparison: &mut Comparison,
     forward: Option<forward::ForwardFinding>,
     backward: Option<forward::ForwardFinding>,
     recorded: &[usize],
 ) {
+    let wrong_gradient = first_wrong_gradient(comparison);
     let found = match first_to_show(forward, backward) {
         Some(Culprit::Forward(f)) => {
             let step = forward::step_of(&f.name).unwrap_or(0);
+            // A parameter's gradient out of its envelope at an earlier step whose module
+            // outputs, and the gradients reaching them, were all within: that gradient is the
+            // culprit, and this forward only its consequence through the update.
+            if let Some((at, tensor)) =
+                wrong_gradient.filter(|(at, _)| *at < step && recorded.contains(at))
+            {
+                lead_diagnosis(
+                    comparison,
+                    format!(
+                        "gradient: the gradient of `{tensor}` left its envelope at step {at}, \
+                         while step {at}'s module outputs and the gradients backward brought \
+                         to them were all within: a parameter's gradient itself went wrong, \
+                         in a module's backward for its weights or after it (a reduction \
+                         across ranks left out or done twice, gradients not zeroed between \
+                         steps, clipping or scaling before rec.step); the update after step \
+                         {at} carried it into step {step}'s forward, whose first module \
+                         output out of its envelope is {} (margin {:.3e}; {} outputs judged)",
+                        f.name, f.margin, f.judged
+                    ),
+                );
+                comparison.passed = false;
+                return;
+            }
             let cause = match step.checked_sub(1) {
                 Some(before) if recorded.contains(&before) => format!(
                     ": step {before}'s module outputs and their gradients were all within, so \
@@ -199,6 +227,25 @@ fn name_the_culprit(
     };
     lead_diagnosis(comparison, found);
     comparison.passed = false;
+}
+
+/// The earliest step at which a parameter's gradient left its envelope, and that
+/// parameter's name: the comparison's first failure when it is a gradient, else the earliest
+/// among the per-parameter gradient verdicts (the first failure may be the copy check's).
+fn first_wrong_gradient(comparison: &Comparison) -> Option<(usize, String)> {
+    let named = |f: &FailurePoint| Some((f.step?, f.tensor.clone()?));
+    if let Some(f) = comparison
+        .first_failure
+        .as_ref()
+        .filter(|f| f.quantity == Quantity::Grads)
+    {
+        return named(f);
+    }
+    comparison
+        .grad_summaries
+        .iter()
+        .filter_map(|p| p.stats.first_failure.as_ref().and_then(named))
+        .min_by_key(|(step, _)| *step)
 }
 
 /// Where a job first went wrong, by its module outputs.
