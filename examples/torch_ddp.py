@@ -13,8 +13,8 @@ wraps it (TorchInductor's fused kernels against the eager references: did compil
 math?); the recorder unwraps the compiled module too.
 
 `--accumulate 2` accumulates gradients over two microbatches, skipping DDP's all-reduce on the
-first with `no_sync()`, as the DDP documentation shows (it must pass). Two planted bugs, each a
-classic of DDP jobs:
+first with `no_sync()`, as the DDP documentation shows (it must pass). Three planted bugs, each
+a classic of DDP jobs:
 
 - `--bug no-sync-always`: every microbatch under `no_sync()`, the last one too, so gradients
   are never averaged. Each rank steps with its own gradients and the replicas part, while
@@ -22,6 +22,9 @@ classic of DDP jobs:
   parameter whose replicas differ.
 - `--bug loss-over-world`: the loss divided by the world size "to average it", on top of the
   averaging DDP already does, so every gradient is 1/N of what it should be.
+- `--bug no-zero-grad`: `zero_grad` never called, so from the second step on every gradient
+  carries all the earlier steps' too, while every module's output, and the gradient backward
+  brings to it, stays right at that step.
 
 `--precision fp16` trains under fp16 autocast with a `torch.amp.GradScaler` (its gradients
 unscaled before `rec.step`, then clipped to norm 1), whose first step overflows and is
@@ -97,7 +100,8 @@ def train(out, bug, accumulate, precision, compile, activations=None):
         autocast = torch.autocast("cpu", dtype=narrow) if narrow else contextlib.nullcontext()
         for step in range(STEPS):
             x, y = batch(rank, step)
-            opt.zero_grad()
+            if bug != "no-zero-grad":  # the bug: gradients pile up over the steps
+                opt.zero_grad()
             losses = []
             parts = list(zip(x.chunk(accumulate), y.chunk(accumulate)))
             for i, (mx, my) in enumerate(parts):
@@ -133,7 +137,7 @@ def main():
     parser.add_argument("mode", choices=["train", "reference"])
     parser.add_argument("out")
     parser.add_argument("--bug", choices=["no-sync-always", "loss-over-world",
-                                          "clip-before-unscale"])
+                                          "clip-before-unscale", "no-zero-grad"])
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--precision", choices=list(PRECISIONS))
     parser.add_argument("--compile", action="store_true")

@@ -526,6 +526,26 @@ fn a_ddp_loss_divided_by_the_world_again_is_caught_at_the_first_step() -> Result
     caught_at_step_0(DDP, "loss-over-world").map(drop)
 }
 
+/// `zero_grad` never called: step 1's gradients carry step 0's too while every module output
+/// and the gradient reaching it is right at step 1. The diagnosis leads with the first wrong
+/// gradient, at step 1, not with the update that carried it into step 2's forward.
+#[test]
+fn gradients_never_zeroed_are_named_at_the_gradient_not_the_update() -> Result<()> {
+    let Some(comparison) = judged(DDP, 2, &["--bug", "no-zero-grad"], 1)? else {
+        return Ok(());
+    };
+    first_failure_at(&comparison, 1)?;
+    let diagnosis = comparison["diagnosis"].as_str().unwrap_or_default();
+    ensure!(
+        diagnosis.starts_with("gradient: the gradient of `")
+            && diagnosis.contains("left its envelope at step 1")
+            && diagnosis.contains("gradients not zeroed between steps")
+            && !diagnosis.contains("went wrong: the update after"),
+        "{diagnosis}"
+    );
+    Ok(())
+}
+
 /// The verdict is where the user looks first: a failing job's first failure (tensor and step)
 /// and its diagnosis are printed on the terminal and on the CI job page, as report.json has
 /// them, not only in the report files; a passing job prints no failure.
