@@ -897,9 +897,10 @@ fn a_damaged_record_is_bad_input_naming_the_file() -> Result<()> {
 #[test]
 fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<()> {
     // Its gradient stays `None` in the job and in the references alike (a head not used, an
-    // expert no token reached): recorded as the zero it is, and the job passes. The
-    // references in mixed precision (for the same job declared bf16) leave it without a
-    // gradient too.
+    // expert no token reached): recorded as the zero it is. Undeclared, that is a parameter
+    // that does not train, named; declared with `frozen=`, the job passes; a declared name
+    // the model lacks is bad input. The references in mixed precision (for the same job
+    // declared bf16) leave it without a gradient too.
     let dir = tempfile::tempdir()?;
     let program = format!(
         "import sys; sys.path.insert(0, 'python')\n\
@@ -917,11 +918,11 @@ fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<(
          \x20   return nn.functional.mse_loss(m(x), y)\n\
          def sgd(p):\n\
          \x20   return torch.optim.SGD(p, lr=0.1)\n\
-         def record(run, precision):\n\
+         def record(run, precision, frozen=None):\n\
          \x20   model = Net()\n\
          \x20   opt = sgd(model.parameters())\n\
          \x20   rec = lockstep_probe.Recorder(run, model, name='net', config='single', steps=3,\n\
-         \x20                                 precision=precision)\n\
+         \x20                                 precision=precision, frozen=frozen)\n\
          \x20   g = torch.Generator().manual_seed(1)\n\
          \x20   for _ in range(3):\n\
          \x20       x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)\n\
@@ -933,6 +934,9 @@ fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<(
          \x20   rec.finish()\n\
          record(out + '/run', None)\n\
          lockstep_probe.train_references(Net, loss_fn, sgd, out + '/run', out)\n\
+         for d, frozen in [('/frozen', ['spare.weight', 'spare.bias']), ('/typo', ['spare.wieght'])]:\n\
+         \x20   record(out + d + '/run', None, frozen)\n\
+         \x20   lockstep_probe.train_references(Net, loss_fn, sgd, out + d + '/run', out + d)\n\
          record(out + '/declared-bf16', 'bf16')\n\
          lockstep_probe.train_references(Net, loss_fn, sgd, out + '/declared-bf16',\n\
          \x20   out + '/bf16', param_dtype=torch.bfloat16, shadow=False)\n",
@@ -942,15 +946,88 @@ fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<(
         return Ok(());
     };
     succeeded("a job with an unused parameter", out?)?;
-    let out = judge(dir.path())?;
+    let undeclared = judge(dir.path())?;
+    let stdout = String::from_utf8_lossy(&undeclared.stdout);
+    ensure!(undeclared.status.code() == Some(1), "{stdout}");
+    let diagnosis = report(dir.path())?["comparisons"][0]["diagnosis"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    ensure!(
+        diagnosis.starts_with("training: `spare.weight`, `spare.bias` get a zero gradient")
+            && diagnosis.contains("Recorder(frozen=[...])")
+            && !diagnosis.contains("`body."),
+        "{diagnosis}"
+    );
+    let frozen = dir.path().join("frozen");
+    let out = judge(&frozen)?;
     ensure!(
         out.status.success(),
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    let comparison = &report(dir.path())?["comparisons"][0];
+    let comparison = &report(&frozen)?["comparisons"][0];
     ensure!(comparison["passed"] == true, "{comparison}");
+    let typo = dir.path().join("typo");
+    let out = judge(&typo)?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        out.status.code() == Some(2) && stderr.contains("`spare.wieght`"),
+        "{stderr}"
+    );
+    ensure!(!typo.join("report").exists(), "nothing written");
+    Ok(())
+}
+
+/// A job that trains nothing passes every comparison, its references training nothing alike
+/// (a loss multiplied away, as a tutorial's loss that is identically zero): the judge says so
+/// itself, with its loss the same at every step and its gradient norm zero at every step.
+#[test]
+fn a_job_that_trains_nothing_fails_with_its_own_finding() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let program = format!(
+        "import sys; sys.path.insert(0, 'python')\n\
+         import torch, lockstep_probe\n\
+         from torch import nn\n\
+         out = {:?}\n\
+         def net():\n\
+         \x20   torch.manual_seed(0)\n\
+         \x20   return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))\n\
+         def loss_fn(m, x, y):\n\
+         \x20   return 0.0 * nn.functional.mse_loss(m(x), y)\n\
+         def sgd(p):\n\
+         \x20   return torch.optim.SGD(p, lr=0.1)\n\
+         model = net()\n\
+         opt = sgd(model.parameters())\n\
+         rec = lockstep_probe.Recorder(out + '/run', model, name='net', config='single', steps=3)\n\
+         g = torch.Generator().manual_seed(1)\n\
+         for _ in range(3):\n\
+         \x20   x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)\n\
+         \x20   opt.zero_grad()\n\
+         \x20   loss = loss_fn(model, x, y)\n\
+         \x20   loss.backward()\n\
+         \x20   rec.step(loss, x, y)\n\
+         \x20   opt.step()\n\
+         rec.finish()\n\
+         lockstep_probe.train_references(net, loss_fn, sgd, out + '/run', out)\n",
+        dir.path().to_str().context("utf-8 temp dir")?
+    );
+    let Some(out) = python_program(&program) else {
+        return Ok(());
+    };
+    succeeded("a job that trains nothing", out?)?;
+    let out = judge(dir.path())?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(out.status.code() == Some(1), "{stdout}");
+    let comparison = &report(dir.path())?["comparisons"][0];
+    let diagnosis = comparison["diagnosis"].as_str().unwrap_or_default();
+    ensure!(
+        diagnosis.starts_with("training: the loss is 0 at every one of the 3 steps")
+            && diagnosis.contains("the gradient norm is 0 at every one of the 3 steps"),
+        "{diagnosis}"
+    );
+    ensure!(stdout.contains("diagnosis: training: "), "{stdout}");
     Ok(())
 }
 

@@ -292,6 +292,12 @@ class Recorder:
     stands in for a world of ranks); `keep_batches=False` records no batches (the references'
     own records need none).
 
+    `frozen` lists parameters that do not train on purpose (a frozen trunk the optimizer
+    leaves out); those without `requires_grad` are found without it. `lockstep judge` flags
+    every other parameter whose gradient is zero at every recorded step, and a job whose
+    gradient norm is zero or whose loss is the same at every step: a job that trains nothing,
+    in its references alike, would otherwise pass.
+
     The data is checked as it is recorded: every data-parallel rank (every pipeline replica
     under `stages`) receiving the same batch at a step (a loader without a
     `DistributedSampler`), or a rank's batch repeating one of an earlier step (a loader that
@@ -310,7 +316,7 @@ class Recorder:
                  world_size=None, backend=None, stages=False, data=None, keep_batches=True,
                  precision=None, kind="run", trained_from=None, replicated_data=False,
                  tied=None, activations=None, every=1, scaler=None, skipped_steps=None,
-                 loss_reduction="mean"):
+                 loss_reduction="mean", frozen=None):
         if kind not in KINDS:
             raise RecordError(f"kind={kind!r}: a record is one of {', '.join(KINDS)}")
         if (kind == "run") != (trained_from is None):
@@ -331,6 +337,13 @@ class Recorder:
         self.batch_digests = []
         self.replicated_data = replicated_data
         self.tied = dict(tied or {})
+        # Parameters that do not train on purpose: the judge flags any other whose gradient
+        # is zero at every step. Those the model holds without requires_grad need no word.
+        if isinstance(frozen, str):
+            raise RecordError(f"frozen={frozen!r}: a list of parameter names, e.g. "
+                              "frozen=[\"embed.weight\"]")
+        self.frozen = set(frozen or []) | {
+            n for n, p in self._named(model.named_parameters()) if not p.requires_grad}
         # Module outputs (forward), at the steps `activations` names; a pipeline stage's per
         # microbatch (its stage module's forwards this step).
         self.data_rank = None
@@ -744,6 +757,7 @@ class Recorder:
             "activations": self.output_entries,
             "output_grads": self.output_grad_entries,
             "skipped_steps": self.skipped_steps,
+            "frozen": sorted(self.frozen),
         }
         if self.scaler is not None:
             record["loss_scales"] = self.loss_scales

@@ -47,6 +47,9 @@ pub struct Provenance {
     /// A run's data findings (the same batch on every rank, a batch repeated from an earlier
     /// step), in words: each fails the job.
     pub data_findings: Vec<String>,
+    /// Parameters that do not train on purpose (`Recorder(frozen=...)`, and those without
+    /// `requires_grad`): the training check leaves them out.
+    pub frozen: Vec<String>,
 }
 
 impl Provenance {
@@ -103,6 +106,10 @@ impl Provenance {
                         .map(str::to_owned)
                         .collect()
                 })
+                .unwrap_or_default(),
+            frozen: record
+                .get("frozen")
+                .and_then(|v| serde_json::from_value(v.clone()).ok())
                 .unwrap_or_default(),
         })
     }

@@ -8,6 +8,7 @@ pub mod binding;
 pub mod forward;
 pub mod skipped;
 mod tensor_file;
+pub mod training;
 pub mod verdict;
 
 use binding::{check_bound, Provenance};
@@ -328,13 +329,14 @@ fn no_module_shows(step: usize, recorded: &[usize], judged: &[usize]) -> Option<
     ))
 }
 
-/// A job whose data the recorder found wrong fails whatever its numbers: the references
-/// trained on the same wrong data, so they cannot see it. The findings lead the diagnosis.
-fn fail_on_data_findings(comparison: &mut Comparison, findings: &[String]) {
+/// A job whose data the recorder found wrong, or that does not train, fails whatever its
+/// numbers: the references trained on the same wrong data, or the same untrainable model, so
+/// they cannot see it. The findings, under `label`, lead the diagnosis.
+fn fail_on_findings(comparison: &mut Comparison, label: &str, findings: &[String]) {
     if findings.is_empty() {
         return;
     }
-    lead_diagnosis(comparison, format!("data: {}", findings.join("; ")));
+    lead_diagnosis(comparison, format!("{label}: {}", findings.join("; ")));
     comparison.passed = false;
 }
 
@@ -403,7 +405,12 @@ pub fn judge(opts: &JudgeOptions) -> Result<Judged, JudgeError> {
             &run_from.activation_steps,
         );
     }
-    fail_on_data_findings(&mut comparison, &run_from.data_findings);
+    fail_on_findings(
+        &mut comparison,
+        "training",
+        &training::findings(&run, &run_from.frozen)?,
+    );
+    fail_on_findings(&mut comparison, "data", &run_from.data_findings);
     let report = Report::new(vec![comparison])
         .with_environment(Some(lockstep_harness::report::environment()));
     prepare_dir(&opts.out)?;
