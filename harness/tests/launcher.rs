@@ -709,8 +709,9 @@ fn deferred_work_runs_beside_the_next_launch_in_order() {
     use lockstep_harness::launch::background;
     use std::sync::{Arc, Mutex};
     let _guard = serial();
-    // (task, the thread it ran on, how many ranks were alive then)
-    let seen: Arc<Mutex<Vec<(&str, String, usize)>>> = Arc::default();
+    /// Each task that ran: its name, the thread it ran on, how many ranks were alive then.
+    type Seen = Arc<Mutex<Vec<(&'static str, String, usize)>>>;
+    let seen: Seen = Arc::default();
     let task = |name: &'static str| {
         let seen = Arc::clone(&seen);
         move || {

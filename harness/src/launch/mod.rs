@@ -13,13 +13,15 @@ pub mod external;
 mod failed;
 pub mod hand_back;
 mod mode;
+mod scratch;
 pub mod self_exec;
 
 pub use failed::{launch_failed, one_line, RunFailed};
-pub use hand_back::{scratch_path, RankError};
+pub use hand_back::RankError;
 pub use mode::{
     run_ranks, shares_one_launch, ExecCommand, RankBody, RankLaunch, NCCL_RUNS_MISSING,
 };
+pub use scratch::{scratch_dir, scratch_path};
 
 use crate::error::{LaunchError, RankEnd, RankReport};
 use lockstep_core::comm::flight::{self, OpRecord};
