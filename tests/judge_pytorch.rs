@@ -894,6 +894,29 @@ fn a_damaged_record_is_bad_input_naming_the_file() -> Result<()> {
     Ok(())
 }
 
+/// What a one-process job's Python program starts with.
+const PYTHON_PREAMBLE: &str =
+    "import sys; sys.path.insert(0, 'python')\nimport torch, lockstep_probe\nfrom torch import nn\n";
+
+/// `record(run, precision=None, frozen=None)`: trains `Net()` (defined by the program, with
+/// `loss_fn` and `sgd`) for 3 steps on inputs of 4 and targets of 3 features, recorded.
+const RECORD_THREE_STEPS: &str = "\
+def record(run, precision=None, frozen=None):
+    model = Net()
+    opt = sgd(model.parameters())
+    rec = lockstep_probe.Recorder(run, model, name='net', config='single', steps=3,
+                                  precision=precision, frozen=frozen)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
+        opt.zero_grad()
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        rec.step(loss, x, y)
+        opt.step()
+    rec.finish()
+";
+
 #[test]
 fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<()> {
     // Its gradient stays `None` in the job and in the references alike (a head not used, an
@@ -903,10 +926,7 @@ fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<(
     // declared bf16) leave it without a gradient too.
     let dir = tempfile::tempdir()?;
     let program = format!(
-        "import sys; sys.path.insert(0, 'python')\n\
-         import torch, lockstep_probe\n\
-         from torch import nn\n\
-         out = {:?}\n\
+        "{PYTHON_PREAMBLE}out = {:?}\n\
          class Net(nn.Module):\n\
          \x20   def __init__(self):\n\
          \x20       super().__init__()\n\
@@ -918,20 +938,7 @@ fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<(
          \x20   return nn.functional.mse_loss(m(x), y)\n\
          def sgd(p):\n\
          \x20   return torch.optim.SGD(p, lr=0.1)\n\
-         def record(run, precision, frozen=None):\n\
-         \x20   model = Net()\n\
-         \x20   opt = sgd(model.parameters())\n\
-         \x20   rec = lockstep_probe.Recorder(run, model, name='net', config='single', steps=3,\n\
-         \x20                                 precision=precision, frozen=frozen)\n\
-         \x20   g = torch.Generator().manual_seed(1)\n\
-         \x20   for _ in range(3):\n\
-         \x20       x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)\n\
-         \x20       opt.zero_grad()\n\
-         \x20       loss = loss_fn(model, x, y)\n\
-         \x20       loss.backward()\n\
-         \x20       rec.step(loss, x, y)\n\
-         \x20       opt.step()\n\
-         \x20   rec.finish()\n\
+         {RECORD_THREE_STEPS}\
          record(out + '/run', None)\n\
          lockstep_probe.train_references(Net, loss_fn, sgd, out + '/run', out)\n\
          for d, frozen in [('/frozen', ['spare.weight', 'spare.bias']), ('/typo', ['spare.wieght'])]:\n\
@@ -987,30 +994,17 @@ fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<(
 fn a_job_that_trains_nothing_fails_with_its_own_finding() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let program = format!(
-        "import sys; sys.path.insert(0, 'python')\n\
-         import torch, lockstep_probe\n\
-         from torch import nn\n\
-         out = {:?}\n\
-         def net():\n\
+        "{PYTHON_PREAMBLE}out = {:?}\n\
+         def Net():\n\
          \x20   torch.manual_seed(0)\n\
          \x20   return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))\n\
          def loss_fn(m, x, y):\n\
          \x20   return 0.0 * nn.functional.mse_loss(m(x), y)\n\
          def sgd(p):\n\
          \x20   return torch.optim.SGD(p, lr=0.1)\n\
-         model = net()\n\
-         opt = sgd(model.parameters())\n\
-         rec = lockstep_probe.Recorder(out + '/run', model, name='net', config='single', steps=3)\n\
-         g = torch.Generator().manual_seed(1)\n\
-         for _ in range(3):\n\
-         \x20   x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)\n\
-         \x20   opt.zero_grad()\n\
-         \x20   loss = loss_fn(model, x, y)\n\
-         \x20   loss.backward()\n\
-         \x20   rec.step(loss, x, y)\n\
-         \x20   opt.step()\n\
-         rec.finish()\n\
-         lockstep_probe.train_references(net, loss_fn, sgd, out + '/run', out)\n",
+         {RECORD_THREE_STEPS}\
+         record(out + '/run')\n\
+         lockstep_probe.train_references(Net, loss_fn, sgd, out + '/run', out)\n",
         dir.path().to_str().context("utf-8 temp dir")?
     );
     let Some(out) = python_program(&program) else {
