@@ -546,6 +546,46 @@ fn gradients_never_zeroed_are_named_at_the_gradient_not_the_update() -> Result<(
     Ok(())
 }
 
+/// A process group made by `init_device_mesh` alone names no backend (`dist.get_backend()`
+/// answers "undefined"): the record names the backend it holds.
+#[test]
+fn a_process_group_from_init_device_mesh_is_recorded_with_its_backend() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let out = dir.path().to_str().context("utf-8 temp dir")?;
+    let program = dir.path().join("mesh_job.py");
+    std::fs::write(
+        &program,
+        format!(
+            "import sys; sys.path.insert(0, 'python')\n\
+             import torch, torch.distributed as dist, lockstep_probe\n\
+             from torch.distributed.device_mesh import init_device_mesh\n\
+             mesh = init_device_mesh('cpu', (2,))\n\
+             rec = lockstep_probe.Recorder({out:?} + '/run', torch.nn.Linear(2, 2), name='lin',\n\
+             \x20                             config='ddp', steps=1)\n\
+             if dist.get_rank() == 0:\n\
+             \x20   print('backend:', rec.spec['backend'], dist.get_backend())\n\
+             dist.barrier()\n\
+             dist.destroy_process_group()\n"
+        ),
+    )?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let script = program.to_str().context("utf-8 path")?;
+    let phases = serde_json::json!([{"ranks": 2, "argv": [script]}]);
+    let Some(run) = forked_phases(phases, port, None) else {
+        return Ok(());
+    };
+    let run = run?;
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    ensure!(
+        run.status.success() && stdout.contains("backend: gloo undefined"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    Ok(())
+}
+
 /// The verdict is where the user looks first: a failing job's first failure (tensor and step)
 /// and its diagnosis are printed on the terminal and on the CI job page, as report.json has
 /// them, not only in the report files; a passing job prints no failure.

@@ -31,6 +31,19 @@ def _world():
     return 0, 1
 
 
+def _backend_name():
+    """The default process group's backend: `gloo`, `nccl`... A group made by
+    `init_device_mesh` (no backend named) answers `dist.get_backend()` with "undefined"; its
+    per-device configuration (`cpu:gloo,cuda:nccl`) says which backends it holds: the one
+    name when there is one, else that configuration as it reads."""
+    name = dist.get_backend()
+    if name != "undefined":
+        return name
+    config = str(dist.get_backend_config())
+    names = {part.split(":")[-1] for part in config.split(",") if part}
+    return names.pop() if len(names) == 1 else config
+
+
 def full_tensor(t):
     """`t` at full size: a DTensor (FSDP2, TP) gathered from its shards (a collective every
     rank must call), anything else as it is."""
@@ -374,7 +387,7 @@ class Recorder:
             "model": name,
             "config": config,
             "world_size": world_size or (self.data_size if stages else self.world),
-            "backend": backend or (dist.get_backend() if self.world > 1 else "none"),
+            "backend": backend or (_backend_name() if self.world > 1 else "none"),
             "dtype": "fp32",
             "steps": 0,
             "seed": seed,
