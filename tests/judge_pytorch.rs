@@ -1027,6 +1027,55 @@ fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<(
     Ok(())
 }
 
+/// References that fail part-way (here the float64 shadow's loss raising at its second step)
+/// leave nothing half-written: the fp32 reference done before is complete, no `shadow/` and
+/// no staging folder remain.
+#[test]
+fn a_reference_that_fails_part_way_leaves_nothing_half_written() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let program = format!(
+        "{PYTHON_PREAMBLE}out = {:?}\n\
+         def Net():\n\
+         \x20   torch.manual_seed(0)\n\
+         \x20   return nn.Linear(4, 3)\n\
+         wide_calls = []\n\
+         def loss_fn(m, x, y):\n\
+         \x20   if x.dtype == torch.float64:\n\
+         \x20       wide_calls.append(1)\n\
+         \x20       if len(wide_calls) == 2:\n\
+         \x20           raise RuntimeError('the shadow fails at its second step')\n\
+         \x20   return nn.functional.mse_loss(m(x), y)\n\
+         def sgd(p):\n\
+         \x20   return torch.optim.SGD(p, lr=0.1)\n\
+         {RECORD_THREE_STEPS}\
+         record(out + '/run')\n\
+         lockstep_probe.train_references(Net, loss_fn, sgd, out + '/run', out)\n",
+        dir.path().to_str().context("utf-8 temp dir")?
+    );
+    let Some(out) = python_program(&program) else {
+        return Ok(());
+    };
+    let out = out?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success() && stderr.contains("the shadow fails at its second step"),
+        "{stderr}"
+    );
+    ensure!(
+        dir.path().join("reference/record.json").is_file(),
+        "the fp32 reference is whole"
+    );
+    let left: Vec<String> = std::fs::read_dir(dir.path())?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    ensure!(
+        !left.iter().any(|n| n.contains("shadow")),
+        "a half-written shadow was left: {left:?}"
+    );
+    Ok(())
+}
+
 /// A job that trains nothing passes every comparison, its references training nothing alike
 /// (a loss multiplied away, as a tutorial's loss that is identically zero): the judge says so
 /// itself, with its loss the same at every step and its gradient norm zero at every step.

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import json
 import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -252,9 +253,27 @@ def _binding(spec, init, batches):
                                                           "seed")})}
 
 
-def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, config, device, *,
-           compute=_OwnDtype, precision=None, max_grad_norm=None, kind="reference",
-           scales=None):
+def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, *args, **kwargs):
+    """`_train_at` into a staging folder beside `out`, moved into place only once its record
+    is complete: a reference refused or failed part-way leaves nothing half-written (and a
+    complete one from before stays as it was)."""
+    final = Path(out)
+    staging = final.with_name(f".{final.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        _train_at(model_fn, loss_fn, optimizer_fn, spec, init, batches, staging, *args,
+                  **kwargs)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if final.exists():
+        shutil.rmtree(final)
+    staging.rename(final)
+
+
+def _train_at(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, config, device,
+              *, compute=_OwnDtype, precision=None, max_grad_norm=None, kind="reference",
+              scales=None):
     """One single-device training from `init` over the global batches: each step's objective
     is every rank's loss in rank order, summed, divided by the world size (what a data-parallel
     job's averaged gradients are the gradient of), each step computed by `compute` (the job's
