@@ -934,13 +934,20 @@ fn a_damaged_record_is_bad_input_naming_the_file() -> Result<()> {
     Ok(())
 }
 
-/// What a one-process job's Python program starts with.
-const PYTHON_PREAMBLE: &str =
-    "import sys; sys.path.insert(0, 'python')\nimport torch, lockstep_probe\nfrom torch import nn\n";
-
-/// `record(run, precision=None, frozen=None)`: trains `Net()` (defined by the program, with
-/// `loss_fn` and `sgd`) for 3 steps on inputs of 4 and targets of 3 features, recorded.
-const RECORD_THREE_STEPS: &str = "\
+/// A one-process job's Python program: `definitions` give `Net()` and `loss_fn(m, x, y)`;
+/// `record(run, precision=None, frozen=None)` trains `Net()` with SGD for 3 steps on inputs
+/// of 4 and targets of 3 features, recorded; the job is recorded at `dir/run` and its
+/// references trained into `dir`, then `then` runs.
+fn one_process_job(dir: &Path, definitions: &str, then: &str) -> Result<String> {
+    let out = dir.to_str().context("utf-8 temp dir")?;
+    Ok(format!(
+        "import sys; sys.path.insert(0, 'python')
+import torch, lockstep_probe
+from torch import nn
+out = {out:?}
+{definitions}
+def sgd(p):
+    return torch.optim.SGD(p, lr=0.1)
 def record(run, precision=None, frozen=None):
     model = Net()
     opt = sgd(model.parameters())
@@ -955,7 +962,11 @@ def record(run, precision=None, frozen=None):
         rec.step(loss, x, y)
         opt.step()
     rec.finish()
-";
+record(out + '/run')
+lockstep_probe.train_references(Net, loss_fn, sgd, out + '/run', out)
+{then}"
+    ))
+}
 
 #[test]
 fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<()> {
@@ -965,9 +976,9 @@ fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<(
     // the model lacks is bad input. The references in mixed precision (for the same job
     // declared bf16) leave it without a gradient too.
     let dir = tempfile::tempdir()?;
-    let program = format!(
-        "{PYTHON_PREAMBLE}out = {:?}\n\
-         class Net(nn.Module):\n\
+    let program = one_process_job(
+        dir.path(),
+        "class Net(nn.Module):\n\
          \x20   def __init__(self):\n\
          \x20       super().__init__()\n\
          \x20       torch.manual_seed(0)\n\
@@ -975,20 +986,14 @@ fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<(
          \x20   def forward(self, x):\n\
          \x20       return self.body(x)\n\
          def loss_fn(m, x, y):\n\
-         \x20   return nn.functional.mse_loss(m(x), y)\n\
-         def sgd(p):\n\
-         \x20   return torch.optim.SGD(p, lr=0.1)\n\
-         {RECORD_THREE_STEPS}\
-         record(out + '/run', None)\n\
-         lockstep_probe.train_references(Net, loss_fn, sgd, out + '/run', out)\n\
-         for d, frozen in [('/frozen', ['spare.weight', 'spare.bias']), ('/typo', ['spare.wieght'])]:\n\
+         \x20   return nn.functional.mse_loss(m(x), y)",
+        "for d, frozen in [('/frozen', ['spare.weight', 'spare.bias']), ('/typo', ['spare.wieght'])]:\n\
          \x20   record(out + d + '/run', None, frozen)\n\
          \x20   lockstep_probe.train_references(Net, loss_fn, sgd, out + d + '/run', out + d)\n\
          record(out + '/declared-bf16', 'bf16')\n\
          lockstep_probe.train_references(Net, loss_fn, sgd, out + '/declared-bf16',\n\
          \x20   out + '/bf16', param_dtype=torch.bfloat16, shadow=False)\n",
-        dir.path().to_str().context("utf-8 temp dir")?
-    );
+    )?;
     let Some(out) = python_program(&program) else {
         return Ok(());
     };
@@ -1033,9 +1038,9 @@ fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<(
 #[test]
 fn a_reference_that_fails_part_way_leaves_nothing_half_written() -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let program = format!(
-        "{PYTHON_PREAMBLE}out = {:?}\n\
-         def Net():\n\
+    let program = one_process_job(
+        dir.path(),
+        "def Net():\n\
          \x20   torch.manual_seed(0)\n\
          \x20   return nn.Linear(4, 3)\n\
          wide_calls = []\n\
@@ -1044,14 +1049,9 @@ fn a_reference_that_fails_part_way_leaves_nothing_half_written() -> Result<()> {
          \x20       wide_calls.append(1)\n\
          \x20       if len(wide_calls) == 2:\n\
          \x20           raise RuntimeError('the shadow fails at its second step')\n\
-         \x20   return nn.functional.mse_loss(m(x), y)\n\
-         def sgd(p):\n\
-         \x20   return torch.optim.SGD(p, lr=0.1)\n\
-         {RECORD_THREE_STEPS}\
-         record(out + '/run')\n\
-         lockstep_probe.train_references(Net, loss_fn, sgd, out + '/run', out)\n",
-        dir.path().to_str().context("utf-8 temp dir")?
-    );
+         \x20   return nn.functional.mse_loss(m(x), y)",
+        "",
+    )?;
     let Some(out) = python_program(&program) else {
         return Ok(());
     };
@@ -1082,20 +1082,15 @@ fn a_reference_that_fails_part_way_leaves_nothing_half_written() -> Result<()> {
 #[test]
 fn a_job_that_trains_nothing_fails_with_its_own_finding() -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let program = format!(
-        "{PYTHON_PREAMBLE}out = {:?}\n\
-         def Net():\n\
+    let program = one_process_job(
+        dir.path(),
+        "def Net():\n\
          \x20   torch.manual_seed(0)\n\
          \x20   return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))\n\
          def loss_fn(m, x, y):\n\
-         \x20   return 0.0 * nn.functional.mse_loss(m(x), y)\n\
-         def sgd(p):\n\
-         \x20   return torch.optim.SGD(p, lr=0.1)\n\
-         {RECORD_THREE_STEPS}\
-         record(out + '/run')\n\
-         lockstep_probe.train_references(Net, loss_fn, sgd, out + '/run', out)\n",
-        dir.path().to_str().context("utf-8 temp dir")?
-    );
+         \x20   return 0.0 * nn.functional.mse_loss(m(x), y)",
+        "",
+    )?;
     let Some(out) = python_program(&program) else {
         return Ok(());
     };

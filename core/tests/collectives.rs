@@ -502,12 +502,7 @@ fn empty_tensors() {
                     }
                 }
                 // Everyone still agrees on the sequence afterwards.
-                let t = Tensor::from_slice(&[me as f32]);
-                g.all_reduce(&t, ReduceOp::Sum)?;
-                ensure!(
-                    values(&t) == vec![(n * (n - 1) / 2) as f64],
-                    "all_reduce after empty {which}"
-                );
+                still_in_step(g.as_ref(), &format!("empty {which}"))?;
             }
             Ok(())
         });
@@ -753,15 +748,34 @@ fn invalid_arguments_are_rejected() {
                 g.all_reduce(&c, ReduceOp::Sum).is_err(),
                 "complex all_reduce accepted"
             );
-            let t = Tensor::from_slice(&[me as i64]);
-            g.all_reduce(&t, ReduceOp::Sum)?;
-            ensure!(
-                values(&t) == vec![(n * (n - 1) / 2) as f64],
-                "all_reduce after rejected calls"
-            );
+            still_in_step(g.as_ref(), "rejected calls")?;
             Ok(())
         });
     });
+}
+
+/// The group still runs in step after `what`: a sum of the ranks' numbers comes out right.
+fn still_in_step(g: &dyn ProcessGroup, what: &str) -> Result<()> {
+    let (n, me) = (g.size(), g.rank());
+    let t = Tensor::from_slice(&[me as i64]);
+    g.all_reduce(&t, ReduceOp::Sum)?;
+    ensure!(
+        values(&t) == vec![(n * (n - 1) / 2) as f64],
+        "all_reduce after {what}"
+    );
+    Ok(())
+}
+
+/// Rank `me`'s `m` values of the reduce-scatter (`op`) of the first `m × n` of `mine`.
+fn reduce_scatter_prefix(
+    group: &dyn ProcessGroup,
+    mine: &[f32],
+    m: usize,
+    op: ReduceOp,
+) -> Result<Tensor> {
+    let out = Tensor::zeros([m as i64], (Kind::Float, Device::Cpu));
+    group.reduce_scatter(&out, &Tensor::from_slice(&mine[..group.size() * m]), op)?;
+    Ok(out)
 }
 
 /// A tensor of `numel` f32 values identifying (src, dst, idx); exact in f32.
@@ -1106,12 +1120,7 @@ fn deterministic_under_random_delays() {
                         // reduce_scatter of the first n*m elements: the same bits as the
                         // matching slice of the all_reduce just done.
                         let m = k / n;
-                        let out = Tensor::zeros([m as i64], (Kind::Float, Device::Cpu));
-                        group.reduce_scatter(
-                            &out,
-                            &Tensor::from_slice(&mine[..n * m]),
-                            ReduceOp::Sum,
-                        )?;
+                        let out = reduce_scatter_prefix(group.as_ref(), &mine, m, ReduceOp::Sum)?;
                         ensure!(bits(&out) == got[me * m..(me + 1) * m], "rep {rep}, {kind} group: reduce_scatter of {k} elements differs from all_reduce");
                     }
                     // Avg: the rank-order sum divided once, all_reduce and reduce_scatter alike.
@@ -1121,12 +1130,7 @@ fn deterministic_under_random_delays() {
                         let avg = bits(&t);
                         ensure!(avg == avg_bits[..k], "rep {rep}, {kind} group: all_reduce avg of {k} elements differs from sum / n");
                         let m = k / n;
-                        let out = Tensor::zeros([m as i64], (Kind::Float, Device::Cpu));
-                        group.reduce_scatter(
-                            &out,
-                            &Tensor::from_slice(&mine[..n * m]),
-                            ReduceOp::Avg,
-                        )?;
+                        let out = reduce_scatter_prefix(group.as_ref(), &mine, m, ReduceOp::Avg)?;
                         ensure!(
                         bits(&out) == avg[me * m..(me + 1) * m],
                         "rep {rep}, {kind} group: reduce_scatter avg differs from all_reduce avg"

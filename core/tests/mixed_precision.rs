@@ -97,16 +97,18 @@ fn assert_all_fp32(run: &RunRecord) {
     }
 }
 
+/// The (model, world size) cells the bf16 DDP tests run at world 2; each adds one at 4.
+const BF16_CELLS_AT_2: &[(&str, usize)] = &[
+    ("nested", 2),
+    ("transformer", 2),
+    ("transformer_bn", 2),
+    ("mlp", 2),
+    ("gpt", 2),
+];
+
 #[test]
 fn ddp_bf16_is_bitwise_repeatable() {
-    let cases: Vec<(&str, usize)> = vec![
-        ("nested", 2),
-        ("transformer", 2),
-        ("transformer_bn", 2),
-        ("mlp", 2),
-        ("gpt", 2),
-        ("transformer", 4),
-    ];
+    let cases: Vec<(&str, usize)> = [BF16_CELLS_AT_2, [("transformer", 4)].as_slice()].concat();
     crate::common::each_case(
         "ddp_bf16_is_bitwise_repeatable",
         cases,
@@ -274,14 +276,7 @@ fn mixed_precision_bugs_fail_against_the_independent_reference() {
 /// perturbation, fp32 reordering included; only the first step measures precision.
 #[test]
 fn ddp_bf16_tracks_fp32_within_the_bf16_row() {
-    let cases: Vec<(&str, usize)> = vec![
-        ("nested", 2),
-        ("transformer", 2),
-        ("transformer_bn", 2),
-        ("mlp", 2),
-        ("gpt", 2),
-        ("gpt", 4),
-    ];
+    let cases: Vec<(&str, usize)> = [BF16_CELLS_AT_2, [("gpt", 4)].as_slice()].concat();
     crate::common::each_case(
         "ddp_bf16_tracks_fp32_within_the_bf16_row",
         cases,

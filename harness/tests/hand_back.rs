@@ -126,7 +126,7 @@ fn the_json_form_keeps_non_finite_values_and_reads_integers() {
 #[test]
 fn a_record_that_is_not_one_is_refused_with_a_reason() {
     let err = decode_record(b"{\"losses\": [1.0]}").expect_err("JSON is not the binary form");
-    assert!(!err.is_empty());
+    assert!(!err.to_string().is_empty());
     let err = decode_record(&[]).expect_err("nothing");
-    assert!(!err.is_empty());
+    assert!(!err.to_string().is_empty());
 }

@@ -2,7 +2,7 @@
 //! also on the CI job page) and exit code.
 
 use super::bad_input;
-use super::matrix::write_step_summary;
+use super::write_step_summary;
 use lockstep::judge_cmd::{judge, verdict, JudgeOptions};
 use std::process::ExitCode;
 

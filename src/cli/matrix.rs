@@ -2,7 +2,7 @@
 
 use super::args::{MatrixArgs, StressArgs};
 use super::sensitivity::run_matrix_sensitivity;
-use super::{bad_input, matrix_options};
+use super::{bad_input, matrix_options, write_step_summary};
 use anyhow::Result;
 use lockstep_harness::report::{
     compare_reports, plural, read_report_or_baseline, CompareOptions, Report,
@@ -160,26 +160,6 @@ pub(crate) fn report_matrix(
     } else {
         ExitCode::FAILURE
     })
-}
-
-/// Appends `markdown` to the file `GITHUB_STEP_SUMMARY` names, when it is set (a GitHub
-/// Actions step): the job page shows it. A summary that cannot be written is said, not fatal.
-pub(crate) fn write_step_summary(markdown: &str) {
-    use std::io::Write as _;
-    let Some(path) = std::env::var_os("GITHUB_STEP_SUMMARY").filter(|p| !p.is_empty()) else {
-        return;
-    };
-    let written = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&path)
-        .and_then(|mut f| f.write_all(markdown.as_bytes()));
-    if let Err(e) = written {
-        eprintln!(
-            "warning: GITHUB_STEP_SUMMARY ({}): {e}",
-            std::path::Path::new(&path).display()
-        );
-    }
 }
 
 /// The matrix option that has no external mode yet, if `args` uses one. (`--backend nccl`

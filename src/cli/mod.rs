@@ -104,3 +104,23 @@ fn with_meshes(selection: &args::SelectionArgs) -> Option<(Vec<String>, Vec<usiz
     }
     Some((configs, world_sizes))
 }
+
+/// Appends `markdown` to the file `GITHUB_STEP_SUMMARY` names, when it is set (a GitHub
+/// Actions step): the job page shows it. A summary that cannot be written is said, not fatal.
+pub(crate) fn write_step_summary(markdown: &str) {
+    use std::io::Write as _;
+    let Some(path) = std::env::var_os("GITHUB_STEP_SUMMARY").filter(|p| !p.is_empty()) else {
+        return;
+    };
+    let written = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .and_then(|mut f| f.write_all(markdown.as_bytes()));
+    if let Err(e) = written {
+        eprintln!(
+            "warning: GITHUB_STEP_SUMMARY ({}): {e}",
+            std::path::Path::new(&path).display()
+        );
+    }
+}

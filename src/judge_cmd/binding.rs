@@ -107,10 +107,13 @@ impl Provenance {
                         .collect()
                 })
                 .unwrap_or_default(),
-            frozen: record
-                .get("frozen")
-                .and_then(|v| serde_json::from_value(v.clone()).ok())
-                .unwrap_or_default(),
+            frozen: match record.get("frozen") {
+                None | Some(serde_json::Value::Null) => Vec::new(),
+                Some(v) => serde_json::from_value(v.clone()).map_err(|e| JudgeError::Parse {
+                    path: file.to_owned(),
+                    detail: format!("`frozen`: {e}"),
+                })?,
+            },
         })
     }
 }

@@ -165,15 +165,14 @@ fn name_the_culprit(
     backward: Option<forward::ForwardFinding>,
     recorded: &[usize],
 ) {
-    let wrong_gradient = first_wrong_gradient(comparison);
     let found = match first_to_show(forward, backward) {
         Some(Culprit::Forward(f)) => {
             let step = forward::step_of(&f.name).unwrap_or(0);
             // A parameter's gradient out of its envelope at an earlier step whose module
             // outputs, and the gradients reaching them, were all within: that gradient is the
             // culprit, and this forward only its consequence through the update.
-            if let Some((at, tensor)) =
-                wrong_gradient.filter(|(at, _)| *at < step && recorded.contains(at))
+            if let Some((at, tensor)) = first_wrong_gradient(comparison)
+                .filter(|(at, _)| *at < step && recorded.contains(at))
             {
                 lead_diagnosis(
                     comparison,

@@ -40,8 +40,7 @@ pub fn run_quietly(plan: &Plan) -> MatrixResult {
 
 /// The rows and comparisons of the cells judged so far, in cell order, and the arbiter's log.
 struct JudgedCells {
-    rows: Vec<Row>,
-    comparisons: Vec<Comparison>,
+    result: MatrixResult,
     log: Option<std::io::BufWriter<std::fs::File>>,
 }
 
@@ -66,11 +65,9 @@ fn judge_later(
             world,
             blocker: plan.blockers[m].as_deref(),
         };
-        let mut result = MatrixResult::default();
         let mut judged = lock(&judged);
-        judge_cell(&plan, &cell, &runs, &mut result, &mut judged.log);
-        judged.rows.append(&mut result.rows);
-        judged.comparisons.append(&mut result.comparisons);
+        let JudgedCells { result, log } = &mut *judged;
+        judge_cell(&plan, &cell, &runs, result, log);
     }
 }
 
@@ -105,16 +102,17 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
     // Each cell is judged during the next cell's first launch, on the core its ranks leave
     // free (`lockstep_harness::launch::background`); rows keep the cells' order.
     let judged = Arc::new(Mutex::new(JudgedCells {
-        rows: Vec::new(),
-        comparisons: Vec::new(),
+        result: MatrixResult::default(),
         log: arbiter_log,
     }));
     let shared_plan = Arc::new(plan.clone());
+    // Under an external launch every rank judges in step with the others: nothing waits for
+    // a launch.
+    let external = crate::runner::external::launch().is_some();
     'cells: for m in 0..plan.models.len() {
         for &world in &plan.world_sizes {
             // Under an external launch only its WORLD_SIZE runs: the other sizes' rows are
             // skipped with that reason (`Config::world_blocker`), and nothing is launched.
-            let external = crate::runner::external::launch().is_some();
             let runs = if crate::runner::external::world_blocker(world).is_some() {
                 CellRuns::default()
             } else {
@@ -122,7 +120,6 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
             };
             let judge = judge_later(Arc::clone(&shared_plan), m, world, runs, &judged);
             if external {
-                // Every rank judges in step with the others: nothing waits for a launch.
                 judge();
             } else {
                 background::defer(judge);
@@ -135,7 +132,7 @@ fn run_logged(plan: &Plan, bar: &ProgressBar, log_runs: bool) -> MatrixResult {
         }
     }
     background::finish();
-    let mut judged = lock(&judged);
+    let judged = &mut lock(&judged).result;
     tally.result.rows = std::mem::take(&mut judged.rows);
     tally.result.comparisons = std::mem::take(&mut judged.comparisons);
     bar.finish_and_clear();

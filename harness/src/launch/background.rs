@@ -7,16 +7,13 @@
 //! like the store and output threads, it never exists at a fork. Without a launch to run
 //! it, [`finish`] runs it here. Tasks run one at a time, in the order they were deferred.
 
+use super::lock;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 type Task = Box<dyn FnOnce() + Send>;
 
 static PENDING: Mutex<Option<Task>> = Mutex::new(None);
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 fn take() -> Option<Task> {
     lock(&PENDING).take()

@@ -21,6 +21,7 @@
 
 use super::failed::{one_line, RunFailed};
 use super::hand_back::{begin_store_body, end_store_body, receive_handed_back, RankError};
+use super::lock;
 use crate::RankCtx;
 use lockstep_core::comm::flight;
 use lockstep_core::comm::{Backend, ExternalLaunch, RunStore, World};
@@ -41,10 +42,6 @@ static STOPPED: Mutex<Option<RunFailed>> = Mutex::new(None);
 
 /// Scratch names given so far: every rank names them in the same order.
 static SCRATCH: AtomicU64 = AtomicU64::new(0);
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// Whether an external launcher started this process: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`
 /// and `MASTER_PORT` are all set, and neither Lockstep's launcher (`LOCKSTEP_RANK`) nor a

@@ -10,6 +10,7 @@
 //! ([`lockstep_core::consistency`]).
 
 use super::failed::RunFailed;
+use super::lock;
 use lockstep_core::comm::{CommError, RunStore};
 use lockstep_core::consistency::{check_digests, RankDigest, StateProbe};
 use lockstep_core::record::RunRecord;
@@ -26,10 +27,6 @@ static ACTIVE: Mutex<Option<(RunStore, Vec<String>)>> = Mutex::new(None);
 /// What finished external launches handed back, by scratch file name, until read; `None`
 /// until this process ran one (it reads files then).
 static RECEIVED: Mutex<Option<HashMap<String, Vec<u8>>>> = Mutex::new(None);
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// An external launch's body starts: what it hands back goes into `store`.
 pub(super) fn begin_store_body(store: RunStore) {
@@ -109,7 +106,7 @@ pub enum RankError {
     },
     /// A record could not be encoded for the launching process.
     #[error("encoding the record: {0}")]
-    EncodeRecord(String),
+    EncodeRecord(#[source] ciborium::ser::Error<std::io::Error>),
     /// A file handed back to the launching process could not be written.
     #[error("writing {what} to {}: {source}", path.display())]
     Write {
@@ -255,12 +252,11 @@ pub fn read_record(
 pub fn hand_back_record(record: &RunRecord, out: &Path) -> Result<(), RankError> {
     let what = "the record";
     let mut bytes = Vec::new();
-    ciborium::into_writer(record, &mut bytes)
-        .map_err(|e| RankError::EncodeRecord(e.to_string()))?;
+    ciborium::into_writer(record, &mut bytes).map_err(RankError::EncodeRecord)?;
     hand_back_bytes(what, out, bytes)
 }
 
 /// Reads a record [`hand_back_record`] wrote.
-pub fn decode_record(bytes: &[u8]) -> Result<RunRecord, String> {
-    ciborium::from_reader(bytes).map_err(|e| e.to_string())
+pub fn decode_record(bytes: &[u8]) -> Result<RunRecord, ciborium::de::Error<std::io::Error>> {
+    ciborium::from_reader(bytes)
 }

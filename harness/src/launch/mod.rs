@@ -35,6 +35,12 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// `m`'s guard, even after a thread panicked holding it: the launcher's shared state stays
+/// readable for the report that follows.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Environment variables the launcher hands every rank.
 pub mod env {
     /// The rank's global rank.
