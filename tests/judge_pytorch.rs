@@ -78,6 +78,8 @@ const FSDP1: &str = "examples/torch_fsdp1.py";
 const FSDP2: &str = "examples/torch_fsdp2.py";
 const TP: &str = "examples/torch_tp.py";
 const PIPELINE: &str = "examples/torch_pipeline.py";
+/// Lockstep's own pipeline job accumulating micro-steps of unequal sequence lengths.
+const MICRO_STEPS: &str = "tests/support/pipeline_micro_steps.py";
 const HF_LLAMA: &str = "examples/hf_llama.py";
 const TORCHTITAN: &str = "examples/torchtitan_llama.py";
 /// What a gloo rank prints when its process group is torn down under it.
@@ -895,6 +897,35 @@ fn a_stage_input_without_its_gradient_is_named_at_the_stage_first_module() -> Re
     Ok(())
 }
 
+/// A pipeline accumulating over `schedule.step` calls whose sequences differ in length: its
+/// stages' module outputs are put back together per micro-step, each micro-step a call of its
+/// own as the references' loss function runs it (before, putting every microbatch together
+/// crashed `rec.step` with "Sizes of tensors must match"); it passes, and the schedule's
+/// `scale_grads=True` under accumulation (dividing the earlier micro-step's gradients again)
+/// is caught at the first step.
+#[test]
+fn a_pipeline_accumulating_micro_steps_of_unequal_lengths_is_recorded_and_judged() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let Some(comparison) = judged_in(dir.path(), MICRO_STEPS, 2, &[], 0)? else {
+        return Ok(());
+    };
+    ensure!(comparison["passed"] == true, "{comparison}");
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("run/record.json"))?)?;
+    let names: Vec<&str> = record["activations"]
+        .as_array()
+        .context("activations")?
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .filter(|n| n.starts_with("step 0,"))
+        .collect();
+    ensure!(
+        names.contains(&"step 0, rank 0: 0") && names.contains(&"step 0, rank 0: 0 (call 2)"),
+        "each micro-step's sequence length a call of its own: {names:?}"
+    );
+    caught_at_step_0(MICRO_STEPS, "scale-grads").map(drop)
+}
+
 #[test]
 fn a_damaged_record_is_bad_input_naming_the_file() -> Result<()> {
     let dir = tempfile::tempdir()?;
@@ -954,11 +985,15 @@ def record(run, precision=None, frozen=None):
     rec = lockstep_probe.Recorder(run, model, name='net', config='single', steps=3,
                                   precision=precision, frozen=frozen)
     g = torch.Generator().manual_seed(1)
+    micro_steps = globals().get('MICRO_STEPS', 1)
     for _ in range(3):
-        x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
+        x, y = torch.randn(5 * micro_steps, 4, generator=g), torch.randn(5 * micro_steps, 3, generator=g)
         opt.zero_grad()
-        loss = loss_fn(model, x, y)
-        loss.backward()
+        loss = 0.0
+        for mx, my in zip(x.chunk(micro_steps), y.chunk(micro_steps)):
+            part = loss_fn(model, mx, my) / micro_steps
+            part.backward()
+            loss = loss + part.detach()
         rec.step(loss, x, y)
         opt.step()
     rec.finish()
@@ -1106,6 +1141,62 @@ fn a_job_that_trains_nothing_fails_with_its_own_finding() -> Result<()> {
         "{diagnosis}"
     );
     ensure!(stdout.contains("diagnosis: training: "), "{stdout}");
+    Ok(())
+}
+
+/// Gradient accumulation: each micro-step's module outputs are the whole batch's rows of
+/// that micro-step, put back together as the references' one forward over the whole batch
+/// makes them; an output with no batch dimension (a positional embedding's, the same in
+/// every micro-step, its gradient the micro-steps' sum) is never judged against the whole
+/// batch's. Before, the first micro-step's was, and a correct job failed in its backward.
+#[test]
+fn accumulation_micro_steps_are_judged_as_the_whole_batch_they_make() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let program = one_process_job(
+        dir.path(),
+        "MICRO_STEPS = 2\n\
+         class Pos(nn.Module):\n\
+         \x20   def __init__(self):\n\
+         \x20       super().__init__()\n\
+         \x20       self.weight = nn.Parameter(torch.randn(4))\n\
+         \x20   def forward(self):\n\
+         \x20       return self.weight * 1.0\n\
+         class Net(nn.Module):\n\
+         \x20   def __init__(self):\n\
+         \x20       super().__init__()\n\
+         \x20       torch.manual_seed(0)\n\
+         \x20       self.pos, self.body = Pos(), nn.Linear(4, 3)\n\
+         \x20   def forward(self, x):\n\
+         \x20       return self.body(x + self.pos())\n\
+         def loss_fn(m, x, y):\n\
+         \x20   return nn.functional.mse_loss(m(x), y)",
+        "",
+    )?;
+    let Some(out) = python_program(&program) else {
+        return Ok(());
+    };
+    succeeded("a job accumulating over two micro-steps", out?)?;
+    let out = judge(dir.path())?;
+    ensure!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("run/record.json"))?)?;
+    let names: Vec<&str> = record["output_grads"]
+        .as_array()
+        .context("output_grads")?
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .filter(|n| n.starts_with("step 0,"))
+        .collect();
+    // One whole-batch entry per module: the micro-steps put together, not a call each.
+    ensure!(
+        names == ["step 0, rank 0: body", "step 0, rank 0: pos"],
+        "{names:?}"
+    );
     Ok(())
 }
 

@@ -239,17 +239,42 @@ def by_data_rank(pairs):
     return [o for o, _ in sorted(pairs, key=lambda pair: (pair[0][0], pair[1]))]
 
 
-def whole_batches(recorded):
-    """A pipeline stage's recorded outputs (or their gradients) of one step, each (data rank,
-    module, call, tensor, microbatch), as the whole batch's: each module call's microbatches
-    concatenated along dimension 0 in microbatch order, in the order the calls came first.
-    A scalar output (a loss) has no batch dimension and is left out."""
+def whole_batches(recorded, drop_scalars):
+    """A step's recorded outputs (or their gradients), each (data rank, module, call, tensor,
+    piece), as the references hold them: the pieces of a module call (a pipeline stage's
+    microbatches, a job's accumulation micro-steps) concatenated along dimension 0 in their
+    order, in the order the calls came first. A piece whose shape past dimension 0 differs
+    from the one before it (micro-steps of another sequence length) starts a call of its own,
+    as the references' loss function runs each such part on its own. A scalar (a loss) has
+    no batch dimension: left out of a call of several pieces, and of every pipeline stage's
+    (`drop_scalars`)."""
     pieces = {}
-    for rank, module, call, t, microbatch in recorded:
-        if t.dim() > 0:
-            pieces.setdefault((rank, module, call), []).append((microbatch, t))
-    return [(*slot, torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]))
-            for slot, parts in pieces.items()]
+    for order, (rank, module, call, t, piece) in enumerate(recorded):
+        pieces.setdefault((rank, module, call), []).append((piece, order, t))
+    runs = []
+    for (rank, module, call), parts in pieces.items():
+        parts.sort(key=lambda p: p[0])
+        if len(parts) > 1 or drop_scalars:
+            parts = [p for p in parts if p[2].dim() > 0]
+        for piece, order, t in parts:
+            last = runs[-1] if runs else None
+            if (last is not None and last["slot"] == (rank, module, call)
+                    and last["tensors"][-1].shape[1:] == t.shape[1:]):
+                last["tensors"].append(t)
+                last["came"] = min(last["came"], order)
+            else:
+                runs.append({"slot": (rank, module, call), "first": piece, "came": order,
+                             "tensors": [t]})
+    # Each run is a call of its own, numbered per module in the order the references make
+    # them: by the first piece it holds, then by the call within that piece.
+    calls, numbered = {}, {}
+    for r in sorted(runs, key=lambda r: (r["first"], r["slot"][2])):
+        rank, module, _ = r["slot"]
+        numbered[id(r)] = calls.get((rank, module), 0)
+        calls[(rank, module)] = numbered[id(r)] + 1
+    return [(r["slot"][0], r["slot"][1], numbered[id(r)],
+             r["tensors"][0] if len(r["tensors"]) == 1 else torch.cat(r["tensors"]))
+            for r in sorted(runs, key=lambda r: r["came"])]
 
 
 class Recorder:
@@ -283,8 +308,9 @@ class Recorder:
     where either leaves its envelope, the judge names the first module, in execution order,
     whose output does (a forward bug), else the first module whose backward sent a gradient
     out of it (a backward bug), before the parameters where either showed. A pipeline's
-    stages record their modules' outputs per microbatch, put back together along the batch
-    dimension (pipelining's default split). A model under `torch.compile` records none: hooks
+    stages record their modules' outputs per microbatch, a job accumulating gradients per
+    micro-step, put back together along the batch dimension as the whole step's
+    (`whole_batches`). A model under `torch.compile` records none: hooks
     inside a compiled graph break it, and would change the kernels whose numerics are judged.
 
     `loss_reduction="sum"`: the job sums its ranks' gradients instead of averaging them, each
@@ -403,8 +429,13 @@ class Recorder:
         self.cross_rank = {"ranks": self.world, "compared": 0}
         self.finished = False
         self.activation_steps = self._activation_steps(activations, compiled)
-        if self.activation_steps and stages:
-            self.model.register_forward_pre_hook(self._next_microbatch)
+        # A step's forwards fall into pieces, each module's outputs concatenated over them
+        # (`whole_batches`): a pipeline stage's microbatches, or a job's accumulation
+        # micro-steps (forwards with a backward between them).
+        self.backward_since_forward = False
+        if self.activation_steps:
+            self.model.register_forward_pre_hook(
+                self._next_microbatch if stages else self._next_micro_step)
         for module_name, module in self.model.named_modules():
             # The first FSDP's wrappers return their module's output: that module is hooked.
             if (self.activation_steps and model_name(module_name)
@@ -450,6 +481,15 @@ class Recorder:
         """A pipeline stage module's forward pre-hook: a new microbatch begins."""
         self.microbatch += 1
 
+    def _next_micro_step(self, _module, _inputs):
+        """The model's forward pre-hook: a forward after a backward within a step begins
+        the step's next accumulation micro-step (forwards with no backward between them,
+        a model run twice for one loss or every rank's forward in the references, stay one
+        piece, told apart by their calls)."""
+        if self.microbatch < 0 or self.backward_since_forward:
+            self.microbatch += 1
+        self.backward_since_forward = False
+
     def _record_output(self, module_name, _module, _inputs, output):
         """A forward hook: keeps the module's output (its first floating tensor, whole) when
         this step's outputs are recorded; a pipeline stage's under its microbatch."""
@@ -479,6 +519,7 @@ class Recorder:
         it (whole), as each rank's share of the step's loss: a job's rank differentiates its
         own loss, the references the mean of every rank's, so a job's is divided by the
         ranks its references stand for."""
+        self.backward_since_forward = True
         with torch.no_grad():
             whole = full_tensor(grad.detach())
             if self.kind == "run" and self.loss_reduction == "mean" and self.spec["world_size"] > 1:
@@ -597,11 +638,9 @@ class Recorder:
         outputs, self.step_outputs, self.output_calls = self.step_outputs, [], {}
         output_grads, self.step_output_grads = self.step_output_grads, []
         self.microbatch = -1
-        if self.stages:
-            outputs, output_grads = whole_batches(outputs), whole_batches(output_grads)
-        else:
-            outputs = [o[:4] for o in outputs]
-            output_grads = [o[:4] for o in output_grads]
+        self.backward_since_forward = False
+        outputs = whole_batches(outputs, drop_scalars=self.stages)
+        output_grads = whole_batches(output_grads, drop_scalars=self.stages)
         return Contribution(self.data_index, self._digests() if compare else None, value,
                             batch if self.keep_batches else None, outputs, output_grads)
 
