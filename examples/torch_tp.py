@@ -99,10 +99,10 @@ def train(out, bug):
         model[3].register_forward_hook(
             lambda _m, _i, out: out.register_hook(lambda g: g * world) and None)
     opt = optimizer(model.parameters())
-    # Every TP rank computes on the same batch, on purpose: said, so the data check allows it.
+    # Every TP rank computes on the same batch, on purpose: the recorder sees from the weights
+    # each holds that they are not data-parallel replicas, so nothing needs saying.
     rec = lockstep_probe.Recorder(Path(out) / "run", model, name="mlp",  # lockstep
-                                  config=f"tp{world}", seed=SEED, steps=STEPS,
-                                  replicated_data=True)
+                                  config=f"tp{world}", seed=SEED, steps=STEPS)
     for step in range(STEPS):
         x, y = batch(step)
         opt.zero_grad()

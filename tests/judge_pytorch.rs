@@ -80,6 +80,8 @@ const TP: &str = "examples/torch_tp.py";
 const PIPELINE: &str = "examples/torch_pipeline.py";
 /// Lockstep's own pipeline job accumulating micro-steps of unequal sequence lengths.
 const MICRO_STEPS: &str = "tests/support/pipeline_micro_steps.py";
+/// Lockstep's own two-rank job for the data checks: DDP or TP, one batch or a batch each.
+const DATA_PARALLELISM: &str = "tests/support/data_parallelism.py";
 const HF_LLAMA: &str = "examples/hf_llama.py";
 const TORCHTITAN: &str = "examples/torchtitan_llama.py";
 /// What a gloo rank prints when its process group is torn down under it.
@@ -1491,8 +1493,8 @@ fn gradients_recorded_every_kth_step_keep_the_verdict() -> Result<()> {
 
 /// Bad data fails with its own finding though the numbers match the references (trained on
 /// the same data): every rank reading rank 0's batch (no `DistributedSampler`), and a loader
-/// that stops advancing. A TP job that gives every rank the same batch on purpose says so
-/// (`replicated_data=True`) and passes (`a_dtensor_tp_job_passes...`).
+/// that stops advancing. A TP job that gives every rank the same batch on purpose passes
+/// with no declaration (`a_dtensor_tp_job_passes...`, and the test below).
 #[test]
 fn the_same_batch_on_every_rank_and_a_stuck_loader_are_caught() -> Result<()> {
     for (bug, finding) in [
@@ -1510,6 +1512,37 @@ fn the_same_batch_on_every_rank_and_a_stuck_loader_are_caught() -> Result<()> {
         };
         let diagnosis = c["diagnosis"].as_str().unwrap_or_default();
         ensure!(diagnosis.contains(finding), "{bug}: {diagnosis}");
+    }
+    Ok(())
+}
+
+/// Which ranks must not share a batch is found from what they hold: tensor-parallel ranks
+/// (different slices of the weights) share one with no declaration (before, every pure-TP
+/// job failed the data check unless it said `replicated_data=True`); DDP's replicas sharing
+/// one fail though the job declares `replicated_data=True` (before, the declaration was
+/// trusted), and a declared job whose ranks receive different batches fails its declaration.
+#[test]
+fn data_parallel_ranks_are_found_from_what_they_hold_and_a_declaration_is_checked() -> Result<()> {
+    for (args, want, finding) in [
+        (&["--parallel", "tp", "--data", "same"][..], 0, ""),
+        (
+            &["--parallel", "ddp", "--data", "same", "--declare"][..],
+            1,
+            "every data-parallel rank received the same batch at step 0 (2 of them, holding \
+             the same slices of every parameter)",
+        ),
+        (
+            &["--parallel", "tp", "--data", "own", "--declare"][..],
+            1,
+            "Recorder(replicated_data=True) says every rank receives the same batch, but rank \
+             1's batch at step 0 differs from rank 0's",
+        ),
+    ] {
+        let Some(c) = judged(DATA_PARALLELISM, 2, args, want)? else {
+            return Ok(());
+        };
+        let diagnosis = c["diagnosis"].as_str().unwrap_or_default();
+        ensure!(diagnosis.contains(finding), "{args:?}: {diagnosis}");
     }
     Ok(())
 }

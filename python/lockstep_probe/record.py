@@ -14,6 +14,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from .data import DataChecks, replica_groups, replica_key
 from .gather import assemble, gather_to_root, parts_of, wait_for_every_rank
 from .tensor_file import DTYPE_CODES, TensorFileWriter, raw_bytes
 
@@ -337,12 +338,14 @@ class Recorder:
     gradient norm is zero or whose loss is the same at every step: a job that trains nothing,
     in its references alike, would otherwise pass.
 
-    The data is checked as it is recorded: every data-parallel rank (every pipeline replica
-    under `stages`) receiving the same batch at a step (a loader without a
-    `DistributedSampler`), or a rank's batch repeating one of an earlier step (a loader that
-    does not advance), fails the job with its own finding. `replicated_data=True` says the
-    job gives every rank the same batch on purpose (tensor parallelism alone), which turns the
-    first check off.
+    The data is checked as it is recorded (`data.DataChecks`): every data-parallel replica
+    (every pipeline replica under `stages`) receiving the same batch at a step (a loader
+    without a `DistributedSampler`), or a rank's batch repeating one of an earlier step (a
+    loader that does not advance), fails the job with its own finding. Which ranks are
+    replicas is found from what they hold (`data.replica_key`): tensor-parallel ranks, which
+    hold different slices of the weights, may share a batch with no word said.
+    `replicated_data=True` says every rank receives the same batch, and is checked: a rank
+    whose batch differs is a finding, and so are replicas sharing one.
 
     The record binds itself: a job's (`kind="run"`) carries the digests of its initial state,
     of every step's batches and of its configuration; a reference's or shadow's (`kind=
@@ -389,8 +392,6 @@ class Recorder:
         self.step_outputs, self.output_calls, self.microbatch = [], {}, -1
         # The gradients reaching those outputs (backward), in the order backward reached them.
         self.step_output_grads, self.output_grad_entries = [], []
-        # The data checks' findings, and every earlier (step, rank) of each batch digest.
-        self.data_findings, self.seen_batches = [], {}
         self.out = Path(out)
         compiled = _compiled(model)
         self.model = unwrapped(model)
@@ -445,7 +446,10 @@ class Recorder:
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             self.writer = TensorFileWriter(self.out / TENSOR_FILE)
-        init, _, _ = self._gathered(self._named(self.model.state_dict().items()), True)
+        key = None if stages else replica_key(self.model, is_fsdp1(self.model))
+        init, _, keys = self._gathered(self._named(self.model.state_dict().items()), True, key)
+        self.data_checks = DataChecks(stages, replicated_data,
+                                      replica_groups(keys) if keys and not stages else [])
         for alias, name in self.tied.items():
             # The single-device model's state dict lists a tied weight under every name.
             if name in init:
@@ -689,30 +693,8 @@ class Recorder:
         self._check_data(len(self.batches) - 1, self.batches[-1])
 
     def _check_data(self, step, ranks):
-        """The data checks of one step (rank 0): one finding of each kind at most."""
-        who = "pipeline replica" if self.stages else "data-parallel rank"
-        digests = [digest_step_batches([b]) for b in ranks]
-        kinds = {f["kind"] for f in self.data_findings}
-        if (len(digests) > 1 and len(set(digests)) == 1 and not self.replicated_data
-                and "same_batch" not in kinds):
-            self.data_findings.append({
-                "kind": "same_batch", "step": step,
-                "text": f"every {who} received the same batch at step {step} "
-                        f"({len(digests)} of them): a data loader without a DistributedSampler "
-                        "(or indexed by the wrong rank) trains every rank on the same data; "
-                        "if the job replicates its data on purpose (tensor parallelism "
-                        "alone), record it with Recorder(replicated_data=True)"})
-        for r, d in enumerate(digests):
-            earlier = self.seen_batches.get(d)
-            if earlier is not None and "repeated_batch" not in kinds:
-                self.data_findings.append({
-                    "kind": "repeated_batch", "step": step,
-                    "text": f"{who} {r}'s batch at step {step} repeats the batch of step "
-                            f"{earlier[0]} ({who} {earlier[1]}): the data loader does not "
-                            "advance"})
-                kinds.add("repeated_batch")
-        for r, d in enumerate(digests):
-            self.seen_batches.setdefault(d, (step, r))
+        """The data checks of one step (rank 0), on the digest of every entry's batch."""
+        self.data_checks.check(step, [digest_step_batches([b]) for b in ranks])
 
     def _holds_copies(self):
         """Whether some rank may hold another's copy of a tensor (a pipeline's stages across
@@ -814,7 +796,7 @@ class Recorder:
         if self.scaler is not None:
             record["loss_scales"] = self.loss_scales
         if self.kind == "run":
-            record["data"] = self.data_findings
+            record["data"] = self.data_checks.findings
             record["binding"] = {
                 "init": self.init_digest,
                 "batches": self.batch_digests if self.keep_batches else None,

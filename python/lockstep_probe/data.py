@@ -1,0 +1,148 @@
+"""The recorder's data checks: the references train on the batches the ranks received, so a
+job fed the wrong data matches them, and only the data itself shows it.
+
+Which ranks must receive different batches is found from what they hold: ranks holding the
+same slices of every parameter are data-parallel replicas (DDP's ranks, FSDP's, whose shards
+are gathered whole before they compute), while ranks holding different slices outside
+FSDP's sharding (tensor or expert parallelism) are not, and may share a batch."""
+
+import hashlib
+
+from .tensor_file import raw_bytes
+
+
+def _model_parallel_specs(model):
+    """The sharding each FSDP2-managed parameter had before FSDP sharded it (a TP DTensor's
+    spec, `None` for a plain parameter), by the id of the parameter FSDP holds: FSDP's own
+    sharding is data parallelism and does not count."""
+    specs = {}
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
+        for fsdp_param in getattr(group, "fsdp_params", None) or []:
+            spec = (getattr(fsdp_param, "_unsharded_dtensor_spec", None)
+                    or getattr(fsdp_param, "_tp_spec", None))
+            specs[id(fsdp_param.sharded_param)] = spec
+    return specs
+
+
+def _slice_held(mesh, placements):
+    """Which slice of a DTensor this rank holds, as (mesh dimension, coordinate) pairs over
+    the dimensions it is sharded on (`None`: this rank is outside its mesh)."""
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
+    return tuple((names[d], coordinate[d]) for d, p in enumerate(placements)
+                 if type(p).__name__ != "Replicate")
+
+
+def replica_key(model, fsdp1):
+    """What this rank holds of `model`, as a key its data-parallel replicas share: the slice
+    of every sharded parameter outside FSDP's sharding, and the bytes of every plain one (a
+    hand-sharded layer's local parts differ across ranks; DDP's replicas start identical).
+    Under the first FSDP (`fsdp1`), whose flat shards are FSDP's own, every rank is one."""
+    if fsdp1:
+        return ()
+    fsdp_specs = _model_parallel_specs(model)
+    slices, plain = set(), hashlib.sha1()
+    for _, p in model.named_parameters():
+        if id(p) in fsdp_specs:
+            spec = fsdp_specs[id(p)]
+            held = None if spec is None else _slice_held(spec.mesh, spec.placements)
+        elif hasattr(p, "placements"):
+            held = _slice_held(p.device_mesh, p.placements)
+        else:
+            plain.update(raw_bytes(p.detach()))
+            continue
+        if held:
+            slices.add(held)
+    return tuple(sorted(slices)), plain.hexdigest()
+
+
+def replica_groups(keys):
+    """The ranks, grouped by the key they hold (`replica_key`), each group in rank order:
+    each group's ranks are data-parallel replicas of one another."""
+    groups = {}
+    for rank, key in enumerate(keys):
+        groups.setdefault(key, []).append(rank)
+    return sorted(groups.values())
+
+
+class DataChecks:
+    """The data checks of a run, step by step on rank 0 (docs/judge.md, "Data checks"): the
+    same batch on every data-parallel replica, a batch repeating an earlier step's, and a
+    batch that differs across ranks said to share it (`replicated_data=True`). One finding
+    of each kind at most, in the order found."""
+
+    def __init__(self, stages, replicated_data, groups):
+        self.stages, self.replicated_data = stages, replicated_data
+        # Every rank's replica group (under `stages`: one entry per pipeline replica).
+        self.groups = groups
+        self.findings, self.seen = [], {}
+
+    def _kinds(self):
+        return {f["kind"] for f in self.findings}
+
+    def _add(self, kind, step, text):
+        if kind not in self._kinds():
+            self.findings.append({"kind": kind, "step": step, "text": text})
+
+    def _name(self, rank):
+        """How a finding names an entry of the step's batches: a pipeline replica, or a rank
+        by its place among its data-parallel replicas (and its global rank where they
+        differ)."""
+        if self.stages:
+            return f"pipeline replica {rank}"
+        group = next((g for g in self.groups if rank in g), [rank])
+        place = group.index(rank)
+        return f"data-parallel rank {place}" + (f" (rank {rank})" if place != rank else "")
+
+    def check(self, step, digests):
+        """One step's checks, from the digest of every entry's batch (every rank's, or under
+        `stages` every pipeline replica's)."""
+        self._same_batch(step, digests)
+        if self.replicated_data and not self.stages:
+            differing = [r for r, d in enumerate(digests) if d != digests[0]]
+            if differing:
+                self._add("unreplicated_batch", step,
+                          f"Recorder(replicated_data=True) says every rank receives the same "
+                          f"batch, but rank {differing[0]}'s batch at step {step} differs from "
+                          "rank 0's: ranks that split a layer (tensor parallelism) must "
+                          "compute on the same data")
+        for r, d in enumerate(digests):
+            earlier = self.seen.get(d)
+            if earlier is not None:
+                self._add("repeated_batch", step,
+                          f"{self._name(r)}'s batch at step {step} repeats the batch of step "
+                          f"{earlier[0]} ({self._name(earlier[1])}): the data loader does "
+                          "not advance")
+        for r, d in enumerate(digests):
+            self.seen.setdefault(d, (step, r))
+
+    def _same_batch(self, step, digests):
+        """Every pipeline replica, or every data-parallel replica of some slice of the
+        weights, receiving the same batch."""
+        groups = [list(range(len(digests)))] if self.stages else self.groups
+        for group in groups:
+            if len(group) < 2 or len({digests[r] for r in group}) != 1:
+                continue
+            if self.stages:
+                who = f"every pipeline replica received the same batch at step {step} " \
+                      f"({len(group)} of them)"
+            elif len(group) == len(digests):
+                who = f"every data-parallel rank received the same batch at step {step} " \
+                      f"({len(group)} of them, holding the same slices of every parameter)"
+            else:
+                ranks = ", ".join(map(str, group))
+                who = f"the data-parallel ranks {ranks} (holding the same slices of every " \
+                      f"parameter) received the same batch at step {step}"
+            excuse = ("; Recorder(replicated_data=True) does not excuse it: ranks that share "
+                      "a batch on purpose hold different slices of the weights (tensor "
+                      "parallelism), which these do not" if self.replicated_data else
+                      "; ranks that split the weights (tensor parallelism) may share a batch "
+                      "and are told apart by what they hold")
+            self._add("same_batch", step,
+                      f"{who}: a data loader without a DistributedSampler (or indexed by the "
+                      f"wrong rank) trains every replica on the same data{excuse}")
+            return
