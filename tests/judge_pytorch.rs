@@ -1518,33 +1518,58 @@ fn the_same_batch_on_every_rank_and_a_stuck_loader_are_caught() -> Result<()> {
 
 /// Which ranks must not share a batch is found from what they hold: tensor-parallel ranks
 /// (different slices of the weights) share one with no declaration (before, every pure-TP
-/// job failed the data check unless it said `replicated_data=True`); DDP's replicas sharing
+/// job failed the data check unless it said `replicated_data=True`); under FSDP x TP the
+/// ranks of one TP coordinate are replicas, checked on their own; DDP's replicas sharing
 /// one fail though the job declares `replicated_data=True` (before, the declaration was
 /// trusted), and a declared job whose ranks receive different batches fails its declaration.
 #[test]
 fn data_parallel_ranks_are_found_from_what_they_hold_and_a_declaration_is_checked() -> Result<()> {
-    for (args, want, finding) in [
-        (&["--parallel", "tp", "--data", "same"][..], 0, ""),
+    for (world, args, want, finding) in [
+        (2, &["--parallel", "tp"][..], 0, ""),
+        (4, &["--parallel", "fsdp-tp"][..], 0, ""),
         (
+            4,
+            &["--parallel", "fsdp-tp", "--data", "same"][..],
+            1,
+            "the data-parallel ranks 0, 2 (holding the same slices of every parameter) \
+             received the same batch at step 0",
+        ),
+        (
+            2,
             &["--parallel", "ddp", "--data", "same", "--declare"][..],
             1,
             "every data-parallel rank received the same batch at step 0 (2 of them, holding \
              the same slices of every parameter)",
         ),
         (
+            2,
             &["--parallel", "tp", "--data", "own", "--declare"][..],
             1,
             "Recorder(replicated_data=True) says every rank receives the same batch, but rank \
              1's batch at step 0 differs from rank 0's",
         ),
     ] {
-        let Some(c) = judged(DATA_PARALLELISM, 2, args, want)? else {
+        let Some(c) = judged(DATA_PARALLELISM, world, args, want)? else {
             return Ok(());
         };
         let diagnosis = c["diagnosis"].as_str().unwrap_or_default();
         ensure!(diagnosis.contains(finding), "{args:?}: {diagnosis}");
     }
     Ok(())
+}
+
+/// Under FSDP x TP a norm the TP plan leaves out is sharded by FSDP over each TP rank's own
+/// `dp` mesh, so the TP ranks hold copies of one shard: every copy is compared, and one TP
+/// rank's norm drifting is named after the first update with the ranks on each side
+/// (before, those copies were never compared and the job failed only through rank 0's own
+/// numbers).
+#[test]
+fn under_fsdp_tp_the_tp_ranks_copies_of_a_norm_are_compared() -> Result<()> {
+    let Some(c) = judged(DATA_PARALLELISM, 4, &["--parallel", "fsdp-tp", "--bug", "norm-drifts"], 1)?
+    else {
+        return Ok(());
+    };
+    copies_parted(&c, "0.weight", "dp=0", 0, &[0, 1], &[1])
 }
 
 /// A weight tied across pipeline stages (a linear both stages use, each holding a copy whose

@@ -150,14 +150,17 @@ def copy_group(t):
     alike: a plain tensor is one copy on every rank (key `()`); a DTensor's local part is
     shared by the ranks whose mesh coordinates agree on every dimension it is not replicated
     over (a TP-replicated bias: every rank of the mesh; an HSDP shard: the ranks of its
-    replicate dimension). `None`: this rank holds no part of it, or no part that another
-    rank copies."""
+    replicate dimension), and by the ranks at the same place of another mesh of the same
+    shape: under FSDP x TP, a norm the TP plan leaves out is sharded over each TP rank's own
+    `dp` mesh, and the TP ranks hold copies of one shard. `None`: this rank holds no part of
+    it, or no part that another rank copies (a shard of a mesh of every rank)."""
     placements = getattr(t, "placements", None)
     if placements is None:
         return ()
     mesh = t.device_mesh
     coordinate = mesh.get_coordinate()
-    if coordinate is None or all(type(p).__name__ != "Replicate" for p in placements):
+    sharded_only = all(type(p).__name__ != "Replicate" for p in placements)
+    if coordinate is None or (sharded_only and mesh.size() == _world()[1]):
         return None
     names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
     return tuple((names[d], coordinate[d]) for d, p in enumerate(placements)

@@ -1,14 +1,21 @@
-"""A two-rank job of Lockstep's own tests (tests/judge_pytorch.rs) for the recorder's data
-checks: the same small classifier under DDP or under DTensor tensor parallelism (its first
-linear column-parallel, its second row-parallel), fed either one batch on every rank or a
-batch of its own on each, and said to replicate its data (`--declare`) or not.
+"""A job of Lockstep's own tests (tests/judge_pytorch.rs) for the recorder's data checks and
+copy check: the same small classifier (a LayerNorm, then two linears) under DDP, under DTensor
+tensor parallelism (its first linear column-parallel, its second row-parallel, the norm left
+out of the plan), or under FSDP x TP on a 2 x 2 (dp, tp) mesh (the TP model sharded by
+FSDP2 over dp), fed the right data for the parallelism (`--data right`: a batch per
+data-parallel replica, shared by the TP ranks), one batch on every rank (`same`) or a batch
+of its own on each (`own`), and said to replicate its data (`--declare`) or not.
 
-    python3 -m torch.distributed.run --nproc-per-node 2 tests/support/data_parallelism.py train OUT --parallel tp --data same
+    python3 -m torch.distributed.run --nproc-per-node 2 tests/support/data_parallelism.py train OUT --parallel tp
+    python3 -m torch.distributed.run --nproc-per-node 4 tests/support/data_parallelism.py train OUT --parallel fsdp-tp
     python3 tests/support/data_parallelism.py reference OUT
 
 Tensor-parallel ranks compute on the same batch by design and need no declaration; DDP's
 replicas on the same batch are a loader without a DistributedSampler, declared or not; a
 declared job whose ranks receive different batches is caught by the declaration's check.
+`--bug norm-drifts` (FSDP x TP): the second TP rank of each replica scales its norm's
+gradient, so the copies of the norm the TP ranks hold (FSDP's shard of a parameter the TP
+plan leaves out) part after the first update.
 """
 
 import argparse
@@ -27,7 +34,7 @@ STEPS = 2
 
 def build():
     torch.manual_seed(3)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    return nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
 def loss_fn(model, x, y):
@@ -43,29 +50,39 @@ def batch(step, rank):
     return torch.randn(6, 4, generator=g), torch.randn(6, 3, generator=g)
 
 
-def train(out, parallel, data, declare):
+def train(out, parallel, data, declare, bug):
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
     from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     model = build()
+    replica, tp_rank = rank, 0  # this rank's data-parallel replica and its place in TP
+    plan = {"1": ColwiseParallel(), "3": RowwiseParallel()}
     if parallel == "tp":
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        model = parallelize_module(model, init_device_mesh("cpu", (world,)), plan)
+        replica, tp_rank = 0, rank
+    elif parallel == "fsdp-tp":
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        model = fully_shard(parallelize_module(model, mesh["tp"], plan), mesh=mesh["dp"])
+        replica, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
     else:
         model = DistributedDataParallel(model)
     opt = sgd(model.parameters())
     rec = lockstep_probe.Recorder(Path(out) / "run", model, name="mlp", config=parallel,
                                   steps=STEPS, replicated_data=declare)
     for step in range(STEPS):
-        x, y = batch(step, 0 if data == "same" else rank)
+        x, y = batch(step, {"right": replica, "same": 0, "own": rank}[data])
         opt.zero_grad()
         loss = loss_fn(model, x, y)
         loss.backward()
+        if bug == "norm-drifts" and tp_rank == 1:
+            with torch.no_grad():
+                model[0].weight.grad.mul_(1.01)
         rec.step(loss, x, y)
         opt.step()
     rec.finish()
@@ -76,13 +93,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["train", "reference"])
     parser.add_argument("out")
-    parser.add_argument("--parallel", choices=["ddp", "tp"], default="tp")
-    parser.add_argument("--data", choices=["same", "own"], default="same")
+    parser.add_argument("--parallel", choices=["ddp", "tp", "fsdp-tp"], default="tp")
+    parser.add_argument("--data", choices=["right", "same", "own"], default="right")
+    parser.add_argument("--bug", choices=["norm-drifts"])
     parser.add_argument("--declare", action="store_true",
                         help="Recorder(replicated_data=True): every rank gets the same batch")
     args = parser.parse_args()
     if args.mode == "train":
-        train(args.out, args.parallel, args.data, args.declare)
+        train(args.out, args.parallel, args.data, args.declare, args.bug)
     else:
         lockstep_probe.train_references(build, loss_fn, sgd, Path(args.out) / "run", args.out)
 
