@@ -1202,6 +1202,77 @@ fn accumulation_micro_steps_are_judged_as_the_whole_batch_they_make() -> Result<
     Ok(())
 }
 
+/// A job resumed from its own checkpoint (model and Adam state loaded, then recorded): given
+/// its optimizer (`Recorder(optimizer=opt)`), the references start from the same moments,
+/// step count and learning rate, and it passes (before, it failed at "the update after step
+/// 0"); not given it, the recorder finds the optimizer holding state and the judge refuses
+/// the job (exit 2, naming the keyword), writing nothing, rather than fail it. The same under
+/// FSDP x TP, whose optimizer state is sharded over a 2-D mesh.
+#[test]
+fn a_resumed_job_is_judged_from_its_optimizers_saved_state() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let out = dir.path().to_str().context("utf-8 temp dir")?;
+    let program = format!(
+        "import sys, copy; sys.path.insert(0, 'python')\n\
+         import torch, lockstep_probe\n\
+         from torch import nn\n\
+         out = {out:?}\n\
+         def build():\n\
+         \x20   torch.manual_seed(0)\n\
+         \x20   return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))\n\
+         def adam(p):\n\
+         \x20   return torch.optim.Adam(p, lr=0.05)\n\
+         def loss_fn(m, x, y):\n\
+         \x20   return nn.functional.mse_loss(m(x), y)\n\
+         g = torch.Generator().manual_seed(1)\n\
+         def train(model, opt, steps, rec=None):\n\
+         \x20   for _ in range(steps):\n\
+         \x20       x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)\n\
+         \x20       opt.zero_grad()\n\
+         \x20       loss = loss_fn(model, x, y)\n\
+         \x20       loss.backward()\n\
+         \x20       if rec: rec.step(loss, x, y)\n\
+         \x20       opt.step()\n\
+         model = build(); opt = adam(model.parameters())\n\
+         train(model, opt, 2)\n\
+         checkpoint = copy.deepcopy((model.state_dict(), opt.state_dict()))\n\
+         del model, opt\n\
+         for d, given in [('/given', True), ('/unsaid', False)]:\n\
+         \x20   model = build(); opt = adam(model.parameters())\n\
+         \x20   model.load_state_dict(checkpoint[0]); opt.load_state_dict(checkpoint[1])\n\
+         \x20   rec = lockstep_probe.Recorder(out + d + '/run', model, name='net', config='single',\n\
+         \x20       steps=3, optimizer=opt if given else None)\n\
+         \x20   train(model, opt, 3, rec)\n\
+         \x20   rec.finish()\n\
+         \x20   lockstep_probe.train_references(build, loss_fn, adam, out + d + '/run', out + d)\n\
+         \x20   del model, opt, rec\n"
+    );
+    let Some(run) = python_program(&program) else {
+        return Ok(());
+    };
+    succeeded("a job resumed from its checkpoint", run?)?;
+    let given = dir.path().join("given");
+    let out = judge(&given)?;
+    ensure!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let unsaid = dir.path().join("unsaid");
+    let out = judge(&unsaid)?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        out.status.code() == Some(2)
+            && stderr.contains("already held state when recording began")
+            && stderr.contains("Recorder(..., optimizer=opt)"),
+        "{stderr}"
+    );
+    ensure!(!unsaid.join("report").exists(), "nothing written");
+    // Resumed under FSDP x TP: the momentum is a DTensor on the 2-D mesh, saved whole.
+    judged(DATA_PARALLELISM, 4, &["--parallel", "fsdp-tp", "--resume"], 0).map(drop)
+}
+
 /// A one-process job recorded with `lockstep_probe`, then misused as `script` goes on (its
 /// `references(build, **options)` finishes the record and trains the references): the
 /// misuse must be refused with `refusal` in the error. Nothing is checked without a Python

@@ -14,6 +14,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from . import optimizer_state
 from .data import DataChecks, replica_groups, replica_key
 from .gather import assemble, gather_to_root, parts_of, wait_for_every_rank
 from .tensor_file import DTYPE_CODES, TensorFileWriter, raw_bytes
@@ -341,6 +342,11 @@ class Recorder:
     gradient norm is zero or whose loss is the same at every step: a job that trains nothing,
     in its references alike, would otherwise pass.
 
+    `optimizer` is the job's optimizer, for a job resumed from a checkpoint: its state as
+    recording begins (Adam's moments, the step count, each group's learning rate) is saved,
+    and the references start from it. A resumed job that does not pass it is found (an
+    optimizer over the model already holding state) and refused by `lockstep judge`.
+
     The data is checked as it is recorded (`data.DataChecks`): every data-parallel replica
     (every pipeline replica under `stages`) receiving the same batch at a step (a loader
     without a `DistributedSampler`), or a rank's batch repeating one of an earlier step (a
@@ -361,7 +367,7 @@ class Recorder:
                  world_size=None, backend=None, stages=False, data=None, keep_batches=True,
                  precision=None, kind="run", trained_from=None, replicated_data=False,
                  tied=None, activations=None, every=1, scaler=None, skipped_steps=None,
-                 loss_reduction="mean", frozen=None):
+                 loss_reduction="mean", frozen=None, optimizer=None):
         if kind not in KINDS:
             raise RecordError(f"kind={kind!r}: a record is one of {', '.join(KINDS)}")
         if (kind == "run") != (trained_from is None):
@@ -451,6 +457,10 @@ class Recorder:
             self.writer = TensorFileWriter(self.out / TENSOR_FILE)
         key = None if stages else replica_key(self.model, is_fsdp1(self.model))
         init, _, keys = self._gathered(self._named(self.model.state_dict().items()), True, key)
+        self.optimizer_start = (optimizer_state.start_of(self.model, optimizer)
+                                if kind == "run" else None)
+        if optimizer is not None and kind == "run":
+            self._save_optimizer(optimizer)
         self.data_checks = DataChecks(stages, replicated_data,
                                       replica_groups(keys) if keys and not stages else [])
         for alias, name in self.tied.items():
@@ -466,6 +476,20 @@ class Recorder:
                     dtypes.pop(), "mixed")
             self.init_digest = digest_state(init)
             torch.save(init, self.out / "init.pt")
+
+    def _save_optimizer(self, optimizer):
+        """Saves the job's optimizer state as recording begins (`optimizer.pt`, rank 0), its
+        DTensor states gathered whole: the references start from it."""
+        if is_fsdp1(self.model):
+            raise RecordError("optimizer= under the first FSDP: its optimizer state is kept "
+                              "per flat shard; record the job from a fresh optimizer, or "
+                              "move it to FSDP2 (fully_shard)")
+        names = {id(p): name for name, p in self._named(self.model.named_parameters())}
+        tensors, scalars, groups = optimizer_state.state_tensors(optimizer, names)
+        whole, _, _ = self._gathered(tensors, True)
+        if self.rank == 0:
+            torch.save(optimizer_state.saved(whole, scalars, groups),
+                       self.out / optimizer_state.FILE)
 
     def _activation_steps(self, asked, compiled):
         """The steps whose module outputs are recorded: `asked`, or by default the first
@@ -800,6 +824,7 @@ class Recorder:
             record["loss_scales"] = self.loss_scales
         if self.kind == "run":
             record["data"] = self.data_checks.findings
+            record["optimizer_start"] = self.optimizer_start
             record["binding"] = {
                 "init": self.init_digest,
                 "batches": self.batch_digests if self.keep_batches else None,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from . import optimizer_state
 from .record import (PRECISION_NAMES, Recorder, digest_config, digest_state,
                      digest_step_batches)
 
@@ -43,6 +44,10 @@ def _load(run_dir):
     except (ValueError, KeyError) as e:
         raise ReferenceError(f"{paths['record.json']}: not a Lockstep run record ({e})") from e
     init, batches = (_load_tensors(paths[n]) for n in ("init.pt", "batches.pt"))
+    # A resumed job's optimizer state as recording began: the references start from it.
+    saved_optimizer = run_dir / optimizer_state.FILE
+    spec["optimizer_start"] = (_load_tensors(saved_optimizer) if saved_optimizer.is_file()
+                               else None)
     if len(batches) != spec["steps"]:
         raise ReferenceError(f"{paths['batches.pt']}: {len(batches)} steps of batches for a run "
                              f"of {spec['steps']} steps")
@@ -290,6 +295,8 @@ def _train_at(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, 
     model.to(device)._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
     hooks = _refuse_narrow_outputs(model) if dtype == torch.float64 else []
     optimizer = optimizer_fn(model.parameters())
+    if spec["optimizer_start"] is not None:
+        optimizer_state.resume(optimizer, model, spec["optimizer_start"])
     stepper = compute(model, dtype, device)
     rec = Recorder(out, model, name=spec["model"], config=config, seed=spec["seed"],
                    world_size=spec["world_size"], backend=spec["backend"], keep_batches=False,

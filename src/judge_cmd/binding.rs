@@ -50,6 +50,10 @@ pub struct Provenance {
     /// Parameters that do not train on purpose (`Recorder(frozen=...)`, and those without
     /// `requires_grad`): the training check leaves them out.
     pub frozen: Vec<String>,
+    /// How a run's optimizer started (`fresh`, `recorded`: a resumed job's state saved for
+    /// the references, `unrecorded`: a resumed job's state not saved); `None` for a record
+    /// that does not say.
+    pub optimizer_start: Option<String>,
 }
 
 impl Provenance {
@@ -114,6 +118,10 @@ impl Provenance {
                     detail: format!("`frozen`: {e}"),
                 })?,
             },
+            optimizer_start: record
+                .get("optimizer_start")
+                .and_then(|s| s.as_str())
+                .map(str::to_owned),
         })
     }
 }
@@ -130,6 +138,16 @@ pub fn check_bound(run: &Provenance, other: &Provenance, role: &str) -> Result<(
     if let Some(kind) = run.kind.as_deref().filter(|k| *k != "run") {
         return Err(refuse(format!(
             "--run {} is a {kind} record (trained by train_references), not a job's run",
+            run.path.display()
+        )));
+    }
+    if run.optimizer_start.as_deref() == Some("unrecorded") {
+        return Err(JudgeError::ResumedOptimizer(format!(
+            "{}: the job's optimizer already held state when recording began (a job resumed \
+             from a checkpoint), and the record does not carry it: its references started \
+             from a fresh optimizer, so their first update is not the job's. Pass the \
+             optimizer to the recorder, created after the checkpoint is loaded: \
+             `Recorder(..., optimizer=opt)` (docs/judge.md, \"Resumed jobs\")",
             run.path.display()
         )));
     }

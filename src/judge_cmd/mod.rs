@@ -66,6 +66,10 @@ pub enum JudgeError {
     /// ([`binding::check_bound`]).
     #[error("{0}")]
     Unbound(String),
+    /// A job resumed from a checkpoint whose optimizer state the record does not carry: its
+    /// references cannot start where it did (not a numerical verdict).
+    #[error("{0}")]
+    ResumedOptimizer(String),
     /// The reference's model differs from the run's (a tensor missing on one side, or of
     /// another shape): not a numerical verdict.
     #[error("the run and its references are not the same model: {0}")]

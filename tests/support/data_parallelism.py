@@ -4,7 +4,9 @@ tensor parallelism (its first linear column-parallel, its second row-parallel, t
 out of the plan), or under FSDP x TP on a 2 x 2 (dp, tp) mesh (the TP model sharded by
 FSDP2 over dp), fed the right data for the parallelism (`--data right`: a batch per
 data-parallel replica, shared by the TP ranks), one batch on every rank (`same`) or a batch
-of its own on each (`own`), and said to replicate its data (`--declare`) or not.
+of its own on each (`own`), and said to replicate its data (`--declare`) or not. `--resume`
+records from its second step with its optimizer's momentum given to the recorder, as a job
+resumed from a checkpoint (on FSDP x TP, a DTensor state on a 2-D mesh).
 
     python3 -m torch.distributed.run --nproc-per-node 2 tests/support/data_parallelism.py train OUT --parallel tp
     python3 -m torch.distributed.run --nproc-per-node 4 tests/support/data_parallelism.py train OUT --parallel fsdp-tp
@@ -42,7 +44,7 @@ def loss_fn(model, x, y):
 
 
 def sgd(params):
-    return torch.optim.SGD(params, lr=0.1)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
 def batch(step, rank):
@@ -50,7 +52,7 @@ def batch(step, rank):
     return torch.randn(6, 4, generator=g), torch.randn(6, 3, generator=g)
 
 
-def train(out, parallel, data, declare, bug):
+def train(out, parallel, data, declare, bug, resume):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
@@ -73,8 +75,14 @@ def train(out, parallel, data, declare, bug):
     else:
         model = DistributedDataParallel(model)
     opt = sgd(model.parameters())
+    if resume:
+        # A step before recording begins, as a job resumed from a checkpoint holds its
+        # optimizer's momentum: the recorder saves it and the references start from it.
+        loss_fn(model, *batch(-1, replica)).backward()
+        opt.step()
     rec = lockstep_probe.Recorder(Path(out) / "run", model, name="mlp", config=parallel,
-                                  steps=STEPS, replicated_data=declare)
+                                  steps=STEPS, replicated_data=declare,
+                                  optimizer=opt if resume else None)
     for step in range(STEPS):
         x, y = batch(step, {"right": replica, "same": 0, "own": rank}[data])
         opt.zero_grad()
@@ -96,11 +104,13 @@ def main():
     parser.add_argument("--parallel", choices=["ddp", "tp", "fsdp-tp"], default="tp")
     parser.add_argument("--data", choices=["right", "same", "own"], default="right")
     parser.add_argument("--bug", choices=["norm-drifts"])
+    parser.add_argument("--resume", action="store_true",
+                        help="record from the second step, the optimizer's momentum given")
     parser.add_argument("--declare", action="store_true",
                         help="Recorder(replicated_data=True): every rank gets the same batch")
     args = parser.parse_args()
     if args.mode == "train":
-        train(args.out, args.parallel, args.data, args.declare, args.bug)
+        train(args.out, args.parallel, args.data, args.declare, args.bug, args.resume)
     else:
         lockstep_probe.train_references(build, loss_fn, sgd, Path(args.out) / "run", args.out)
 
