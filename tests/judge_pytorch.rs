@@ -1593,11 +1593,25 @@ fn the_same_batch_on_every_rank_and_a_stuck_loader_are_caught() -> Result<()> {
 /// ranks of one TP coordinate are replicas, checked on their own; DDP's replicas sharing
 /// one fail though the job declares `replicated_data=True` (before, the declaration was
 /// trusted), and a declared job whose ranks receive different batches fails its declaration.
+/// Sample by sample: `DistributedSampler`s that split the dataset over the replicas pass
+/// (under FSDP x TP, over `dp`), and samplers seeded by each rank's own number (so a sample
+/// goes to two ranks an epoch and another to none, while no two whole batches are alike)
+/// fail naming how many samples overlap and how many are left out (before, they passed).
 #[test]
 fn data_parallel_ranks_are_found_from_what_they_hold_and_a_declaration_is_checked() -> Result<()> {
     for (world, args, want, finding) in [
         (2, &["--parallel", "tp"][..], 0, ""),
         (4, &["--parallel", "fsdp-tp"][..], 0, ""),
+        (2, &["--parallel", "ddp", "--data", "sampler"][..], 0, ""),
+        (4, &["--parallel", "fsdp-tp", "--data", "sampler"][..], 0, ""),
+        (
+            2,
+            &["--parallel", "ddp", "--data", "sampler-seeded"][..],
+            1,
+            "the data-parallel ranks 0, 1 do not split the data between them in epoch 0 (seen \
+             at step 0): of the 24 samples of their DistributedSampler's dataset, 7 more go to \
+             a rank than once and 7 go to none",
+        ),
         (
             4,
             &["--parallel", "fsdp-tp", "--data", "same"][..],

@@ -6,7 +6,11 @@ same slices of every parameter are data-parallel replicas (DDP's ranks, FSDP's, 
 are gathered whole before they compute), while ranks holding different slices outside
 FSDP's sharding (tensor or expert parallelism) are not, and may share a batch."""
 
+import gc
 import hashlib
+from typing import NamedTuple
+
+import torch
 
 from .tensor_file import raw_bytes
 
@@ -69,6 +73,44 @@ def replica_groups(keys):
     return sorted(groups.values())
 
 
+class EpochIndices(NamedTuple):
+    """One rank's sampler's sample indices of an epoch, as it sends them to rank 0."""
+
+    slot: int
+    epoch: int
+    dataset: int
+    total: int
+    drop_last: bool
+    indices: torch.Tensor
+
+
+class SamplerWatch:
+    """This rank's `DistributedSampler`s (found alive at the first step, ordered by their
+    dataset's length), and the epoch of each whose indices it sent last: each epoch's
+    indices travel to rank 0 once, when the sampler's epoch changes (`set_epoch`)."""
+
+    def __init__(self):
+        self.samplers, self.sent = None, []
+
+    def news(self):
+        """The indices of every sampler whose epoch this rank has not sent yet."""
+        if self.samplers is None:
+            from torch.utils.data.distributed import DistributedSampler
+
+            found = [o for o in gc.get_objects() if isinstance(o, DistributedSampler)]
+            self.samplers = sorted(found, key=lambda s: (len(s.dataset), s.num_replicas))
+            self.sent = [None] * len(self.samplers)
+        news = []
+        for slot, sampler in enumerate(self.samplers):
+            if self.sent[slot] == sampler.epoch:
+                continue
+            self.sent[slot] = sampler.epoch
+            news.append(EpochIndices(slot, sampler.epoch, len(sampler.dataset),
+                                     sampler.total_size, sampler.drop_last,
+                                     torch.tensor(list(iter(sampler)), dtype=torch.int64)))
+        return news
+
+
 class DataChecks:
     """The data checks of a run, step by step on rank 0 (docs/judge.md, "Data checks"): the
     same batch on every data-parallel replica, a batch repeating an earlier step's, and a
@@ -80,6 +122,8 @@ class DataChecks:
         # Every rank's replica group (under `stages`: one entry per pipeline replica).
         self.groups = groups
         self.findings, self.seen = [], {}
+        # Every rank's latest epoch indices of each sampler slot: {rank: {slot: EpochIndices}}.
+        self.latest = {}
 
     def _kinds(self):
         return {f["kind"] for f in self.findings}
@@ -119,6 +163,45 @@ class DataChecks:
                           "not advance")
         for r, d in enumerate(digests):
             self.seen.setdefault(d, (step, r))
+
+    def check_samples(self, step, news):
+        """The sample-level check, from every rank's new epoch indices at this step (`news`,
+        in rank order): within each group of data-parallel replicas, each sampler's ranks
+        must split its dataset, every sample to exactly one rank in an epoch (up to the
+        padding a `DistributedSampler` adds, or the tail `drop_last` drops)."""
+        for rank, ranks_news in enumerate(news):
+            for n in ranks_news or []:
+                self.latest.setdefault(rank, {})[n.slot] = n
+        if self.stages or not any(news):
+            return
+        for group in self.groups:
+            if len(group) < 2:
+                continue
+            slots = set.intersection(*(set(self.latest.get(r, {})) for r in group))
+            for slot in sorted(slots):
+                self._split(step, [self.latest[r][slot] for r in group], group)
+
+    def _split(self, step, epochs, group):
+        """One sampler slot's indices on `group`'s ranks: a finding when they overlap or
+        leave samples out beyond what padding and `drop_last` allow."""
+        size, total, drop_last = epochs[0].dataset, epochs[0].total, epochs[0].drop_last
+        counts = torch.bincount(torch.cat([e.indices for e in epochs]).clamp(0, size - 1),
+                                minlength=size)
+        repeated = int((counts - 1).clamp(min=0).sum())
+        missing = int((counts == 0).sum())
+        allowed_repeats = 0 if drop_last else max(total - size, 0)
+        allowed_missing = max(size - total, 0) if drop_last else 0
+        if repeated <= allowed_repeats and missing <= allowed_missing:
+            return
+        ranks = ", ".join(map(str, group))
+        epoch_text = ", ".join(sorted({str(e.epoch) for e in epochs}))
+        self._add("samples", step,
+                  f"the data-parallel ranks {ranks} do not split the data between them in "
+                  f"epoch {epoch_text} (seen at step {step}): of the {size} samples of their "
+                  f"DistributedSampler's dataset, {repeated} more go to a rank than once and "
+                  f"{missing} go to none: every rank's sampler must have the same seed and "
+                  "shuffle, num_replicas the data-parallel size, rank its data-parallel rank, "
+                  "and set_epoch called on every rank")
 
     def _same_batch(self, step, digests):
         """Every pipeline replica, or every data-parallel replica of some slice of the

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import optimizer_state
-from .data import DataChecks, replica_groups, replica_key
+from .data import DataChecks, SamplerWatch, replica_groups, replica_key
 from .gather import assemble, gather_to_root, parts_of, wait_for_every_rank
 from .tensor_file import DTYPE_CODES, TensorFileWriter, raw_bytes
 
@@ -463,6 +463,8 @@ class Recorder:
             self._save_optimizer(optimizer)
         self.data_checks = DataChecks(stages, replicated_data,
                                       replica_groups(keys) if keys and not stages else [])
+        self.samplers = SamplerWatch() if kind == "run" and not stages and self.world > 1 \
+            else None
         for alias, name in self.tied.items():
             # The single-device model's state dict lists a tied weight under every name.
             if name in init:
@@ -645,6 +647,8 @@ class Recorder:
         self._keep_outputs(step, by_data_rank(forward), "act", self.output_entries)
         self._keep_outputs(step, by_data_rank(backward), "outgrad", self.output_grad_entries)
         self._keep_batches(every)
+        if self.samplers is not None:
+            self.data_checks.check_samples(step, [c.samples for c in every])
 
     def _loss_scale(self):
         """The job's loss scale at this step, once its gradients are unscaled (an error when
@@ -672,8 +676,9 @@ class Recorder:
         self.backward_since_forward = False
         outputs = whole_batches(outputs, drop_scalars=self.stages)
         output_grads = whole_batches(output_grads, drop_scalars=self.stages)
+        samples = self.samplers.news() if self.samplers is not None else None
         return Contribution(self.data_index, self._digests() if compare else None, value,
-                            batch if self.keep_batches else None, outputs, output_grads)
+                            batch if self.keep_batches else None, outputs, output_grads, samples)
 
     def _mean_loss(self, values):
         """The step's loss over the world: the mean of every rank's, or of every pipeline's
@@ -849,3 +854,4 @@ class Contribution(NamedTuple):
     batch: Optional[tuple]
     outputs: list
     output_grads: list
+    samples: Optional[list]

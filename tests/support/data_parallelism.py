@@ -4,7 +4,8 @@ tensor parallelism (its first linear column-parallel, its second row-parallel, t
 out of the plan), or under FSDP x TP on a 2 x 2 (dp, tp) mesh (the TP model sharded by
 FSDP2 over dp), fed the right data for the parallelism (`--data right`: a batch per
 data-parallel replica, shared by the TP ranks), one batch on every rank (`same`) or a batch
-of its own on each (`own`), and said to replicate its data (`--declare`) or not. `--resume`
+of its own on each (`own`), read through a `DistributedSampler` split over the replicas
+(`sampler`) or seeded by each rank's number (`sampler-seeded`), and said to replicate its data (`--declare`) or not. `--resume`
 records from its second step with its optimizer's momentum given to the recorder, as a job
 resumed from a checkpoint (on FSDP x TP, a DTensor state on a 2-D mesh).
 
@@ -52,6 +53,23 @@ def batch(step, rank):
     return torch.randn(6, 4, generator=g), torch.randn(6, 3, generator=g)
 
 
+def loader(data, replica, replicas, rank):
+    """The batches of a `DistributedSampler` over a dataset of 24 samples, 6 a batch, split
+    over the data-parallel replicas (`sampler`), or seeded by each rank's own number
+    (`sampler-seeded`, the bug: every rank shuffles the dataset its own way, so some samples
+    go to two ranks an epoch and some to none)."""
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    g = torch.Generator().manual_seed(7)
+    dataset = TensorDataset(torch.randn(24, 4, generator=g), torch.randn(24, 3, generator=g))
+    seed = rank if data == "sampler-seeded" else 0
+    sampler = DistributedSampler(dataset, num_replicas=replicas, rank=replica, shuffle=True,
+                                 seed=seed)
+    sampler.set_epoch(0)
+    return iter(DataLoader(dataset, batch_size=6, sampler=sampler))
+
+
 def train(out, parallel, data, declare, bug, resume):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -63,15 +81,17 @@ def train(out, parallel, data, declare, bug, resume):
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build()
-    replica, tp_rank = rank, 0  # this rank's data-parallel replica and its place in TP
+    # This rank's data-parallel replica, their number, and its place in TP.
+    replica, replicas, tp_rank = rank, world, 0
     plan = {"1": ColwiseParallel(), "3": RowwiseParallel()}
     if parallel == "tp":
         model = parallelize_module(model, init_device_mesh("cpu", (world,)), plan)
-        replica, tp_rank = 0, rank
+        replica, replicas, tp_rank = 0, 1, rank
     elif parallel == "fsdp-tp":
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         model = fully_shard(parallelize_module(model, mesh["tp"], plan), mesh=mesh["dp"])
         replica, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+        replicas = world // 2
     else:
         model = DistributedDataParallel(model)
     opt = sgd(model.parameters())
@@ -83,8 +103,12 @@ def train(out, parallel, data, declare, bug, resume):
     rec = lockstep_probe.Recorder(Path(out) / "run", model, name="mlp", config=parallel,
                                   steps=STEPS, replicated_data=declare,
                                   optimizer=opt if resume else None)
+    batches = loader(data, replica, replicas, rank) if data.startswith("sampler") else None
     for step in range(STEPS):
-        x, y = batch(step, {"right": replica, "same": 0, "own": rank}[data])
+        if batches is not None:
+            x, y = next(batches)
+        else:
+            x, y = batch(step, {"right": replica, "same": 0, "own": rank}[data])
         opt.zero_grad()
         loss = loss_fn(model, x, y)
         loss.backward()
@@ -102,7 +126,8 @@ def main():
     parser.add_argument("mode", choices=["train", "reference"])
     parser.add_argument("out")
     parser.add_argument("--parallel", choices=["ddp", "tp", "fsdp-tp"], default="tp")
-    parser.add_argument("--data", choices=["right", "same", "own"], default="right")
+    parser.add_argument("--data", choices=["right", "same", "own", "sampler", "sampler-seeded"],
+                        default="right")
     parser.add_argument("--bug", choices=["norm-drifts"])
     parser.add_argument("--resume", action="store_true",
                         help="record from the second step, the optimizer's momentum given")
