@@ -1273,6 +1273,50 @@ fn a_resumed_job_is_judged_from_its_optimizers_saved_state() -> Result<()> {
     judged(DATA_PARALLELISM, 4, &["--parallel", "fsdp-tp", "--resume"], 0).map(drop)
 }
 
+/// Casts to fp32 as models are written (an RMSNorm computing in fp32 inside, the logits
+/// `.float()` at the end of the forward): the float64 shadow widens them, so it stays
+/// float64 throughout and the job passes, and the judge says which modules it widened
+/// (before, the shadow refused the `.float()` on the logits with advice that did not fit,
+/// and computed the norm in fp32 without a word).
+#[test]
+fn casts_to_fp32_are_widened_in_the_shadow_and_named() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let program = one_process_job(
+        dir.path(),
+        "class RMSNorm(nn.Module):\n\
+         \x20   def __init__(self, d):\n\
+         \x20       super().__init__()\n\
+         \x20       self.weight = nn.Parameter(torch.ones(d))\n\
+         \x20   def forward(self, x):\n\
+         \x20       h = x.float()\n\
+         \x20       h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)\n\
+         \x20       return self.weight * h.type_as(x)\n\
+         class Net(nn.Module):\n\
+         \x20   def __init__(self):\n\
+         \x20       super().__init__()\n\
+         \x20       torch.manual_seed(0)\n\
+         \x20       self.norm, self.head = RMSNorm(4), nn.Linear(4, 3)\n\
+         \x20   def forward(self, x):\n\
+         \x20       return self.head(self.norm(x)).float()\n\
+         def loss_fn(m, x, y):\n\
+         \x20   return nn.functional.mse_loss(m(x), y)",
+        "",
+    )?;
+    let Some(out) = python_program(&program) else {
+        return Ok(());
+    };
+    succeeded("a job casting to fp32 in its forward", out?)?;
+    let out = judge(dir.path())?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(out.status.success(), "{stdout}");
+    ensure!(
+        stdout.contains("note: the float64 shadow widened 6 casts to fp32 or narrower to \
+             float64, in `norm` (3), `the model's forward` (3)"),
+        "{stdout}"
+    );
+    Ok(())
+}
+
 /// A one-process job recorded with `lockstep_probe`, then misused as `script` goes on (its
 /// `references(build, **options)` finishes the record and trains the references): the
 /// misuse must be refused with `refusal` in the error. Nothing is checked without a Python

@@ -97,7 +97,9 @@ class SamplerWatch:
         if self.samplers is None:
             from torch.utils.data.distributed import DistributedSampler
 
-            found = [o for o in gc.get_objects() if isinstance(o, DistributedSampler)]
+            # type(), not isinstance: a dead weak proxy among them (torch.compile keeps some)
+            # raises on any attribute lookup.
+            found = [o for o in gc.get_objects() if issubclass(type(o), DistributedSampler)]
             self.samplers = sorted(found, key=lambda s: (len(s.dataset), s.num_replicas))
             self.sent = [None] * len(self.samplers)
         news = []

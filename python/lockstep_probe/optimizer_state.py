@@ -20,7 +20,9 @@ FILE = "optimizer.pt"
 def optimizers_over(model):
     """The optimizers alive in this process that update any of `model`'s parameters."""
     params = {id(p) for p in model.parameters()}
-    return [o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer)
+    # type(), not isinstance: a dead weak proxy (torch.compile keeps some) raises on any
+    # attribute lookup.
+    return [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer)
             and any(id(p) in params for g in o.param_groups for p in g["params"])]
 
 

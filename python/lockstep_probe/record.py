@@ -437,6 +437,9 @@ class Recorder:
         self.losses, self.grad_norms, self.grad_entries, self.output_entries = [], [], [], []
         self.batches, self.pending_batch, self.keep_batches = [], None, keep_batches
         self.cross_rank = {"ranks": self.world, "compared": 0}
+        # The float64 shadow's casts to narrower dtypes that it widened, by module (set by
+        # `train_references`).
+        self.widened_casts = None
         self.finished = False
         self.activation_steps = self._activation_steps(activations, compiled)
         # A step's forwards fall into pieces, each module's outputs concatenated over them
@@ -837,6 +840,8 @@ class Recorder:
             }
         else:
             record["trained_from"] = self.trained_from
+        if self.widened_casts:
+            record["widened_casts"] = self.widened_casts
         if self._holds_copies():
             record["cross_rank"] = self.cross_rank
         if self.keep_batches:

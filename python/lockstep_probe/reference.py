@@ -4,6 +4,7 @@ shadow, the arbiter's two inputs (docs/parity.md)."""
 
 import contextlib
 import copy
+import functools
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from . import optimizer_state
 from .record import (PRECISION_NAMES, Recorder, digest_config, digest_state,
@@ -82,19 +84,73 @@ def _check_same_tensors(model, init):
 
 
 def _refuse_narrow_outputs(model):
-    """Hooks that fail the float64 shadow when a module returns a float32 (or narrower)
-    tensor: a forward that creates its own fp32 tensors cannot be widened, and a shadow that
-    is not float64 throughout measures nothing."""
+    """Hooks that fail the float64 shadow when a module still returns a float32 (or
+    narrower) tensor, a cast `WidenedCasts` could not see: a shadow that is not float64
+    throughout measures nothing."""
     def check(module, _inputs, output, name=None):
         outs = output if isinstance(output, (tuple, list)) else (output,)
         for o in outs:
             if torch.is_tensor(o) and o.is_floating_point() and o.dtype != torch.float64:
                 raise ReferenceError(f"module `{name or type(module).__name__}` returned a "
-                                     f"{o.dtype} tensor in the float64 shadow: its forward "
-                                     "creates tensors of a fixed dtype; create them with the "
-                                     "input's dtype")
+                                     f"{o.dtype} tensor in the float64 shadow, narrowed in a "
+                                     "way the shadow does not widen (a cast through another "
+                                     "tensor's dtype, `x.to(y)`, or a dtype as a string): "
+                                     "cast with `.float()` or `.to(torch.float32)`, which the "
+                                     "shadow widens")
     return [m.register_forward_hook(lambda mod, i, o, n=n: check(mod, i, o, n))
             for n, m in model.named_modules()]
+
+
+NARROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class WidenedCasts(TorchFunctionMode):
+    """The float64 shadow's forward with every cast to a narrower floating dtype widened to
+    float64: `.float()`, `.half()`, `.bfloat16()`, `.to(torch.float32)`, `.type(...)` and a
+    `dtype=torch.float32` given to any function (a factory, a softmax). Models cast on
+    purpose (logits `.float()` for the loss, an RMSNorm or rotary embedding computing in
+    fp32 inside a bf16 model); in the shadow such an fp32 island would compute in fp32 and
+    the shadow would no longer be the exact answer. `widened` counts the casts by the
+    module they were made in, for the record."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.widened, self.stack = {}, []
+        self.hooks = []
+        for name, module in model.named_modules():
+            self.hooks.append(module.register_forward_pre_hook(
+                functools.partial(self._enter, name or "the model's forward")))
+            self.hooks.append(module.register_forward_hook(self._leave))
+
+    def _enter(self, name, _module, _inputs):
+        self.stack.append(name)
+
+    def _leave(self, _module, _inputs, _output):
+        if self.stack:
+            self.stack.pop()
+
+    def _count(self):
+        where = self.stack[-1] if self.stack else "the loss function"
+        self.widened[where] = self.widened.get(where, 0) + 1
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if (func in (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16)
+                and args and torch.is_tensor(args[0])):
+            self._count()  # an integer tensor's `.float()` (positions) too
+            return args[0].double(*args[1:], **kwargs)
+        if kwargs.get("dtype") in NARROW_DTYPES:
+            self._count()
+            kwargs["dtype"] = torch.float64
+        if any(isinstance(a, torch.dtype) and a in NARROW_DTYPES for a in args):
+            self._count()
+            args = tuple(torch.float64 if isinstance(a, torch.dtype) and a in NARROW_DTYPES
+                         else a for a in args)
+        return func(*args, **kwargs)
+
+    def remove(self):
+        for h in self.hooks:
+            h.remove()
 
 
 def _placed(batch, dtype, device):
@@ -294,6 +350,9 @@ def _train_at(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, 
     # cache) to real, dropping its imaginary part.
     model.to(device)._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
     hooks = _refuse_narrow_outputs(model) if dtype == torch.float64 else []
+    # The shadow's casts to fp32 widened; registered before the recorder's hooks, so a
+    # module's name is on the stack when its outputs are recorded.
+    widen = WidenedCasts(model) if dtype == torch.float64 else None
     optimizer = optimizer_fn(model.parameters())
     if spec["optimizer_start"] is not None:
         optimizer_state.resume(optimizer, model, spec["optimizer_start"])
@@ -306,7 +365,8 @@ def _train_at(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, 
     skipped = set(spec["skipped_steps"])
     for step, ranks in enumerate(batches):
         optimizer.zero_grad()
-        loss = stepper.step(loss_fn, ranks, rec, None if scales is None else scales[step])
+        with widen if widen is not None else contextlib.nullcontext():
+            loss = stepper.step(loss_fn, ranks, rec, None if scales is None else scales[step])
         rec.step(loss)
         if step in skipped:
             continue  # the job's scaler skipped this update: so do the references
@@ -315,6 +375,9 @@ def _train_at(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, 
         optimizer.step()
     for h in hooks:
         h.remove()
+    if widen is not None:
+        widen.remove()
+        rec.widened_casts = widen.widened
     rec.finish()
 
 

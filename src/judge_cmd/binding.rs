@@ -54,6 +54,9 @@ pub struct Provenance {
     /// the references, `unrecorded`: a resumed job's state not saved); `None` for a record
     /// that does not say.
     pub optimizer_start: Option<String>,
+    /// A float64 shadow's casts to a narrower dtype that it widened, by the module that made
+    /// them (the job's fp32 islands: a `.float()` on the logits, an RMSNorm in fp32).
+    pub widened_casts: Vec<(String, u64)>,
 }
 
 impl Provenance {
@@ -122,8 +125,38 @@ impl Provenance {
                 .get("optimizer_start")
                 .and_then(|s| s.as_str())
                 .map(str::to_owned),
+            widened_casts: record
+                .get("widened_casts")
+                .and_then(|w| w.as_object())
+                .map(|by_module| {
+                    by_module
+                        .iter()
+                        .map(|(module, n)| (module.clone(), n.as_u64().unwrap_or(0)))
+                        .collect()
+                })
+                .unwrap_or_default(),
         })
     }
+}
+
+/// What the reader is told of the casts the float64 shadow widened (`None`: it widened none).
+pub fn widened_note(shadow: &Provenance) -> Option<String> {
+    if shadow.widened_casts.is_empty() {
+        return None;
+    }
+    let total: u64 = shadow.widened_casts.iter().map(|(_, n)| n).sum();
+    let places: Vec<String> = shadow
+        .widened_casts
+        .iter()
+        .map(|(module, n)| format!("`{module}` ({n})"))
+        .collect();
+    Some(format!(
+        "the float64 shadow widened {total} cast{} to fp32 or narrower to float64, in {}: the \
+         job and its fp32 reference compute those parts in their own precision, the shadow in \
+         float64 throughout",
+        if total == 1 { "" } else { "s" },
+        places.join(", ")
+    ))
 }
 
 /// A digest as messages show it: its first 12 hexadecimal digits.

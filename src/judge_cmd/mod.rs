@@ -360,20 +360,24 @@ pub fn judge(opts: &JudgeOptions) -> Result<Judged, JudgeError> {
     let (mut run, run_from, mut run_probes) = read_full_record(&opts.run)?;
     let (mut reference, reference_from, mut reference_probes) = read_full_record(&opts.reference)?;
     check_bound(&run_from, &reference_from, "reference")?;
-    let mut shadow = match opts.shadow.as_deref() {
+    let (mut shadow, widened) = match opts.shadow.as_deref() {
         Some(path) => {
             let (shadow, shadow_from, mut shadow_probes) = read_full_record(path)?;
             skipped::set_aside_output_grads(&mut shadow_probes, &run_from.skipped_steps);
             check_bound(&run_from, &shadow_from, "shadow")?;
-            Some((shadow, shadow_probes))
+            (
+                Some((shadow, shadow_probes)),
+                binding::widened_note(&shadow_from),
+            )
         }
-        None => None,
+        None => (None, None),
     };
     let mut records = vec![&mut run, &mut reference];
     records.extend(shadow.as_mut().map(|(s, _)| s));
-    let notes: Vec<String> = skipped::set_aside(&mut records, &run_from.skipped_steps)
+    let mut notes: Vec<String> = skipped::set_aside(&mut records, &run_from.skipped_steps)
         .into_iter()
         .collect();
+    notes.extend(widened);
     for probes in [&mut run_probes, &mut reference_probes] {
         skipped::set_aside_output_grads(probes, &run_from.skipped_steps);
     }
