@@ -1317,6 +1317,83 @@ fn casts_to_fp32_are_widened_in_the_shadow_and_named() -> Result<()> {
     Ok(())
 }
 
+/// A model built on the meta device and materialised with `to_empty` and its own
+/// initialisation, as FSDP2's examples build large models: a recorder created before it is
+/// materialised is refused by name, saying when to create it (before, PyTorch's "Tensor.item()
+/// cannot be called on meta tensors"); created after, the job is recorded, and references
+/// whose builder is the same meta-device one are materialised and filled from the run's
+/// initial state, and pass. A meta-built reference model with a buffer its state dict does
+/// not hold (non-persistent) is refused naming the buffer.
+#[test]
+fn a_meta_device_model_is_recorded_once_materialised_or_refused_by_name() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let out = dir.path().to_str().context("utf-8 temp dir")?;
+    let program = format!(
+        "import sys; sys.path.insert(0, 'python')\n\
+         import torch, lockstep_probe\n\
+         from torch import nn\n\
+         out = {out:?}\n\
+         def on_meta():\n\
+         \x20   with torch.device('meta'):\n\
+         \x20       return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))\n\
+         def sgd(p):\n\
+         \x20   return torch.optim.SGD(p, lr=0.1)\n\
+         def loss_fn(m, x, y):\n\
+         \x20   return nn.functional.mse_loss(m(x), y)\n\
+         model = on_meta()\n\
+         try:\n\
+         \x20   lockstep_probe.Recorder(out + '/early', model, name='net', config='single')\n\
+         except lockstep_probe.RecordError as e:\n\
+         \x20   print('refused:', e)\n\
+         model.to_empty(device='cpu')\n\
+         torch.manual_seed(0)\n\
+         for layer in (model[0], model[2]):\n\
+         \x20   layer.reset_parameters()\n\
+         opt = sgd(model.parameters())\n\
+         rec = lockstep_probe.Recorder(out + '/run', model, name='net', config='single', steps=2)\n\
+         g = torch.Generator().manual_seed(1)\n\
+         for _ in range(2):\n\
+         \x20   x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)\n\
+         \x20   opt.zero_grad()\n\
+         \x20   loss = loss_fn(model, x, y)\n\
+         \x20   loss.backward()\n\
+         \x20   rec.step(loss, x, y)\n\
+         \x20   opt.step()\n\
+         rec.finish()\n\
+         lockstep_probe.train_references(on_meta, loss_fn, sgd, out + '/run', out)\n\
+         def with_cache():\n\
+         \x20   model = on_meta()\n\
+         \x20   model.register_buffer('cache', torch.ones(3, device='meta'), persistent=False)\n\
+         \x20   return model\n\
+         try:\n\
+         \x20   lockstep_probe.train_references(with_cache, loss_fn, sgd, out + '/run', out + '/cached')\n\
+         except lockstep_probe.ReferenceError as e:\n\
+         \x20   print('refused:', e)\n"
+    );
+    let Some(run) = python_program(&program) else {
+        return Ok(());
+    };
+    let run = run?;
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    ensure!(
+        run.status.success()
+            && stdout.contains("refused: `0.weight` is on the meta device: create the Recorder \
+                 after the model is materialised")
+            && stdout.contains("refused: model_fn() builds the model on the meta device, and \
+                 its buffer `cache` is not in its state dict"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let out = judge(dir.path())?;
+    ensure!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
 /// A one-process job recorded with `lockstep_probe`, then misused as `script` goes on (its
 /// `references(build, **options)` finishes the record and trains the references): the
 /// misuse must be refused with `refusal` in the error. Nothing is checked without a Python

@@ -458,6 +458,7 @@ class Recorder:
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             self.writer = TensorFileWriter(self.out / TENSOR_FILE)
+        self._refuse_meta()
         key = None if stages else replica_key(self.model, is_fsdp1(self.model))
         init, _, keys = self._gathered(self._named(self.model.state_dict().items()), True, key)
         self.optimizer_start = (optimizer_state.start_of(self.model, optimizer)
@@ -481,6 +482,19 @@ class Recorder:
                     dtypes.pop(), "mixed")
             self.init_digest = digest_state(init)
             torch.save(init, self.out / "init.pt")
+
+    def _refuse_meta(self):
+        """Refuses a model still on the meta device (built there, not yet materialised):
+        the recorder reads the job's initial state as it is created."""
+        tensors = self._named(list(self.model.named_parameters())
+                              + list(self.model.named_buffers()))
+        meta = next((name for name, t in tensors if t.device.type == "meta"), None)
+        if meta is not None:
+            raise RecordError(f"`{meta}` is on the meta device: create the Recorder after the "
+                              "model is materialised (`model.to_empty(device=...)` and its "
+                              "initialisation, e.g. `init_weights()`) and before the first "
+                              "step: it records the job's initial state, which the "
+                              "references start from")
 
     def _save_optimizer(self, optimizer):
         """Saves the job's optimizer state as recording begins (`optimizer.pt`, rank 0), its

@@ -5,6 +5,7 @@ shadow, the arbiter's two inputs (docs/parity.md)."""
 import contextlib
 import copy
 import functools
+import itertools
 import json
 import os
 import shutil
@@ -151,6 +152,25 @@ class WidenedCasts(TorchFunctionMode):
     def remove(self):
         for h in self.hooks:
             h.remove()
+
+
+def _materialised(model, device):
+    """`model`, built by `model_fn`, on a real device: a model built on the meta device (the
+    builder a job materialises with `to_empty` and its own initialisation) is given storage
+    on `device`, for the run's initial state to fill; a buffer the state does not hold (a
+    non-persistent one, such as a rotary cache) would stay uninitialised, and is refused by
+    name."""
+    if not any(t.device.type == "meta" for t in itertools.chain(model.parameters(),
+                                                                 model.buffers())):
+        return model
+    saved = model.state_dict()
+    unfilled = [n for n, b in model.named_buffers() if b.device.type == "meta" and n not in saved]
+    if unfilled:
+        raise ReferenceError(f"model_fn() builds the model on the meta device, and its buffer "
+                             f"`{unfilled[0]}` is not in its state dict (persistent=False), so "
+                             "the run's initial state cannot fill it: build the references' "
+                             "model on a real device (or initialise it inside model_fn)")
+    return model.to_empty(device=device)
 
 
 def _placed(batch, dtype, device):
@@ -343,7 +363,7 @@ def _train_at(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, 
     given. `scales`: the job's loss scale at each step (the fp32 reference scales as it
     did). A step the job's scaler skipped is skipped here too: its gradients recorded, no
     update."""
-    model = model_fn()
+    model = _materialised(model_fn(), device)
     _check_same_tensors(model, init)
     model.load_state_dict(init, strict=True)
     # Floating tensors only: `Module.to(dtype)` would also cast a complex buffer (a rotary
