@@ -1712,8 +1712,9 @@ fn the_same_batch_on_every_rank_and_a_stuck_loader_are_caught() -> Result<()> {
 /// (different slices of the weights) share one with no declaration (before, every pure-TP
 /// job failed the data check unless it said `replicated_data=True`); under FSDP x TP the
 /// ranks of one TP coordinate are replicas, checked on their own; DDP's replicas sharing
-/// one fail though the job declares `replicated_data=True` (before, the declaration was
-/// trusted), and a declared job whose ranks receive different batches fails its declaration.
+/// one fail unless the job says they share it on purpose (`replicated_data=True`, as context
+/// parallelism's ranks do: they hold the same weights), and a declared job whose ranks
+/// receive different batches fails its declaration (before, the declaration was trusted).
 /// Sample by sample: `DistributedSampler`s that split the dataset over the replicas pass
 /// (under FSDP x TP, over `dp`), and samplers seeded by each rank's own number (so a sample
 /// goes to two ranks an epoch and another to none, while no two whole batches are alike)
@@ -1742,16 +1743,25 @@ fn data_parallel_ranks_are_found_from_what_they_hold_and_a_declaration_is_checke
         ),
         (
             2,
-            &["--parallel", "ddp", "--data", "same", "--declare"][..],
+            &["--parallel", "ddp", "--data", "same"][..],
             1,
             "every data-parallel rank received the same batch at step 0 (2 of them, holding \
              the same slices of every parameter)",
+        ),
+        (2, &["--parallel", "ddp", "--data", "same", "--declare"][..], 0, ""),
+        (4, &["--parallel", "ddp-cp", "--declare"][..], 0, ""),
+        (
+            4,
+            &["--parallel", "ddp-cp", "--data", "own", "--declare"][..],
+            1,
+            "Recorder(replicated_data=...) says ranks 0, 1 receive the same batch, but rank 1's \
+             batch at step 0 differs from rank 0's",
         ),
         (
             2,
             &["--parallel", "tp", "--data", "own", "--declare"][..],
             1,
-            "Recorder(replicated_data=True) says every rank receives the same batch, but rank \
+            "Recorder(replicated_data=...) says every rank receives the same batch, but rank \
              1's batch at step 0 differs from rank 0's",
         ),
     ] {
@@ -1761,6 +1771,33 @@ fn data_parallel_ranks_are_found_from_what_they_hold_and_a_declaration_is_checke
         let diagnosis = c["diagnosis"].as_str().unwrap_or_default();
         ensure!(diagnosis.contains(finding), "{args:?}: {diagnosis}");
     }
+    Ok(())
+}
+
+/// `loss_reduction` as docs/judge.md defines it: under "sum" each rank's loss is its share
+/// of the global one and the shares of one group of replicas add up to it, so FSDP x TP
+/// with FSDP summing passes (before, the TP ranks' shares were added again, and the loss
+/// recorded twice over); a DDP job whose ranks each hold their own mean, recorded as "sum",
+/// has every gradient within and its loss exactly twice the references': diagnosed as the
+/// loss recorded wrong, not the training.
+#[test]
+fn a_loss_off_by_a_whole_factor_is_diagnosed_as_its_reduction() -> Result<()> {
+    let sum = ["--parallel", "fsdp-tp", "--loss-reduction", "sum"];
+    if judged(DATA_PARALLELISM, 4, &sum, 0)?.is_none() {
+        return Ok(());
+    }
+    let declared = ["--parallel", "ddp", "--bug", "declared-sum"];
+    let Some(c) = judged(DATA_PARALLELISM, 2, &declared, 1)? else {
+        return Ok(());
+    };
+    let diagnosis = c["diagnosis"].as_str().unwrap_or_default();
+    ensure!(
+        diagnosis.starts_with(
+            "loss: the recorded loss is 2 times the references' at every one of the 2 steps, \
+             while every gradient, gradient norm and parameter is within its envelope"
+        ),
+        "{diagnosis}"
+    );
     Ok(())
 }
 

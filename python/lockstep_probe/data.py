@@ -73,6 +73,26 @@ def replica_groups(keys):
     return sorted(groups.values())
 
 
+def shared_batch_group(replicated_data, rank, world):
+    """The ranks that receive this rank's batch on purpose, as `Recorder(replicated_data=...)`
+    says: `True` every rank, a 1-D `DeviceMesh` (or a process group) the ranks of this rank's
+    group in it (context parallelism's `cp` mesh, whose ranks each compute a part of one
+    batch's sequence), `False` this rank alone."""
+    if replicated_data is True:
+        return tuple(range(world))
+    if replicated_data is False or replicated_data is None:
+        return (rank,)
+    import torch.distributed as dist
+
+    group = replicated_data
+    if hasattr(group, "get_group"):  # a DeviceMesh
+        if group.ndim != 1:
+            raise ValueError("replicated_data= takes a 1-D DeviceMesh (the dimension whose "
+                             f"ranks share a batch), not one of {group.ndim} dimensions")
+        group = group.get_group()
+    return tuple(sorted(dist.get_process_group_ranks(group)))
+
+
 class EpochIndices(NamedTuple):
     """One rank's sampler's sample indices of an epoch, as it sends them to rank 0."""
 
@@ -115,14 +135,15 @@ class SamplerWatch:
 
 class DataChecks:
     """The data checks of a run, step by step on rank 0 (docs/judge.md, "Data checks"): the
-    same batch on every data-parallel replica, a batch repeating an earlier step's, and a
-    batch that differs across ranks said to share it (`replicated_data=True`). One finding
-    of each kind at most, in the order found."""
+    same batch on data-parallel replicas that do not share it on purpose, a batch repeating
+    an earlier step's, and a batch that differs across ranks said to share it
+    (`replicated_data=`). One finding of each kind at most, in the order found."""
 
-    def __init__(self, stages, replicated_data, groups):
-        self.stages, self.replicated_data = stages, replicated_data
-        # Every rank's replica group (under `stages`: one entry per pipeline replica).
-        self.groups = groups
+    def __init__(self, stages, groups, shared):
+        self.stages = stages
+        # Every rank's replica group (under `stages`: none), and the ranks said to share
+        # each rank's batch (`shared_batch_group`), by rank.
+        self.groups, self.shared = groups, shared
         self.findings, self.seen = [], {}
         # Every rank's latest epoch indices of each sampler slot: {rank: {slot: EpochIndices}}.
         self.latest = {}
@@ -140,22 +161,20 @@ class DataChecks:
         differ)."""
         if self.stages:
             return f"pipeline replica {rank}"
-        group = next((g for g in self.groups if rank in g), [rank])
-        place = group.index(rank)
+        group = self._representatives(next((g for g in self.groups if rank in g), [rank]))
+        place = group.index(rank) if rank in group else 0
         return f"data-parallel rank {place}" + (f" (rank {rank})" if place != rank else "")
+
+    def _representatives(self, group):
+        """`group`'s ranks, one for each set of ranks said to share a batch (the first)."""
+        return [r for r in group if r == min(r2 for r2 in self.shared[r] if r2 in group)]
 
     def check(self, step, digests):
         """One step's checks, from the digest of every entry's batch (every rank's, or under
         `stages` every pipeline replica's)."""
         self._same_batch(step, digests)
-        if self.replicated_data and not self.stages:
-            differing = [r for r, d in enumerate(digests) if d != digests[0]]
-            if differing:
-                self._add("unreplicated_batch", step,
-                          f"Recorder(replicated_data=True) says every rank receives the same "
-                          f"batch, but rank {differing[0]}'s batch at step {step} differs from "
-                          "rank 0's: ranks that split a layer (tensor parallelism) must "
-                          "compute on the same data")
+        if not self.stages:
+            self._shared_batches(step, digests)
         for r, d in enumerate(digests):
             earlier = self.seen.get(d)
             if earlier is not None:
@@ -165,6 +184,20 @@ class DataChecks:
                           "not advance")
         for r, d in enumerate(digests):
             self.seen.setdefault(d, (step, r))
+
+    def _shared_batches(self, step, digests):
+        """Ranks said to share a batch (`replicated_data=`) must have received the same."""
+        for group in sorted(set(self.shared)):
+            differing = [r for r in group if digests[r] != digests[group[0]]]
+            if differing:
+                ranks = "every rank receives" if len(group) == len(digests) else \
+                    "ranks " + ", ".join(map(str, group)) + " receive"
+                self._add("unreplicated_batch", step,
+                          f"Recorder(replicated_data=...) says {ranks} the same "
+                          f"batch, but rank {differing[0]}'s batch at step {step} differs from "
+                          f"rank {group[0]}'s: ranks that split a layer (tensor parallelism) "
+                          "or a sequence (context parallelism) must compute on the same data")
+                return
 
     def check_samples(self, step, news):
         """The sample-level check, from every rank's new epoch indices at this step (`news`,
@@ -180,8 +213,10 @@ class DataChecks:
             if len(group) < 2:
                 continue
             slots = set.intersection(*(set(self.latest.get(r, {})) for r in group))
+            group = self._representatives(group)
             for slot in sorted(slots):
-                self._split(step, [self.latest[r][slot] for r in group], group)
+                if len(group) > 1:
+                    self._split(step, [self.latest[r][slot] for r in group], group)
 
     def _split(self, step, epochs, group):
         """One sampler slot's indices on `group`'s ranks: a finding when they overlap or
@@ -207,8 +242,11 @@ class DataChecks:
 
     def _same_batch(self, step, digests):
         """Every pipeline replica, or every data-parallel replica of some slice of the
-        weights, receiving the same batch."""
-        groups = [list(range(len(digests)))] if self.stages else self.groups
+        weights (one for each set said to share a batch), receiving the same batch."""
+        if self.stages:
+            groups = [list(range(len(digests)))]
+        else:
+            groups = [self._representatives(g) for g in self.groups]
         for group in groups:
             if len(group) < 2 or len({digests[r] for r in group}) != 1:
                 continue
@@ -222,12 +260,10 @@ class DataChecks:
                 ranks = ", ".join(map(str, group))
                 who = f"the data-parallel ranks {ranks} (holding the same slices of every " \
                       f"parameter) received the same batch at step {step}"
-            excuse = ("; Recorder(replicated_data=True) does not excuse it: ranks that share "
-                      "a batch on purpose hold different slices of the weights (tensor "
-                      "parallelism), which these do not" if self.replicated_data else
-                      "; ranks that split the weights (tensor parallelism) may share a batch "
-                      "and are told apart by what they hold")
             self._add("same_batch", step,
                       f"{who}: a data loader without a DistributedSampler (or indexed by the "
-                      f"wrong rank) trains every replica on the same data{excuse}")
+                      "wrong rank) trains every replica on the same data; ranks that split "
+                      "the weights (tensor parallelism) may share a batch and are told apart "
+                      "by what they hold, and ranks that split a sequence (context "
+                      "parallelism) say so with Recorder(replicated_data=cp_mesh)")
             return

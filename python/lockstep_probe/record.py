@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from . import optimizer_state
-from .data import DataChecks, SamplerWatch, replica_groups, replica_key
+from .data import (DataChecks, SamplerWatch, replica_groups, replica_key,
+                   shared_batch_group)
 from .gather import assemble, gather_to_root, parts_of, wait_for_every_rank
 from .tensor_file import DTYPE_CODES, TensorFileWriter, raw_bytes
 
@@ -353,8 +354,11 @@ class Recorder:
     loader that does not advance), fails the job with its own finding. Which ranks are
     replicas is found from what they hold (`data.replica_key`): tensor-parallel ranks, which
     hold different slices of the weights, may share a batch with no word said.
-    `replicated_data=True` says every rank receives the same batch, and is checked: a rank
-    whose batch differs is a finding, and so are replicas sharing one.
+    `replicated_data=True` says every rank receives the same batch on purpose, and
+    `replicated_data=mesh["cp"]` that the ranks of this rank's group in that 1-D mesh do
+    (context parallelism, whose ranks each compute a part of one batch's sequence: the
+    inference cannot see them, as they hold the same weights); it is checked, not trusted:
+    a rank said to share a batch whose batch differs is a finding.
 
     The record binds itself: a job's (`kind="run"`) carries the digests of its initial state,
     of every step's batches and of its configuration; a reference's or shadow's (`kind=
@@ -386,7 +390,6 @@ class Recorder:
         self.loss_reduction = loss_reduction
         self.skipped_steps = list(skipped_steps or [])
         self.batch_digests = []
-        self.replicated_data = replicated_data
         self.tied = dict(tied or {})
         # Parameters that do not train on purpose: the judge flags any other whose gradient
         # is zero at every step. Those the model holds without requires_grad need no word.
@@ -459,14 +462,19 @@ class Recorder:
             self.out.mkdir(parents=True, exist_ok=True)
             self.writer = TensorFileWriter(self.out / TENSOR_FILE)
         self._refuse_meta()
-        key = None if stages else replica_key(self.model, is_fsdp1(self.model))
+        try:
+            shared = shared_batch_group(replicated_data, self.rank, self.world)
+        except ValueError as e:
+            raise RecordError(str(e)) from e
+        key = None if stages else (replica_key(self.model, is_fsdp1(self.model)), shared)
         init, _, keys = self._gathered(self._named(self.model.state_dict().items()), True, key)
         self.optimizer_start = (optimizer_state.start_of(self.model, optimizer)
                                 if kind == "run" else None)
         if optimizer is not None and kind == "run":
             self._save_optimizer(optimizer)
-        self.data_checks = DataChecks(stages, replicated_data,
-                                      replica_groups(keys) if keys and not stages else [])
+        self.data_checks = DataChecks(
+            stages, replica_groups([k[0] for k in keys]) if keys and not stages else [],
+            [k[1] for k in keys] if keys and not stages else [])
         self.samplers = SamplerWatch() if kind == "run" and not stages and self.world > 1 \
             else None
         for alias, name in self.tied.items():
@@ -659,8 +667,9 @@ class Recorder:
             self.grad_entries.append(self._keyed(f"grad/{step}", grads) if keep else [])
         # Within a data rank, forward runs the stages in order and backward in reverse.
         forward = [(o, i) for i, c in enumerate(every) for o in c.outputs]
-        backward = [(o, -i if self.stages else i) for i, c in enumerate(every)
-                    for o in c.output_grads]
+        shared = self._tensor_parallel_multiplicity()
+        backward = [((*o[:3], o[3] / shared) if shared > 1 else o, -i if self.stages else i)
+                    for i, c in enumerate(every) for o in c.output_grads]
         self._keep_outputs(step, by_data_rank(forward), "act", self.output_entries)
         self._keep_outputs(step, by_data_rank(backward), "outgrad", self.output_grad_entries)
         self._keep_batches(every)
@@ -697,11 +706,26 @@ class Recorder:
         return Contribution(self.data_index, self._digests() if compare else None, value,
                             batch if self.keep_batches else None, outputs, output_grads, samples)
 
+    def _tensor_parallel_multiplicity(self):
+        """How many ranks hold each data-parallel replica's loss under `loss_reduction="sum"`
+        (rank 0's): the references stand for every rank, tensor-parallel ones too, so a
+        rank's share of the loss is that many times theirs (under "mean" the hook's division
+        by the world's ranks accounts for them already). 1 otherwise."""
+        if self.loss_reduction != "sum" or self.stages or self.kind != "run":
+            return 1
+        group = next((g for g in self.data_checks.groups if 0 in g), None)
+        return self.world // len(group) if group else 1
+
     def _mean_loss(self, values):
         """The step's loss over the world: the mean of every rank's, or of every pipeline's
-        (its last stage's)."""
+        (its last stage's); under `loss_reduction="sum"` the sum of one replica group's
+        shares (rank 0's data-parallel replicas: the tensor-parallel ranks beside them hold
+        the same shares again)."""
         present = [v for v in values if v is not None]
         if self.loss_reduction == "sum":
+            group = next((g for g in self.data_checks.groups if 0 in g), None)
+            if group is not None and not self.stages:
+                return sum(values[r] for r in group if values[r] is not None)
             return sum(present)
         return sum(present) / (self.data_size if self.stages else len(values))
 

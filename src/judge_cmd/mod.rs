@@ -6,6 +6,7 @@
 
 pub mod binding;
 pub mod forward;
+pub mod loss_scale;
 pub mod skipped;
 mod tensor_file;
 pub mod training;
@@ -411,6 +412,9 @@ pub fn judge(opts: &JudgeOptions) -> Result<Judged, JudgeError> {
             backward,
             &run_from.activation_steps,
         );
+    }
+    if let Some(found) = loss_scale::finding(&comparison, &run, &reference) {
+        lead_diagnosis(&mut comparison, found);
     }
     fail_on_findings(
         &mut comparison,

@@ -4,10 +4,15 @@ tensor parallelism (its first linear column-parallel, its second row-parallel, t
 out of the plan), or under FSDP x TP on a 2 x 2 (dp, tp) mesh (the TP model sharded by
 FSDP2 over dp), fed the right data for the parallelism (`--data right`: a batch per
 data-parallel replica, shared by the TP ranks), one batch on every rank (`same`) or a batch
-of its own on each (`own`), read through a `DistributedSampler` split over the replicas
+of its own on each (`own`); or DDP over a (dp, cp) mesh whose cp ranks share a batch, said
+with `--declare` as `replicated_data=mesh["cp"]` (`ddp-cp`); read through a `DistributedSampler` split over the replicas
 (`sampler`) or seeded by each rank's number (`sampler-seeded`), and said to replicate its data (`--declare`) or not. `--resume`
 records from its second step with its optimizer's momentum given to the recorder, as a job
-resumed from a checkpoint (on FSDP x TP, a DTensor state on a 2-D mesh).
+resumed from a checkpoint (on FSDP x TP, a DTensor state on a 2-D mesh). `--loss-reduction
+sum` (FSDP x TP): each rank's loss is its share of the global one and FSDP sums the replicas'
+gradients, recorded with `loss_reduction="sum"`; `--bug declared-sum` records a job whose
+ranks each hold their own mean with `loss_reduction="sum"`: its loss is recorded twice over,
+its training right.
 
     python3 -m torch.distributed.run --nproc-per-node 2 tests/support/data_parallelism.py train OUT --parallel tp
     python3 -m torch.distributed.run --nproc-per-node 4 tests/support/data_parallelism.py train OUT --parallel fsdp-tp
@@ -70,7 +75,7 @@ def loader(data, replica, replicas, rank):
     return iter(DataLoader(dataset, batch_size=6, sampler=sampler))
 
 
-def train(out, parallel, data, declare, bug, resume):
+def train(out, parallel, data, declare, bug, resume, loss_reduction):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
@@ -90,10 +95,24 @@ def train(out, parallel, data, declare, bug, resume):
     elif parallel == "fsdp-tp":
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         model = fully_shard(parallelize_module(model, mesh["tp"], plan), mesh=mesh["dp"])
+        if loss_reduction == "sum":
+            model.set_gradient_divide_factor(1.0)  # FSDP sums the replicas' gradients
+            model.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
         replica, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
         replicas = world // 2
+    elif parallel == "ddp-cp":
+        # DDP over a (dp, cp) mesh whose cp ranks share their batch, as context parallelism's
+        # ranks do (each would compute a part of its sequence): said with the cp mesh.
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "cp"))
+        model = DistributedDataParallel(model)
+        replica, replicas = mesh["dp"].get_local_rank(), world // 2
+        declare = mesh["cp"] if declare else False
     else:
         model = DistributedDataParallel(model)
+    if loss_reduction == "sum" and parallel != "fsdp-tp":
+        sys.exit("--loss-reduction sum: FSDP x TP only (DDP always averages)")
+    # Each rank's loss: its own mean, or (summed over the replicas) its share of the mean.
+    share = replicas if loss_reduction == "sum" else 1
     opt = sgd(model.parameters())
     if resume:
         # A step before recording begins, as a job resumed from a checkpoint holds its
@@ -102,6 +121,8 @@ def train(out, parallel, data, declare, bug, resume):
         opt.step()
     rec = lockstep_probe.Recorder(Path(out) / "run", model, name="mlp", config=parallel,
                                   steps=STEPS, replicated_data=declare,
+                                  loss_reduction=("sum" if bug == "declared-sum"
+                                                  else loss_reduction),
                                   optimizer=opt if resume else None)
     batches = loader(data, replica, replicas, rank) if data.startswith("sampler") else None
     for step in range(STEPS):
@@ -110,7 +131,7 @@ def train(out, parallel, data, declare, bug, resume):
         else:
             x, y = batch(step, {"right": replica, "same": 0, "own": rank}[data])
         opt.zero_grad()
-        loss = loss_fn(model, x, y)
+        loss = loss_fn(model, x, y) / share
         loss.backward()
         if bug == "norm-drifts" and tp_rank == 1:
             with torch.no_grad():
@@ -125,17 +146,20 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["train", "reference"])
     parser.add_argument("out")
-    parser.add_argument("--parallel", choices=["ddp", "tp", "fsdp-tp"], default="tp")
+    parser.add_argument("--parallel", choices=["ddp", "tp", "fsdp-tp", "ddp-cp"], default="tp")
     parser.add_argument("--data", choices=["right", "same", "own", "sampler", "sampler-seeded"],
                         default="right")
-    parser.add_argument("--bug", choices=["norm-drifts"])
+    parser.add_argument("--bug", choices=["norm-drifts", "declared-sum"])
+    parser.add_argument("--loss-reduction", choices=["mean", "sum"], default="mean",
+                        help="each rank's loss its own mean, or its share (FSDP x TP)")
     parser.add_argument("--resume", action="store_true",
                         help="record from the second step, the optimizer's momentum given")
     parser.add_argument("--declare", action="store_true",
                         help="Recorder(replicated_data=True): every rank gets the same batch")
     args = parser.parse_args()
     if args.mode == "train":
-        train(args.out, args.parallel, args.data, args.declare, args.bug, args.resume)
+        train(args.out, args.parallel, args.data, args.declare, args.bug, args.resume,
+              args.loss_reduction)
     else:
         lockstep_probe.train_references(build, loss_fn, sgd, Path(args.out) / "run", args.out)
 
