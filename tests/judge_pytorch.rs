@@ -84,6 +84,9 @@ const MICRO_STEPS: &str = "tests/support/pipeline_micro_steps.py";
 const DATA_PARALLELISM: &str = "tests/support/data_parallelism.py";
 const HF_LLAMA: &str = "examples/hf_llama.py";
 const TORCHTITAN: &str = "examples/torchtitan_llama.py";
+const ACCELERATE: &str = "examples/accelerate_ddp.py";
+const LIGHTNING_TRAINER: &str = "examples/lightning_trainer.py";
+const LIGHTNING_FABRIC: &str = "examples/lightning_fabric.py";
 /// What a gloo rank prints when its process group is torn down under it.
 const GLOO_ABORT: &str = "terminate called without an active exception";
 
@@ -1959,6 +1962,85 @@ fn hugging_face_llama_passes_under_its_own_tp_plan_and_fsdp2() -> Result<()> {
     }
     if let Some(c) = judged_hf(&["--parallel", "fsdp", "--bug", "loss-over-world"], 1)? {
         first_failure_at_step_0(&c)?;
+    }
+    Ok(())
+}
+
+/// The packages' own extras folder when `ci/setup-python-extras` installed `package` into it;
+/// `None` after saying the test checks nothing here.
+fn extras_with(package: &str) -> Option<PathBuf> {
+    let packages = python_extras().filter(|p| p.join(package).is_dir());
+    if packages.is_none() {
+        println!("SKIP: no {package} here (ci/setup-python-extras installs it)");
+    }
+    packages
+}
+
+/// Hugging Face accelerate's own loop (its DDP on gloo, its data sharding, its gradient
+/// accumulation) passes, recorded once per optimizer step; `loss.backward()` in place of
+/// `accelerator.backward(loss)` (the loss not divided by the micro-steps) fails at step 0.
+#[test]
+fn accelerates_own_accumulation_loop_passes_and_a_plain_backward_is_caught() -> Result<()> {
+    let Some(packages) = extras_with("accelerate") else {
+        return Ok(());
+    };
+    let Some(c) = judged_with(ACCELERATE, &[], 0, &packages)? else {
+        return Ok(());
+    };
+    ensure!(c["config"] == "accelerate.ddp2", "{c}");
+    if let Some(c) = judged_with(ACCELERATE, &["--bug", "plain-backward"], 1, &packages)? {
+        first_failure_at_step_0(&c)?;
+    }
+    Ok(())
+}
+
+/// PyTorch Lightning's own `Trainer` (its DDP, its `DistributedSampler`, its gradient
+/// accumulation) passes, recorded from its own hooks; a loader bringing its own sampler
+/// seeded by each rank (`use_distributed_sampler=False`) fails on the sample check, though
+/// its numbers match the references.
+#[test]
+fn lightnings_own_trainer_passes_and_a_sampler_seeded_per_rank_is_caught() -> Result<()> {
+    let Some(packages) = extras_with("lightning") else {
+        return Ok(());
+    };
+    let Some(c) = judged_with(LIGHTNING_TRAINER, &[], 0, &packages)? else {
+        return Ok(());
+    };
+    ensure!(c["config"] == "lightning.ddp2", "{c}");
+    let bug = ["--bug", "sampler-per-rank"];
+    if let Some(c) = judged_with(LIGHTNING_TRAINER, &bug, 1, &packages)? {
+        let diagnosis = c["diagnosis"].as_str().unwrap_or_default();
+        ensure!(
+            diagnosis.starts_with("data: the data-parallel ranks 0, 1 do not split the data"),
+            "{diagnosis}"
+        );
+    }
+    Ok(())
+}
+
+/// Lightning Fabric's `ModelParallelStrategy` (its device mesh, FSDP2 or TP applied by the
+/// job's parallelize function, its `DistributedSampler`) passes under FSDP2 and under TP (no
+/// declaration for TP's shared batch); Fabric told to keep the loader's own sampler gives
+/// every rank the same batch, and the data check names it.
+#[test]
+fn lightning_fabrics_model_parallel_strategy_passes_and_its_own_sampler_is_caught() -> Result<()> {
+    let Some(packages) = extras_with("lightning") else {
+        return Ok(());
+    };
+    for parallel in ["fsdp", "tp"] {
+        let Some(c) = judged_with(LIGHTNING_FABRIC, &["--parallel", parallel], 0, &packages)?
+        else {
+            return Ok(());
+        };
+        ensure!(c["config"] == format!("fabric.{parallel}2").as_str(), "{c}");
+    }
+    let bug = ["--parallel", "fsdp", "--bug", "own-sampler"];
+    if let Some(c) = judged_with(LIGHTNING_FABRIC, &bug, 1, &packages)? {
+        let diagnosis = c["diagnosis"].as_str().unwrap_or_default();
+        ensure!(
+            diagnosis.starts_with("data: every data-parallel rank received the same batch"),
+            "{diagnosis}"
+        );
     }
     Ok(())
 }

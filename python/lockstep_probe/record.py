@@ -55,15 +55,17 @@ def full_tensor(t):
 
 
 def unwrapped(model):
-    """The module that DDP and `torch.compile` wrappers train, in any nesting (its parameters
-    under the names the single-device references use, without DDP's `module.` or compile's
-    `_orig_mod.` prefix); any other module as it is."""
+    """The module that DDP, `torch.compile` and Lightning Fabric wrappers train, in any
+    nesting (its parameters under the names the single-device references use, without DDP's
+    `module.` or compile's `_orig_mod.` prefix); any other module as it is."""
     ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
     while True:
         if ddp is not None and isinstance(model, ddp):
             model = model.module
         elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
             model = model._orig_mod  # torch.compile's OptimizedModule
+        elif type(model).__name__ == "_FabricModule":
+            model = model.module  # Lightning Fabric's wrapper of the module it set up
         else:
             return model
 

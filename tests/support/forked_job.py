@@ -4,7 +4,7 @@
 A phase is `{"ranks": N, "argv": [...]}`: its ranks are forked from this process, each
 running its `argv` (a script and its arguments) as `__main__`; a phase with `ranks` > 0 gets
 the environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT), a phase with `ranks` 0 is one plain process (a job's `reference`
+MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID), a phase with `ranks` 0 is one plain process (a job's `reference`
 command). The first rank that fails ends the phase with its exit status, after its other ranks
 are stopped, as torchrun stops a job's workers when one fails.
 
@@ -81,6 +81,9 @@ def run_phase(phase, port, gone=None):
                 "LOCAL_WORLD_SIZE": str(ranks),
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
+                # torchrun's run id (its default): trainers that launch their own workers
+                # unless started by torchrun (Lightning) look for it.
+                "TORCHELASTIC_RUN_ID": "none",
             }
             pids[fork_rank(argv, env)] = rank
     failed = 0
