@@ -1718,6 +1718,8 @@ fn the_same_batch_on_every_rank_and_a_stuck_loader_are_caught() -> Result<()> {
 /// one fail unless the job says they share it on purpose (`replicated_data=True`, as context
 /// parallelism's ranks do: they hold the same weights), and a declared job whose ranks
 /// receive different batches fails its declaration (before, the declaration was trusted).
+/// A rank is named by its place among its replicas and its global rank (before, a global
+/// rank was called a data-parallel rank).
 /// Sample by sample: `DistributedSampler`s that split the dataset over the replicas pass
 /// (under FSDP x TP, over `dp`), and samplers seeded by each rank's own number (so a sample
 /// goes to two ranks an epoch and another to none, while no two whole batches are alike)
@@ -1727,6 +1729,13 @@ fn data_parallel_ranks_are_found_from_what_they_hold_and_a_declaration_is_checke
     for (world, args, want, finding) in [
         (2, &["--parallel", "tp"][..], 0, ""),
         (4, &["--parallel", "fsdp-tp"][..], 0, ""),
+        (
+            4,
+            &["--parallel", "fsdp-tp", "--data", "stuck"][..],
+            1,
+            "data-parallel rank 1 (rank 2)'s batch at step 1 repeats the batch of step 0 \
+             (data-parallel rank 1 (rank 2))",
+        ),
         (2, &["--parallel", "ddp", "--data", "sampler"][..], 0, ""),
         (4, &["--parallel", "fsdp-tp", "--data", "sampler"][..], 0, ""),
         (

@@ -4,7 +4,7 @@ tensor parallelism (its first linear column-parallel, its second row-parallel, t
 out of the plan), or under FSDP x TP on a 2 x 2 (dp, tp) mesh (the TP model sharded by
 FSDP2 over dp), fed the right data for the parallelism (`--data right`: a batch per
 data-parallel replica, shared by the TP ranks), one batch on every rank (`same`) or a batch
-of its own on each (`own`); or DDP over a (dp, cp) mesh whose cp ranks share a batch, said
+of its own on each (`own`), the right data but the second replica's loader stuck (`stuck`); or DDP over a (dp, cp) mesh whose cp ranks share a batch, said
 with `--declare` as `replicated_data=mesh["cp"]` (`ddp-cp`); read through a `DistributedSampler` split over the replicas
 (`sampler`) or seeded by each rank's number (`sampler-seeded`), and said to replicate its data (`--declare`) or not. `--resume`
 records from its second step with its optimizer's momentum given to the recorder, as a job
@@ -129,7 +129,9 @@ def train(out, parallel, data, declare, bug, resume, loss_reduction):
         if batches is not None:
             x, y = next(batches)
         else:
-            x, y = batch(step, {"right": replica, "same": 0, "own": rank}[data])
+            # `stuck`: the second replica's loader does not advance.
+            at = 0 if data == "stuck" and replica == 1 else step
+            x, y = batch(at, {"right": replica, "stuck": replica, "same": 0, "own": rank}[data])
         opt.zero_grad()
         loss = loss_fn(model, x, y) / share
         loss.backward()
@@ -147,7 +149,8 @@ def main():
     parser.add_argument("mode", choices=["train", "reference"])
     parser.add_argument("out")
     parser.add_argument("--parallel", choices=["ddp", "tp", "fsdp-tp", "ddp-cp"], default="tp")
-    parser.add_argument("--data", choices=["right", "same", "own", "sampler", "sampler-seeded"],
+    parser.add_argument("--data", choices=["right", "same", "own", "stuck", "sampler",
+                                           "sampler-seeded"],
                         default="right")
     parser.add_argument("--bug", choices=["norm-drifts", "declared-sum"])
     parser.add_argument("--loss-reduction", choices=["mean", "sum"], default="mean",
