@@ -915,8 +915,9 @@ fn a_pipeline_accumulating_micro_steps_of_unequal_lengths_is_recorded_and_judged
         return Ok(());
     };
     ensure!(comparison["passed"] == true, "{comparison}");
-    let record: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("run/record.json"))?)?;
+    let record: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+        dir.path().join("run/record.json"),
+    )?)?;
     let names: Vec<&str> = record["activations"]
         .as_array()
         .context("activations")?
@@ -1188,8 +1189,9 @@ fn accumulation_micro_steps_are_judged_as_the_whole_batch_they_make() -> Result<
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    let record: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("run/record.json"))?)?;
+    let record: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+        dir.path().join("run/record.json"),
+    )?)?;
     let names: Vec<&str> = record["output_grads"]
         .as_array()
         .context("output_grads")?
@@ -1273,7 +1275,13 @@ fn a_resumed_job_is_judged_from_its_optimizers_saved_state() -> Result<()> {
     );
     ensure!(!unsaid.join("report").exists(), "nothing written");
     // Resumed under FSDP x TP: the momentum is a DTensor on the 2-D mesh, saved whole.
-    judged(DATA_PARALLELISM, 4, &["--parallel", "fsdp-tp", "--resume"], 0).map(drop)
+    judged(
+        DATA_PARALLELISM,
+        4,
+        &["--parallel", "fsdp-tp", "--resume"],
+        0,
+    )
+    .map(drop)
 }
 
 /// Casts to fp32 as models are written (an RMSNorm computing in fp32 inside, the logits
@@ -1313,8 +1321,10 @@ fn casts_to_fp32_are_widened_in_the_shadow_and_named() -> Result<()> {
     let stdout = String::from_utf8_lossy(&out.stdout);
     ensure!(out.status.success(), "{stdout}");
     ensure!(
-        stdout.contains("note: the float64 shadow widened 6 casts to fp32 or narrower to \
-             float64, in `norm` (3), `the model's forward` (3)"),
+        stdout.contains(
+            "note: the float64 shadow widened 6 casts to fp32 or narrower to \
+             float64, in `norm` (3), `the model's forward` (3)"
+        ),
         "{stdout}"
     );
     Ok(())
@@ -1380,10 +1390,14 @@ fn a_meta_device_model_is_recorded_once_materialised_or_refused_by_name() -> Res
     let stdout = String::from_utf8_lossy(&run.stdout);
     ensure!(
         run.status.success()
-            && stdout.contains("refused: `0.weight` is on the meta device: create the Recorder \
-                 after the model is materialised")
-            && stdout.contains("refused: model_fn() builds the model on the meta device, and \
-                 its buffer `cache` is not in its state dict"),
+            && stdout.contains(
+                "refused: `0.weight` is on the meta device: create the Recorder \
+                 after the model is materialised"
+            )
+            && stdout.contains(
+                "refused: model_fn() builds the model on the meta device, and \
+                 its buffer `cache` is not in its state dict"
+            ),
         "{stdout}{}",
         String::from_utf8_lossy(&run.stderr)
     );
@@ -1737,7 +1751,12 @@ fn data_parallel_ranks_are_found_from_what_they_hold_and_a_declaration_is_checke
              (data-parallel rank 1 (rank 2))",
         ),
         (2, &["--parallel", "ddp", "--data", "sampler"][..], 0, ""),
-        (4, &["--parallel", "fsdp-tp", "--data", "sampler"][..], 0, ""),
+        (
+            4,
+            &["--parallel", "fsdp-tp", "--data", "sampler"][..],
+            0,
+            "",
+        ),
         (
             2,
             &["--parallel", "ddp", "--data", "sampler-seeded"][..],
@@ -1760,7 +1779,12 @@ fn data_parallel_ranks_are_found_from_what_they_hold_and_a_declaration_is_checke
             "every data-parallel rank received the same batch at step 0 (2 of them, holding \
              the same slices of every parameter)",
         ),
-        (2, &["--parallel", "ddp", "--data", "same", "--declare"][..], 0, ""),
+        (
+            2,
+            &["--parallel", "ddp", "--data", "same", "--declare"][..],
+            0,
+            "",
+        ),
         (4, &["--parallel", "ddp-cp", "--declare"][..], 0, ""),
         (
             4,
@@ -1820,7 +1844,12 @@ fn a_loss_off_by_a_whole_factor_is_diagnosed_as_its_reduction() -> Result<()> {
 /// numbers).
 #[test]
 fn under_fsdp_tp_the_tp_ranks_copies_of_a_norm_are_compared() -> Result<()> {
-    let Some(c) = judged(DATA_PARALLELISM, 4, &["--parallel", "fsdp-tp", "--bug", "norm-drifts"], 1)?
+    let Some(c) = judged(
+        DATA_PARALLELISM,
+        4,
+        &["--parallel", "fsdp-tp", "--bug", "norm-drifts"],
+        1,
+    )?
     else {
         return Ok(());
     };

@@ -17,7 +17,10 @@ pub fn finding(comparison: &Comparison, run: &RunRecord, reference: &RunRecord) 
     let training_within = comparison.grad_norms.passed
         && comparison.params.passed
         && comparison.grads.as_ref().is_none_or(|g| g.passed)
-        && comparison.cross_rank.as_ref().is_none_or(|c| c.mismatch.is_none());
+        && comparison
+            .cross_rank
+            .as_ref()
+            .is_none_or(|c| c.mismatch.is_none());
     if comparison.passed || comparison.losses.passed || !training_within {
         return None;
     }
@@ -29,7 +32,10 @@ pub fn finding(comparison: &Comparison, run: &RunRecord, reference: &RunRecord) 
         .map(|(a, r)| a / r)
         .collect();
     let first = *ratios.first()?;
-    if !ratios.iter().all(|r| (r - first).abs() <= WHOLE * first.abs()) {
+    if !ratios
+        .iter()
+        .all(|r| (r - first).abs() <= WHOLE * first.abs())
+    {
         return None;
     }
     let (factor, larger) = if first >= 1.0 {
