@@ -346,6 +346,46 @@ fn record_job_uncached(
     Ok(true)
 }
 
+/// `lockstep judge` over `dir`'s records, which must pass: its standard output.
+fn judge_passes(dir: &Path) -> Result<String> {
+    let out = judge(dir)?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    ensure!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(stdout)
+}
+
+/// The names of a record's `section` entries (`activations`, `output_grads`) at `step`, in
+/// the record's order.
+fn step_entries(dir: &Path, section: &str, step: usize) -> Result<Vec<String>> {
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("run/record.json"))?)?;
+    let prefix = format!("step {step},");
+    Ok(record[section]
+        .as_array()
+        .with_context(|| format!("no `{section}` in the record"))?
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .filter(|n| n.starts_with(&prefix))
+        .map(str::to_owned)
+        .collect())
+}
+
+/// The first lines of a one-process Python job of these tests: the recorder importable,
+/// torch and `nn` imported, `out` naming `dir`.
+fn python_preamble(dir: &Path) -> Result<String> {
+    let out = dir.to_str().context("utf-8 temp dir")?;
+    Ok(format!(
+        "import sys, copy; sys.path.insert(0, 'python')\n\
+         import torch, lockstep_probe\n\
+         from torch import nn\n\
+         out = {out:?}\n"
+    ))
+}
+
 /// `lockstep judge` over `dir`'s records: its exit code and output.
 fn judge(dir: &Path) -> Result<Output> {
     Command::new(env!("CARGO_BIN_EXE_lockstep"))
@@ -915,18 +955,10 @@ fn a_pipeline_accumulating_micro_steps_of_unequal_lengths_is_recorded_and_judged
         return Ok(());
     };
     ensure!(comparison["passed"] == true, "{comparison}");
-    let record: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
-        dir.path().join("run/record.json"),
-    )?)?;
-    let names: Vec<&str> = record["activations"]
-        .as_array()
-        .context("activations")?
-        .iter()
-        .filter_map(|e| e["name"].as_str())
-        .filter(|n| n.starts_with("step 0,"))
-        .collect();
+    let names = step_entries(dir.path(), "activations", 0)?;
     ensure!(
-        names.contains(&"step 0, rank 0: 0") && names.contains(&"step 0, rank 0: 0 (call 2)"),
+        names.iter().any(|n| n == "step 0, rank 0: 0")
+            && names.iter().any(|n| n == "step 0, rank 0: 0 (call 2)"),
         "each micro-step's sequence length a call of its own: {names:?}"
     );
     caught_at_step_0(MICRO_STEPS, "scale-grads").map(drop)
@@ -976,13 +1008,8 @@ fn a_damaged_record_is_bad_input_naming_the_file() -> Result<()> {
 /// of 4 and targets of 3 features, recorded; the job is recorded at `dir/run` and its
 /// references trained into `dir`, then `then` runs.
 fn one_process_job(dir: &Path, definitions: &str, then: &str) -> Result<String> {
-    let out = dir.to_str().context("utf-8 temp dir")?;
     Ok(format!(
-        "import sys; sys.path.insert(0, 'python')
-import torch, lockstep_probe
-from torch import nn
-out = {out:?}
-{definitions}
+        "{}{definitions}
 def sgd(p):
     return torch.optim.SGD(p, lr=0.1)
 def record(run, precision=None, frozen=None):
@@ -1005,7 +1032,8 @@ def record(run, precision=None, frozen=None):
     rec.finish()
 record(out + '/run')
 lockstep_probe.train_references(Net, loss_fn, sgd, out + '/run', out)
-{then}"
+{then}",
+        python_preamble(dir)?
     ))
 }
 
@@ -1053,13 +1081,7 @@ fn a_parameter_the_job_never_uses_is_recorded_with_a_zero_gradient() -> Result<(
         "{diagnosis}"
     );
     let frozen = dir.path().join("frozen");
-    let out = judge(&frozen)?;
-    ensure!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    judge_passes(&frozen)?;
     let comparison = &report(&frozen)?["comparisons"][0];
     ensure!(comparison["passed"] == true, "{comparison}");
     let typo = dir.path().join("typo");
@@ -1189,16 +1211,7 @@ fn accumulation_micro_steps_are_judged_as_the_whole_batch_they_make() -> Result<
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    let record: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
-        dir.path().join("run/record.json"),
-    )?)?;
-    let names: Vec<&str> = record["output_grads"]
-        .as_array()
-        .context("output_grads")?
-        .iter()
-        .filter_map(|e| e["name"].as_str())
-        .filter(|n| n.starts_with("step 0,"))
-        .collect();
+    let names = step_entries(dir.path(), "output_grads", 0)?;
     // One whole-batch entry per module: the micro-steps put together, not a call each.
     ensure!(
         names == ["step 0, rank 0: body", "step 0, rank 0: pos"],
@@ -1216,13 +1229,8 @@ fn accumulation_micro_steps_are_judged_as_the_whole_batch_they_make() -> Result<
 #[test]
 fn a_resumed_job_is_judged_from_its_optimizers_saved_state() -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let out = dir.path().to_str().context("utf-8 temp dir")?;
     let program = format!(
-        "import sys, copy; sys.path.insert(0, 'python')\n\
-         import torch, lockstep_probe\n\
-         from torch import nn\n\
-         out = {out:?}\n\
-         def build():\n\
+        "{}def build():\n\
          \x20   torch.manual_seed(0)\n\
          \x20   return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))\n\
          def adam(p):\n\
@@ -1250,20 +1258,15 @@ fn a_resumed_job_is_judged_from_its_optimizers_saved_state() -> Result<()> {
          \x20   train(model, opt, 3, rec)\n\
          \x20   rec.finish()\n\
          \x20   lockstep_probe.train_references(build, loss_fn, adam, out + d + '/run', out + d)\n\
-         \x20   del model, opt, rec\n"
+         \x20   del model, opt, rec\n",
+        python_preamble(dir.path())?
     );
     let Some(run) = python_program(&program) else {
         return Ok(());
     };
     succeeded("a job resumed from its checkpoint", run?)?;
     let given = dir.path().join("given");
-    let out = judge(&given)?;
-    ensure!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    judge_passes(&given)?;
     let unsaid = dir.path().join("unsaid");
     let out = judge(&unsaid)?;
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -1340,13 +1343,8 @@ fn casts_to_fp32_are_widened_in_the_shadow_and_named() -> Result<()> {
 #[test]
 fn a_meta_device_model_is_recorded_once_materialised_or_refused_by_name() -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let out = dir.path().to_str().context("utf-8 temp dir")?;
     let program = format!(
-        "import sys; sys.path.insert(0, 'python')\n\
-         import torch, lockstep_probe\n\
-         from torch import nn\n\
-         out = {out:?}\n\
-         def on_meta():\n\
+        "{}def on_meta():\n\
          \x20   with torch.device('meta'):\n\
          \x20       return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))\n\
          def sgd(p):\n\
@@ -1381,7 +1379,8 @@ fn a_meta_device_model_is_recorded_once_materialised_or_refused_by_name() -> Res
          try:\n\
          \x20   lockstep_probe.train_references(with_cache, loss_fn, sgd, out + '/run', out + '/cached')\n\
          except lockstep_probe.ReferenceError as e:\n\
-         \x20   print('refused:', e)\n"
+         \x20   print('refused:', e)\n",
+        python_preamble(dir.path())?
     );
     let Some(run) = python_program(&program) else {
         return Ok(());
