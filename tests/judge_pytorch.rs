@@ -245,6 +245,11 @@ fn record_job_with(
             "{:?}",
             crate::fixtures::sources(&root.join("tests/support"), &["py"])
         ),
+        // The corpus's cases import its shared modules.
+        format!(
+            "{:?}",
+            crate::fixtures::sources(&root.join("corpus"), &["py"])
+        ),
     ]);
     let recorded = crate::fixtures::cached_dir("judge-job", &key, |into| {
         record_job_uncached(launch, script, world, into, extra, packages)
@@ -2080,4 +2085,101 @@ fn lightning_fabrics_model_parallel_strategy_passes_and_its_own_sampler_is_caugh
         );
     }
     Ok(())
+}
+
+/// One case of the bug corpus (`corpus/`, docs/bugs.md): its file, world size and where the
+/// judge must first see its bug.
+#[derive(Debug)]
+struct CorpusCase {
+    script: String,
+    world: usize,
+    step: Option<u64>,
+    first: Option<String>,
+}
+
+/// Every case of `corpus/`, read from the constants at the top of each file (`WORLD`,
+/// `EXPECT_STEP`, `EXPECT_FIRST`), in file-name order.
+fn corpus_cases() -> Result<Vec<CorpusCase>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(root().join("corpus"))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "py"))
+        .filter(|p| std::fs::read_to_string(p).is_ok_and(|t| t.contains("\nWORLD = ")))
+        .collect();
+    files.sort();
+    files
+        .iter()
+        .map(|path| {
+            let text = std::fs::read_to_string(path)?;
+            let constant = |name: &str| {
+                text.lines()
+                    .find_map(|l| l.strip_prefix(&format!("{name} = ")))
+                    .map(|v| v.split('#').next().unwrap_or("").trim().to_owned())
+            };
+            let name = path.strip_prefix(root())?.to_string_lossy().into_owned();
+            Ok(CorpusCase {
+                world: constant("WORLD")
+                    .and_then(|w| w.parse().ok())
+                    .with_context(|| format!("{name}: no WORLD"))?,
+                step: constant("EXPECT_STEP").and_then(|s| s.parse().ok()),
+                first: constant("EXPECT_FIRST").map(|f| f.trim_matches('\'').to_owned()),
+                script: name,
+            })
+        })
+        .collect()
+}
+
+/// One corpus case, judged: its fixed job passes; with `--bug` it fails, first at the step
+/// the case names and at a tensor (a parameter's gradient or value, or the copy check), not
+/// only at the loss; where the case names what the judge must name first, the first
+/// failure or the diagnosis says it.
+fn corpus_case_is_caught_where_it_starts(case: &CorpusCase) -> Result<()> {
+    let Some(_) = judged(&case.script, case.world, &[], 0)? else {
+        return Ok(());
+    };
+    let Some(c) = judged(&case.script, case.world, &["--bug"], 1)? else {
+        return Ok(());
+    };
+    let first = &c["first_failure"];
+    let diagnosis = c["diagnosis"].as_str().unwrap_or_default();
+    if let Some(step) = case.step {
+        ensure!(
+            first["step"] == step || c["cross_rank"]["mismatch"]["step"] == step,
+            "first seen at step {step}: {first} {diagnosis}"
+        );
+        ensure!(
+            first["tensor"].is_string(),
+            "named at a tensor, not only at the loss: {first}"
+        );
+    }
+    if let Some(want) = &case.first {
+        let tensor = first["tensor"].as_str().unwrap_or_default();
+        ensure!(
+            tensor.contains(want.as_str()) || diagnosis.starts_with(want.as_str()),
+            "the judge names `{want}` first: {first} {diagnosis}"
+        );
+    }
+    Ok(())
+}
+
+/// The bug corpus, half of it (the cases in even places): see
+/// [`corpus_case_is_caught_where_it_starts`].
+#[test]
+fn corpus_cases_are_caught_where_they_start_first_half() {
+    let cases = corpus_cases().expect("the corpus's cases");
+    common::each_case(
+        "corpus_first_half",
+        cases.into_iter().step_by(2),
+        |case| corpus_case_is_caught_where_it_starts(case).unwrap(),
+    );
+}
+
+/// The other half of the bug corpus (the cases in odd places).
+#[test]
+fn corpus_cases_are_caught_where_they_start_second_half() {
+    let cases = corpus_cases().expect("the corpus's cases");
+    common::each_case(
+        "corpus_second_half",
+        cases.into_iter().skip(1).step_by(2),
+        |case| corpus_case_is_caught_where_it_starts(case).unwrap(),
+    );
 }

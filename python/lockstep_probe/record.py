@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from . import optimizer_state
+from . import metrics, optimizer_state
 from .data import (DataChecks, SamplerWatch, replica_groups, replica_key,
                    shared_batch_group)
 from .gather import assemble, gather_to_root, parts_of, wait_for_every_rank
@@ -445,6 +445,9 @@ class Recorder:
         # The float64 shadow's casts to narrower dtypes that it widened, by module (set by
         # `train_references`).
         self.widened_casts = None
+        # Reported metrics ({"name", "after", "value"}), and a job's every rank's batch of
+        # each, in the same order.
+        self.metrics, self.metric_batches = [], []
         self.finished = False
         self.activation_steps = self._activation_steps(activations, compiled)
         # A step's forwards fall into pieces, each module's outputs concatenated over them
@@ -538,14 +541,18 @@ class Recorder:
         return frozenset(asked)
 
     def _next_microbatch(self, _module, _inputs):
-        """A pipeline stage module's forward pre-hook: a new microbatch begins."""
-        self.microbatch += 1
+        """A pipeline stage module's forward pre-hook: a new microbatch begins (not in an
+        evaluation's forward, which has no gradients)."""
+        if torch.is_grad_enabled():
+            self.microbatch += 1
 
     def _next_micro_step(self, _module, _inputs):
         """The model's forward pre-hook: a forward after a backward within a step begins
         the step's next accumulation micro-step (forwards with no backward between them,
         a model run twice for one loss or every rank's forward in the references, stay one
         piece, told apart by their calls)."""
+        if not torch.is_grad_enabled():
+            return  # an evaluation's forward
         if self.microbatch < 0 or self.backward_since_forward:
             self.microbatch += 1
         self.backward_since_forward = False
@@ -553,7 +560,9 @@ class Recorder:
     def _record_output(self, module_name, _module, _inputs, output):
         """A forward hook: keeps the module's output (its first floating tensor, whole) when
         this step's outputs are recorded; a pipeline stage's under its microbatch."""
-        if self.finished or len(self.losses) not in self.activation_steps:
+        # An evaluation's forward (no gradients) is no training step's.
+        if (self.finished or len(self.losses) not in self.activation_steps
+                or not torch.is_grad_enabled()):
             return
         outs = output if isinstance(output, (tuple, list)) else (output,)
         t = next((o for o in outs if torch.is_tensor(o) and o.is_floating_point()), None)
@@ -677,6 +686,28 @@ class Recorder:
         self._keep_batches(every)
         if self.samplers is not None:
             self.data_checks.check_samples(step, [c.samples for c in every])
+
+    def metric(self, name, value, *batch):
+        """Records an evaluation metric the job reports between training steps (its
+        evaluation loss, after `len(steps)` updates): `value` as the job reports it (the
+        same on every rank; rank 0's is kept) and `batch` this rank's evaluation batch. The
+        references compute `metrics[name]` (`train_references(metrics=...)`) on every rank's
+        batch from their own state at the same point, and `lockstep judge` holds the
+        reported value to the arbiter's envelope. Every rank calls it (one gather)."""
+        if self.finished:
+            raise RecordError("metric() after finish()")
+        try:
+            value = metrics.reported_value(name, value)
+        except metrics.MetricError as e:
+            raise RecordError(str(e)) from e
+        after = len(self.losses)
+        if any(m["name"] == name and m["after"] == after for m in self.metrics):
+            raise RecordError(f"metric `{name}` reported twice after {after} steps")
+        mine = tuple(t.detach().to("cpu").clone() for t in batch)
+        every = gather_to_root(mine, self.world)
+        self.metrics.append({"name": name, "after": after, "value": value})
+        if every is not None:
+            self.metric_batches.append(every)
 
     def _loss_scale(self):
         """The job's loss scale at this step, once its gradients are unscaled (an error when
@@ -867,6 +898,7 @@ class Recorder:
             "output_grads": self.output_grad_entries,
             "skipped_steps": self.skipped_steps,
             "frozen": sorted(self.frozen),
+            "metrics": [{**m, "value": _number(m["value"])} for m in self.metrics],
         }
         if self.scaler is not None:
             record["loss_scales"] = self.loss_scales
@@ -886,6 +918,8 @@ class Recorder:
             record["cross_rank"] = self.cross_rank
         if self.keep_batches:
             torch.save(self.batches, self.out / "batches.pt")
+            if self.metric_batches:
+                torch.save(self.metric_batches, self.out / metrics.FILE)
         self.writer.close()
         write_json_atomically(self.out / "record.json", record)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import metrics as metric_points
 from . import optimizer_state
 from .record import (PRECISION_NAMES, Recorder, digest_config, digest_state,
                      digest_step_batches)
@@ -47,6 +48,14 @@ def _load(run_dir):
     except (ValueError, KeyError) as e:
         raise ReferenceError(f"{paths['record.json']}: not a Lockstep run record ({e})") from e
     init, batches = (_load_tensors(paths[n]) for n in ("init.pt", "batches.pt"))
+    # The metrics the job reported, and every rank's evaluation batch of each.
+    spec["metrics"] = record.get("metrics", [])
+    saved_metrics = run_dir / metric_points.FILE
+    spec["metric_batches"] = (_load_tensors(saved_metrics) if saved_metrics.is_file()
+                              else [])
+    if len(spec["metric_batches"]) != len(spec["metrics"]):
+        raise ReferenceError(f"{saved_metrics}: batches for {len(spec['metric_batches'])} "
+                             f"metric points, the record reports {len(spec['metrics'])}")
     # A resumed job's optimizer state as recording began: the references start from it.
     saved_optimizer = run_dir / optimizer_state.FILE
     spec["optimizer_start"] = (_load_tensors(saved_optimizer) if saved_optimizer.is_file()
@@ -354,7 +363,7 @@ def _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, *args, **k
 
 def _train_at(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, config, device,
               *, compute=_OwnDtype, precision=None, max_grad_norm=None, kind="reference",
-              scales=None):
+              scales=None, metric_fns=None):
     """One single-device training from `init` over the global batches: each step's objective
     is every rank's loss in rank order, summed, divided by the world size (what a data-parallel
     job's averaged gradients are the gradient of), each step computed by `compute` (the job's
@@ -383,7 +392,10 @@ def _train_at(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, 
                    activations=spec["activation_steps"], every=spec["grads_every"],
                    skipped_steps=spec["skipped_steps"])
     skipped = set(spec["skipped_steps"])
+    evaluate = functools.partial(_evaluate, model, metric_fns or {}, spec, rec, dtype, device,
+                                 widen)
     for step, ranks in enumerate(batches):
+        evaluate(step)
         optimizer.zero_grad()
         with widen if widen is not None else contextlib.nullcontext():
             loss = stepper.step(loss_fn, ranks, rec, None if scales is None else scales[step])
@@ -393,6 +405,7 @@ def _train_at(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, 
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()
+    evaluate(len(batches))
     for h in hooks:
         h.remove()
     if widen is not None:
@@ -401,9 +414,26 @@ def _train_at(model_fn, loss_fn, optimizer_fn, spec, init, batches, out, dtype, 
     rec.finish()
 
 
+def _evaluate(model, metric_fns, spec, rec, dtype, device, widen, after):
+    """The metrics the job reported after `after` training steps, computed from the
+    reference's state now on the job's evaluation batches (`metric_fns[name](model,
+    *batch)`), kept in the reference's record."""
+    for point, ranks in zip(spec["metrics"], spec["metric_batches"]):
+        if point["after"] != after:
+            continue
+        fn = metric_fns.get(point["name"])
+        if fn is None:
+            raise ReferenceError(f"the job reported the metric `{point['name']}`: pass "
+                                 f"train_references(..., metrics={{'{point['name']}': "
+                                 "fn}), fn(model, *batch) computing it on one rank's batch")
+        with widen if widen is not None else contextlib.nullcontext():
+            value = metric_points.evaluate(model, fn, ranks, dtype, device, _placed)
+        rec.metrics.append({"name": point["name"], "after": after, "value": value})
+
+
 def train_references(model_fn, loss_fn, optimizer_fn, run_dir, out_dir, *, shadow=True,
                      device="cpu", shadow_device=None, max_grad_norm=None, param_dtype=None,
-                     autocast=None):
+                     autocast=None, metrics=None):
     """Trains the references of the run recorded in `run_dir` into `out_dir/reference` (fp32)
     and `out_dir/shadow` (float64), under `deterministic` settings: `model_fn()` builds the
     model (any initial values: the run's are loaded), `loss_fn(model, *batch)` one rank's
@@ -424,7 +454,10 @@ def train_references(model_fn, loss_fn, optimizer_fn, run_dir, out_dir, *, shado
     for FSDP's mixed precision (parameters and inputs cast for the forward and backward,
     gradients reduced in fp32), `autocast=torch.bfloat16` for a forward under
     `torch.autocast`. A job recorded with its GradScaler (`Recorder(scaler=...)`, fp16) is
-    replayed at its loss scale of each step, and the steps its scaler skipped are skipped."""
+    replayed at its loss scale of each step, and the steps its scaler skipped are skipped.
+    `metrics` maps each metric the job reported (`rec.metric(name, ...)`) to
+    `fn(model, *batch)`, its value on one rank's evaluation batch: computed at the same
+    points, without gradients and in eval mode, averaged over the ranks."""
     if param_dtype is not None and autocast is not None:
         raise ReferenceError("param_dtype and autocast describe two precisions: pass the one "
                              "the job uses")
@@ -436,9 +469,10 @@ def train_references(model_fn, loss_fn, optimizer_fn, run_dir, out_dir, *, shado
     with deterministic(device):
         _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out_dir / "reference",
                torch.float32, name, device, compute=_compute(param_dtype, autocast),
-               precision=precision, max_grad_norm=max_grad_norm, scales=spec["loss_scales"])
+               precision=precision, max_grad_norm=max_grad_norm, scales=spec["loss_scales"],
+               metric_fns=metrics)
     if shadow:
         with deterministic(shadow_device):
             _train(model_fn, loss_fn, optimizer_fn, spec, init, batches, out_dir / "shadow",
                    torch.float64, "single.f64", shadow_device, max_grad_norm=max_grad_norm,
-                   kind="shadow")
+                   kind="shadow", metric_fns=metrics)

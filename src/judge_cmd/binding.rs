@@ -57,6 +57,9 @@ pub struct Provenance {
     /// A float64 shadow's casts to a narrower dtype that it widened, by the module that made
     /// them (the job's fp32 islands: a `.float()` on the logits, an RMSNorm in fp32).
     pub widened_casts: Vec<(String, u64)>,
+    /// The evaluation metrics the record holds: a job's as it reported them, a
+    /// reference's as it computed them at the same points.
+    pub metrics: Vec<super::metrics::MetricPoint>,
 }
 
 impl Provenance {
@@ -135,6 +138,7 @@ impl Provenance {
                         .collect()
                 })
                 .unwrap_or_default(),
+            metrics: super::metrics::read(record, file)?,
         })
     }
 }

@@ -7,6 +7,7 @@
 pub mod binding;
 pub mod forward;
 pub mod loss_scale;
+pub mod metrics;
 pub mod skipped;
 mod tensor_file;
 pub mod training;
@@ -361,7 +362,7 @@ pub fn judge(opts: &JudgeOptions) -> Result<Judged, JudgeError> {
     let (mut run, run_from, mut run_probes) = read_full_record(&opts.run)?;
     let (mut reference, reference_from, mut reference_probes) = read_full_record(&opts.reference)?;
     check_bound(&run_from, &reference_from, "reference")?;
-    let (mut shadow, widened) = match opts.shadow.as_deref() {
+    let (mut shadow, widened, shadow_metrics) = match opts.shadow.as_deref() {
         Some(path) => {
             let (shadow, shadow_from, mut shadow_probes) = read_full_record(path)?;
             skipped::set_aside_output_grads(&mut shadow_probes, &run_from.skipped_steps);
@@ -369,9 +370,10 @@ pub fn judge(opts: &JudgeOptions) -> Result<Judged, JudgeError> {
             (
                 Some((shadow, shadow_probes)),
                 binding::widened_note(&shadow_from),
+                Some(shadow_from.metrics),
             )
         }
-        None => (None, None),
+        None => (None, None, None),
     };
     let mut records = vec![&mut run, &mut reference];
     records.extend(shadow.as_mut().map(|(s, _)| s));
@@ -422,6 +424,15 @@ pub fn judge(opts: &JudgeOptions) -> Result<Judged, JudgeError> {
         &training::findings(&run, &run_from.frozen)?,
     );
     fail_on_findings(&mut comparison, "data", &run_from.data_findings);
+    fail_on_findings(
+        &mut comparison,
+        "evaluation",
+        &metrics::findings(
+            &run_from.metrics,
+            &reference_from.metrics,
+            shadow_metrics.as_deref(),
+        )?,
+    );
     let report = Report::new(vec![comparison])
         .with_environment(Some(lockstep_harness::report::environment()));
     prepare_dir(&opts.out)?;

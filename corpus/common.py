@@ -1,0 +1,59 @@
+"""What every case of Lockstep's bug corpus shares (docs/bugs.md): the command line, the
+process group, the step loop's bookkeeping. A case is one file: its header cites the bug
+(issue or PR, date, mechanism), its default is the fixed job, `--bug` plants the bug, and its
+`EXPECT` says where the judge must first see it. Written here from the public descriptions of
+the bugs, not copied from the projects' code.
+
+    python3 -m torch.distributed.run --nproc-per-node WORLD corpus/CASE.py train OUT [--bug]
+    python3 corpus/CASE.py reference OUT
+    lockstep judge --run OUT/run --reference OUT/reference --shadow OUT/shadow --out OUT/report
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+import lockstep_probe  # noqa: E402,F401  (the cases import it from here)
+
+STEPS = 3
+
+
+def start():
+    """The process group (gloo) and Lockstep's determinism settings for the job's life:
+    (rank, world)."""
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def batch(step, index, rows=4, features=8, classes=4):
+    """The batch `index` (a rank's, a replica's) of `step`: inputs and class targets."""
+    g = torch.Generator().manual_seed(1000 * step + index)
+    return torch.randn(rows, features, generator=g), torch.randint(classes, (rows,), generator=g)
+
+
+def mean_over(group, tensor):
+    """`tensor` averaged over `group`'s ranks in place (a gradient's data-parallel mean)."""
+    dist.all_reduce(tensor, group=group)
+    tensor /= dist.get_world_size(group)
+
+
+def main(train, build, loss_fn, optimizer, **reference_options):
+    """The case's command line: `train OUT [--bug]` runs `train(out, bug)` (under torchrun),
+    `reference OUT` trains the references from `build`, `loss_fn` and `optimizer`."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["train", "reference"])
+    parser.add_argument("out")
+    parser.add_argument("--bug", action="store_true", help="plant the published bug")
+    args = parser.parse_args()
+    if args.mode == "train":
+        train(Path(args.out), args.bug)
+        dist.destroy_process_group()
+    else:
+        lockstep_probe.train_references(build, loss_fn, optimizer, Path(args.out) / "run",
+                                        args.out, **reference_options)

@@ -1,0 +1,44 @@
+"""A token-wise model for the corpus's sequence- and context-parallel cases: every token
+computed on its own (an embedding, a feed-forward block, a classifier), so splitting a
+sequence over ranks changes nothing of the math, and the bugs these cases plant (in how the
+ranks' gradients, losses and metrics are reduced) are the only difference. Attention, which
+mixes tokens, is what these parallelisms exist for; the published bugs below live in the
+reductions around it, not in it.
+
+Each rank of the sequence-parallel group takes its contiguous part of every sequence; its
+loss is the mean over its tokens; the global loss is the mean over the ranks (equal parts),
+so the weights' gradients are averaged over the group."""
+
+import torch
+from torch import nn
+
+FEATURES, CLASSES, SEQUENCE, ROWS = 8, 5, 8, 2
+
+
+def build():
+    torch.manual_seed(11)
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(),
+                         nn.Linear(16, CLASSES))
+
+
+def loss_fn(model, x, y):
+    """The mean token loss over the (whole or partial) sequences of `x`."""
+    logits = model(x)
+    return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.3)
+
+
+def batch(step):
+    """The step's sequences, the same on every rank of a sequence-parallel group."""
+    g = torch.Generator().manual_seed(500 + step)
+    return (torch.randn(ROWS, SEQUENCE, FEATURES, generator=g),
+            torch.randint(CLASSES, (ROWS, SEQUENCE), generator=g))
+
+
+def part(t, rank, ranks):
+    """This rank's contiguous part of every sequence of `t` (dimension 1)."""
+    size = t.shape[1] // ranks
+    return t[:, rank * size:(rank + 1) * size]
