@@ -57,3 +57,17 @@ def main(train, build, loss_fn, optimizer, **reference_options):
     else:
         lockstep_probe.train_references(build, loss_fn, optimizer, Path(args.out) / "run",
                                         args.out, **reference_options)
+
+
+def run_example(example, bug):
+    """Runs `examples/EXAMPLE` as the case's job, its `--bug` being the example's `--bug BUG`:
+    for published bugs an example of Lockstep's already reproduces by mechanism (its header
+    says how)."""
+    import runpy
+
+    path = Path(__file__).resolve().parent.parent / "examples" / example
+    args = [a for a in sys.argv[1:] if a != "--bug"]
+    if "--bug" in sys.argv[1:]:
+        args += ["--bug", bug]
+    sys.argv = [str(path), *args]
+    runpy.run_path(str(path), run_name="__main__")

@@ -245,11 +245,18 @@ fn record_job_with(
             "{:?}",
             crate::fixtures::sources(&root.join("tests/support"), &["py"])
         ),
-        // The corpus's cases import its shared modules.
+        // The corpus's cases import its shared modules, and some run an example.
         format!(
             "{:?}",
             crate::fixtures::sources(&root.join("corpus"), &["py"])
         ),
+        match script.starts_with("corpus/") {
+            true => format!(
+                "{:?}",
+                crate::fixtures::sources(&root.join("examples"), &["py"])
+            ),
+            false => String::new(),
+        },
     ]);
     let recorded = crate::fixtures::cached_dir("judge-job", &key, |into| {
         record_job_uncached(launch, script, world, into, extra, packages)
@@ -2166,11 +2173,9 @@ fn corpus_case_is_caught_where_it_starts(case: &CorpusCase) -> Result<()> {
 #[test]
 fn corpus_cases_are_caught_where_they_start_first_half() {
     let cases = corpus_cases().expect("the corpus's cases");
-    common::each_case(
-        "corpus_first_half",
-        cases.into_iter().step_by(2),
-        |case| corpus_case_is_caught_where_it_starts(case).unwrap(),
-    );
+    common::each_case("corpus_first_half", cases.into_iter().step_by(2), |case| {
+        corpus_case_is_caught_where_it_starts(case).unwrap()
+    });
 }
 
 /// The other half of the bug corpus (the cases in odd places).

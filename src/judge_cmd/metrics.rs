@@ -87,7 +87,11 @@ pub fn findings(
                     let floor = ENVELOPE.floor_ulps * F32_UNIT * largest;
                     (*t, ENVELOPE.k * noise + floor, "float64")
                 }
-                None => (*fp32, Tolerance::for_dtype(DType::F32).allowed(*fp32), "fp32"),
+                None => (
+                    *fp32,
+                    Tolerance::for_dtype(DType::F32).allowed(*fp32),
+                    "fp32",
+                ),
             };
             let distance = (point.value - expected).abs();
             if distance.is_nan() || distance > allowed {
@@ -132,12 +136,19 @@ mod tests {
         let truth = points(&[1.25, 1.0]);
         let reference = points(&[1.25 + 1e-7, 1.0 - 1e-7]);
         let run = points(&[1.25 + 3e-7, 1.0]);
-        assert_eq!(findings(&run, &reference, Some(&truth)).unwrap(), Vec::<String>::new());
+        assert_eq!(
+            findings(&run, &reference, Some(&truth)).unwrap(),
+            Vec::<String>::new()
+        );
         let doubled = points(&[2.5, 2.0]);
         let found = findings(&doubled, &reference, Some(&truth)).unwrap();
         assert_eq!(found.len(), 1);
         assert!(found[0].starts_with("the job reported `eval_loss` = 2.5 after 0 steps"));
-        assert!(found[0].contains("(2 times the true value)"), "{}", found[0]);
+        assert!(
+            found[0].contains("(2 times the true value)"),
+            "{}",
+            found[0]
+        );
     }
 
     #[test]
