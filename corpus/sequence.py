@@ -42,3 +42,29 @@ def part(t, rank, ranks):
     """This rank's contiguous part of every sequence of `t` (dimension 1)."""
     size = t.shape[1] // ranks
     return t[:, rank * size:(rank + 1) * size]
+
+
+def train_sp(out, config, sync, after_step=None):
+    """A sequence-parallel job of the token-wise model at the world's size, recorded: each
+    rank trains on its part of the step's sequences and records the whole batch the ranks
+    share; `sync(model, rank, world)` reduces the gradients between backward and `rec.step`
+    (the case's reduction, right or planted); `after_step(rec, model, step, rank, world)` runs
+    after the update (a case's evaluation)."""
+    from common import STEPS, lockstep_probe, start
+
+    rank, world = start()
+    model = build()
+    opt = sgd(model.parameters())
+    rec = lockstep_probe.Recorder(out / "run", model, name="tokens", config=config,
+                                  steps=STEPS, replicated_data=True)
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        loss = loss_fn(model, part(x, rank, world), part(y, rank, world))
+        loss.backward()
+        sync(model, rank, world)
+        rec.step(loss, x, y)
+        opt.step()
+        if after_step is not None:
+            after_step(rec, model, step, rank, world)
+    rec.finish()

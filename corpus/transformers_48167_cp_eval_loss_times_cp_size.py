@@ -13,8 +13,8 @@ Simplified as corpus/sequence.py says.
 import torch
 import torch.distributed as dist
 
-from common import STEPS, lockstep_probe, main, mean_over, start
-from sequence import batch, build, loss_fn, part, sgd
+from common import main, mean_over
+from sequence import batch, build, loss_fn, part, sgd, train_sp
 
 WORLD = 2
 EXPECT_STEP = None  # the step the judge first sees the bug at
@@ -22,30 +22,21 @@ EXPECT_FIRST = 'evaluation'  # in the failure the judge names first
 
 
 def train(out, bug):
-    rank, world = start()
-    model = build()
-    opt = sgd(model.parameters())
-    rec = lockstep_probe.Recorder(out / "run", model, name="tokens", config=f"cp{world}",
-                                  steps=STEPS, replicated_data=True)
-    for step in range(STEPS):
-        x, y = batch(step)
-        opt.zero_grad()
-        loss = loss_fn(model, part(x, rank, world), part(y, rank, world))
-        loss.backward()
+    def sync(model, rank, world):
         for p in model.parameters():
             mean_over(None, p.grad)
-        rec.step(loss, x, y)
-        opt.step()
-        # Evaluation after each step, on a held-out batch, as the trainer reports it.
+
+    def evaluate(rec, model, step, rank, world):
+        """Evaluation after each step, on a held-out batch, as the trainer reports it."""
         ex, ey = batch(100 + step)
         with torch.no_grad():
             model.eval()
             mine = loss_fn(model, part(ex, rank, world), part(ey, rank, world))
             model.train()
         dist.all_reduce(mine)
-        reported = mine if bug else mine / world
-        rec.metric("eval_loss", reported, ex, ey)
-    rec.finish()
+        rec.metric("eval_loss", mine if bug else mine / world, ex, ey)
+
+    train_sp(out, "cp2", sync, after_step=evaluate)
 
 
 if __name__ == "__main__":

@@ -12,32 +12,25 @@ its own (corpus/sequence.py), which leaves the reduction, where the bug lives, a
 
 import torch.distributed as dist
 
-from common import STEPS, lockstep_probe, main, mean_over, start
-from sequence import batch, build, loss_fn, part, sgd
+from common import main, mean_over
+from sequence import build, loss_fn, sgd, train_sp
 
 WORLD = 2
 EXPECT_STEP = 0  # the step the judge first sees the bug at
 
 
 def train(out, bug):
-    rank, world = start()
-    # dp = 1: each rank its own data-parallel group (every rank creates every group, in
-    # the same order, as new_group requires).
-    dp_group = [dist.new_group([r]) for r in range(world)][rank]
-    model = build()
-    opt = sgd(model.parameters())
-    rec = lockstep_probe.Recorder(out / "run", model, name="tokens", config=f"sp{world}",
-                                  steps=STEPS, replicated_data=True)
-    for step in range(STEPS):
-        x, y = batch(step)
-        opt.zero_grad()
-        loss = loss_fn(model, part(x, rank, world), part(y, rank, world))
-        loss.backward()
+    groups = []
+
+    def sync(model, rank, world):
+        if bug and not groups:
+            # dp = 1: each rank its own data-parallel group (every rank creates every group,
+            # in the same order, as new_group requires).
+            groups.extend(dist.new_group([r]) for r in range(world))
         for p in model.parameters():
-            mean_over(dp_group if bug else None, p.grad)
-        rec.step(loss, x, y)
-        opt.step()
-    rec.finish()
+            mean_over(groups[rank] if bug else None, p.grad)
+
+    train_sp(out, "sp2", sync)
 
 
 if __name__ == "__main__":

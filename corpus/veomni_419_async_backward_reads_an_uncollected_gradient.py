@@ -10,42 +10,31 @@ collective was launched), as the race lets it. Simplified as corpus/sequence.py 
 
 import torch.distributed as dist
 
-from common import STEPS, lockstep_probe, main, start
-from sequence import batch, build, loss_fn, part, sgd
+from common import main
+from sequence import build, loss_fn, sgd, train_sp
 
 WORLD = 2
 EXPECT_STEP = 0  # the step the judge first sees the bug at
 
 
 def train(out, bug):
-    rank, world = start()
-    model = build()
-    opt = sgd(model.parameters())
-    rec = lockstep_probe.Recorder(out / "run", model, name="tokens", config=f"sp{world}.async",
-                                  steps=STEPS, replicated_data=True)
-    for step in range(STEPS):
-        x, y = batch(step)
-        opt.zero_grad()
-        loss = loss_fn(model, part(x, rank, world), part(y, rank, world))
-        loss.backward()
+    def sync(model, rank, world):
         pending = []
         for p in model.parameters():
             reduced = p.grad.clone()  # the collective's buffer
             pending.append((p, reduced, dist.all_reduce(reduced, async_op=True)))
         for p, reduced, work in pending:
-            if bug:
-                # Read before wait(): what the buffer held when the collective was launched,
-                # this rank's own gradient (the race's outcome, made deterministic).
-                pass
-            else:
+            if not bug:
                 work.wait()
                 p.grad.copy_(reduced)
+            # Under the bug the gradient is read before wait(): what the buffer held when the
+            # collective was launched, this rank's own (the race's outcome, made
+            # deterministic).
             p.grad /= world
         for _, _, work in pending:
             work.wait()  # under the bug, its result lands where nothing reads it
-        rec.step(loss, x, y)
-        opt.step()
-    rec.finish()
+
+    train_sp(out, "sp2.async", sync)
 
 
 if __name__ == "__main__":
