@@ -727,7 +727,10 @@ class Recorder:
         digests of its parameters' copies (at the steps whose gradients are recorded, when
         `compare`), its loss, its batch and the module outputs it recorded."""
         # A DTensor loss (`loss_parallel`) is replicated: its full value is the local one.
-        value = None if loss is None else float(full_tensor(loss.detach()).double().cpu())
+        if loss is None or not torch.is_tensor(loss):
+            value = None if loss is None else float(loss)  # a loss summed as a number
+        else:
+            value = float(full_tensor(loss.detach()).double().cpu())
         batch, self.pending_batch = self.pending_batch, None
         outputs, self.step_outputs, self.output_calls = self.step_outputs, [], {}
         output_grads, self.step_output_grads = self.step_output_grads, []
