@@ -12,8 +12,8 @@ the judge names the first tensor that update left wrong, at step 1.
 import torch
 import torch.distributed as dist
 
-from common import STEPS, batch, lockstep_probe, main, mean_over, start
-from moe import MoE, loss_fn, sgd, shard_experts
+from common import main, mean_over
+from moe import MoE, loss_fn, sgd, train_ep
 
 WORLD = 2
 EXPECT_STEP = 1  # the step the judge first sees the bug at
@@ -32,32 +32,20 @@ def global_norm(model, group, bug):
 
 
 def train(out, bug):
-    from torch.distributed.device_mesh import init_device_mesh
+    def reduce(name, p, world):
+        if name == "experts":
+            p.grad /= world
+        else:
+            mean_over(None, p.grad)
 
-    rank, world = start()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    model = shard_experts(MoE(mesh.get_group()), mesh)
-    opt = sgd(model.parameters())
-    rec = lockstep_probe.Recorder(out / "run", model, name="moe", config=f"ep{world}.clip",
-                                  steps=STEPS)
-    for step in range(STEPS):
-        x, y = batch(step, rank)
-        opt.zero_grad()
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        for name, p in model.named_parameters():
-            if name == "experts":
-                p.grad /= world
-            else:
-                mean_over(None, p.grad)
-        rec.step(loss, x, y)
+    def clip(model, group):
         # Clipping as torch.nn.utils.clip_grad_norm_ does it, by the global norm.
-        scale = min(1.0, MAX_NORM / (global_norm(model, mesh.get_group(), bug) + 1e-6))
+        scale = min(1.0, MAX_NORM / (global_norm(model, group, bug) + 1e-6))
         with torch.no_grad():
             for p in model.parameters():
                 p.grad.mul_(scale)
-        opt.step()
-    rec.finish()
+
+    train_ep(out, "ep2.clip", reduce, before_update=clip)
 
 
 if __name__ == "__main__":

@@ -107,3 +107,31 @@ def loss_fn(model, x, y):
 
 def sgd(params):
     return torch.optim.SGD(params, lr=0.2)
+
+
+def train_ep(out, config, reduce, before_update=None):
+    """An expert-parallel job of `MoE` at the world's size (one expert per rank), recorded:
+    `reduce(name, p, world)` reduces each parameter's gradient between backward and
+    `rec.step` (the case's reduction, right or planted); `before_update(model, group)` runs
+    between `rec.step` and the update (clipping)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from common import STEPS, batch, lockstep_probe, start
+
+    rank, world = start()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    model = shard_experts(MoE(mesh.get_group()), mesh)
+    opt = sgd(model.parameters())
+    rec = lockstep_probe.Recorder(out / "run", model, name="moe", config=config, steps=STEPS)
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        for name, p in model.named_parameters():
+            reduce(name, p, world)
+        rec.step(loss, x, y)
+        if before_update is not None:
+            before_update(model, mesh.get_group())
+        opt.step()
+    rec.finish()

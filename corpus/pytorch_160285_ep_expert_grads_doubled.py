@@ -8,8 +8,8 @@ gradients are averaged. `--bug` leaves the experts' gradients undivided: the los
 is right, every expert gradient is twice the truth.
 """
 
-from common import STEPS, batch, lockstep_probe, main, mean_over, start
-from moe import MoE, loss_fn, sgd, shard_experts
+from common import main, mean_over
+from moe import MoE, loss_fn, sgd, train_ep
 
 WORLD = 2
 EXPECT_STEP = 0  # the step the judge first sees the bug at
@@ -17,27 +17,13 @@ EXPECT_FIRST = 'experts'  # in the failure the judge names first
 
 
 def train(out, bug):
-    from torch.distributed.device_mesh import init_device_mesh
+    def reduce(name, p, world):
+        if name != "experts":
+            mean_over(None, p.grad)
+        elif not bug:
+            p.grad /= world  # the sum of every rank's loss, to their mean
 
-    rank, world = start()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    model = shard_experts(MoE(mesh.get_group()), mesh)
-    opt = sgd(model.parameters())
-    rec = lockstep_probe.Recorder(out / "run", model, name="moe", config=f"ep{world}", steps=STEPS)
-    for step in range(STEPS):
-        x, y = batch(step, rank)
-        opt.zero_grad()
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        for name, p in model.named_parameters():
-            if name == "experts":
-                if not bug:
-                    p.grad /= world  # the sum of every rank's loss, to their mean
-            else:
-                mean_over(None, p.grad)
-        rec.step(loss, x, y)
-        opt.step()
-    rec.finish()
+    train_ep(out, "ep2", reduce)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ divided as the objective's mean over the ranks requires), like every replicated 
 parallelism over `all_gather`/`all_reduce` (corpus/moe.py), at EP 2.
 """
 
-from common import STEPS, batch, lockstep_probe, main, mean_over, start
-from moe import MoE, loss_fn, sgd, shard_experts
+from common import main, mean_over
+from moe import MoE, loss_fn, sgd, train_ep
 
 WORLD = 2
 EXPECT_STEP = 0  # the step the judge first sees the bug at
@@ -20,27 +20,13 @@ EXPECT_FIRST = 'router'  # in the failure the judge names first
 
 
 def train(out, bug):
-    from torch.distributed.device_mesh import init_device_mesh
+    def reduce(name, p, world):
+        if name == "experts":
+            p.grad /= world
+        elif not (bug and name.startswith("router.")):
+            mean_over(None, p.grad)
 
-    rank, world = start()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    model = shard_experts(MoE(mesh.get_group()), mesh)
-    opt = sgd(model.parameters())
-    rec = lockstep_probe.Recorder(out / "run", model, name="moe", config=f"ep{world}",
-                                  steps=STEPS)
-    for step in range(STEPS):
-        x, y = batch(step, rank)
-        opt.zero_grad()
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        for name, p in model.named_parameters():
-            if name == "experts":
-                p.grad /= world
-            elif not (bug and name.startswith("router.")):
-                mean_over(None, p.grad)
-        rec.step(loss, x, y)
-        opt.step()
-    rec.finish()
+    train_ep(out, "ep2", reduce)
 
 
 if __name__ == "__main__":

@@ -161,9 +161,17 @@ class DataChecks:
         differ)."""
         if self.stages:
             return f"pipeline replica {rank}"
-        group = self._representatives(next((g for g in self.groups if rank in g), [rank]))
+        group = self.group_of(rank)
+        if group is None:
+            return f"data-parallel rank {rank}"
+        group = self._representatives(group)
         place = group.index(rank) if rank in group else 0
         return f"data-parallel rank {place}" + (f" (rank {rank})" if place != rank else "")
+
+    def group_of(self, rank):
+        """`rank`'s group of data-parallel replicas (`None` when the groups are not known:
+        a pipeline, a single process, a rank other than 0)."""
+        return next((g for g in self.groups if rank in g), None)
 
     def _representatives(self, group):
         """`group`'s ranks, one for each set of ranks said to share a batch (the first)."""

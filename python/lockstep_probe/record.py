@@ -471,17 +471,19 @@ class Recorder:
             shared = shared_batch_group(replicated_data, self.rank, self.world)
         except ValueError as e:
             raise RecordError(str(e)) from e
-        key = None if stages else (replica_key(self.model, is_fsdp1(self.model)), shared)
+        # Which ranks are replicas matters to a job's data checks over several ranks only
+        # (a reference's own record is one process): the key hashes every plain parameter.
+        checked = kind == "run" and not stages and self.world > 1
+        key = (replica_key(self.model, is_fsdp1(self.model)), shared) if checked else None
         init, _, keys = self._gathered(self._named(self.model.state_dict().items()), True, key)
         self.optimizer_start = (optimizer_state.start_of(self.model, optimizer)
                                 if kind == "run" else None)
         if optimizer is not None and kind == "run":
             self._save_optimizer(optimizer)
         self.data_checks = DataChecks(
-            stages, replica_groups([k[0] for k in keys]) if keys and not stages else [],
-            [k[1] for k in keys] if keys and not stages else [])
-        self.samplers = SamplerWatch() if kind == "run" and not stages and self.world > 1 \
-            else None
+            stages, replica_groups([k[0] for k in keys]) if keys and checked else [],
+            [k[1] for k in keys] if keys and checked else [])
+        self.samplers = SamplerWatch() if checked else None
         for alias, name in self.tied.items():
             # The single-device model's state dict lists a tied weight under every name.
             if name in init:
@@ -749,7 +751,7 @@ class Recorder:
         by the world's ranks accounts for them already). 1 otherwise."""
         if self.loss_reduction != "sum" or self.stages or self.kind != "run":
             return 1
-        group = next((g for g in self.data_checks.groups if 0 in g), None)
+        group = self.data_checks.group_of(0)
         return self.world // len(group) if group else 1
 
     def _mean_loss(self, values):
@@ -759,7 +761,7 @@ class Recorder:
         the same shares again)."""
         present = [v for v in values if v is not None]
         if self.loss_reduction == "sum":
-            group = next((g for g in self.data_checks.groups if 0 in g), None)
+            group = self.data_checks.group_of(0)
             if group is not None and not self.stages:
                 return sum(values[r] for r in group if values[r] is not None)
             return sum(present)

@@ -10,9 +10,6 @@ use lockstep_harness::parity::{Tolerance, ENVELOPE};
 use serde::Deserialize;
 use std::path::Path;
 
-/// fp32's rounding unit, the unit of the arbiter's floor.
-const F32_UNIT: f64 = 1.0 / (1u64 << 24) as f64;
-
 /// One reported value: metric `name` after `after` training steps.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 pub struct MetricPoint {
@@ -61,8 +58,13 @@ pub fn findings(
     shadow: Option<&[MetricPoint]>,
 ) -> Result<Vec<String>, JudgeError> {
     let mut found = Vec::new();
-    let mut names: Vec<&str> = run.iter().map(|p| p.name.as_str()).collect();
-    names.dedup();
+    // Each metric once, in the order the job first reported it.
+    let mut names: Vec<&str> = Vec::new();
+    for point in run {
+        if !names.contains(&point.name.as_str()) {
+            names.push(&point.name);
+        }
+    }
     for name in names {
         let mut series: Vec<&MetricPoint> = run.iter().filter(|p| p.name == name).collect();
         series.sort_by_key(|p| p.after);
@@ -84,8 +86,7 @@ pub fn findings(
             let (expected, allowed, against) = match f64_value {
                 Some(t) => {
                     noise = noise.max((fp32 - t).abs());
-                    let floor = ENVELOPE.floor_ulps * F32_UNIT * largest;
-                    (*t, ENVELOPE.k * noise + floor, "float64")
+                    (*t, ENVELOPE.allowed(noise, largest), "float64")
                 }
                 None => (
                     *fp32,
@@ -149,6 +150,29 @@ mod tests {
             "{}",
             found[0]
         );
+    }
+
+    #[test]
+    fn metrics_reported_in_turn_are_each_judged_once() {
+        let mut run = points(&[2.5, 2.0]);
+        let mut accuracy = points(&[0.5, 0.75]);
+        for p in &mut accuracy {
+            p.name = "accuracy".into();
+        }
+        // Reported in turn after each step: eval_loss, accuracy, eval_loss, accuracy.
+        run = vec![
+            run[0].clone(),
+            accuracy[0].clone(),
+            run[1].clone(),
+            accuracy[1].clone(),
+        ];
+        let truth: Vec<MetricPoint> = points(&[1.25, 1.0])
+            .into_iter()
+            .chain(accuracy.clone())
+            .collect();
+        let found = findings(&run, &truth, Some(&truth)).unwrap();
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(found[0].contains("`eval_loss`"), "{}", found[0]);
     }
 
     #[test]

@@ -35,9 +35,6 @@ use lockstep_core::record::{NamedTensor, RunRecord};
 use std::collections::HashMap;
 use std::io::Write;
 
-/// fp32's unit roundoff: the floor's unit.
-const F32_ROUNDOFF: f64 = 5.960_464_477_539_063e-8;
-
 /// Every judged quantity's distances, one line each, for measuring the envelope
 /// (`lockstep matrix --arbiter-log FILE`); `None` to keep nothing.
 pub type ArbiterLog<'a> = Option<&'a mut dyn Write>;
@@ -122,8 +119,8 @@ fn judge(sides: &Sides<'_>, env: &Envelope, noise_so_far: &NoiseSoFar) -> Verdic
         .filter(|v| v.is_finite())
         .fold(0.0f64, |m, v| m.max(v.abs()));
     let reference_to_f64 = raw_reference.max(noise_so_far.at(scale));
-    let floor = env.floor_ulps * F32_ROUNDOFF * scale;
-    let allowed = env.k * reference_to_f64 + floor;
+    let floor = env.floor(scale);
+    let allowed = env.allowed(reference_to_f64, scale);
     let passed = run_to_f64 <= allowed;
     let margin = if run_to_f64 == 0.0 {
         0.0

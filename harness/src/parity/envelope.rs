@@ -14,6 +14,22 @@ pub struct Envelope {
     pub floor_ulps: f64,
 }
 
+/// fp32's unit roundoff (2⁻²⁴): the unit of the arbiter's floor.
+const F32_ROUNDOFF: f64 = 5.960_464_477_539_063e-8;
+
+impl Envelope {
+    /// The floor for a quantity whose largest fp64 magnitude is `scale`.
+    pub fn floor(&self, scale: f64) -> f64 {
+        self.floor_ulps * F32_ROUNDOFF * scale
+    }
+
+    /// The largest distance to float64 a run may have where the fp32 reference's own is
+    /// `reference_to_f64`: `K` times it plus the floor.
+    pub fn allowed(&self, reference_to_f64: f64, scale: f64) -> f64 {
+        self.k * reference_to_f64 + self.floor(scale)
+    }
+}
+
 /// The constants every verdict uses (docs/parity.md gives the measurements behind them).
 pub const ENVELOPE: Envelope = Envelope {
     k: 16.0,
