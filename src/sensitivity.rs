@@ -28,9 +28,10 @@ mod render;
 use crate::runner::faults::read_logs;
 use crate::runner::FaultPlan;
 use crate::runner::RecordResult;
-use crate::runner::{RunFailed, RunSettings};
+use crate::runner::{PlantedFault, RunFailed, RunSettings};
 use indicatif::ProgressBar;
 use lockstep_core::comm::{applicability, CallRecord, FaultKind, FaultLog, FaultMode, Injection};
+use lockstep_core::field_bugs::FieldBug;
 use lockstep_core::record::RunRecord;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -146,6 +147,12 @@ pub trait Subject {
     fn run(&self, settings: &RunSettings) -> Result<RunRecord, RunFailed>;
     /// The test's verdict on `run` (against the references the subject holds).
     fn judge(&self, run: &Result<RunRecord, RunFailed>) -> Judgement;
+    /// Whether the configuration trains through Lockstep's own model-splitting loops in
+    /// forked ranks, where [`FieldBug`]s can be planted (a built-in TP, EP, CP or composed
+    /// configuration). Others are not tried with them.
+    fn plants_field_bugs(&self) -> bool {
+        false
+    }
 }
 
 /// One fault's fate at one site.
@@ -248,6 +255,17 @@ pub struct SiteResult {
     pub faults: Vec<FaultResult>,
 }
 
+/// A published bug's mechanism planted in the configuration's own loops (docs/bugs.md).
+#[derive(Clone, Debug, Serialize)]
+pub struct FieldBugResult {
+    /// The bug's name (as `matrix --fault` takes it).
+    pub bug: &'static str,
+    /// Its fate: caught, missed, or not applicable (every rank trained to the bits of the
+    /// run without it and the check passed: the configuration does not run that code).
+    #[serde(flatten)]
+    pub verdict: Verdict,
+}
+
 /// A finished analysis of one configuration.
 #[derive(Clone, Debug, Serialize)]
 pub struct SensitivityReport {
@@ -271,6 +289,9 @@ pub struct SensitivityReport {
     pub wall_time_seconds: f64,
     /// Anything the reader must know to read the table (a clock that never ticked).
     pub notes: Vec<String>,
+    /// Each [`FieldBug`] planted in the configuration's own loops, where it can be
+    /// ([`Subject::plants_field_bugs`]); empty otherwise.
+    pub field_bugs: Vec<FieldBugResult>,
 }
 
 /// A miss: a fault at a site the test did not notice.
@@ -285,6 +306,14 @@ pub struct Miss<'a> {
 }
 
 impl SensitivityReport {
+    /// The field bugs planted and missed.
+    pub fn field_bugs_missed(&self) -> Vec<&FieldBugResult> {
+        self.field_bugs
+            .iter()
+            .filter(|b| matches!(b.verdict, Verdict::Missed { .. }))
+            .collect()
+    }
+
     /// Every site × fault whose verdict is missed (or moved, which means the fault could not
     /// be placed), the math-changing kinds only when `math_only`. Inert faults (the training
     /// ended with the same bits) are not misses: [`SensitivityReport::inert`] lists them.
@@ -391,7 +420,11 @@ pub fn analyse(
         );
     }
     let per_site = opts.kinds.len() + usize::from(has_perturb(opts)) * 3;
-    bar.set_length((sites.len() * per_site + 1) as u64);
+    let field_bugs: &[FieldBug] = match subject.plants_field_bugs() {
+        true => &FieldBug::ALL,
+        false => &[],
+    };
+    bar.set_length((sites.len() * per_site + field_bugs.len() + 1) as u64);
     bar.set_position(1);
     let mut results = Vec::with_capacity(sites.len());
     for (rank, at) in sites {
@@ -408,6 +441,13 @@ pub fn analyse(
             faults,
         });
     }
+    let field_bugs = field_bugs
+        .iter()
+        .map(|&bug| {
+            bar.set_message(format!("{} with {}", subject.config(), bug.name()));
+            runner.field_bug(bug)
+        })
+        .collect();
     Ok(SensitivityReport {
         model: subject.model(),
         config: subject.config(),
@@ -419,6 +459,7 @@ pub fn analyse(
         runs: runner.runs,
         wall_time_seconds: started.elapsed().as_secs_f64(),
         notes,
+        field_bugs,
     })
 }
 
@@ -490,12 +531,23 @@ impl FaultRunner<'_> {
         mode: FaultMode,
         timeout: Duration,
     ) -> (Result<RunRecord, RunFailed>, Vec<FaultLog>) {
+        self.run_planted(mode, timeout, None)
+    }
+
+    /// [`FaultRunner::run`] with `bug` planted in the configuration's own loops.
+    fn run_planted(
+        &mut self,
+        mode: FaultMode,
+        timeout: Duration,
+        bug: Option<FieldBug>,
+    ) -> (Result<RunRecord, RunFailed>, Vec<FaultLog>) {
         let settings = RunSettings {
             faults: Some(FaultPlan {
                 mode,
                 log_dir: self.logs.0.clone(),
             }),
             timeout,
+            fault: bug.map(PlantedFault::Field).or(self.base.fault.clone()),
             ..self.base.clone()
         };
         let outcome = self.subject.run(&settings);
@@ -589,6 +641,29 @@ impl FaultRunner<'_> {
                 faulted.is_none() || faulted != clean
             })
             .collect()
+    }
+
+    /// One run with `bug` planted (every call recorded, none corrupted), judged: a run that
+    /// passes with every rank's bits unchanged did not run the bug's code.
+    fn field_bug(&mut self, bug: FieldBug) -> FieldBugResult {
+        let (outcome, logs) = self.run_planted(FaultMode::Record, self.timeout, Some(bug));
+        let diverged = self.diverged(&logs);
+        let detail = format!("{} planted", bug.name());
+        let verdict = match self.subject.judge(&outcome) {
+            Judgement::Passed if diverged.is_empty() => Verdict::NotApplicable {
+                reason: "the configuration does not run this code: every rank trained to the \
+                         same bits"
+                    .into(),
+            },
+            Judgement::Passed => Verdict::Missed { detail, diverged },
+            Judgement::Failed(by) => Verdict::Caught { by },
+            Judgement::RunFailed(e) if e.timed_out => Verdict::Hang { reason: e.line },
+            Judgement::RunFailed(e) => Verdict::Error { reason: e.line },
+        };
+        FieldBugResult {
+            bug: bug.name(),
+            verdict,
+        }
     }
 
     /// One run with `kind` at `call`, judged.

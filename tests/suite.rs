@@ -22,6 +22,7 @@ mod device_plumbing;
 mod environment;
 mod ep_plans;
 mod external_launch;
+mod field_bugs;
 mod fsdp;
 mod gpu_pipeline;
 mod judge_pytorch;

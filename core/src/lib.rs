@@ -15,6 +15,7 @@ pub mod context_parallel;
 pub mod ddp;
 pub mod expert_parallel;
 pub mod failure;
+pub mod field_bugs;
 pub mod fsdp;
 pub mod machine;
 pub mod mixed_reference;

@@ -6,10 +6,11 @@
 //! parallelism through this one door.
 
 use crate::comm::World;
-use crate::compose::{train_composed, Composition, CompositionError};
+use crate::compose::{train_composed, ComposedFault, Composition, CompositionError};
 use crate::context_parallel::{train_context_parallel, CpError, CpOptions};
 use crate::ddp::{train_ddp, DdpError, DdpOptions};
 use crate::expert_parallel::{train_expert_parallel, EpError, EpOptions};
+use crate::field_bugs::FieldBug;
 use crate::fsdp::{train_fsdp, train_fsdp_hybrid, FsdpError, FsdpOptions};
 use crate::pipeline::{train_pipeline, PipelineError, PipelineOptions};
 use crate::record::RunRecord;
@@ -97,6 +98,54 @@ pub fn train_parallel(
     cfg: &TrainConfig,
     parallelism: &Parallelism,
 ) -> Result<RunRecord, ParallelError> {
+    train_parallel_planted(model, world, cfg, parallelism, None)
+}
+
+/// [`train_parallel`] with a published bug's mechanism planted in every loop `parallelism`
+/// runs that has it (checker tests only: `lockstep matrix --fault`). A parallelism without
+/// the mechanism trains as it would without it.
+pub fn train_parallel_planted(
+    model: &dyn Model,
+    world: &World,
+    cfg: &TrainConfig,
+    parallelism: &Parallelism,
+    bug: Option<FieldBug>,
+) -> Result<RunRecord, ParallelError> {
+    if let Some(bug) = bug {
+        let planted = match parallelism {
+            Parallelism::Tensor(o) => bug.tp().map(|f| {
+                Parallelism::Tensor(TpOptions {
+                    fault: Some(f),
+                    ..o.clone()
+                })
+            }),
+            Parallelism::Expert(o) => bug.ep().map(|f| {
+                Parallelism::Expert(EpOptions {
+                    fault: Some(f),
+                    ..o.clone()
+                })
+            }),
+            Parallelism::Context(o) => bug.cp().map(|f| {
+                Parallelism::Context(CpOptions {
+                    fault: Some(f),
+                    ..o.clone()
+                })
+            }),
+            Parallelism::Composed(composition) => {
+                return Ok(train_composed(
+                    model,
+                    world,
+                    cfg,
+                    *composition,
+                    bug.cp().map(ComposedFault::Split),
+                )?)
+            }
+            _ => None,
+        };
+        if let Some(planted) = planted {
+            return train_parallel_planted(model, world, cfg, &planted, None);
+        }
+    }
     Ok(match parallelism {
         Parallelism::Ddp(options) => train_ddp(model, world.group(), cfg, options.clone())?,
         Parallelism::Fsdp {

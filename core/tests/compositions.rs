@@ -8,7 +8,8 @@ use crate::common;
 
 use lockstep_core::comm::DType;
 use lockstep_core::compose::{
-    check_composition, train_composed, Composition, CompositionError, DataParallel, SeamFault,
+    check_composition, train_composed, ComposedFault, Composition, CompositionError, DataParallel,
+    SeamFault,
 };
 use lockstep_core::pipeline::ScheduleKind;
 use lockstep_core::record::RunRecord;
@@ -23,7 +24,14 @@ const STEPS: usize = 3;
 fn run(ctx: &RankCtx, model: &str, c: Composition, fault: Option<SeamFault>) -> RunRecord {
     let m = zoo::build(model, 0, ctx.rank()).expect("model");
     let cfg = common::train_config(ctx, model, "composed", "fp32", STEPS);
-    train_composed(m.as_ref(), ctx.world(), &cfg, c, fault).expect("composed run")
+    train_composed(
+        m.as_ref(),
+        ctx.world(),
+        &cfg,
+        c,
+        fault.map(ComposedFault::Seam),
+    )
+    .expect("composed run")
 }
 
 fn single(model: &str, world: usize) -> RunRecord {

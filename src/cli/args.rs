@@ -351,7 +351,7 @@ pub(crate) struct StressArgs {
     /// Plant a bug in every DDP run (as `matrix --fault`), e.g. `stall` to prove a hang is
     /// found.
     #[arg(long, hide = true, value_parser = parse_fault)]
-    pub(crate) fault: Option<lockstep_core::ddp::DdpFault>,
+    pub(crate) fault: Option<lockstep::runner::PlantedFault>,
 }
 
 #[derive(clap::Args)]
@@ -364,11 +364,13 @@ pub(crate) struct MatrixArgs {
     /// Seconds one launch may take before it is declared hung.
     #[arg(long, default_value_t = 300.0)]
     pub(crate) timeout: f64,
-    /// Plant a bug in every DDP run to see the matrix catch it: sum (gradients summed, not
+    /// Plant a bug to see the matrix catch it. In every DDP run: sum (gradients summed, not
     /// averaged), no-buffer-broadcast, reduce-experts, stall (the last rank hangs before its
-    /// first gradient reduction), or skip=PARAM.
+    /// first gradient reduction), or skip=PARAM. A published bug's mechanism in every loop
+    /// that has it (docs/bugs.md): expert-grads-per-ep-rank, norm-over-own-experts,
+    /// loss-not-reduced-over-cp, kv-grads-not-returned, tp-input-grad-not-reduced.
     #[arg(long, hide = true, value_parser = parse_fault)]
-    pub(crate) fault: Option<lockstep_core::ddp::DdpFault>,
+    pub(crate) fault: Option<lockstep::runner::PlantedFault>,
     /// List the configs (with the models each applies to) and the models, then exit.
     #[arg(long)]
     pub(crate) list: bool,
@@ -568,23 +570,30 @@ fn parse_backend(text: &str) -> Result<lockstep_core::comm::Backend, String> {
         .map_err(|e: lockstep_core::CommError| e.to_string())
 }
 
-pub(crate) fn parse_fault(text: &str) -> Result<lockstep_core::ddp::DdpFault, String> {
+pub(crate) fn parse_fault(text: &str) -> Result<lockstep::runner::PlantedFault, String> {
+    use lockstep::runner::PlantedFault;
     use lockstep_core::ddp::DdpFault;
-    match text {
-        "sum" => Ok(DdpFault::SumInsteadOfAverage),
-        "no-buffer-broadcast" => Ok(DdpFault::NoBufferBroadcast),
-        "reduce-experts" => Ok(DdpFault::ReduceExperts),
-        "stall" => Ok(DdpFault::StallLastRank),
-        "other-half" => Ok(DdpFault::ComputeInOtherHalf),
-        "reduce-in-half" => Ok(DdpFault::ReduceInComputeDtype),
-        "half-master" => Ok(DdpFault::HalfPrecisionMaster),
-        _ => match text.strip_prefix("skip=") {
-            Some(param) if !param.is_empty() => Ok(DdpFault::SkipParameter(param.to_owned())),
-            _ => Err(
-                "expected sum, no-buffer-broadcast, reduce-experts, stall, other-half, \
-                     reduce-in-half, half-master or skip=PARAM"
-                    .into(),
-            ),
+    use lockstep_core::field_bugs::FieldBug;
+    let ddp = match text {
+        "sum" => DdpFault::SumInsteadOfAverage,
+        "no-buffer-broadcast" => DdpFault::NoBufferBroadcast,
+        "reduce-experts" => DdpFault::ReduceExperts,
+        "stall" => DdpFault::StallLastRank,
+        "other-half" => DdpFault::ComputeInOtherHalf,
+        "reduce-in-half" => DdpFault::ReduceInComputeDtype,
+        "half-master" => DdpFault::HalfPrecisionMaster,
+        _ => match (text.strip_prefix("skip="), FieldBug::named(text)) {
+            (Some(param), _) if !param.is_empty() => DdpFault::SkipParameter(param.to_owned()),
+            (_, Some(bug)) => return Ok(PlantedFault::Field(bug)),
+            _ => {
+                let field: Vec<&str> = FieldBug::ALL.iter().map(|b| b.name()).collect();
+                return Err(format!(
+                    "expected sum, no-buffer-broadcast, reduce-experts, stall, other-half, \
+                     reduce-in-half, half-master, skip=PARAM, or a field bug: {}",
+                    field.join(", ")
+                ));
+            }
         },
-    }
+    };
+    Ok(PlantedFault::Ddp(ddp))
 }

@@ -46,8 +46,8 @@ pub(crate) fn sensitivity_options(
     Some(opts)
 }
 
-/// `lockstep sensitivity`: exit 0 when every math-changing fault was caught, 1 when one was
-/// missed, 2 on bad input or a configuration that cannot be analysed.
+/// `lockstep sensitivity`: exit 0 when every math-changing fault (and every field bug the
+/// configuration runs) was caught, 1 when one was missed, 2 on bad input or a configuration that cannot be analysed.
 pub(crate) fn run_sensitivity(args: SensitivityArgs) -> Result<ExitCode> {
     use lockstep::sensitivity::SensitivityOptions;
     let selection = SelectionArgs {
@@ -101,11 +101,13 @@ pub(crate) fn run_sensitivity(args: SensitivityArgs) -> Result<ExitCode> {
             .context("writing the sensitivity report")?;
         eprintln!("report: {}", dir.join("sensitivity.json").display());
     }
-    Ok(if report.misses(true).is_empty() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    Ok(
+        if report.misses(true).is_empty() && report.field_bugs_missed().is_empty() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        },
+    )
 }
 
 /// `lockstep matrix --sensitivity`: exit 0 when every math-changing fault was caught at every

@@ -36,7 +36,6 @@
 
 use crate::runner;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use lockstep_core::ddp::DdpFault;
 use lockstep_core::pipeline::PipelinePlan;
 use lockstep_core::record::{MemoryStats, RunRecord};
 use lockstep_harness::parity::{

@@ -21,8 +21,9 @@ pub struct MatrixOptions {
     /// Record per-step gradients, so a failure names the first step and tensor that drifted
     /// (not just the final parameters).
     pub record_grads: bool,
-    /// A bug planted in every DDP run, to show the matrix catches it (checker tests only).
-    pub fault: Option<DdpFault>,
+    /// A bug planted to show the matrix catches it (checker tests only): in every DDP run,
+    /// or a published bug's mechanism in every loop that has it.
+    pub fault: Option<crate::runner::PlantedFault>,
     /// Run a cell's launched configurations in one launch each (subtests); `false` gives
     /// every run a launch of its own (`--isolated`, slower, for bisecting a suspect run).
     pub subtests: bool,
@@ -81,8 +82,8 @@ pub struct Plan {
     pub timeout: Duration,
     /// Whether runs record per-step gradients.
     pub record_grads: bool,
-    /// The planted bug every DDP run carries, if any.
-    pub fault: Option<DdpFault>,
+    /// The planted bug, if any (see [`MatrixOptions::fault`]).
+    pub fault: Option<crate::runner::PlantedFault>,
     /// Whether a cell's launched configurations share one launch (see [`MatrixOptions`]).
     pub subtests: bool,
     /// The backend launched ranks use (see [`MatrixOptions::backend`]).

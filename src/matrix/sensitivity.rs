@@ -116,6 +116,10 @@ impl Subject for MatrixSubject {
         let build = runner::zoo_builder(model);
         runner::run_config(model, &build, self.config, self.world, settings)
     }
+    fn plants_field_bugs(&self) -> bool {
+        !self.plan.exec_ranks
+            && matches!(self.config, Config::ModelParallel(_) | Config::Composed(_))
+    }
     fn judge(&self, run: &Result<RunRecord, RunFailed>) -> Judgement {
         if let Err(e) = run {
             return Judgement::RunFailed(e.clone());
@@ -342,7 +346,9 @@ fn render_entry(e: &SensitivityEntry, misses: &mut Vec<String>) -> String {
 /// of a model) and no math-changing fault missed.
 pub fn sensitivity_matrix_passed(entries: &[SensitivityEntry]) -> bool {
     entries.iter().all(|e| match &e.outcome {
-        SensitivityOutcome::Report(r) => r.misses(true).is_empty(),
+        SensitivityOutcome::Report(r) => {
+            r.misses(true).is_empty() && r.field_bugs_missed().is_empty()
+        }
         SensitivityOutcome::Skipped(_) => true,
         SensitivityOutcome::Failed(_) => false,
     })

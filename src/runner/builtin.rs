@@ -2,11 +2,11 @@
 //! trains it, as data (`parallelism_of`), trained through core's one entry point
 //! (`train_builtin`), and DDP's options per configuration.
 
-use super::settings::RunSettings;
+use super::settings::{PlantedFault, RunSettings};
 use crate::configs::{Config, ModelParallelKind, Precision};
 use lockstep_core::ddp::{DdpOptions, GradReduction};
 use lockstep_core::fsdp::hybrid_mesh;
-use lockstep_core::parallelism::{train_parallel, Parallelism};
+use lockstep_core::parallelism::{train_parallel_planted, Parallelism};
 use lockstep_core::record::{MemoryStats, RunRecord};
 use lockstep_core::replica::distinct_parameters;
 use lockstep_core::tensor_parallel::TpOptions;
@@ -25,7 +25,8 @@ pub fn train_builtin(
     settings: &RunSettings,
 ) -> Result<RunRecord, String> {
     let parallelism = parallelism_of(config, ctx, settings)?;
-    let mut record = train_parallel(model, ctx.world(), cfg, &parallelism)
+    let bug = settings.fault.as_ref().and_then(PlantedFault::field);
+    let mut record = train_parallel_planted(model, ctx.world(), cfg, &parallelism, bug)
         .map_err(|e| format!("{}: {e}", config.name()))?;
     if let Parallelism::Ddp(_) = parallelism {
         record.memory = Some(replica_memory(model));
@@ -34,8 +35,9 @@ pub fn train_builtin(
 }
 
 /// The parallelism built-in configuration `config` names at this rank's world size: the
-/// catalog's row read as core's [`Parallelism`]. The planted fault, if any, goes into DDP
-/// runs only (mixed precision included): the others are checked against DDP.
+/// catalog's row read as core's [`Parallelism`]. A planted DDP fault goes into DDP runs only
+/// (mixed precision included): the others are checked against DDP. A field bug is planted by
+/// [`train_builtin`] in every loop that has its mechanism.
 pub fn parallelism_of(
     config: Config,
     ctx: &RankCtx,
@@ -78,7 +80,7 @@ pub fn parallelism_of(
         }
         Config::Ddp | Config::DdpMixed(_) | Config::DdpHybridOrder => {
             Parallelism::Ddp(DdpOptions {
-                fault: settings.fault.clone(),
+                fault: settings.fault.as_ref().and_then(PlantedFault::ddp),
                 ..ddp_options(config, ctx)?
             })
         }

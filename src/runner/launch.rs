@@ -9,7 +9,9 @@ use super::hand_back::{
     take_handed_back, RankError,
 };
 use super::references::run_single;
-use super::settings::{lockstep_program, run_spec, ModelBuilder, RunFailed, RunSettings, TrainFn};
+use super::settings::{
+    lockstep_program, run_spec, ModelBuilder, PlantedFault, RunFailed, RunSettings, TrainFn,
+};
 use crate::configs::{Config, Precision};
 use lockstep_core::record::RunRecord;
 use lockstep_core::train::TrainConfig;
@@ -296,11 +298,12 @@ fn refuse_what_exec_cannot_carry(
         }
         return Ok(());
     }
-    if settings.fault.is_some()
-        && matches!(
-            config,
-            Config::Ddp | Config::DdpMixed(_) | Config::DdpHybridOrder
-        )
+    let ddp = matches!(
+        config,
+        Config::Ddp | Config::DdpMixed(_) | Config::DdpHybridOrder
+    );
+    if matches!(&settings.fault, Some(PlantedFault::Ddp(_))) && ddp
+        || matches!(&settings.fault, Some(PlantedFault::Field(_)))
     {
         return Err(RunFailed::simple(
             "a planted fault runs in forked ranks only (exec'd ranks take no fault)",

@@ -40,6 +40,6 @@ pub use references::{
     shared_reference, step_local_references, step_local_verdict,
 };
 pub use settings::{
-    launch_failed, one_line, run_spec, zoo_builder, FaultPlan, ModelBuilder, RecordResult,
-    RunFailed, RunSettings, TrainFn,
+    launch_failed, one_line, run_spec, zoo_builder, FaultPlan, ModelBuilder, PlantedFault,
+    RecordResult, RunFailed, RunSettings, TrainFn,
 };

@@ -4,6 +4,7 @@
 
 use lockstep_core::comm::{Backend, FaultMode};
 use lockstep_core::ddp::DdpFault;
+use lockstep_core::field_bugs::FieldBug;
 use lockstep_core::record::{RunRecord, RunSpec};
 use lockstep_core::train::{OptimizerConfig, TrainConfig};
 use lockstep_harness::launch::RankLaunch;
@@ -12,6 +13,34 @@ use lockstep_harness::RankCtx;
 use lockstep_models::{zoo, Model, ModelError};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+/// A bug planted on purpose to prove the matrix catches it (checker tests only).
+#[derive(Clone, Debug, PartialEq)]
+pub enum PlantedFault {
+    /// DDP's own: planted in DDP runs (mixed precision included), which the other
+    /// configurations are checked against.
+    Ddp(DdpFault),
+    /// A published bug's mechanism (docs/bugs.md), planted in every loop that has it.
+    Field(FieldBug),
+}
+
+impl PlantedFault {
+    /// The DDP fault, if this is one.
+    pub fn ddp(&self) -> Option<DdpFault> {
+        match self {
+            PlantedFault::Ddp(f) => Some(f.clone()),
+            PlantedFault::Field(_) => None,
+        }
+    }
+
+    /// The field bug, if this is one.
+    pub fn field(&self) -> Option<FieldBug> {
+        match self {
+            PlantedFault::Field(b) => Some(*b),
+            PlantedFault::Ddp(_) => None,
+        }
+    }
+}
 
 /// Builds one rank's model from the run seed and the rank: every rank (and the reference)
 /// calls it, so it must give every rank the same initial parameters for shared weights.
@@ -36,8 +65,8 @@ pub struct RunSettings {
     pub record_grads: bool,
     /// The optimizer every run steps with.
     pub optimizer: OptimizerConfig,
-    /// A planted bug for DDP runs (checker tests only).
-    pub fault: Option<DdpFault>,
+    /// A planted bug (checker tests only).
+    pub fault: Option<PlantedFault>,
     /// The backend launched ranks communicate over, recorded in every run's spec. NCCL runs
     /// exec their ranks (CUDA cannot live in a forked child), each on its `LOCAL_RANK`'s GPU,
     /// and the single-device reference on GPU 0.

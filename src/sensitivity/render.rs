@@ -138,6 +138,22 @@ impl std::fmt::Display for SensitivityReport {
                 )?;
             }
         }
+        if !self.field_bugs.is_empty() {
+            writeln!(
+                f,
+                "\nfield bugs planted in the configuration's own code (docs/bugs.md):"
+            )?;
+            for b in &self.field_bugs {
+                let why = match &b.verdict {
+                    Verdict::Caught { by } => by.clone(),
+                    Verdict::Error { reason } | Verdict::Hang { reason } => reason.clone(),
+                    Verdict::NotApplicable { reason } => reason.clone(),
+                    Verdict::Missed { diverged, .. } => diverged_note(diverged),
+                    _ => String::new(),
+                };
+                writeln!(f, "  {:<26} {:<7} {why}", b.bug, b.verdict.cell())?;
+            }
+        }
         for note in &self.notes {
             writeln!(f, "\nnote: {note}")?;
         }

@@ -23,4 +23,4 @@ mod run;
 
 pub use mesh_spec::{MeshError, MeshSpec, MESH_DIMENSIONS};
 pub use plan::{check_composition, Composition, CompositionError, DataParallel, SeamFault};
-pub use run::train_composed;
+pub use run::{train_composed, ComposedFault};

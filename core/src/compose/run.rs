@@ -12,8 +12,18 @@ use crate::record::RunRecord;
 use crate::train::TrainConfig;
 use lockstep_models::Model;
 
+/// A bug planted in a composition (checker tests only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ComposedFault {
+    /// At the seam between two parallelisms.
+    Seam(SeamFault),
+    /// Inside the loop that trains the split model (the context-parallel loop, or a
+    /// pipeline stage's TP, CP and EP): a [`crate::field_bugs::FieldBug`]'s mechanism.
+    Split(CpFault),
+}
+
 /// Trains `model` (built whole on every rank) under `composition` on `world`, with an
-/// optional planted seam bug. Each rank checks the mesh and the model's rank-local
+/// optional planted bug. Each rank checks the mesh and the model's rank-local
 /// parameters first, and each parallelism's loop its own plan (so nothing is planned twice);
 /// [`check_composition`](super::check_composition) checks all of it once before spawn. A
 /// fault that does not belong to the composition is refused.
@@ -22,11 +32,11 @@ pub fn train_composed(
     world: &World,
     cfg: &TrainConfig,
     composition: Composition,
-    fault: Option<SeamFault>,
+    fault: Option<ComposedFault>,
 ) -> Result<RunRecord, CompositionError> {
     let world_size = world.size();
     check_mesh(model, world_size, composition)?;
-    let misplaced = |f: SeamFault| {
+    let misplaced = |f: ComposedFault| {
         CompositionError::Invalid(format!(
             "the planted fault {f:?} has no seam in {composition:?}"
         ))
@@ -38,12 +48,13 @@ pub fn train_composed(
             let (cp, tp, ep, data) = composition.split_sizes();
             let fault = match fault {
                 None => None,
-                Some(SeamFault::ShardedGradsReducedOverDpTwice) if tp > 1 => {
+                Some(ComposedFault::Seam(SeamFault::ShardedGradsReducedOverDpTwice)) if tp > 1 => {
                     Some(CpFault::ShardedGradsReducedOverDpTwice)
                 }
-                Some(SeamFault::ExpertsShardedOverDp) if ep > 1 => {
+                Some(ComposedFault::Seam(SeamFault::ExpertsShardedOverDp)) if ep > 1 => {
                     Some(CpFault::ExpertsShardedOverDp)
                 }
+                Some(ComposedFault::Split(f)) => Some(f),
                 Some(f) => return Err(misplaced(f)),
             };
             let opts = CpOptions {
@@ -62,11 +73,12 @@ pub fn train_composed(
             checkpoint_every,
             ..
         } => {
-            let fault = match fault {
-                None => None,
-                Some(SeamFault::ReduceGradBeforeLastMicrobatch) => {
-                    Some(PipelineFault::ReduceGradBeforeLastMicrobatch)
+            let (fault, cp_fault) = match fault {
+                None => (None, None),
+                Some(ComposedFault::Seam(SeamFault::ReduceGradBeforeLastMicrobatch)) => {
+                    (Some(PipelineFault::ReduceGradBeforeLastMicrobatch), None)
                 }
+                Some(ComposedFault::Split(f)) => (None, Some(f)),
                 Some(f) => return Err(misplaced(f)),
             };
             let dp = world_size / (pp * tp * cp);
@@ -78,7 +90,7 @@ pub fn train_composed(
                 tp,
                 cp,
                 ep,
-                cp_fault: None,
+                cp_fault,
                 data,
             };
             Ok(train_pipeline_with(model, world, cfg, &opts, stage)?.record)

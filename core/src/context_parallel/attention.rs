@@ -173,6 +173,10 @@ fn ring_attention(
             let split = |to: usize| (0..cp).map(|r| if r == to { 2 } else { 0 }).collect();
             let (send, receive): (Vec<usize>, Vec<usize>) = (split(next), split(previous));
             kv = all_to_all(&kv, group, &receive, &send)?;
+            if opts.fault == Some(CpFault::KvGradsNotReturned) {
+                // Planted: the received block leaves the graph, so its gradient stays here.
+                kv = kv.f_detach()?;
+            }
         }
     }
     let out = finish(partials)?;

@@ -69,6 +69,19 @@ pub enum CpFault {
     /// Under EP with FSDP, the experts sharded over the data dimension with the dense
     /// parameters, so a gather assembles one expert from different ranks' experts.
     ExpertsShardedOverDp,
+    /// CP × EP: each expert's summed gradient counted once per EP rank (pytorch#160285,
+    /// Megatron-LM#5956: expert gradients `ep` times too large, the loss unchanged at step 0).
+    ExpertGradsPerEpRank,
+    /// The gradient norm (and so clipping) counts this rank's own experts only, not summed
+    /// over the ranks holding the others (Megatron-LM#5916, #7165).
+    NormOverOwnExperts,
+    /// Ring attention's key/value blocks taken out of the graph once they leave their rank:
+    /// the gradients other ranks' queries give them never come back (Megatron-LM#1464's
+    /// attention backward; the forward is unchanged).
+    KvGradsNotReturned,
+    /// CP × TP: the column-parallel entry's backward all-reduce over TP skipped
+    /// (torchtitan#4054, Megatron-LM#1528: replicated inputs' gradients left partial).
+    TpInputGradNotReduced,
 }
 
 /// Context-parallel options.

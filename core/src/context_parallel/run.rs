@@ -35,7 +35,7 @@ use crate::tensor_parallel::run::{
     aliases, full_tensors, global_batch, local_parameters, model_plan, placement_text,
     tp_coordinate,
 };
-use crate::tensor_parallel::{check_plan, Placement, TpOptions};
+use crate::tensor_parallel::{check_plan, Placement, TpFault, TpOptions};
 use crate::train::{
     train_from, GradientView, Optimizer, StepHooks, StepLoss, TrainConfig, TrainError, TrainStart,
 };
@@ -374,6 +374,9 @@ impl<'a> CpRun<'a> {
             if let Some(e) = &experts {
                 inner = inner.with_experts(e.dispatch());
             }
+            if opts.fault == Some(CpFault::TpInputGradNotReduced) {
+                inner = inner.with_fault(Some(TpFault::MissingBackwardAllReduce));
+            }
             hooks = hooks.around(Box::new(inner));
         }
         let per = cp_size * tp_size;
@@ -578,6 +581,7 @@ fn borrowed_experts(
     let mesh = DeviceMesh::new(world, &dims)?;
     let scale = match opts.fault {
         Some(CpFault::ExpertGradsNotScaledByCp) => 1.0 / data_cp as f64,
+        Some(CpFault::ExpertGradsPerEpRank) => (opts.ep * opts.cp) as f64 / data_cp as f64,
         _ => opts.cp as f64 / data_cp as f64,
     };
     Ok(BorrowedExperts::new(
@@ -696,6 +700,10 @@ impl StepHooks for CpRun<'_> {
         keep: bool,
     ) -> Result<GradientView, TrainError> {
         let full = self.full(|t| t.grad()).map_err(TrainError::strategy)?;
+        if let (Some(CpFault::NormOverOwnExperts), Some(experts)) = (self.opts.fault, &self.experts)
+        {
+            return GradientView::of_full_counting(full, keep, &|n| experts.holds(n));
+        }
         GradientView::of_full(full, keep)
     }
 

@@ -30,6 +30,9 @@ pub enum EpFault {
     /// The capacity check off by one: every expert takes one choice more than its
     /// capacity, so a rank drops one token choice fewer per overflowing expert.
     CapacityOffByOne,
+    /// The gradient norm (and so clipping) counts this rank's own experts only, not summed
+    /// over the EP group (Megatron-LM#5916, #7165).
+    NormOverOwnExperts,
 }
 
 /// Everything an expert-parallel run can fail with.

@@ -139,6 +139,8 @@ struct EpRun {
     hooks: PlanHooks,
     /// What an expert's summed gradient is scaled by (1 / world; a planted fault's other).
     expert_scale: f64,
+    /// Planted: the gradient norm counts this rank's own experts only.
+    norm_over_own_experts: bool,
 }
 
 impl EpRun {
@@ -214,6 +216,7 @@ impl EpRun {
             data: DataLayer::new(unit, unsharded),
             hooks,
             expert_scale,
+            norm_over_own_experts: opts.fault == Some(EpFault::NormOverOwnExperts),
         })
     }
 
@@ -304,6 +307,14 @@ impl StepHooks for EpRun {
         keep: bool,
     ) -> Result<GradientView, TrainError> {
         let full = self.full(|t| t.grad()).map_err(TrainError::strategy)?;
+        if self.norm_over_own_experts {
+            let own = |name: &str| {
+                self.expert_of
+                    .get(name)
+                    .is_none_or(|&e| e / self.per == self.ep_rank)
+            };
+            return GradientView::of_full_counting(full, keep, &own);
+        }
         GradientView::of_full(full, keep)
     }
 

@@ -95,12 +95,17 @@ pub fn train_pipeline_with(
                 _ => data_group.size() * replicate.as_ref().map_or(1, |r| r.size()),
             };
             let count = expert_count(model, data_group.size(), ep)?;
+            // Planted (a field bug): each expert's gradient counted once per EP rank.
+            let counted_per_ep_rank = match within.cp_fault {
+                Some(crate::context_parallel::CpFault::ExpertGradsPerEpRank) => ep as f64,
+                _ => 1.0,
+            };
             Some(BorrowedExperts::new(
                 model,
                 group,
                 holders,
                 count,
-                1.0 / averaged as f64,
+                counted_per_ep_rank / averaged as f64,
             ))
         }
         None => None,

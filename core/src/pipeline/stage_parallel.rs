@@ -171,6 +171,11 @@ impl StageSplit {
                 if let Some((dispatch, _)) = experts {
                     hooks = hooks.with_experts(dispatch);
                 }
+                if cp_fault == Some(crate::context_parallel::CpFault::TpInputGradNotReduced) {
+                    hooks = hooks.with_fault(Some(
+                        crate::tensor_parallel::TpFault::MissingBackwardAllReduce,
+                    ));
+                }
                 let hooks: Box<dyn LayerHooks> = Box::new(hooks);
                 (placements, local, Some(hooks), Some(group), rank)
             }

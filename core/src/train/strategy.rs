@@ -44,6 +44,25 @@ impl GradientView {
             full: keep.then_some(full),
         })
     }
+
+    /// [`GradientView::of_full`] with the norm taken over the gradients `counted` names only:
+    /// a planted undercount (`NormOverOwnExperts`: experts held by other ranks left out, as
+    /// a norm reduced over the wrong group leaves them). The gradients kept are all of them.
+    pub(crate) fn of_full_counting(
+        full: Vec<(String, Tensor)>,
+        keep: bool,
+        counted: &dyn Fn(&str) -> bool,
+    ) -> Result<GradientView, TrainError> {
+        let some: Vec<(String, Tensor)> = full
+            .iter()
+            .filter(|(n, _)| counted(n))
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        Ok(GradientView {
+            norm: grad_norm(&some)?,
+            full: keep.then_some(full),
+        })
+    }
 }
 
 /// Gradient synchronization between backward and the optimizer step. It receives every
