@@ -122,7 +122,7 @@ pub fn train_parallel_planted(
             Parallelism::Expert(o) => bug.ep().map(|f| {
                 Parallelism::Expert(EpOptions {
                     fault: Some(f),
-                    ..o.clone()
+                    ..*o
                 })
             }),
             Parallelism::Context(o) => bug.cp().map(|f| {
