@@ -37,6 +37,27 @@ def batch(step, index, rows=4, features=8, classes=4):
     return torch.randn(rows, features, generator=g), torch.randint(classes, (rows,), generator=g)
 
 
+def train_same_batch(out, model, loss_fn, optimizer, name, config, classes=4,
+                     before_record=None, before_step=None):
+    """The step loop of a job whose ranks all see the same batch (tensor parallelism alone):
+    `before_record(step)` runs after backward (a gradient finalizer), `before_step(step)` after
+    the record and before the optimizer (clipping)."""
+    opt = optimizer(model.parameters())
+    rec = lockstep_probe.Recorder(out / "run", model, name=name, config=config, steps=STEPS)
+    for step in range(STEPS):
+        x, y = batch(step, 0, classes=classes)
+        opt.zero_grad()
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        if before_record:
+            before_record(step)
+        rec.step(loss, x, y)
+        if before_step:
+            before_step(step)
+        opt.step()
+    rec.finish()
+
+
 def mean_over(group, tensor):
     """`tensor` averaged over `group`'s ranks in place (a gradient's data-parallel mean)."""
     dist.all_reduce(tensor, group=group)

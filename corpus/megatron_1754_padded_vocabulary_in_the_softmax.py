@@ -11,7 +11,7 @@ cross-entropy over every logit, padding included. Written with DTensor's
 import torch
 from torch import nn
 
-from common import STEPS, batch, lockstep_probe, main, start
+from common import main, start, train_same_batch
 
 WORLD = 2
 EXPECT_STEP = 0  # the step the judge first sees the bug at
@@ -52,17 +52,8 @@ def train(out, bug):
     mesh = init_device_mesh("cpu", (world,))
     model = parallelize_module(build(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel(),
                                                "4": ColwiseParallel(use_local_output=False)})
-    opt = sgd(model.parameters())
-    rec = lockstep_probe.Recorder(out / "run", model, name="lm", config=f"tp{world}.padded",
-                                  steps=STEPS)
-    for step in range(STEPS):
-        x, y = batch(step, 0, classes=VOCAB)  # every TP rank the same batch
-        opt.zero_grad()
-        loss = (padded_loss if bug else loss_fn)(model, x, y)
-        loss.backward()
-        rec.step(loss, x, y)
-        opt.step()
-    rec.finish()
+    train_same_batch(out, model, padded_loss if bug else loss_fn, sgd, "lm", f"tp{world}.padded",
+                     classes=VOCAB)
 
 
 if __name__ == "__main__":

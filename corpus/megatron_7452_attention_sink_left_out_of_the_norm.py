@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import STEPS, batch, lockstep_probe, main, start
+from common import main, start, train_same_batch
 
 WORLD = 2
 EXPECT_STEP = 1  # clipping follows the record of step 0: its update shows at step 1
@@ -93,22 +93,15 @@ def train(out, bug):
         module.weight = nn.Parameter(distribute_tensor(module.weight.data, mesh, [Shard(0)]))
 
     distribute_module(model[1], mesh, heads_split)
-    opt = sgd(model.parameters())
-    rec = lockstep_probe.Recorder(out / "run", model, name="sink", config=f"tp{world}",
-                                  steps=STEPS)
-    for step in range(STEPS):
-        x, y = batch(step, 0)  # every TP rank the same batch
-        opt.zero_grad()
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        rec.step(loss, x, y)
+
+    def clip(step):
         norm = megatron_norm(model, rank, sink_marked=not bug)
         scale = torch.clamp(MAX_GRAD_NORM / (norm + 1e-6), max=1.0)
         for p in model.parameters():
             grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             grad.mul_(scale)
-        opt.step()
-    rec.finish()
+
+    train_same_batch(out, model, loss_fn, sgd, "sink", f"tp{world}", before_step=clip)
 
 
 if __name__ == "__main__":

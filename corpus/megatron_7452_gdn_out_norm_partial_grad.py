@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import STEPS, batch, lockstep_probe, main, start
+from common import main, start, train_same_batch
 
 WORLD = 2
 EXPECT_STEP = 0  # the step the judge first sees the bug at
@@ -56,21 +56,14 @@ def train(out, bug):
     rank, world = start()
     mesh = init_device_mesh("cpu", (world,))
     model = parallelize_module(build(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    opt = sgd(model.parameters())
-    rec = lockstep_probe.Recorder(out / "run", model, name="gdn", config=f"tp{world}",
-                                  steps=STEPS)
     sequence_parallel = False
-    for step in range(STEPS):
-        x, y = batch(step, 0)  # every TP rank the same batch
-        opt.zero_grad()
-        loss = loss_fn(model, x, y)
-        loss.backward()
+
+    def finalize(step):
         # The finalizer: the shared norm's partial gradients summed over TP.
         if sequence_parallel or not bug:
             dist.all_reduce(model[1].weight.grad)
-        rec.step(loss, x, y)
-        opt.step()
-    rec.finish()
+
+    train_same_batch(out, model, loss_fn, sgd, "gdn", f"tp{world}", before_record=finalize)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import STEPS, batch, lockstep_probe, main, start
+from common import main, start, train_same_batch
 
 WORLD = 2
 EXPECT_STEP = 0  # the step the judge first sees the bug at
@@ -76,17 +76,7 @@ def train(out, bug):
     model.router = nn.Parameter(distribute_tensor(model.router.data, mesh, [Replicate()]))
     parallelize_module(model, mesh, {"up": ColwiseParallel(use_local_output=False),
                                      "down": RowwiseParallel(input_layouts=None)})
-    opt = sgd(model.parameters())
-    rec = lockstep_probe.Recorder(out / "run", model, name="routed", config=f"tp{world}",
-                                  steps=STEPS)
-    for step in range(STEPS):
-        x, y = batch(step, 0)  # every TP rank the same batch
-        opt.zero_grad()
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        rec.step(loss, x, y)
-        opt.step()
-    rec.finish()
+    train_same_batch(out, model, loss_fn, sgd, "routed", f"tp{world}")
 
 
 if __name__ == "__main__":
