@@ -171,6 +171,39 @@ fn short(digest: &str) -> &str {
 /// Refuses (bad input, exit 2, naming both sides) a `role` record (`reference` or `shadow`)
 /// that was not trained from `run`, is of another kind, or (a shadow) is not float64.
 pub fn check_bound(run: &Provenance, other: &Provenance, role: &str) -> Result<(), JudgeError> {
+    check_kinds(run, other, role)?;
+    let refuse = |why: String| JudgeError::Unbound(why);
+    let Some(ours) = &run.binding else {
+        return Err(refuse(format!(
+            "the run {} carries no binding (the digests of its initial state, batches and \
+             configuration), so no reference can be shown to be its: record it with this \
+             lockstep_probe (docs/judge.md, \"The record format\")",
+            run.path.display()
+        )));
+    };
+    let Some(theirs) = &other.trained_from else {
+        return Err(refuse(format!(
+            "the {role} {} does not say which run it was trained from: train it with this \
+             lockstep_probe's train_references from the run",
+            other.path.display()
+        )));
+    };
+    let differences = binding_differences(theirs, ours, run, other);
+    if differences.is_empty() {
+        return Ok(());
+    }
+    Err(refuse(format!(
+        "the {role} {} was not trained from the run {}: {}; train it from this run \
+         (train_references(..., run_dir, ...))",
+        other.path.display(),
+        run.path.display(),
+        differences.join("; ")
+    )))
+}
+
+/// The part of [`check_bound`] that reads what each record says it is: a job's run with its
+/// optimizer recorded, and the reference or shadow `role` names (a shadow in float64).
+fn check_kinds(run: &Provenance, other: &Provenance, role: &str) -> Result<(), JudgeError> {
     let refuse = |why: String| JudgeError::Unbound(why);
     if let Some(kind) = run.kind.as_deref().filter(|k| *k != "run") {
         return Err(refuse(format!(
@@ -220,21 +253,17 @@ pub fn check_bound(run: &Provenance, other: &Provenance, role: &str) -> Result<(
             other.dtype
         )));
     }
-    let Some(ours) = &run.binding else {
-        return Err(refuse(format!(
-            "the run {} carries no binding (the digests of its initial state, batches and \
-             configuration), so no reference can be shown to be its: record it with this \
-             lockstep_probe (docs/judge.md, \"The record format\")",
-            run.path.display()
-        )));
-    };
-    let Some(theirs) = &other.trained_from else {
-        return Err(refuse(format!(
-            "the {role} {} does not say which run it was trained from: train it with this \
-             lockstep_probe's train_references from the run",
-            other.path.display()
-        )));
-    };
+    Ok(())
+}
+
+/// How the reference or shadow `other`, trained from binding `theirs`, differs from the run
+/// bound by `ours`: each difference in words (none when it was trained from this run).
+fn binding_differences(
+    theirs: &Digests,
+    ours: &Digests,
+    run: &Provenance,
+    other: &Provenance,
+) -> Vec<String> {
     let mut differences = Vec::new();
     if theirs.init != ours.init {
         differences.push(format!(
@@ -278,14 +307,5 @@ pub fn check_bound(run: &Provenance, other: &Provenance, role: &str) -> Result<(
             other.skipped_steps, run.skipped_steps
         ));
     }
-    if differences.is_empty() {
-        return Ok(());
-    }
-    Err(refuse(format!(
-        "the {role} {} was not trained from the run {}: {}; train it from this run \
-         (train_references(..., run_dir, ...))",
-        other.path.display(),
-        run.path.display(),
-        differences.join("; ")
-    )))
+    differences
 }

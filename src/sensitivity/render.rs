@@ -138,26 +138,35 @@ impl std::fmt::Display for SensitivityReport {
                 )?;
             }
         }
-        if !self.field_bugs.is_empty() {
-            writeln!(
-                f,
-                "\nfield bugs planted in the configuration's own code (docs/bugs.md):"
-            )?;
-            for b in &self.field_bugs {
-                let why = match &b.verdict {
-                    Verdict::Caught { by } => by.clone(),
-                    Verdict::Error { reason } | Verdict::Hang { reason } => reason.clone(),
-                    Verdict::NotApplicable { reason } => reason.clone(),
-                    Verdict::Missed { diverged, .. } => diverged_note(diverged),
-                    _ => String::new(),
-                };
-                writeln!(f, "  {:<26} {:<7} {why}", b.bug, b.verdict.cell())?;
-            }
-        }
+        f.write_str(&self.field_bug_lines())?;
         for note in &self.notes {
             writeln!(f, "\nnote: {note}")?;
         }
         Ok(())
+    }
+}
+
+impl SensitivityReport {
+    /// The field bugs planted in the configuration's own code, one line each with its verdict
+    /// and why (empty when none was tried).
+    fn field_bug_lines(&self) -> String {
+        if self.field_bugs.is_empty() {
+            return String::new();
+        }
+        let mut text =
+            String::from("\nfield bugs planted in the configuration's own code (docs/bugs.md):\n");
+        for b in &self.field_bugs {
+            let why = match &b.verdict {
+                Verdict::Caught { by } => by.clone(),
+                Verdict::Error { reason }
+                | Verdict::Hang { reason }
+                | Verdict::NotApplicable { reason } => reason.clone(),
+                Verdict::Missed { diverged, .. } => diverged_note(diverged),
+                _ => String::new(),
+            };
+            let _ = writeln!(text, "  {:<26} {:<7} {why}", b.bug, b.verdict.cell());
+        }
+        text
     }
 }
 

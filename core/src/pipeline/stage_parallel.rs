@@ -171,11 +171,7 @@ impl StageSplit {
                 if let Some((dispatch, _)) = experts {
                     hooks = hooks.with_experts(dispatch);
                 }
-                if cp_fault == Some(crate::context_parallel::CpFault::TpInputGradNotReduced) {
-                    hooks = hooks.with_fault(Some(
-                        crate::tensor_parallel::TpFault::MissingBackwardAllReduce,
-                    ));
-                }
+                hooks = hooks.with_fault(tp_fault_of(cp_fault));
                 let hooks: Box<dyn LayerHooks> = Box::new(hooks);
                 (placements, local, Some(hooks), Some(group), rank)
             }
@@ -335,4 +331,13 @@ pub(super) fn full_values(
             Ok((name.clone(), v))
         })
         .collect()
+}
+
+/// The TP fault a stage's TP hooks plant for the stage's planted CP-loop fault (a field bug's
+/// mechanism: the column-parallel entry's backward all-reduce skipped).
+fn tp_fault_of(
+    cp_fault: Option<crate::context_parallel::CpFault>,
+) -> Option<crate::tensor_parallel::TpFault> {
+    (cp_fault == Some(crate::context_parallel::CpFault::TpInputGradNotReduced))
+        .then_some(crate::tensor_parallel::TpFault::MissingBackwardAllReduce)
 }
