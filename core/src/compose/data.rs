@@ -6,6 +6,7 @@
 //! their clip, optimizer step, state check and gathers to this layer, so the three share one
 //! body for the data dimension, as torchtitan applies FSDP after TP, EP or the pipeline.
 
+use crate::comm::CollectiveCounts;
 use crate::consistency::StateProbe;
 use crate::fsdp::{Fsdp, FsdpError};
 use crate::train::{clip_coefficient, observe_stepped, scale_gradients, Optimizer, TrainError};
@@ -129,5 +130,35 @@ impl DataLayer {
             optimizer,
             &coord,
         )?)
+    }
+}
+
+/// What every model-splitting strategy of the one loop (TP, EP, and the CP loop that also
+/// trains their compositions) holds alike: the tensors it trains, its data dimension over
+/// them, and the counts of its collectives. A strategy hands it to the loop through
+/// [`StepHooks::split_state`](crate::train::StepHooks::split_state), whose default methods
+/// then zero, gather, step and count through it, written once for the three.
+pub struct SplitState {
+    /// What this rank trains: its shards, its experts, the dense parameters.
+    pub(crate) trained: Vec<(String, Tensor)>,
+    /// The data dimension over `trained`: replicated, or one FSDP unit sharded over it.
+    pub(crate) data: DataLayer,
+    /// Every collective the strategy's groups issue, taken per step for the record.
+    pub(crate) counts: CollectiveCounts,
+}
+
+impl SplitState {
+    /// The state of a strategy training `trained` under `data`, counting its collectives in
+    /// `counts`.
+    pub(crate) fn new(
+        trained: Vec<(String, Tensor)>,
+        data: DataLayer,
+        counts: CollectiveCounts,
+    ) -> SplitState {
+        SplitState {
+            trained,
+            data,
+            counts,
+        }
     }
 }

@@ -23,13 +23,12 @@ use super::hooks::CpHooks;
 use super::layout::{chunk_count, chunks_of, layout_blocker, shard_sequence};
 use super::options::{CpError, CpFault, CpOptions, SequenceLayout};
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
-use crate::compose::data::DataLayer;
+use crate::compose::data::{DataLayer, SplitState};
 use crate::compose::DataParallel;
-use crate::consistency::{StateKind, StateProbe};
 use crate::expert_parallel::borrowed::BorrowedExperts;
 use crate::expert_parallel::check_expert_plan_with;
 use crate::fsdp::Fsdp;
-use crate::record::{CollectiveEntry, RunRecord, TensorPlacement};
+use crate::record::{RunRecord, TensorPlacement};
 use crate::tensor_parallel::hooks::PlanHooks;
 use crate::tensor_parallel::run::{
     aliases, full_tensors, global_batch, local_parameters, model_plan, placement_text,
@@ -37,7 +36,7 @@ use crate::tensor_parallel::run::{
 };
 use crate::tensor_parallel::{check_plan, Placement, TpFault, TpOptions};
 use crate::train::{
-    train_from, GradientView, Optimizer, StepHooks, StepLoss, TrainConfig, TrainError, TrainStart,
+    train_from, GradientView, StepHooks, StepLoss, TrainConfig, TrainError, TrainStart,
 };
 use lockstep_models::{Batch, LossReduction, Model};
 use std::collections::HashMap;
@@ -228,13 +227,12 @@ struct CpRun<'a> {
     /// CP × EP: the EP group, this rank's experts and how their gradients reduce.
     experts: Option<BorrowedExperts>,
     rank: usize,
-    counts: CollectiveCounts,
     hooks: CpHooks,
     data_ranks: Vec<usize>,
-    /// The model's parameters, which every rank computes with.
-    trained: Vec<(String, Tensor)>,
-    /// Replicated, or one FSDP unit over `dp × cp`.
-    data: DataLayer,
+    /// What this rank computes with (the model's parameters, TP's shards, its experts), the
+    /// data dimension over it (replicated, or one FSDP unit over `dp × cp`), its collectives'
+    /// counts.
+    split: SplitState,
 }
 
 impl<'a> CpRun<'a> {
@@ -390,21 +388,20 @@ impl<'a> CpRun<'a> {
             tp,
             experts,
             rank,
-            counts,
             data_ranks: (replica * per..(replica + 1) * per).collect(),
-            trained,
-            data,
+            split: SplitState::new(trained, data, counts),
         })
     }
 
     /// Every parameter at full size from this rank's `value` of it (gathered from the unit
     /// when sharded).
     fn full(&self, value: impl Fn(&Tensor) -> Tensor) -> Result<Vec<(String, Tensor)>, CpError> {
-        let gathered: HashMap<String, Tensor> = match self.data.unit() {
+        let gathered: HashMap<String, Tensor> = match self.split.data.unit() {
             Some(u) => u.borrow().full_values(&value)?.into_iter().collect(),
             None => HashMap::new(),
         };
         let mut local = self
+            .split
             .trained
             .iter()
             .map(|(n, t)| {
@@ -449,7 +446,7 @@ impl<'a> CpRun<'a> {
         } as f64;
         if let Some(tp) = &self.tp {
             // Partial gradients (none without sequence parallelism) summed over TP first.
-            for (name, t) in &self.trained {
+            for (name, t) in &self.split.trained {
                 if tp.placements.get(name) == Some(&Placement::PartialGrad) {
                     tp.group.all_reduce(&t.grad(), ReduceOp::Sum)?;
                 }
@@ -459,7 +456,7 @@ impl<'a> CpRun<'a> {
             (self.opts.fault, &self.tp)
         {
             // The planted seam bug: TP-sharded gradients summed over dp before the average.
-            for (name, t) in &self.trained {
+            for (name, t) in &self.split.trained {
                 let sharded = matches!(tp.placements.get(name), Some(Placement::Shard { .. }));
                 if sharded && self.everyone.size() > 1 {
                     self.everyone.all_reduce(&t.grad(), ReduceOp::Sum)?;
@@ -468,15 +465,20 @@ impl<'a> CpRun<'a> {
         }
         if let Some(experts) = &self.experts {
             // The experts beside the unit (a planted fault puts them in it).
-            experts.reduce(self.data.whole())?;
+            experts.reduce(self.split.data.whole())?;
         }
         // Experts beside the unit are the experts' to reduce; in it (the planted fault),
         // the unit's.
-        let experts_in_unit =
-            self.data.unit().is_some() && self.opts.fault == Some(CpFault::ExpertsShardedOverDp);
+        let experts_in_unit = self.split.data.unit().is_some()
+            && self.opts.fault == Some(CpFault::ExpertsShardedOverDp);
         let reduced_by_experts =
             |n: &str| !experts_in_unit && self.experts.as_ref().is_some_and(|e| e.is_expert(n));
-        for (_, t) in self.trained.iter().filter(|(n, _)| !reduced_by_experts(n)) {
+        for (_, t) in self
+            .split
+            .trained
+            .iter()
+            .filter(|(n, _)| !reduced_by_experts(n))
+        {
             let g = t.grad();
             if !g.defined() {
                 continue;
@@ -490,7 +492,7 @@ impl<'a> CpRun<'a> {
             if scale != 1.0 {
                 let _ = g.shallow_clone().f_mul_scalar_(scale)?;
             }
-            if self.data.unit().is_none() {
+            if self.split.data.unit().is_none() {
                 for group in std::iter::once(&self.everyone).chain(&self.replicas) {
                     if group.size() > 1 {
                         group.all_reduce(&g, ReduceOp::Avg)?;
@@ -499,7 +501,7 @@ impl<'a> CpRun<'a> {
             }
         }
         if self.opts.fault != Some(CpFault::GradsNotReducedOverCp) {
-            self.data.reduce_gradients()?;
+            self.split.data.reduce_gradients()?;
         }
         Ok(())
     }
@@ -630,16 +632,8 @@ fn shifted_after_sharding(
 
 /// A context-parallel rank as a strategy of the one training loop.
 impl StepHooks for CpRun<'_> {
-    fn parameters(&self, _model: &dyn Model) -> Vec<(String, Tensor)> {
-        self.trained
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect()
-    }
-
-    fn before_forward(&mut self, _step: usize) -> Result<(), TrainError> {
-        let _ = self.counts.take();
-        self.data.gather()
+    fn split_state(&self) -> Option<&SplitState> {
+        Some(&self.split)
     }
 
     fn forward_backward(
@@ -659,23 +653,11 @@ impl StepHooks for CpRun<'_> {
             // ranks' samples, made a mean over those ranks as every data rank's loss is.
             loss = loss.f_div_scalar(self.data_ranks.len() as f64)?;
         }
-        loss.f_backward()?;
-        Ok(StepLoss {
-            value: loss.f_double_value(&[])?,
-            device: loss.device(),
-        })
-    }
-
-    fn data_layer(&self) -> Option<&DataLayer> {
-        Some(&self.data)
+        StepLoss::backward(&loss)
     }
 
     fn sync_gradients(&mut self, _grads: &[(String, Tensor)]) -> Result<(), TrainError> {
         self.reduce().map_err(TrainError::strategy)
-    }
-
-    fn step_collectives(&mut self) -> Option<Vec<CollectiveEntry>> {
-        Some(CollectiveEntry::from_counts(self.counts.take()))
     }
 
     /// The shards' shares summed over CP (the replica's mean), averaged over the replicas.
@@ -684,7 +666,7 @@ impl StepHooks for CpRun<'_> {
         local: StepLoss,
         _metrics: Option<&dyn ProcessGroup>,
     ) -> Result<f64, TrainError> {
-        let value = Tensor::from_slice(&[local.value]).f_to_device(local.device)?;
+        let value = local.tensor()?;
         if self.opts.fault != Some(CpFault::LossNotReducedOverCp) && self.cp.size() > 1 {
             self.cp.all_reduce(&value, ReduceOp::Sum)?;
         }
@@ -707,40 +689,22 @@ impl StepHooks for CpRun<'_> {
         GradientView::of_full(full, keep)
     }
 
-    fn observe_state(
-        &mut self,
-        step: usize,
-        _params: &[(String, Tensor)],
-        optimizer: &dyn Optimizer,
-        _rank_local: &dyn Fn(&str) -> bool,
-        probe: &StateProbe,
-    ) -> Result<(), TrainError> {
-        let tp_part = match &self.tp {
+    fn state_coordinate(&self, name: &str) -> String {
+        self.coordinate(name)
+    }
+
+    fn state_prefix(&self) -> String {
+        match &self.tp {
             Some(tp) => format!("tp{}/{}.", tp.rank, self.opts.tp),
             None => String::new(),
-        };
-        let coordinate = |name: &str| self.coordinate(name);
-        self.data
-            .observe(probe, step, optimizer, &coordinate, &tp_part)
-    }
-
-    fn before_record(&mut self) -> Result<(), TrainError> {
-        self.data.gather()
-    }
-
-    fn observe_final(&mut self, steps: usize, probe: &StateProbe) -> Result<(), TrainError> {
-        Ok(
-            probe.observe_all(steps, StateKind::Final, &self.trained, &|n: &str| {
-                self.coordinate(n)
-            })?,
-        )
+        }
     }
 
     fn full_parameters(
         &mut self,
         _params: &[(String, Tensor)],
     ) -> Result<Vec<(String, Tensor)>, TrainError> {
-        let _ = self.counts.take();
+        let _ = self.split.counts.take();
         self.full(Tensor::shallow_clone)
             .map_err(TrainError::strategy)
     }

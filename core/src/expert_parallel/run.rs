@@ -10,15 +10,14 @@
 
 use super::options::{EpError, EpFault, EpOptions};
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
-use crate::compose::data::DataLayer;
+use crate::compose::data::{DataLayer, SplitState};
 use crate::compose::DataParallel;
-use crate::consistency::{StateKind, StateProbe};
 use crate::fsdp::Fsdp;
-use crate::record::{CollectiveEntry, RunRecord};
+use crate::record::RunRecord;
 use crate::tensor_parallel::hooks::{ExpertsParallel, PlanHooks};
 use crate::tensor_parallel::run::aliases;
 use crate::train::{
-    train_from, GradientView, Optimizer, StepHooks, StepLoss, TrainConfig, TrainError, TrainStart,
+    train_from, GradientView, StepHooks, StepLoss, TrainConfig, TrainError, TrainStart,
 };
 use lockstep_models::plan::ParallelStyle;
 use lockstep_models::{LayerHooks, Model, ParallelPlan};
@@ -121,7 +120,6 @@ impl EpRun {
 /// unit under EP×FSDP, and the plan's hooks with the dispatcher.
 struct EpRun {
     rank: usize,
-    counts: CollectiveCounts,
     ep_group: Arc<dyn ProcessGroup>,
     edp_group: Arc<dyn ProcessGroup>,
     everyone: Arc<dyn ProcessGroup>,
@@ -131,11 +129,10 @@ struct EpRun {
     expert_of: HashMap<String, usize>,
     /// Every parameter of the whole model (the record's names).
     named: Vec<(String, Tensor)>,
-    /// What this rank trains: the dense parameters and its own experts.
-    trained: Vec<(String, Tensor)>,
-    /// The data dimension: every trained tensor replicated, or (EP×FSDP) the dense
-    /// parameters as one unit sharded over the world, the experts whole beside it.
-    data: DataLayer,
+    /// What this rank trains (the dense parameters and its own experts), the data dimension
+    /// over it (every tensor replicated, or under EP×FSDP the dense parameters one unit
+    /// sharded over the world, the experts whole beside it), its collectives' counts.
+    split: SplitState,
     hooks: PlanHooks,
     /// What an expert's summed gradient is scaled by (1 / world; a planted fault's other).
     expert_scale: f64,
@@ -204,7 +201,6 @@ impl EpRun {
         };
         Ok(EpRun {
             rank: world.rank(),
-            counts,
             ep_group,
             edp_group,
             everyone,
@@ -212,8 +208,7 @@ impl EpRun {
             per,
             expert_of,
             named,
-            trained,
-            data: DataLayer::new(unit, unsharded),
+            split: SplitState::new(trained, DataLayer::new(unit, unsharded), counts),
             hooks,
             expert_scale,
             norm_over_own_experts: opts.fault == Some(EpFault::NormOverOwnExperts),
@@ -223,7 +218,7 @@ impl EpRun {
     /// Every parameter at full size from this rank's `value` of it: the unit's gathered, each
     /// expert's from the rank holding it.
     fn full(&self, value: impl Fn(&Tensor) -> Tensor) -> Result<Vec<(String, Tensor)>, EpError> {
-        let unit = self.data.unit().map(|u| u.borrow());
+        let unit = self.split.data.unit().map(|u| u.borrow());
         let local = local_values(&self.named, unit.as_deref(), value)?;
         Ok(full_expert_tensors(
             &local,
@@ -239,16 +234,8 @@ impl EpRun {
 /// through the plan's hooks (tokens dispatched to their experts), expert gradients summed over
 /// the ranks holding the same experts, dense ones averaged (or reduce-scattered) over the world.
 impl StepHooks for EpRun {
-    fn parameters(&self, _model: &dyn Model) -> Vec<(String, Tensor)> {
-        self.trained
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect()
-    }
-
-    fn before_forward(&mut self, _step: usize) -> Result<(), TrainError> {
-        let _ = self.counts.take();
-        self.data.gather()
+    fn split_state(&self) -> Option<&SplitState> {
+        Some(&self.split)
     }
 
     fn layer_hooks(&mut self) -> Option<&mut dyn LayerHooks> {
@@ -263,31 +250,22 @@ impl StepHooks for EpRun {
     ) -> Result<StepLoss, TrainError> {
         let batch = model.input(self.rank, step)?;
         let loss = model.loss_hooked(&batch, &mut self.hooks)?;
-        loss.f_backward()?;
-        Ok(StepLoss {
-            value: loss.f_double_value(&[])?,
-            device: loss.device(),
-        })
-    }
-
-    fn data_layer(&self) -> Option<&DataLayer> {
-        Some(&self.data)
+        StepLoss::backward(&loss)
     }
 
     fn sync_gradients(&mut self, _grads: &[(String, Tensor)]) -> Result<(), TrainError> {
         reduce_grads(
-            self.data.whole(),
+            self.split.data.whole(),
             &self.expert_of,
             &self.edp_group,
             &self.everyone,
             self.expert_scale,
         )
         .map_err(TrainError::strategy)?;
-        self.data.reduce_gradients().map_err(TrainError::strategy)
-    }
-
-    fn step_collectives(&mut self) -> Option<Vec<CollectiveEntry>> {
-        Some(CollectiveEntry::from_counts(self.counts.take()))
+        self.split
+            .data
+            .reduce_gradients()
+            .map_err(TrainError::strategy)
     }
 
     fn mean_loss(
@@ -296,7 +274,7 @@ impl StepHooks for EpRun {
         _metrics: Option<&dyn ProcessGroup>,
     ) -> Result<f64, TrainError> {
         // On the loss's device: the groups reduce tensors where the training computes.
-        let value = Tensor::from_slice(&[local.value]).f_to_device(local.device)?;
+        let value = local.tensor()?;
         self.everyone.all_reduce(&value, ReduceOp::Avg)?;
         Ok(value.f_double_value(&[0])?)
     }
@@ -318,34 +296,11 @@ impl StepHooks for EpRun {
         GradientView::of_full(full, keep)
     }
 
-    fn observe_state(
-        &mut self,
-        step: usize,
-        _params: &[(String, Tensor)],
-        optimizer: &dyn Optimizer,
-        _rank_local: &dyn Fn(&str) -> bool,
-        probe: &StateProbe,
-    ) -> Result<(), TrainError> {
-        // Experts under their global names (an expert's replicas must agree), the dense
-        // parameters replicated or sharded in the unit.
-        self.data
-            .observe(probe, step, optimizer, &|_| String::new(), "")
-    }
-
-    fn before_record(&mut self) -> Result<(), TrainError> {
-        // Gathered again: the model's dense parameters hold their trained values.
-        self.data.gather()
-    }
-
-    fn observe_final(&mut self, steps: usize, probe: &StateProbe) -> Result<(), TrainError> {
-        Ok(probe.observe_all(steps, StateKind::Final, &self.trained, &|_| String::new())?)
-    }
-
     fn full_parameters(
         &mut self,
         _params: &[(String, Tensor)],
     ) -> Result<Vec<(String, Tensor)>, TrainError> {
-        let _ = self.counts.take();
+        let _ = self.split.counts.take();
         self.full(Tensor::shallow_clone)
             .map_err(TrainError::strategy)
     }

@@ -8,13 +8,12 @@ use super::hooks::PlanHooks;
 use super::options::{TpError, TpFault, TpOptions};
 use super::plan::{placements, Placement, TpPlan, TpPlanError};
 use crate::comm::{CollectiveCounts, CountingGroup, DeviceMesh, ProcessGroup, ReduceOp, World};
-use crate::compose::data::DataLayer;
+use crate::compose::data::{DataLayer, SplitState};
 use crate::compose::DataParallel;
-use crate::consistency::{StateKind, StateProbe};
 use crate::fsdp::Fsdp;
-use crate::record::{CollectiveEntry, RunRecord};
+use crate::record::RunRecord;
 use crate::train::{
-    train_from, GradientView, Optimizer, StepHooks, StepLoss, TrainConfig, TrainError, TrainStart,
+    train_from, GradientView, StepHooks, StepLoss, TrainConfig, TrainError, TrainStart,
 };
 use lockstep_models::{Batch, LayerHooks, LossReduction, Model, ModelError, NoHooks};
 use std::collections::HashMap;
@@ -170,12 +169,10 @@ struct TpRun<'a> {
     model: &'a dyn Model,
     opts: &'a TpOptions,
     groups: TpMesh,
-    counts: CollectiveCounts,
     placements: HashMap<String, Placement>,
-    /// What this rank computes with (shards where the plan splits).
-    trained: Vec<(String, Tensor)>,
-    /// The data dimension over `trained`: replicated, or (FSDP×TP) one unit sharded over it.
-    data: DataLayer,
+    /// What this rank computes with (shards where the plan splits), the data dimension over
+    /// it (replicated, or under FSDP×TP one unit sharded over it), its collectives' counts.
+    split: SplitState,
     hooks: Box<dyn LayerHooks>,
     /// The data ranks whose batches this replica trains on.
     data_ranks: Vec<usize>,
@@ -241,10 +238,8 @@ impl<'a> TpRun<'a> {
             model,
             opts,
             groups,
-            counts,
             placements,
-            trained,
-            data,
+            split: SplitState::new(trained, data, counts),
             hooks,
             data_ranks,
         })
@@ -287,20 +282,20 @@ impl<'a> TpRun<'a> {
     fn reduce(&mut self) -> Result<(), TpError> {
         let tp_group = self.groups.tp.clone();
         // Gradients of parameters used on sequence shards are partial: sum them over TP.
-        for (name, t) in &self.trained {
+        for (name, t) in &self.split.trained {
             if self.placements.get(name) == Some(&Placement::PartialGrad)
                 && self.opts.fault != Some(TpFault::SkipSequenceGradReduce)
             {
                 tp_group.all_reduce(&t.grad(), ReduceOp::Sum)?;
             }
         }
-        match self.data.unit() {
+        match self.split.data.unit() {
             None => {
-                for (_, t) in &self.trained {
+                for (_, t) in &self.split.trained {
                     self.groups.average_over_data(&t.grad())?;
                 }
             }
-            Some(_) => self.data.reduce_gradients()?,
+            Some(_) => self.split.data.reduce_gradients()?,
         }
         Ok(())
     }
@@ -309,8 +304,8 @@ impl<'a> TpRun<'a> {
     /// gathered from the unit over dp, then from its shards over TP.
     fn full(&self, value: impl Fn(&Tensor) -> Tensor) -> Result<Vec<(String, Tensor)>, TpError> {
         let tp = self.groups.tp.as_ref();
-        match self.data.unit() {
-            None => full_tensors(&self.trained, &self.placements, tp, value),
+        match self.split.data.unit() {
+            None => full_tensors(&self.split.trained, &self.placements, tp, value),
             Some(u) => {
                 let local = u.borrow().full_values(value)?;
                 full_tensors(&local, &self.placements, tp, Tensor::shallow_clone)
@@ -323,16 +318,8 @@ impl<'a> TpRun<'a> {
 /// the model through the plan's hooks on its replica's batch, sums partial gradients over TP
 /// and reduces over the data dimension, and shows the record full tensors.
 impl StepHooks for TpRun<'_> {
-    fn parameters(&self, _model: &dyn Model) -> Vec<(String, Tensor)> {
-        self.trained
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect()
-    }
-
-    fn before_forward(&mut self, _step: usize) -> Result<(), TrainError> {
-        let _ = self.counts.take();
-        self.data.gather()
+    fn split_state(&self) -> Option<&SplitState> {
+        Some(&self.split)
     }
 
     fn forward_backward(
@@ -343,23 +330,11 @@ impl StepHooks for TpRun<'_> {
     ) -> Result<StepLoss, TrainError> {
         let batch = global_batch(model, &self.data_ranks, step).map_err(TrainError::strategy)?;
         let loss = self.loss(&batch).map_err(TrainError::strategy)?;
-        loss.f_backward()?;
-        Ok(StepLoss {
-            value: loss.f_double_value(&[])?,
-            device: loss.device(),
-        })
-    }
-
-    fn data_layer(&self) -> Option<&DataLayer> {
-        Some(&self.data)
+        StepLoss::backward(&loss)
     }
 
     fn sync_gradients(&mut self, _grads: &[(String, Tensor)]) -> Result<(), TrainError> {
         self.reduce().map_err(TrainError::strategy)
-    }
-
-    fn step_collectives(&mut self) -> Option<Vec<CollectiveEntry>> {
-        Some(CollectiveEntry::from_counts(self.counts.take()))
     }
 
     fn mean_loss(
@@ -368,7 +343,7 @@ impl StepHooks for TpRun<'_> {
         _metrics: Option<&dyn ProcessGroup>,
     ) -> Result<f64, TrainError> {
         // On the loss's device: the groups reduce tensors where the training computes.
-        let value = Tensor::from_slice(&[local.value]).f_to_device(local.device)?;
+        let value = local.tensor()?;
         self.groups
             .average_over_data(&value)
             .map_err(TrainError::strategy)?;
@@ -384,43 +359,23 @@ impl StepHooks for TpRun<'_> {
         GradientView::of_full(full, keep)
     }
 
-    fn observe_state(
-        &mut self,
-        step: usize,
-        _params: &[(String, Tensor)],
-        optimizer: &dyn Optimizer,
-        _rank_local: &dyn Fn(&str) -> bool,
-        probe: &StateProbe,
-    ) -> Result<(), TrainError> {
+    fn state_coordinate(&self, name: &str) -> String {
+        self.coordinate(name)
+    }
+
+    fn state_prefix(&self) -> String {
         let (rank, tp) = (self.groups.rank, self.opts.tp);
-        let tp_part = match tp > 1 {
+        match tp > 1 {
             true => format!("tp{rank}/{tp}."),
             false => String::new(),
-        };
-        let coordinate = |name: &str| self.coordinate(name);
-        self.data
-            .observe(probe, step, optimizer, &coordinate, &tp_part)
-    }
-
-    fn before_record(&mut self) -> Result<(), TrainError> {
-        // Gathered again, so the tensors this rank computed with (the model's own replicated
-        // parameters among them) hold their trained values, never freed memory.
-        self.data.gather()
-    }
-
-    fn observe_final(&mut self, steps: usize, probe: &StateProbe) -> Result<(), TrainError> {
-        Ok(
-            probe.observe_all(steps, StateKind::Final, &self.trained, &|n: &str| {
-                self.coordinate(n)
-            })?,
-        )
+        }
     }
 
     fn full_parameters(
         &mut self,
         _params: &[(String, Tensor)],
     ) -> Result<Vec<(String, Tensor)>, TrainError> {
-        let _ = self.counts.take();
+        let _ = self.split.counts.take();
         self.full(Tensor::shallow_clone)
             .map_err(TrainError::strategy)
     }

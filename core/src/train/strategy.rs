@@ -10,7 +10,7 @@
 use super::optim::Optimizer;
 use super::{global_mean, grad_norm, gradients, mean_loss, TrainError};
 use crate::comm::ProcessGroup;
-use crate::compose::data::DataLayer;
+use crate::compose::data::{DataLayer, SplitState};
 use crate::consistency::{StateKind, StateProbe};
 use crate::record::CollectiveEntry;
 use lockstep_models::{LayerHooks, Model, NoHooks};
@@ -24,6 +24,22 @@ pub struct StepLoss {
     pub value: f64,
     /// Where the objective lived (NCCL reduces CUDA tensors only).
     pub device: tch::Device,
+}
+
+impl StepLoss {
+    /// Runs `loss`'s backward and returns it as this step's objective.
+    pub fn backward(loss: &Tensor) -> Result<StepLoss, TrainError> {
+        loss.f_backward()?;
+        Ok(StepLoss {
+            value: loss.f_double_value(&[])?,
+            device: loss.device(),
+        })
+    }
+
+    /// The value as a one-element tensor on its device, for reducing over ranks.
+    pub fn tensor(&self) -> Result<Tensor, TrainError> {
+        Ok(Tensor::from_slice(&[self.value]).f_to_device(self.device)?)
+    }
 }
 
 /// The record's view of one step's gradients: their global norm, and every gradient at full
@@ -77,12 +93,34 @@ pub trait StepHooks {
     /// reported to the probe. The model's parameters by default; a tensor-parallel rank's
     /// shards stand in for the parameters it splits.
     fn parameters(&self, model: &dyn Model) -> Vec<(String, Tensor)> {
-        model.named_parameters()
+        match self.split_state() {
+            Some(split) => split
+                .trained
+                .iter()
+                .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                .collect(),
+            None => model.named_parameters(),
+        }
     }
 
-    /// Runs before the step's forward pass (DDP broadcasts buffers here).
+    /// What a model-splitting strategy (TP, EP, the CP loop) trains, keeps over the data
+    /// dimension and counts ([`SplitState`]): with it, the defaults of
+    /// [`StepHooks::parameters`], [`StepHooks::before_forward`], [`StepHooks::data_layer`]
+    /// and [`StepHooks::step_collectives`] serve the strategy. None by default.
+    fn split_state(&self) -> Option<&SplitState> {
+        None
+    }
+
+    /// Runs before the step's forward pass (DDP broadcasts buffers here; a split strategy's
+    /// data dimension gathers its unit, and the step's collective count starts afresh).
     fn before_forward(&mut self, _step: usize) -> Result<(), TrainError> {
-        Ok(())
+        match self.split_state() {
+            Some(split) => {
+                let _ = split.counts.take();
+                split.data.gather()
+            }
+            None => Ok(()),
+        }
     }
 
     /// Hooks to run around every layer during forward (FSDP's per-unit gather and free,
@@ -116,7 +154,7 @@ pub trait StepHooks {
     /// through it, and the strategy reduces gradients where they live. `None` (the default)
     /// for a wrapper over the whole model.
     fn data_layer(&self) -> Option<&DataLayer> {
-        None
+        self.split_state().map(|split| &split.data)
     }
 
     /// Every trained tensor's gradient after backward, for [`StepHooks::sync_gradients`]. By
@@ -144,7 +182,8 @@ pub trait StepHooks {
     /// traffic) and after the optimizer step (clipping's norm, a sharded step), and records
     /// the first and last as the step's.
     fn step_collectives(&mut self) -> Option<Vec<CollectiveEntry>> {
-        None
+        self.split_state()
+            .map(|split| CollectiveEntry::from_counts(split.counts.take()))
     }
 
     /// The loss the record reports for this step: this rank's averaged over `metrics` (the
@@ -194,7 +233,11 @@ pub trait StepHooks {
     /// Runs after the last step, before the record captures parameters and buffers: a wrapper
     /// that keeps parameters sharded makes the model's full parameters current here.
     fn before_record(&mut self) -> Result<(), TrainError> {
-        Ok(())
+        match self.split_state() {
+            // Gathered again: the tensors this rank computed with hold their trained values.
+            Some(split) => split.data.gather(),
+            None => Ok(()),
+        }
     }
 
     /// Clips this step's gradients for [`Model::max_grad_norm`] `max_norm`, `total` being
@@ -230,14 +273,44 @@ pub trait StepHooks {
         rank_local: &dyn Fn(&str) -> bool,
         probe: &StateProbe,
     ) -> Result<(), TrainError> {
-        observe_replicated(step, params, optimizer, rank_local, probe)
+        match self.split_state() {
+            Some(split) => split.data.observe(
+                probe,
+                step,
+                optimizer,
+                &|name: &str| self.state_coordinate(name),
+                &self.state_prefix(),
+            ),
+            None => observe_replicated(step, params, optimizer, rank_local, probe),
+        }
+    }
+
+    /// Under a [`SplitState`]: which copy of tensor `name` this rank holds, for the state
+    /// checks (its TP shard, or none for a tensor every rank holds whole). Empty by default.
+    fn state_coordinate(&self, _name: &str) -> String {
+        String::new()
+    }
+
+    /// Under a [`SplitState`]: what the data dimension's state names start with on this rank
+    /// (its TP coordinate, `tp0/2.`), so TP ranks' shards are never compared as copies.
+    /// Empty by default.
+    fn state_prefix(&self) -> String {
+        String::new()
     }
 
     /// Reports to `probe`, after [`StepHooks::before_record`], the full parameters every rank
     /// now holds, when they are a different view from what [`StepHooks::observe_state`]
     /// reported (a sharding wrapper's gathered parameters). The default reports nothing.
-    fn observe_final(&mut self, _steps: usize, _probe: &StateProbe) -> Result<(), TrainError> {
-        Ok(())
+    fn observe_final(&mut self, steps: usize, probe: &StateProbe) -> Result<(), TrainError> {
+        match self.split_state() {
+            Some(split) => Ok(probe.observe_all(
+                steps,
+                StateKind::Final,
+                &split.trained,
+                &|name: &str| self.state_coordinate(name),
+            )?),
+            None => Ok(()),
+        }
     }
 
     /// Every parameter at full size for the record's end, after [`StepHooks::before_record`]:
