@@ -154,30 +154,12 @@ pub fn dropping_reference_name(capacity_factor: f64) -> String {
     format!("single.cap{capacity_factor}")
 }
 
-/// Every tensor- and expert-parallel configuration, in row order.
+/// Every tensor- and expert-parallel configuration, in row order: TP, EP, CP, then TP with
+/// sequence parallelism.
 pub fn model_parallel_configs() -> &'static [ModelParallelConfig] {
     static TABLE: LazyLock<Vec<ModelParallelConfig>> = LazyLock::new(|| {
-        let tp = |name, description, tp, sequence_parallel| ModelParallelConfig {
-            name,
-            description,
-            kind: ModelParallelKind::Tensor {
-                tp,
-                sequence_parallel,
-            },
-            capacity_factor: None,
-        };
-        let cp = |name, description, cp, dispatcher, layout| ModelParallelConfig {
-            name,
-            description,
-            kind: ModelParallelKind::Context {
-                cp,
-                dispatcher,
-                layout,
-            },
-            capacity_factor: None,
-        };
-        vec![
-            tp(
+        let mut rows = vec![
+            tensor(
                 "tp.2",
                 "tensor parallel over 2 ranks (the rest data parallel) by the model's own \
                  `parallel_plan` (the zoo decoders': vocabulary-parallel embedding and loss, \
@@ -185,117 +167,176 @@ pub fn model_parallel_configs() -> &'static [ModelParallelConfig] {
                 2,
                 false,
             ),
-            tp("tp.4", "tensor parallel over 4 ranks", 4, false),
-            ModelParallelConfig {
-                name: "ep.2",
-                description: "expert parallel over 2 ranks (gpt_moe: each MoE layer's 8 experts \
-                              4 per rank, all-to-all dispatch; every rank its own batch)",
-                kind: ModelParallelKind::Expert {
-                    ep: 2,
-                    dispatcher: Dispatcher::AllToAll,
-                },
-                capacity_factor: None,
-            },
-            ModelParallelConfig {
-                name: "ep.4",
-                description: "expert parallel over 4 ranks (2 experts per rank), all-to-all",
-                kind: ModelParallelKind::Expert {
-                    ep: 4,
-                    dispatcher: Dispatcher::AllToAll,
-                },
-                capacity_factor: None,
-            },
-            ModelParallelConfig {
-                name: "ep.2.allgather",
-                description: "ep.2 with the all-gather dispatcher (every rank sees every token \
-                              and runs its experts; results reduce-scattered home): the same \
-                              computation another way",
-                kind: ModelParallelKind::Expert {
-                    ep: 2,
-                    dispatcher: Dispatcher::AllGather,
-                },
-                capacity_factor: None,
-            },
-            ModelParallelConfig {
-                name: "ep.2.capacity",
-                description: "ep.2 with a capacity limit that never binds (factor 4 = experts / \
-                              top-k: each expert takes at most one choice per token): the \
-                              limit's bookkeeping runs and drops nothing",
-                kind: ModelParallelKind::Expert {
-                    ep: 2,
-                    dispatcher: Dispatcher::AllToAll,
-                },
-                capacity_factor: Some(4.0),
-            },
-            ModelParallelConfig {
-                name: "ep.2.drop",
-                description: "ep.2 at capacity factor 1 (each expert takes ceil(N·k/E) of a \
-                              rank's N tokens' choices): overflowing choices are dropped, \
-                              judged against single.cap1, the single-device reference \
-                              dropping the same choices of each rank's batch",
-                kind: ModelParallelKind::Expert {
-                    ep: 2,
-                    dispatcher: Dispatcher::AllToAll,
-                },
-                capacity_factor: Some(1.0),
-            },
-            cp(
-                "cp.2",
-                "context parallel over 2 ranks (the rest data parallel): each sequence \
-                 cut into 4 chunks, rank i holding chunks i and 3 − i (causal load balancing), \
-                 ring attention (key/value blocks passed around, merged by log-sum-exp), \
-                 gradients summed over the shards",
-                2,
-                CpDispatcher::Ring,
-                SequenceLayout::Balanced,
-            ),
-            cp(
-                "cp.2.allgather",
-                "cp.2 with every shard's keys and values all-gathered, each \
-                 rank's queries attending at once: the same computation another way",
-                2,
-                CpDispatcher::AllGather,
-                SequenceLayout::Balanced,
-            ),
-            cp(
-                "cp.2.contiguous",
-                "cp.2 with each rank holding one contiguous half of the \
-                 sequence (no load balancing)",
-                2,
-                CpDispatcher::Ring,
-                SequenceLayout::Contiguous,
-            ),
-            cp(
-                "cp.4",
-                "context parallel over 4 ranks: 8 chunks, ring attention over 4 hops",
-                4,
-                CpDispatcher::Ring,
-                SequenceLayout::Balanced,
-            ),
-            cp(
-                "cp.4.allgather",
-                "cp.4 with all-gathered keys and values",
-                4,
-                CpDispatcher::AllGather,
-                SequenceLayout::Balanced,
-            ),
-            cp(
-                "cp.4.contiguous",
-                "cp.4 with contiguous quarters",
-                4,
-                CpDispatcher::Ring,
-                SequenceLayout::Contiguous,
-            ),
-            tp(
-                "tp.2.sp",
-                "tensor parallel over 2 ranks with sequence parallelism (LayerNorms on \
+            tensor("tp.4", "tensor parallel over 4 ranks", 4, false),
+        ];
+        rows.extend(expert_configs());
+        rows.extend(context_configs());
+        rows.extend([tensor(
+            "tp.2.sp",
+            "tensor parallel over 2 ranks with sequence parallelism (LayerNorms on \
                  sequence shards, all-gather before and reduce-scatter after each block)",
-                2,
-                true,
-            ),
-        ]
+            2,
+            true,
+        )]);
+        rows
     });
     &TABLE
+}
+
+/// A tensor-parallel row.
+fn tensor(
+    name: &'static str,
+    description: &'static str,
+    tp: usize,
+    sequence_parallel: bool,
+) -> ModelParallelConfig {
+    ModelParallelConfig {
+        name,
+        description,
+        kind: ModelParallelKind::Tensor {
+            tp,
+            sequence_parallel,
+        },
+        capacity_factor: None,
+    }
+}
+
+/// An expert-parallel row.
+fn expert(
+    name: &'static str,
+    description: &'static str,
+    ep: usize,
+    dispatcher: Dispatcher,
+    capacity_factor: Option<f64>,
+) -> ModelParallelConfig {
+    ModelParallelConfig {
+        name,
+        description,
+        kind: ModelParallelKind::Expert { ep, dispatcher },
+        capacity_factor,
+    }
+}
+
+/// A context-parallel row.
+fn context(
+    name: &'static str,
+    description: &'static str,
+    cp: usize,
+    dispatcher: CpDispatcher,
+    layout: SequenceLayout,
+) -> ModelParallelConfig {
+    ModelParallelConfig {
+        name,
+        description,
+        kind: ModelParallelKind::Context {
+            cp,
+            dispatcher,
+            layout,
+        },
+        capacity_factor: None,
+    }
+}
+
+/// The expert-parallel rows, in row order.
+fn expert_configs() -> Vec<ModelParallelConfig> {
+    vec![
+        expert(
+            "ep.2",
+            "expert parallel over 2 ranks (gpt_moe: each MoE layer's 8 experts \
+                          4 per rank, all-to-all dispatch; every rank its own batch)",
+            2,
+            Dispatcher::AllToAll,
+            None,
+        ),
+        expert(
+            "ep.4",
+            "expert parallel over 4 ranks (2 experts per rank), all-to-all",
+            4,
+            Dispatcher::AllToAll,
+            None,
+        ),
+        expert(
+            "ep.2.allgather",
+            "ep.2 with the all-gather dispatcher (every rank sees every token \
+                          and runs its experts; results reduce-scattered home): the same \
+                          computation another way",
+            2,
+            Dispatcher::AllGather,
+            None,
+        ),
+        expert(
+            "ep.2.capacity",
+            "ep.2 with a capacity limit that never binds (factor 4 = experts / \
+                          top-k: each expert takes at most one choice per token): the \
+                          limit's bookkeeping runs and drops nothing",
+            2,
+            Dispatcher::AllToAll,
+            Some(4.0),
+        ),
+        expert(
+            "ep.2.drop",
+            "ep.2 at capacity factor 1 (each expert takes ceil(N·k/E) of a \
+                          rank's N tokens' choices): overflowing choices are dropped, \
+                          judged against single.cap1, the single-device reference \
+                          dropping the same choices of each rank's batch",
+            2,
+            Dispatcher::AllToAll,
+            Some(1.0),
+        ),
+    ]
+}
+
+/// The context-parallel rows, in row order.
+fn context_configs() -> Vec<ModelParallelConfig> {
+    vec![
+        context(
+            "cp.2",
+            "context parallel over 2 ranks (the rest data parallel): each sequence \
+             cut into 4 chunks, rank i holding chunks i and 3 − i (causal load balancing), \
+             ring attention (key/value blocks passed around, merged by log-sum-exp), \
+             gradients summed over the shards",
+            2,
+            CpDispatcher::Ring,
+            SequenceLayout::Balanced,
+        ),
+        context(
+            "cp.2.allgather",
+            "cp.2 with every shard's keys and values all-gathered, each \
+             rank's queries attending at once: the same computation another way",
+            2,
+            CpDispatcher::AllGather,
+            SequenceLayout::Balanced,
+        ),
+        context(
+            "cp.2.contiguous",
+            "cp.2 with each rank holding one contiguous half of the \
+             sequence (no load balancing)",
+            2,
+            CpDispatcher::Ring,
+            SequenceLayout::Contiguous,
+        ),
+        context(
+            "cp.4",
+            "context parallel over 4 ranks: 8 chunks, ring attention over 4 hops",
+            4,
+            CpDispatcher::Ring,
+            SequenceLayout::Balanced,
+        ),
+        context(
+            "cp.4.allgather",
+            "cp.4 with all-gathered keys and values",
+            4,
+            CpDispatcher::AllGather,
+            SequenceLayout::Balanced,
+        ),
+        context(
+            "cp.4.contiguous",
+            "cp.4 with contiguous quarters",
+            4,
+            CpDispatcher::Ring,
+            SequenceLayout::Contiguous,
+        ),
+    ]
 }
 
 /// Which tensor- or expert-parallel configuration: an index into [`model_parallel_configs`].

@@ -237,157 +237,57 @@ struct CpRun<'a> {
 
 impl<'a> CpRun<'a> {
     fn new(model: &dyn Model, world: &World, opts: &'a CpOptions) -> Result<Self, CpError> {
-        let (cp_size, tp_size) = (opts.cp, opts.tp);
-        let dp = world.size() / (cp_size * tp_size);
-        let mut dims = opts
-            .data_parallel
-            .dims(dp)
-            .map_err(|e| CpError::Invalid(e.to_string()))?;
-        let hybrid = dims.len() == 2;
-        dims.push(("cp", cp_size));
-        if tp_size > 1 {
-            dims.push(("tp", tp_size));
-        }
-        let mesh = DeviceMesh::new(world, &dims)?;
         let counts = CollectiveCounts::new();
         let counted = |g: Arc<dyn ProcessGroup>| -> Arc<dyn ProcessGroup> {
             Arc::new(CountingGroup::new(g, counts.clone()))
         };
-        let cp = counted(mesh.group("cp")?);
-        let rank = mesh.coordinate("cp")?;
-        let replica = world.rank() / (cp_size * tp_size);
-        let dp_groups = match hybrid {
-            true => vec![
-                counted(mesh.group("dp_shard")?),
-                counted(mesh.group("dp_replicate")?),
-            ],
-            false => vec![counted(mesh.group("dp")?)],
-        };
-        // The groups gradients reduce over: `dp × cp` (the world, or flattened within each TP
-        // coordinate), or under HSDP `dp_shard × cp` within each replica, then across them.
-        // Named for what they span: `dp × cp` under CP, the data dimension alone without.
-        let (shards, data) = match cp_size {
-            1 => ("dp_shard", "dp"),
-            _ => ("dps_cp", "dp_cp"),
-        };
-        let (everyone, replicate) = if hybrid {
-            let replicas = dims[0].1;
-            let mut flat = vec![("dp_replicate", replicas), (shards, dims[1].1 * cp_size)];
-            if tp_size > 1 {
-                flat.push(("tp", tp_size));
-            }
-            let flat = DeviceMesh::new(world, &flat)?;
-            (
-                counted(flat.group(shards)?),
-                Some(counted(flat.group("dp_replicate")?)),
-            )
-        } else if tp_size > 1 {
-            let flat = DeviceMesh::new(world, &[(data, dp * cp_size), ("tp", tp_size)])?;
-            (counted(flat.group(data)?), None)
-        } else {
-            (counted(world.group()), None)
-        };
-        let tp = if tp_size > 1 {
-            let tp_opts = tensor_options(opts);
-            let placements = check_plan(model, world.size(), &tp_opts)
-                .map_err(|e| part_failure(opts, "TP", e))?;
-            let part = CpTensorParallel {
-                group: counted(mesh.group("tp")?),
-                rank: mesh.coordinate("tp")?,
-                placements,
-            };
-            Some(part)
-        } else {
-            None
+        let groups = CpGroups::new(world, opts, &counted)?;
+        let tp = match opts.tp {
+            1 => None,
+            _ => Some(CpTensorParallel {
+                group: counted(groups.mesh.group("tp")?),
+                rank: groups.mesh.coordinate("tp")?,
+                placements: check_plan(model, world.size(), &tensor_options(opts))
+                    .map_err(|e| part_failure(opts, "TP", e))?,
+            }),
         };
         let experts = match opts.ep {
             1 => None,
             _ => Some(borrowed_experts(model, world, opts, &counted)?),
         };
         let trained: Vec<(String, Tensor)> = match &tp {
-            Some(tp) => local_parameters(model, &tp.placements, tp.rank, tp_size)
+            Some(tp) => local_parameters(model, &tp.placements, tp.rank, opts.tp)
                 .map_err(|e| part_failure(opts, "TP", e))?,
             None => model.named_parameters(),
         }
         .into_iter()
         .filter(|(n, _)| experts.as_ref().is_none_or(|e| e.holds(n)))
         .collect();
-        // The data dimension keeps the dense parameters; experts stay whole on their ranks.
-        let experts_in_unit = opts.fault == Some(CpFault::ExpertsShardedOverDp);
-        let whole = |n: &str| !experts_in_unit && experts.as_ref().is_some_and(|e| e.is_expert(n));
-        let handles = |sharded: bool| {
-            trained
-                .iter()
-                .filter(|(n, _)| sharded != whole(n))
-                .map(|(n, t)| (n.clone(), t.shallow_clone()))
-                .collect::<Vec<_>>()
-        };
         // HSDP's replicated twin (DDP averaged over dp_shard, then across the replicas)
         // averages over the replicas itself; sharded HSDP's unit does.
         let replicas = match opts.data_parallel {
-            DataParallel::HybridReplicate { .. } => replicate.clone(),
+            DataParallel::HybridReplicate { .. } => groups.replicate.clone(),
             _ => None,
         };
-        let data = match opts.data_parallel {
-            DataParallel::Shard | DataParallel::HybridShard { .. } => DataLayer::new(
-                Some(Fsdp::over_tensors(
-                    "cp_local",
-                    handles(true),
-                    everyone.clone(),
-                    replicate,
-                )?),
-                handles(false),
-            ),
-            _ => DataLayer::new(
-                None,
-                trained
-                    .iter()
-                    .map(|(n, t)| (n.clone(), t.shallow_clone()))
-                    .collect(),
-            ),
-        };
-        let mut hooks = CpHooks::new(cp.clone(), rank, opts.clone());
-        if tp.is_some() || experts.is_some() {
-            // The plan's hooks: TP's shards on the TP group, or (EP alone) every tensor whole
-            // on a group of one; with EP, its mixtures dispatched to their experts.
-            let plan = match &tp {
-                Some(_) => model_plan(model, &tensor_options(opts))
-                    .map_err(|e| part_failure(opts, "TP", e))?,
-                None => model
-                    .parallel_plan(false)
-                    .ok_or_else(|| part_failure(opts, "EP", "the model has no plan"))?,
-            };
-            let (group, tp_rank) = match &tp {
-                Some(tp) => (tp.group.clone(), tp.rank),
-                None => (alone(world)?, 0),
-            };
-            let mut inner = PlanHooks::new(
-                group,
-                tp_rank,
-                &trained,
-                &aliases(model),
-                plan,
-                &model.layers(),
-            );
-            if let Some(e) = &experts {
-                inner = inner.with_experts(e.dispatch());
-            }
-            if opts.fault == Some(CpFault::TpInputGradNotReduced) {
-                inner = inner.with_fault(Some(TpFault::MissingBackwardAllReduce));
-            }
+        let data = data_layer(&trained, experts.as_ref(), opts, &groups)?;
+        let mut hooks = CpHooks::new(groups.cp.clone(), groups.rank, opts.clone());
+        if let Some(inner) =
+            plan_hooks(model, world, opts, tp.as_ref(), experts.as_ref(), &trained)?
+        {
             hooks = hooks.around(Box::new(inner));
         }
-        let per = cp_size * tp_size;
+        let per = opts.cp * opts.tp;
+        let replica = world.rank() / per;
         Ok(CpRun {
             opts,
             hooks,
-            cp,
-            dp: dp_groups,
-            everyone,
+            cp: groups.cp,
+            dp: groups.dp,
+            everyone: groups.everyone,
             replicas,
             tp,
             experts,
-            rank,
+            rank: groups.rank,
             data_ranks: (replica * per..(replica + 1) * per).collect(),
             split: SplitState::new(trained, data, counts),
         })
@@ -562,6 +462,160 @@ impl<'a> CpRun<'a> {
             tokens,
         ))
     }
+}
+
+/// The CP loop's groups on its mesh `[dp…, cp, tp]`, each counted: the CP group and this
+/// rank's place in it, the data dimension's groups, and the groups gradients reduce over.
+struct CpGroups {
+    mesh: DeviceMesh,
+    cp: Arc<dyn ProcessGroup>,
+    /// This rank's coordinate in `cp`.
+    rank: usize,
+    /// The data dimension's groups: `dp`, or under HSDP `dp_shard` then `dp_replicate`.
+    dp: Vec<Arc<dyn ProcessGroup>>,
+    /// What gradients reduce over: `dp × cp` (the world, or flattened within each TP
+    /// coordinate), or under HSDP `dp_shard × cp` within each replica.
+    everyone: Arc<dyn ProcessGroup>,
+    /// Under HSDP, the replicas `everyone` is then reduced across.
+    replicate: Option<Arc<dyn ProcessGroup>>,
+}
+
+impl CpGroups {
+    fn new(
+        world: &World,
+        opts: &CpOptions,
+        counted: &dyn Fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup>,
+    ) -> Result<CpGroups, CpError> {
+        let (cp_size, tp_size) = (opts.cp, opts.tp);
+        let dp = world.size() / (cp_size * tp_size);
+        let mut dims = opts
+            .data_parallel
+            .dims(dp)
+            .map_err(|e| CpError::Invalid(e.to_string()))?;
+        let hybrid = dims.len() == 2;
+        dims.push(("cp", cp_size));
+        if tp_size > 1 {
+            dims.push(("tp", tp_size));
+        }
+        let mesh = DeviceMesh::new(world, &dims)?;
+        let cp = counted(mesh.group("cp")?);
+        let rank = mesh.coordinate("cp")?;
+        let dp_groups = match hybrid {
+            true => vec![
+                counted(mesh.group("dp_shard")?),
+                counted(mesh.group("dp_replicate")?),
+            ],
+            false => vec![counted(mesh.group("dp")?)],
+        };
+        // Named for what they span: `dp × cp` under CP, the data dimension alone without.
+        let (shards, data) = match cp_size {
+            1 => ("dp_shard", "dp"),
+            _ => ("dps_cp", "dp_cp"),
+        };
+        let (everyone, replicate) = if hybrid {
+            let mut flat = vec![("dp_replicate", dims[0].1), (shards, dims[1].1 * cp_size)];
+            if tp_size > 1 {
+                flat.push(("tp", tp_size));
+            }
+            let flat = DeviceMesh::new(world, &flat)?;
+            (
+                counted(flat.group(shards)?),
+                Some(counted(flat.group("dp_replicate")?)),
+            )
+        } else if tp_size > 1 {
+            let flat = DeviceMesh::new(world, &[(data, dp * cp_size), ("tp", tp_size)])?;
+            (counted(flat.group(data)?), None)
+        } else {
+            (counted(world.group()), None)
+        };
+        Ok(CpGroups {
+            cp,
+            rank,
+            mesh,
+            dp: dp_groups,
+            everyone,
+            replicate,
+        })
+    }
+}
+
+/// The data dimension over `trained`: replicated, or one FSDP unit over `dp × cp` (under HSDP
+/// within each replica) holding the dense parameters, the experts whole beside it.
+fn data_layer(
+    trained: &[(String, Tensor)],
+    experts: Option<&BorrowedExperts>,
+    opts: &CpOptions,
+    groups: &CpGroups,
+) -> Result<DataLayer, CpError> {
+    let experts_in_unit = opts.fault == Some(CpFault::ExpertsShardedOverDp);
+    let whole = |n: &str| !experts_in_unit && experts.is_some_and(|e| e.is_expert(n));
+    let handles = |sharded: bool| {
+        trained
+            .iter()
+            .filter(|(n, _)| sharded != whole(n))
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect::<Vec<_>>()
+    };
+    Ok(match opts.data_parallel {
+        DataParallel::Shard | DataParallel::HybridShard { .. } => DataLayer::new(
+            Some(Fsdp::over_tensors(
+                "cp_local",
+                handles(true),
+                groups.everyone.clone(),
+                groups.replicate.clone(),
+            )?),
+            handles(false),
+        ),
+        _ => DataLayer::new(
+            None,
+            trained
+                .iter()
+                .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                .collect(),
+        ),
+    })
+}
+
+/// The plan's hooks inside CP: TP's shards on the TP group, or (EP alone) every tensor whole
+/// on a group of one; with EP, its mixtures dispatched to their experts. None without either.
+fn plan_hooks(
+    model: &dyn Model,
+    world: &World,
+    opts: &CpOptions,
+    tp: Option<&CpTensorParallel>,
+    experts: Option<&BorrowedExperts>,
+    trained: &[(String, Tensor)],
+) -> Result<Option<PlanHooks>, CpError> {
+    if tp.is_none() && experts.is_none() {
+        return Ok(None);
+    }
+    let plan = match tp {
+        Some(_) => {
+            model_plan(model, &tensor_options(opts)).map_err(|e| part_failure(opts, "TP", e))?
+        }
+        None => model
+            .parallel_plan(false)
+            .ok_or_else(|| part_failure(opts, "EP", "the model has no plan"))?,
+    };
+    let (group, tp_rank) = match tp {
+        Some(tp) => (tp.group.clone(), tp.rank),
+        None => (alone(world)?, 0),
+    };
+    let mut inner = PlanHooks::new(
+        group,
+        tp_rank,
+        trained,
+        &aliases(model),
+        plan,
+        &model.layers(),
+    );
+    if let Some(e) = experts {
+        inner = inner.with_experts(e.dispatch());
+    }
+    if opts.fault == Some(CpFault::TpInputGradNotReduced) {
+        inner = inner.with_fault(Some(TpFault::MissingBackwardAllReduce));
+    }
+    Ok(Some(inner))
 }
 
 /// CP × EP: `model`'s experts spread over `ep` ranks borrowed from `dp × cp` within this
