@@ -64,105 +64,27 @@ pub fn train_pipeline_with(
     within: StageParallel,
 ) -> Result<PipelineRun, PipelineError> {
     let world_size = world.size();
-    let tp = within.tp.max(1);
-    let cp = within.cp.max(1);
-    let (plan, sharded) = plan_within(model, world_size, opts, within)?;
-    let counts = CollectiveCounts::new();
-    let counted = |g: Arc<dyn ProcessGroup>| -> Arc<dyn ProcessGroup> {
-        Arc::new(CountingGroup::new(g, counts.clone()))
-    };
-    let ep = within.ep.max(1);
-    let composed = tp > 1 || cp > 1 || ep > 1 || sharded;
-    let PipelineMesh {
+    let RankPipeline {
+        plan,
+        sharded,
+        composed,
+        counts,
         pp,
-        dp: dpg,
-        data: data_group,
+        data_group,
         replicate,
-        tp: tpg,
-        cp: cpg,
         rank,
         replica,
         tp_rank,
-        cp_rank,
-        experts: expert_groups,
-    } = PipelineMesh::new(world, &plan, tp, cp, within.data.replicas(), ep, &counted)?;
-    let experts = match expert_groups {
-        Some((group, holders)) => {
-            // Summed over the holders, an expert's gradient is the sum over the data group
-            // (and HSDP's replicas): averaged like every other gradient.
-            let averaged = match opts.fault {
-                Some(PipelineFault::ExpertGradsScaledByWorld) => world_size,
-                _ => data_group.size() * replicate.as_ref().map_or(1, |r| r.size()),
-            };
-            let count = expert_count(model, data_group.size(), ep)?;
-            // Planted (a field bug): each expert's gradient counted once per EP rank.
-            let counted_per_ep_rank = match within.cp_fault {
-                Some(crate::context_parallel::CpFault::ExpertGradsPerEpRank) => ep as f64,
-                _ => 1.0,
-            };
-            Some(BorrowedExperts::new(
-                model,
-                group,
-                holders,
-                count,
-                counted_per_ep_rank / averaged as f64,
-            ))
-        }
-        None => None,
-    };
-    // EP without TP: the plan's other rules run on a group of this rank alone.
-    let alone = match (&experts, tp) {
-        (Some(_), 1) => {
-            let singles: Vec<Vec<usize>> = (0..world_size).map(|r| vec![r]).collect();
-            world.new_groups(&singles, "pp-ep-self")?
-        }
-        _ => None,
-    };
-    let (edge_groups, holder_groups) = pipeline_groups(world, &plan, cp * tp, &counted)?;
-    // The tensors this rank computes with: the model's own, or its TP shards.
-    let model_params = model.named_parameters();
-    let stage_split = match (&tpg, &cpg, &experts) {
-        (None, None, None) => None,
-        _ => {
-            let dispatch = experts.as_ref().map(|e| {
-                let group = alone.clone().or_else(|| tpg.clone());
-                (e.dispatch(), group)
-            });
-            let dispatch = match dispatch {
-                Some((d, Some(g))) => Some((d, g)),
-                Some((_, None)) => {
-                    return Err(PipelineError::InvalidPlan(
-                        "PP×EP: no group for the plan's other rules".into(),
-                    ))
-                }
-                None => None,
-            };
-            Some(StageSplit::new(
-                model,
-                world_size,
-                tpg.clone().map(|g| (g, tp_rank)),
-                cpg.clone().map(|g| (g, cp_rank)),
-                within.cp_fault,
-                dispatch,
-            )?)
-        }
-    };
-    let local = stage_split.as_ref().map_or(&model_params, |s| &s.local);
-    let named: Vec<(String, Tensor)> = local.iter().map(handle).collect();
-    // Where this rank computes: every buffer it creates (handshakes, tokens, the loss and
-    // norm scalars, the record's gathers) goes there, as its groups take tensors on it.
-    let device = parameters_device(&named)?;
-    let stage_held = held_by(&plan, rank, named.len());
-    // Each stage's EP group assembles its own experts only.
-    let experts = experts.map(|e| e.within(stage_held.iter().map(|&i| named[i].0.clone())));
-    let replicas = (plan.data_parallel > 1).then_some(dpg.as_ref());
-    broadcast_initial(&plan, &named, &stage_held, &holder_groups, replicas)?;
-    // Under EP this rank trains its stage's dense parameters and its own experts.
-    let held: Vec<usize> = stage_held
-        .into_iter()
-        .filter(|&i| experts.as_ref().is_none_or(|e| e.holds(&named[i].0)))
-        .collect();
-
+        tp,
+        experts,
+        stage_split,
+        edge_groups,
+        holder_groups,
+        model_params,
+        named,
+        device,
+        held,
+    } = RankPipeline::new(model, world, opts, within)?;
     let stage_params = stage_parameters(model, &plan, &named);
     let data_ranks = plan.data_ranks(replica, world_size);
     let metas_by_size = probe_shapes(model, &data_ranks, plan.microbatches, stage_split.as_ref())?;
@@ -227,20 +149,225 @@ pub fn train_pipeline_with(
     };
     let (mut record, traces) = PipelineStrategy::new(steps, metas_by_size).train(cfg)?;
     record.placements = placement_table(&plan, &stage_params, stage_split.as_ref(), sharded);
-    if let Some(e) = &experts {
-        for p in &mut record.placements {
-            if let Some(text) = e.placement(&p.tensor) {
-                // The stage it belongs to, then where its EP group keeps it.
-                let stage = p.placement.split(", ").next().unwrap_or_default();
-                p.placement = format!("{stage}, {text}");
-            }
-        }
-    }
+    place_experts(&mut record.placements, experts.as_ref());
     Ok(PipelineRun {
         record,
         traces,
         plan,
     })
+}
+
+/// One rank's pipeline as it stands before training: its plan, its groups (each counted), what
+/// splits its stage, and the tensors it holds and trains.
+struct RankPipeline {
+    plan: PipelinePlan,
+    /// The data dimension shards the stage's parameters (PP×FSDP).
+    sharded: bool,
+    /// Anything beside the pipeline (TP, CP, EP or a sharded data dimension).
+    composed: bool,
+    counts: CollectiveCounts,
+    pp: Arc<dyn ProcessGroup>,
+    data_group: Arc<dyn ProcessGroup>,
+    replicate: Option<Arc<dyn ProcessGroup>>,
+    /// This rank's stage rank, its pipeline replica, and its TP coordinate of `tp`.
+    rank: usize,
+    replica: usize,
+    tp_rank: usize,
+    tp: usize,
+    experts: Option<BorrowedExperts>,
+    stage_split: Option<StageSplit>,
+    edge_groups: EdgeGroups,
+    holder_groups: std::collections::BTreeMap<Vec<usize>, Arc<dyn ProcessGroup>>,
+    /// The model's own parameters, and the tensors this rank computes with (its TP shards
+    /// where a plan splits them), on `device`.
+    model_params: Vec<(String, Tensor)>,
+    named: Vec<(String, Tensor)>,
+    device: Device,
+    /// Which of `named` this rank trains: its stage's, under EP its own experts only.
+    held: Vec<usize>,
+}
+
+impl RankPipeline {
+    /// Plans the pipeline on `world`, builds its mesh's groups and the stage's split, and
+    /// gives every stage its initial parameters from their first holder.
+    fn new(
+        model: &dyn Model,
+        world: &World,
+        opts: &PipelineOptions,
+        within: StageParallel,
+    ) -> Result<RankPipeline, PipelineError> {
+        let world_size = world.size();
+        let tp = within.tp.max(1);
+        let cp = within.cp.max(1);
+        let (plan, sharded) = plan_within(model, world_size, opts, within)?;
+        let counts = CollectiveCounts::new();
+        let counted = |g: Arc<dyn ProcessGroup>| -> Arc<dyn ProcessGroup> {
+            Arc::new(CountingGroup::new(g, counts.clone()))
+        };
+        let ep = within.ep.max(1);
+        let composed = tp > 1 || cp > 1 || ep > 1 || sharded;
+        let PipelineMesh {
+            pp,
+            dp: dpg,
+            data: data_group,
+            replicate,
+            tp: tpg,
+            cp: cpg,
+            rank,
+            replica,
+            tp_rank,
+            cp_rank,
+            experts: expert_groups,
+        } = PipelineMesh::new(world, &plan, tp, cp, within.data.replicas(), ep, &counted)?;
+        let experts = match expert_groups {
+            Some((group, holders)) => Some(pipeline_experts(
+                model,
+                (group, holders),
+                (&data_group, replicate.as_ref()),
+                opts,
+                &within,
+                world_size,
+            )?),
+            None => None,
+        };
+        let stage_split = stage_split(
+            model,
+            world,
+            (tpg.as_ref(), tp_rank),
+            (cpg.as_ref(), cp_rank),
+            experts.as_ref(),
+            within.cp_fault,
+        )?;
+        let (edge_groups, holder_groups) = pipeline_groups(world, &plan, cp * tp, &counted)?;
+        // The tensors this rank computes with: the model's own, or its TP shards.
+        let model_params = model.named_parameters();
+        let local = stage_split.as_ref().map_or(&model_params, |s| &s.local);
+        let named: Vec<(String, Tensor)> = local.iter().map(handle).collect();
+        // Where this rank computes: every buffer it creates (handshakes, tokens, the loss and
+        // norm scalars, the record's gathers) goes there, as its groups take tensors on it.
+        let device = parameters_device(&named)?;
+        let stage_held = held_by(&plan, rank, named.len());
+        // Each stage's EP group assembles its own experts only.
+        let experts = experts.map(|e| e.within(stage_held.iter().map(|&i| named[i].0.clone())));
+        let replicas = (plan.data_parallel > 1).then_some(dpg.as_ref());
+        broadcast_initial(&plan, &named, &stage_held, &holder_groups, replicas)?;
+        // Under EP this rank trains its stage's dense parameters and its own experts.
+        let held: Vec<usize> = stage_held
+            .into_iter()
+            .filter(|&i| experts.as_ref().is_none_or(|e| e.holds(&named[i].0)))
+            .collect();
+
+        Ok(RankPipeline {
+            plan,
+            sharded,
+            composed,
+            counts,
+            pp,
+            data_group,
+            replicate,
+            rank,
+            replica,
+            tp_rank,
+            tp,
+            experts,
+            stage_split,
+            edge_groups,
+            holder_groups,
+            model_params,
+            named,
+            device,
+            held,
+        })
+    }
+}
+
+/// PP × EP: this stage's experts spread over `group`, each one's gradient summed over its
+/// `holders` and averaged like every other gradient (over the data group and HSDP's
+/// replicas; planted faults scale it otherwise).
+fn pipeline_experts(
+    model: &dyn Model,
+    (group, holders): (Arc<dyn ProcessGroup>, Arc<dyn ProcessGroup>),
+    (data_group, replicate): (&Arc<dyn ProcessGroup>, Option<&Arc<dyn ProcessGroup>>),
+    opts: &PipelineOptions,
+    within: &StageParallel,
+    world_size: usize,
+) -> Result<BorrowedExperts, PipelineError> {
+    let ep = within.ep.max(1);
+    let averaged = match opts.fault {
+        Some(PipelineFault::ExpertGradsScaledByWorld) => world_size,
+        _ => data_group.size() * replicate.map_or(1, |r| r.size()),
+    };
+    let count = expert_count(model, data_group.size(), ep)?;
+    // Planted (a field bug): each expert's gradient counted once per EP rank.
+    let counted_per_ep_rank = match within.cp_fault {
+        Some(crate::context_parallel::CpFault::ExpertGradsPerEpRank) => ep as f64,
+        _ => 1.0,
+    };
+    Ok(BorrowedExperts::new(
+        model,
+        group,
+        holders,
+        count,
+        counted_per_ep_rank / averaged as f64,
+    ))
+}
+
+/// What splits this rank's stage (TP on `tp`'s group, CP on `cp`'s, EP's dispatch), or none
+/// when nothing does. EP without TP runs the plan's other rules on a group of this rank alone.
+fn stage_split(
+    model: &dyn Model,
+    world: &World,
+    (tpg, tp_rank): (Option<&Arc<dyn ProcessGroup>>, usize),
+    (cpg, cp_rank): (Option<&Arc<dyn ProcessGroup>>, usize),
+    experts: Option<&BorrowedExperts>,
+    cp_fault: Option<crate::context_parallel::CpFault>,
+) -> Result<Option<StageSplit>, PipelineError> {
+    if tpg.is_none() && cpg.is_none() && experts.is_none() {
+        return Ok(None);
+    }
+    let alone = match (experts, tpg) {
+        (Some(_), None) => {
+            let singles: Vec<Vec<usize>> = (0..world.size()).map(|r| vec![r]).collect();
+            world.new_groups(&singles, "pp-ep-self")?
+        }
+        _ => None,
+    };
+    let dispatch = match experts {
+        Some(e) => match alone.or_else(|| tpg.cloned()) {
+            Some(group) => Some((e.dispatch(), group)),
+            None => {
+                return Err(PipelineError::InvalidPlan(
+                    "PP×EP: no group for the plan's other rules".into(),
+                ))
+            }
+        },
+        None => None,
+    };
+    Ok(Some(StageSplit::new(
+        model,
+        world.size(),
+        tpg.cloned().map(|g| (g, tp_rank)),
+        cpg.cloned().map(|g| (g, cp_rank)),
+        cp_fault,
+        dispatch,
+    )?))
+}
+
+/// Each expert's placement in the record: the stage it belongs to, then where its EP group
+/// keeps it.
+fn place_experts(
+    placements: &mut [crate::record::TensorPlacement],
+    experts: Option<&BorrowedExperts>,
+) {
+    let Some(experts) = experts else {
+        return;
+    };
+    for p in placements {
+        if let Some(text) = experts.placement(&p.tensor) {
+            let stage = p.placement.split(", ").next().unwrap_or_default();
+            p.placement = format!("{stage}, {text}");
+        }
+    }
 }
 
 /// The experts of each of `model`'s mixtures, checked to divide over `ep` ranks of a data
