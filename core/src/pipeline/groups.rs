@@ -56,8 +56,13 @@ impl PipelineMesh {
         }
         let mesh = DeviceMesh::new(world, &dims)?;
         let dp_group = counted(mesh.group("dp")?);
-        let global = |d: usize, r: usize, c: usize, t: usize| ((d * p + r) * cp + c) * tp + t;
-        let shards = dp / replicas.max(1);
+        let layout = MeshLayout {
+            p,
+            cp,
+            tp,
+            replicas,
+            shards: dp / replicas.max(1),
+        };
         // A group per (replica, pp, tp) coordinate over the data ranks gradients reduce over
         // (`dp_shard × cp`: not adjacent in the mesh, so made from its partition directly),
         // and under HSDP one per (dp_shard, pp, cp, tp) across the replicas.
@@ -66,34 +71,8 @@ impl PipelineMesh {
                 PipelineError::InvalidPlan(format!("rank {} is in no {name} group", world.rank()))
             })
         };
-        // The data group of replica q, pipeline rank r, TP coordinate t: its `dp_shard × cp`
-        // ranks, CP innermost.
-        let data_ranks = |q: usize, r: usize, t: usize| -> Vec<usize> {
-            (0..shards)
-                .flat_map(|s| (0..cp).map(move |c| global(q * shards + s, r, c, t)))
-                .collect()
-        };
-        let coordinates: Vec<(usize, usize, usize)> = (0..replicas)
-            .flat_map(|q| (0..p).flat_map(move |r| (0..tp).map(move |t| (q, r, t))))
-            .collect();
         let experts = if ep > 1 {
-            // EP takes the innermost `ep` ranks of each data group; an expert's holders are
-            // the ranks at the same place in each EP group of the stage's data groups.
-            let groups = coordinates
-                .iter()
-                .flat_map(|&(q, r, t)| {
-                    let ranks = data_ranks(q, r, t);
-                    ranks.chunks(ep).map(<[usize]>::to_vec).collect::<Vec<_>>()
-                })
-                .collect();
-            let holders = (0..p)
-                .flat_map(|r| (0..tp).flat_map(move |t| (0..ep).map(move |e| (r, t, e))))
-                .map(|(r, t, e)| {
-                    (0..replicas)
-                        .flat_map(|q| data_ranks(q, r, t).into_iter().skip(e).step_by(ep))
-                        .collect()
-                })
-                .collect();
+            let (groups, holders) = layout.expert_partitions(ep);
             Some((
                 counted(group_of(groups, "pp-ep")?),
                 counted(group_of(holders, "pp-ep-holders")?),
@@ -102,28 +81,15 @@ impl PipelineMesh {
             None
         };
         let data = if cp > 1 || replicas > 1 {
-            let partition = coordinates
-                .iter()
-                .map(|&(q, r, t)| data_ranks(q, r, t))
-                .collect();
-            counted(group_of(partition, "dp_cp")?)
+            counted(group_of(layout.data_partition(), "dp_cp")?)
         } else {
             dp_group.clone()
         };
         let replicate = if replicas > 1 {
-            let partition = (0..shards)
-                .flat_map(|s| {
-                    (0..p).flat_map(move |r| {
-                        (0..cp).flat_map(move |c| (0..tp).map(move |t| (s, r, c, t)))
-                    })
-                })
-                .map(|(s, r, c, t)| {
-                    (0..replicas)
-                        .map(|q| global(q * shards + s, r, c, t))
-                        .collect()
-                })
-                .collect();
-            Some(counted(group_of(partition, "dp_replicate")?))
+            Some(counted(group_of(
+                layout.replicate_partition(),
+                "dp_replicate",
+            )?))
         } else {
             None
         };
@@ -148,6 +114,87 @@ impl PipelineMesh {
             cp_rank,
             experts,
         })
+    }
+}
+
+/// Where a pipeline's ranks sit on its mesh `[dp, pp, cp, tp]` (`dp` = `replicas × shards`
+/// under HSDP), for the groups the mesh's own dimensions cannot give.
+struct MeshLayout {
+    p: usize,
+    cp: usize,
+    tp: usize,
+    replicas: usize,
+    shards: usize,
+}
+
+impl MeshLayout {
+    /// The global rank at data index `d`, pipeline rank `r`, CP coordinate `c`, TP `t`.
+    fn global(&self, d: usize, r: usize, c: usize, t: usize) -> usize {
+        ((d * self.p + r) * self.cp + c) * self.tp + t
+    }
+
+    /// The data group of replica `q`, pipeline rank `r`, TP coordinate `t`: its
+    /// `dp_shard × cp` ranks, CP innermost.
+    fn data_ranks(&self, q: usize, r: usize, t: usize) -> Vec<usize> {
+        (0..self.shards)
+            .flat_map(|s| (0..self.cp).map(move |c| self.global(q * self.shards + s, r, c, t)))
+            .collect()
+    }
+
+    /// Every (replica, pipeline rank, TP coordinate), in group-creation order.
+    fn coordinates(&self) -> Vec<(usize, usize, usize)> {
+        let (p, tp) = (self.p, self.tp);
+        (0..self.replicas)
+            .flat_map(|q| (0..p).flat_map(move |r| (0..tp).map(move |t| (q, r, t))))
+            .collect()
+    }
+
+    /// The data groups, one per [`MeshLayout::coordinates`].
+    fn data_partition(&self) -> Vec<Vec<usize>> {
+        self.coordinates()
+            .into_iter()
+            .map(|(q, r, t)| self.data_ranks(q, r, t))
+            .collect()
+    }
+
+    /// PP × EP: EP takes the innermost `ep` ranks of each data group; an expert's holders are
+    /// the ranks at the same place in each EP group of the stage's data groups.
+    fn expert_partitions(&self, ep: usize) -> (Vec<Vec<usize>>, Vec<Vec<usize>>) {
+        let groups = self
+            .coordinates()
+            .into_iter()
+            .flat_map(|(q, r, t)| {
+                let ranks = self.data_ranks(q, r, t);
+                ranks.chunks(ep).map(<[usize]>::to_vec).collect::<Vec<_>>()
+            })
+            .collect();
+        let tp = self.tp;
+        let holders = (0..self.p)
+            .flat_map(|r| (0..tp).flat_map(move |t| (0..ep).map(move |e| (r, t, e))))
+            .map(|(r, t, e)| {
+                (0..self.replicas)
+                    .flat_map(|q| self.data_ranks(q, r, t).into_iter().skip(e).step_by(ep))
+                    .collect()
+            })
+            .collect();
+        (groups, holders)
+    }
+
+    /// HSDP: one group per (dp_shard, pp, cp, tp) coordinate across the replicas.
+    fn replicate_partition(&self) -> Vec<Vec<usize>> {
+        let (p, cp, tp) = (self.p, self.cp, self.tp);
+        (0..self.shards)
+            .flat_map(|s| {
+                (0..p).flat_map(move |r| {
+                    (0..cp).flat_map(move |c| (0..tp).map(move |t| (s, r, c, t)))
+                })
+            })
+            .map(|(s, r, c, t)| {
+                (0..self.replicas)
+                    .map(|q| self.global(q * self.shards + s, r, c, t))
+                    .collect()
+            })
+            .collect()
     }
 }
 
