@@ -157,6 +157,42 @@ enum Arrival {
 
 /// The one-element tensor an edge that carries no layer output sends, so every schedule's
 /// dependencies hold: created on the stage's compute device, as everything sent is.
+/// Sends of a batch of transfers: (group, peer, tag, tensor).
+type Outgoing<'g> = Vec<(&'g dyn ProcessGroup, usize, u64, Tensor)>;
+
+/// Receives of a batch of transfers: (group, peer, tag, buffer, where it goes).
+type Incoming<'g> = Vec<(&'g dyn ProcessGroup, usize, u64, Tensor, Arrival)>;
+
+/// Files each received tensor where it goes: a stage's input (a leaf, so its gradient is
+/// kept), or one more gradient of a stage's output.
+fn file_arrivals(
+    incoming: Incoming<'_>,
+    slots: &mut HashMap<(usize, usize), Slot>,
+) -> Result<(), PipelineError> {
+    for (_, _, _, t, arrival) in incoming {
+        match arrival {
+            Arrival::Token => {}
+            Arrival::Input(stage, mb, k) => {
+                slots
+                    .entry((stage, mb))
+                    .or_default()
+                    .inputs
+                    .insert(k, leaf(t)?);
+            }
+            Arrival::OutputGrad(stage, mb, k) => {
+                slots
+                    .entry((stage, mb))
+                    .or_default()
+                    .out_grads
+                    .entry(k)
+                    .or_default()
+                    .push(t);
+            }
+        }
+    }
+    Ok(())
+}
+
 fn token(device: Device) -> Result<Tensor, tch::TchError> {
     Tensor::f_zeros([1], (Kind::Float, device))
 }
@@ -322,116 +358,18 @@ impl Executor<'_> {
         data: &StepData,
         slots: &mut HashMap<(usize, usize), Slot>,
     ) -> Result<Vec<Work>, PipelineError> {
-        let mut outgoing: Vec<(&dyn ProcessGroup, usize, u64, Tensor)> = Vec::new();
-        // Where each received tensor goes: (group, peer, tag, buffer, its slot entry).
-        let mut incoming: Vec<(&dyn ProcessGroup, usize, u64, Tensor, Arrival)> = Vec::new();
+        let mut outgoing: Outgoing<'_> = Vec::new();
+        let mut incoming: Incoming<'_> = Vec::new();
         for action in actions {
-            let (stage, kind) = (action.stage, action.kind);
-            let Some(mb) = action.microbatch else {
-                return Err(self.missing(action, "a send or receive names no microbatch"));
-            };
-            if stage >= self.stage_ranks.len() || self.stage_ranks[stage] != self.rank {
-                return Err(PipelineError::Execution(format!(
-                    "rank {}: action {action} is for a stage this rank does not hold",
-                    self.rank
-                )));
-            }
-            let metas = data.metas.get(mb).map(|m| m.as_slice()).ok_or_else(|| {
-                PipelineError::Execution(format!(
-                    "rank {}: action {action} names microbatch {mb}, but the step has {}",
-                    self.rank,
-                    data.batches.len()
-                ))
-            })?;
-            let tag = mb as u64;
-            match kind {
-                ActionKind::SendF => {
-                    let slot = slots.entry((stage, mb)).or_default();
-                    if !slot.forwarded {
-                        return Err(self.missing(action, "its forward has not run"));
-                    }
-                    for e in self
-                        .flow
-                        .outputs_of(stage)
-                        .filter(|e| self.remote(e.from, e.to))
-                    {
-                        let g = self.group(e.from, e.to, Way::Activations)?;
-                        if e.layers.is_empty() {
-                            outgoing.push((g, 1, tag, token(self.device)?));
-                        }
-                        for k in &e.layers {
-                            let t = slot
-                                .outputs
-                                .get(k)
-                                .or_else(|| slot.saved.get(k))
-                                .ok_or_else(|| {
-                                    self.missing(
-                                        action,
-                                        &format!("layer {k}'s output was not kept"),
-                                    )
-                                })?;
-                            outgoing.push((g, 1, tag, t.f_detach()?.f_contiguous()?));
-                        }
-                    }
-                }
-                ActionKind::RecvF => {
-                    for e in self
-                        .flow
-                        .inputs_of(stage)
-                        .filter(|e| self.remote(e.from, e.to))
-                    {
-                        let g = self.group(e.from, e.to, Way::Activations)?;
-                        if e.layers.is_empty() {
-                            incoming.push((g, 0, tag, token(self.device)?, Arrival::Token));
-                        }
-                        for &k in &e.layers {
-                            let buffer = metas[k].zeros()?;
-                            incoming.push((g, 0, tag, buffer, Arrival::Input(stage, mb, k)));
-                        }
-                    }
-                }
+            let (mb, metas) = self.transfer_of(action, data)?;
+            let at = (action.stage, mb);
+            match action.kind {
+                ActionKind::SendF => self.send_activations(action, at, slots, &mut outgoing)?,
+                ActionKind::RecvF => self.receive_activations(at, metas, &mut incoming)?,
                 ActionKind::SendB => {
-                    let grads = slots
-                        .entry((stage, mb))
-                        .or_default()
-                        .input_grads
-                        .as_ref()
-                        .ok_or_else(|| self.missing(action, "its backward has not run"))?;
-                    for e in self
-                        .flow
-                        .inputs_of(stage)
-                        .filter(|e| self.remote(e.from, e.to))
-                    {
-                        let g = self.group(e.from, e.to, Way::Gradients)?;
-                        let floats = self.float_layers(&e.layers, metas);
-                        if floats.is_empty() {
-                            outgoing.push((g, 0, tag, token(self.device)?));
-                        }
-                        for k in floats {
-                            let grad = grads.get(&k).ok_or_else(|| {
-                                self.missing(action, &format!("no gradient for layer {k}"))
-                            })?;
-                            outgoing.push((g, 0, tag, grad.f_contiguous()?));
-                        }
-                    }
+                    self.send_gradients(action, at, metas, slots, &mut outgoing)?
                 }
-                ActionKind::RecvB => {
-                    for e in self
-                        .flow
-                        .outputs_of(stage)
-                        .filter(|e| self.remote(e.from, e.to))
-                    {
-                        let g = self.group(e.from, e.to, Way::Gradients)?;
-                        let floats = self.float_layers(&e.layers, metas);
-                        if floats.is_empty() {
-                            incoming.push((g, 1, tag, token(self.device)?, Arrival::Token));
-                        }
-                        for k in floats {
-                            let buffer = metas[k].zeros()?;
-                            incoming.push((g, 1, tag, buffer, Arrival::OutputGrad(stage, mb, k)));
-                        }
-                    }
-                }
+                ActionKind::RecvB => self.receive_gradients(at, metas, &mut incoming)?,
                 _ => return Err(self.missing(action, "it is not a send or a receive")),
             }
         }
@@ -453,28 +391,158 @@ impl Executor<'_> {
             .collect();
         let posted = p2p::post_batch(&ops)?;
         p2p::wait_all(posted.receives)?;
-        for (_, _, _, t, arrival) in incoming {
-            match arrival {
-                Arrival::Token => {}
-                Arrival::Input(stage, mb, k) => {
-                    slots
-                        .entry((stage, mb))
-                        .or_default()
-                        .inputs
-                        .insert(k, leaf(t)?);
-                }
-                Arrival::OutputGrad(stage, mb, k) => {
-                    slots
-                        .entry((stage, mb))
-                        .or_default()
-                        .out_grads
-                        .entry(k)
-                        .or_default()
-                        .push(t);
-                }
+        file_arrivals(incoming, slots)?;
+        Ok(posted.sends)
+    }
+
+    /// A send or receive's microbatch and its layers' shapes, checked: the action names a
+    /// microbatch of this step, of a stage this rank holds.
+    fn transfer_of<'d>(
+        &self,
+        action: &Action,
+        data: &'d StepData,
+    ) -> Result<(usize, &'d [TensorMeta]), PipelineError> {
+        let stage = action.stage;
+        let Some(mb) = action.microbatch else {
+            return Err(self.missing(action, "a send or receive names no microbatch"));
+        };
+        if stage >= self.stage_ranks.len() || self.stage_ranks[stage] != self.rank {
+            return Err(PipelineError::Execution(format!(
+                "rank {}: action {action} is for a stage this rank does not hold",
+                self.rank
+            )));
+        }
+        let metas = data.metas.get(mb).map(|m| m.as_slice()).ok_or_else(|| {
+            PipelineError::Execution(format!(
+                "rank {}: action {action} names microbatch {mb}, but the step has {}",
+                self.rank,
+                data.batches.len()
+            ))
+        })?;
+        Ok((mb, metas))
+    }
+
+    /// `SEND_F`: the stage's outputs on every edge to another rank (a token on an empty edge).
+    fn send_activations<'g>(
+        &'g self,
+        action: &Action,
+        (stage, mb): (usize, usize),
+        slots: &mut HashMap<(usize, usize), Slot>,
+        outgoing: &mut Outgoing<'g>,
+    ) -> Result<(), PipelineError> {
+        let tag = mb as u64;
+        let slot = slots.entry((stage, mb)).or_default();
+        if !slot.forwarded {
+            return Err(self.missing(action, "its forward has not run"));
+        }
+        for e in self
+            .flow
+            .outputs_of(stage)
+            .filter(|e| self.remote(e.from, e.to))
+        {
+            let g = self.group(e.from, e.to, Way::Activations)?;
+            if e.layers.is_empty() {
+                outgoing.push((g, 1, tag, token(self.device)?));
+            }
+            for k in &e.layers {
+                let t = slot
+                    .outputs
+                    .get(k)
+                    .or_else(|| slot.saved.get(k))
+                    .ok_or_else(|| {
+                        self.missing(action, &format!("layer {k}'s output was not kept"))
+                    })?;
+                outgoing.push((g, 1, tag, t.f_detach()?.f_contiguous()?));
             }
         }
-        Ok(posted.sends)
+        Ok(())
+    }
+
+    /// `RECV_F`: a buffer for each input arriving from another rank.
+    fn receive_activations<'g>(
+        &'g self,
+        (stage, mb): (usize, usize),
+        metas: &[TensorMeta],
+        incoming: &mut Incoming<'g>,
+    ) -> Result<(), PipelineError> {
+        let tag = mb as u64;
+        for e in self
+            .flow
+            .inputs_of(stage)
+            .filter(|e| self.remote(e.from, e.to))
+        {
+            let g = self.group(e.from, e.to, Way::Activations)?;
+            if e.layers.is_empty() {
+                incoming.push((g, 0, tag, token(self.device)?, Arrival::Token));
+            }
+            for &k in &e.layers {
+                let buffer = metas[k].zeros()?;
+                incoming.push((g, 0, tag, buffer, Arrival::Input(stage, mb, k)));
+            }
+        }
+        Ok(())
+    }
+
+    /// `SEND_B`: the gradients of the stage's floating-point inputs, back to their senders.
+    fn send_gradients<'g>(
+        &'g self,
+        action: &Action,
+        (stage, mb): (usize, usize),
+        metas: &[TensorMeta],
+        slots: &mut HashMap<(usize, usize), Slot>,
+        outgoing: &mut Outgoing<'g>,
+    ) -> Result<(), PipelineError> {
+        let tag = mb as u64;
+        let grads = slots
+            .entry((stage, mb))
+            .or_default()
+            .input_grads
+            .as_ref()
+            .ok_or_else(|| self.missing(action, "its backward has not run"))?;
+        for e in self
+            .flow
+            .inputs_of(stage)
+            .filter(|e| self.remote(e.from, e.to))
+        {
+            let g = self.group(e.from, e.to, Way::Gradients)?;
+            let floats = self.float_layers(&e.layers, metas);
+            if floats.is_empty() {
+                outgoing.push((g, 0, tag, token(self.device)?));
+            }
+            for k in floats {
+                let grad = grads
+                    .get(&k)
+                    .ok_or_else(|| self.missing(action, &format!("no gradient for layer {k}")))?;
+                outgoing.push((g, 0, tag, grad.f_contiguous()?));
+            }
+        }
+        Ok(())
+    }
+
+    /// `RECV_B`: a buffer for the gradient of each floating-point output sent to another rank.
+    fn receive_gradients<'g>(
+        &'g self,
+        (stage, mb): (usize, usize),
+        metas: &[TensorMeta],
+        incoming: &mut Incoming<'g>,
+    ) -> Result<(), PipelineError> {
+        let tag = mb as u64;
+        for e in self
+            .flow
+            .outputs_of(stage)
+            .filter(|e| self.remote(e.from, e.to))
+        {
+            let g = self.group(e.from, e.to, Way::Gradients)?;
+            let floats = self.float_layers(&e.layers, metas);
+            if floats.is_empty() {
+                incoming.push((g, 1, tag, token(self.device)?, Arrival::Token));
+            }
+            for k in floats {
+                let buffer = metas[k].zeros()?;
+                incoming.push((g, 1, tag, buffer, Arrival::OutputGrad(stage, mb, k)));
+            }
+        }
+        Ok(())
     }
 
     fn missing(&self, action: &Action, why: &str) -> PipelineError {
