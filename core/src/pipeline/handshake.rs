@@ -1,7 +1,7 @@
 //! The per-step shape handshake between stages: producers announce the shapes and dtypes
 //! they will send on every cross-rank edge, consumers check them, before any activation moves.
 
-use super::dataflow::TensorMeta;
+use super::dataflow::{StageEdge, TensorMeta};
 use super::edges::{EdgeGroups, Way};
 use super::plan::PipelinePlan;
 use super::PipelineError;
@@ -56,30 +56,8 @@ pub(super) fn handshake(
         .iter()
         .filter(|e| plan.stage_ranks[e.from] != plan.stage_ranks[e.to])
         .collect();
-    let describe = |layers: &[usize], values: &[i64]| -> String {
-        layers
-            .iter()
-            .zip(values.chunks(META_SLOTS))
-            .map(|(k, s)| {
-                let dims: Vec<String> = s[2..2 + (s[0].max(0) as usize).min(META_SLOTS - 2)]
-                    .iter()
-                    .map(i64::to_string)
-                    .collect();
-                format!("layer {k}: dtype#{} [{}]", s[1], dims.join(", "))
-            })
-            .collect::<Vec<_>>()
-            .join("; ")
-    };
     // Two batches (grouped point-to-point: no send waits for a receive this rank posts
     // later, as NCCL's rendezvous requires): announcements out and in, then verdicts back.
-    let group = |e: &super::dataflow::StageEdge, way: Way| -> Result<_, PipelineError> {
-        groups.get(&(e.from, e.to, way)).ok_or_else(|| {
-            PipelineError::Execution(format!(
-                "rank {rank} has no channel for the edge from stage {} to stage {}",
-                e.from, e.to
-            ))
-        })
-    };
     let mut announced = Vec::new();
     let mut expected = Vec::new();
     for (n, e) in remote.iter().enumerate() {
@@ -98,26 +76,9 @@ pub(super) fn handshake(
             expected.push((*e, encoded, got));
         }
     }
-    let mut ops = Vec::new();
-    for (e, t) in &announced {
-        ops.push(P2pOp {
-            group: group(e, Way::Activations)?.as_ref(),
-            kind: P2pKind::Send,
-            tensor: t,
-            peer: 1,
-            tag: 0,
-        });
-    }
-    for (e, _, got) in &expected {
-        ops.push(P2pOp {
-            group: group(e, Way::Activations)?.as_ref(),
-            kind: P2pKind::Recv,
-            tensor: got,
-            peer: 0,
-            tag: 0,
-        });
-    }
-    batch_isend_irecv(&ops)?;
+    let sends = announced.iter().map(|(e, t)| (*e, t));
+    let receives = expected.iter().map(|(e, _, got)| (*e, got));
+    swap(groups, rank, Way::Activations, sends, receives)?;
 
     let mut failure = None;
     let mut verdicts_out = Vec::new();
@@ -132,8 +93,8 @@ pub(super) fn handshake(
             failure = Some(PipelineError::ShapeMismatch {
                 producer: e.from,
                 consumer: e.to,
-                announced: describe(&e.layers, &got),
-                expected: describe(&e.layers, expected),
+                announced: describe_metas(&e.layers, &got),
+                expected: describe_metas(&e.layers, expected),
             });
         }
     }
@@ -141,26 +102,9 @@ pub(super) fn handshake(
         .iter()
         .map(|(e, _)| Ok((*e, Tensor::f_zeros([1], (Kind::Int64, device))?)))
         .collect::<Result<_, PipelineError>>()?;
-    let mut ops = Vec::new();
-    for (e, t) in &verdicts_out {
-        ops.push(P2pOp {
-            group: group(e, Way::Gradients)?.as_ref(),
-            kind: P2pKind::Send,
-            tensor: t,
-            peer: 0,
-            tag: 1,
-        });
-    }
-    for (e, t) in &verdicts_in {
-        ops.push(P2pOp {
-            group: group(e, Way::Gradients)?.as_ref(),
-            kind: P2pKind::Recv,
-            tensor: t,
-            peer: 1,
-            tag: 1,
-        });
-    }
-    batch_isend_irecv(&ops)?;
+    let sends = verdicts_out.iter().map(|(e, t)| (*e, t));
+    let receives = verdicts_in.iter().map(|(e, t)| (*e, t));
+    swap(groups, rank, Way::Gradients, sends, receives)?;
     for (e, verdict) in &verdicts_in {
         if verdict.f_int64_value(&[0])? != 1 && failure.is_none() {
             failure = Some(PipelineError::ShapeMismatch {
@@ -175,4 +119,66 @@ pub(super) fn handshake(
         Some(e) => Err(e),
         None => Ok(()),
     }
+}
+
+/// Encoded shapes in words: `layer k: dtype#d [dims]` per layer.
+fn describe_metas(layers: &[usize], values: &[i64]) -> String {
+    layers
+        .iter()
+        .zip(values.chunks(META_SLOTS))
+        .map(|(k, s)| {
+            let dims: Vec<String> = s[2..2 + (s[0].max(0) as usize).min(META_SLOTS - 2)]
+                .iter()
+                .map(i64::to_string)
+                .collect();
+            format!("layer {k}: dtype#{} [{}]", s[1], dims.join(", "))
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// One grouped batch on the edges' `way` groups: `sends` to each edge's other end and
+/// `receives` from it. On an activations group the producer is peer 0 and the consumer
+/// peer 1; announcements go downstream (tag 0), verdicts come back upstream (tag 1).
+fn swap<'e>(
+    groups: &EdgeGroups,
+    rank: usize,
+    way: Way,
+    sends: impl Iterator<Item = (&'e StageEdge, &'e Tensor)>,
+    receives: impl Iterator<Item = (&'e StageEdge, &'e Tensor)>,
+) -> Result<(), PipelineError> {
+    let group = |e: &StageEdge| -> Result<_, PipelineError> {
+        groups.get(&(e.from, e.to, way)).ok_or_else(|| {
+            PipelineError::Execution(format!(
+                "rank {rank} has no channel for the edge from stage {} to stage {}",
+                e.from, e.to
+            ))
+        })
+    };
+    // Downstream (announcements): the producer sends to peer 1; upstream the other way.
+    let (to, from, tag) = match way {
+        Way::Activations => (1, 0, 0),
+        Way::Gradients => (0, 1, 1),
+    };
+    let mut ops = Vec::new();
+    for (e, tensor) in sends {
+        ops.push(P2pOp {
+            group: group(e)?.as_ref(),
+            kind: P2pKind::Send,
+            tensor,
+            peer: to,
+            tag,
+        });
+    }
+    for (e, tensor) in receives {
+        ops.push(P2pOp {
+            group: group(e)?.as_ref(),
+            kind: P2pKind::Recv,
+            tensor,
+            peer: from,
+            tag,
+        });
+    }
+    batch_isend_irecv(&ops)?;
+    Ok(())
 }
