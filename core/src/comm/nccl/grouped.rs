@@ -15,8 +15,9 @@ use super::group::NcclGroup;
 use crate::comm::flight::{self, OpState};
 use crate::comm::p2p::{P2pKind, P2pOp};
 use crate::comm::work::lock;
-use crate::comm::{CommError, OpKind, Work};
-use cudarc::nccl::sys::cudaStream_t;
+use crate::comm::{CommError, DType, OpKind, Work};
+use cudarc::driver::CudaEvent;
+use cudarc::nccl::sys::{cudaStream_t, ncclComm_t};
 use std::ffi::c_int;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -29,37 +30,9 @@ pub(crate) fn grouped_p2p(
     ops: &[P2pOp<'_>],
     groups: &[&NcclGroup],
 ) -> Result<Vec<(bool, Work)>, CommError> {
-    // The distinct groups, in a fixed order (by address) so two batches lock them alike.
-    let mut distinct: Vec<&NcclGroup> = Vec::new();
-    for g in groups {
-        if !distinct.iter().any(|d| std::ptr::eq(*d, *g)) {
-            distinct.push(g);
-        }
-    }
-    distinct.sort_by_key(|g| *g as *const NcclGroup as usize);
+    let distinct = distinct_groups(groups);
     let device = distinct[0].device;
-    let mut dtypes = Vec::with_capacity(ops.len());
-    for (op, g) in ops.iter().zip(groups) {
-        if g.device != device {
-            return Err(CommError::InvalidArgument(format!(
-                "a grouped send/receive batch spans cuda:{device} and cuda:{} (groups {} and \
-                 {}); one batch runs on one device",
-                g.device, distinct[0].shared.name, g.shared.name
-            )));
-        }
-        let what = match op.kind {
-            P2pKind::Send => "send destination",
-            P2pKind::Recv => "recv source",
-        };
-        g.check_peer(op.peer, what)?;
-        if op.peer == g.rank {
-            return Err(CommError::InvalidArgument(format!(
-                "{what} is this rank ({}) in group {}: NCCL never matches it; copy locally",
-                op.peer, g.shared.name
-            )));
-        }
-        dtypes.push(g.check_tensor(op.tensor, "tensor")?);
-    }
+    let dtypes = check_batch(ops, groups, &distinct)?;
     let synced = distinct[0]
         .shared
         .ctx
@@ -105,56 +78,8 @@ pub(crate) fn grouped_p2p(
             crate::comm::label::current(),
         ));
     }
-    let enqueued = (|| {
-        synced?; // the primary context is bound with it
-        let api = distinct[0].shared.api;
-        // SAFETY: plain NCCL call; every started group is ended below.
-        check(api, unsafe { (api.group_start)() }, None, "ncclGroupStart")?;
-        let mut first_error = Ok(());
-        for ((op, g), dtype) in ops.iter().zip(groups).zip(&dtypes) {
-            let comm = states[index_of(g)].comm.0;
-            let stream: cudaStream_t = g.shared.stream.cu_stream().cast();
-            let (ptr, count) = (op.tensor.data_ptr(), op.tensor.numel());
-            // SAFETY: dense CUDA buffers of `count` elements, kept alive by the works below
-            // until the kernels finished; peers are ranks of their groups (< size, fit c_int).
-            let rc = unsafe {
-                match op.kind {
-                    P2pKind::Send => (api.send)(
-                        ptr,
-                        count,
-                        nccl_dtype(*dtype),
-                        op.peer as c_int,
-                        comm,
-                        stream,
-                    ),
-                    P2pKind::Recv => (api.recv)(
-                        ptr,
-                        count,
-                        nccl_dtype(*dtype),
-                        op.peer as c_int,
-                        comm,
-                        stream,
-                    ),
-                }
-            };
-            if first_error.is_ok() {
-                first_error = check(api, rc, Some(comm), "ncclSend/ncclRecv (grouped)");
-            }
-        }
-        // A started group must be ended, even after a failed call inside it.
-        // SAFETY: ends the group started above.
-        let end = check(api, unsafe { (api.group_end)() }, None, "ncclGroupEnd");
-        first_error.and(end)?;
-        distinct
-            .iter()
-            .map(|g| {
-                g.shared
-                    .stream
-                    .record_event(None)
-                    .map_err(cuda_error("recording the completion event"))
-            })
-            .collect::<Result<Vec<_>, _>>()
-    })();
+    let comms: Vec<ncclComm_t> = groups.iter().map(|g| states[index_of(g)].comm.0).collect();
+    let enqueued = synced.and_then(|_| enqueue(ops, groups, &dtypes, &comms, &distinct));
     drop(states);
     let events = match enqueued {
         Ok(events) => events,
@@ -168,9 +93,110 @@ pub(crate) fn grouped_p2p(
     for id in &flight_ids {
         flight::update(*id, OpState::Started);
     }
-    // One work per group: it keeps that group's tensors alive and completes its operations'
-    // flight records (the first one carries the work; the others are marked with it).
-    let works = distinct
+    Ok(batch_works(ops, groups, &distinct, events, &flight_ids))
+}
+
+/// The distinct groups of a batch, in a fixed order (by address) so two batches lock them
+/// alike.
+fn distinct_groups<'g>(groups: &[&'g NcclGroup]) -> Vec<&'g NcclGroup> {
+    let mut distinct: Vec<&NcclGroup> = Vec::new();
+    for g in groups {
+        if !distinct.iter().any(|d| std::ptr::eq(*d, *g)) {
+            distinct.push(g);
+        }
+    }
+    distinct.sort_by_key(|g| *g as *const NcclGroup as usize);
+    distinct
+}
+
+/// Every operation checked before anything is issued (one device for the whole batch, a
+/// peer of its group other than this rank, a tensor the group takes): their dtypes.
+fn check_batch(
+    ops: &[P2pOp<'_>],
+    groups: &[&NcclGroup],
+    distinct: &[&NcclGroup],
+) -> Result<Vec<DType>, CommError> {
+    let device = distinct[0].device;
+    let mut dtypes = Vec::with_capacity(ops.len());
+    for (op, g) in ops.iter().zip(groups) {
+        if g.device != device {
+            return Err(CommError::InvalidArgument(format!(
+                "a grouped send/receive batch spans cuda:{device} and cuda:{} (groups {} and \
+                 {}); one batch runs on one device",
+                g.device, distinct[0].shared.name, g.shared.name
+            )));
+        }
+        let what = match op.kind {
+            P2pKind::Send => "send destination",
+            P2pKind::Recv => "recv source",
+        };
+        g.check_peer(op.peer, what)?;
+        if op.peer == g.rank {
+            return Err(CommError::InvalidArgument(format!(
+                "{what} is this rank ({}) in group {}: NCCL never matches it; copy locally",
+                op.peer, g.shared.name
+            )));
+        }
+        dtypes.push(g.check_tensor(op.tensor, "tensor")?);
+    }
+    Ok(dtypes)
+}
+
+/// Issues the batch as one NCCL group call (`comms[i]` the communicator of `ops[i]`'s group)
+/// and records one completion event per distinct group on its stream.
+fn enqueue(
+    ops: &[P2pOp<'_>],
+    groups: &[&NcclGroup],
+    dtypes: &[DType],
+    comms: &[ncclComm_t],
+    distinct: &[&NcclGroup],
+) -> Result<Vec<CudaEvent>, CommError> {
+    let api = distinct[0].shared.api;
+    // SAFETY: plain NCCL call; every started group is ended below.
+    check(api, unsafe { (api.group_start)() }, None, "ncclGroupStart")?;
+    let mut first_error = Ok(());
+    for (((op, g), dtype), &comm) in ops.iter().zip(groups).zip(dtypes).zip(comms) {
+        let stream: cudaStream_t = g.shared.stream.cu_stream().cast();
+        let (ptr, count) = (op.tensor.data_ptr(), op.tensor.numel());
+        let (dtype, peer) = (nccl_dtype(*dtype), op.peer as c_int);
+        // SAFETY: dense CUDA buffers of `count` elements, kept alive by the works below
+        // until the kernels finished; peers are ranks of their groups (< size, fit c_int).
+        let rc = unsafe {
+            match op.kind {
+                P2pKind::Send => (api.send)(ptr, count, dtype, peer, comm, stream),
+                P2pKind::Recv => (api.recv)(ptr, count, dtype, peer, comm, stream),
+            }
+        };
+        if first_error.is_ok() {
+            first_error = check(api, rc, Some(comm), "ncclSend/ncclRecv (grouped)");
+        }
+    }
+    // A started group must be ended, even after a failed call inside it.
+    // SAFETY: ends the group started above.
+    let end = check(api, unsafe { (api.group_end)() }, None, "ncclGroupEnd");
+    first_error.and(end)?;
+    distinct
+        .iter()
+        .map(|g| {
+            g.shared
+                .stream
+                .record_event(None)
+                .map_err(cuda_error("recording the completion event"))
+        })
+        .collect()
+}
+
+/// One work per group: it keeps that group's tensors alive and completes its operations'
+/// flight records (the first one carries the work; the others are marked with it), with
+/// whether that group's share receives anything.
+fn batch_works(
+    ops: &[P2pOp<'_>],
+    groups: &[&NcclGroup],
+    distinct: &[&NcclGroup],
+    events: Vec<CudaEvent>,
+    flight_ids: &[u64],
+) -> Vec<(bool, Work)> {
+    distinct
         .iter()
         .zip(events)
         .map(|(g, event)| {
@@ -198,6 +224,5 @@ pub(crate) fn grouped_p2p(
             let receives = mine.iter().any(|&i| ops[i].kind == P2pKind::Recv);
             (receives, Work::new(Arc::new(work)))
         })
-        .collect();
-    Ok(works)
+        .collect()
 }
