@@ -1,5 +1,6 @@
 //! The failures each family of parallelisms shares, declared once. DDP's and FSDP's error
-//! enums start with the wrappers' (the `wrapper_error` macro, a declared shape); tensor,
+//! enums start with the wrappers' (the `wrapper_error` macro of `core/src/wrapper_error.rs`, a
+//! declared shape, in a module of its own so the wrappers' options need nothing here); tensor,
 //! expert and pipeline parallelism's hold the model-splitting ones as one boxed variant,
 //! [`SplitFailure`] (`Failed`), converted into by the `split_failure_from` macro. Each then adds its own mistakes, so
 //! a family's errors read alike and a new member's takes the same shape by construction.
@@ -9,35 +10,6 @@ use crate::comm::CommError;
 use crate::fsdp::FsdpError;
 use crate::train::TrainError;
 use lockstep_models::ModelError;
-
-/// Declares a wrapper's error enum: a failed collective, autograd bridge call, training
-/// loop, libtorch call or mixed-precision policy, then the variants given (each with its
-/// docs and `#[error]`).
-macro_rules! wrapper_error {
-    ($(#[$meta:meta])* $vis:vis enum $name:ident { $($own:tt)* }) => {
-        $(#[$meta])*
-        #[derive(Debug, thiserror::Error)]
-        $vis enum $name {
-            /// A collective failed.
-            #[error(transparent)]
-            Comm(#[from] $crate::comm::CommError),
-            /// The autograd bridge failed: registering or running a hook, freeing or
-            /// refilling storage, setting a gradient.
-            #[error(transparent)]
-            Autograd(#[from] $crate::autograd::AutogradError),
-            /// The training loop failed.
-            #[error(transparent)]
-            Train(#[from] $crate::train::TrainError),
-            /// A libtorch call failed.
-            #[error("libtorch: {0}")]
-            Torch(#[from] tch::TchError),
-            /// The mixed-precision policy is invalid or cannot be applied to this model.
-            #[error(transparent)]
-            Precision(#[from] $crate::precision::PrecisionError),
-            $($own)*
-        }
-    };
-}
 
 /// What any model-splitting run (tensor, expert or pipeline parallelism) can fail with
 /// besides its own mistakes.
@@ -89,4 +61,4 @@ macro_rules! split_failure_from {
     };
 }
 
-pub(crate) use {split_failure_from, wrapper_error};
+pub(crate) use split_failure_from;

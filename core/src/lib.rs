@@ -27,6 +27,7 @@ pub mod record;
 pub mod replica;
 pub mod tensor_parallel;
 pub mod train;
+mod wrapper_error;
 
 pub use autograd::AutogradError;
 pub use comm::CommError;

@@ -2,8 +2,8 @@
 //! hook, mixed precision), the bugs it can plant on purpose, and its error type.
 
 use crate::comm::{CommError, DeviceMesh, ProcessGroup, ReduceOp};
-use crate::failure::wrapper_error;
 use crate::precision::MixedPrecision;
+use crate::wrapper_error::wrapper_error;
 use std::collections::HashSet;
 use std::sync::Arc;
 use tch::{Kind, Tensor};

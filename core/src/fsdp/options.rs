@@ -2,8 +2,8 @@
 //! the bugs it can plant on purpose, its collective tally and its error type.
 
 use super::WrapPolicy;
-use crate::failure::wrapper_error;
 use crate::precision::MixedPrecision;
+use crate::wrapper_error::wrapper_error;
 use lockstep_models::Misshaped;
 
 wrapper_error! {
