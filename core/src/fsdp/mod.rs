@@ -61,6 +61,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tch::{Device, Tensor};
 
 mod core;
+mod error;
 mod hooks;
 mod options;
 mod state;
@@ -72,9 +73,8 @@ use self::core::{Core, Gather};
 use hooks::register_post_backward;
 use unit::{Residency, Slot, Unit};
 
-pub use options::{
-    BackwardPrefetch, FsdpCallCounts, FsdpError, FsdpFault, FsdpOptions, ShardingStrategy,
-};
+pub use error::FsdpError;
+pub use options::{BackwardPrefetch, FsdpCallCounts, FsdpFault, FsdpOptions, ShardingStrategy};
 pub use state::{ShardedLayout, ShardedParamMeta, ShardedStateDict, ShardedUnitMeta};
 pub use step::{hybrid_mesh, train_fsdp, train_fsdp_hybrid};
 pub use wrap::WrapPolicy;

@@ -15,6 +15,7 @@
 
 pub mod dataflow;
 mod edges;
+mod error;
 mod executor;
 mod groups;
 mod handshake;
@@ -30,7 +31,8 @@ pub mod stage_parallel;
 mod strategy;
 pub mod trace;
 
-pub use options::{PipelineError, PipelineFault, PipelineOptions, ScheduleChoice};
+pub use error::PipelineError;
+pub use options::{PipelineFault, PipelineOptions, ScheduleChoice};
 pub use partition::PartitionMethod;
 pub use plan::{plan_pipeline, PipelinePlan};
 pub use reference::{microbatched_reference, teacher_forced_microbatched};

@@ -4,8 +4,9 @@
 //! which ranks hold each parameter. Every rank derives the same plan from the same inputs.
 
 use super::dataflow::{probe, Dataflow, StageFlow};
+use super::error::PipelineError;
 use super::microbatch;
-use super::options::{PipelineError, PipelineOptions, ScheduleChoice};
+use super::options::{PipelineOptions, ScheduleChoice};
 use super::partition::{param_counts, partition_layers};
 use super::schedule::{self, Costs, Schedule, Simulation};
 use lockstep_models::{LayerSpec, Model, ParamTags};
