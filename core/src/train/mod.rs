@@ -10,6 +10,7 @@
 mod forced;
 mod optim;
 mod strategy;
+mod update;
 
 use crate::autograd::AutogradError;
 use crate::comm::{CommError, ProcessGroup, ReduceOp};
@@ -80,10 +81,8 @@ impl TrainError {
 
 pub use forced::{teacher_forced, teacher_forced_reference};
 pub use optim::{Adam, Optimizer, OptimizerConfig, Sgd, MOMENTUM_SUFFIX};
-pub use strategy::{
-    clip_coefficient, no_sync, observe_replicated, observe_stepped, scale_gradients, GradSync,
-    GradientView, StepHooks, StepLoss,
-};
+pub use strategy::{no_sync, observe_replicated, GradSync, GradientView, StepHooks, StepLoss};
+pub use update::{clip_coefficient, observe_stepped, scale_gradients};
 
 /// How one process trains.
 #[derive(Clone, Debug)]

@@ -8,6 +8,7 @@
 //! replicating wrapper (DDP) needs.
 
 use super::optim::Optimizer;
+use super::update::{clip_coefficient, observe_stepped, scale_gradients};
 use super::{global_mean, grad_norm, gradients, mean_loss, TrainError};
 use crate::comm::ProcessGroup;
 use crate::compose::data::{DataLayer, SplitState};
@@ -326,28 +327,6 @@ pub trait StepHooks {
     }
 }
 
-/// The factor gradient clipping at `max_norm` scales gradients by when their global norm is
-/// `total`: `max_norm / (total + 1e-6)` rounded to fp32 (PyTorch's `clip_grad_norm_` computes
-/// it as an fp32 tensor), or `None` when it is not below 1 and nothing is clipped.
-pub fn clip_coefficient(max_norm: f64, total: f64) -> Option<f64> {
-    let coef = f64::from((max_norm / (total + 1e-6)) as f32);
-    (coef < 1.0).then_some(coef)
-}
-
-/// Multiplies every defined tensor of `grads` in place by `coef` (nothing for `None`).
-pub fn scale_gradients<'a>(
-    grads: impl IntoIterator<Item = &'a Tensor>,
-    coef: Option<f64>,
-) -> Result<(), TrainError> {
-    let Some(coef) = coef else {
-        return Ok(());
-    };
-    for g in grads.into_iter().filter(|g| g.defined()) {
-        let _ = g.shallow_clone().f_mul_scalar_(coef)?;
-    }
-    Ok(())
-}
-
 /// [`StepHooks::observe_state`] for replicated parameters: each under the empty coordinate,
 /// the `rank_local` ones under this rank's, with the optimizer's state (when it exports one)
 /// under its parameter's.
@@ -380,23 +359,5 @@ where
 
 /// The closure for runs that synchronize nothing (one process, or rank-local training).
 pub fn no_sync(_grads: &[(String, Tensor)]) -> Result<(), TrainError> {
-    Ok(())
-}
-
-/// Records what an optimizer just stepped, `stepped`, and the optimizer's state (when it
-/// exports one), each under the coordinate `coord` gives its (owner's) name: what every loop
-/// does after its update.
-pub fn observe_stepped(
-    probe: &StateProbe,
-    step: usize,
-    stepped: &[(String, Tensor)],
-    optimizer: &dyn Optimizer,
-    coord: &dyn Fn(&str) -> String,
-) -> Result<(), crate::CommError> {
-    probe.observe_all(step, StateKind::Param, stepped, coord)?;
-    // An optimizer that cannot export its state has none to compare.
-    if let Ok(state) = optimizer.state() {
-        probe.observe_optimizer(step, &state, stepped, coord)?;
-    }
     Ok(())
 }
