@@ -640,7 +640,7 @@ impl<'a, 'w> Arbitration<'a, 'w> {
                 "the reference routed tokens by top-k, its closest decision a probability gap \
                  of {}: if that is within the run's distance to float64, the run may have \
                  chosen another expert there (a near-tie flipped, not rounding drift)",
-                crate::report::fmt_num(gap)
+                super::fmt_num(gap)
             )
         });
         let measured = Measured {

@@ -3,10 +3,11 @@
 //! it first went wrong), shared by the tolerance and the fp64 arbiter paths.
 
 use super::envelope::{ArbiterSummary, EnvelopePoint, StepEnvelope};
+use super::fmt_num;
 use super::tolerance::{Mode, Quantity};
-use crate::report::{fmt_num, num};
 use lockstep_core::comm::DType;
 use lockstep_core::consistency::CrossRankCheck;
+use lockstep_core::num;
 use lockstep_core::record::{MemoryStats, RunSpec};
 use serde::{Deserialize, Serialize};
 use std::fmt;

@@ -2,7 +2,7 @@
 //! quantity and per step. Data only, read by the comparison that carries it and written by
 //! the arbiter that measures it.
 
-use crate::report::num;
+use lockstep_core::num;
 use serde::{Deserialize, Serialize};
 
 /// The arbiter's two global constants.

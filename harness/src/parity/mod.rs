@@ -72,3 +72,17 @@ pub enum ParityError {
         atol: f64,
     },
 }
+
+/// Formats a number for people: `0`, `NaN`, `inf`, or three significant digits (the
+/// comparisons' words and the reports' cells alike).
+pub(crate) fn fmt_num(x: f64) -> String {
+    if x == 0.0 {
+        "0".into()
+    } else if x.is_nan() {
+        "NaN".into()
+    } else if x.is_infinite() {
+        if x > 0.0 { "inf" } else { "-inf" }.into()
+    } else {
+        format!("{x:.3e}")
+    }
+}

@@ -13,6 +13,7 @@ mod json;
 mod junit;
 mod markdown;
 mod tensors;
+pub(crate) use crate::parity::fmt_num;
 pub use lockstep_core::num;
 
 pub use atomic::write_atomic;
@@ -503,19 +504,6 @@ pub(crate) fn split_world(config: &str) -> (&str, usize) {
             Err(_) => (config, 0),
         },
         None => (config, 0),
-    }
-}
-
-/// Formats a number for people: `0`, `NaN`, `inf`, or three significant digits.
-pub(crate) fn fmt_num(x: f64) -> String {
-    if x == 0.0 {
-        "0".into()
-    } else if x.is_nan() {
-        "NaN".into()
-    } else if x.is_infinite() {
-        if x > 0.0 { "inf" } else { "-inf" }.into()
-    } else {
-        format!("{x:.3e}")
     }
 }
 
