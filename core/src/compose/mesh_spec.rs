@@ -10,7 +10,8 @@
 //! The data dimension follows torchtitan: `dp_shard` > 1 (or the rest) shards parameters
 //! (FSDP), `dp_replicate` > 1 replicates them (DDP), both is HSDP.
 
-use super::plan::{Composition, DataParallel};
+use super::data_parallel::DataParallel;
+use super::plan::Composition;
 use crate::pipeline::ScheduleKind;
 use std::fmt;
 use std::str::FromStr;

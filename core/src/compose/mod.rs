@@ -17,10 +17,12 @@
 //! (`pp=2,dp_shard=2,cp=2,tp=2`), turned into the composition that trains it.
 
 pub mod data;
+mod data_parallel;
 mod mesh_spec;
 mod plan;
 mod run;
 
+pub use data_parallel::{DataParallel, HybridMeshError};
 pub use mesh_spec::{MeshError, MeshSpec, MESH_DIMENSIONS};
-pub use plan::{check_composition, Composition, CompositionError, DataParallel, SeamFault};
+pub use plan::{check_composition, Composition, CompositionError, SeamFault};
 pub use run::{train_composed, ComposedFault};
