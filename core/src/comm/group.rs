@@ -20,11 +20,12 @@ pub trait ProcessGroup: Send + Sync {
     fn global_ranks(&self) -> &[usize];
     /// The backend's name (`cpu`, `nccl`).
     fn backend(&self) -> &'static str;
-    /// The NCCL group this is, so that operations on several NCCL groups can be issued as
-    /// one NCCL group call ([`crate::comm::p2p::batch_isend_irecv`]). `None` for every other
-    /// group, wrappers included (they then see each operation through their own methods).
-    #[cfg(feature = "nccl")]
-    fn as_nccl(&self) -> Option<&crate::comm::nccl::NcclGroup> {
+    /// The backend's own group this is, for a backend that issues operations on several of
+    /// its groups as one call (NCCL's grouped point-to-point,
+    /// [`crate::comm::p2p::batch_isend_irecv`], downcasts it to its group). `None` for every
+    /// other group, wrappers included (they then see each operation through their own
+    /// methods). Typed as `Any` so this trait names no backend.
+    fn backend_group(&self) -> Option<&dyn std::any::Any> {
         None
     }
 

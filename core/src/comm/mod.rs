@@ -40,6 +40,7 @@ mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod p2p;
+mod p2p_op;
 mod store;
 mod types;
 pub(crate) mod work;

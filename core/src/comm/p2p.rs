@@ -8,31 +8,9 @@
 //! send meet its receive whatever the order inside the batch. The CPU backend proves code free
 //! of that hang in its rendezvous mode ([`crate::comm::PointToPoint::Rendezvous`]).
 
-use crate::comm::{CommError, ProcessGroup, Work};
-use tch::Tensor;
+use crate::comm::{CommError, Work};
 
-/// Which half of a point-to-point transfer an operation is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum P2pKind {
-    /// Sends the tensor to the peer.
-    Send,
-    /// Receives into the tensor from the peer.
-    Recv,
-}
-
-/// One send or receive of a batch.
-pub struct P2pOp<'a> {
-    /// The group the peer is named in.
-    pub group: &'a dyn ProcessGroup,
-    /// Send or receive.
-    pub kind: P2pKind,
-    /// What is sent, or where the received bytes go.
-    pub tensor: &'a Tensor,
-    /// The peer's rank in `group`.
-    pub peer: usize,
-    /// Matched against the peer's tag by backends that have tags.
-    pub tag: u64,
-}
+pub use super::p2p_op::{P2pKind, P2pOp};
 
 /// A posted batch: what must finish before received tensors are read, and the sends, which
 /// a caller may leave running (their bytes are the backend's) and wait for later.
@@ -61,7 +39,14 @@ pub fn post_batch(ops: &[P2pOp<'_>]) -> Result<Posted, CommError> {
     }
     #[cfg(feature = "nccl")]
     {
-        let nccl: Option<Vec<_>> = ops.iter().map(|op| op.group.as_nccl()).collect();
+        let nccl: Option<Vec<_>> = ops
+            .iter()
+            .map(|op| {
+                op.group
+                    .backend_group()
+                    .and_then(|g| g.downcast_ref::<crate::comm::nccl::NcclGroup>())
+            })
+            .collect();
         if let Some(groups) = nccl {
             for (receives, work) in crate::comm::nccl::grouped_p2p(ops, &groups)? {
                 if receives {

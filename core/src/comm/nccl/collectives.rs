@@ -171,7 +171,7 @@ impl ProcessGroup for NcclGroup {
         &self.shared.name
     }
 
-    fn as_nccl(&self) -> Option<&NcclGroup> {
+    fn backend_group(&self) -> Option<&dyn std::any::Any> {
         Some(self)
     }
 
