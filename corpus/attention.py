@@ -12,6 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from common import part, sgd
+from common import token_loss as loss_fn
+
 FEATURES, WIDTH, CLASSES, SEQUENCE, ROWS = 6, 8, 5, 8, 2
 
 
@@ -62,26 +65,11 @@ class Attention(nn.Module):
         return self.head(h + self.out(weights @ v))
 
 
-def loss_fn(model, x, y):
-    """The mean token loss over the (whole or partial) sequences of `x`."""
-    return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-
-
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.3)
-
-
 def batch(step):
     """The step's sequences, the same on every rank of a context-parallel group."""
     g = torch.Generator().manual_seed(900 + step)
     return (torch.randn(ROWS, SEQUENCE, FEATURES, generator=g),
             torch.randint(CLASSES, (ROWS, SEQUENCE), generator=g))
-
-
-def part(t, rank, ranks):
-    """This rank's contiguous part of every sequence of `t` (dimension 1)."""
-    size = t.shape[1] // ranks
-    return t[:, rank * size:(rank + 1) * size]
 
 
 def train_cp(out, config, gather=True, sum_grads=True, report=None):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 import lockstep_probe  # noqa: E402,F401  (the cases import it from here)
@@ -56,6 +57,27 @@ def train_same_batch(out, model, loss_fn, optimizer, name, config, classes=4,
             before_step(step)
         opt.step()
     rec.finish()
+
+
+def sgd(params, lr=0.3):
+    """The cases' optimizer: plain SGD, at 0.3 unless a case needs another rate."""
+    return torch.optim.SGD(params, lr=lr)
+
+
+def class_loss(model, x, y):
+    """The cross-entropy of the model's class logits for `x` against `y`."""
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def token_loss(model, x, y):
+    """The mean token loss over the (whole or partial) sequences of `x`."""
+    return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def part(t, rank, ranks):
+    """This rank's contiguous part of every sequence of `t` (dimension 1)."""
+    size = t.shape[1] // ranks
+    return t[:, rank * size:(rank + 1) * size]
 
 
 def mean_over(group, tensor):

@@ -10,8 +10,9 @@ again multiplies it by the TP size. `--bug` adds that second sum. Written with D
 
 import torch.distributed as dist
 
-from common import main
-from tp_sp import build, loss_fn, sgd, train_tp_sp
+from common import main, sgd
+from common import token_loss as loss_fn
+from tp_sp import build, train_tp_sp
 
 WORLD = 2
 EXPECT_STEP = 0  # the step the judge first sees the bug at

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import main, start, train_same_batch
+from common import main, sgd, start, train_same_batch
+from common import class_loss as loss_fn
 
 WORLD = 2
 EXPECT_STEP = 1  # clipping follows the record of step 0: its update shows at step 1
@@ -53,14 +54,6 @@ def build():
     with torch.no_grad():
         model[1].weight.copy_(torch.tensor([0.0, 0.0]))
     return model
-
-
-def loss_fn(model, x, y):
-    return nn.functional.cross_entropy(model(x), y)
-
-
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.3)
 
 
 def megatron_norm(model, tp_rank, sink_marked):

@@ -49,7 +49,3 @@ def reference_loss(world):
     def loss_fn(model, x, y):
         return summed_loss(model, x, y) * world / total
     return loss_fn
-
-
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.3)

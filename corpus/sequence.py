@@ -12,6 +12,9 @@ so the weights' gradients are averaged over the group."""
 import torch
 from torch import nn
 
+from common import part, sgd
+from common import token_loss as loss_fn
+
 FEATURES, CLASSES, SEQUENCE, ROWS = 8, 5, 8, 2
 
 
@@ -21,27 +24,11 @@ def build():
                          nn.Linear(16, CLASSES))
 
 
-def loss_fn(model, x, y):
-    """The mean token loss over the (whole or partial) sequences of `x`."""
-    logits = model(x)
-    return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
-
-
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.3)
-
-
 def batch(step):
     """The step's sequences, the same on every rank of a sequence-parallel group."""
     g = torch.Generator().manual_seed(500 + step)
     return (torch.randn(ROWS, SEQUENCE, FEATURES, generator=g),
             torch.randint(CLASSES, (ROWS, SEQUENCE), generator=g))
-
-
-def part(t, rank, ranks):
-    """This rank's contiguous part of every sequence of `t` (dimension 1)."""
-    size = t.shape[1] // ranks
-    return t[:, rank * size:(rank + 1) * size]
 
 
 def train_sp(out, config, sync, after_step=None):

@@ -12,8 +12,8 @@ holds 6, so rank 1's tokens weigh one and a half times rank 0's.
 import torch
 import torch.distributed as dist
 
-from common import STEPS, lockstep_probe, main, start
-from padded import batch, build, reference_loss, sgd, summed_loss, valid
+from common import STEPS, lockstep_probe, main, sgd, start
+from padded import batch, build, reference_loss, summed_loss, valid
 
 WORLD = 2
 EXPECT_STEP = 0  # the step the judge first sees the bug at

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from common import STEPS, lockstep_probe, main, mean_over, start
+from common import token_loss as loss_fn
 
 WORLD = 2
 EXPECT_STEP = 1  # the step the judge first sees the bug at
@@ -60,10 +61,6 @@ def update_bias(model, group=None, local_only=False):
     with torch.no_grad():
         model.expert_bias += BIAS_RATE * torch.sign(counts.mean() - counts)
         model.tokens_per_expert.zero_()
-
-
-def loss_fn(model, x, y):
-    return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
 def sgd(params):

@@ -11,7 +11,8 @@ the bug lives in the data path, not in attention.
 import torch
 from torch import nn
 
-from common import STEPS, lockstep_probe, main, mean_over, start
+from common import STEPS, lockstep_probe, main, mean_over, sgd, start
+from common import token_loss as loss_fn
 
 WORLD = 2
 EXPECT_STEP = 0  # the step the judge first sees the bug at
@@ -22,14 +23,6 @@ def build():
     torch.manual_seed(29)
     return nn.Sequential(nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, WIDTH), nn.GELU(),
                          nn.Linear(WIDTH, VOCAB))
-
-
-def loss_fn(model, inputs, labels):
-    return nn.functional.cross_entropy(model(inputs).flatten(0, 1), labels.flatten())
-
-
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.3)
 
 
 def tokens(step):

@@ -8,6 +8,9 @@ a partial sum that must be summed over the tensor-parallel ranks, once: DTensor'
 import torch
 from torch import nn
 
+from common import sgd
+from common import token_loss as loss_fn
+
 FEATURES, CLASSES, SEQUENCE, ROWS = 8, 5, 4, 2
 
 
@@ -15,14 +18,6 @@ def build():
     torch.manual_seed(37)
     return nn.Sequential(nn.LayerNorm(FEATURES), nn.Linear(FEATURES, 16), nn.Tanh(),
                          nn.Linear(16, CLASSES))
-
-
-def loss_fn(model, x, y):
-    return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-
-
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.3)
 
 
 def batch(step):

@@ -9,8 +9,8 @@ averaging over two ranks, each rank holding the same valid tokens in all (so the
 average to the token mean).
 """
 
-from common import STEPS, lockstep_probe, main, mean_over, start
-from padded import PADDED, batch, build, sgd, summed_loss, valid
+from common import STEPS, lockstep_probe, main, mean_over, sgd, start
+from padded import PADDED, batch, build, summed_loss, valid
 
 WORLD = 2
 EXPECT_STEP = 0  # the step the judge first sees the bug at
