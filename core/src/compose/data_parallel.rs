@@ -5,7 +5,7 @@
 /// A hybrid data dimension whose ranks do not split into its replicas.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "mesh: hybrid sharding needs {replicas} replicas (dp_replicate) of equal shard groups \
+    "hybrid sharding needs {replicas} replicas (dp_replicate) of equal shard groups \
      (dp_shard), but the data dimension has {data} ranks"
 )]
 pub struct HybridMeshError {

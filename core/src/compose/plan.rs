@@ -112,9 +112,7 @@ pub enum CompositionError {
 
 impl From<HybridMeshError> for CompositionError {
     fn from(e: HybridMeshError) -> Self {
-        // The error words its own `mesh:` prefix, as this variant does.
-        let text = e.to_string();
-        CompositionError::Mesh(text.strip_prefix("mesh: ").unwrap_or(&text).to_owned())
+        CompositionError::Mesh(e.to_string())
     }
 }
 
